@@ -1,0 +1,1 @@
+"""LoongSage algorithms: pure tensor functions, registered by :mod:`loongsage.algos.plugin`."""

@@ -1,0 +1,54 @@
+"""What the core itself registers: the embedded default backends, the single-turn agent, the sync
+scheduler, the file reader and the tiny arithmetic task, the trackers."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from loongsage.core.data import FileReader
+from loongsage.core.embedded.arith import ArithmeticTask
+from loongsage.core.embedded.engine import NativeEngine
+from loongsage.core.embedded.trainer import TorchTrainer
+from loongsage.core.embedded.transport import CpuTransport
+from loongsage.core.embedded.warmstart import WarmStartParams, cached_warm_start
+from loongsage.core.hookspecs import Factories, hookimpl
+from loongsage.core.rollout import SingleTurnAgent, SyncScheduler
+from loongsage.core.tracking import JsonlTracker, TensorboardTracker
+
+
+@dataclass
+class TinyArithModel(WarmStartParams):
+    """Model builder: the tiny Qwen3 and tokenizer with an SFT warm start, cached by its params."""
+
+    kind = "model_builder"
+
+    def build(self) -> Path:
+        return cached_warm_start(WarmStartParams(**asdict(self)))
+
+
+@hookimpl
+def loongsage_agents() -> Factories:
+    return {"single_turn": SingleTurnAgent}
+
+
+@hookimpl
+def loongsage_data_sources() -> Factories:
+    return {"file": FileReader, "arith": ArithmeticTask}
+
+
+@hookimpl
+def loongsage_rollout_schedulers() -> Factories:
+    return {"sync": SyncScheduler}
+
+
+@hookimpl
+def loongsage_backends() -> Factories:
+    return {
+        "torch": TorchTrainer,
+        "native": NativeEngine,
+        "cpu": CpuTransport,
+        "jsonl": JsonlTracker,
+        "tensorboard": TensorboardTracker,
+        "tiny_arith": TinyArithModel,
+    }

@@ -1,0 +1,320 @@
+"""The config tree, how recipes are found and composed (Hydra), and validation before any actor.
+
+A recipe is a small YAML over these defaults. ``load_config`` composes it with command-line
+overrides, then ``validate`` checks every key, every plugin's ``params`` against the plugin's own
+signature, and cross-field rules, raising :class:`ConfigError` with one line naming the key path
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from loongsage.core.aggregation import AGGREGATION_MODES
+from loongsage.core.schema import build_dataclass
+from loongsage.core.types import ConfigError, SamplingParams
+
+Spec = dict[str, Any]  # {name: ..., params: {...}}
+
+# Short forms accepted on the command line: `colocate=false`, `resume=true`.
+OVERRIDE_ALIASES = {"colocate": "placement.colocate", "resume": "checkpoint.resume"}
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    seed: int = 0
+    total_steps: int = 10
+    output_dir: str = "runs"  # outputs go to <output_dir>/<name>/
+    log_dir: str = "log"
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps={self.total_steps}: must be >= 1")
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # local HF folder
+    builder: Spec | None = None  # a model_builder backend that makes the folder offline (cached)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    fp32_lm_head: bool = True
+
+
+@dataclass
+class DataSourceConfig:
+    name: str
+    reader: Spec
+    prompts_per_step: int = 8  # B_i
+    samples_per_prompt: int = 8  # N_i
+    agent: Spec = field(default_factory=lambda: {"name": "single_turn"})
+    reward: Spec = field(default_factory=lambda: {"name": "exact_match"})
+    eval_reader: Spec | None = None
+    teacher: Spec | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except n
+    on_bad_row: Literal["skip", "error"] = "skip"
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step={self.prompts_per_step}: must be >= 1")
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: must be >= 1")
+
+
+@dataclass
+class RolloutConfig:
+    engine: Spec = field(default_factory=lambda: {"name": "native"})
+    num_engines: int = 1
+    scheduler: Spec = field(default_factory=lambda: {"name": "sync"})
+    transport: Spec = field(default_factory=lambda: {"name": "cpu"})  # weight push trainer -> engines
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ValueError(f"num_engines={self.num_engines}: must be >= 1")
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Spec = field(default_factory=lambda: {"name": "grpo"})
+    policy_loss: Spec = field(default_factory=lambda: {"name": "ppo_clip"})
+    kl: Spec | None = None
+    kl_coef: float = 0.0
+    corrections: list[Spec] = field(default_factory=list)
+    filters: list[Spec] = field(default_factory=list)
+    aggregation: str = "token-mean"
+    aggregation_constant: float | None = None  # C of seq-mean-token-sum-norm
+
+    def __post_init__(self) -> None:
+        if self.aggregation not in AGGREGATION_MODES:
+            raise ValueError(f"aggregation={self.aggregation!r}; allowed: {', '.join(AGGREGATION_MODES)}")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr}: must be > 0")
+
+
+@dataclass
+class TrainerConfig:
+    backend: Spec = field(default_factory=lambda: {"name": "torch"})
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    micro_batch_tokens: int = 8192  # token budget of one micro-batch (padded length x rows)
+    mini_batches_per_step: int = 1
+    world_size: int = 1  # data-parallel ranks (FSDP2; gloo on CPU)
+
+    def __post_init__(self) -> None:
+        for key in ("micro_batch_tokens", "mini_batches_per_step", "world_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")
+
+
+@dataclass
+class PlacementConfig:
+    colocate: bool = True
+    cpus_per_actor: float = 1.0
+    gpus_per_actor: float = 0.0
+    num_cpus: int | None = None  # Ray's num_cpus when this run starts Ray itself
+    torch_threads: int = 0  # intra-op threads per actor; 0 = every core (sync steps never overlap)
+
+
+@dataclass
+class TrackingConfig:
+    backends: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    progress: bool = True
+
+
+@dataclass
+class EvaluationConfig:
+    every_steps: int = 0  # 0 = only at start and end
+    pass_k: int = 0  # also measure pass@k with k samples at the source's temperature (0 = off)
+    max_prompts: int = 256
+    success_threshold: float = 1.0  # a response with reward >= this counts as correct
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 0  # 0 = only at the end
+    resume: bool = False
+    keep_last: int = 2
+    export_hf: bool = True
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data_sources: list[DataSourceConfig] = field(default_factory=list)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plugins: list[str] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.output_dir) / self.run.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def sampling_for(self, source: DataSourceConfig) -> SamplingParams:
+        return SamplingParams(**{**source.sampling, "n": source.samples_per_prompt})
+
+
+# ----------------------------------------------------------------------------- finding recipes
+def packaged_recipe_dir() -> Path:
+    return Path(str(importlib.resources.files("loongsage.core") / "recipes"))
+
+
+def recipe_search_path(config_dir: str | None = None) -> list[Path]:
+    dirs = [Path.cwd() / "recipes"]
+    if config_dir:
+        dirs.insert(0, Path(config_dir))
+    dirs.append(packaged_recipe_dir())
+    return dirs
+
+
+def find_recipe(name: str, config_dir: str | None = None) -> Path:
+    """Resolve ``tiny/grpo_arith_cpu`` (or a path to a YAML file) to a file."""
+    direct = Path(name)
+    if direct.suffix in (".yaml", ".yml") and direct.is_file():
+        return direct.resolve()
+    stem = name[:-5] if name.endswith(".yaml") else name
+    searched = recipe_search_path(config_dir)
+    for base in searched:
+        candidate = base / f"{stem}.yaml"
+        if candidate.is_file():
+            return candidate.resolve()
+    raise ConfigError(
+        f"recipe {name!r} not found; looked in: {', '.join(str(d) for d in searched)}; "
+        f"known: {', '.join(list_recipes(config_dir)) or '(none)'}"
+    )
+
+
+def list_recipes(config_dir: str | None = None) -> list[str]:
+    names: set[str] = set()
+    for base in recipe_search_path(config_dir):
+        if base.is_dir():
+            names.update(str(p.relative_to(base).with_suffix("")) for p in base.rglob("*.yaml"))
+    return sorted(names)
+
+
+# ----------------------------------------------------------------------------- compose + validate
+def _expand_aliases(overrides: list[str]) -> list[str]:
+    out = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        prefix = "".join(c for c in key if c in "+~")
+        bare = key[len(prefix):]
+        if sep and bare in OVERRIDE_ALIASES:
+            item = f"{prefix}{OVERRIDE_ALIASES[bare]}={value}"
+        out.append(f"++{item}" if sep and not prefix else item)  # set or add; validate() names unknown keys
+    return out
+
+
+def compose(recipe: Path, overrides: list[str]) -> dict[str, Any]:
+    """Compose ``recipe`` with Hydra overrides into a plain dict (no validation yet)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        with initialize_config_dir(config_dir=str(recipe.parent), version_base=None):
+            cfg = hydra_compose(config_name=recipe.stem, overrides=_expand_aliases(overrides))
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except (HydraException, OmegaConfBaseException) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ConfigError(f"{recipe.name}: {first}") from None
+
+
+def validate(raw: dict[str, Any], registry: Any) -> Config:
+    """Build the typed config and check every plugin spec; raise ConfigError (one line) if bad."""
+    cfg: Config = build_dataclass(Config, raw, "config")
+    if not cfg.data_sources:
+        raise ConfigError("data_sources: at least one data source is required")
+    names = [s.name for s in cfg.data_sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"data_sources: names must be unique, got {names}")
+    if cfg.model.path is None and cfg.model.builder is None:
+        raise ConfigError("model: set model.path (a local HF folder) or model.builder")
+    if cfg.model.builder is not None:
+        registry.check("model_builder", cfg.model.builder, "model.builder")
+    elif not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path!r}: not an HF model folder (no config.json there)")
+
+    for i, src in enumerate(cfg.data_sources):
+        path = f"data_sources[{i}]"
+        registry.check("data_source", src.reader, f"{path}.reader")
+        if src.eval_reader is not None:
+            registry.check("data_source", src.eval_reader, f"{path}.eval_reader")
+        registry.check("agent", src.agent, f"{path}.agent")
+        registry.check("reward", src.reward, f"{path}.reward")
+        if src.teacher is not None:
+            registry.check("teacher", src.teacher, f"{path}.teacher")
+        if "n" in src.sampling:
+            raise ConfigError(f"{path}.sampling.n: set {path}.samples_per_prompt instead")
+        sampling = build_dataclass(SamplingParams, {**src.sampling, "n": src.samples_per_prompt}, f"{path}.sampling")
+        try:
+            sampling.validate()
+        except ValueError as exc:
+            raise ConfigError(f"{path}.{exc}") from None
+        dp_mb = cfg.trainer.world_size * cfg.trainer.mini_batches_per_step
+        if src.prompts_per_step % dp_mb:
+            raise ConfigError(
+                f"{path}.prompts_per_step={src.prompts_per_step}: must be divisible by trainer.world_size x "
+                f"trainer.mini_batches_per_step = {dp_mb} so every rank and mini-batch gets exact proportions"
+            )
+
+    supplied = ("model_path", "dtype", "fp32_lm_head")
+    registry.check("engine", cfg.rollout.engine, "rollout.engine", skip=(*supplied, "seed"))
+    registry.check("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
+    registry.check("transport", cfg.rollout.transport, "rollout.transport")
+    registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=supplied)
+    registry.check("advantage", cfg.algorithm.advantage, "algorithm.advantage")
+    registry.check("policy_loss", cfg.algorithm.policy_loss, "algorithm.policy_loss")
+    if cfg.algorithm.kl is not None:
+        registry.check("kl", cfg.algorithm.kl, "algorithm.kl")
+    elif cfg.algorithm.kl_coef:
+        raise ConfigError("algorithm.kl_coef is set but algorithm.kl is null; name a KL estimator, e.g. {name: k3}")
+    for j, spec in enumerate(cfg.algorithm.corrections):
+        registry.check("correction", spec, f"algorithm.corrections[{j}]")
+    for j, spec in enumerate(cfg.algorithm.filters):
+        registry.check("data_filter", spec, f"algorithm.filters[{j}]")
+    for j, name in enumerate(cfg.tracking.backends):
+        registry.entry("tracker", name, f"tracking.backends[{j}]")
+    return cfg
+
+
+def load_config(recipe: str, overrides: list[str] | None = None, *, config_dir: str | None = None,
+                registry: Any = None) -> tuple[Config, Any]:
+    """Find, compose and validate a recipe; returns the config and the plugin registry."""
+    from loongsage.core.plugins import load_registry
+
+    path = find_recipe(recipe, config_dir)
+    raw = compose(path, list(overrides or []))
+    plugins = raw.get("plugins") or []
+    if registry is None:
+        registry = load_registry(plugins if isinstance(plugins, list) else [])
+    return validate(raw, registry), registry
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LOONGSAGE_CACHE", Path.home() / ".cache" / "loongsage"))

@@ -1,0 +1,357 @@
+"""The single controller: places the Ray actors and drives the synchronous step loop.
+
+One step, as data: the mixer plans exact per-source quotas -> agents generate through the engine
+router -> the reward worker scores -> filters keep groups -> advantages over the whole batch -> the
+batch is dealt to DP ranks and mini-batches -> trainer ranks compute old/ref log-probs ->
+corrections and global loss weights per mini-batch -> optimizer steps -> the trainer pushes its
+weights to the engines (version += 1) -> metrics, evaluation, checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from loongsage.core import checkpoint as ckpt
+from loongsage.core.batching import compute_advantages, split_groups, to_batch, trainable
+from loongsage.core.config import Config
+from loongsage.core.data import Mixer, SourceCursor
+from loongsage.core.evaluation import Evaluator
+from loongsage.core.rollout import AgentContext, EngineRouter, gather_groups
+from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
+from loongsage.core.workers import EngineWorker, RewardWorker, TrainerWorker, build_pipeline
+
+log = logging.getLogger("loongsage")
+
+
+def resolve_model_path(cfg: Config, registry: Any) -> str:
+    """The HF folder the run starts from: ``model.path``, or what ``model.builder`` makes (cached)."""
+    if cfg.model.builder is None:
+        return str(cfg.model.path)
+    builder = registry.create("model_builder", cfg.model.builder, "model.builder")
+    return str(builder.build())
+
+
+class Placement:
+    """Ray placement group: colocated roles share one bundle; disaggregated roles get their own."""
+
+    def __init__(self, cfg: Config):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._strategy = PlacementGroupSchedulingStrategy
+        p = cfg.placement
+        world, engines = cfg.trainer.world_size, cfg.rollout.num_engines
+        self.colocate = p.colocate
+        if p.colocate:
+            # rank i of every role shares bundle i; extra engines take their own bundles
+            shared = max(world, engines)
+            bundles = [{"CPU": p.cpus_per_actor} for _ in range(shared)]
+            self.trainer_bundles = list(range(world))
+            self.engine_bundles = list(range(engines))
+            per_bundle = [0] * shared
+            for i in self.trainer_bundles + self.engine_bundles:
+                per_bundle[i] += 1
+            self._share = {i: p.cpus_per_actor / n for i, n in enumerate(per_bundle)}
+        else:
+            bundles = [{"CPU": p.cpus_per_actor} for _ in range(world + engines)]
+            self.trainer_bundles = list(range(world))
+            self.engine_bundles = list(range(world, world + engines))
+            self._share = {i: p.cpus_per_actor for i in range(world + engines)}
+        if p.gpus_per_actor:
+            for b in bundles:
+                b["GPU"] = p.gpus_per_actor
+        self.pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"placement: Ray could not reserve bundles {bundles} within 120 s; "
+                               f"cluster resources: {ray.cluster_resources()}") from None
+
+    def options(self, bundle: int) -> dict[str, Any]:
+        return {"num_cpus": self._share[bundle],
+                "scheduling_strategy": self._strategy(placement_group=self.pg, placement_group_bundle_index=bundle)}
+
+
+class Controller:
+    def __init__(self, cfg: Config, registry: Any):
+        self.cfg, self.registry = cfg, registry
+        self.run_dir = cfg.run_dir
+        self.step = 0
+        self.version = 0
+        self._group_ids = itertools.count()
+
+    # ------------------------------------------------------------------ setup
+    def _start_actors(self, model_path: str) -> None:
+        import ray
+
+        cfg = self.cfg
+        threads = cfg.placement.torch_threads
+        self.placement = Placement(cfg)
+        world = cfg.trainer.world_size
+        init_method = None
+        if world > 1:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        trainer_cls = ray.remote(TrainerWorker)
+        self.trainers = [
+            trainer_cls.options(**self.placement.options(b)).remote(cfg, model_path, r, world, init_method, threads)
+            for r, b in enumerate(self.placement.trainer_bundles)
+        ]
+        engine_cls = ray.remote(EngineWorker)
+        self.engines = [
+            engine_cls.options(**self.placement.options(b), max_concurrency=1000).remote(cfg, model_path, i, threads)
+            for i, b in enumerate(self.placement.engine_bundles)
+        ]
+        self.reward = ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=1000).remote(cfg)
+        ray.get([t.param_checksum.remote() for t in self.trainers] + [e.version.remote() for e in self.engines]
+                + [self.reward.__ray_ready__.remote()])
+        self.router = EngineRouter(self.engines)
+
+    def _build_local(self, model_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        cfg, reg = self.cfg, self.registry
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        cursors = [
+            SourceCursor(s.name, reg.create("data_source", s.reader, f"data_sources[{i}].reader"),
+                         seed=cfg.run.seed * 7919 + i, on_bad_row=s.on_bad_row)
+            for i, s in enumerate(cfg.data_sources)
+        ]
+        self.mixer = Mixer(cursors, {s.name: s.prompts_per_step for s in cfg.data_sources})
+        self.agents = {s.name: reg.create("agent", s.agent, f"data_sources[{i}].agent")
+                       for i, s in enumerate(cfg.data_sources)}
+        self.sampling = {s.name: cfg.sampling_for(s) for s in cfg.data_sources}
+        self.filters = [reg.create("data_filter", f, f"algorithm.filters[{i}]") for i, f in enumerate(cfg.algorithm.filters)]
+        self.estimator = reg.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
+        self.scheduler = reg.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
+        self.pipeline = build_pipeline(cfg, reg)
+        self.trackers = [reg.create("tracker", {"name": name}, f"tracking.backends[{i}]", run_dir=str(self.run_dir))
+                         for i, name in enumerate(cfg.tracking.backends)]
+        self.evaluator = Evaluator(cfg, reg, self)
+
+    # ------------------------------------------------------------------ rollout
+    async def rollout(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None) -> list[list[Trajectory]]:
+        """Groups of trajectories for ``records`` (one group per record), scored."""
+        sampling = sampling or self.sampling
+        contexts = [AgentContext(self.router, self.tokenizer, sampling[r.source], next(self._group_ids)) for r in records]
+        groups = await gather_groups(self.agents, records, contexts)
+        flat = [t for g in groups for t in g]
+        recs = [r for r, g in zip(records, groups) for _ in g]
+        scores = await self.reward.score.remote(flat, recs)
+        for t, (value, status) in zip(flat, scores):
+            t.reward = value
+            if value is None:
+                t.status = Status.FAILED
+                t.metadata["failure"] = status
+        return groups
+
+    async def _collect(self) -> tuple[list[list[Trajectory]], dict[str, float]]:
+        state = SchedulerState(version=self.version, groups_per_step=sum(self.mixer.quotas.values()),
+                               in_flight=0, buffered=0, consumed=self.step)
+        if self.scheduler.groups_to_dispatch(state) <= 0:
+            raise RuntimeError("sync step: the scheduler dispatched nothing")
+        plan = self.mixer.plan()
+        records = [r for name in plan for r in plan[name]]
+        groups = await self.rollout(records)
+        metrics = rollout_metrics(groups)
+        kept = [g for g in groups if all(f(g) for f in self.filters)]
+        metrics["rollout/groups_filtered"] = float(len(groups) - len(kept))
+        return kept, metrics
+
+    # ------------------------------------------------------------------ training
+    def _train(self, groups: list[list[Trajectory]]) -> dict[str, float]:
+        import ray
+
+        cfg = self.cfg
+        groups = [trainable(g) for g in groups]
+        groups = [g for g in groups if g]
+        trajs = [t for g in groups for t in g]
+        if not trajs:
+            return {"train/skipped": 1.0}
+        batch = compute_advantages(to_batch(trajs, self.pad_id), self.estimator)
+        row_of = {id(t): i for i, t in enumerate(trajs)}
+        parts = split_groups(groups, cfg.trainer.world_size, cfg.trainer.mini_batches_per_step)
+        rows = [[[row_of[id(t)] for t in mb] for mb in rank_parts] for rank_parts in parts]
+        # old / reference log-probs, each rank for its own rows
+        rank_rows = [[i for mb in r for i in mb] for r in rows]
+        outs = ray.get([tr.logprobs.remote(batch.select(rr)) for tr, rr in zip(self.trainers, rank_rows) if rr])
+        B, T = batch.input_ids.shape
+        batch.old_logprobs = torch.zeros(B, T)
+        batch.ref_logprobs = torch.zeros(B, T) if self.pipeline.needs_ref_logprobs else None
+        entropy = torch.zeros(B, T)
+        for rr, out in zip([r for r in rank_rows if r], outs):
+            idx = torch.tensor(rr)
+            t = out["old_logprobs"].shape[1]
+            batch.old_logprobs[idx, :t] = out["old_logprobs"]
+            entropy[idx, :t] = out["entropy"]
+            if batch.ref_logprobs is not None:
+                batch.ref_logprobs[idx, :t] = out["ref_logprobs"]
+        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        _add(sums, "train/entropy", float((entropy * batch.response_mask).sum()), float(batch.response_mask.sum()))
+        from loongsage.core.loss import consistency_metrics
+
+        for key, (num, den) in consistency_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask).items():
+            _add(sums, key, num, den)
+        scalars: dict[str, float] = defaultdict(float)
+        for m in range(cfg.trainer.mini_batches_per_step):
+            union = [i for r in rows for i in r[m]]
+            if not union:
+                continue
+            prepared, corr = self.pipeline.prepare(batch.select(union))
+            for key, (num, den) in corr.items():
+                _add(sums, key, num, den)
+            pos = {row: k for k, row in enumerate(union)}
+            calls = [tr.train_step.remote(prepared.select([pos[i] for i in r[m]]))
+                     for tr, r in zip(self.trainers, rows) if r[m]]
+            for rank, out in enumerate(ray.get(calls)):
+                for key, value in out.items():
+                    if key.endswith("_sum"):
+                        _add(sums, key[:-4], value, 0.0)
+                    elif key.endswith("_count"):
+                        _add(sums, key[:-6], 0.0, value)
+                    elif key == "train/loss":
+                        scalars[key] += value
+                    elif rank == 0:
+                        scalars[key] = value
+        metrics = dict(scalars)
+        metrics.update({k: v[0] / v[1] for k, v in sums.items() if v[1] > 0})
+        metrics["train/advantage_abs_mean"] = float((batch.advantages.abs() * batch.response_mask).sum()
+                                                    / batch.response_mask.sum().clamp(min=1))
+        return metrics
+
+    def _push_weights(self) -> dict[str, float]:
+        import ray
+
+        stats = ray.get(self.trainers[0].push_weights.remote(self.engines, self.cfg.rollout.transport))
+        self.version = int(stats["sync/version"])
+        return stats
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> dict[str, Any]:
+        init_ray_environment()
+        import ray
+
+        from loongsage.core.progress import StepProgress
+
+        cfg = self.cfg
+        model_path = resolve_model_path(cfg, self.registry)
+        log.info("model: %s", model_path)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "run_info.json").write_text(json.dumps({"model_path": model_path}, indent=1))
+        self._build_local(model_path)
+        started_ray = False
+        if not ray.is_initialized():
+            needed = cfg.trainer.world_size + cfg.rollout.num_engines
+            ray.init(num_cpus=cfg.placement.num_cpus or max(os.cpu_count() or 1, needed), include_dashboard=False,
+                     log_to_driver=True, logging_level=logging.WARNING)
+            started_ray = True
+        try:
+            self._start_actors(model_path)
+            start = ckpt.restore(self) if cfg.checkpoint.resume else 0
+            summary = asyncio.run(self._loop(start, StepProgress(cfg.run.total_steps, start, cfg.tracking.progress)))
+            return summary
+        finally:
+            for tracker in getattr(self, "trackers", []):
+                tracker.close()
+            if hasattr(self, "placement"):
+                from ray.util.placement_group import remove_placement_group
+
+                for actor in [*self.trainers, *self.engines, self.reward]:
+                    ray.kill(actor)
+                remove_placement_group(self.placement.pg)
+            if started_ray:
+                ray.shutdown()
+
+    async def _loop(self, start: int, progress: Any) -> dict[str, Any]:
+        cfg = self.cfg
+        ev = cfg.evaluation
+        history: list[dict[str, float]] = []
+        if start == 0:
+            self._log(0, await self.evaluator.run())
+        for step in range(start, cfg.run.total_steps):
+            t0 = time.perf_counter()
+            groups, metrics = await self._collect()
+            t1 = time.perf_counter()
+            metrics.update(await asyncio.to_thread(self._train, groups))
+            t2 = time.perf_counter()
+            metrics.update(await asyncio.to_thread(self._push_weights))
+            t3 = time.perf_counter()
+            self.step = step + 1
+            n = sum(len(g) for g in groups)
+            metrics.update({
+                "timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
+                "timing/step_s": t3 - t0, "perf/trajectories_per_s": n / max(t3 - t0, 1e-9),
+                "engine/version": float(self.version),
+            })
+            last = self.step == cfg.run.total_steps
+            if (ev.every_steps and self.step % ev.every_steps == 0) or last:
+                metrics.update(await self.evaluator.run())
+            self._log(self.step, metrics)
+            history.append(metrics)
+            progress.update(metrics)
+            if (cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0) or last:
+                await asyncio.to_thread(ckpt.save, self)
+        progress.close()
+        if cfg.checkpoint.export_hf:
+            await asyncio.to_thread(ckpt.export_final, self)
+        return {"steps": self.step, "version": self.version, "run_dir": str(self.run_dir),
+                "last_metrics": history[-1] if history else {}}
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if not metrics:
+            return
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
+        shown = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        if shown:
+            log.info("step %d eval %s", step, " ".join(f"{k}={v:.3f}" for k, v in sorted(shown.items())))
+
+
+def init_ray_environment() -> None:
+    """Call before the first ``import ray``: Ray reads this switch at import time.
+
+    Workers run in this very environment (same interpreter, same site-packages); Ray's `uv run` hook
+    would instead try to rebuild a uv project inside every worker's working directory."""
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
+def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
+    flat = [t for g in groups for t in g]
+    scored = [t for t in flat if t.reward is not None]
+    out = {
+        "rollout/trajectories": float(len(flat)),
+        "rollout/reward_mean": sum(t.reward for t in scored) / max(1, len(scored)),
+        "rollout/response_length_mean": sum(len(t.response_ids) for t in flat) / max(1, len(flat)),
+        "rollout/truncated_frac": sum(t.status is Status.TRUNCATED for t in flat) / max(1, len(flat)),
+        "rollout/failed": float(sum(t.status is Status.FAILED for t in flat)),
+    }
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for t in scored:
+        by_source[t.source].append(t.reward)
+    for source, values in by_source.items():
+        out[f"rollout_per_ds/{source}/reward_mean"] = sum(values) / len(values)
+    return out
+
+
+def _add(sums: dict[str, list[float]], key: str, num: float, den: float) -> None:
+    sums[key][0] += num
+    sums[key][1] += den
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

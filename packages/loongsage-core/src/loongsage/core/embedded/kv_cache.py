@@ -1,0 +1,172 @@
+"""The native engine's KV cache and the decoder forward that reads and writes it.
+
+The engine does not call the HF model's top-level ``forward``: per decode step that path rebuilds
+the 4-D attention mask, grows a ``DynamicCache`` by concatenation (copying the whole cache every
+step) and runs output-capturing wrappers, which on a small model costs more than the maths. Instead
+:class:`DecoderRunner` drives the model's own submodules (embedding, norms, q/k/v/o projections,
+MLP, rotary embedding) and owns only the attention core: keys and values go into a preallocated
+:class:`StaticKVCache` and attention is ``scaled_dot_product_attention`` over the filled columns
+with a boolean key mask. The weights stay the HF module parameters, so ``update_weights`` and the
+trainer see the same tensors by their HF names.
+
+Supported: Llama-family decoders (``model.model.layers[i].self_attn.{q,k,v,o}_proj``, optional
+``q_norm``/``k_norm`` as in Qwen3, ``mlp``, ``input_layernorm``, ``post_attention_layernorm``) with
+full attention on every layer — Qwen3, Qwen2, Llama, Mistral without sliding window. Anything else
+is refused at load time with one line saying why.
+
+Layout: one batch of left-padded rows. Column ``c`` of the cache holds the token at padded index
+``c`` of every row; ``key_mask[b, c]`` says whether row ``b`` has a real token there. All rows of a
+batch advance together (one column per decode step), which is what lets a decode step be a plain
+slice. A block-paged cache (rows joining mid-batch) will replace this class behind the same
+``DecoderRunner.forward`` signature.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class StaticKVCache:
+    """Preallocated keys/values ``[B, kv_heads, max_len, head_dim]`` per layer plus a key mask."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], key_mask: Tensor, length: int = 0):
+        self.keys, self.values, self.key_mask, self.length = keys, values, key_mask, length
+
+    @classmethod
+    def allocate(cls, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> "StaticKVCache":
+        shape = (batch, kv_heads, max_len, head_dim)
+        keys = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        values = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(keys, values, torch.zeros(batch, max_len, dtype=torch.bool, device=device))
+
+    @property
+    def batch_size(self) -> int:
+        return self.key_mask.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.key_mask.shape[1]
+
+    def select(self, rows: Tensor) -> "StaticKVCache":
+        """A cache holding the given rows, in that order (rows may repeat: ``n`` samples of a prompt).
+
+        Only the filled columns are copied; the rest of the new buffers is left uninitialised.
+        """
+        n, filled = rows.numel(), self.length
+
+        def take(buf: Tensor) -> Tensor:
+            out = buf.new_empty((n, *buf.shape[1:]))
+            out[:, :, :filled] = buf[rows, :, :filled]
+            return out
+
+        return StaticKVCache([take(k) for k in self.keys], [take(v) for v in self.values],
+                             self.key_mask[rows], filled)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderRunner:
+    """Forward of a Llama-family ``*ForCausalLM`` over a :class:`StaticKVCache`."""
+
+    def __init__(self, model: nn.Module, *, fp32_lm_head: bool = True):
+        check_supported(model)
+        cfg = model.config
+        self.model, self.inner = model, model.model
+        self.layers = list(self.inner.layers)
+        self.num_heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.fp32_lm_head = fp32_lm_head
+        self.refresh_head()
+
+    def refresh_head(self) -> None:
+        """Re-derive the LM-head weight used for logits (call after the weights changed)."""
+        weight = self.model.get_output_embeddings().weight
+        # ``.float()`` is the tensor itself for a float32 model, so this costs a copy only when the
+        # model runs in bf16/fp16 and the head must still be computed in float32.
+        self._head = weight.float() if self.fp32_lm_head else weight
+
+    def allocate(self, batch: int, max_len: int) -> StaticKVCache:
+        weight = self.inner.embed_tokens.weight
+        return StaticKVCache.allocate(len(self.layers), batch, self.kv_heads, max_len, self.head_dim,
+                                      weight.dtype, weight.device)
+
+    def forward(self, input_ids: Tensor, positions: Tensor, cache: StaticKVCache) -> Tensor:
+        """Run ``input_ids`` ``[B, T]`` at ``positions`` ``[B, T]``; return the last position's logits.
+
+        The new keys/values are written at cache columns ``[length, length + T)``, whose
+        ``key_mask`` the caller has set; ``length`` advances by ``T``. With ``T > 1`` (prefill) the
+        attention is causal; every query also sees itself, so a padding position never attends to
+        nothing (which would make NaNs that poison the batch). Logits are float32 when
+        ``fp32_lm_head`` (hidden states cast up before the projection, as the trainer does).
+        """
+        bsz, seq = input_ids.shape
+        start, end = cache.length, cache.length + seq
+        hidden = self.inner.embed_tokens(input_ids)
+        cos, sin = self.inner.rotary_emb(hidden, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        keys_valid = cache.key_mask[:, :end]
+        if seq == 1:
+            mask = keys_valid[:, None, None, :]
+        else:
+            q_idx = torch.arange(start, end, device=input_ids.device)
+            k_idx = torch.arange(end, device=input_ids.device)
+            causal = k_idx[None, :] <= q_idx[:, None]
+            mask = (keys_valid[:, None, None, :] & causal) | (k_idx[None, :] == q_idx[:, None])
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(hidden)
+            q = attn.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim)
+            k = attn.k_proj(x).view(bsz, seq, self.kv_heads, self.head_dim)
+            v = attn.v_proj(x).view(bsz, seq, self.kv_heads, self.head_dim)
+            if getattr(attn, "q_norm", None) is not None:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            cache.keys[i][:, :, start:end] = k
+            cache.values[i][:, :, start:end] = v
+            out = F.scaled_dot_product_attention(
+                q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end], attn_mask=mask,
+                scale=getattr(attn, "scaling", self.head_dim ** -0.5), enable_gqa=self.kv_heads != self.num_heads,
+            )
+            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim))
+            mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
+            # Mixture-of-experts blocks of some versions return (hidden, router_logits).
+            hidden = hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
+        cache.length = end
+        last = self.inner.norm(hidden[:, -1])
+        if self.fp32_lm_head:
+            return last.float() @ self._head.T
+        return self.model.get_output_embeddings()(last).float()
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise ValueError (one line) unless ``model`` is a decoder this runner can drive."""
+    cfg = model.config
+    name = getattr(cfg, "model_type", type(model).__name__)
+    inner = getattr(model, "model", None)
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if inner is None or any(not hasattr(inner, a) for a in needed):
+        raise ValueError(f"native engine: model_type={name!r} is not a Llama-family decoder "
+                         f"(needs model.model.{{{','.join(needed)}}})")
+    layer_attrs = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    attn_attrs = ("q_proj", "k_proj", "v_proj", "o_proj")
+    for layer in inner.layers:
+        if any(not hasattr(layer, a) for a in layer_attrs) or any(not hasattr(layer.self_attn, a) for a in attn_attrs):
+            raise ValueError(f"native engine: model_type={name!r}: decoder layer lacks "
+                             f"{'/'.join(layer_attrs)} or self_attn.{'/'.join(attn_attrs)}")
+    layer_types = getattr(cfg, "layer_types", None) or []
+    implicit_window = not layer_types and getattr(cfg, "sliding_window", None) is not None and getattr(
+        cfg, "use_sliding_window", True)
+    if any(t != "full_attention" for t in layer_types) or implicit_window:
+        raise ValueError(f"native engine: model_type={name!r} uses sliding-window attention, not supported yet")
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"native engine: model_type={name!r} has no LM head")

@@ -1,0 +1,225 @@
+"""Supervised warm start of the tiny arithmetic model, built offline and cached.
+
+``build_warm_start`` creates the embedded tokenizer and a tiny Qwen3, fine-tunes it on answers of
+the imperfect teacher (:func:`loongsage.core.embedded.arith.teacher_answer`) over the train split,
+and saves an HF folder that any Qwen3-capable backend can load. ``cached_warm_start`` keys that
+folder by a hash of the parameters and the builder version, so a recipe pays for it once.
+
+Determinism: the same parameters give bitwise the same weights on the same machine and library
+versions with the same ``threads`` (the thread count can change floating-point reduction order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from loongsage.core.embedded.arith import ArithmeticTask, format_answer, teacher_answer
+
+# Bump whenever the output of build_warm_start changes for the same params (invalidates caches).
+BUILDER_VERSION = 1
+INFO_FILE = "loongsage_warmstart.json"
+
+
+@dataclass
+class WarmStartParams:
+    """Everything that determines a warm-start model (and so its cache key)."""
+
+    name: str = "tiny-qwen3-arith"
+    # task
+    digits: int = 2
+    operations: str = "+"
+    answer_format: Literal["plain", "reversed"] = "reversed"
+    prompt_format: Literal["chat", "text"] = "chat"
+    drop_prob: float = 0.6  # the teacher forgets a carry this often (see arith.teacher_answer)
+    # tokenizer and model
+    vocab_size: int = 384
+    hidden_size: int = 64
+    num_layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 256
+    # supervised fine-tuning
+    steps: int = 600
+    batch_size: int = 128
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # cosine decay down to lr * min_lr_ratio
+    weight_decay: float = 0.01
+    seed: int = 0
+    threads: int = 2
+
+    def task(self, split: Literal["train", "test"], size: int, seed: int = 0) -> ArithmeticTask:
+        """The arithmetic data source these params were trained for."""
+        return ArithmeticTask(
+            digits=self.digits,
+            operations=self.operations,
+            split=split,
+            size=size,
+            seed=seed,
+            answer_format=self.answer_format,
+            prompt_format=self.prompt_format,
+        )
+
+    def cache_key(self) -> str:
+        blob = json.dumps({"params": dataclasses.asdict(self), "builder": BUILDER_VERSION}, sort_keys=True)
+        return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
+
+
+def render_prompt(tokenizer, prompt) -> str:
+    """Prompt text as the model sees it: chat messages through the chat template, text as is."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+
+
+def _lr_factor(step: int, params: WarmStartParams) -> float:
+    if step < params.warmup_steps:
+        return (step + 1) / params.warmup_steps
+    progress = (step - params.warmup_steps) / max(1, params.steps - params.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return params.min_lr_ratio + (1 - params.min_lr_ratio) * cosine
+
+
+def sft_batch(tokenizer, task: ArithmeticTask, indices: list[int], drop_prob: float, rng: random.Random):
+    """Right-padded ``(input_ids, attention_mask, labels)``; labels are -100 except on the answer.
+
+    The target of each prompt is the teacher's answer followed by the eos token (``<|im_end|>``),
+    so the model also learns to stop.
+    """
+    prompts, answers = [], []
+    for i in indices:
+        a, op, b = task.problem(i)
+        prompts.append(render_prompt(tokenizer, task.render_prompt(a, op, b)))
+        value = teacher_answer(a, op, b, drop_prob=drop_prob, rng=rng)
+        answers.append(format_answer(value, task.answer_format) + tokenizer.eos_token)
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
+    width = max(len(p) + len(a) for p, a in zip(prompt_ids, answer_ids))
+    input_ids = torch.full((len(indices), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(indices), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(indices), width), dtype=torch.long)
+    for row, (p, a) in enumerate(zip(prompt_ids, answer_ids)):
+        n = len(p) + len(a)
+        input_ids[row, :n] = torch.tensor(p + a)
+        labels[row, len(p) : n] = torch.tensor(a)
+        attention[row, :n] = 1
+    return input_ids, attention, labels
+
+
+def train_sft(model, tokenizer, params: WarmStartParams, *, log_every: int = 0) -> dict:
+    """Fine-tune ``model`` in place on the imperfect teacher's answers; returns a summary."""
+    torch.manual_seed(params.seed)
+    rng = random.Random(f"sft/{params.seed}")
+    task = params.task("train", size=params.steps * params.batch_size, seed=params.seed)
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # norms: no weight decay
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=params.lr,
+        betas=(0.9, 0.98),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, params))
+    model.train()
+    start, losses = time.perf_counter(), []
+    for step in range(params.steps):
+        indices = list(range(step * params.batch_size, (step + 1) * params.batch_size))
+        input_ids, attention, labels = sft_batch(tokenizer, task, indices, params.drop_prob, rng)
+        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        if log_every and (step + 1) % log_every == 0:
+            recent = sum(losses[-log_every:]) / log_every
+            print(f"sft step {step + 1}/{params.steps} loss {recent:.4f} {time.perf_counter() - start:.1f}s", flush=True)
+    model.eval()
+    tail = losses[-max(1, len(losses) // 20) :]
+    return {"final_loss": sum(tail) / len(tail), "sft_seconds": time.perf_counter() - start}
+
+
+def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None, *, log_every: int = 0) -> Path:
+    """Build tokenizer + tiny Qwen3, run the SFT warm start, save the HF folder; returns ``out_dir``.
+
+    Also writes ``loongsage_warmstart.json`` (params, builder version, final loss, timings).
+    """
+    from loongsage.core.embedded.tiny_model import build_tiny_qwen3, count_parameters, save_model
+
+    params = params or WarmStartParams()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(params.threads)
+    try:
+        with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
+            start = time.perf_counter()
+            model, tokenizer = build_tiny_qwen3(
+                hidden_size=params.hidden_size,
+                num_layers=params.num_layers,
+                heads=params.heads,
+                kv_heads=params.kv_heads,
+                intermediate_size=params.intermediate_size,
+                max_position_embeddings=64 + 4 * params.digits,  # prompt + answer, with slack
+                seed=params.seed,
+                vocab_size=params.vocab_size,
+            )
+            summary = train_sft(model, tokenizer, params, log_every=log_every)
+            out = save_model(model, tokenizer, out_dir)
+            info = {
+                "params": dataclasses.asdict(params),
+                "builder_version": BUILDER_VERSION,
+                "num_parameters": count_parameters(model),
+                "build_seconds": time.perf_counter() - start,
+                **summary,
+            }
+            (out / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def default_cache_dir() -> Path:
+    """``$LOONGSAGE_CACHE`` or ``~/.cache/loongsage``."""
+    return Path(os.environ.get("LOONGSAGE_CACHE") or Path.home() / ".cache" / "loongsage")
+
+
+def cached_warm_start(
+    params: WarmStartParams | None = None, cache_dir: str | Path | None = None, *, log_every: int = 0
+) -> Path:
+    """Path of the warm start for ``params``, building it on first use.
+
+    The folder is ``<cache_dir>/models/<name>-<hash of params + builder version>``. It is built in
+    a temporary sibling folder and renamed into place, so a crash never leaves a half-written model
+    behind and concurrent builders end up sharing one complete folder.
+    """
+    params = params or WarmStartParams()
+    models = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    models = models / "models"
+    final = models / params.cache_key()
+    if (final / INFO_FILE).is_file():
+        return final
+    models.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models))
+    try:
+        build_warm_start(tmp, params, log_every=log_every)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / INFO_FILE).is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

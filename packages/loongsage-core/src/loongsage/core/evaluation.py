@@ -1,0 +1,58 @@
+"""Held-out evaluation: greedy accuracy and, optionally, pass@k with temperature sampling."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from loongsage.core.config import Config
+from loongsage.core.types import DataRecord
+
+
+class Evaluator:
+    """Evaluates every data source that names an ``eval_reader`` on its first ``max_prompts`` rows."""
+
+    def __init__(self, cfg: Config, registry: Any, controller: Any):
+        self.cfg, self.controller = cfg, controller
+        self.records: dict[str, list[DataRecord]] = {}
+        for i, src in enumerate(cfg.data_sources):
+            if src.eval_reader is None:
+                continue
+            reader = registry.create("data_source", src.eval_reader, f"data_sources[{i}].eval_reader")
+            rows = []
+            for index in range(min(len(reader), cfg.evaluation.max_prompts)):
+                record = reader[index]
+                record.source = src.name
+                rows.append(record)
+            self.records[src.name] = rows
+
+    async def run(self) -> dict[str, float]:
+        if not self.records:
+            return {}
+        ctl, ev = self.controller, self.cfg.evaluation
+        records = [r for rows in self.records.values() for r in rows]
+        greedy = {name: replace(s, temperature=0.0, n=1, seed=None) for name, s in ctl.sampling.items()}
+        metrics: dict[str, float] = {}
+        for name, groups in _by_source(await ctl.rollout(records, greedy)).items():
+            hits = [_success(g[0].reward, ev.success_threshold) for g in groups]
+            metrics[f"eval/{name}/accuracy"] = sum(hits) / len(hits)
+            metrics[f"eval/{name}/response_length"] = sum(len(g[0].response_ids) for g in groups) / len(groups)
+        if ev.pass_k > 0:
+            sampled = {name: replace(s, n=ev.pass_k) for name, s in ctl.sampling.items()}
+            for name, groups in _by_source(await ctl.rollout(records, sampled)).items():
+                per_group = [[_success(t.reward, ev.success_threshold) for t in g] for g in groups]
+                metrics[f"eval/{name}/pass@{ev.pass_k}"] = sum(any(h) for h in per_group) / len(per_group)
+                metrics[f"eval/{name}/pass@1_sampled"] = sum(sum(h) / len(h) for h in per_group) / len(per_group)
+        return metrics
+
+
+def _success(reward: float | None, threshold: float) -> bool:
+    return reward is not None and reward >= threshold
+
+
+def _by_source(groups: list[list[Any]]) -> dict[str, list[list[Any]]]:
+    out: dict[str, list[list[Any]]] = {}
+    for g in groups:
+        if g:
+            out.setdefault(g[0].source, []).append(g)
+    return out

@@ -1,0 +1,93 @@
+"""Turn the chosen algorithm entries into the trainer's loss closure and the step's tensors.
+
+The algorithms themselves are pure per-token functions (``loongsage-algos``); this module wires
+them: corrections decide weights and masks once per optimizer mini-batch, the aggregation gives
+every token its share of a *global* denominator, and the closure returns ``sum(w * loss)`` for a
+micro-batch, so gradient accumulation and DP reduction are plain sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from loongsage.core.aggregation import loss_weights
+from loongsage.core.types import CorrectionInput, PolicyLossInput, TrainBatch
+
+# Tokens whose mask is 0 get no metric mass; metrics are reported as token means over the step.
+MetricSums = dict[str, tuple[float, float]]
+
+
+def consistency_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> MetricSums:
+    """Train-inference mismatch: ``train/is_approx_k3_kl`` and ``train/is_logprob_abs_diff`` sums.
+
+    delta = log pi_old - log pi_rollout (clamped to +-20); k3 = e^delta - delta - 1 >= 0.
+    """
+    delta = (old_logprobs - rollout_logprobs).clamp(-20, 20)
+    k3 = torch.expm1(delta) - delta
+    count = float(mask.sum())
+    return {
+        "train/is_approx_k3_kl": (float((k3 * mask).sum()), count),
+        "train/is_logprob_abs_diff": (float((delta.abs() * mask).sum()), count),
+    }
+
+
+@dataclass
+class LossPipeline:
+    """Policy loss + optional KL penalty + corrections, aggregated with global denominators."""
+
+    policy_loss: Any
+    aggregation: str = "token-mean"
+    aggregation_constant: float | None = None
+    kl: Any = None
+    kl_coef: float = 0.0
+    corrections: list[Any] = field(default_factory=list)
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return bool(getattr(self.policy_loss, "needs_old_logprobs", True)) or bool(self.corrections)
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        return self.kl is not None and self.kl_coef != 0.0
+
+    def prepare(self, mini_batch: TrainBatch) -> tuple[TrainBatch, MetricSums]:
+        """Decide corrections and loss weights once for a whole optimizer mini-batch."""
+        mask = mini_batch.response_mask.float()
+        token_weights = torch.ones_like(mask)
+        sums: MetricSums = {}
+        old = mini_batch.old_logprobs
+        for correction in self.corrections:
+            out = correction(CorrectionInput(
+                old_logprobs=old, rollout_logprobs=mini_batch.rollout_logprobs,
+                advantages=mini_batch.advantages, response_mask=mask,
+            ))
+            token_weights = token_weights * out.token_weights
+            for key, value in out.metrics.items():
+                sums[key] = (float((value * mask).sum()), float(mask.sum()))
+            mask = out.response_mask.float()
+        weights = loss_weights(mask, self.aggregation, constant=self.aggregation_constant) * token_weights
+        return replace(mini_batch, response_mask=mask, loss_weights=weights), sums
+
+    def __call__(self, logprobs: Tensor, mb: TrainBatch) -> tuple[Tensor, MetricSums]:
+        mask = mb.response_mask
+        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        out = self.policy_loss(PolicyLossInput(
+            logprobs=logprobs, old_logprobs=old, advantages=mb.advantages, response_mask=mask,
+            rollout_logprobs=mb.rollout_logprobs,
+        ))
+        per_token = out.loss
+        metrics: MetricSums = {}
+        count = float(mask.sum())
+        if self.needs_ref_logprobs:
+            kl = self.kl(logprobs, mb.ref_logprobs)
+            per_token = per_token + self.kl_coef * kl
+            metrics["train/kl"] = (float((kl.detach() * mask).sum()), count)
+        loss = (per_token * mb.loss_weights).sum()
+        metrics["train/pg_loss"] = (float((out.loss.detach() * mask).sum()), count)
+        for key, value in out.metrics.items():
+            metrics[f"train/{key}"] = (float((value.detach() * mask).sum()), count)
+        return loss, metrics

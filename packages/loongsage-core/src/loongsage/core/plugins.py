@@ -1,0 +1,150 @@
+"""The plugin manager: one registry of named factories built from the twelve hookspecs.
+
+Load order: the core's built-ins, then every module of the entry-point group ``loongsage``, then
+the modules listed under ``plugins:`` in the config. Each hook's mappings are merged into one
+table per *category*; a name provided twice is refused with both providers named, and a miss
+lists the names that are known.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from loongsage.core import hookspecs
+from loongsage.core.schema import check_params
+from loongsage.core.types import ConfigError
+
+# category (as used in error messages and `loongsage plugins`) -> hook name
+CATEGORIES: dict[str, str] = {
+    "agent": "loongsage_agents",
+    "reward": "loongsage_rewards",
+    "data_source": "loongsage_data_sources",
+    "advantage": "loongsage_advantage_estimators",
+    "policy_loss": "loongsage_policy_losses",
+    "kl": "loongsage_kl_estimators",
+    "correction": "loongsage_corrections",
+    "data_filter": "loongsage_data_filters",
+    "rollout_scheduler": "loongsage_rollout_schedulers",
+    "sandbox": "loongsage_sandboxes",
+    "gateway_middleware": "loongsage_gateway_middlewares",
+}
+BACKEND_KINDS = ("trainer", "engine", "teacher", "transport", "tracker", "chat_parser", "model_builder")
+
+BUILTIN_MODULE = "loongsage.core.builtin_plugins"
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    category: str
+    factory: Any
+    provider: str  # "distribution version (module)" or "config plugins: module"
+
+
+class Registry:
+    """Every registered factory, by category and name."""
+
+    def __init__(self) -> None:
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self._providers: dict[int, str] = {}
+        self._tables: dict[str, dict[str, Entry]] | None = None
+
+    # ----------------------------------------------------------------- loading
+    def register_module(self, module: Any, provider: str) -> None:
+        if self.pm.is_registered(module):
+            return
+        self.pm.register(module, name=provider)
+        self._providers[id(module)] = provider
+        self._tables = None
+
+    def load(self, extra_modules: list[str] | tuple[str, ...] = ()) -> "Registry":
+        self.register_module(importlib.import_module(BUILTIN_MODULE), "loongsage-core (built-in)")
+        for ep in sorted(importlib.metadata.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name):
+            dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.name
+            try:
+                module = ep.load()
+            except Exception as exc:
+                raise ConfigError(f"plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}") from exc
+            self.register_module(module, f"{dist} ({ep.value})")
+        for path in extra_modules:
+            try:
+                module = importlib.import_module(path)
+            except Exception as exc:
+                raise ConfigError(f"plugins: module {path!r} failed to import: {type(exc).__name__}: {exc}") from exc
+            self.register_module(module, f"config plugins: {path}")
+        return self
+
+    # ----------------------------------------------------------------- tables
+    def _build(self) -> dict[str, dict[str, Entry]]:
+        tables: dict[str, dict[str, Entry]] = {c: {} for c in (*CATEGORIES, *BACKEND_KINDS)}
+        for category, hook_name in (*CATEGORIES.items(), ("backend", "loongsage_backends")):
+            hook = getattr(self.pm.hook, hook_name)
+            for impl in hook.get_hookimpls():
+                provider = self._providers.get(id(impl.plugin), impl.plugin_name)
+                mapping = impl.function() or {}
+                for name, factory in mapping.items():
+                    cat = category
+                    if category == "backend":
+                        cat = getattr(factory, "kind", None)
+                        if cat not in BACKEND_KINDS:
+                            raise ConfigError(
+                                f"backend {name!r} from {provider}: kind {cat!r} is not one of {', '.join(BACKEND_KINDS)}"
+                            )
+                    table = tables[cat]
+                    if name in table:
+                        raise ConfigError(
+                            f"{cat} {name!r} is provided twice: by {table[name].provider} and by {provider}; "
+                            "uninstall one or rename it"
+                        )
+                    table[name] = Entry(name, cat, factory, provider)
+        return tables
+
+    @property
+    def tables(self) -> dict[str, dict[str, Entry]]:
+        if self._tables is None:
+            self._tables = self._build()
+        return self._tables
+
+    def names(self, category: str) -> list[str]:
+        return sorted(self.tables[category])
+
+    def entry(self, category: str, name: str, path: str | None = None) -> Entry:
+        table = self.tables.get(category)
+        if table is None:
+            raise ConfigError(f"unknown plugin category {category!r}; known: {', '.join(self.tables)}")
+        if name not in table:
+            known = ", ".join(sorted(table)) or "(none installed)"
+            where = f"{path}.name" if path else category
+            raise ConfigError(f"{where}: unknown {category} {name!r}; known: {known}")
+        return table[name]
+
+    def check(self, category: str, spec: dict[str, Any] | None, path: str, *, skip: tuple[str, ...] = ()) -> dict:
+        """Validate a ``{name, params}`` spec without building it; return the coerced params."""
+        if not isinstance(spec, dict) or "name" not in spec:
+            raise ConfigError(f"{path}: expected a mapping with 'name' (and optional 'params'); got {spec!r}")
+        extra = sorted(set(spec) - {"name", "params"})
+        if extra:
+            raise ConfigError(f"{path}.{extra[0]}: unknown key; allowed: name, params")
+        entry = self.entry(category, spec["name"], path)
+        return check_params(entry.factory, spec.get("params") or {}, f"{path}.params", skip=skip)
+
+    def create(self, category: str, spec: dict[str, Any], path: str = "", **supplied: Any) -> Any:
+        """Build the implementation a ``{name, params}`` spec names; ``supplied`` are framework args."""
+        path = path or category
+        params = self.check(category, spec, path, skip=tuple(supplied))
+        factory = self.entry(category, spec["name"], path).factory
+        try:
+            return factory(**params, **supplied)
+        except (ValueError, TypeError) as exc:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"{path}.params: {message}") from None
+
+
+def load_registry(extra_modules: list[str] | tuple[str, ...] = ()) -> Registry:
+    return Registry().load(extra_modules)

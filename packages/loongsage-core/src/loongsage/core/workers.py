@@ -1,0 +1,157 @@
+"""The Ray actors the controller drives: trainer ranks, engine replicas and the reward worker.
+
+Plain classes: the controller wraps them with ``ray.remote`` at placement time, so this module
+imports without Ray and the same classes run in-process in tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from loongsage.core.config import Config
+from loongsage.core.loss import LossPipeline
+from loongsage.core.types import RewardInfraError, Status, TrainBatch, Trajectory, DataRecord
+
+
+def set_threads(threads: int) -> None:
+    torch.set_num_threads(threads if threads > 0 else (os.cpu_count() or 1))
+
+
+def build_pipeline(cfg: Config, registry: Any) -> LossPipeline:
+    alg = cfg.algorithm
+    return LossPipeline(
+        policy_loss=registry.create("policy_loss", alg.policy_loss, "algorithm.policy_loss"),
+        aggregation=alg.aggregation,
+        aggregation_constant=alg.aggregation_constant,
+        kl=registry.create("kl", alg.kl, "algorithm.kl") if alg.kl else None,
+        kl_coef=alg.kl_coef,
+        corrections=[registry.create("correction", c, f"algorithm.corrections[{i}]")
+                     for i, c in enumerate(alg.corrections)],
+    )
+
+
+def model_args(cfg: Config, model_path: str) -> dict[str, Any]:
+    """What the framework supplies to trainer and engine factories (never set under params)."""
+    return {"model_path": model_path, "dtype": cfg.model.dtype, "fp32_lm_head": cfg.model.fp32_lm_head}
+
+
+class TrainerWorker:
+    """One data-parallel rank of the policy trainer (plus a frozen reference when KL needs it)."""
+
+    def __init__(self, cfg: Config, model_path: str, rank: int = 0, world_size: int = 1,
+                 init_method: str | None = None, threads: int = 0):
+        from loongsage.core.plugins import load_registry
+
+        set_threads(threads)
+        torch.manual_seed(cfg.run.seed + rank)
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        if world_size > 1:
+            torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                                 timeout=timedelta(minutes=10))
+        registry = load_registry(cfg.plugins)
+        supplied = model_args(cfg, model_path)
+        self.backend = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
+        opt = cfg.trainer.optimizer
+        self.backend.setup_optimizer(opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.grad_clip, opt.warmup_steps)
+        self.pipeline = build_pipeline(cfg, registry)
+        self.reference = None
+        if self.pipeline.needs_ref_logprobs:
+            self.reference = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
+        self.token_budget = cfg.trainer.micro_batch_tokens
+
+    def logprobs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """Old (current-weights) log-probs and entropy; reference log-probs when KL needs them."""
+        old, entropy = self.backend.logprobs(batch, self.token_budget)
+        out = {"old_logprobs": old, "entropy": entropy}
+        if self.reference is not None:
+            out["ref_logprobs"] = self.reference.logprobs(batch, self.token_budget)[0]
+        return out
+
+    def train_step(self, mini_batch: TrainBatch) -> dict[str, float]:
+        return self.backend.train_step(mini_batch, self.pipeline, self.token_budget)
+
+    def push_weights(self, engines: list[Any], transport_spec: dict[str, Any]) -> dict[str, float]:
+        from loongsage.core.plugins import load_registry
+
+        transport = load_registry(self.cfg.plugins).create("transport", transport_spec, "rollout.transport")
+        return transport.push(self.backend.export_weights(), engines)
+
+    def param_checksum(self) -> float:
+        return float(sum(p.detach().double().abs().sum() for p in self.backend.model.parameters()))
+
+    def save(self, path: str) -> None:
+        self.backend.save(path)
+
+    def load(self, path: str) -> None:
+        self.backend.load(path)
+
+    def export_hf(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.backend.export_hf(path, AutoTokenizer.from_pretrained(self.backend.model_path))
+
+
+class EngineWorker:
+    """One rollout engine replica; receives weights through the transport's buckets."""
+
+    def __init__(self, cfg: Config, model_path: str, index: int = 0, threads: int = 0):
+        from loongsage.core.embedded.transport import unpack_bucket
+        from loongsage.core.plugins import load_registry
+
+        set_threads(threads)
+        self._unpack = unpack_bucket
+        registry = load_registry(cfg.plugins)
+        self.engine = registry.create("engine", cfg.rollout.engine, "rollout.engine",
+                                      **model_args(cfg, model_path), seed=cfg.run.seed * 1000 + index)
+        self._staging: list[tuple[str, torch.Tensor]] = []
+
+    async def generate(self, request):
+        return await self.engine.generate(request)
+
+    def receive_bucket(self, metas, buffer) -> int:
+        self._staging.extend(self._unpack(metas, buffer))
+        return len(self._staging)
+
+    def commit_weights(self) -> int:
+        """Swap the staged weights in atomically (between decode steps); returns the new version."""
+        staged, self._staging = self._staging, []
+        return self.engine.update_weights(staged)
+
+    def set_version(self, version: int) -> None:
+        """Continue a resumed run's version numbering."""
+        self.engine.set_version(version)
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def health(self) -> dict:
+        return self.engine.health()
+
+
+class RewardWorker:
+    """Scores trajectories with each source's reward; scorer failures mark a trajectory FAILED."""
+
+    def __init__(self, cfg: Config):
+        from loongsage.core.plugins import load_registry
+
+        registry = load_registry(cfg.plugins)
+        self.rewards = {s.name: registry.create("reward", s.reward, f"data_sources[{i}].reward")
+                        for i, s in enumerate(cfg.data_sources)}
+
+    async def score(self, trajectories: list[Trajectory], records: list[DataRecord]) -> list[tuple[float | None, str]]:
+        async def one(t: Trajectory, r: DataRecord) -> tuple[float | None, str]:
+            try:
+                value = self.rewards[t.source](t, r)
+                if inspect.isawaitable(value):
+                    value = await value
+                return float(value), t.status.value
+            except RewardInfraError as exc:
+                return None, Status.FAILED.value + f": {exc}"
+
+        return list(await asyncio.gather(*(one(t, r) for t, r in zip(trajectories, records))))

@@ -1,0 +1,61 @@
+"""Shared fixtures: one Ray per session, a per-session model cache, temporary working directories."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Small warm start for tests: a different cache key from the recipe's, built once per session.
+TEST_BUILDER = (
+    "model.builder.params.steps=40",
+    "model.builder.params.batch_size=32",
+)
+
+
+@pytest.fixture(scope="session")
+def test_builder() -> list[str]:
+    return list(TEST_BUILDER)
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LOONGSAGE_RUN_GPU") == "1":
+        return
+    skip_gpu = pytest.mark.skip(reason="GPU test: set LOONGSAGE_RUN_GPU=1 on a CUDA machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """``LOONGSAGE_CACHE`` for the whole session (kept outside the user's cache)."""
+    path = Path(os.environ.get("LOONGSAGE_TEST_CACHE") or tmp_path_factory.mktemp("loongsage-cache"))
+    os.environ["LOONGSAGE_CACHE"] = str(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def ray_session(model_cache):
+    """One local Ray for every in-process end-to-end test (Ray start-up costs seconds)."""
+    from loongsage.core.controller import init_ray_environment
+
+    init_ray_environment()
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"LOONGSAGE_CACHE": str(model_cache)}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    """Run in a temporary directory that sees the repository's recipes (log/ and runs/ land there)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    return tmp_path

@@ -1,0 +1,297 @@
+"""The native engine: exactness against HF, sampling, versions, abort/pause and input errors."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from loongsage.core.embedded.engine import NativeEngine
+from loongsage.core.embedded.sampling import SamplingTensors, sample
+from loongsage.core.types import FinishReason, GenerationRequest, SamplingParams
+
+VOCAB, EOS = 300, 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=EOS, pad_token_id=0, bos_token_id=None,
+        # Larger than the default 0.02 so the logits are peaked: greedy comparisons then do not
+        # hinge on near-ties that differ in the last float bit between two correct implementations.
+        initializer_range=0.2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg)
+    model.generation_config = GenerationConfig(eos_token_id=EOS, pad_token_id=0, do_sample=False)
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+@pytest.fixture
+def engine(model_dir):
+    return NativeEngine(model_dir, max_batch_size=64, max_model_len=128, seed=0)
+
+
+def prompts(count: int, seed: int = 0, lo: int = 3, hi: int = 20) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(lo, hi))] for _ in range(count)]
+
+
+def req(rid: str, ids: list[int], **sampling) -> GenerationRequest:
+    return GenerationRequest(rid, ids, SamplingParams(**sampling))
+
+
+def full_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Plain full-sequence forward: log_softmax (fp32) of each output token given its prefix."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def hf_greedy(model, batch: list[list[int]], max_new: int) -> list[list[int]]:
+    width = max(map(len, batch))
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(batch):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=EOS, pad_token_id=0)
+    rows = []
+    for row in out[:, width:].tolist():
+        rows.append(row[:row.index(EOS) + 1] if EOS in row else row)
+    return rows
+
+
+def test_greedy_matches_hf_generate_in_a_mixed_batch(engine, hf_model):
+    batch = prompts(8, seed=1)
+    expected = hf_greedy(hf_model, batch, max_new=24)
+    requests = []
+    for i, p in enumerate(batch):  # sampled requests interleaved: greedy rows must not notice them
+        requests.append(req(f"g{i}", p, temperature=0.0, max_new_tokens=24))
+        requests.append(req(f"s{i}", p, temperature=1.0, top_p=0.9, max_new_tokens=24, n=2))
+    results = engine.generate_batch(requests)
+    for i in range(len(batch)):
+        (greedy,) = results[2 * i]
+        assert greedy.output_ids == expected[i]
+        reason = FinishReason.STOP if greedy.output_ids[-1] == EOS else FinishReason.LENGTH
+        assert greedy.finish_reason == reason
+
+
+def test_logprobs_are_the_raw_policy_of_a_full_forward(engine, hf_model):
+    batch = prompts(5, seed=2)
+    # Temperature and filters shape the sampling only; returned log-probs stay the raw policy's.
+    requests = [req(f"r{i}", p, temperature=1.7, top_k=20, top_p=0.8, max_new_tokens=20, n=2, seed=i)
+                for i, p in enumerate(batch)]
+    for p, samples in zip(batch, engine.generate_batch(requests)):
+        for r in samples:
+            assert len(r.logprobs) == len(r.output_ids) == len(r.versions) > 0
+            ref = full_logprobs(hf_model, p, r.output_ids)
+            torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=1e-5, rtol=0)
+
+
+def test_same_seed_same_samples_whatever_the_batch(engine):
+    (p,) = prompts(1, seed=3)
+    others = [req(f"o{i}", q, max_new_tokens=30) for i, q in enumerate(prompts(6, seed=4))]
+    alone = engine.generate_batch([req("a", p, max_new_tokens=30, n=3, seed=7)])[0]
+    crowded = engine.generate_batch(others + [req("a", p, max_new_tokens=30, n=3, seed=7)])[-1]
+    other_seed = engine.generate_batch([req("a", p, max_new_tokens=30, n=3, seed=8)])[0]
+    assert [r.output_ids for r in alone] == [r.output_ids for r in crowded]
+    assert [r.output_ids for r in alone] != [r.output_ids for r in other_seed]
+
+
+def test_n_samples_share_one_prefill_and_differ(engine):
+    (p,) = prompts(1, seed=5)
+    before = engine.health()
+    (samples,) = engine.generate_batch([req("n", p, max_new_tokens=16, n=6, seed=1)])
+    after = engine.health()
+    assert after["prefill_rows"] - before["prefill_rows"] == 1
+    assert after["prefill_tokens"] - before["prefill_tokens"] == len(p)
+    assert len(samples) == 6 and len({tuple(r.output_ids) for r in samples}) > 1
+
+
+def test_stop_tokens_max_new_tokens_and_max_model_len(model_dir, engine):
+    (p,) = prompts(1, seed=6)
+    (greedy,) = engine.generate_batch([req("g", p, temperature=0, max_new_tokens=12)])[0:1][0]
+    stop = greedy.output_ids[4]
+    first = greedy.output_ids.index(stop)
+    (stopped,) = engine.generate_batch([req("s", p, temperature=0, max_new_tokens=12, stop_token_ids=[stop])])[0]
+    assert stopped.output_ids == greedy.output_ids[:first + 1]  # the stop token is returned
+    assert stopped.logprobs == pytest.approx(greedy.logprobs[:first + 1], abs=1e-6)
+    assert stopped.finish_reason == FinishReason.STOP
+
+    (short,) = engine.generate_batch([req("l", p, temperature=0, max_new_tokens=3)])[0]
+    assert short.output_ids == greedy.output_ids[:3] and short.finish_reason == FinishReason.LENGTH
+
+    # The model's eos stops generation too (here an engine whose eos is that token).
+    eos_engine = NativeEngine(model_dir, max_model_len=128, eos_token_ids=[stop])
+    (by_eos,) = eos_engine.generate_batch([req("e", p, temperature=0, max_new_tokens=12)])[0]
+    assert by_eos.output_ids == stopped.output_ids and by_eos.finish_reason == FinishReason.STOP
+
+    capped = NativeEngine(model_dir, max_model_len=len(p) + 5, eos_token_ids=[])
+    (cut,) = capped.generate_batch([req("c", p, temperature=0, max_new_tokens=50)])[0]
+    assert len(cut.output_ids) == 5 and cut.finish_reason == FinishReason.LENGTH
+
+
+def test_update_weights_changes_outputs_and_versions(engine, hf_model):
+    batch = prompts(3, seed=7)
+    requests = [req(f"r{i}", p, temperature=0, max_new_tokens=10) for i, p in enumerate(batch)]
+    before = engine.generate_batch(requests)
+    assert engine.version == 0 and all(r.versions == [0] * len(r.output_ids) for (r,) in before)
+
+    new = {name: t + 0.05 * torch.randn_like(t) for name, t in hf_model.state_dict().items()}
+    assert "lm_head.weight" in new  # the tied alias is accepted along with the embedding
+    with pytest.raises(ValueError, match="unknown tensor 'nope'") as err:
+        engine.update_weights([("nope", torch.zeros(1))])
+    assert "\n" not in str(err.value) and engine.version == 0
+    assert engine.update_weights(new.items()) == 1 and engine.version == 1
+
+    after = engine.generate_batch(requests)
+    assert [r.output_ids for (r,) in after] != [r.output_ids for (r,) in before]
+    from transformers import AutoModelForCausalLM
+
+    updated = AutoModelForCausalLM.from_pretrained(engine.model_path).eval()
+    updated.load_state_dict(new)
+    for p, (r,) in zip(batch, after):
+        assert r.versions == [1] * len(r.output_ids)
+        torch.testing.assert_close(torch.tensor(r.logprobs), full_logprobs(updated, p, r.output_ids), atol=1e-5, rtol=0)
+
+
+def test_weight_update_between_decode_steps_is_recorded_per_token(model_dir, hf_model):
+    engine = NativeEngine(model_dir, max_model_len=256, eos_token_ids=[])
+    (p,) = prompts(1, seed=8)
+
+    async def main():
+        task = asyncio.create_task(engine.generate(req("long", p, max_new_tokens=60, seed=0)))
+        while engine.health()["generated_tokens"] < 5:
+            await asyncio.sleep(0)
+        engine.update_weights((n, t * 1.01) for n, t in hf_model.state_dict().items())
+        return await task
+
+    (result,) = asyncio.run(main())
+    k = result.versions.index(1)
+    assert 5 <= k < 60 and result.versions == [0] * k + [1] * (60 - k)
+
+
+def test_abort_returns_partial_tokens(model_dir):
+    engine = NativeEngine(model_dir, max_batch_size=4, max_model_len=256, eos_token_ids=[])
+    a, b, c = prompts(3, seed=9)
+
+    async def main():
+        running = asyncio.create_task(engine.generate(req("run", a, max_new_tokens=200, n=4)))
+        waiting = asyncio.create_task(engine.generate(req("wait", b, max_new_tokens=10)))  # batch is full
+        while engine.health()["generated_tokens"] < 4 * 6:
+            await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="unknown request id"):
+            await engine.abort(["nobody"])
+        aborted = await engine.abort(["run"])
+        from_generate = await running
+        assert await waiting and engine.health()["batches"] == 2  # ran after the first batch
+        later = asyncio.create_task(engine.generate(req("later", c, max_new_tokens=200)))
+        while engine.health()["running_rows"] == 0:
+            await asyncio.sleep(0)
+        everything = await engine.abort()
+        return aborted, from_generate, everything, await later
+
+    aborted, from_generate, everything, later = asyncio.run(main())
+    assert aborted == from_generate and len(aborted) == 4
+    for r in aborted:
+        assert r.finish_reason == FinishReason.ABORT and 6 <= len(r.output_ids) < 200
+        assert len(r.logprobs) == len(r.versions) == len(r.output_ids)
+    assert everything == later and later[0].finish_reason == FinishReason.ABORT
+
+
+def test_pause_holds_steps_until_resume(engine):
+    (p,) = prompts(1, seed=10)
+
+    async def main():
+        engine.pause()
+        task = asyncio.create_task(engine.generate(req("p", p, max_new_tokens=8)))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        stalled = engine.health()
+        engine.resume()
+        return stalled, await task
+
+    stalled, (result,) = asyncio.run(main())
+    assert stalled["status"] == "paused" and stalled["waiting_requests"] == 1 and stalled["steps"] == 0
+    assert len(result.output_ids) <= 8 and engine.health()["status"] == "ok"
+
+
+def test_bad_requests_fail_alone(engine):
+    good = prompts(2, seed=11)
+    bad = {
+        "empty": req("empty", [], max_new_tokens=4),
+        "too long": req("long", list(range(2, 130)), max_new_tokens=4),
+        "max_new_tokens": req("zero", good[0], max_new_tokens=0),
+        "temperature": req("temp", good[0], temperature=-1.0),
+        "top_p": req("topp", good[0], top_p=0.0),
+        "must lie in": req("vocab", [5, VOCAB + 3]),
+    }
+
+    async def main():
+        calls = [engine.generate(req(f"ok{i}", p, max_new_tokens=5)) for i, p in enumerate(good)]
+        calls += [engine.generate(r) for r in bad.values()]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    outcomes = asyncio.run(main())
+    assert all(isinstance(o, list) and len(o[0].output_ids) > 0 for o in outcomes[:2])
+    for (needle, r), err in zip(bad.items(), outcomes[2:]):
+        assert isinstance(err, ValueError) and needle in str(err) and r.request_id in str(err)
+        assert "\n" not in str(err)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate_batch([req("ok", good[0]), bad["max_new_tokens"]])
+
+
+def test_sampler_matches_the_filtered_distribution():
+    torch.manual_seed(0)
+    logits = torch.randn(12) * 2
+    rows = 40_000
+    cases = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.6),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=0.9, top_k=6, top_p=0.8, min_p=0.05),
+    ]
+    for params in cases:
+        st = SamplingTensors.build([params] * rows, 12, "cpu")
+        tokens, logprobs = sample(logits.expand(rows, -1), st, torch.rand(rows))
+        probs = torch.softmax(logits / params.temperature, -1)
+        order = probs.argsort(descending=True)
+        keep = torch.zeros(12, dtype=torch.bool)
+        k = params.top_k or 12
+        top = probs[order[:k]] / probs[order[:k]].sum()
+        for rank in range(k):  # top-k, then top-p over the renormalised top-k, then min-p
+            if top[:rank].sum() < params.top_p and probs[order[rank]] >= params.min_p * probs.max():
+                keep[order[rank]] = True
+        target = torch.where(keep, probs, 0.0)
+        target /= target.sum()
+        freq = torch.bincount(tokens, minlength=12).float() / rows
+        assert freq[~keep].sum() == 0, params
+        assert (freq - target).abs().max() < 0.015, params
+        torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens])
+
+
+def test_bfloat16_model_with_fp32_head_runs(model_dir):
+    engine = NativeEngine(model_dir, dtype="bfloat16", fp32_lm_head=True)
+    (samples,) = engine.generate_batch([req("bf", prompts(1, seed=12)[0], max_new_tokens=8, n=2)])
+    assert all(torch.isfinite(torch.tensor(r.logprobs)).all() and len(r.output_ids) > 0 for r in samples)
+    assert engine.health()["dtype"] == "bfloat16"

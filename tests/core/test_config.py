@@ -1,0 +1,439 @@
+"""Config validation before any actor: every bad key is one line naming its path; nothing starts Ray."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from loongsage.core import cli
+from loongsage.core.aggregation import AGGREGATION_MODES
+from loongsage.core.config import (
+    Config,
+    find_recipe,
+    list_recipes,
+    load_config,
+    packaged_recipe_dir,
+    recipe_search_path,
+)
+from loongsage.core.types import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = "tiny/grpo_arith_cpu"
+TOP_LEVEL = ("checkpoint", "data_sources", "evaluation", "model", "placement", "plugins", "rollout", "run",
+             "tracking", "trainer", "algorithm")
+
+
+@pytest.fixture(autouse=True)
+def no_ray_started():
+    """Validation never starts Ray (it may be imported by other tests of the session, never initialised here)."""
+    before = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    yield
+    if not before:
+        assert not ("ray" in sys.modules and sys.modules["ray"].is_initialized()), "config validation started Ray"
+
+
+@pytest.fixture
+def at_repo(monkeypatch) -> Path:
+    monkeypatch.chdir(REPO)
+    return REPO
+
+
+def config_error(overrides: list[str], recipe: str = RECIPE, **kwargs) -> str:
+    with pytest.raises(ConfigError) as exc:
+        load_config(recipe, overrides, **kwargs)
+    text = str(exc.value)
+    assert "\n" not in text, f"error spans several lines: {text!r}"
+    return text
+
+
+def tiny_raw() -> dict:
+    return yaml.safe_load((REPO / "recipes" / "tiny" / "grpo_arith_cpu.yaml").read_text())
+
+
+def write_recipe(directory: Path, name: str, raw: dict) -> Path:
+    path = directory / f"{name}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+# ----------------------------------------------------------------------------- the valid recipe
+def test_tiny_recipe_validates(at_repo) -> None:
+    cfg, registry = load_config(RECIPE)
+    assert isinstance(cfg, Config)
+    assert cfg.run.name == "grpo_arith_cpu" and cfg.model.builder == {"name": "tiny_arith", "params": {}}
+    (src,) = cfg.data_sources
+    assert (src.name, src.prompts_per_step, src.samples_per_prompt) == ("arith", 8, 8)
+    assert cfg.sampling_for(src).n == 8 and cfg.sampling_for(src).max_new_tokens == 8
+    assert cfg.trainer.optimizer.lr == pytest.approx(3e-4)
+    assert cfg.placement.colocate is True and cfg.checkpoint.resume is False
+    assert "grpo" in registry.names("advantage")
+
+
+def test_overrides_reach_keys_the_recipe_leaves_to_defaults(at_repo) -> None:
+    cfg, _ = load_config(RECIPE, ["tracking.progress=false", "trainer.world_size=2",
+                                  "trainer.mini_batches_per_step=4", "algorithm.advantage.params.std_normalize=false",
+                                  "model.builder.params.steps=40"])
+    assert cfg.tracking.progress is False
+    assert (cfg.trainer.world_size, cfg.trainer.mini_batches_per_step) == (2, 4)  # 8 prompts = 2 x 4
+    assert cfg.algorithm.advantage == {"name": "grpo", "params": {"std_normalize": False}}
+    assert cfg.model.builder["params"] == {"steps": 40}
+
+
+# ----------------------------------------------------------------------------- plugin names
+@pytest.mark.parametrize(
+    ("override", "prefix", "known"),
+    [
+        ("algorithm.advantage.name=nope", "algorithm.advantage.name: unknown advantage 'nope'; known: ", "grpo"),
+        ("algorithm.policy_loss.name=nope", "algorithm.policy_loss.name: unknown policy_loss 'nope'", "ppo_clip"),
+        ("++algorithm.kl={name: k9}", "algorithm.kl.name: unknown kl 'k9'", "low_var_kl"),
+        ("rollout.engine.name=vllm", "rollout.engine.name: unknown engine 'vllm'; known: ", "native"),
+        ("data_sources.0.reward.name=nope", "data_sources[0].reward.name: unknown reward 'nope'", "exact_match"),
+        ("data_sources.0.agent.name=nope", "data_sources[0].agent.name: unknown agent 'nope'", "single_turn"),
+        ("data_sources.0.reader.name=csv", "data_sources[0].reader.name: unknown data_source 'csv'", "arith, file"),
+        ("model.builder.name=nope", "model.builder.name: unknown model_builder 'nope'", "tiny_arith"),
+        ("tracking.backends=[jsonl,wandb]", "tracking.backends[1].name: unknown tracker 'wandb'", "tensorboard"),
+        ("++algorithm.filters=[{name: nope}]", "algorithm.filters[0].name: unknown data_filter 'nope'", ""),
+    ],
+)
+def test_unknown_plugin_name_lists_known(at_repo, override, prefix, known) -> None:
+    msg = config_error([override])
+    assert msg.startswith(prefix), msg
+    assert known in msg.partition("known: ")[2]
+
+
+def test_plugin_params_are_checked_against_the_factory(at_repo) -> None:
+    assert config_error(["algorithm.advantage.params.std_norm=true"]) == (
+        "algorithm.advantage.params.std_norm: unknown key; allowed: eps, std_normalize")
+    msg = config_error(["algorithm.policy_loss.params.clip_low=wide"])
+    assert msg.startswith("algorithm.policy_loss.params.clip_low: got 'wide'; expected a number")
+    msg = config_error(["data_sources.0.reader.name=file", "~data_sources.0.reader.params"])
+    assert msg == "data_sources[0].reader.params.path: missing required key (type str)"
+    msg = config_error(["rollout.engine.params.model_path=/x"])  # supplied by the framework, not settable
+    assert msg.startswith("rollout.engine.params.model_path: unknown key; allowed: ")
+    assert config_error(["algorithm.advantage={name: grpo, parms: {}}"]) == (
+        "algorithm.advantage.parms: unknown key; allowed: name, params")
+
+
+# ----------------------------------------------------------------------------- keys and types
+def test_missing_required_key_from_a_recipe_file(at_repo, tmp_path) -> None:
+    raw = tiny_raw()
+    del raw["data_sources"][0]["reader"]
+    write_recipe(tmp_path, "no_reader", raw)
+    msg = config_error([], recipe="no_reader", config_dir=str(tmp_path))
+    assert msg.startswith("config.data_sources[0].reader: missing required key")
+
+    raw = tiny_raw()
+    del raw["data_sources"][0]["name"]
+    write_recipe(tmp_path, "no_name", raw)
+    assert config_error([], recipe="no_name", config_dir=str(tmp_path)).startswith(
+        "config.data_sources[0].name: missing required key (type str)")
+
+
+def test_unknown_top_level_key(at_repo, tmp_path) -> None:
+    msg = config_error(["foo=1"])
+    assert msg.startswith("config.foo: unknown key; allowed: ")
+    assert all(k in msg for k in TOP_LEVEL)
+    raw = tiny_raw()
+    raw["trainers"] = raw.pop("trainer")  # a typo in a recipe file
+    write_recipe(tmp_path, "typo", raw)
+    assert config_error([], recipe="typo", config_dir=str(tmp_path)).startswith("config.trainers: unknown key")
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.optimizer.lrr=0.1",
+         "config.trainer.optimizer.lrr: unknown key; allowed: betas, eps, grad_clip, lr, warmup_steps, weight_decay"),
+        ("data_sources.0.prompts_per_stp=4", "config.data_sources[0].prompts_per_stp: unknown key; allowed: "),
+        ("run.nmae=x", "config.run.nmae: unknown key; allowed: log_dir, name, output_dir, seed, total_steps"),
+    ],
+)
+def test_unknown_nested_key(at_repo, override, expected) -> None:
+    assert config_error([override]).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.micro_batch_tokens=abc", "config.trainer.micro_batch_tokens: got 'abc'; expected an integer"),
+        ("run.seed=1.5", "config.run.seed: got 1.5; expected an integer"),
+        ("placement.colocate=maybe", "config.placement.colocate: got 'maybe'; expected true or false"),
+        ("trainer.optimizer.lr=fast", "config.trainer.optimizer.lr: got 'fast'; expected a number"),
+        ("trainer.optimizer.betas=0.9", "config.trainer.optimizer.betas: got 0.9; expected a list"),
+        ("tracking.backends=jsonl", "config.tracking.backends: got 'jsonl'; expected a list"),
+        ("data_sources=7", "config.data_sources: got 7; expected a list"),
+        ("data_sources.0.on_bad_row=maybe", "config.data_sources[0].on_bad_row: got 'maybe'; allowed: 'skip', 'error'"),
+        ("model.dtype=fp8", "config.model.dtype: got 'fp8'; allowed: 'float32', 'bfloat16', 'float16'"),
+    ],
+)
+def test_wrong_type(at_repo, override, expected) -> None:
+    assert config_error([override]) == expected
+
+
+@pytest.mark.parametrize(
+    ("override", "section", "key"),
+    [
+        ("run.total_steps=0", "run", "total_steps"),
+        ("trainer.micro_batch_tokens=0", "trainer", "micro_batch_tokens"),
+        ("trainer.optimizer.lr=0", "trainer.optimizer", "lr"),
+        ("data_sources.0.samples_per_prompt=0", "data_sources[0]", "samples_per_prompt"),
+        ("rollout.num_engines=0", "rollout", "num_engines"),
+    ],
+)
+def test_value_out_of_range_names_the_key(at_repo, override, section, key) -> None:
+    msg = config_error([override])
+    assert msg.startswith(f"config.{section}"), msg
+    assert f"{key}=0" in msg and "must be" in msg
+
+
+def test_nonexistent_model_path(at_repo) -> None:
+    msg = config_error(["model.path=/nonexistent", "model.builder=null"])
+    assert msg.startswith("model.path='/nonexistent': ") and "config.json" in msg
+    assert config_error(["model.builder=null"]).startswith("model: set model.path")
+
+
+def test_model_path_without_config_json(at_repo, tmp_path) -> None:
+    assert config_error([f"model.path={tmp_path}", "model.builder=null"]).startswith(f"model.path='{tmp_path}'")
+    (tmp_path / "config.json").write_text("{}")
+    cfg, _ = load_config(RECIPE, [f"model.path={tmp_path}", "model.builder=null"])
+    assert cfg.model.path == str(tmp_path)
+
+
+def test_bad_aggregation(at_repo) -> None:
+    msg = config_error(["algorithm.aggregation=bogus"])
+    # names the section and the key: "config.algorithm: aggregation='bogus'; allowed: ..."
+    assert msg.startswith("config.algorithm") and "aggregation='bogus'" in msg
+    assert msg.endswith(", ".join(AGGREGATION_MODES))
+    for mode in AGGREGATION_MODES:
+        cfg, _ = load_config(RECIPE, [f"algorithm.aggregation={mode}"])
+        assert cfg.algorithm.aggregation == mode
+
+
+def test_kl_coef_needs_an_estimator(at_repo) -> None:
+    assert config_error(["algorithm.kl_coef=0.1"]).startswith("algorithm.kl_coef is set but algorithm.kl is null")
+    cfg, _ = load_config(RECIPE, ["algorithm.kl_coef=0.1", "algorithm.kl={name: k3}"])
+    assert cfg.algorithm.kl == {"name": "k3"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dp_mb"),
+    [
+        (["trainer.world_size=3"], 3),
+        (["trainer.mini_batches_per_step=3"], 3),
+        (["trainer.world_size=2", "trainer.mini_batches_per_step=2", "data_sources.0.prompts_per_step=6"], 4),
+    ],
+)
+def test_prompts_per_step_divisible_by_dp_times_mini_batches(at_repo, overrides, dp_mb) -> None:
+    msg = config_error(overrides)
+    assert msg.startswith("data_sources[0].prompts_per_step=")
+    assert f"must be divisible by trainer.world_size x trainer.mini_batches_per_step = {dp_mb}" in msg
+
+
+def test_divisible_split_is_accepted(at_repo) -> None:
+    cfg, _ = load_config(RECIPE, ["trainer.world_size=2", "trainer.mini_batches_per_step=2",
+                                  "data_sources.0.prompts_per_step=12"])
+    assert cfg.data_sources[0].prompts_per_step == 12
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("data_sources.0.sampling.temperature=-1", "data_sources[0].sampling.temperature=-1.0: must be >= 0"),
+        ("data_sources.0.sampling.top_p=0", "data_sources[0].sampling.top_p=0.0: must be in (0, 1]"),
+        ("data_sources.0.sampling.top_k=-2", "data_sources[0].sampling.top_k=-2: must be >= 0"),
+        ("data_sources.0.sampling.min_p=1", "data_sources[0].sampling.min_p=1.0: must be in [0, 1)"),
+        ("data_sources.0.sampling.max_new_tokens=0", "data_sources[0].sampling.max_new_tokens=0: must be > 0"),
+        ("data_sources.0.sampling.temperature=hot", "data_sources[0].sampling.temperature: got 'hot'; expected a number"),
+        ("data_sources.0.sampling.n=4", "data_sources[0].sampling.n: set data_sources[0].samples_per_prompt instead"),
+        ("data_sources.0.sampling.temprature=0.5", "data_sources[0].sampling.temprature: unknown key; allowed: "),
+    ],
+)
+def test_bad_sampling_value(at_repo, override, expected) -> None:
+    assert config_error([override]).startswith(expected)
+
+
+def test_data_sources_list_rules(at_repo, tmp_path) -> None:
+    assert config_error(["data_sources=[]"]) == "data_sources: at least one data source is required"
+    raw = tiny_raw()
+    raw["data_sources"].append(dict(raw["data_sources"][0]))
+    write_recipe(tmp_path, "twice", raw)
+    msg = config_error([], recipe="twice", config_dir=str(tmp_path))
+    assert msg == "data_sources: names must be unique, got ['arith', 'arith']"
+    raw["data_sources"][1]["name"] = "arith_sub"
+    raw["data_sources"][1]["sampling"] = {"temperature": -0.5}
+    write_recipe(tmp_path, "second_bad", raw)
+    msg = config_error([], recipe="second_bad", config_dir=str(tmp_path))
+    assert msg.startswith("data_sources[1].sampling.temperature=-0.5")
+
+
+def test_hydra_syntax_error_is_one_line(at_repo) -> None:
+    msg = config_error(["trainer.micro_batch_tokens=[1,"])
+    assert msg.startswith("grpo_arith_cpu.yaml: ")
+
+
+# ----------------------------------------------------------------------------- aliases
+def test_alias_overrides(at_repo) -> None:
+    cfg, _ = load_config(RECIPE, ["colocate=false", "resume=true"])
+    assert cfg.placement.colocate is False and cfg.checkpoint.resume is True
+    cfg, _ = load_config(RECIPE, ["colocate=true", "resume=false"])
+    assert cfg.placement.colocate is True and cfg.checkpoint.resume is False
+    assert config_error(["colocate=sometimes"]) == "config.placement.colocate: got 'sometimes'; expected true or false"
+    assert config_error(["resume=1"]) == "config.checkpoint.resume: got 1; expected true or false"
+
+
+# ----------------------------------------------------------------------------- finding recipes
+def test_search_order_is_config_dir_then_cwd_then_packaged(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    extra = tmp_path / "extra"
+    assert recipe_search_path(str(extra)) == [extra, tmp_path / "recipes", packaged_recipe_dir()]
+    assert recipe_search_path() == [tmp_path / "recipes", packaged_recipe_dir()]
+
+
+def test_cwd_recipes_then_config_dir_take_precedence(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    raw = tiny_raw()
+    raw["run"]["name"] = "from_cwd"
+    in_cwd = write_recipe(tmp_path / "recipes", RECIPE, raw)
+    raw["run"]["name"] = "from_config_dir"
+    in_extra = write_recipe(tmp_path / "extra", RECIPE, raw)
+    raw["run"]["name"] = "only_here"
+    write_recipe(tmp_path / "extra", "mine/only_here", raw)
+
+    assert find_recipe(RECIPE) == in_cwd.resolve()
+    assert load_config(RECIPE)[0].run.name == "from_cwd"
+    assert find_recipe(RECIPE, str(tmp_path / "extra")) == in_extra.resolve()
+    assert load_config(RECIPE, config_dir=str(tmp_path / "extra"))[0].run.name == "from_config_dir"
+    assert load_config("mine/only_here", config_dir=str(tmp_path / "extra"))[0].run.name == "only_here"
+    assert {RECIPE, "mine/only_here"} <= set(list_recipes(str(tmp_path / "extra")))
+    # a path to a YAML file works from anywhere
+    assert load_config(str(in_extra))[0].run.name == "from_config_dir"
+
+
+def test_packaged_recipe_dir_matches_the_wheel_layout() -> None:
+    """The core wheel force-includes recipes/tiny where packaged_recipe_dir() looks for it."""
+    meta = tomllib.loads((REPO / "packages" / "loongsage-core" / "pyproject.toml").read_text())
+    include = meta["tool"]["hatch"]["build"]["targets"]["wheel"]["force-include"]
+    (source, target), = include.items()
+    assert (REPO / "packages" / "loongsage-core" / source).resolve() == REPO / "recipes" / "tiny"
+    assert packaged_recipe_dir().parts[-3:] == ("loongsage", "core", "recipes")
+    assert target == "loongsage/core/recipes/tiny"
+
+
+@pytest.mark.xfail(
+    not packaged_recipe_dir().is_dir(), strict=True,
+    reason="editable install: hatchling's force-include does not apply, so no packaged recipes exist",
+)
+def test_packaged_recipe_found_from_any_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    found = find_recipe(RECIPE)
+    assert found.read_text() == (REPO / "recipes" / "tiny" / "grpo_arith_cpu.yaml").read_text()
+
+
+def test_recipe_not_found_lists_known(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_recipe(tmp_path / "recipes", "tiny/a_recipe", tiny_raw())
+    write_recipe(tmp_path / "extra", "b/other", tiny_raw())
+    msg = config_error([], recipe="tiny/nope", config_dir=str(tmp_path / "extra"))
+    assert msg.startswith("recipe 'tiny/nope' not found; looked in: ")
+    assert str(tmp_path / "extra") in msg and str(tmp_path / "recipes") in msg
+    known = msg.partition("; known: ")[2].split(", ")
+    assert {"tiny/a_recipe", "b/other"} <= set(known)
+
+
+# ----------------------------------------------------------------------------- through the launcher
+@pytest.mark.parametrize(
+    ("args", "start"),
+    [
+        (["algorithm.advantage.name=nope"], "algorithm.advantage.name: unknown advantage 'nope'; known: "),
+        (["trainer.micro_batch_tokens=abc"], "config.trainer.micro_batch_tokens: got 'abc'"),
+        (["model.path=/nonexistent", "model.builder=null"], "model.path='/nonexistent'"),
+        (["data_sources.0.sampling.temperature=-1"], "data_sources[0].sampling.temperature=-1.0"),
+    ],
+)
+def test_cli_train_bad_config_exits_2_with_one_line(tmp_path, monkeypatch, capsys, args, start) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc = cli.main(["train", RECIPE, *args, "--config-dir", str(REPO / "recipes")])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert captured.err.startswith(f"loongsage: error: {start}"), captured.err
+    assert captured.err.count("\n") == 1 and captured.err.endswith("\n")
+    assert captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing may be written before validation passes"
+
+
+def test_cli_train_missing_recipe(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_recipe(tmp_path / "extra", "mine/ok", tiny_raw())
+    assert cli.main(["train", "mine/missing", "--config-dir", str(tmp_path / "extra")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("loongsage: error: recipe 'mine/missing' not found")
+    assert "mine/ok" in err
+
+
+def test_cli_validation_never_imports_ray(tmp_path) -> None:
+    """In a fresh interpreter, rejected configs leave Ray unimported (no actor, no cluster)."""
+    script = textwrap.dedent(
+        f"""
+        import contextlib, io, json, sys
+        from loongsage.core import cli
+        results = []
+        for args in ({["algorithm.advantage.name=nope"]!r}, {["trainer.world_size=3"]!r},
+                     {["colocate=maybe"]!r}):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                rc = cli.main(["train", "{RECIPE}", *args, "--config-dir", {str(REPO / "recipes")!r}])
+            results.append([rc, err.getvalue()])
+        print(json.dumps({{"results": results, "ray": "ray" in sys.modules}}))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ray"] is False
+    for rc, err in out["results"]:
+        assert rc == 2 and err.count("\n") == 1 and err.startswith("loongsage: error: "), err
+    assert not any(tmp_path.iterdir())
+
+
+def test_plugins_key_loads_modules(at_repo, tmp_path, monkeypatch) -> None:
+    (tmp_path / "loongsage_cfg_plugin_ok.py").write_text(textwrap.dedent(
+        """
+        from dataclasses import dataclass
+        from loongsage.core.hookspecs import hookimpl
+
+        @dataclass(frozen=True)
+        class NonEmpty:
+            def __call__(self, group):
+                return bool(group)
+
+        @hookimpl
+        def loongsage_data_filters():
+            return {"non_empty": NonEmpty}
+        """))
+    (tmp_path / "loongsage_cfg_plugin_dup.py").write_text(textwrap.dedent(
+        """
+        from loongsage.core.hookspecs import hookimpl
+
+        @hookimpl
+        def loongsage_advantage_estimators():
+            return {"grpo": object}
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("loongsage_cfg_plugin_ok", "loongsage_cfg_plugin_dup"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    cfg, registry = load_config(RECIPE, ["plugins=[loongsage_cfg_plugin_ok]",
+                                         "algorithm.filters=[{name: non_empty}]"])
+    assert cfg.plugins == ["loongsage_cfg_plugin_ok"]
+    assert registry.entry("data_filter", "non_empty").provider == "config plugins: loongsage_cfg_plugin_ok"
+    msg = config_error(["plugins=[loongsage_cfg_plugin_dup]"])
+    assert msg.startswith("advantage 'grpo' is provided twice: by loongsage-algos ")
+    assert "and by config plugins: loongsage_cfg_plugin_dup" in msg

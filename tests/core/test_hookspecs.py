@@ -1,0 +1,122 @@
+"""The twelve extension points: names, signatures, docstrings and how the registry covers them."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+import pluggy
+import pytest
+
+from loongsage.core import hookspecs, plugins
+
+# The table of extension points in the architecture, in order.
+TWELVE = (
+    "loongsage_agents",
+    "loongsage_rewards",
+    "loongsage_data_sources",
+    "loongsage_advantage_estimators",
+    "loongsage_policy_losses",
+    "loongsage_kl_estimators",
+    "loongsage_corrections",
+    "loongsage_data_filters",
+    "loongsage_rollout_schedulers",
+    "loongsage_sandboxes",
+    "loongsage_gateway_middlewares",
+    "loongsage_backends",
+)
+SPEC_ATTR = f"{hookspecs.PROJECT}_spec"
+
+
+def _specs_in_module() -> dict[str, typing.Callable]:
+    return {
+        name: fn
+        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        if hasattr(fn, SPEC_ATTR)
+    }
+
+
+@pytest.fixture(scope="module")
+def pm() -> pluggy.PluginManager:
+    manager = pluggy.PluginManager(hookspecs.PROJECT)
+    manager.add_hookspecs(hookspecs)
+    return manager
+
+
+def test_exactly_the_twelve_hooks() -> None:
+    assert hookspecs.PROJECT == "loongsage"
+    assert hookspecs.HOOK_NAMES == TWELVE
+    assert len(set(hookspecs.HOOK_NAMES)) == 12
+    assert set(_specs_in_module()) == set(TWELVE)
+    # nothing else in the module looks like a hook but lacks the marker
+    stray = {n for n, _ in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("loongsage_")}
+    assert stray == set(TWELVE)
+
+
+@pytest.mark.parametrize("name", TWELVE)
+def test_hook_signature_docstring_and_options(name: str, pm: pluggy.PluginManager) -> None:
+    fn = getattr(hookspecs, name)
+    assert inspect.signature(fn).parameters == {}, f"{name} must take no arguments"
+    assert typing.get_type_hints(fn, vars(hookspecs))["return"] == hookspecs.Factories
+    doc = inspect.getdoc(fn)
+    assert doc and len(doc.split()) >= 5, f"{name} needs a docstring saying what the factories implement"
+    opts = getattr(fn, SPEC_ATTR)
+    assert opts["firstresult"] is False, f"{name}: every plugin contributes, no firstresult"
+    assert opts["historic"] is False
+    caller = getattr(pm.hook, name)
+    assert caller.spec is not None and caller.spec.argnames == ()
+    assert caller.spec.opts["firstresult"] is False
+
+
+def test_calling_a_hook_collects_every_plugins_mapping(pm: pluggy.PluginManager) -> None:
+    """No firstresult: two plugins on one hook both contribute, in a list of mappings."""
+
+    class First:
+        @hookspecs.hookimpl
+        def loongsage_data_filters(self):
+            return {"a": object}
+
+    class Second:
+        @hookspecs.hookimpl
+        def loongsage_data_filters(self):
+            return {"b": object}
+
+    local = pluggy.PluginManager(hookspecs.PROJECT)
+    local.add_hookspecs(hookspecs)
+    local.register(First())
+    local.register(Second())
+    results = local.hook.loongsage_data_filters()
+    assert sorted(k for mapping in results for k in mapping) == ["a", "b"]
+
+
+def test_hookimpl_with_arguments_is_rejected(pm: pluggy.PluginManager) -> None:
+    """A hookimpl may not ask for parameters the spec does not offer."""
+
+    class Bad:
+        @hookspecs.hookimpl
+        def loongsage_rewards(self, config):
+            return {}
+
+    local = pluggy.PluginManager(hookspecs.PROJECT)
+    local.add_hookspecs(hookspecs)
+    with pytest.raises(pluggy.PluginValidationError, match="config"):
+        local.register(Bad())
+
+
+def test_categories_and_backends_cover_every_hook() -> None:
+    hooks = list(plugins.CATEGORIES.values())
+    assert len(hooks) == len(set(hooks)), "two categories map to one hook"
+    assert "loongsage_backends" not in hooks
+    assert set(hooks) | {"loongsage_backends"} == set(hookspecs.HOOK_NAMES)
+    assert len(plugins.CATEGORIES) == 11
+    assert not set(plugins.CATEGORIES) & set(plugins.BACKEND_KINDS), "a backend kind shadows a category"
+    for kind in ("trainer", "engine", "teacher", "transport", "tracker", "chat_parser"):
+        assert kind in plugins.BACKEND_KINDS
+        assert kind in inspect.getdoc(hookspecs.loongsage_backends)
+
+
+def test_every_installed_hookimpl_matches_a_spec() -> None:
+    """A misspelt hook in any installed plugin (built-in or entry point) would sit unverified."""
+    registry = plugins.load_registry()
+    registry.pm.check_pending()  # raises PluginValidationError on a hookimpl without a spec
+    assert len(registry.pm.get_plugins()) >= 2  # the built-ins and loongsage-algos
