@@ -19,8 +19,12 @@ from loongsage.core.loss import LossPipeline
 from loongsage.core.types import RewardInfraError, Status, TrainBatch, Trajectory, DataRecord
 
 
-def set_threads(threads: int) -> None:
+def setup_worker(threads: int) -> None:
+    """Per-actor process setup: torch threads, and no per-file progress bars in the run's log."""
+    from transformers.utils import logging as hf_logging
+
     torch.set_num_threads(threads if threads > 0 else (os.cpu_count() or 1))
+    hf_logging.disable_progress_bar()
 
 
 def build_pipeline(cfg: Config, registry: Any) -> LossPipeline:
@@ -48,7 +52,7 @@ class TrainerWorker:
                  init_method: str | None = None, threads: int = 0):
         from loongsage.core.plugins import load_registry
 
-        set_threads(threads)
+        setup_worker(threads)
         torch.manual_seed(cfg.run.seed + rank)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         if world_size > 1:
@@ -104,7 +108,7 @@ class EngineWorker:
         from loongsage.core.embedded.transport import unpack_bucket
         from loongsage.core.plugins import load_registry
 
-        set_threads(threads)
+        setup_worker(threads)
         self._unpack = unpack_bucket
         registry = load_registry(cfg.plugins)
         self.engine = registry.create("engine", cfg.rollout.engine, "rollout.engine",
