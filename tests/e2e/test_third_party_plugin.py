@@ -20,6 +20,7 @@ import torch
 
 from loongsage.core.plugins import load_registry
 from loongsage.core.types import AdvantageInput
+from tests.e2e import _third_party as third_party
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,6 @@ def _load(name: str, path: Path):
     return module
 
 
-third_party = _load("loongsage_tests_third_party", Path(__file__).with_name("_third_party.py"))
 PROVIDER = f"{third_party.DISTRIBUTION} 0.1.0 ({third_party.MODULE})"
 
 

@@ -82,6 +82,7 @@ class DecoderRunner:
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scales = [getattr(layer.self_attn, "scaling", self.head_dim ** -0.5) for layer in self.layers]
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.fp32_lm_head = fp32_lm_head
         self.refresh_head()
@@ -133,11 +134,18 @@ class DecoderRunner:
             k = k * cos + _rotate_half(k) * sin
             cache.keys[i][:, :, start:end] = k
             cache.values[i][:, :, start:end] = v
-            out = F.scaled_dot_product_attention(
-                q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end], attn_mask=mask,
-                scale=getattr(attn, "scaling", self.head_dim ** -0.5), enable_gqa=self.kv_heads != self.num_heads,
-            )
-            hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim))
+            keys, values = cache.keys[i][:, :, :end], cache.values[i][:, :, :end]
+            if seq == 1:
+                # Decode: the query heads that share a kv head become that head's query "rows", so
+                # attention reads each cached key once instead of expanding keys per query head.
+                q = q.reshape(bsz, self.kv_heads, self.num_heads // self.kv_heads, self.head_dim)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scales[i])
+                out = out.reshape(bsz, 1, self.num_heads * self.head_dim)
+            else:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scales[i],
+                                                     enable_gqa=self.kv_heads != self.num_heads)
+                out = out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim)
+            hidden = hidden + attn.o_proj(out)
             mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
             # Mixture-of-experts blocks of some versions return (hidden, router_logits).
             hidden = hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
