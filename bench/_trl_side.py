@@ -127,6 +127,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         mask_truncated_completions=False,
         logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         dataloader_num_workers=0, use_vllm=False,
+        # TRL's default is True; the framework's trainer does not recompute activations either
+        gradient_checkpointing=False,
     )
 
     steps: list[dict[str, Any]] = []
@@ -199,13 +201,14 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     parity["old_logprobs_recomputed"] = bool(
         args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0)
     parity["generation_batch_size"] = args.generation_batch_size
+    parity["gradient_checkpointing"] = bool(getattr(trainer.model, "is_gradient_checkpointing", False))
     parity["optimizer"] = None
     t_train = time.perf_counter()
     trainer.train()
     t_done = time.perf_counter()
     parity["optimizer"] = type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
                                else trainer.optimizer).__name__
-    parity["lr_scheduler"] = type(trainer.lr_scheduler).__name__
+    parity["lr_scheduler"] = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
     final = out_dir / "final"
     trainer.save_model(str(final))
     tokenizer.save_pretrained(str(final))

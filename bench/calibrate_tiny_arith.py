@@ -115,8 +115,9 @@ def grpo(model, tokenizer, train, test, args) -> list[dict]:
         }
         rewards_seen.clear()
         curve.append(row)
+        reward = f"{row['train_reward']:.3f}" if step else "  -  "
         print(
-            f"rl step {step:4d}  greedy {acc:.3f}  train reward {row['train_reward']:.3f}  "
+            f"rl step {step:4d}  greedy {acc:.3f}  train reward {reward}  "
             f"wall {row['wall_s']:6.1f}s (gen {t_gen:.1f}s, train {t_train:.1f}s)",
             flush=True,
         )
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-size", type=int, default=256)
     p.add_argument("--k", type=int, default=8, help="samples per prompt for pass@k")
     p.add_argument("--rl-steps", type=int, default=200)
-    p.add_argument("--rl-lr", type=float, default=3e-4)
+    p.add_argument("--rl-lr", type=float, default=1e-4)
     p.add_argument("--rl-seed", type=int, default=0)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=8)

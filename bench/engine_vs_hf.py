@@ -7,8 +7,9 @@ twice: the synchronous ``generate_batch`` and the async path the framework uses 
 per prompt, gathered). Reported: median tokens/s of each and the ratio of medians to HF.
 
     uv run python bench/engine_vs_hf.py [--batch 64] [--new-tokens 128] [--repeats 3] [--threads 1]
+                                        [--device cpu] [--dtype float32] [--out PATH]
 
-Writes ``bench/results/engine_vs_hf.json`` and prints a markdown table. Before timing it checks
+Writes ``bench/results/engine_vs_hf.json`` (or ``--out``) and prints a markdown table. Before timing it checks
 that greedy decoding of the batch gives the same tokens on both sides.
 """
 
@@ -57,6 +58,7 @@ def run_hf(model, ids, mask, new_tokens: int, sampling: dict, pad: int) -> tuple
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True,
                              eos_token_id=None, pad_token_id=pad, **sampling)
+        out = out.cpu()  # waits for the device; the engine's results are host lists already
     return time.perf_counter() - start, (out.shape[1] - ids.shape[1]) * out.shape[0]
 
 
@@ -81,7 +83,7 @@ def run_engine_async(engine, prompts, new_tokens: int, sampling: dict) -> tuple[
 
 
 def greedy_agrees(model, engine, prompts, pad: int, new_tokens: int = 32) -> bool:
-    ids, mask = left_pad(prompts, pad)
+    ids, mask = (t.to(model.device) for t in left_pad(prompts, pad))
     with torch.inference_mode():
         hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                             eos_token_id=None, pad_token_id=pad)[:, ids.shape[1]:].tolist()
@@ -95,18 +97,21 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both sides")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
         model, tokenizer = build_tiny_qwen3(tmp)
-        model.eval()
+        model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
         pad = tokenizer.pad_token_id
         engine = NativeEngine(tmp, max_batch_size=args.batch, max_model_len=64 + args.new_tokens + 1,
-                              eos_token_ids=[])
+                              eos_token_ids=[], device=args.device, dtype=args.dtype)
         prompts = make_prompts(args.batch, model.config.vocab_size)
-        ids, mask = left_pad(prompts, pad)
-        agree = greedy_agrees(model, engine, prompts, pad)
+        ids, mask = (t.to(args.device) for t in left_pad(prompts, pad))
+        agree = greedy_agrees(model, engine, prompts, pad, new_tokens=min(32, args.new_tokens))
 
         rows, raw = [], {}
         for name, sampling in SCENARIOS.items():
@@ -131,20 +136,21 @@ def main() -> None:
 
     meta = {
         "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
+        "device": args.device, "dtype": args.dtype,
         "prompt_tokens": "16-64", "model": "tiny Qwen3 (build_tiny_qwen3 defaults)", "greedy_tokens_agree": agree,
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"meta": meta, "scenarios": raw,
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "scenarios": raw,
                                    "table": [{"sampling": r[0], "side": r[1], "tokens_per_s": r[2],
                                               "ratio_vs_hf": r[3]} for r in rows]}, indent=2))
-    print(f"batch {args.batch} x {args.new_tokens} new tokens, {args.repeats} repeats (median), "
-          f"{args.threads} thread(s); greedy tokens agree with HF: {agree}\n")
+    print(f"batch {args.batch} x {args.new_tokens} new tokens, {args.repeats} repeats (median), {args.device} "
+          f"{args.dtype}, {args.threads} thread(s); greedy tokens agree with HF: {agree}\n")
     print("| sampling | side | tokens/s | vs HF generate |")
     print("|---|---|---:|---:|")
     for name, side, value, ratio in rows:
         print(f"| {name} | {side} | {value:,.0f} | {ratio:.2f}x |")
-    print(f"\nwrote {RESULTS}")
+    print(f"\nwrote {args.out}")
 
 
 if __name__ == "__main__":

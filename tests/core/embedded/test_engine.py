@@ -95,6 +95,19 @@ def test_greedy_matches_hf_generate_in_a_mixed_batch(engine, hf_model):
         assert greedy.finish_reason == reason
 
 
+def test_prefill_in_row_chunks_gives_the_same_tokens(engine, monkeypatch):
+    from loongsage.core.embedded import kv_cache
+
+    requests = [req(f"c{i}", p, temperature=0, max_new_tokens=12, n=2) for i, p in enumerate(prompts(5, seed=13))]
+    whole = engine.generate_batch(requests)
+    monkeypatch.setattr(kv_cache, "PREFILL_CHUNK_TOKENS", 1)  # one prompt row per prefill forward
+    chunked = engine.generate_batch(requests)
+    for a, b in zip(whole, chunked):
+        assert [r.output_ids for r in a] == [r.output_ids for r in b]
+        for x, y in zip(a, b):  # other matmul shapes: equal up to float rounding
+            torch.testing.assert_close(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
 def test_logprobs_are_the_raw_policy_of_a_full_forward(engine, hf_model):
     batch = prompts(5, seed=2)
     # Temperature and filters shape the sampling only; returned log-probs stay the raw policy's.

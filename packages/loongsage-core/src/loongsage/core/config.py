@@ -179,7 +179,11 @@ class Config:
 
 # ----------------------------------------------------------------------------- finding recipes
 def packaged_recipe_dir() -> Path:
-    return Path(str(importlib.resources.files("loongsage.core") / "recipes"))
+    """Recipes shipped inside the core wheel; in an editable install, the repository's recipes/."""
+    packaged = Path(str(importlib.resources.files("loongsage.core") / "recipes"))
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parents[5] / "recipes"  # src/loongsage/core -> repository root
 
 
 def recipe_search_path(config_dir: str | None = None) -> list[Path]:
@@ -246,7 +250,12 @@ def compose(recipe: Path, overrides: list[str]) -> dict[str, Any]:
 
 
 def validate(raw: dict[str, Any], registry: Any) -> Config:
-    """Build the typed config and check every plugin spec; raise ConfigError (one line) if bad."""
+    """Build the typed config and check every plugin spec; raise ConfigError (one line) if bad.
+
+    Cheap entries (algorithms, agents, rewards, readers, schedulers) are built once here so their
+    own range checks run before anything starts; engine and trainer backends, which load models,
+    are checked against their signatures only.
+    """
     cfg: Config = build_dataclass(Config, raw, "config")
     if not cfg.data_sources:
         raise ConfigError("data_sources: at least one data source is required")
@@ -256,17 +265,17 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
     if cfg.model.path is None and cfg.model.builder is None:
         raise ConfigError("model: set model.path (a local HF folder) or model.builder")
     if cfg.model.builder is not None:
-        registry.check("model_builder", cfg.model.builder, "model.builder")
+        registry.create("model_builder", cfg.model.builder, "model.builder")
     elif not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r}: not an HF model folder (no config.json there)")
 
     for i, src in enumerate(cfg.data_sources):
         path = f"data_sources[{i}]"
-        registry.check("data_source", src.reader, f"{path}.reader")
+        registry.create("data_source", src.reader, f"{path}.reader")
         if src.eval_reader is not None:
-            registry.check("data_source", src.eval_reader, f"{path}.eval_reader")
-        registry.check("agent", src.agent, f"{path}.agent")
-        registry.check("reward", src.reward, f"{path}.reward")
+            registry.create("data_source", src.eval_reader, f"{path}.eval_reader")
+        registry.create("agent", src.agent, f"{path}.agent")
+        registry.create("reward", src.reward, f"{path}.reward")
         if src.teacher is not None:
             registry.check("teacher", src.teacher, f"{path}.teacher")
         if "n" in src.sampling:
@@ -285,19 +294,19 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
 
     supplied = ("model_path", "dtype", "fp32_lm_head")
     registry.check("engine", cfg.rollout.engine, "rollout.engine", skip=(*supplied, "seed"))
-    registry.check("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
-    registry.check("transport", cfg.rollout.transport, "rollout.transport")
+    registry.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
+    registry.create("transport", cfg.rollout.transport, "rollout.transport")
     registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=supplied)
-    registry.check("advantage", cfg.algorithm.advantage, "algorithm.advantage")
-    registry.check("policy_loss", cfg.algorithm.policy_loss, "algorithm.policy_loss")
+    registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
+    registry.create("policy_loss", cfg.algorithm.policy_loss, "algorithm.policy_loss")
     if cfg.algorithm.kl is not None:
-        registry.check("kl", cfg.algorithm.kl, "algorithm.kl")
+        registry.create("kl", cfg.algorithm.kl, "algorithm.kl")
     elif cfg.algorithm.kl_coef:
         raise ConfigError("algorithm.kl_coef is set but algorithm.kl is null; name a KL estimator, e.g. {name: k3}")
     for j, spec in enumerate(cfg.algorithm.corrections):
-        registry.check("correction", spec, f"algorithm.corrections[{j}]")
+        registry.create("correction", spec, f"algorithm.corrections[{j}]")
     for j, spec in enumerate(cfg.algorithm.filters):
-        registry.check("data_filter", spec, f"algorithm.filters[{j}]")
+        registry.create("data_filter", spec, f"algorithm.filters[{j}]")
     for j, name in enumerate(cfg.tracking.backends):
         registry.entry("tracker", name, f"tracking.backends[{j}]")
     return cfg

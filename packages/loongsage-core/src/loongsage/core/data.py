@@ -104,7 +104,6 @@ class SourceCursor:
 
     def take(self, count: int) -> list[DataRecord]:
         out: list[DataRecord] = []
-        misses = 0
         while len(out) < count:
             if self.offset >= len(self._perm):
                 self.epoch, self.offset = self.epoch + 1, 0
@@ -119,8 +118,7 @@ class SourceCursor:
                 if index not in self.skipped:
                     self.skipped.append(index)
                     log.warning("data source %s: skipped row %d: %s", self.name, index, exc)
-                misses += 1
-                if misses > len(self.source):
+                if len(self.skipped) == len(self.source):
                     raise BadRecordError(f"data source {self.name!r}: no valid row left") from exc
                 continue
             record.source = self.name

@@ -16,7 +16,7 @@ from typing import Any
 import pluggy
 
 from loongsage.core import hookspecs
-from loongsage.core.schema import check_params
+from loongsage.core.schema import check_params, join_error
 from loongsage.core.types import ConfigError
 
 # category (as used in error messages and `loongsage plugins`) -> hook name
@@ -126,7 +126,7 @@ class Registry:
 
     def check(self, category: str, spec: dict[str, Any] | None, path: str, *, skip: tuple[str, ...] = ()) -> dict:
         """Validate a ``{name, params}`` spec without building it; return the coerced params."""
-        if not isinstance(spec, dict) or "name" not in spec:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise ConfigError(f"{path}: expected a mapping with 'name' (and optional 'params'); got {spec!r}")
         extra = sorted(set(spec) - {"name", "params"})
         if extra:
@@ -142,8 +142,7 @@ class Registry:
         try:
             return factory(**params, **supplied)
         except (ValueError, TypeError) as exc:
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError(f"{path}.params: {message}") from None
+            raise ConfigError(join_error(f"{path}.params", exc, params)) from None
 
 
 def load_registry(extra_modules: list[str] | tuple[str, ...] = ()) -> Registry:

@@ -133,7 +133,7 @@ def check_params(factory: Any, params: dict[str, Any], path: str, *, skip: tuple
     may not set.
     """
     fields = {k: v for k, v in _fields_of(factory).items() if k not in skip}
-    params = dict(params or {})
+    params = coerce({} if params is None else params, dict[str, Any], path)  # a copy; one line if not a mapping
     unknown = sorted(set(params) - set(fields))
     if unknown:
         allowed = ", ".join(sorted(fields)) or "(none)"
@@ -153,8 +153,20 @@ def build_dataclass(cls: type, values: dict[str, Any], path: str) -> Any:
     try:
         return cls(**params)
     except (ValueError, TypeError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ConfigError(f"{path}: {message}") from None
+        raise ConfigError(join_error(path, exc, params)) from None
+
+
+def join_error(path: str, exc: Exception, keys: Any = ()) -> str:
+    """One line: a factory's own message prefixed with the key path.
+
+    Messages that start with ``field=value`` (the project's convention) land under that field:
+    ``config.algorithm`` + ``aggregation='x': ...`` -> ``config.algorithm.aggregation='x': ...``.
+    """
+    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    head = message.split("=", 1)[0]
+    if head in keys or (head.isidentifier() and "=" in message and " " not in head):
+        return f"{path}.{message}"
+    return f"{path}: {message}"
 
 
 def describe_params(factory: Any) -> str:

@@ -5,8 +5,9 @@ Shape of the engine:
 * ``generate(request)`` is per request and async. It validates the request (a bad one raises a
   one-line ``ValueError`` in its own caller only), queues it and awaits its future.
 * One scheduler task per event loop (:meth:`NativeEngine._serve`) takes queued requests FIFO up to
-  ``max_batch_size`` sample rows and runs them as one :class:`_Batch`: a single left-padded prefill
-  of the distinct prompts, the prompt cache copied to the ``n`` sample rows of each request (never
+  ``max_batch_size`` sample rows and runs them as one
+  :class:`~loongsage.core.embedded.kv_cache.StaticBatch`: a single left-padded prefill of the
+  distinct prompts, the prompt cache copied to the ``n`` sample rows of each request (never
   re-prefilled), then decode steps that advance all rows by one token. Requests that arrive while a
   batch runs wait for the next batch; admission is the one place that changes when rows may join a
   running batch (which needs the block-paged cache).
@@ -33,8 +34,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from loongsage.core.embedded.kv_cache import DecoderRunner, StaticKVCache
-from loongsage.core.embedded.sampling import SamplingTensors, draw_uniforms, sample
+from loongsage.core.embedded.kv_cache import DecoderRunner, StaticBatch
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,153 +65,6 @@ class _Group:
         """Results of a request aborted before it ran: no tokens."""
         rid = self.request.request_id
         return [GenerationResult(rid, [], [], [], FinishReason.ABORT) for _ in range(self.n)]
-
-
-class _Batch:
-    """Sample rows generated together: one prefill, then one decode column per step.
-
-    Row state lives in tensors (last token, position, limits, stop ids, sampling settings, random
-    numbers, the tokens and log-probs so far) so that a step is a fixed number of tensor ops; a row
-    that finishes is compacted away at once so it costs nothing afterwards.
-    """
-
-    def __init__(self, engine: "NativeEngine", groups: list[_Group]):
-        self.engine, self.runner, dev = engine, engine._runner, engine.device
-        self.groups = groups
-        counts = [g.n for g in groups]
-        limits = [min(g.request.sampling.max_new_tokens, engine.max_model_len - len(g.request.input_ids))
-                  for g in groups]
-        self.steps_max = max(limits)
-        self.row_group = [g for g in groups for _ in range(g.n)]
-        self.row_sample = [j for g in groups for j in range(g.n)]
-        rows = len(self.row_group)
-        self.limit = torch.tensor(limits, device=dev).repeat_interleave(torch.tensor(counts, device=dev))
-        width = max(len(g.stops) for g in groups)
-        self.stop_ids: Tensor | None = None
-        if width:
-            stops = [g.stops + [-1] * (width - len(g.stops)) for g in groups for _ in range(g.n)]
-            self.stop_ids = torch.tensor(stops, dtype=torch.long, device=dev)
-        params = [g.request.sampling for g in self.row_group]
-        self.st = SamplingTensors.build(params, self.runner.vocab_size, dev)
-        self.uniforms: Tensor | None = None
-        if not self.st.all_greedy:
-            self.uniforms = draw_uniforms(counts, [g.request.sampling.seed for g in groups], self.steps_max,
-                                          engine._generator, dev)
-        self.tokens = torch.empty(rows, self.steps_max, dtype=torch.long, device=dev)
-        self.logprobs = torch.empty(rows, self.steps_max, dtype=torch.float32, device=dev)
-        self.versions: list[int] = []
-        self.t = 0  # tokens generated so far by every live row
-        self.cache: StaticKVCache | None = None
-        self.last: Tensor | None = None
-        self.positions: Tensor | None = None
-
-    @property
-    def done(self) -> bool:
-        return not self.row_group
-
-    def live_groups(self) -> list[_Group]:
-        return list(dict.fromkeys(self.row_group))
-
-    def _prefill(self) -> Tensor:
-        prompts = [g.request.input_ids for g in self.groups]
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        mask = torch.zeros(len(prompts), width, dtype=torch.bool)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = True
-        dev = self.engine.device
-        ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        cache = self.runner.allocate(len(prompts), width + self.steps_max)
-        cache.key_mask[:, :width] = mask
-        cache.key_mask[:, width:] = True  # generated tokens are real for every row
-        logits = self.runner.forward(ids, positions, cache)
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        if any(g.n > 1 for g in self.groups):
-            # n samples share one prefill: copy the prompt's cache rows instead of recomputing them.
-            rows = torch.arange(len(prompts), device=dev).repeat_interleave(
-                torch.tensor([g.n for g in self.groups], device=dev))
-            cache, logits, lengths = cache.select(rows), logits[rows], lengths[rows]
-        stats = self.engine._stats
-        stats["prefill_rows"] += len(prompts)
-        stats["prefill_tokens"] += sum(len(p) for p in prompts)
-        self.cache, self.positions = cache, lengths
-        return logits
-
-    def step(self, version: int) -> list[_Group]:
-        """Advance every live row by one token; return the requests completed by this step."""
-        if self.t == 0:
-            logits = self._prefill()
-        else:
-            logits = self.runner.forward(self.last.unsqueeze(1), self.positions.unsqueeze(1), self.cache)
-            self.positions += 1
-        u = None if self.uniforms is None else self.uniforms[:, self.t]
-        tokens, logprobs = sample(logits, self.st, u)
-        self.tokens[:, self.t] = tokens
-        self.logprobs[:, self.t] = logprobs
-        self.versions.append(version)
-        self.t += 1
-        self.last = tokens
-        self.engine._stats["steps"] += 1
-        self.engine._stats["generated_tokens"] += len(self.row_group)
-        finished = self.limit <= self.t
-        stopped = None
-        if self.stop_ids is not None:
-            stopped = (tokens.unsqueeze(1) == self.stop_ids).any(dim=1)
-            finished |= stopped
-        if not bool(finished.any()):
-            return []
-        rows = finished.nonzero().flatten()
-        reasons = stopped[rows].tolist() if stopped is not None else [False] * rows.numel()
-        reasons = [FinishReason.STOP if s else FinishReason.LENGTH for s in reasons]
-        completed = self._emit(rows, reasons)
-        self._keep((~finished).nonzero().flatten())
-        return completed
-
-    def _emit(self, rows: Tensor, reasons: list[FinishReason]) -> list[_Group]:
-        t = self.t
-        tokens = self.tokens[rows, :t].tolist()
-        logprobs = self.logprobs[rows, :t].tolist()
-        completed = []
-        for k, r in enumerate(rows.tolist()):
-            group = self.row_group[r]
-            result = GenerationResult(group.request.request_id, tokens[k], logprobs[k], self.versions[:t], reasons[k])
-            if group.put(self.row_sample[r], result):
-                completed.append(group)
-        return completed
-
-    def _keep(self, rows: Tensor) -> None:
-        """Compact the batch to ``rows`` (finished or aborted rows leave the computation)."""
-        kept = rows.tolist()
-        self.row_group = [self.row_group[r] for r in kept]
-        self.row_sample = [self.row_sample[r] for r in kept]
-        if not kept:
-            self.cache = None
-            return
-        self.limit, self.tokens, self.logprobs = self.limit[rows], self.tokens[rows], self.logprobs[rows]
-        if self.stop_ids is not None:
-            self.stop_ids = self.stop_ids[rows]
-        if self.uniforms is not None:
-            self.uniforms = self.uniforms[rows]
-        self.st = self.st.select(rows, self.runner.vocab_size)
-        if self.t > 0:
-            self.cache, self.last, self.positions = self.cache.select(rows), self.last[rows], self.positions[rows]
-        else:  # not prefilled yet: drop whole requests before the prefill sees them
-            alive = set(self.row_group)
-            self.groups = [g for g in self.groups if g in alive]
-
-    def abort(self, groups: set[_Group]) -> list[_Group]:
-        """End the rows of ``groups`` with ``ABORT`` (tokens so far); return those groups completed."""
-        hit = [i for i, g in enumerate(self.row_group) if g in groups]
-        if not hit:
-            return []
-        dev = self.tokens.device
-        keep = [i for i, g in enumerate(self.row_group) if g not in groups]
-        with torch.inference_mode():
-            completed = self._emit(torch.tensor(hit, device=dev), [FinishReason.ABORT] * len(hit))
-            self._keep(torch.tensor(keep, dtype=torch.long, device=dev))
-        return completed
 
 
 class NativeEngine:
@@ -256,7 +109,7 @@ class NativeEngine:
         self._waiting: deque[_Group] = deque()
         self._entries: dict[str, _Group] = {}  # request id -> request waiting or running
         self._aborts: list[tuple[list[_Group], asyncio.Future]] = []
-        self._running: _Batch | None = None
+        self._running: StaticBatch | None = None
         self._last_error: str | None = None
         self._stats = dict.fromkeys(("batches", "steps", "generated_tokens", "prefill_rows", "prefill_tokens"), 0)
 
@@ -302,8 +155,7 @@ class NativeEngine:
         groups = [_Group(r, None, self.eos_token_ids) for r in requests]
         pending = deque(groups)
         while pending:
-            batch = _Batch(self, self._take(pending))
-            self._stats["batches"] += 1
+            batch = self._new_batch(self._take(pending))
             while not batch.done:
                 self._step(batch)
         return [g.results for g in groups]
@@ -420,7 +272,12 @@ class NativeEngine:
             rows += group.n
         return groups
 
-    def _step(self, batch: _Batch) -> list[_Group]:
+    def _new_batch(self, groups: list[_Group]) -> StaticBatch:
+        self._stats["batches"] += 1
+        return StaticBatch(self._runner, groups, max_model_len=self.max_model_len, generator=self._generator,
+                           stats=self._stats)
+
+    def _step(self, batch: StaticBatch) -> list[_Group]:
         with self._lock, torch.inference_mode():
             return batch.step(self._version)
 
@@ -460,8 +317,7 @@ class NativeEngine:
             if not groups:
                 await self._wake_event.wait()
                 continue
-            batch = self._running = _Batch(self, groups)
-            self._stats["batches"] += 1
+            batch = self._running = self._new_batch(groups)
             try:
                 while not batch.done:
                     await self._between_steps(batch)
@@ -478,7 +334,7 @@ class NativeEngine:
             finally:
                 self._running = None
 
-    async def _between_steps(self, batch: _Batch) -> None:
+    async def _between_steps(self, batch: StaticBatch) -> None:
         await asyncio.sleep(0)  # let new requests, aborts and weight updates in
         while True:
             self._wake_event.clear()
@@ -492,7 +348,7 @@ class NativeEngine:
                 return
             await self._wake_event.wait()
 
-    def _apply_aborts(self, batch: _Batch | None) -> None:
+    def _apply_aborts(self, batch: StaticBatch | None) -> None:
         """Answer pending ``abort`` calls for running requests (at a step boundary)."""
         aborts, self._aborts = self._aborts, []
         for groups, future in aborts:

@@ -1,4 +1,8 @@
-"""The native engine's KV cache and the decoder forward that reads and writes it.
+"""The native engine's static batch: its KV cache, the decoder forward over it, and its rows.
+
+Three pieces, replaced together when the engine moves to a block-paged cache with continuous
+batching: :class:`StaticKVCache` (the memory), :class:`DecoderRunner` (the model's forward over
+it) and :class:`StaticBatch` (the sample rows that share it: prefill, decode steps, compaction).
 
 The engine does not call the HF model's top-level ``forward``: per decode step that path rebuilds
 the 4-D attention mask, grows a ``DynamicCache`` by concatenation (copying the whole cache every
@@ -17,8 +21,8 @@ is refused at load time with one line saying why.
 Layout: one batch of left-padded rows. Column ``c`` of the cache holds the token at padded index
 ``c`` of every row; ``key_mask[b, c]`` says whether row ``b`` has a real token there. All rows of a
 batch advance together (one column per decode step), which is what lets a decode step be a plain
-slice. A block-paged cache (rows joining mid-batch) will replace this class behind the same
-``DecoderRunner.forward`` signature.
+slice; the price is that a batch admits no new rows once it started and pays attention over the
+left padding of its longest prompt.
 """
 
 from __future__ import annotations
@@ -26,6 +30,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from loongsage.core.embedded.sampling import SamplingTensors, draw_uniforms, sample
+from loongsage.core.types import FinishReason, GenerationResult
+
+
+PREFILL_CHUNK_TOKENS = 16384  # padded prompt tokens per prefill forward
 
 
 class StaticKVCache:
@@ -49,6 +59,11 @@ class StaticKVCache:
     @property
     def max_len(self) -> int:
         return self.key_mask.shape[1]
+
+    def rows(self, start: int, end: int) -> "StaticKVCache":
+        """A view of rows ``[start, end)`` sharing this cache's memory (writes land here)."""
+        return StaticKVCache([k[start:end] for k in self.keys], [v[start:end] for v in self.values],
+                             self.key_mask[start:end], self.length)
 
     def select(self, rows: Tensor) -> "StaticKVCache":
         """A cache holding the given rows, in that order (rows may repeat: ``n`` samples of a prompt).
@@ -85,6 +100,7 @@ class DecoderRunner:
         self.scales = [getattr(layer.self_attn, "scaling", self.head_dim ** -0.5) for layer in self.layers]
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.fp32_lm_head = fp32_lm_head
+        self.device = self.inner.embed_tokens.weight.device
         self.refresh_head()
 
     def refresh_head(self) -> None:
@@ -178,3 +194,161 @@ def check_supported(model: nn.Module) -> None:
         raise ValueError(f"native engine: model_type={name!r} uses sliding-window attention, not supported yet")
     if model.get_output_embeddings() is None:
         raise ValueError(f"native engine: model_type={name!r} has no LM head")
+
+
+class StaticBatch:
+    """Sample rows generated together over one :class:`StaticKVCache`: one prefill, then one decode
+    column per step.
+
+    Row state lives in tensors (last token, position, limits, stop ids, sampling settings, random
+    numbers, the tokens and log-probs so far) so that a step is a fixed number of tensor ops; a row
+    that finishes is compacted away at once so it costs nothing afterwards.
+
+    ``groups`` are the engine's request records: each has ``request`` (a ``GenerationRequest``),
+    ``n``, ``stops`` (stop ids incl. eos) and ``put(sample, result) -> bool`` (True once complete).
+    ``stats`` is the engine's counter dict (steps, tokens, prefill rows and tokens).
+    """
+
+    def __init__(self, runner: DecoderRunner, groups: list, *, max_model_len: int,
+                 generator: torch.Generator, stats: dict[str, int]):
+        self.runner, self.stats, self.groups = runner, stats, groups
+        self.device = dev = runner.device
+        counts = [g.n for g in groups]
+        limits = [min(g.request.sampling.max_new_tokens, max_model_len - len(g.request.input_ids))
+                  for g in groups]
+        self.steps_max = max(limits)
+        self.row_group = [g for g in groups for _ in range(g.n)]
+        self.row_sample = [j for g in groups for j in range(g.n)]
+        rows = len(self.row_group)
+        self.limit = torch.tensor(limits, device=dev).repeat_interleave(torch.tensor(counts, device=dev))
+        width = max(len(g.stops) for g in groups)
+        self.stop_ids: Tensor | None = None
+        if width:
+            stops = [g.stops + [-1] * (width - len(g.stops)) for g in groups for _ in range(g.n)]
+            self.stop_ids = torch.tensor(stops, dtype=torch.long, device=dev)
+        params = [g.request.sampling for g in self.row_group]
+        self.st = SamplingTensors.build(params, self.runner.vocab_size, dev)
+        self.uniforms: Tensor | None = None
+        if not self.st.all_greedy:
+            self.uniforms = draw_uniforms(counts, [g.request.sampling.seed for g in groups], self.steps_max,
+                                          generator, dev)
+        self.tokens = torch.empty(rows, self.steps_max, dtype=torch.long, device=dev)
+        self.logprobs = torch.empty(rows, self.steps_max, dtype=torch.float32, device=dev)
+        self.versions: list[int] = []
+        self.t = 0  # tokens generated so far by every live row
+        self.cache: StaticKVCache | None = None
+        self.last: Tensor | None = None
+        self.positions: Tensor | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self.row_group
+
+    def live_groups(self) -> list:
+        return list(dict.fromkeys(self.row_group))
+
+    def _prefill(self) -> Tensor:
+        prompts = [g.request.input_ids for g in self.groups]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = True
+        dev = self.device
+        ids, mask = ids.to(dev), mask.to(dev)
+        positions = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        cache = self.runner.allocate(len(prompts), width + self.steps_max)
+        cache.key_mask[:, :width] = mask
+        cache.key_mask[:, width:] = True  # generated tokens are real for every row
+        # Prefill in chunks of rows: the attention scores of one chunk are [rows, heads, width, width],
+        # which for a whole batch of long prompts would be gigabytes.
+        step = max(1, PREFILL_CHUNK_TOKENS // width)
+        logits = torch.cat([self.runner.forward(ids[r:r + step], positions[r:r + step], cache.rows(r, r + step))
+                            for r in range(0, len(prompts), step)])
+        cache.length = width
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        if any(g.n > 1 for g in self.groups):
+            # n samples share one prefill: copy the prompt's cache rows instead of recomputing them.
+            rows = torch.arange(len(prompts), device=dev).repeat_interleave(
+                torch.tensor([g.n for g in self.groups], device=dev))
+            cache, logits, lengths = cache.select(rows), logits[rows], lengths[rows]
+        stats = self.stats
+        stats["prefill_rows"] += len(prompts)
+        stats["prefill_tokens"] += sum(len(p) for p in prompts)
+        self.cache, self.positions = cache, lengths
+        return logits
+
+    def step(self, version: int) -> list:
+        """Advance every live row by one token; return the requests completed by this step."""
+        if self.t == 0:
+            logits = self._prefill()
+        else:
+            logits = self.runner.forward(self.last.unsqueeze(1), self.positions.unsqueeze(1), self.cache)
+            self.positions += 1
+        u = None if self.uniforms is None else self.uniforms[:, self.t]
+        tokens, logprobs = sample(logits, self.st, u)
+        self.tokens[:, self.t] = tokens
+        self.logprobs[:, self.t] = logprobs
+        self.versions.append(version)
+        self.t += 1
+        self.last = tokens
+        self.stats["steps"] += 1
+        self.stats["generated_tokens"] += len(self.row_group)
+        finished = self.limit <= self.t
+        stopped = None
+        if self.stop_ids is not None:
+            stopped = (tokens.unsqueeze(1) == self.stop_ids).any(dim=1)
+            finished |= stopped
+        if not bool(finished.any()):
+            return []
+        rows = finished.nonzero().flatten()
+        reasons = stopped[rows].tolist() if stopped is not None else [False] * rows.numel()
+        reasons = [FinishReason.STOP if s else FinishReason.LENGTH for s in reasons]
+        completed = self._emit(rows, reasons)
+        self._keep((~finished).nonzero().flatten())
+        return completed
+
+    def _emit(self, rows: Tensor, reasons: list[FinishReason]) -> list:
+        t = self.t
+        tokens = self.tokens[rows, :t].tolist()
+        logprobs = self.logprobs[rows, :t].tolist()
+        completed = []
+        for k, r in enumerate(rows.tolist()):
+            group = self.row_group[r]
+            result = GenerationResult(group.request.request_id, tokens[k], logprobs[k], self.versions[:t], reasons[k])
+            if group.put(self.row_sample[r], result):
+                completed.append(group)
+        return completed
+
+    def _keep(self, rows: Tensor) -> None:
+        """Compact the batch to ``rows`` (finished or aborted rows leave the computation)."""
+        kept = rows.tolist()
+        self.row_group = [self.row_group[r] for r in kept]
+        self.row_sample = [self.row_sample[r] for r in kept]
+        if not kept:
+            self.cache = None
+            return
+        self.limit, self.tokens, self.logprobs = self.limit[rows], self.tokens[rows], self.logprobs[rows]
+        if self.stop_ids is not None:
+            self.stop_ids = self.stop_ids[rows]
+        if self.uniforms is not None:
+            self.uniforms = self.uniforms[rows]
+        self.st = self.st.select(rows, self.runner.vocab_size)
+        if self.t > 0:
+            self.cache, self.last, self.positions = self.cache.select(rows), self.last[rows], self.positions[rows]
+        else:  # not prefilled yet: drop whole requests before the prefill sees them
+            alive = set(self.row_group)
+            self.groups = [g for g in self.groups if g in alive]
+
+    def abort(self, groups: set) -> list:
+        """End the rows of ``groups`` with ``ABORT`` (tokens so far); return those groups completed."""
+        hit = [i for i, g in enumerate(self.row_group) if g in groups]
+        if not hit:
+            return []
+        dev = self.tokens.device
+        keep = [i for i, g in enumerate(self.row_group) if g not in groups]
+        with torch.inference_mode():
+            completed = self._emit(torch.tensor(hit, device=dev), [FinishReason.ABORT] * len(hit))
+            self._keep(torch.tensor(keep, dtype=torch.long, device=dev))
+        return completed

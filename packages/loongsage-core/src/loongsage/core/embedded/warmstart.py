@@ -52,7 +52,7 @@ class WarmStartParams:
     kv_heads: int = 2
     intermediate_size: int = 256
     # supervised fine-tuning
-    steps: int = 600
+    steps: int = 1000
     batch_size: int = 128
     lr: float = 3e-3
     warmup_steps: int = 30
@@ -171,7 +171,6 @@ def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None,
                 heads=params.heads,
                 kv_heads=params.kv_heads,
                 intermediate_size=params.intermediate_size,
-                max_position_embeddings=64 + 4 * params.digits,  # prompt + answer, with slack
                 seed=params.seed,
                 vocab_size=params.vocab_size,
             )
