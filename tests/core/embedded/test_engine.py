@@ -122,12 +122,15 @@ def test_logprobs_are_the_raw_policy_of_a_full_forward(engine, hf_model):
 
 def test_same_seed_same_samples_whatever_the_batch(engine):
     (p,) = prompts(1, seed=3)
-    others = [req(f"o{i}", q, max_new_tokens=30) for i, q in enumerate(prompts(6, seed=4))]
+    others = [req(f"o{i}", q, max_new_tokens=40, n=2) for i, q in enumerate(prompts(6, seed=4))]
     alone = engine.generate_batch([req("a", p, max_new_tokens=30, n=3, seed=7)])[0]
     crowded = engine.generate_batch(others + [req("a", p, max_new_tokens=30, n=3, seed=7)])[-1]
     other_seed = engine.generate_batch([req("a", p, max_new_tokens=30, n=3, seed=8)])[0]
     assert [r.output_ids for r in alone] == [r.output_ids for r in crowded]
     assert [r.output_ids for r in alone] != [r.output_ids for r in other_seed]
+    # Sample j of a seed does not depend on n or on the length limit (a longer limit extends it).
+    (longer,) = engine.generate_batch([req("a", p, max_new_tokens=45, n=2, seed=7)])
+    assert [r.output_ids[:30] for r in longer] == [r.output_ids for r in alone[:2]]
 
 
 def test_n_samples_share_one_prefill_and_differ(engine):
@@ -142,7 +145,7 @@ def test_n_samples_share_one_prefill_and_differ(engine):
 
 def test_stop_tokens_max_new_tokens_and_max_model_len(model_dir, engine):
     (p,) = prompts(1, seed=6)
-    (greedy,) = engine.generate_batch([req("g", p, temperature=0, max_new_tokens=12)])[0:1][0]
+    (greedy,) = engine.generate_batch([req("g", p, temperature=0, max_new_tokens=12)])[0]
     stop = greedy.output_ids[4]
     first = greedy.output_ids.index(stop)
     (stopped,) = engine.generate_batch([req("s", p, temperature=0, max_new_tokens=12, stop_token_ids=[stop])])[0]

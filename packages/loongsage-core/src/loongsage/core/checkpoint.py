@@ -1,6 +1,7 @@
 """Checkpoints: trainer state per rank plus the controller's exact data position, written atomically.
 
-Layout: ``<run_dir>/checkpoints/step_000010/{rank_0/trainer.pt, ..., controller.json}``. A directory
+Layout: ``<run_dir>/checkpoints/step_000010/{trainer.pt, rng_rank<r>.pt, controller.json}``; the
+trainer state is full (unsharded), so a run may resume under another DP size. A directory
 is complete once it is renamed from its ``.tmp`` name, so a crash mid-save never leaves a checkpoint
 that ``resume=true`` would pick up.
 """
@@ -33,7 +34,7 @@ def save(ctl: Any) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    ray.get([t.save.remote(str(tmp / f"rank_{r}")) for r, t in enumerate(ctl.trainers)])
+    ray.get([t.save.remote(str(tmp)) for t in ctl.trainers])
     next_group = next(ctl._group_ids)
     ctl._group_ids = itertools.count(next_group)
     state = {"step": ctl.step, "version": ctl.version, "mixer": ctl.mixer.state(), "next_group_id": next_group}
@@ -57,7 +58,7 @@ def restore(ctl: Any) -> int:
         log.warning("resume: no checkpoint under %s; starting from step 0", checkpoint_dir(ctl.run_dir))
         return 0
     state = json.loads((path / "controller.json").read_text())
-    ray.get([t.load.remote(str(path / f"rank_{r}")) for r, t in enumerate(ctl.trainers)])
+    ray.get([t.load.remote(str(path)) for t in ctl.trainers])
     ctl.mixer.restore(state["mixer"])
     ctl._group_ids = itertools.count(state["next_group_id"])
     ctl.step = int(state["step"])
@@ -72,6 +73,6 @@ def export_final(ctl: Any) -> Path:
     import ray
 
     out = Path(ctl.run_dir) / "final"
-    ray.get(ctl.trainers[0].export_hf.remote(str(out)))
+    ray.get([t.export_hf.remote(str(out)) for t in ctl.trainers])
     log.info("exported HF model: %s", out)
     return out

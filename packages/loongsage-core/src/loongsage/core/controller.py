@@ -185,12 +185,15 @@ class Controller:
         rows = [[[row_of[id(t)] for t in mb] for mb in rank_parts] for rank_parts in parts]
         # old / reference log-probs, each rank for its own rows
         rank_rows = [[i for mb in r for i in mb] for r in rows]
-        outs = ray.get([tr.logprobs.remote(batch.select(rr)) for tr, rr in zip(self.trainers, rank_rows) if rr])
+        # every rank is called, even with no rows: FSDP2 forward and backward are collectives
+        outs = ray.get([tr.logprobs.remote(batch.select(rr)) for tr, rr in zip(self.trainers, rank_rows)])
         B, T = batch.input_ids.shape
         batch.old_logprobs = torch.zeros(B, T)
         batch.ref_logprobs = torch.zeros(B, T) if self.pipeline.needs_ref_logprobs else None
         entropy = torch.zeros(B, T)
-        for rr, out in zip([r for r in rank_rows if r], outs):
+        for rr, out in zip(rank_rows, outs):
+            if not rr:
+                continue
             idx = torch.tensor(rr)
             t = out["old_logprobs"].shape[1]
             batch.old_logprobs[idx, :t] = out["old_logprobs"]
@@ -212,8 +215,7 @@ class Controller:
             for key, (num, den) in corr.items():
                 _add(sums, key, num, den)
             pos = {row: k for k, row in enumerate(union)}
-            calls = [tr.train_step.remote(prepared.select([pos[i] for i in r[m]]))
-                     for tr, r in zip(self.trainers, rows) if r[m]]
+            calls = [tr.train_step.remote(prepared.select([pos[i] for i in r[m]])) for tr, r in zip(self.trainers, rows)]
             for rank, out in enumerate(ray.get(calls)):
                 for key, value in out.items():
                     if key.endswith("_sum"):
@@ -233,7 +235,8 @@ class Controller:
     def _push_weights(self) -> dict[str, float]:
         import ray
 
-        stats = ray.get(self.trainers[0].push_weights.remote(self.engines, self.cfg.rollout.transport))
+        spec = self.cfg.rollout.transport
+        stats = ray.get([t.push_weights.remote(self.engines, spec) for t in self.trainers])[0]
         self.version = int(stats["sync/version"])
         return stats
 

@@ -81,10 +81,16 @@ class TrainerWorker:
         return self.backend.train_step(mini_batch, self.pipeline, self.token_budget)
 
     def push_weights(self, engines: list[Any], transport_spec: dict[str, Any]) -> dict[str, float]:
+        """Every rank calls (gathering shards is a collective); rank 0 sends to the engines."""
+        weights = self.backend.export_weights()
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return {}
         from loongsage.core.plugins import load_registry
 
         transport = load_registry(self.cfg.plugins).create("transport", transport_spec, "rollout.transport")
-        return transport.push(self.backend.export_weights(), engines)
+        return transport.push(weights, engines)
 
     def param_checksum(self) -> float:
         return float(sum(p.detach().double().abs().sum() for p in self.backend.model.parameters()))

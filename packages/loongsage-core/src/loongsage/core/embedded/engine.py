@@ -248,7 +248,8 @@ class NativeEngine:
             raise ValueError(prefix + "input_ids is empty")
         if len(ids) >= self.max_model_len:
             raise ValueError(prefix + f"prompt of {len(ids)} tokens is too long for max_model_len="
-                             f"{self.max_model_len} (at most {self.max_model_len - 1}, to leave room for one new token)")
+                             f"{self.max_model_len} (at most {self.max_model_len - 1}, "
+                             "to leave room for one new token)")
         vocab = self._runner.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(prefix + f"input_ids must lie in [0, {vocab}), got values in [{min(ids)}, {max(ids)}]")

@@ -230,8 +230,8 @@ class StaticBatch:
         self.st = SamplingTensors.build(params, self.runner.vocab_size, dev)
         self.uniforms: Tensor | None = None
         if not self.st.all_greedy:
-            self.uniforms = draw_uniforms(counts, [g.request.sampling.seed for g in groups], self.steps_max,
-                                          generator, dev)
+            self.uniforms = draw_uniforms(counts, [g.request.sampling.seed for g in groups], limits,
+                                          self.steps_max, generator, dev)
         self.tokens = torch.empty(rows, self.steps_max, dtype=torch.long, device=dev)
         self.logprobs = torch.empty(rows, self.steps_max, dtype=torch.float32, device=dev)
         self.versions: list[int] = []

@@ -60,7 +60,8 @@ class SamplingTensors:
         )
 
     @classmethod
-    def _from(cls, inv_t: Tensor, greedy: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, vocab: int) -> "SamplingTensors":
+    def _from(cls, inv_t: Tensor, greedy: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+              vocab: int) -> "SamplingTensors":
         # The batch-level flags pick cheaper code paths; computed once per batch (and on compaction),
         # never per step.
         sampled = ~greedy
@@ -75,23 +76,34 @@ class SamplingTensors:
     def select(self, rows: Tensor, vocab_size: int) -> "SamplingTensors":
         """Keep (or repeat) the given rows, in that order."""
         return self._from(
-            self.inv_temperature[rows], self.greedy[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows], vocab_size,
+            self.inv_temperature[rows], self.greedy[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+            vocab_size,
         )
 
 
-def draw_uniforms(counts: list[int], seeds: list[int | None], steps: int, generator: torch.Generator,
-                  device: torch.device | str) -> Tensor:
+def draw_uniforms(counts: list[int], seeds: list[int | None], limits: list[int], steps: int,
+                  generator: torch.Generator, device: torch.device | str) -> Tensor:
     """Uniform numbers ``[sum(counts), steps]`` in [0, 1): one row per sample, one column per step.
 
-    Group ``i`` contributes ``counts[i]`` rows. A seeded group draws from ``torch.Generator`` seeded
-    with its seed (sample ``j`` gets row ``j`` of that draw), so the same seed gives the same
-    samples whatever else is in the batch; unseeded groups draw from the engine's ``generator``.
+    Group ``i`` contributes ``counts[i]`` rows, of which the first ``limits[i]`` columns are used.
+    A seeded group derives one sub-seed per sample from its seed and draws each sample's stream
+    from its own ``torch.Generator``: sample ``j`` of a seed is the same whatever else shares the
+    batch, whatever ``n`` (as long as ``n > j``) and whatever the length limit (a longer limit
+    extends the same stream). Unseeded groups draw from the engine's ``generator``.
     """
-    parts = []
-    for count, seed in zip(counts, seeds):
-        gen = generator if seed is None else torch.Generator().manual_seed(int(seed))
-        parts.append(torch.rand(count, steps, generator=gen))
-    return torch.cat(parts).to(device)
+    out = torch.zeros(sum(counts), steps)
+    row = 0
+    for count, seed, limit in zip(counts, seeds, limits):
+        if seed is None:
+            out[row:row + count, :limit] = torch.rand(count, limit, generator=generator)
+        else:
+            parent = torch.Generator().manual_seed(int(seed))
+            for sub in torch.randint(0, 2**62, (count,), generator=parent).tolist():
+                out[row, :limit] = torch.rand(limit, generator=torch.Generator().manual_seed(sub))
+                row += 1
+            continue
+        row += count
+    return out.to(device)
 
 
 def sample(logits: Tensor, st: SamplingTensors, uniforms: Tensor) -> tuple[Tensor, Tensor]:

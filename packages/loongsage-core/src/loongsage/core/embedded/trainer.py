@@ -5,10 +5,16 @@ budget, gradient accumulation, clipping, data-parallel gradient reduction). What
 comes from outside as a closure (:mod:`loongsage.core.loss`), so another backend (Megatron-Core)
 implements the same small surface.
 
-Data parallelism: with ``world_size > 1`` every rank holds a full replica and the gradients are
-SUM-reduced over a gloo (CPU) or NCCL (GPU) process group. Loss weights already carry the global
-denominators, so the sum is exactly the full-batch gradient. Replicas rather than FSDP2 shards keep
-CPU runs simple; the reduction and the invariance contract are the same.
+Data parallelism (``world_size > 1``, over a gloo process group on CPU or NCCL on GPU):
+``dp_mode="fsdp2"`` shards every decoder layer and the root with FSDP2; ``"replicate"`` keeps a full
+replica per rank and all-reduces a flat gradient buffer. Either way gradients are SUMMED across
+ranks: the loss weights already carry the global denominators, so the sum is exactly the full-batch
+gradient (FSDP2's default divide-by-world is switched off). FSDP2's forward and backward are
+collectives, so every rank runs the same number of micro-batches: ranks with fewer pad with
+zero-weight passes.
+
+Checkpoints hold full (unsharded) state written by rank 0, so a run can resume under another DP
+size or mode.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -79,7 +85,7 @@ def _trim(batch: TrainBatch, length: int) -> TrainBatch:
 
 @dataclass
 class TorchTrainer:
-    """HF transformers causal LM, fp32 on CPU, AdamW, grad clipping, gloo/NCCL data parallel."""
+    """HF transformers causal LM, fp32 on CPU, AdamW, grad clipping, FSDP2 or replicated DP."""
 
     kind = "trainer"
 
@@ -88,24 +94,38 @@ class TorchTrainer:
     device: str = "cpu"
     fp32_lm_head: bool = True
     gradient_checkpointing: bool = False
-    num_threads: int = 0  # torch intra-op threads; 0 = torch's default
+    dp_mode: Literal["fsdp2", "replicate"] = "fsdp2"
 
     def __post_init__(self) -> None:
         from transformers import AutoModelForCausalLM
 
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {', '.join(_DTYPES)}")
-        if self.num_threads:
-            torch.set_num_threads(self.num_threads)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[self.dtype])
         self.model.to(self.device)
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        self.sharded = self.world_size > 1 and self.dp_mode == "fsdp2"
+        if self.sharded:
+            self._shard()
         self.model.train()
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.grad_clip = 1.0
         self.steps = 0
+
+    def _shard(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        for layer in self.model.model.layers:
+            fully_shard(layer)
+        fully_shard(self.model)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)  # sum, not mean: see the module docstring
+                # plain SUM collectives (gloo has no pre-multiplied sum); a factor of 1 needs no scaling
+                module.set_force_sum_reduction_for_comms(True)
 
     # ------------------------------------------------------------------ setup
     def setup_optimizer(self, lr: float, betas: list[float], eps: float, weight_decay: float,
@@ -128,6 +148,19 @@ class TorchTrainer:
         head = self.model.get_output_embeddings()
         return F.linear(hidden.float(), head.weight.float())
 
+    def _aligned(self, batch: TrainBatch, token_budget: int) -> list[TrainBatch | None]:
+        """Micro-batches, padded with ``None`` to the largest count over ranks (FSDP2 collectives)."""
+        mbs: list[TrainBatch | None] = list(micro_batches(batch, token_budget)) if len(batch) else []
+        if self.world_size > 1:
+            count = torch.tensor([len(mbs)])
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            mbs += [None] * (int(count) - len(mbs))
+        return mbs
+
+    def _filler(self) -> Tensor:
+        """A two-token input for a rank's zero-weight padding pass."""
+        return torch.zeros(1, 2, dtype=torch.long, device=self.device)
+
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, token_budget: int) -> tuple[Tensor, Tensor]:
         """Per-token log-probs and entropies of ``batch`` under the current weights (no grad)."""
@@ -136,7 +169,11 @@ class TorchTrainer:
         out_lp = torch.zeros(B, T)
         out_ent = torch.zeros(B, T)
         row = 0
-        for mb in micro_batches(batch, token_budget):
+        for mb in self._aligned(batch, token_budget):
+            if mb is None:
+                filler = self._filler()
+                self._logits(filler, torch.ones_like(filler))
+                continue
             ids = mb.input_ids.to(self.device)
             logits = self._logits(ids, mb.attention_mask.to(self.device))
             n, t = ids.shape
@@ -151,13 +188,18 @@ class TorchTrainer:
         """One optimizer step over ``mini_batch``; ``loss_fn`` returns the weighted loss *sum*.
 
         The loss of every micro-batch is already scaled by global denominators, so gradients are
-        accumulated by plain summation and summed across data-parallel ranks.
+        accumulated by plain summation and summed across data-parallel ranks. Every rank must call
+        this once per optimizer step, with an empty batch if it has no rows.
         """
         assert self.optimizer is not None, "setup_optimizer() first"
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, list[float]] = {}
         total = 0.0
-        for mb in micro_batches(mini_batch, token_budget):
+        for mb in self._aligned(mini_batch, token_budget):
+            if mb is None:
+                filler = self._filler()
+                (self._logits(filler, torch.ones_like(filler)).sum() * 0.0).backward()
+                continue
             ids = mb.input_ids.to(self.device)
             logits = self._logits(ids, mb.attention_mask.to(self.device))
             lp = token_logprobs(logits, ids)
@@ -168,9 +210,11 @@ class TorchTrainer:
                 acc = sums.setdefault(key, [0.0, 0.0])
                 acc[0] += num
                 acc[1] += den
-        if self.world_size > 1:
+        if self.world_size > 1 and not self.sharded:
             self._all_reduce_grads()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -182,45 +226,82 @@ class TorchTrainer:
         return out
 
     def _all_reduce_grads(self) -> None:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a rank whose batch never touched this parameter still joins the sum
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in params:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
 
     # ------------------------------------------------------------------ weights and state
+    def _full_model_state(self) -> dict[str, Tensor]:
+        """Unsharded HF-named tensors; a collective under FSDP2 (every rank calls, rank 0 receives)."""
+        if not self.sharded:
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """HF-named tensors of the current policy (what an engine loads)."""
-        yield from self.model.state_dict().items()
+        """HF-named tensors of the current policy (what an engine loads). Call on every rank."""
+        yield from self._full_model_state().items()
 
     def save(self, path: str | Path) -> None:
+        """Full state by rank 0 (``trainer.pt``) plus every rank's RNG. Call on every rank."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
-            "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-            "steps": self.steps,
-            "rng": rng_state(),
-        }
-        torch.save(state, path / "trainer.pt")
+        model_state = self._full_model_state()
+        optim_state = None
+        if self.optimizer is not None:
+            optim_state = self.optimizer.state_dict()
+            if self.sharded:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+                optim_state = get_optimizer_state_dict(
+                    self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            torch.save({
+                "model": model_state, "optimizer": optim_state,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None, "steps": self.steps,
+            }, path / "trainer.pt")
+        torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
 
     def load(self, path: str | Path) -> None:
-        state = torch.load(Path(path) / "trainer.pt", map_location=self.device, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        if self.optimizer is not None and state["optimizer"] is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+        path = Path(path)
+        state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=False)
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.model, state["model"], options=options)
+            if self.optimizer is not None and state["optimizer"] is not None:
+                set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        else:
+            self.model.load_state_dict(state["model"])
+            if self.optimizer is not None and state["optimizer"] is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.steps = state["steps"]
-        set_rng_state(state["rng"])
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
 
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> None:
-        self.model.save_pretrained(path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
+        """Write an HF folder (rank 0). Call on every rank: gathering shards is a collective."""
+        state = self._full_model_state()
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
 
     def offload(self) -> None:
         """Nothing to free on CPU; a GPU placement moves parameters and optimizer state to host."""
