@@ -6,7 +6,7 @@ then runs GRPO exactly as the framework's recipe does it — P prompts x G sampl
 exact-match reward, group z-score advantage, PPO-clip token-mean loss, one AdamW step per
 rollout step — and prints held-out greedy accuracy every ``--eval-every`` steps with wall time.
 
-    uv run python bench/calibrate_tiny_arith.py --rl-steps 200 --rl-lr 3e-4 --rl-seed 0
+    uv run python bench/calibrate_tiny_arith.py --rl-steps 200 --rl-lr 1e-4 --rl-seed 0
 
 It uses HF ``generate`` for rollouts and is independent of the framework's own loop, so it
 also serves as a reference for what that loop should reach.

@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="first steps left out of the steady-state step time (default 3)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: 3 steps, 4 prompts x 4 samples, 64 eval prompts, 40-step warm start")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: rebuild the summary, markdown and plot from <out-dir>/cpu_vs_trl.json")
     p.add_argument("--trl-first", action="store_true", help="run the TRL side first (default: LoongSage first)")
     p.add_argument("--out-dir", type=Path, help="where the json/md/png go (default bench/results)")
     args = p.parse_args(argv)
@@ -233,6 +235,14 @@ def run_logged(cmd: list[str], cwd: Path, log_path: Path, env: dict[str, str]) -
     return wall
 
 
+def git_state() -> dict[str, Any]:
+    """The commit the framework ran from, and whether the working tree had uncommitted changes."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted_files": len(git("status", "--porcelain").splitlines())}
+
+
 def launcher_command() -> list[str]:
     script = Path(sys.executable).parent / "loongsage"
     return [str(script)] if script.is_file() else [sys.executable, "-m", "loongsage.core.cli"]
@@ -269,8 +279,10 @@ def run_ours(args: argparse.Namespace, work: Path, env: dict[str, str], model_pa
                           "trajectories": r.get("rollout/trajectories")})
     if len(steps) != settings["steps"]:
         raise SystemExit(f"cpu_vs_trl: expected {settings['steps']} steps in {run_dir}, found {len(steps)}")
+    # the framework logs train/is_* consistency metrics only when it recomputes old log-probs
+    recomputed = any(k.startswith("train/is_") for r in rows for k in r)
     return {"command": cmd, "wall_s": wall, "loadavg_1m_before_after": load, "steps": steps, "evals": evals,
-            "final_model": str(run_dir / "final"), "run_dir": str(run_dir)}
+            "final_model": str(run_dir / "final"), "run_dir": str(run_dir), "old_logprobs_recomputed": recomputed}
 
 
 def run_trl(args: argparse.Namespace, work: Path, env: dict[str, str], model_path: str,
@@ -324,6 +336,11 @@ def summarize(side: dict[str, Any], settings: dict[str, Any], warmup: int) -> di
         "step_s_mean_all": statistics.fmean(times),
         "step_s_mean_steady": mean_steady,
         "step_s_median_steady": statistics.median(steady),
+        "step_s_p10_steady": quantile(steady, 0.10),
+        "step_s_p90_steady": quantile(steady, 0.90),
+        "step_s_min_steady": min(steady),
+        "trajectories_per_s_median_steady": n_traj / statistics.median(steady),
+        "trajectories_per_s_p10_steady": n_traj / quantile(steady, 0.10),
         "rollout_s_mean_steady": statistics.fmean(rollout),
         "rollout_share_steady": statistics.fmean(rollout) / mean_steady,
         "steps_per_s_steady": 1.0 / mean_steady,
@@ -338,6 +355,12 @@ def summarize(side: dict[str, Any], settings: dict[str, Any], warmup: int) -> di
         "own_eval_accuracy_end": evals[-1]["accuracy"] if evals else None,
         "own_eval_accuracy_best": max(e["accuracy"] for e in evals) if evals else None,
     }
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Nearest-rank quantile (no interpolation), so it is always a measured step."""
+    ordered = sorted(values)
+    return ordered[round(q * (len(ordered) - 1))]
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -381,7 +404,8 @@ def settings_rows(s: dict[str, Any], ours: dict[str, Any], trl: dict[str, Any]) 
          f"wd {s['weight_decay']:g}, grad clip {s['grad_clip']:g}, {sched}",
          f"{p.get('optimizer', 'AdamW')} (adamw_torch), same values, lr_scheduler_type={p.get('lr_scheduler')!r}"),
         ("precision / device", "float32, CPU", "float32 (bf16=False), CPU (use_cpu=True), no vLLM"),
-        ("old log-probs", "recomputed by an extra forward pass (ratio = 1 on-policy)",
+        ("old log-probs", "recomputed by an extra forward pass (ratio = 1 on-policy)"
+         if ours.get("old_logprobs_recomputed", True) else "taken from the training forward (ratio = 1), no extra pass",
          "taken as the detached current log-probs (ratio = 1), no extra pass"),
         ("activation checkpointing", "off", f"gradient_checkpointing={p.get('gradient_checkpointing')} "
          "(TRL's default True, set False to match)"),
@@ -390,6 +414,18 @@ def settings_rows(s: dict[str, Any], ours: dict[str, Any], trl: dict[str, Any]) 
          + (f"every {s['eval_every']} steps" if s["eval_every"] else "at start and end"),
          "same prompts, greedy HF generate (shared helper)"),
     ]
+
+
+def noise_note(result: dict[str, Any]) -> list[str]:
+    """A warning when other work loaded the machine: step times then measure contention as much as code."""
+    cpus = result["machine"]["cpus"] or 1
+    peak = max(result["ours"]["loadavg_1m_before_after"] + result["trl"]["loadavg_1m_before_after"])
+    if peak <= cpus:
+        return []
+    return [f"**Noisy machine**: the 1-minute load average reached {peak:.1f} on {cpus} cores while the sides ran, "
+            "so other processes slowed many steps (compare the p10 and p90 rows). The mean and median move "
+            "with that contention; the p10 and min rows estimate the uncontended cost. Re-run on a quiet "
+            "machine before quoting absolute numbers.", ""]
 
 
 def write_markdown(path: Path, result: dict[str, Any]) -> None:
@@ -405,7 +441,10 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         f"ours {ours['loadavg_1m_before_after'][0]:.1f}/{ours['loadavg_1m_before_after'][1]:.1f}, "
         f"TRL {trl['loadavg_1m_before_after'][0]:.1f}/{trl['loadavg_1m_before_after'][1]:.1f}). "
         f"torch {result['machine']['torch']}, transformers {trl['versions']['transformers']}, "
-        f"TRL {trl['versions']['trl']}. The sides ran one after the other ({result['order']}), never at the same time.",
+        f"TRL {trl['versions']['trl']}. The sides ran one after the other ({result['order']}), never at the same time. "
+        + (f"Framework source: commit {result['source']['commit'][:10]}"
+           + (f" with {result['source']['uncommitted_files']} uncommitted file(s)"
+              if result["source"]["uncommitted_files"] else "") + "." if result.get("source") else ""),
         "",
         "## Settings (identical on both sides unless stated)",
         "",
@@ -415,6 +454,7 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         "",
         "## Results",
         "",
+        *noise_note(result),
         f"Steady state leaves out the first {result['warmup_steps']} step(s). Step time = generation + reward + "
         "advantages + loss/backward + optimizer step (+ weight push for LoongSage); start-up, evaluation and "
         "saving are outside it on both sides. Ratio column = LoongSage / TRL.",
@@ -428,8 +468,15 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
 
     row("steady-state s/step (mean)", so["step_s_mean_steady"], st["step_s_mean_steady"])
     row("steady-state s/step (median)", so["step_s_median_steady"], st["step_s_median_steady"])
-    row("steps/s (steady)", so["steps_per_s_steady"], st["steps_per_s_steady"])
-    row("trajectories/s (steady)", so["trajectories_per_s_steady"], st["trajectories_per_s_steady"], 1)
+    row("steady-state s/step (p10, least contended)", so["step_s_p10_steady"], st["step_s_p10_steady"])
+    row("steady-state s/step (p90)", so["step_s_p90_steady"], st["step_s_p90_steady"])
+    row("steady-state s/step (min)", so["step_s_min_steady"], st["step_s_min_steady"])
+    row("steps/s (steady, from mean)", so["steps_per_s_steady"], st["steps_per_s_steady"])
+    row("trajectories/s (steady, from mean)", so["trajectories_per_s_steady"], st["trajectories_per_s_steady"], 1)
+    row("trajectories/s (steady, from median)", so["trajectories_per_s_median_steady"],
+        st["trajectories_per_s_median_steady"], 1)
+    row("trajectories/s (steady, from p10)", so["trajectories_per_s_p10_steady"],
+        st["trajectories_per_s_p10_steady"], 1)
     row("trajectories/s (all steps)", so["trajectories_per_s_all_steps"], st["trajectories_per_s_all_steps"], 1)
     row("generation share of a step", so["rollout_share_steady"], st["rollout_share_steady"], 2, r=False)
     row("first step s", so["step_s_first"], st["step_s_first"], 2)
@@ -489,7 +536,7 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
     axes[0].set(title="training reward (exact match) per step", xlabel="step", ylabel="mean reward")
     axes[1].set(title=f"greedy held-out accuracy ({len(result['eval_record_indices'])} prompts)", xlabel="step",
                 ylabel="accuracy")
-    axes[2].set(title="wall time per step", xlabel="step", ylabel="seconds")
+    axes[2].set(title="wall time per step (log scale)", xlabel="step", ylabel="seconds", yscale="log")
     s = result["settings"]
     fig.suptitle(f"{result['recipe']}: {s['prompts']} prompts x {s['samples']} samples, "
                  f"{s['max_new_tokens']} new tokens, lr {s['lr']:g}, {s['steps']} steps (same settings both sides)")
@@ -501,9 +548,45 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def add_summary(result: dict[str, Any]) -> None:
+    settings, warmup, ours, trl = result["settings"], result["warmup_steps"], result["ours"], result["trl"]
+    summary = {"ours": summarize(ours, settings, warmup), "trl": summarize(trl, settings, warmup)}
+    so, st = summary["ours"], summary["trl"]
+    summary["ratios_ours_over_trl"] = {
+        "trajectories_per_s_steady": ratio(so["trajectories_per_s_steady"], st["trajectories_per_s_steady"]),
+        "step_s_mean_steady": ratio(so["step_s_mean_steady"], st["step_s_mean_steady"]),
+        "step_s_median_steady": ratio(so["step_s_median_steady"], st["step_s_median_steady"]),
+        "step_s_p10_steady": ratio(so["step_s_p10_steady"], st["step_s_p10_steady"]),
+        "trajectories_per_s_median_steady": ratio(so["trajectories_per_s_median_steady"],
+                                                  st["trajectories_per_s_median_steady"]),
+        "trajectories_per_s_p10_steady": ratio(so["trajectories_per_s_p10_steady"],
+                                               st["trajectories_per_s_p10_steady"]),
+        "step_time_sum_s": ratio(so["step_time_sum_s"], st["step_time_sum_s"]),
+        "wall_total_s": ratio(so["wall_total_s"], st["wall_total_s"]),
+    }
+    result["summary"] = summary
+
+
+def write_outputs(out: Path, result: dict[str, Any]) -> None:
+    add_summary(result)
+    (out / "cpu_vs_trl.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    write_markdown(out / "cpu_vs_trl.md", result)
+    write_plot(out / "cpu_vs_trl.png", result)
+    print((out / "cpu_vs_trl.md").read_text())
+    print(f"wrote {out / 'cpu_vs_trl.json'}, {out / 'cpu_vs_trl.md'}, {out / 'cpu_vs_trl.png'}")
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report_only:
+        write_outputs(args.out_dir, json.loads((args.out_dir / "cpu_vs_trl.json").read_text()))
+        return 0
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        raise SystemExit("cpu_vs_trl: TRL is not installed in this environment; run with "
+                         "`uv run --group bench python bench/cpu_vs_trl.py ...`")
     os.environ.setdefault("LOONGSAGE_CACHE", str(BENCH / "work" / "cache"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     work = BENCH / "work" / ("cpu_vs_trl_quick" if args.quick else "cpu_vs_trl")
@@ -546,15 +629,6 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters())
-    summary = {"ours": summarize(ours, settings, warmup), "trl": summarize(trl, settings, warmup)}
-    so, st = summary["ours"], summary["trl"]
-    summary["ratios_ours_over_trl"] = {
-        "trajectories_per_s_steady": ratio(so["trajectories_per_s_steady"], st["trajectories_per_s_steady"]),
-        "step_s_mean_steady": ratio(so["step_s_mean_steady"], st["step_s_mean_steady"]),
-        "step_s_median_steady": ratio(so["step_s_median_steady"], st["step_s_median_steady"]),
-        "step_time_sum_s": ratio(so["step_time_sum_s"], st["step_time_sum_s"]),
-        "wall_total_s": ratio(so["wall_total_s"], st["wall_total_s"]),
-    }
     result = {
         "recipe": args.recipe,
         "quick": args.quick,
@@ -569,19 +643,14 @@ def main(argv: list[str] | None = None) -> int:
         if (Path(model_path) / "loongsage_warmstart.json").is_file() else None,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "platform": platform.platform()},
+        "source": git_state(),
         "train_record_indices": [r["index"] for r in train],
         "eval_record_indices": [r["index"] for r in held_out],
         "greedy_accuracy_shared_helper": acc,
-        "summary": summary,
         "ours": ours,
         "trl": trl,
     }
-    out = args.out_dir
-    (out / "cpu_vs_trl.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
-    write_markdown(out / "cpu_vs_trl.md", result)
-    write_plot(out / "cpu_vs_trl.png", result)
-    print((out / "cpu_vs_trl.md").read_text())
-    print(f"wrote {out / 'cpu_vs_trl.json'}, {out / 'cpu_vs_trl.md'}, {out / 'cpu_vs_trl.png'}")
+    write_outputs(args.out_dir, result)
     return 0
 
 

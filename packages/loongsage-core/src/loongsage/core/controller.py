@@ -183,29 +183,11 @@ class Controller:
         row_of = {id(t): i for i, t in enumerate(trajs)}
         parts = split_groups(groups, cfg.trainer.world_size, cfg.trainer.mini_batches_per_step)
         rows = [[[row_of[id(t)] for t in mb] for mb in rank_parts] for rank_parts in parts]
-        # old / reference log-probs, each rank for its own rows
-        rank_rows = [[i for mb in r for i in mb] for r in rows]
-        # every rank is called, even with no rows: FSDP2 forward and backward are collectives
-        outs = ray.get([tr.logprobs.remote(batch.select(rr)) for tr, rr in zip(self.trainers, rank_rows)])
-        B, T = batch.input_ids.shape
-        batch.old_logprobs = torch.zeros(B, T)
-        batch.ref_logprobs = torch.zeros(B, T) if self.pipeline.needs_ref_logprobs else None
-        entropy = torch.zeros(B, T)
-        for rr, out in zip(rank_rows, outs):
-            if not rr:
-                continue
-            idx = torch.tensor(rr)
-            t = out["old_logprobs"].shape[1]
-            batch.old_logprobs[idx, :t] = out["old_logprobs"]
-            entropy[idx, :t] = out["entropy"]
-            if batch.ref_logprobs is not None:
-                batch.ref_logprobs[idx, :t] = out["ref_logprobs"]
         sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        _add(sums, "train/entropy", float((entropy * batch.response_mask).sum()), float(batch.response_mask.sum()))
-        from loongsage.core.loss import consistency_metrics
-
-        for key, (num, den) in consistency_metrics(batch.old_logprobs, batch.rollout_logprobs, batch.response_mask).items():
-            _add(sums, key, num, den)
+        if self.pipeline.recompute_old_logprobs(cfg.trainer.mini_batches_per_step) or self.pipeline.needs_ref_logprobs:
+            self._fill_logprobs(batch, rows, sums)
+        else:
+            batch.old_logprobs = None  # taken from the training forward itself
         scalars: dict[str, float] = defaultdict(float)
         for m in range(cfg.trainer.mini_batches_per_step):
             union = [i for r in rows for i in r[m]]
@@ -231,6 +213,33 @@ class Controller:
         metrics["train/advantage_abs_mean"] = float((batch.advantages.abs() * batch.response_mask).sum()
                                                     / batch.response_mask.sum().clamp(min=1))
         return metrics
+
+    def _fill_logprobs(self, batch: TrainBatch, rows: list[list[list[int]]], sums: dict[str, list[float]]) -> None:
+        """Old (and reference) log-probs, each trainer rank computing its own rows."""
+        import ray
+
+        from loongsage.core.loss import consistency_metrics
+
+        rank_rows = [[i for mb in r for i in mb] for r in rows]
+        # every rank is called, even with no rows: FSDP2 forward and backward are collectives
+        outs = ray.get([tr.logprobs.remote(batch.select(rr)) for tr, rr in zip(self.trainers, rank_rows)])
+        B, T = batch.input_ids.shape
+        recompute = self.pipeline.recompute_old_logprobs(self.cfg.trainer.mini_batches_per_step)
+        batch.old_logprobs = torch.zeros(B, T) if recompute else None
+        batch.ref_logprobs = torch.zeros(B, T) if self.pipeline.needs_ref_logprobs else None
+        for rr, out in zip(rank_rows, outs):
+            if not rr:
+                continue
+            idx = torch.tensor(rr)
+            t = out["old_logprobs"].shape[1]
+            if batch.old_logprobs is not None:
+                batch.old_logprobs[idx, :t] = out["old_logprobs"]
+            if batch.ref_logprobs is not None:
+                batch.ref_logprobs[idx, :t] = out["ref_logprobs"]
+        if batch.old_logprobs is not None:
+            for key, (num, den) in consistency_metrics(batch.old_logprobs, batch.rollout_logprobs,
+                                                       batch.response_mask).items():
+                _add(sums, key, num, den)
 
     def _push_weights(self) -> dict[str, float]:
         import ray

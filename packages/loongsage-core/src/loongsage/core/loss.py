@@ -46,9 +46,17 @@ class LossPipeline:
     kl_coef: float = 0.0
     corrections: list[Any] = field(default_factory=list)
 
-    @property
-    def needs_old_logprobs(self) -> bool:
-        return bool(getattr(self.policy_loss, "needs_old_logprobs", True)) or bool(self.corrections)
+    def recompute_old_logprobs(self, mini_batches: int) -> bool:
+        """Whether old log-probs need a forward pass of their own before the first update.
+
+        With one optimizer step per rollout and no correction, the policy that produced the data's
+        "old" log-probs is exactly the one being updated, so the training forward's detached
+        log-probs serve (ratio 1) and the extra pass is skipped. Several mini-batches, or a
+        correction that decides from old log-probs up front, need them recomputed.
+        """
+        if not getattr(self.policy_loss, "needs_old_logprobs", True) and not self.corrections:
+            return False
+        return mini_batches > 1 or bool(self.corrections)
 
     @property
     def needs_ref_logprobs(self) -> bool:
@@ -74,13 +82,16 @@ class LossPipeline:
 
     def __call__(self, logprobs: Tensor, mb: TrainBatch) -> tuple[Tensor, MetricSums]:
         mask = mb.response_mask
-        old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+        metrics: MetricSums = {}
+        old = mb.old_logprobs
+        if old is None:  # on-policy single step: this forward's log-probs are the old ones
+            old = logprobs.detach()
+            metrics.update(consistency_metrics(old, mb.rollout_logprobs, mask))
         out = self.policy_loss(PolicyLossInput(
             logprobs=logprobs, old_logprobs=old, advantages=mb.advantages, response_mask=mask,
             rollout_logprobs=mb.rollout_logprobs,
         ))
         per_token = out.loss
-        metrics: MetricSums = {}
         count = float(mask.sum())
         if self.needs_ref_logprobs:
             kl = self.kl(logprobs, mb.ref_logprobs)

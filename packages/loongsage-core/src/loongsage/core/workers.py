@@ -124,6 +124,11 @@ class EngineWorker:
     async def generate(self, request):
         return await self.engine.generate(request)
 
+    async def generate_many(self, requests: list) -> list:
+        """Several requests in one call; each answer is its results or its own error (one bad
+        request does not fail the others)."""
+        return list(await asyncio.gather(*(self.engine.generate(r) for r in requests), return_exceptions=True))
+
     def receive_bucket(self, metas, buffer) -> int:
         self._staging.extend(self._unpack(metas, buffer))
         return len(self._staging)

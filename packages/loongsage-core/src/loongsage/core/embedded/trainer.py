@@ -206,6 +206,9 @@ class TorchTrainer:
             loss, metrics = loss_fn(lp, mb)
             loss.backward()
             total += float(loss.detach())
+            with torch.no_grad():
+                mask = mb.response_mask.to(logits.device)
+                metrics["train/entropy"] = (float((entropy_from_logits(logits) * mask).sum()), float(mask.sum()))
             for key, (num, den) in metrics.items():
                 acc = sums.setdefault(key, [0.0, 0.0])
                 acc[0] += num

@@ -35,7 +35,13 @@ INFO_FILE = "loongsage_warmstart.json"
 
 @dataclass
 class WarmStartParams:
-    """Everything that determines a warm-start model (and so its cache key)."""
+    """Everything that determines a warm-start model (and so its cache key).
+
+    The defaults were chosen with ``bench/calibrate_tiny_arith.py``: a 148k-parameter model, about
+    60 s of SFT on 2 free cores, held-out greedy accuracy about 0.31-0.41 with pass@8 about
+    0.85-0.92, and GRPO (lr 1e-4, 8 prompts x 8 samples) lifting greedy accuracy above 0.9 within
+    20-50 steps. ``threads`` is part of the key because it changes the floating-point results.
+    """
 
     name: str = "tiny-qwen3-arith"
     # task
