@@ -9,18 +9,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Small warm start for tests: a different cache key from the recipe's, built once per session.
-TEST_BUILDER = (
-    "model.builder.params.steps=40",
-    "model.builder.params.batch_size=32",
-)
-
-
-@pytest.fixture(scope="session")
-def test_builder() -> list[str]:
-    return list(TEST_BUILDER)
-
-
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("LOONGSAGE_RUN_GPU") == "1":
         return
@@ -31,9 +19,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def model_cache(tmp_path_factory) -> Path:
-    """``LOONGSAGE_CACHE`` for the whole session (kept outside the user's cache)."""
-    path = Path(os.environ.get("LOONGSAGE_TEST_CACHE") or tmp_path_factory.mktemp("loongsage-cache"))
+def model_cache() -> Path:
+    """``LOONGSAGE_CACHE`` for the session: the user's own model cache unless LOONGSAGE_TEST_CACHE is set.
+
+    The end-to-end tests train the recipe's own warm start (it must give a learning signal), so
+    they share the cache the README's first command fills: on a fresh machine the first test that
+    needs the model builds it once (about a minute on two idle cores).
+    """
+    from loongsage.core.embedded.warmstart import default_cache_dir
+
+    path = Path(os.environ.get("LOONGSAGE_TEST_CACHE") or default_cache_dir())
     os.environ["LOONGSAGE_CACHE"] = str(path)
     return path
 

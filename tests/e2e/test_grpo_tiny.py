@@ -37,8 +37,8 @@ def _trained(rows: list[dict]) -> list[dict]:
 
 
 @pytest.mark.parametrize("colocate", ["true", "false"])
-def test_grpo_loop_runs_and_resumes(ray_session, in_tmp, test_builder, colocate):
-    args = ["train", "tiny/grpo_arith_cpu", *test_builder, *SHORT, f"colocate={colocate}"]
+def test_grpo_loop_runs_and_resumes(ray_session, in_tmp, colocate):
+    args = ["train", "tiny/grpo_arith_cpu", *SHORT, f"colocate={colocate}"]
     assert main(args) == 0
     run_dir = in_tmp / "runs" / "e2e"
     rows = _metrics(run_dir)

@@ -17,7 +17,7 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache, test_builder):
+def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache):
     dist = tmp_path / "dist"
     for package in ("loongsage-core", "loongsage-algos"):
         _run(["uv", "build", "--wheel", "--package", package, "-o", str(dist)], cwd=REPO)
@@ -43,7 +43,7 @@ def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache, test_builder
     assert str(venv) in probe.stdout
     listing = _run([str(venv / "bin" / "loongsage"), "plugins"], cwd=user, env=env).stdout
     assert "grpo" in listing and "loongsage-algos 0.1.0" in listing
-    _run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", *test_builder, "run.name=pkg",
+    _run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "run.name=pkg",
           "run.total_steps=2", "data_sources.0.prompts_per_step=2", "data_sources.0.samples_per_prompt=2",
           "evaluation.max_prompts=8", "evaluation.pass_k=0", "tracking.progress=false"], cwd=user, env=env)
     rows = [json.loads(line) for line in (user / "runs" / "pkg" / "metrics.jsonl").read_text().splitlines()]

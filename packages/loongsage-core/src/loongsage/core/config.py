@@ -9,7 +9,6 @@ and what is allowed.
 from __future__ import annotations
 
 import importlib.resources
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -139,7 +138,7 @@ class TrackingConfig:
 @dataclass
 class EvaluationConfig:
     every_steps: int = 0  # 0 = only at start and end
-    pass_k: int = 0  # also measure pass@k with k samples at the source's temperature (0 = off)
+    pass_k: int = 0  # at the first and last evaluation, also pass@k with k samples (0 = off)
     max_prompts: int = 256
     success_threshold: float = 1.0  # a response with reward >= this counts as correct
 
@@ -323,7 +322,3 @@ def load_config(recipe: str, overrides: list[str] | None = None, *, config_dir: 
     if registry is None:
         registry = load_registry(plugins if isinstance(plugins, list) else [])
     return validate(raw, registry), registry
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LOONGSAGE_CACHE", Path.home() / ".cache" / "loongsage"))

@@ -308,7 +308,7 @@ class Controller:
             })
             last = self.step == cfg.run.total_steps
             if (ev.every_steps and self.step % ev.every_steps == 0) or last:
-                metrics.update(await self.evaluator.run())
+                metrics.update(await self.evaluator.run(pass_k=last))
             self._log(self.step, metrics)
             history.append(metrics)
             progress.update(metrics)

@@ -26,7 +26,8 @@ class Evaluator:
                 rows.append(record)
             self.records[src.name] = rows
 
-    async def run(self) -> dict[str, float]:
+    async def run(self, pass_k: bool = True) -> dict[str, float]:
+        """Greedy accuracy; with ``pass_k`` (first and last evaluation) also pass@k and sampled pass@1."""
         if not self.records:
             return {}
         ctl, ev = self.controller, self.cfg.evaluation
@@ -37,7 +38,7 @@ class Evaluator:
             hits = [_success(g[0].reward, ev.success_threshold) for g in groups]
             metrics[f"eval/{name}/accuracy"] = sum(hits) / len(hits)
             metrics[f"eval/{name}/response_length"] = sum(len(g[0].response_ids) for g in groups) / len(groups)
-        if ev.pass_k > 0:
+        if pass_k and ev.pass_k > 0:
             sampled = {name: replace(s, n=ev.pass_k) for name, s in ctl.sampling.items()}
             for name, groups in _by_source(await ctl.rollout(records, sampled)).items():
                 per_group = [[_success(t.reward, ev.success_threshold) for t in g] for g in groups]
