@@ -188,6 +188,17 @@ def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
     }
 
 
+def ours_recomputes_old_logprobs(cfg: Any, registry: Any) -> bool | None:
+    """Whether the framework spends a forward pass on old log-probs for this config (None: unknown)."""
+    try:
+        from loongsage.core.workers import build_pipeline
+
+        decide = getattr(build_pipeline(cfg, registry), "recompute_old_logprobs", None)
+        return True if decide is None else bool(decide(cfg.trainer.mini_batches_per_step))
+    except Exception:  # the framework's internals moved: report unknown rather than guess
+        return None
+
+
 def record_json(record: Any) -> dict[str, Any]:
     return {"prompt": record.prompt, "label": str(record.label), "index": record.index}
 
@@ -279,10 +290,9 @@ def run_ours(args: argparse.Namespace, work: Path, env: dict[str, str], model_pa
                           "trajectories": r.get("rollout/trajectories")})
     if len(steps) != settings["steps"]:
         raise SystemExit(f"cpu_vs_trl: expected {settings['steps']} steps in {run_dir}, found {len(steps)}")
-    # the framework logs train/is_* consistency metrics only when it recomputes old log-probs
-    recomputed = any(k.startswith("train/is_") for r in rows for k in r)
     return {"command": cmd, "wall_s": wall, "loadavg_1m_before_after": load, "steps": steps, "evals": evals,
-            "final_model": str(run_dir / "final"), "run_dir": str(run_dir), "old_logprobs_recomputed": recomputed}
+            "final_model": str(run_dir / "final"), "run_dir": str(run_dir),
+            "old_logprobs_recomputed": settings.get("ours_recomputes_old_logprobs")}
 
 
 def run_trl(args: argparse.Namespace, work: Path, env: dict[str, str], model_path: str,
@@ -404,8 +414,9 @@ def settings_rows(s: dict[str, Any], ours: dict[str, Any], trl: dict[str, Any]) 
          f"wd {s['weight_decay']:g}, grad clip {s['grad_clip']:g}, {sched}",
          f"{p.get('optimizer', 'AdamW')} (adamw_torch), same values, lr_scheduler_type={p.get('lr_scheduler')!r}"),
         ("precision / device", "float32, CPU", "float32 (bf16=False), CPU (use_cpu=True), no vLLM"),
-        ("old log-probs", "recomputed by an extra forward pass (ratio = 1 on-policy)"
-         if ours.get("old_logprobs_recomputed", True) else "taken from the training forward (ratio = 1), no extra pass",
+        ("old log-probs", {True: "recomputed by an extra forward pass (ratio = 1 on-policy)",
+                           False: "taken from the training forward (ratio = 1), no extra pass",
+                           None: "unknown"}[ours.get("old_logprobs_recomputed")],
          "taken as the detached current log-probs (ratio = 1), no extra pass"),
         ("activation checkpointing", "off", f"gradient_checkpointing={p.get('gradient_checkpointing')} "
          "(TRL's default True, set False to match)"),
@@ -610,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {model_path} ({warm_start_s:.1f} s)", flush=True)
 
     settings["stop_ids"] = model_stop_ids(model_path)
+    settings["ours_recomputes_old_logprobs"] = ours_recomputes_old_logprobs(cfg, registry)
     train = training_records(cfg, registry, settings["steps"])
     held_out = eval_records(cfg, registry)
     start_acc = helper_eval(model_path, held_out, settings)

@@ -71,8 +71,8 @@ def test_tiny_recipe_validates(at_repo) -> None:
     assert cfg.run.name == "grpo_arith_cpu" and cfg.model.builder == {"name": "tiny_arith", "params": {}}
     (src,) = cfg.data_sources
     assert (src.name, src.prompts_per_step, src.samples_per_prompt) == ("arith", 8, 8)
-    assert cfg.sampling_for(src).n == 8 and cfg.sampling_for(src).max_new_tokens == 8
-    assert cfg.trainer.optimizer.lr == pytest.approx(3e-4)
+    assert cfg.sampling_for(src).n == 8 and cfg.sampling_for(src).max_new_tokens == 5
+    assert cfg.trainer.optimizer.lr == pytest.approx(1e-4)
     assert cfg.placement.colocate is True and cfg.checkpoint.resume is False
     assert "grpo" in registry.names("advantage")
 

@@ -62,6 +62,8 @@ def test_grpo_loop_runs_and_resumes(ray_session, in_tmp, colocate):
     assert start.keys() == end.keys()
     assert any(not torch.equal(start[k], end[k]) for k in start)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    for ck in (run_dir / "checkpoints").iterdir():
+        assert {"trainer.pt", "rng_rank0.pt", "controller.json"} <= {p.name for p in ck.iterdir()}
     assert (run_dir / "tensorboard").is_dir()
     logs = list((in_tmp / "log").glob("trainer_*.log"))
     assert logs and "recipe tiny/grpo_arith_cpu" in logs[0].read_text()

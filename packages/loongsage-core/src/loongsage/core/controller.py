@@ -86,7 +86,7 @@ class Placement:
 class Controller:
     def __init__(self, cfg: Config, registry: Any):
         self.cfg, self.registry = cfg, registry
-        self.run_dir = cfg.run_dir
+        self.run_dir = cfg.run_dir.resolve()  # actors may run in another working directory
         self.step = 0
         self.version = 0
         self._group_ids = itertools.count()
@@ -244,8 +244,7 @@ class Controller:
     def _push_weights(self) -> dict[str, float]:
         import ray
 
-        spec = self.cfg.rollout.transport
-        stats = ray.get([t.push_weights.remote(self.engines, spec) for t in self.trainers])[0]
+        stats = ray.get([t.push_weights.remote(self.engines) for t in self.trainers])[0]
         self.version = int(stats["sync/version"])
         return stats
 

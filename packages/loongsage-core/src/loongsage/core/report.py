@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from loongsage.core.tracking import read_metrics
 
-PANELS = {
-    "reward": ("rollout/reward_mean",),
-    "accuracy": ("eval/",),  # every eval/<source>/accuracy and pass@k
-    "kl": ("train/is_approx_k3_kl", "train/kl", "train/ppo_kl"),
-    "response_length": ("rollout/response_length_mean",),
-    "timing": ("timing/",),
+PANELS: dict[str, Callable[[str], bool]] = {
+    "reward": lambda k: k == "rollout/reward_mean" or (k.startswith("rollout_per_ds/") and k.endswith("/reward_mean")),
+    "accuracy": lambda k: k.startswith("eval/") and (k.endswith("/accuracy") or "/pass@" in k),
+    "kl": lambda k: k in ("train/is_approx_k3_kl", "train/kl", "train/ppo_kl"),
+    "response_length": lambda k: k == "rollout/response_length_mean" or (k.startswith("eval/") and k.endswith("/response_length")),
+    "timing": lambda k: k.startswith("timing/"),
 }
 
 
@@ -34,8 +35,8 @@ def write_report(run_dir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     fig_all, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
-    for ax_all, (panel, prefixes) in zip(axes, PANELS.items()):
-        chosen = [k for k in keys if any(k == p or (p.endswith("/") and k.startswith(p)) for p in prefixes)]
+    for ax_all, (panel, wanted) in zip(axes, PANELS.items()):
+        chosen = [k for k in keys if wanted(k)]
         fig, ax = plt.subplots(figsize=(6, 4))
         for target in (ax, ax_all):
             for key in chosen:

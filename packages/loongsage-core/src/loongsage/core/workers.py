@@ -64,6 +64,7 @@ class TrainerWorker:
         opt = cfg.trainer.optimizer
         self.backend.setup_optimizer(opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.grad_clip, opt.warmup_steps)
         self.pipeline = build_pipeline(cfg, registry)
+        self.transport = registry.create("transport", cfg.rollout.transport, "rollout.transport") if rank == 0 else None
         self.reference = None
         if self.pipeline.needs_ref_logprobs:
             self.reference = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
@@ -80,17 +81,14 @@ class TrainerWorker:
     def train_step(self, mini_batch: TrainBatch) -> dict[str, float]:
         return self.backend.train_step(mini_batch, self.pipeline, self.token_budget)
 
-    def push_weights(self, engines: list[Any], transport_spec: dict[str, Any]) -> dict[str, float]:
+    def push_weights(self, engines: list[Any]) -> dict[str, float]:
         """Every rank calls (gathering shards is a collective); rank 0 sends to the engines."""
         weights = self.backend.export_weights()
-        if self.rank != 0:
+        if self.transport is None:
             for _ in weights:
                 pass
             return {}
-        from loongsage.core.plugins import load_registry
-
-        transport = load_registry(self.cfg.plugins).create("transport", transport_spec, "rollout.transport")
-        return transport.push(weights, engines)
+        return self.transport.push(weights, engines)
 
     def param_checksum(self) -> float:
         return float(sum(p.detach().double().abs().sum() for p in self.backend.model.parameters()))
