@@ -65,9 +65,10 @@ def test_logprobs_match_a_plain_forward(model_dir):
     with torch.no_grad():
         logits = trainer.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
     ref = token_logprobs(logits, batch.input_ids)
-    valid = batch.attention_mask.bool()
-    torch.testing.assert_close(lp[valid], ref[valid], atol=1e-5, rtol=0)
-    assert (ent[:, 1:][valid[:, 1:]] > 0).all()  # position 0 has no prediction
+    trained = batch.response_mask.bool()  # the head runs only where a trained token is predicted
+    torch.testing.assert_close(lp[trained], ref[trained], atol=1e-5, rtol=0)
+    assert (ent[trained] > 0).all()
+    assert (lp[:, :4] == 0).all()  # prompt positions before the first response token
 
 
 def test_save_load_restores_weights_optimizer_and_step(model_dir, tmp_path):

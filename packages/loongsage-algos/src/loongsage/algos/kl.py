@@ -7,16 +7,23 @@ With ``x = logprobs - ref_logprobs`` on tokens sampled from pi (Schulman's k1/k2
     k3 = exp(-x) - 1 + x        unbiased, >= 0
     low_var_kl = min(k3, bound) with x clamped to +-20 first (k3 >= 0: verl's clamp to +-bound)
 
+Unbiased form (DeepSeek-V3.2): the tokens were sampled from the old policy, not from pi, so each
+estimate is importance-weighted by ``sg(r)`` with ``r = exp(clamp(logprobs - old_logprobs, +-20))``.
+Entries with ``unbiased=True`` need the old log-probs, passed as the keyword ``old_logprobs``.
+
 Each estimator is a pure function ``(logprobs [B, T], ref_logprobs [B, T]) -> [B, T]`` plus a frozen
-dataclass implementing the same call; class attribute ``consumes`` tells the trainer what to fetch.
-Masking and reduction are the caller's.
+dataclass implementing ``__call__(logprobs, ref_logprobs, *, old_logprobs=None)``; class attribute
+``consumes`` tells the trainer what to fetch, and the instance property ``needs_old_logprobs`` whether
+to pass ``old_logprobs``. Masking and reduction are the caller's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 LOG_RATIO_CLAMP = 20.0
@@ -52,47 +59,112 @@ def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor, *, bound: float = 10.0) -
     return (x.neg().expm1() + x).clamp(min=0.0, max=bound)
 
 
-@dataclass(frozen=True)
-class K1:
-    """``k1``: ``logprobs - ref_logprobs``."""
+def importance_weight(logprobs: Tensor, old_logprobs: Tensor) -> Tensor:
+    """``sg(r)``, ``r = exp(clamp(logprobs - old_logprobs, -20, 20))``: pi over the sampling policy."""
+    return (logprobs.detach() - old_logprobs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
 
+
+def unbiased_kl(
+    estimator: Callable[[Tensor, Tensor], Tensor], logprobs: Tensor, ref_logprobs: Tensor, old_logprobs: Tensor
+) -> Tensor:
+    """``sg(r) * estimator(logprobs, ref_logprobs)`` (DeepSeek-V3.2's unbiased KL).
+
+    The weight has no gradient: the estimator's own gradient is scaled, not changed in direction.
+    On-policy (``old_logprobs == logprobs``) the weight is exactly 1.
+    """
+    return importance_weight(logprobs, old_logprobs) * estimator(logprobs, ref_logprobs)
+
+
+def kl_in_reward(
+    token_rewards: Tensor | None, kl: Tensor, coef: float, *, response_mask: Tensor | None = None
+) -> Tensor:
+    """Per-token rewards with a KL penalty folded in: ``token_rewards - coef * sg(kl)``.
+
+    ``token_rewards`` None counts as 0. With ``response_mask`` the result is 0 outside it (whatever
+    ``kl`` holds there). Shapes: ``[B, T]`` in and out. Feed the result to an estimator as
+    ``AdvantageInput.token_rewards`` (REINFORCE++, GAE); the KL is then not also put in the loss.
+    """
+    out = -coef * kl.detach()
+    if token_rewards is not None:
+        out = token_rewards + out
+    if response_mask is not None:
+        out = torch.where(response_mask != 0, out, torch.zeros_like(out))
+    return out
+
+
+class _Weighted:
+    """The shared call of the estimator entries: the plain estimate, or the unbiased one."""
+
+    name: ClassVar[str]
+    unbiased: bool
+
+    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        return self.unbiased
+
+    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor, *, old_logprobs: Tensor | None = None) -> Tensor:
+        if not self.unbiased:
+            return self._estimate(logprobs, ref_logprobs)
+        if old_logprobs is None:
+            raise ValueError(f"{self.name}.unbiased=True: needs old_logprobs (the sampling policy's log-probs)")
+        return unbiased_kl(self._estimate, logprobs, ref_logprobs, old_logprobs)
+
+
+@dataclass(frozen=True)
+class K1(_Weighted):
+    """``k1``: ``logprobs - ref_logprobs`` (``unbiased``: times ``sg(r)``)."""
+
+    unbiased: bool = False
+
+    name: ClassVar[str] = "k1"
     consumes: ClassVar[str] = "logprobs"
 
-    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
         return k1(logprobs, ref_logprobs)
 
 
 @dataclass(frozen=True)
-class K2:
-    """``k2``: ``(logprobs - ref_logprobs)^2 / 2``."""
+class K2(_Weighted):
+    """``k2``: ``(logprobs - ref_logprobs)^2 / 2`` (``unbiased``: times ``sg(r)``)."""
 
+    unbiased: bool = False
+
+    name: ClassVar[str] = "k2"
     consumes: ClassVar[str] = "logprobs"
 
-    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
         return k2(logprobs, ref_logprobs)
 
 
 @dataclass(frozen=True)
-class K3:
-    """``k3``: ``exp(-x) - 1 + x``, no upper bound."""
+class K3(_Weighted):
+    """``k3``: ``exp(-x) - 1 + x``, no upper bound (``unbiased``: times ``sg(r)``)."""
 
+    unbiased: bool = False
+
+    name: ClassVar[str] = "k3"
     consumes: ClassVar[str] = "logprobs"
 
-    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
         return k3(logprobs, ref_logprobs)
 
 
 @dataclass(frozen=True)
-class LowVarKL:
-    """``low_var_kl``: k3 capped at ``bound`` (verl's name for it)."""
+class LowVarKL(_Weighted):
+    """``low_var_kl``: k3 capped at ``bound`` (verl's name for it; ``unbiased``: times ``sg(r)``)."""
 
     bound: float = 10.0
+    unbiased: bool = False
 
+    name: ClassVar[str] = "low_var_kl"
     consumes: ClassVar[str] = "logprobs"
 
     def __post_init__(self) -> None:
         if not self.bound > 0:
             raise ValueError(f"low_var_kl.bound={self.bound}: must be > 0")
 
-    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
         return low_var_kl(logprobs, ref_logprobs, bound=self.bound)

@@ -1,15 +1,30 @@
-"""Rule-based rewards: ``(trajectory, record) -> float``.
+"""Rule-based rewards: ``(trajectory, record) -> float`` (or an awaitable of one).
 
 Each reward is a pure function over plain values plus a frozen dataclass that binds its parameters
 (the fields are the recipe's ``params`` schema) and implements the hook's call.
+
+Wrappers (``overlong_shaping``, ``format``) add a term to another reward. The wrapped reward is
+named in the ``inner`` param as a ``{name, params}`` spec, like any registry entry; the class
+attribute ``nested_rewards`` lists such params, and :func:`build_reward` builds the tree through the
+registry and hands each built inner reward to ``bind``. An unbound wrapper whose ``inner`` is null
+adds its term to 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
+import inspect
 import re
+import threading
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, ClassVar, Literal
 
 from loongsage.core.types import DataRecord, Trajectory
+
+RewardFn = Callable[[Trajectory, DataRecord], "float | Awaitable[float]"]
 
 
 def extract_answer(text: str, pattern: str | None) -> str | None:
@@ -57,3 +72,296 @@ class ExactMatch:
         if record.label is None:
             raise ValueError(f"exact_match: record {record.source}[{record.index}] has no label")
         return exact_match(trajectory.response_text, record.label, strip=self.strip, extract=self.extract)
+
+
+# ------------------------------------------------------------------------------- wrappers
+
+
+def build_reward(
+    spec: Mapping[str, Any], create: Callable[[Mapping[str, Any], str], RewardFn], path: str = "reward"
+) -> RewardFn:
+    """Build the reward ``spec`` names, and the rewards nested in its params, depth first.
+
+    ``create(spec, path)`` builds one entry (the registry's ``create("reward", spec, path)``);
+    every param listed in the built class's ``nested_rewards`` that holds a spec is built the same
+    way, under ``path.params.<name>``, and passed to the wrapper's ``bind``.
+    """
+    reward = create(spec, path)
+    for name in getattr(type(reward), "nested_rewards", ()):
+        inner = getattr(reward, name)
+        if inner is not None:
+            reward = reward.bind(**{name: build_reward(inner, create, f"{path}.params.{name}")})
+    return reward
+
+
+def _then(value: float | Awaitable[float], fn: Callable[[float], float]) -> float | Awaitable[float]:
+    """``fn(value)``, awaiting ``value`` first if the inner reward is asynchronous."""
+    if inspect.isawaitable(value):
+        async def later() -> float:
+            return fn(float(await value))
+
+        return later()
+    return fn(float(value))
+
+
+def _check_spec(owner: str, spec: Mapping[str, Any] | None) -> None:
+    if spec is None:
+        return
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str) or set(spec) - {"name", "params"}:
+        raise ValueError(f"{owner}.inner={spec!r}: must be a mapping with 'name' (and optional 'params')")
+
+
+class _Wrapper:
+    """Holds the built inner reward of a wrapper entry (not a param: set by :meth:`bind`)."""
+
+    name: ClassVar[str]
+    nested_rewards: ClassVar[tuple[str, ...]] = ("inner",)
+    _inner_reward: ClassVar[RewardFn | None] = None  # shadowed per instance by bind()
+    inner: dict[str, Any] | None
+
+    def bind(self, inner: RewardFn):
+        """A copy of this wrapper that calls ``inner`` (the reward the ``inner`` spec names)."""
+        if not callable(inner):
+            raise TypeError(f"{self.name}.bind: inner reward must be callable, got {inner!r}")
+        bound = dataclasses.replace(self)
+        object.__setattr__(bound, "_inner_reward", inner)
+        return bound
+
+    def _base(self, trajectory: Trajectory, record: DataRecord) -> float | Awaitable[float]:
+        if self._inner_reward is not None:
+            return self._inner_reward(trajectory, record)
+        if self.inner is not None:
+            raise RuntimeError(
+                f"{self.name}.inner={dict(self.inner)!r}: not built; build nested rewards with build_reward()"
+            )
+        return 0.0
+
+
+def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
+    """DAPO's soft overlong penalty for a response of ``length`` tokens (``L_max``, ``L_c``)::
+
+        0                                 if L <= L_max - L_c
+        -(L - (L_max - L_c)) / L_c        if L_max - L_c < L <= L_max
+        -1                                if L > L_max
+
+    Continuous: it reaches -1 exactly at ``L = L_max``.
+    """
+    start = max_length - buffer
+    if length <= start:
+        return 0.0
+    if length > max_length:
+        return -1.0
+    return -(length - start) / buffer
+
+
+@dataclass(frozen=True)
+class OverlongShaping(_Wrapper):
+    """``overlong_shaping``: ``inner`` reward plus DAPO's overlong penalty on ``len(response_ids)``."""
+
+    inner: dict[str, Any] | None = None  # {name, params} of the wrapped reward; null: penalty only
+    max_length: int = 20480  # L_max (DAPO: 20480)
+    buffer: int = 4096  # L_c, the soft-penalty band below L_max (DAPO: 4096)
+
+    name: ClassVar[str] = "overlong_shaping"
+
+    def __post_init__(self) -> None:
+        _check_spec(self.name, self.inner)
+        if self.max_length < 1:
+            raise ValueError(f"overlong_shaping.max_length={self.max_length}: must be >= 1")
+        if not 1 <= self.buffer <= self.max_length:
+            raise ValueError(f"overlong_shaping.buffer={self.buffer}: must be in [1, max_length={self.max_length}]")
+
+    def __call__(self, trajectory: Trajectory, record: DataRecord) -> float | Awaitable[float]:
+        penalty = overlong_penalty(len(trajectory.response_ids), self.max_length, self.buffer)
+        return _then(self._base(trajectory, record), lambda base: base + penalty)
+
+
+@dataclass(frozen=True)
+class FormatReward(_Wrapper):
+    """``format``: ``inner`` reward plus ``bonus`` if ``pattern`` matches the response, else ``penalty``.
+
+    The pattern is compiled with ``re.DOTALL`` (``.`` crosses lines, as responses do) and searched
+    anywhere (``full_match``: must match the whole response). ``gate``: a response that does not
+    match gets ``penalty`` alone and the inner reward is not called.
+    """
+
+    pattern: str = r"\\boxed\{.+\}"
+    full_match: bool = False
+    bonus: float = 0.0
+    penalty: float = -1.0
+    gate: bool = False
+    inner: dict[str, Any] | None = None  # {name, params} of the wrapped reward; null: the term alone
+
+    name: ClassVar[str] = "format"
+
+    def __post_init__(self) -> None:
+        try:
+            compiled = re.compile(self.pattern, re.DOTALL)
+        except re.error as exc:
+            raise ValueError(f"format.pattern={self.pattern!r}: invalid regex ({exc})") from None
+        object.__setattr__(self, "_compiled", compiled)
+        _check_spec(self.name, self.inner)
+
+    def matches(self, text: str) -> bool:
+        compiled: re.Pattern[str] = self._compiled  # type: ignore[attr-defined]
+        return (compiled.fullmatch(text) if self.full_match else compiled.search(text)) is not None
+
+    def __call__(self, trajectory: Trajectory, record: DataRecord) -> float | Awaitable[float]:
+        matched = self.matches(trajectory.response_text)
+        if self.gate and not matched:
+            return self.penalty
+        term = self.bonus if matched else self.penalty
+        return _then(self._base(trajectory, record), lambda base: base + term)
+
+
+# ----------------------------------------------------------------------------------- math
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\b")
+_NUMBER = re.compile(r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+)?")
+_THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|operatorname)\{([^{}]*)\}")
+_FRAC = re.compile(r"(-?)\\frac(?:\{([^{}]+)\}|(\d))(?:\{([^{}]+)\}|(\d))")
+_DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^{\\circ}", "^\\circ", "\\%", "%", "\\$")
+
+
+def extract_boxed(text: str) -> str | None:
+    """The content of the *last* ``\\boxed{...}`` (or ``\\fbox``) in ``text``, braces balanced.
+
+    ``\\boxed 5`` (no braces) yields the next token. None if there is no complete box.
+    """
+    for match in reversed(list(_BOXED.finditer(text))):
+        rest = text[match.end():].lstrip()
+        if not rest.startswith("{"):
+            token = re.match(r"[^\s$]+", rest)
+            if token:
+                return token.group(0)
+            continue
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"{": 1, "}": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[1:i]
+    return None
+
+
+def normalize_math(text: str) -> str:
+    """A canonical string for a final answer (the fallback grader's normaliser).
+
+    Strips whitespace and surrounding ``$``, unwraps ``\\text{..}``-like macros, drops sizing and
+    spacing macros, degrees and percent signs, maps ``\\dfrac``/``\\tfrac`` to ``\\frac``, drops a
+    leading ``x =``, a trailing period and all remaining whitespace.
+    """
+    s = text.strip().strip("$")
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    for _ in range(3):  # nested wrappers
+        s = _WRAPPERS.sub(r"\1", s)
+    for token in _DROP:
+        s = s.replace(token, "")
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    s = re.sub(r"^[A-Za-z]=(?!=)", "", s)
+    return s
+
+
+def parse_number(text: str) -> Fraction | None:
+    """An exact rational for a normalised answer: ``3``, ``-0.25``, ``1,000``, ``3/4``, ``1e3``,
+    ``\\frac{3}{4}``, ``\\frac34``, ``-\\frac{1}{2}``; None if it is not a plain number."""
+    m = _FRAC.fullmatch(text)
+    if m:
+        num, den = parse_number(m.group(2) or m.group(3)), parse_number(m.group(4) or m.group(5))
+        if num is None or den is None or den == 0:
+            return None
+        value = num / den
+        return -value if m.group(1) else value
+    if _THOUSANDS.fullmatch(text):
+        text = text.replace(",", "")
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def answers_equal(a: str, b: str) -> bool:
+    """Exact numeric equality when both parse as numbers, else equality of the normalised strings."""
+    na, nb = normalize_math(a), normalize_math(b)
+    x, y = parse_number(na), parse_number(nb)
+    if x is not None and y is not None:
+        return x == y
+    return na == nb
+
+
+def math_equal_fallback(response_text: str, label: str) -> bool:
+    """The fallback grader (no ``math-verify``): compare the response's final answer to ``label``.
+
+    The response's answer is its last ``\\boxed{}``; without one, its last number or, failing that,
+    the whole text. A label given as ``\\boxed{..}`` is unboxed first. Numbers compare exactly as
+    fractions (``0.5 = 1/2 = \\frac{1}{2}``; ``0.333 != 1/3``); anything else as normalised strings.
+    """
+    gold = extract_boxed(label) or label
+    boxed = extract_boxed(response_text)
+    if boxed is not None:
+        return answers_equal(boxed, gold)
+    numbers = _NUMBER.findall(response_text)
+    candidates = ([numbers[-1]] if numbers else []) + [response_text]
+    return any(answers_equal(c, gold) for c in candidates)
+
+
+def math_equal_verify(response_text: str, label: str, *, timeout: int = 5) -> bool:
+    """Grade with ``math-verify``: parse the label (boxed unless it already has ``$`` or a box) and
+    the response, then ``verify(gold, answer)``.
+
+    ``math-verify`` times out through ``SIGALRM``, which only the main thread may use; elsewhere (a
+    Ray async actor's event-loop thread) the timeout is off.
+    """
+    from math_verify import parse, verify
+
+    t = timeout if timeout > 0 and threading.current_thread() is threading.main_thread() else None
+    gold_text = label if ("$" in label or "\\boxed" in label) else f"\\boxed{{{label}}}"
+    gold = parse(gold_text, parsing_timeout=t)
+    answer = parse(response_text, parsing_timeout=t)
+    return bool(gold) and bool(verify(gold, answer, timeout_seconds=t))
+
+
+def math_verify_available() -> bool:
+    return importlib.util.find_spec("math_verify") is not None
+
+
+@dataclass(frozen=True)
+class MathAnswer:
+    """``math``: 1.0 if the response's final answer equals the label mathematically, else 0.0.
+
+    ``backend="auto"`` grades with ``math-verify`` when it is installed and with the fallback
+    normaliser (:func:`math_equal_fallback`) otherwise; ``"math_verify"`` requires the package.
+    A list or tuple label accepts any of its answers.
+    """
+
+    backend: Literal["auto", "math_verify", "fallback"] = "auto"
+    timeout: int = 5  # seconds per math-verify parse/verify; 0 = none; main thread only
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "math_verify", "fallback"):
+            raise ValueError(f"math.backend={self.backend!r}: must be 'auto', 'math_verify' or 'fallback'")
+        if self.timeout < 0:
+            raise ValueError(f"math.timeout={self.timeout}: must be >= 0 (0 = no timeout)")
+        available = math_verify_available()
+        if self.backend == "math_verify" and not available:
+            raise ValueError(
+                "math.backend='math_verify': the math-verify package is not installed; use 'auto' or 'fallback'"
+            )
+        object.__setattr__(self, "_use_math_verify", self.backend != "fallback" and available)
+
+    @property
+    def uses_math_verify(self) -> bool:
+        return self._use_math_verify  # type: ignore[attr-defined]
+
+    def __call__(self, trajectory: Trajectory, record: DataRecord) -> float:
+        if record.label is None:
+            raise ValueError(f"math: record {record.source}[{record.index}] has no label")
+        labels = record.label if isinstance(record.label, (list, tuple)) else [record.label]
+        for label in labels:
+            if self.uses_math_verify:
+                ok = math_equal_verify(trajectory.response_text, str(label), timeout=self.timeout)
+            else:
+                ok = math_equal_fallback(trajectory.response_text, str(label))
+            if ok:
+                return 1.0
+        return 0.0

@@ -127,9 +127,10 @@ class EngineWorker:
         request does not fail the others)."""
         return list(await asyncio.gather(*(self.engine.generate(r) for r in requests), return_exceptions=True))
 
-    def receive_bucket(self, metas, buffer) -> int:
+    def receive_bucket(self, metas, buffer, commit: bool = False) -> int:
+        """Stage one bucket; with ``commit`` (the last bucket) swap everything in. Returns the version."""
         self._staging.extend(self._unpack(metas, buffer))
-        return len(self._staging)
+        return self.commit_weights() if commit else self.engine.version
 
     def commit_weights(self) -> int:
         """Swap the staged weights in atomically (between decode steps); returns the new version."""

@@ -44,15 +44,28 @@ def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
     ``logits`` [B, T, V] from positions 0..T-1 predict tokens 1..T; position 0 has no prediction
     and gets 0. Computed in float32 (the FP32-head contract shared with the engine).
     """
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return F.pad(picked, (1, 0))
+    return logprobs_and_entropy(logits, input_ids, 1, with_entropy=False)[0]
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
+def logprobs_and_entropy(logits: Tensor, input_ids: Tensor, first: int, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs (and entropies) of tokens ``first..T-1`` from one float32 log-softmax.
+
+    ``logits`` [B, T - first + 1, V] are the model's outputs at positions ``first-1..T-1``
+    (``first >= 1``); the results are [B, T] with zeros before ``first``.
+    """
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return F.pad(ent, (1, 0))
+    lp = F.pad(logp.gather(-1, input_ids[:, first:].unsqueeze(-1)).squeeze(-1), (first, 0))
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = F.pad(-(logp.exp() * logp).sum(-1), (first, 0))
+    return lp, ent
+
+
+def response_start(mask: Tensor) -> int:
+    """First position any row of ``mask`` [B, T] trains on (0 if none): the head runs from there."""
+    cols = torch.nonzero(mask.sum(0), as_tuple=False)
+    return int(cols[0]) if len(cols) else 0
 
 
 def micro_batches(batch: TrainBatch, token_budget: int) -> Iterator[TrainBatch]:
@@ -141,12 +154,23 @@ class TorchTrainer:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
     # ------------------------------------------------------------------ forward
-    def _logits(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int = 1) -> Tensor:
+        """Logits at positions ``first-1..T-1``: the LM head and its log-softmax run only where a
+        trained token is predicted (``first`` = 1 keeps every position)."""
+        keep = input_ids.shape[1] - first + 1 if first > 1 else 0  # 0 = all positions
         if not self.fp32_lm_head or self.dtype == "float32":
-            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+            return self.model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
         hidden = self.model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        if keep:
+            hidden = hidden[:, -keep:]
         head = self.model.get_output_embeddings()
         return F.linear(hidden.float(), head.weight.float())
+
+    def _forward(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        ids = mb.input_ids.to(self.device)
+        first = max(response_start(mb.response_mask), 1)
+        logits = self._logits(ids, mb.attention_mask.to(self.device), first)
+        return logprobs_and_entropy(logits, ids, first, with_entropy=with_entropy)
 
     def _aligned(self, batch: TrainBatch, token_budget: int) -> list[TrainBatch | None]:
         """Micro-batches, padded with ``None`` to the largest count over ranks (FSDP2 collectives)."""
@@ -174,11 +198,10 @@ class TorchTrainer:
                 filler = self._filler()
                 self._logits(filler, torch.ones_like(filler))
                 continue
-            ids = mb.input_ids.to(self.device)
-            logits = self._logits(ids, mb.attention_mask.to(self.device))
-            n, t = ids.shape
-            out_lp[row:row + n, :t] = token_logprobs(logits, ids).cpu()
-            out_ent[row:row + n, :t] = entropy_from_logits(logits).cpu()
+            lp, ent = self._forward(mb, with_entropy=True)
+            n, t = lp.shape
+            out_lp[row:row + n, :t] = lp.cpu()
+            out_ent[row:row + n, :t] = ent.cpu()
             row += n
         self.model.train()
         return out_lp, out_ent
@@ -200,15 +223,12 @@ class TorchTrainer:
                 filler = self._filler()
                 (self._logits(filler, torch.ones_like(filler)).sum() * 0.0).backward()
                 continue
-            ids = mb.input_ids.to(self.device)
-            logits = self._logits(ids, mb.attention_mask.to(self.device))
-            lp = token_logprobs(logits, ids)
+            lp, ent = self._forward(mb, with_entropy=True)
             loss, metrics = loss_fn(lp, mb)
             loss.backward()
             total += float(loss.detach())
-            with torch.no_grad():
-                mask = mb.response_mask.to(logits.device)
-                metrics["train/entropy"] = (float((entropy_from_logits(logits) * mask).sum()), float(mask.sum()))
+            mask = mb.response_mask.to(ent.device)
+            metrics["train/entropy"] = (float((ent * mask).sum()), float(mask.sum()))
             for key, (num, den) in metrics.items():
                 acc = sums.setdefault(key, [0.0, 0.0])
                 acc[0] += num

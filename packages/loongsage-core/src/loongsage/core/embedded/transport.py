@@ -3,9 +3,9 @@
 The sender packs tensors into buckets of at most ``bucket_bytes`` (one tensor larger than that gets
 a bucket of its own) and ships each bucket once through Ray's shared-memory object store; every
 receiver on the node maps the same buffer zero-copy and copies the tensors out into a staging
-area. The engine swaps the staged weights in atomically between decode steps when the sender
-commits, so no request sees half an update. A producer buffer is never reused: each bucket is a
-fresh object that lives until every receiver has answered.
+area. The engine swaps the staged weights in atomically between decode steps with the last bucket
+(the commit), so no request sees half an update. A producer buffer is never reused: each bucket is
+a fresh object that lives until every receiver has answered.
 """
 
 from __future__ import annotations
@@ -75,15 +75,30 @@ class CpuTransport:
     bucket_mb: int = 64
 
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], receivers: list) -> dict[str, float]:
-        """Send every tensor to every receiver (Ray actor handles); return transfer statistics."""
+        """Send every tensor to every receiver (Ray actor handles); return transfer statistics.
+
+        The last bucket's call also commits, so an update costs one round trip per bucket.
+        """
         import ray
 
-        total, buckets = 0, 0
-        for metas, buffer in pack_buckets(named_tensors, self.bucket_mb << 20):
-            ref = ray.put(buffer)
-            ray.get([r.receive_bucket.remote(metas, ref) for r in receivers])
-            del ref
-            total += buffer.nbytes
+        total, buckets, versions = 0, 0, [0]
+        pending = None
+        for bucket in pack_buckets(named_tensors, self.bucket_mb << 20):
+            if pending is not None:
+                self._send(pending, receivers, commit=False)
+            pending = bucket
+            total += bucket[1].nbytes
             buckets += 1
-        versions = ray.get([r.commit_weights.remote() for r in receivers])
+        if pending is None:  # nothing to send still moves every receiver to the next version
+            versions = ray.get([r.commit_weights.remote() for r in receivers])
+        else:
+            versions = self._send(pending, receivers, commit=True)
         return {"sync/bytes": float(total), "sync/buckets": float(buckets), "sync/version": float(max(versions))}
+
+    @staticmethod
+    def _send(bucket: tuple[list[TensorMeta], np.ndarray], receivers: list, *, commit: bool) -> list:
+        import ray
+
+        metas, buffer = bucket
+        ref = ray.put(buffer)  # one shared-memory copy that every receiver on the node maps
+        return ray.get([r.receive_bucket.remote(metas, ref, commit) for r in receivers])

@@ -1,0 +1,289 @@
+"""Train-inference consistency corrections: per-token loss weights and loss masks, no gradient.
+
+Each correction reads ``delta_t = clamp(old_logprobs - rollout_logprobs, -20, 20)``, the log of the
+IS weight between the trainer's policy (``old``: recomputed before the step's first update) and the
+behaviour policy that sampled the tokens (``rollout``: the engine's log-probs). The framework calls
+each correction once per optimizer mini-batch, over the whole mini-batch of every DP rank
+(:meth:`loongsage.core.loss.LossPipeline.prepare`), before micro-batching.
+
+A correction returns ``CorrectionOutput(token_weights, response_mask, metrics)`` and can act on the
+loss in two ways, which differ in what happens to the loss *denominator*:
+
+* ``token_weights`` multiply the per-token loss *after* the aggregation weights are computed: the
+  denominator is unchanged (a weight of 0 drops a token from the numerator only);
+* ``response_mask``: the framework recomputes the aggregation weights from the *returned* mask, so
+  a token masked here leaves numerator and denominator (the token count of token-mean, the
+  sequence length of seq-mean-token-mean, and, for a row with nothing left, the sequence count of
+  the seq-mean modes).
+
+Every correction keeps ``token_weights = 1`` outside the mask it received, never turns a masked
+token on, and ignores whatever padding holds. Metrics are per-token tensors, zero outside the
+received mask (the framework reports their token mean over it).
+
+Each correction is a pure function plus a frozen dataclass that binds its parameters (the fields
+are the recipe's ``params`` schema) and implements ``__call__(CorrectionInput) -> CorrectionOutput``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from loongsage.core.types import CorrectionInput, CorrectionOutput
+
+LOG_RATIO_CLAMP = 20.0
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("clip", "mask")
+
+
+def _log_gap(numerator: Tensor, denominator: Tensor, mask: Tensor) -> Tensor:
+    """``clamp(numerator - denominator, -20, 20)`` in at least fp32, detached, 0 where ``mask`` is off."""
+    dtype = torch.promote_types(numerator.dtype, torch.float32)
+    gap = (numerator.detach().to(dtype) - denominator.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.where(mask, gap, torch.zeros((), dtype=dtype, device=gap.device))
+
+
+def _keep(response_mask: Tensor, keep: Tensor) -> Tensor:
+    """``response_mask`` (same dtype and values) with the entries where ``keep`` is False set to 0."""
+    return torch.where(keep, response_mask, torch.zeros_like(response_mask))
+
+
+def is_correction(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    level: str = "token",
+    mode: str = "clip",
+    low: float = 0.5,
+    high: float = 2.0,
+    veto: float | None = None,
+) -> CorrectionOutput:
+    """Importance-sampling correction between the trainer's and the engine's policy.
+
+    The IS weight, with ``m`` the mask and ``delta`` as in the module docstring::
+
+        token      w_t = exp(delta_t)
+        sequence   w_i = exp(sum_t m delta_t)             (broadcast over row i)
+        geometric  w_i = exp(sum_t m delta_t / sum_t m)
+
+    ``mode="clip"`` (truncated IS, "TIS"): ``token_weights = clamp(w, low, high)``; the mask is
+    unchanged, so the denominator is unchanged. ``mode="mask"`` (masked IS, "MIS" / IcePop):
+    ``token_weights = 1`` and tokens (token level) or whole sequences (sequence, geometric) whose
+    raw ``w`` lies outside ``[low, high]`` (bounds included) are removed from the *mask*: they leave
+    numerator and denominator. ``veto``: a sequence with any valid token whose ``exp(delta_t) <
+    veto`` is removed from the mask, in either mode. Range tests are made on log-weights, which
+    stay finite for any length; ``low = 0`` means no lower bound.
+
+    Shapes: all inputs ``[B, T]``. Metrics (per token): ``is_weight_mean`` (raw ``w`` before
+    clipping, its log clamped to +-20 to stay finite), ``is_clipfrac`` (clip mode: 1 where ``w``
+    was clipped) or ``is_maskfrac`` (mask mode: 1 where this correction removed the token, veto
+    included), and ``is_vetofrac`` when ``veto`` is set.
+    """
+    mask = response_mask != 0
+    delta = _log_gap(old_logprobs, rollout_logprobs, mask)
+    dtype = delta.dtype
+    if level == "token":
+        log_w = delta
+    else:
+        total = delta.sum(dim=-1, keepdim=True)
+        if level == "geometric":
+            total = total / mask.sum(dim=-1, keepdim=True).clamp(min=1).to(dtype)
+        log_w = torch.where(mask, total.expand_as(delta), torch.zeros_like(delta))
+    log_low = math.log(low) if low > 0 else -math.inf
+    log_high = math.log(high)
+    inside = (log_w >= log_low) & (log_w <= log_high)
+
+    raw = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
+    metrics = {"is_weight_mean": torch.where(mask, raw, torch.zeros_like(raw))}
+    keep = torch.ones_like(mask)
+    if mode == "clip":
+        token_weights = torch.where(mask, log_w.clamp(log_low, log_high).exp(), torch.ones_like(raw))
+        metrics["is_clipfrac"] = (mask & ~inside).to(dtype)
+    else:
+        token_weights = torch.ones_like(delta)
+        keep = inside
+    if veto is not None:
+        vetoed = (mask & (delta < math.log(veto))).any(dim=-1, keepdim=True).expand_as(mask)
+        keep = keep & ~vetoed
+        metrics["is_vetofrac"] = (mask & vetoed).to(dtype)
+    if mode == "mask":
+        metrics["is_maskfrac"] = (mask & ~keep).to(dtype)
+    return CorrectionOutput(token_weights=token_weights, response_mask=_keep(response_mask, keep), metrics=metrics)
+
+
+def m2po_correction(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    tau: float = 0.04,
+    harmful_only: bool = False,
+) -> CorrectionOutput:
+    """M2PO (second-moment trust region for stale data): mask the largest ``delta^2`` tokens.
+
+    The trust region is between the trainer's policy and the behaviour policy, so ``delta``
+    (old vs rollout) is the log IS weight whose second moment ``M2 = mean(delta^2)`` is bounded.
+    Over the *candidate* tokens of the whole mini-batch, sorted by ``delta^2``, the fewest largest
+    are removed from the mask so that the mean ``delta^2`` of the kept candidates is ``<= tau``
+    (all candidates are removed if even the smallest exceeds ``tau``; ties are broken by position,
+    later tokens first). Removed tokens leave numerator and denominator, as in AReaL.
+
+    Candidates are all valid tokens, or with ``harmful_only`` only those whose update would widen
+    the gap to the behaviour policy: ``A > 0`` with ``r > 1`` or ``A < 0`` with ``r < 1``, where
+    ``r = exp(delta) = pi_old / pi_rollout`` (an update along ``A`` pushes ``pi`` further from
+    ``pi_rollout``). Then ``M2`` is measured over the candidates only: a token whose update shrinks
+    the gap is no risk to the trust region and is neither counted nor masked.
+
+    Shapes: all inputs ``[B, T]``. Metrics (per token): ``m2po_masked_frac`` (1 where removed) and
+    ``m2po_mean_delta2`` (``delta^2``; its token mean is the mini-batch's ``M2`` before masking).
+    """
+    mask = response_mask != 0
+    delta = _log_gap(old_logprobs, rollout_logprobs, mask)
+    delta2 = delta.square()
+    candidates = mask
+    if harmful_only:
+        adv = advantages.detach()
+        candidates = mask & (((adv > 0) & (delta > 0)) | ((adv < 0) & (delta < 0)))
+    # float64 prefix sums: a mini-batch holds up to millions of tokens.
+    values = delta2[candidates].to(torch.float64)
+    order = torch.argsort(values, stable=True)  # ascending
+    prefix = values[order].cumsum(0)
+    counts = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=values.device)
+    # Prefix means of an ascending sequence never decrease: the kept set is the longest prefix.
+    within = (prefix <= tau * counts).nonzero()
+    kept = int(within[-1]) + 1 if within.numel() else 0
+    dropped = torch.zeros_like(values, dtype=torch.bool)
+    dropped[order[kept:]] = True
+    removed = torch.zeros_like(mask)
+    removed[candidates] = dropped
+    metrics = {
+        "m2po_masked_frac": removed.to(delta.dtype),
+        "m2po_mean_delta2": delta2,
+    }
+    return CorrectionOutput(
+        token_weights=torch.ones_like(delta), response_mask=_keep(response_mask, ~removed), metrics=metrics
+    )
+
+
+def opsm_correction(
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    logprobs: Tensor | None = None,
+    delta: float = 1e-4,
+) -> CorrectionOutput:
+    """Off-policy sequence masking (DeepSeek-V3.2): drop negative-advantage tokens of drifted sequences.
+
+    Per sequence, the k1 estimate of KL(sampler || target) over its valid tokens::
+
+        KL_i = sum_t m (log pi_rollout - log pi_target) / sum_t m      (log-ratios clamped to +-20)
+        token_weights[i, t] = 0   where A_t < 0 and KL_i > delta, else 1
+
+    The sampler is the engine (DeepSeek-V3.2 measures from the sampling probabilities, so the KL
+    covers both engine mismatch and staleness). The target is the current policy ``logprobs`` when
+    given; without it, the trainer's ``old_logprobs`` (then ``KL_i = -mean_t delta_t``: mismatch and
+    staleness up to the step's first update, not the drift across mini-batches of the same step).
+    With a sequence-level advantage (GRPO) the whole sequence is dropped. The loss *denominator is
+    unchanged* (token weights, not the mask), as in DeepSeek-V3.2 and slime.
+
+    Shapes: all inputs ``[B, T]``. Metrics (per token): ``opsm_clipfrac`` (1 where zeroed) and
+    ``opsm_seq_kl`` (``KL_i`` on every valid token of row ``i``).
+    """
+    mask = response_mask != 0
+    target = old_logprobs if logprobs is None else logprobs
+    gap = _log_gap(rollout_logprobs, target, mask)
+    lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1).to(gap.dtype)
+    seq_kl = (gap.sum(dim=-1, keepdim=True) / lengths).expand_as(gap)
+    dropped = mask & (advantages.detach() < 0) & (seq_kl > delta)
+    metrics = {
+        "opsm_clipfrac": dropped.to(gap.dtype),
+        "opsm_seq_kl": torch.where(mask, seq_kl, torch.zeros_like(seq_kl)),
+    }
+    token_weights = (~dropped).to(gap.dtype)
+    return CorrectionOutput(token_weights=token_weights, response_mask=response_mask, metrics=metrics)
+
+
+@dataclass(frozen=True)
+class ImportanceSampling:
+    """``is``: token / sequence / geometric IS weight, clipped (TIS) or masked (MIS, IcePop), optional veto."""
+
+    level: Literal["token", "sequence", "geometric"] = "token"
+    mode: Literal["clip", "mask"] = "clip"
+    low: float = 0.5
+    high: float = 2.0
+    veto: float | None = None  # drop a sequence if any token weight is below this; None = off
+
+    def __post_init__(self) -> None:
+        if self.level not in IS_LEVELS:
+            raise ValueError(f"is.level={self.level!r}: allowed: {', '.join(IS_LEVELS)}")
+        if self.mode not in IS_MODES:
+            raise ValueError(f"is.mode={self.mode!r}: allowed: {', '.join(IS_MODES)}")
+        if not 0 <= self.low <= 1:
+            raise ValueError(f"is.low={self.low}: must be in [0, 1] (0 = no lower bound)")
+        if not self.high >= 1:
+            raise ValueError(f"is.high={self.high}: must be >= 1")
+        if self.veto is not None and not 0 < self.veto <= 1:
+            raise ValueError(f"is.veto={self.veto}: must be in (0, 1] (or null to disable)")
+
+    def __call__(self, inp: CorrectionInput) -> CorrectionOutput:
+        return is_correction(
+            inp.old_logprobs,
+            inp.rollout_logprobs,
+            inp.response_mask,
+            level=self.level,
+            mode=self.mode,
+            low=self.low,
+            high=self.high,
+            veto=self.veto,
+        )
+
+
+@dataclass(frozen=True)
+class M2PO:
+    """``m2po``: mask the fewest largest-``delta^2`` tokens so that the kept mean is ``<= tau``."""
+
+    tau: float = 0.04
+    harmful_only: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.tau > 0:
+            raise ValueError(f"m2po.tau={self.tau}: must be > 0")
+
+    def __call__(self, inp: CorrectionInput) -> CorrectionOutput:
+        return m2po_correction(
+            inp.old_logprobs,
+            inp.rollout_logprobs,
+            inp.advantages,
+            inp.response_mask,
+            tau=self.tau,
+            harmful_only=self.harmful_only,
+        )
+
+
+@dataclass(frozen=True)
+class OPSM:
+    """``opsm``: zero negative-advantage tokens of sequences whose KL exceeds ``delta``; denominator kept."""
+
+    delta: float = 1e-4  # slime's default; upstream LoongSage used 0.1
+
+    def __post_init__(self) -> None:
+        if not self.delta >= 0:
+            raise ValueError(f"opsm.delta={self.delta}: must be >= 0")
+
+    def __call__(self, inp: CorrectionInput) -> CorrectionOutput:
+        return opsm_correction(
+            inp.old_logprobs,
+            inp.rollout_logprobs,
+            inp.advantages,
+            inp.response_mask,
+            logprobs=inp.logprobs,
+            delta=self.delta,
+        )
