@@ -149,3 +149,23 @@ def test_estimator_math_in_process(monkeypatch) -> None:
     with pytest.raises(ValueError, match="scale"):
         module.CenteredReward(scale=0.0)
     assert set(module.loongsage_advantage_estimators()) == {"centered_reward"}
+
+
+def test_a_recipe_trains_with_it_by_name(plugin_dir, model_cache, tmp_path) -> None:
+    """The real launcher, its own Ray, a short GRPO run whose advantage comes from the plugin."""
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")
+    proc = subprocess.run(
+        [sys.executable, "-m", "loongsage.core.cli", "train", "tiny/grpo_arith_cpu", "run.name=third_party",
+         "algorithm.advantage.name=centered_reward", "algorithm.advantage.params.scale=0.5",
+         "run.total_steps=2", "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4",
+         "evaluation.max_prompts=8", "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false"],
+        cwd=tmp_path, env=third_party.env_with(plugin_dir), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = (tmp_path / "runs" / "third_party" / "config.yaml").read_text()
+    assert "centered_reward" in config
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "third_party" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    # the plugin's estimator shaped the update: batch-centred rewards give non-zero advantages
+    assert any(r["train/advantage_abs_mean"] > 0 for r in trained)

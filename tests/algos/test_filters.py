@@ -1,0 +1,111 @@
+"""Group filters: dynamic sampling, status and length."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loongsage.algos.filters import (
+    DynamicSampling,
+    LengthFilter,
+    StatusFilter,
+    has_reward_spread,
+    status_fraction,
+    truncated_fraction,
+)
+from loongsage.core.types import Status, Trajectory
+
+
+def traj(reward: float | None = 1.0, status: Status = Status.OK, length: int = 3, index: int = 0) -> Trajectory:
+    return Trajectory(
+        source="s", group_id=0, sample_index=index, prompt_ids=[1], response_ids=[2] * length,
+        loss_mask=[1] * length, rollout_logprobs=[0.0] * length, versions=[0] * length,
+        status=status, reward=reward,
+    )
+
+
+# ------------------------------------------------------------------------------ dynamic sampling
+
+
+def test_dynamic_sampling_keeps_mixed_and_drops_uniform_groups() -> None:
+    keep = DynamicSampling()
+    assert keep([traj(1.0), traj(0.0), traj(1.0)]) is True
+    assert keep([traj(1.0), traj(1.0)]) is False
+    assert keep([traj(0.0)] * 4) is False
+    assert keep([traj(1.0)]) is False  # one row: no baseline
+    assert keep([]) is False
+
+
+def test_dynamic_sampling_tolerance_and_unscored_rows() -> None:
+    assert DynamicSampling(tolerance=0.1)([traj(0.5), traj(0.55)]) is False
+    assert DynamicSampling(tolerance=0.1)([traj(0.5), traj(0.65)]) is True
+    # A failed (unscored) row or a NaN reward does not count as a different reward.
+    failed = traj(None, Status.FAILED)
+    assert DynamicSampling()([traj(1.0), traj(1.0), failed, traj(float("nan"))]) is False
+    assert DynamicSampling()([traj(1.0), traj(0.0), failed]) is True
+    with pytest.raises(ValueError, match=r"^dynamic_sampling\.tolerance=-1\.0: "):
+        DynamicSampling(tolerance=-1.0)
+
+
+@settings(deadline=None, max_examples=100)
+@given(
+    rewards=st.lists(st.floats(-10, 10, allow_nan=False), min_size=1, max_size=12),
+    tolerance=st.sampled_from([0.0, 1e-3, 0.5]),
+)
+def test_dynamic_sampling_keeps_exactly_the_groups_with_spread(rewards, tolerance) -> None:
+    kept = DynamicSampling(tolerance=tolerance)([traj(r) for r in rewards])
+    assert kept == (max(rewards) - min(rewards) > tolerance)
+    assert DynamicSampling(tolerance=tolerance)([traj(rewards[0])] * len(rewards)) is False
+    assert has_reward_spread(rewards, tolerance) == kept
+
+
+# ------------------------------------------------------------------------------ status
+
+
+def test_status_filter_default_drops_any_failure() -> None:
+    f = StatusFilter()
+    assert f([traj(), traj()]) is True
+    assert f([traj(), traj(None, Status.FAILED)]) is False
+    assert f([traj(), traj(status=Status.ABORTED)]) is True  # not listed
+
+
+def test_status_filter_fraction_and_several_statuses() -> None:
+    f = StatusFilter(statuses=["failed", "aborted"], max_fraction=0.5)  # the config hands lists
+    assert f.statuses == ("failed", "aborted")
+    group = [traj(), traj(status=Status.ABORTED), traj(None, Status.FAILED), traj()]
+    assert status_fraction(group, f.statuses) == 0.5
+    assert f(group) is True  # 2/4 is not more than 1/2
+    assert f([*group[:3], traj(status=Status.ABORTED)]) is False  # 3/4
+    with pytest.raises(ValueError, match=r"^status\.statuses=\['broken'\]: unknown 'broken'; allowed: ok, "):
+        StatusFilter(statuses=["broken"])
+    with pytest.raises(ValueError, match=r"^status\.statuses=\[\]: "):
+        StatusFilter(statuses=[])
+    with pytest.raises(ValueError, match=r"^status\.max_fraction=1\.0: "):
+        StatusFilter(max_fraction=1.0)
+
+
+# ------------------------------------------------------------------------------ length
+
+
+def test_length_filter_drops_only_all_truncated_groups_by_default() -> None:
+    f = LengthFilter()
+    cut = traj(status=Status.TRUNCATED)
+    assert f([cut, cut, cut]) is False
+    assert f([cut, traj(), cut]) is True
+    assert f([cut, cut, traj(None, Status.FAILED)]) is False  # failed rows are not judged
+    assert f([traj(None, Status.FAILED)]) is True  # nothing to judge: keep
+
+
+def test_length_filter_fraction_and_max_length() -> None:
+    f = LengthFilter(max_truncated_frac=0.25, max_length=8)
+    short, long_ = traj(length=7), traj(length=8)  # 8 tokens hit a limit of 8
+    assert truncated_fraction([short, long_, short, short], 8) == 0.25
+    assert f([short, long_, short, short]) is True
+    assert f([short, long_, traj(status=Status.TRUNCATED), short]) is False  # 1/2
+    assert LengthFilter(max_truncated_frac=0.0)([traj(), traj(status=Status.TRUNCATED)]) is False
+    assert truncated_fraction([traj(length=100)]) == 0.0  # without max_length only the status counts
+    with pytest.raises(ValueError, match=r"^length\.max_truncated_frac=1\.0: "):
+        LengthFilter(max_truncated_frac=1.0)
+    with pytest.raises(ValueError, match=r"^length\.max_length=0: "):
+        LengthFilter(max_length=0)
