@@ -17,6 +17,7 @@ from loongsage.algos.corrections import (
     m2po_correction,
     opsm_correction,
 )
+from loongsage.algos.policy_losses import PPOClip
 from loongsage.core.loss import LossPipeline
 from loongsage.core.types import CorrectionInput, TrainBatch
 
@@ -122,7 +123,7 @@ def test_is_hand_values() -> None:
 @pytest.mark.parametrize("mode", ["clip", "mask"])
 @pytest.mark.parametrize("veto", [None, 0.4])
 def test_is_matches_loop_formula(level: str, mode: str, veto: float | None) -> None:
-    c = random_input(11, scale=1.5 if level == "geometric" else 0.35)  # spread the weights around [0.5, 2]
+    c = random_input(11, scale=2.5 if level == "geometric" else 0.6)  # spread the weights around [0.5, 2]
     low, high = 0.5, 2.0
     out = ImportanceSampling(level=level, mode=mode, low=low, high=high, veto=veto)(c)
     weights, masks = reference_is(c, level, mode, low, high, veto)
@@ -375,19 +376,24 @@ def test_denominators_through_loss_pipeline() -> None:
         return LossPipeline(policy_loss=None, aggregation=aggregation, corrections=[correction]).prepare(batch)
 
     mis, sums = prepare(ImportanceSampling(mode="mask"))  # w = e^2 on token (1, 1): masked
-    assert mis.loss_weights.tolist() == [[1 / 6] * 3 + [0.0], [1 / 6, 0.0, 1 / 6, 1 / 6]]
-    assert sums["is_maskfrac"] == (1.0, 7.0)
+    torch.testing.assert_close(mis.loss_weights, torch.tensor([[1 / 6] * 3 + [0.0], [1 / 6, 0.0, 1 / 6, 1 / 6]]))
+    assert sums["train/is_maskfrac"] == (1.0, 7.0)
 
     tis, _ = prepare(ImportanceSampling())  # clipped to 2, denominator still 7 tokens
-    assert tis.loss_weights.tolist() == pytest.approx([[1 / 7] * 3 + [0.0], [1 / 7, 2 / 7, 1 / 7, 1 / 7]])
+    torch.testing.assert_close(tis.loss_weights, torch.tensor([[1 / 7] * 3 + [0.0], [1 / 7, 2 / 7, 1 / 7, 1 / 7]]))
 
-    opsm, sums = prepare(OPSM(delta=0.1))  # row 1: KL = -2/4 < 0.1 -> kept; flip the sign to trigger
-    assert opsm.loss_weights.tolist() == pytest.approx([[1 / 7] * 3 + [0.0], [1 / 7] * 4])
-    batch.old_logprobs = -old
-    opsm, sums = prepare(OPSM(delta=0.1), aggregation="seq-mean-token-mean")  # KL = 0.5 and A < 0
-    assert opsm.loss_weights.tolist() == pytest.approx([[1 / 6] * 3 + [0.0], [0.0] * 4])  # B stays 2
-    assert torch.equal(opsm.response_mask, mask)
-    assert sums["opsm_clipfrac"] == (4.0, 7.0)
+    # OPSM needs the current policy: it is applied per micro-batch inside the loss, weights only
+    pipeline = LossPipeline(policy_loss=PPOClip(), aggregation="seq-mean-token-mean", corrections=[OPSM(delta=0.1)])
+    batch.old_logprobs = -old  # row 1: KL(rollout || current) = 0.5 > 0.1 and A < 0
+    prepared, sums = pipeline.prepare(batch)
+    torch.testing.assert_close(prepared.loss_weights, torch.tensor([[1 / 6] * 3 + [0.0], [1 / 8] * 4]))  # untouched
+    current = prepared.old_logprobs.clone().requires_grad_(True)
+    loss, metrics = pipeline(current, prepared)
+    loss.backward()
+    assert metrics["train/opsm_clipfrac"] == (4.0, 7.0)
+    assert torch.equal(current.grad[1], torch.zeros(4))  # the whole sequence leaves the numerator
+    assert (current.grad[0, :3] != 0).all()  # B stays 2: row 0 keeps its 1/(3*2) share
+    torch.testing.assert_close(current.grad[0, :3], -torch.full((3,), 1 / 6))
 
 
 @pytest.mark.parametrize(

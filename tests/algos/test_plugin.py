@@ -16,16 +16,20 @@ from loongsage.algos import plugin
 from loongsage.core import hookspecs
 
 EXPECTED = {
-    "loongsage_advantage_estimators": {"grpo"},
-    "loongsage_policy_losses": {"ppo_clip", "nll"},
+    "loongsage_advantage_estimators": {"grpo", "rloo", "reinforce_pp", "gae"},
+    "loongsage_policy_losses": {"ppo_clip", "nll", "gspo", "cispo"},
+    "loongsage_corrections": {"is", "m2po", "opsm"},
     "loongsage_kl_estimators": {"k1", "k2", "k3", "low_var_kl"},
-    "loongsage_rewards": {"exact_match"},
+    "loongsage_rewards": {"exact_match", "math", "overlong_shaping", "format"},
+    "loongsage_data_filters": {"dynamic_sampling", "status", "length"},
 }
 CLASS_ATTRIBUTES = {
     "loongsage_advantage_estimators": {"needs_values": bool},
-    "loongsage_policy_losses": {"needs_old_logprobs": bool},
+    "loongsage_policy_losses": {"needs_old_logprobs": bool, "supported_aggregations": (tuple, type(None))},
+    "loongsage_corrections": {"needs_logprobs": bool},
     "loongsage_kl_estimators": {"consumes": str},
     "loongsage_rewards": {},
+    "loongsage_data_filters": {},
 }
 
 

@@ -1,11 +1,33 @@
-"""exact_match reward."""
+"""Rewards: exact_match, math, and the overlong_shaping / format wrappers."""
 
 from __future__ import annotations
 
-import pytest
+import asyncio
+import importlib.machinery
+import sys
+import threading
+import types
 
-from loongsage.algos.rewards import ExactMatch, exact_match, extract_answer
-from loongsage.core.types import DataRecord, Trajectory
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loongsage.algos import rewards as rewards_module
+from loongsage.algos.rewards import (
+    ExactMatch,
+    FormatReward,
+    MathAnswer,
+    OverlongShaping,
+    exact_match,
+    extract_answer,
+    extract_boxed,
+    math_equal_fallback,
+    normalize_math,
+    overlong_penalty,
+    parse_number,
+)
+from loongsage.core.plugins import load_registry
+from loongsage.core.types import ConfigError, DataRecord, RewardInfraError, Trajectory
 
 
 def score(reward: ExactMatch, text: str, label: object) -> float:
@@ -43,3 +65,219 @@ def test_errors() -> None:
         ExactMatch(extract="(")
     with pytest.raises(ValueError, match=r"s\[3\] has no label"):
         score(ExactMatch(), "1", None)
+
+
+# ------------------------------------------------------------------------------ wrappers
+
+
+def traj_of(length: int, text: str = "") -> Trajectory:
+    return Trajectory(
+        source="s", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[2] * length, loss_mask=[1] * length,
+        rollout_logprobs=[0.0] * length, versions=[0] * length, response_text=text,
+    )
+
+
+RECORD = DataRecord(source="s", index=0, prompt="p", label="7")
+
+
+def create(spec, path="reward"):
+    """Build through the real registry (which builds nested rewards depth first)."""
+    return load_registry().create("reward", spec, path)
+
+
+def test_overlong_penalty_hand_values() -> None:
+    # L_max 20, L_c 4: no penalty up to 16, linear to -1 at 20, -1 beyond.
+    got = [overlong_penalty(n, 20, 4) for n in (0, 16, 17, 18, 20, 21, 500)]
+    assert got == pytest.approx([0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0])
+    assert overlong_penalty(10, 10, 10) == -1.0 and overlong_penalty(1, 10, 10) == pytest.approx(-0.1)
+
+
+@settings(deadline=None, max_examples=200)
+@given(length=st.integers(0, 200), max_length=st.integers(1, 100), data=st.data())
+def test_overlong_penalty_matches_formula_and_is_monotone(length, max_length, data) -> None:
+    buffer = data.draw(st.integers(1, max_length))
+    start = max_length - buffer
+    expected = 0.0 if length <= start else (-1.0 if length > max_length else -(length - start) / buffer)
+    got = overlong_penalty(length, max_length, buffer)
+    assert got == pytest.approx(expected) and -1.0 <= got <= 0.0
+    assert overlong_penalty(length + 1, max_length, buffer) <= got
+
+
+def test_overlong_shaping_wraps_a_built_inner_reward() -> None:
+    spec = {"name": "overlong_shaping", "params": {"inner": {"name": "exact_match"}, "max_length": 10, "buffer": 4}}
+    reward = create(spec)
+    assert [reward(traj_of(n, "7"), RECORD) for n in (6, 7, 10, 11)] == pytest.approx([1.0, 0.75, 0.0, 0.0])
+    assert reward(traj_of(8, "6"), RECORD) == pytest.approx(-0.5)
+    alone = OverlongShaping(max_length=10, buffer=4)  # no inner: the penalty alone
+    assert alone(traj_of(9, "7"), RECORD) == pytest.approx(-0.75)
+
+
+def test_unbuilt_inner_is_an_error_and_bind_copies() -> None:
+    unbuilt = OverlongShaping(inner={"name": "exact_match"})
+    with pytest.raises(RuntimeError, match=r"^overlong_shaping\.inner=\{'name': 'exact_match'\}: not built"):
+        unbuilt(traj_of(1, "7"), RECORD)
+    bound = unbuilt.bind(ExactMatch())
+    assert bound == unbuilt and bound(traj_of(1, "7"), RECORD) == 1.0
+    with pytest.raises(RuntimeError):
+        unbuilt(traj_of(1, "7"), RECORD)  # bind returned a copy
+    with pytest.raises(TypeError, match=r"overlong_shaping\.bind"):
+        unbuilt.bind("exact_match")  # type: ignore[arg-type]
+
+
+def test_wrappers_await_an_async_inner_and_pass_infra_errors_through() -> None:
+    async def judge(trajectory: Trajectory, record: DataRecord) -> float:
+        return 2.0
+
+    value = OverlongShaping(max_length=10, buffer=4).bind(judge)(traj_of(8), RECORD)
+    assert asyncio.run(value) == pytest.approx(1.5)
+
+    def broken(trajectory: Trajectory, record: DataRecord) -> float:
+        raise RewardInfraError("sandbox died")
+
+    with pytest.raises(RewardInfraError):
+        FormatReward().bind(broken)(traj_of(1, r"\boxed{7}"), RECORD)
+
+
+def test_format_reward() -> None:
+    boxed, plain = traj_of(1, "so \\boxed{7}\n"), traj_of(1, "so 7")
+    default = FormatReward()
+    assert default(boxed, RECORD) == 0.0 and default(plain, RECORD) == -1.0
+    think = FormatReward(pattern=r"<think>.*</think>.*", full_match=True, bonus=0.5, penalty=0.0)
+    assert think(traj_of(1, "<think>a\nb</think>\nanswer"), RECORD) == 0.5  # DOTALL: . crosses lines
+    assert think(traj_of(1, "x <think>a</think>"), RECORD) == 0.0  # full match required
+    nested = create({"name": "format", "params": {"inner": {"name": "math"}, "bonus": 0.1}})
+    assert nested(boxed, RECORD) == pytest.approx(1.1) and nested(plain, RECORD) == pytest.approx(0.0)
+
+    calls = []
+
+    def counted(trajectory: Trajectory, record: DataRecord) -> float:
+        calls.append(1)
+        return 1.0
+
+    gated = FormatReward(gate=True, penalty=-0.5).bind(counted)
+    assert gated(plain, RECORD) == -0.5 and not calls
+    assert gated(boxed, RECORD) == 1.0 and calls == [1]
+    with pytest.raises(ValueError, match=r"^format\.pattern='\(': invalid regex"):
+        FormatReward(pattern="(")
+    with pytest.raises(ValueError, match=r"^format\.inner=\{'params': \{\}\}: must be a mapping with 'name'"):
+        FormatReward(inner={"params": {}})
+
+
+def test_nested_wrappers_build_depth_first() -> None:
+    spec = {"name": "format", "params": {"bonus": 0.5, "penalty": 0.0, "inner": {
+        "name": "overlong_shaping", "params": {"max_length": 10, "buffer": 2, "inner": {"name": "math"}},
+    }}}
+    reward = create(spec)
+    bad = {"name": "format", "params": {"inner": {"name": "overlong_shaping", "params": {"inner": {"name": "nope"}}}}}
+    with pytest.raises(ConfigError, match=r"^reward\.params\.inner\.params\.inner\.name: unknown reward 'nope'"):
+        create(bad)
+    assert reward(traj_of(9, r"\boxed{7.0}"), RECORD) == pytest.approx(1.0 - 0.5 + 0.5)
+    with pytest.raises(ValueError, match=r"^overlong_shaping\.buffer=11: "):
+        OverlongShaping(max_length=10, buffer=11)
+    with pytest.raises(ValueError, match=r"^overlong_shaping\.max_length=0: "):
+        OverlongShaping(max_length=0)
+
+
+# ------------------------------------------------------------------------------ math
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "expected"),
+    [
+        (r"so \boxed{\frac{1}{2}}", "0.5", True),
+        (r"\boxed{\dfrac{3}{4}}", r"\frac34", True),
+        (r"\boxed{-\frac{1}{2}}", "-1/2", True),
+        (r"first \boxed{3}, finally \boxed{ 7 }", "7", True),  # the last box counts
+        (r"\boxed{7} then \boxed{3}", "7", False),
+        (r"\boxed{\text{(B)}}", "(B)", True),
+        (r"\boxed{1,000}", "1000", True),
+        (r"\boxed{x = 5}", "5", True),
+        (r"$\boxed{90^\circ}$", "90", True),
+        (r"\boxed{0.333}", "1/3", False),  # exact comparison
+        (r"\boxed{\{1, 2\}}", r"\{1,2\}", True),  # non-numeric: normalised strings
+        ("The answer is 12.", "12", True),  # no box: the last number
+        ("2 + 3 = 5, not 6", "5", False),
+        ("x+1", "x + 1", True),  # no number: the whole text
+        (r"\boxed{7", "7", True),  # unclosed box: falls back to the last number
+        (r"\boxed{5}", r"\boxed{5}", True),  # boxed labels are unboxed
+    ],
+)
+def test_fallback_grader(response: str, label: str, expected: bool) -> None:
+    assert math_equal_fallback(response, label) is expected
+
+
+def test_fallback_helpers() -> None:
+    assert extract_boxed(r"\boxed{\frac{a}{b}} and \fbox{2}") == "2"
+    assert extract_boxed(r"\boxed{\frac{a}{b}}") == r"\frac{a}{b}"
+    assert extract_boxed(r"\boxed 42 done") == "42"
+    assert extract_boxed("none") is None
+    assert normalize_math(r" $\left( 1, 2 \right)$. ") == "(1,2)"
+    assert parse_number("1e3") == 1000 and parse_number(r"\frac{1}{0}") is None and parse_number("x") is None
+    assert parse_number("nan") is None and parse_number("inf") is None
+
+
+def test_math_reward_fallback_backend() -> None:
+    reward = MathAnswer(backend="fallback")
+    assert not reward.uses_math_verify
+    assert reward(traj_of(1, r"\boxed{0.50}"), DataRecord(source="s", index=0, prompt="p", label=0.5)) == 1.0
+    assert reward(traj_of(1, r"\boxed{3}"), DataRecord(source="s", index=0, prompt="p", label=["2", "3"])) == 1.0
+    assert reward(traj_of(1, r"\boxed{4}"), DataRecord(source="s", index=0, prompt="p", label=["2", "3"])) == 0.0
+    with pytest.raises(ValueError, match=r"s\[4\] has no label"):
+        reward(traj_of(1, "1"), DataRecord(source="s", index=4, prompt="p"))
+    with pytest.raises(ValueError, match=r"^math\.timeout=-1: "):
+        MathAnswer(timeout=-1)
+
+
+def test_math_reward_uses_math_verify_when_importable(monkeypatch) -> None:
+    calls: dict[str, list] = {"parse": [], "verify": []}
+    fake = types.ModuleType("math_verify")
+    fake.__spec__ = importlib.machinery.ModuleSpec("math_verify", None)
+
+    def parse(text, parsing_timeout=5):
+        calls["parse"].append((text, parsing_timeout))
+        return [text.replace(r"\boxed{", "").rstrip("}")]
+
+    def verify(gold, target, timeout_seconds=5):
+        calls["verify"].append(timeout_seconds)
+        return gold == target
+
+    fake.parse, fake.verify = parse, verify
+    monkeypatch.setitem(sys.modules, "math_verify", fake)
+    reward = MathAnswer()
+    assert reward.uses_math_verify and MathAnswer(backend="math_verify").uses_math_verify
+    assert reward(traj_of(1, r"\boxed{7}"), RECORD) == 1.0
+    assert calls["parse"] == [(r"\boxed{7}", 5), (r"\boxed{7}", 5)]  # bare labels are boxed
+    assert calls["verify"] == [5]
+    # Off the main thread (a Ray async actor's loop) the SIGALRM timeout is switched off.
+    out = []
+    worker = threading.Thread(target=lambda: out.append(reward(traj_of(1, "8"), RECORD)))
+    worker.start()
+    worker.join()
+    assert out == [0.0] and calls["verify"][-1] is None
+    assert not MathAnswer(backend="fallback").uses_math_verify
+
+
+def test_math_verify_backend_requires_the_package(monkeypatch) -> None:
+    monkeypatch.setattr(rewards_module, "math_verify_available", lambda: False)
+    assert not MathAnswer().uses_math_verify
+    with pytest.raises(ValueError, match=r"^math\.backend='math_verify': the math-verify package is not installed"):
+        MathAnswer(backend="math_verify")
+
+
+def test_real_math_verify_if_installed() -> None:
+    pytest.importorskip("math_verify")
+    reward = MathAnswer(backend="math_verify")
+    half = DataRecord(source="s", index=0, prompt="p", label="0.5")
+    assert reward(traj_of(1, r"so \boxed{\frac{1}{2}}"), half) == 1.0
+    assert reward(traj_of(1, r"\boxed{3}"), RECORD) == 0.0
+
+
+def test_fallback_grader_stays_fast_on_hostile_text() -> None:
+    import time
+
+    start = time.perf_counter()
+    assert extract_boxed(r"\boxed{" * 20000) is None  # many unclosed boxes: one linear pass
+    assert parse_number("1e999999999") is None  # would be a billion-digit integer
+    assert math_equal_fallback(r"\boxed{1e999999999}", "1") is False
+    assert parse_number("2.5e-3") == parse_number("1/400")
+    assert time.perf_counter() - start < 2.0

@@ -464,3 +464,21 @@ def test_plugins_key_loads_modules(at_repo, tmp_path, monkeypatch) -> None:
     msg = config_error(["plugins=[loongsage_cfg_plugin_dup]"])
     assert msg.startswith("advantage 'grpo' is provided twice: by loongsage-algos ")
     assert "and by config plugins: loongsage_cfg_plugin_dup" in msg
+
+
+def test_incompatible_algorithm_combinations_are_refused() -> None:
+    msg = config_error(["algorithm.policy_loss.name=gspo"])  # the recipe aggregates token-mean
+    assert msg == ("algorithm.aggregation='token-mean' is not supported by 'gspo'; allowed: seq-mean-token-mean")
+    cfg, _ = load_config(RECIPE, ["algorithm.policy_loss.name=gspo", "algorithm.policy_loss.params={}",
+                                  "algorithm.aggregation=seq-mean-token-mean"])
+    assert cfg.algorithm.policy_loss["name"] == "gspo"
+    msg = config_error(["algorithm.advantage.name=gae"])
+    assert msg.startswith("algorithm.advantage.name='gae' needs critic values")
+
+
+def test_nested_reward_specs_are_validated_before_anything_starts() -> None:
+    bad = "data_sources.0.reward={name: overlong_shaping, params: {inner: {name: exact_match, params: {nope: 1}}}}"
+    msg = config_error([bad])
+    assert msg.startswith("data_sources[0].reward.params.inner.params.nope: unknown key; allowed: ")
+    good = "data_sources.0.reward={name: overlong_shaping, params: {inner: {name: exact_match}, max_length: 5, buffer: 2}}"
+    load_config(RECIPE, [good])

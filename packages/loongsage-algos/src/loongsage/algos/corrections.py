@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -215,6 +215,8 @@ def opsm_correction(
 class ImportanceSampling:
     """``is``: token / sequence / geometric IS weight, clipped (TIS) or masked (MIS, IcePop), optional veto."""
 
+    needs_logprobs: ClassVar[bool] = False  # decided once per mini-batch from old vs rollout
+
     level: Literal["token", "sequence", "geometric"] = "token"
     mode: Literal["clip", "mask"] = "clip"
     low: float = 0.5
@@ -250,6 +252,8 @@ class ImportanceSampling:
 class M2PO:
     """``m2po``: mask the fewest largest-``delta^2`` tokens so that the kept mean is ``<= tau``."""
 
+    needs_logprobs: ClassVar[bool] = False
+
     tau: float = 0.04
     harmful_only: bool = False
 
@@ -270,7 +274,13 @@ class M2PO:
 
 @dataclass(frozen=True)
 class OPSM:
-    """``opsm``: zero negative-advantage tokens of sequences whose KL exceeds ``delta``; denominator kept."""
+    """``opsm``: zero negative-advantage tokens of sequences whose KL exceeds ``delta``; denominator kept.
+
+    Applied by the framework per micro-batch with the current policy's (detached) log-probs, which
+    it may do because it only sets weights of whole sequences and leaves the mask alone.
+    """
+
+    needs_logprobs: ClassVar[bool] = True
 
     delta: float = 1e-4  # slime's default; upstream LoongSage used 0.1
 

@@ -5,21 +5,23 @@ Each hook maps a recipe name to a factory: a frozen dataclass whose fields are t
 
 from __future__ import annotations
 
-from loongsage.algos.advantages import GRPO
+from loongsage.algos.advantages import GAE, GRPO, RLOO, ReinforcePP
+from loongsage.algos.corrections import M2PO, OPSM, ImportanceSampling
+from loongsage.algos.filters import DynamicSampling, LengthFilter, StatusFilter
 from loongsage.algos.kl import K1, K2, K3, LowVarKL
-from loongsage.algos.policy_losses import NLL, PPOClip
-from loongsage.algos.rewards import ExactMatch
+from loongsage.algos.policy_losses import CISPO, GSPO, NLL, PPOClip
+from loongsage.algos.rewards import ExactMatch, FormatReward, MathAnswer, OverlongShaping
 from loongsage.core.hookspecs import Factories, hookimpl
 
 
 @hookimpl
 def loongsage_advantage_estimators() -> Factories:
-    return {"grpo": GRPO}
+    return {"grpo": GRPO, "rloo": RLOO, "reinforce_pp": ReinforcePP, "gae": GAE}
 
 
 @hookimpl
 def loongsage_policy_losses() -> Factories:
-    return {"ppo_clip": PPOClip, "nll": NLL}
+    return {"ppo_clip": PPOClip, "nll": NLL, "gspo": GSPO, "cispo": CISPO}
 
 
 @hookimpl
@@ -29,4 +31,14 @@ def loongsage_kl_estimators() -> Factories:
 
 @hookimpl
 def loongsage_rewards() -> Factories:
-    return {"exact_match": ExactMatch}
+    return {"exact_match": ExactMatch, "math": MathAnswer, "overlong_shaping": OverlongShaping, "format": FormatReward}
+
+
+@hookimpl
+def loongsage_corrections() -> Factories:
+    return {"is": ImportanceSampling, "m2po": M2PO, "opsm": OPSM}
+
+
+@hookimpl
+def loongsage_data_filters() -> Factories:
+    return {"dynamic_sampling": DynamicSampling, "status": StatusFilter, "length": LengthFilter}

@@ -5,9 +5,9 @@ Each reward is a pure function over plain values plus a frozen dataclass that bi
 
 Wrappers (``overlong_shaping``, ``format``) add a term to another reward. The wrapped reward is
 named in the ``inner`` param as a ``{name, params}`` spec, like any registry entry; the class
-attribute ``nested_rewards`` lists such params, and :func:`build_reward` builds the tree through the
-registry and hands each built inner reward to ``bind``. An unbound wrapper whose ``inner`` is null
-adds its term to 0.
+attribute ``nested = {"inner": "reward"}`` tells the framework's registry to build that spec (depth
+first, validated like any entry) and hand the built reward to ``bind``. An unbound wrapper whose
+``inner`` is null adds its term to 0.
 """
 
 from __future__ import annotations
@@ -77,23 +77,6 @@ class ExactMatch:
 # ------------------------------------------------------------------------------- wrappers
 
 
-def build_reward(
-    spec: Mapping[str, Any], create: Callable[[Mapping[str, Any], str], RewardFn], path: str = "reward"
-) -> RewardFn:
-    """Build the reward ``spec`` names, and the rewards nested in its params, depth first.
-
-    ``create(spec, path)`` builds one entry (the registry's ``create("reward", spec, path)``);
-    every param listed in the built class's ``nested_rewards`` that holds a spec is built the same
-    way, under ``path.params.<name>``, and passed to the wrapper's ``bind``.
-    """
-    reward = create(spec, path)
-    for name in getattr(type(reward), "nested_rewards", ()):
-        inner = getattr(reward, name)
-        if inner is not None:
-            reward = reward.bind(**{name: build_reward(inner, create, f"{path}.params.{name}")})
-    return reward
-
-
 def _then(value: float | Awaitable[float], fn: Callable[[float], float]) -> float | Awaitable[float]:
     """``fn(value)``, awaiting ``value`` first if the inner reward is asynchronous."""
     if inspect.isawaitable(value):
@@ -115,7 +98,7 @@ class _Wrapper:
     """Holds the built inner reward of a wrapper entry (not a param: set by :meth:`bind`)."""
 
     name: ClassVar[str]
-    nested_rewards: ClassVar[tuple[str, ...]] = ("inner",)
+    nested: ClassVar[dict[str, str]] = {"inner": "reward"}  # param -> registry category
     _inner_reward: ClassVar[RewardFn | None] = None  # shadowed per instance by bind()
     inner: dict[str, Any] | None
 
@@ -132,7 +115,7 @@ class _Wrapper:
             return self._inner_reward(trajectory, record)
         if self.inner is not None:
             raise RuntimeError(
-                f"{self.name}.inner={dict(self.inner)!r}: not built; build nested rewards with build_reward()"
+                f"{self.name}.inner={dict(self.inner)!r}: not built; build it through the registry"
             )
         return 0.0
 
@@ -216,9 +199,11 @@ class FormatReward(_Wrapper):
 
 # ----------------------------------------------------------------------------------- math
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\b")
+_BOXED = re.compile(r"\\(?:boxed|fbox)\b\s*")  # the match ends where the box's content starts
 _NUMBER = re.compile(r"-?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+)?")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_TOKEN = re.compile(r"[^\s${}]+")
+_EXPONENT = re.compile(r"[eE][+-]?0*(\d+)")
 _WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf|operatorname)\{([^{}]*)\}")
 _FRAC = re.compile(r"(-?)\\frac(?:\{([^{}]+)\}|(\d))(?:\{([^{}]+)\}|(\d))")
 _DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^{\\circ}", "^\\circ", "\\%", "%", "\\$")
@@ -227,20 +212,25 @@ _DROP = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^{\\circ}", "^
 def extract_boxed(text: str) -> str | None:
     """The content of the *last* ``\\boxed{...}`` (or ``\\fbox``) in ``text``, braces balanced.
 
-    ``\\boxed 5`` (no braces) yields the next token. None if there is no complete box.
+    ``\\boxed 5`` (no braces) yields the next token. An unclosed box is skipped for the one before
+    it; None if there is no complete box. Linear in ``len(text)``.
     """
+    closing: dict[int, int] = {}
+    stack: list[int] = []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            closing[stack.pop()] = i
     for match in reversed(list(_BOXED.finditer(text))):
-        rest = text[match.end():].lstrip()
-        if not rest.startswith("{"):
-            token = re.match(r"[^\s$]+", rest)
-            if token:
-                return token.group(0)
+        start = match.end()
+        if text.startswith("{", start):
+            if start in closing:
+                return text[start + 1:closing[start]]
             continue
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += {"{": 1, "}": -1}.get(ch, 0)
-            if depth == 0:
-                return rest[1:i]
+        token = _TOKEN.match(text, start)
+        if token:
+            return token.group(0)
     return None
 
 
@@ -251,7 +241,7 @@ def normalize_math(text: str) -> str:
     spacing macros, degrees and percent signs, maps ``\\dfrac``/``\\tfrac`` to ``\\frac``, drops a
     leading ``x =``, a trailing period and all remaining whitespace.
     """
-    s = text.strip().strip("$")
+    s = text.strip().rstrip(".").strip().strip("$")
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     for _ in range(3):  # nested wrappers
         s = _WRAPPERS.sub(r"\1", s)
@@ -274,6 +264,9 @@ def parse_number(text: str) -> Fraction | None:
         return -value if m.group(1) else value
     if _THOUSANDS.fullmatch(text):
         text = text.replace(",", "")
+    exponent = _EXPONENT.search(text)
+    if exponent and len(exponent.group(1)) > 4:
+        return None  # Fraction("1e999999999") would build a billion-digit integer
     try:
         return Fraction(text)
     except (ValueError, ZeroDivisionError):

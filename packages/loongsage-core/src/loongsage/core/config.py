@@ -296,8 +296,15 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
     registry.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
     registry.create("transport", cfg.rollout.transport, "rollout.transport")
     registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=supplied)
-    registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
-    registry.create("policy_loss", cfg.algorithm.policy_loss, "algorithm.policy_loss")
+    estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
+    if getattr(estimator, "needs_values", False):
+        raise ConfigError(f"algorithm.advantage.name={cfg.algorithm.advantage['name']!r} needs critic values, and "
+                          "this config trains no critic; choose an outcome estimator (e.g. grpo, rloo)")
+    policy_loss = registry.create("policy_loss", cfg.algorithm.policy_loss, "algorithm.policy_loss")
+    supported = getattr(policy_loss, "supported_aggregations", None)
+    if supported is not None and cfg.algorithm.aggregation not in supported:
+        raise ConfigError(f"algorithm.aggregation={cfg.algorithm.aggregation!r} is not supported by "
+                          f"{cfg.algorithm.policy_loss['name']!r}; allowed: {', '.join(supported)}")
     if cfg.algorithm.kl is not None:
         registry.create("kl", cfg.algorithm.kl, "algorithm.kl")
     elif cfg.algorithm.kl_coef:

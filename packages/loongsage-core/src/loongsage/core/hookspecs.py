@@ -53,7 +53,9 @@ def loongsage_rewards() -> Factories:
 
     The implementation is ``__call__(trajectory: Trajectory, record: DataRecord) -> float`` (or an
     awaitable of one). ``trajectory.response_text`` holds the decoded response; the token ids stay
-    the truth for training. Raise :class:`loongsage.core.types.RewardInfraError` when the scorer
+    the truth for training. A wrapper reward names the reward it wraps in its params as a
+    ``{name, params}`` spec and declares ``nested = {param: "reward"}`` plus ``bind(**built)``: the
+    registry builds the inner entry (validated like any other) and binds it. Raise :class:`loongsage.core.types.RewardInfraError` when the scorer
     itself failed (a sandbox died, a judge timed out): the trajectory is then marked ``failed``
     and kept out of group statistics instead of being scored 0.
     """
@@ -97,9 +99,11 @@ def loongsage_policy_losses() -> Factories:
 def loongsage_kl_estimators() -> Factories:
     """KL estimators (k1, k2, k3, low-var, unbiased; top-k and full-vocab KL, JSD for MOPD).
 
-    The implementation is ``__call__(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor`` per token,
-    an estimate of KL(pi || ref). Class attribute ``consumes`` is one of ``"logprobs"``,
-    ``"topk"``, ``"full_vocab"``: the trainer fetches only what the chosen estimator needs.
+    The implementation is ``__call__(logprobs, ref_logprobs, *, old_logprobs=None) -> Tensor`` per
+    token, an estimate of KL(pi || ref); ``old_logprobs`` is passed when the instance's
+    ``needs_old_logprobs`` is true (the unbiased, ratio-weighted forms). Class attribute
+    ``consumes`` is one of ``"logprobs"``, ``"topk"``, ``"full_vocab"``: the trainer fetches only
+    what the chosen estimator needs.
     """
 
 

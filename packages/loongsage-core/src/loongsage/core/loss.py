@@ -54,13 +54,24 @@ class LossPipeline:
         log-probs serve (ratio 1) and the extra pass is skipped. Several mini-batches, or a
         correction that decides from old log-probs up front, need them recomputed.
         """
-        if not getattr(self.policy_loss, "needs_old_logprobs", True) and not self.corrections:
+        up_front = bool(self.up_front_corrections)
+        if not getattr(self.policy_loss, "needs_old_logprobs", True) and not up_front:
             return False
-        return mini_batches > 1 or bool(self.corrections)
+        return mini_batches > 1 or up_front
 
     @property
     def needs_ref_logprobs(self) -> bool:
         return self.kl is not None and self.kl_coef != 0.0
+
+    @property
+    def up_front_corrections(self) -> list[Any]:
+        """Corrections decided once per mini-batch (they may change the mask, so the denominator)."""
+        return [c for c in self.corrections if not getattr(c, "needs_logprobs", False)]
+
+    @property
+    def per_step_corrections(self) -> list[Any]:
+        """Corrections that need the current policy: weights only, applied in every micro-batch."""
+        return [c for c in self.corrections if getattr(c, "needs_logprobs", False)]
 
     def prepare(self, mini_batch: TrainBatch) -> tuple[TrainBatch, MetricSums]:
         """Decide corrections and loss weights once for a whole optimizer mini-batch."""
@@ -68,14 +79,14 @@ class LossPipeline:
         token_weights = torch.ones_like(mask)
         sums: MetricSums = {}
         old = mini_batch.old_logprobs
-        for correction in self.corrections:
+        for correction in self.up_front_corrections:
             out = correction(CorrectionInput(
                 old_logprobs=old, rollout_logprobs=mini_batch.rollout_logprobs,
                 advantages=mini_batch.advantages, response_mask=mask,
             ))
             token_weights = token_weights * out.token_weights
             for key, value in out.metrics.items():
-                sums[key] = (float((value * mask).sum()), float(mask.sum()))
+                sums[f"train/{key}"] = (float((value * mask).sum()), float(mask.sum()))
             mask = out.response_mask.float()
         weights = loss_weights(mask, self.aggregation, constant=self.aggregation_constant) * token_weights
         return replace(mini_batch, response_mask=mask, loss_weights=weights), sums
@@ -93,8 +104,17 @@ class LossPipeline:
         ))
         per_token = out.loss
         count = float(mask.sum())
+        for correction in self.per_step_corrections:
+            corr = correction(CorrectionInput(
+                old_logprobs=old, rollout_logprobs=mb.rollout_logprobs, advantages=mb.advantages,
+                response_mask=mask, logprobs=logprobs.detach(),
+            ))
+            per_token = per_token * corr.token_weights
+            for key, value in corr.metrics.items():
+                metrics[f"train/{key}"] = (float((value * mask).sum()), count)
         if self.needs_ref_logprobs:
-            kl = self.kl(logprobs, mb.ref_logprobs)
+            extra = {"old_logprobs": old} if getattr(self.kl, "needs_old_logprobs", False) else {}
+            kl = self.kl(logprobs, mb.ref_logprobs, **extra)  # unbiased forms weight by sg(pi / pi_old)
             per_token = per_token + self.kl_coef * kl
             metrics["train/kl"] = (float((kl.detach() * mask).sum()), count)
         loss = (per_token * mb.loss_weights).sum()

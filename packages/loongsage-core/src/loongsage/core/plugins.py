@@ -140,9 +140,17 @@ class Registry:
         params = self.check(category, spec, path, skip=tuple(supplied))
         factory = self.entry(category, spec["name"], path).factory
         try:
-            return factory(**params, **supplied)
+            built = factory(**params, **supplied)
         except (ValueError, TypeError) as exc:
             raise ConfigError(join_error(f"{path}.params", exc, params)) from None
+        # Entries that wrap other entries (a reward around a reward) name them in params as specs
+        # and declare ``nested = {param: category}``; those are built here, depth first, and bound.
+        for name, inner_category in getattr(type(built), "nested", {}).items():
+            inner_spec = params.get(name)
+            if inner_spec is not None:
+                inner = self.create(inner_category, inner_spec, f"{path}.params.{name}")
+                built = built.bind(**{name: inner})
+        return built
 
 
 def load_registry(extra_modules: list[str] | tuple[str, ...] = ()) -> Registry:
