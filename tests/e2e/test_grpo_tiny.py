@@ -78,3 +78,23 @@ def test_grpo_loop_runs_and_resumes(ray_session, in_tmp, colocate):
     resumed = json.loads((run_dir / "checkpoints" / "step_000006" / "controller.json").read_text())
     assert resumed["mixer"]["arith"]["offset"] == state["mixer"]["arith"]["offset"] + 2 * 4
     assert resumed["next_group_id"] > state["next_group_id"]
+
+
+def test_dapo_recipe_refills_filtered_groups(ray_session, in_tmp):
+    """tiny/dapo_arith_cpu: dynamic sampling drops uniform groups and refills them from the stream."""
+    args = ["train", "tiny/dapo_arith_cpu", "run.name=dapo", "run.total_steps=3", "data_sources.0.prompts_per_step=4",
+            "data_sources.0.samples_per_prompt=4", "evaluation.max_prompts=8", "evaluation.pass_k=0",
+            "tracking.progress=false", "checkpoint.export_hf=false", "rollout.max_refill_rounds=3"]
+    assert main(args) == 0
+    run_dir = in_tmp / "runs" / "dapo"
+    trained = _trained(_metrics(run_dir))
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    for r in trained:
+        assert r["rollout/groups_trained"] <= 4
+        assert 0 <= r["rollout/refill_rounds"] <= 3
+        # refill ran exactly when filters dropped groups
+        assert (r["rollout/refill_rounds"] > 0) == (r["rollout/groups_filtered"] > 0)
+    state = json.loads((run_dir / "checkpoints" / "step_000003" / "controller.json").read_text())
+    refills = sum(r["rollout/refill_rounds"] for r in trained)
+    # every refill round consumed extra prompts from the data stream
+    assert (state["mixer"]["arith"]["offset"] > 3 * 4) == (refills > 0)

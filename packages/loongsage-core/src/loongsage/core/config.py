@@ -70,10 +70,16 @@ class RolloutConfig:
     num_engines: int = 1
     scheduler: Spec = field(default_factory=lambda: {"name": "sync"})
     transport: Spec = field(default_factory=lambda: {"name": "cpu"})  # weight push trainer -> engines
+    max_refill_rounds: int = 0  # extra generation rounds to replace groups that filters dropped
+    refill_oversample: float = 1.0  # prompts asked per missing group in a refill round
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
             raise ValueError(f"num_engines={self.num_engines}: must be >= 1")
+        if self.max_refill_rounds < 0:
+            raise ValueError(f"max_refill_rounds={self.max_refill_rounds}: must be >= 0")
+        if self.refill_oversample < 1:
+            raise ValueError(f"refill_oversample={self.refill_oversample}: must be >= 1")
 
 
 @dataclass

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import logging
 import os
 import time
@@ -164,10 +165,39 @@ class Controller:
         plan = self.mixer.plan()
         records = [r for name in plan for r in plan[name]]
         groups = await self.rollout(records)
-        metrics = rollout_metrics(groups)
+        metrics = rollout_metrics(groups)  # of the step's own prompts, before filtering and refill
         kept = [g for g in groups if all(f(g) for f in self.filters)]
-        metrics["rollout/groups_filtered"] = float(len(groups) - len(kept))
+        dropped = len(groups) - len(kept)
+        kept, rounds = await self._refill(kept)
+        metrics.update({"rollout/groups_filtered": float(dropped), "rollout/refill_rounds": float(rounds),
+                        "rollout/groups_trained": float(len(kept))})
         return kept, metrics
+
+    async def _refill(self, kept: list[list[Trajectory]]) -> tuple[list[list[Trajectory]], int]:
+        """Top each source back up to its quota after filters dropped groups (DAPO dynamic sampling).
+
+        Each round asks for ``ceil(missing x refill_oversample)`` fresh prompts of every short source,
+        keeps what passes the filters up to the quota, and stops after ``max_refill_rounds``; a step
+        still short then trains on fewer groups. Extra prompts consume the data stream like any other.
+        """
+        rollout_cfg = self.cfg.rollout
+        rounds = 0
+        while rounds < rollout_cfg.max_refill_rounds:
+            have: dict[str, int] = defaultdict(int)
+            for g in kept:
+                have[g[0].source] += 1
+            missing = {name: quota - have[name] for name, quota in self.mixer.quotas.items() if have[name] < quota}
+            if not missing:
+                break
+            rounds += 1
+            records = [r for name, n in missing.items()
+                       for r in self.mixer.take(name, math.ceil(n * rollout_cfg.refill_oversample))]
+            for g in await self.rollout(records):
+                source = g[0].source
+                if have[source] < self.mixer.quotas[source] and all(f(g) for f in self.filters):
+                    kept.append(g)
+                    have[source] += 1
+        return kept, rounds
 
     # ------------------------------------------------------------------ training
     def _train(self, groups: list[list[Trajectory]]) -> dict[str, float]:

@@ -143,6 +143,10 @@ class Mixer:
     def plan(self) -> dict[str, list[DataRecord]]:
         return {name: cursor.take(self.quotas[name]) for name, cursor in self.cursors.items()}
 
+    def take(self, source: str, count: int) -> list[DataRecord]:
+        """Extra records of one source (refills after filtering), from the same exact stream."""
+        return self.cursors[source].take(count)
+
     def state(self) -> dict[str, Any]:
         return {name: c.state() for name, c in self.cursors.items()}
 
