@@ -24,7 +24,7 @@ EXPECTED = {
     "loongsage_data_filters": {"dynamic_sampling", "status", "length"},
 }
 CLASS_ATTRIBUTES = {
-    "loongsage_advantage_estimators": {"needs_values": bool},
+    "loongsage_advantage_estimators": {"needs_values": bool, "uses_token_rewards": bool},
     "loongsage_policy_losses": {"needs_old_logprobs": bool, "supported_aggregations": (tuple, type(None))},
     "loongsage_corrections": {"needs_logprobs": bool},
     "loongsage_kl_estimators": {"consumes": str},

@@ -482,3 +482,10 @@ def test_nested_reward_specs_are_validated_before_anything_starts() -> None:
     assert msg.startswith("data_sources[0].reward.params.inner.params.nope: unknown key; allowed: ")
     good = "data_sources.0.reward={name: overlong_shaping, params: {inner: {name: exact_match}, max_length: 5, buffer: 2}}"
     load_config(RECIPE, [good])
+
+
+def test_kl_in_reward_needs_an_estimator_that_reads_token_rewards() -> None:
+    msg = config_error(["algorithm.kl={name: k3}", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"])
+    assert msg.startswith("algorithm.kl_in_reward=true: advantage 'grpo' ignores token rewards")
+    load_config(RECIPE, ["algorithm.kl={name: k3}", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",
+                         "algorithm.advantage.name=reinforce_pp"])

@@ -98,3 +98,23 @@ def test_dapo_recipe_refills_filtered_groups(ray_session, in_tmp):
     refills = sum(r["rollout/refill_rounds"] for r in trained)
     # every refill round consumed extra prompts from the data stream
     assert (state["mixer"]["arith"]["offset"] > 3 * 4) == (refills > 0)
+
+
+@pytest.mark.parametrize("where", ["loss", "reward"])
+def test_kl_against_a_frozen_reference(ray_session, in_tmp, where):
+    """k3 KL to a frozen reference, in the loss (GRPO) or as a token reward (REINFORCE++)."""
+    args = ["train", "tiny/grpo_arith_cpu", f"run.name=kl_{where}", "run.total_steps=2",
+            "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "evaluation.max_prompts=8",
+            "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false",
+            "algorithm.kl={name: k3}", "algorithm.kl_coef=0.05"]
+    if where == "reward":
+        args += ["algorithm.kl_in_reward=true", "algorithm.advantage.name=reinforce_pp"]
+    assert main(args) == 0
+    trained = _trained(_metrics(in_tmp / "runs" / f"kl_{where}"))
+    assert [r["step"] for r in trained] == [1, 2]
+    first, second = trained
+    key = "train/kl" if where == "loss" else "rollout/kl_reward"
+    assert key in first and ("rollout/kl_reward" in first) == (where == "reward")
+    # the reference is the starting policy: KL is 0 before the first update and positive after it
+    assert first[key] == pytest.approx(0.0, abs=1e-6)
+    assert abs(second[key]) > 0

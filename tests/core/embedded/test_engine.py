@@ -95,13 +95,12 @@ def test_greedy_matches_hf_generate_in_a_mixed_batch(engine, hf_model):
         assert greedy.finish_reason == reason
 
 
-def test_prefill_in_row_chunks_gives_the_same_tokens(engine, monkeypatch):
-    from loongsage.core.embedded import kv_cache
-
+def test_chunked_prefill_gives_the_same_tokens(engine, model_dir):
     requests = [req(f"c{i}", p, temperature=0, max_new_tokens=12, n=2) for i, p in enumerate(prompts(5, seed=13))]
     whole = engine.generate_batch(requests)
-    monkeypatch.setattr(kv_cache, "PREFILL_CHUNK_TOKENS", 1)  # one prompt row per prefill forward
-    chunked = engine.generate_batch(requests)
+    # Prompts split over several steps (4 tokens each), interleaved with other rows' decoding.
+    chunked = NativeEngine(model_dir, max_batch_size=64, max_model_len=128, prefill_chunk_tokens=4,
+                           prefix_cache=False).generate_batch(requests)
     for a, b in zip(whole, chunked):
         assert [r.output_ids for r in a] == [r.output_ids for r in b]
         for x, y in zip(a, b):  # other matmul shapes: equal up to float rounding
@@ -219,7 +218,7 @@ def test_abort_returns_partial_tokens(model_dir):
             await engine.abort(["nobody"])
         aborted = await engine.abort(["run"])
         from_generate = await running
-        assert await waiting and engine.health()["batches"] == 2  # ran after the first batch
+        assert await waiting  # every slot was taken: it ran once "run" left
         later = asyncio.create_task(engine.generate(req("later", c, max_new_tokens=200)))
         while engine.health()["running_rows"] == 0:
             await asyncio.sleep(0)

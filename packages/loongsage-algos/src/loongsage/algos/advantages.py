@@ -194,6 +194,7 @@ class GRPO:
     eps: float = 1e-6  # added to the std so an all-equal group gives 0, not 0/0
 
     needs_values: ClassVar[bool] = False
+    uses_token_rewards: ClassVar[bool] = False  # consumes AdvantageInput.token_rewards
 
     def __post_init__(self) -> None:
         if self.scope not in ("group", "batch"):
@@ -237,6 +238,7 @@ class RLOO:
     """``rloo``: leave-one-out baseline within each group; no parameters."""
 
     needs_values: ClassVar[bool] = False
+    uses_token_rewards: ClassVar[bool] = False  # consumes AdvantageInput.token_rewards
 
     def __call__(self, inp: AdvantageInput) -> Tensor:
         return rloo_advantages(inp.rewards, inp.group_ids, inp.response_mask)
@@ -298,6 +300,7 @@ class ReinforcePP:
     eps: float = 1e-6
 
     needs_values: ClassVar[bool] = False
+    uses_token_rewards: ClassVar[bool] = True  # consumes AdvantageInput.token_rewards
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma <= 1:
@@ -402,6 +405,7 @@ class GAE:
     eps: float = 1e-6
 
     needs_values: ClassVar[bool] = True
+    uses_token_rewards: ClassVar[bool] = True  # consumes AdvantageInput.token_rewards
 
     def __post_init__(self) -> None:
         if not 0 <= self.gamma <= 1:

@@ -41,9 +41,11 @@ def to_batch(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
     )
 
 
-def compute_advantages(batch: TrainBatch, estimator, values: torch.Tensor | None = None) -> TrainBatch:
+def compute_advantages(batch: TrainBatch, estimator, values: torch.Tensor | None = None,
+                       token_rewards: torch.Tensor | None = None) -> TrainBatch:
     batch.advantages = estimator(AdvantageInput(
-        rewards=batch.rewards, group_ids=batch.group_ids, response_mask=batch.response_mask, values=values,
+        rewards=batch.rewards, group_ids=batch.group_ids, response_mask=batch.response_mask,
+        token_rewards=token_rewards, values=values,
     )).float() * batch.response_mask
     return batch
 

@@ -88,6 +88,7 @@ class AlgorithmConfig:
     policy_loss: Spec = field(default_factory=lambda: {"name": "ppo_clip"})
     kl: Spec | None = None
     kl_coef: float = 0.0
+    kl_in_reward: bool = False  # KL as a token reward before advantages (else a loss term)
     corrections: list[Spec] = field(default_factory=list)
     filters: list[Spec] = field(default_factory=list)
     aggregation: str = "token-mean"
@@ -315,6 +316,10 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
         registry.create("kl", cfg.algorithm.kl, "algorithm.kl")
     elif cfg.algorithm.kl_coef:
         raise ConfigError("algorithm.kl_coef is set but algorithm.kl is null; name a KL estimator, e.g. {name: k3}")
+    if cfg.algorithm.kl_in_reward and not getattr(estimator, "uses_token_rewards", False):
+        raise ConfigError(f"algorithm.kl_in_reward=true: advantage {cfg.algorithm.advantage['name']!r} ignores token "
+                          "rewards, so the KL would have no effect; use an estimator that consumes them (e.g. "
+                          "reinforce_pp) or put the KL in the loss")
     for j, spec in enumerate(cfg.algorithm.corrections):
         registry.create("correction", spec, f"algorithm.corrections[{j}]")
     for j, spec in enumerate(cfg.algorithm.filters):

@@ -209,15 +209,22 @@ class Controller:
         trajs = [t for g in groups for t in g]
         if not trajs:
             return {"train/skipped": 1.0}
-        batch = compute_advantages(to_batch(trajs, self.pad_id), self.estimator)
+        batch = to_batch(trajs, self.pad_id)
         row_of = {id(t): i for i, t in enumerate(trajs)}
         parts = split_groups(groups, cfg.trainer.world_size, cfg.trainer.mini_batches_per_step)
         rows = [[[row_of[id(t)] for t in mb] for mb in rank_parts] for rank_parts in parts]
         sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
-        if self.pipeline.recompute_old_logprobs(cfg.trainer.mini_batches_per_step) or self.pipeline.needs_ref_logprobs:
-            self._fill_logprobs(batch, rows, sums)
+        need_old = (self.pipeline.recompute_old_logprobs(cfg.trainer.mini_batches_per_step)
+                    or (self.pipeline.kl_in_reward and self.pipeline.needs_ref_logprobs))
+        if need_old or self.pipeline.needs_ref_logprobs:
+            self._fill_logprobs(batch, rows, sums, old=need_old)
         else:
             batch.old_logprobs = None  # taken from the training forward itself
+        token_rewards = None
+        if self.pipeline.kl_in_reward and self.pipeline.needs_ref_logprobs:
+            token_rewards = self.pipeline.kl_token_rewards(batch)
+            _add(sums, "rollout/kl_reward", float(token_rewards.sum()), float(batch.response_mask.sum()))
+        compute_advantages(batch, self.estimator, token_rewards=token_rewards)
         scalars: dict[str, float] = defaultdict(float)
         for m in range(cfg.trainer.mini_batches_per_step):
             union = [i for r in rows for i in r[m]]
@@ -244,7 +251,8 @@ class Controller:
                                                     / batch.response_mask.sum().clamp(min=1))
         return metrics
 
-    def _fill_logprobs(self, batch: TrainBatch, rows: list[list[list[int]]], sums: dict[str, list[float]]) -> None:
+    def _fill_logprobs(self, batch: TrainBatch, rows: list[list[list[int]]], sums: dict[str, list[float]], *,
+                       old: bool) -> None:
         """Old (and reference) log-probs, each trainer rank computing its own rows."""
         import ray
 
@@ -254,8 +262,7 @@ class Controller:
         # every rank is called, even with no rows: FSDP2 forward and backward are collectives
         outs = ray.get([tr.logprobs.remote(batch.select(rr)) for tr, rr in zip(self.trainers, rank_rows)])
         B, T = batch.input_ids.shape
-        recompute = self.pipeline.recompute_old_logprobs(self.cfg.trainer.mini_batches_per_step)
-        batch.old_logprobs = torch.zeros(B, T) if recompute else None
+        batch.old_logprobs = torch.zeros(B, T) if old else None
         batch.ref_logprobs = torch.zeros(B, T) if self.pipeline.needs_ref_logprobs else None
         for rr, out in zip(rank_rows, outs):
             if not rr:

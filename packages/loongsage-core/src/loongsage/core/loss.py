@@ -44,6 +44,7 @@ class LossPipeline:
     aggregation_constant: float | None = None
     kl: Any = None
     kl_coef: float = 0.0
+    kl_in_reward: bool = False  # penalise KL through token rewards (before advantages) instead of the loss
     corrections: list[Any] = field(default_factory=list)
 
     def recompute_old_logprobs(self, mini_batches: int) -> bool:
@@ -62,6 +63,16 @@ class LossPipeline:
     @property
     def needs_ref_logprobs(self) -> bool:
         return self.kl is not None and self.kl_coef != 0.0
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return self.needs_ref_logprobs and not self.kl_in_reward
+
+    def kl_token_rewards(self, batch: TrainBatch) -> Tensor:
+        """``-coef x KL(old || ref)`` per response token, the KL-in-reward term (no gradient)."""
+        extra = {"old_logprobs": batch.old_logprobs} if getattr(self.kl, "needs_old_logprobs", False) else {}
+        kl = self.kl(batch.old_logprobs, batch.ref_logprobs, **extra).detach()
+        return -self.kl_coef * kl * batch.response_mask
 
     @property
     def up_front_corrections(self) -> list[Any]:
@@ -112,7 +123,7 @@ class LossPipeline:
             per_token = per_token * corr.token_weights
             for key, value in corr.metrics.items():
                 metrics[f"train/{key}"] = (float((value * mask).sum()), count)
-        if self.needs_ref_logprobs:
+        if self.kl_in_loss:
             extra = {"old_logprobs": old} if getattr(self.kl, "needs_old_logprobs", False) else {}
             kl = self.kl(logprobs, mb.ref_logprobs, **extra)  # unbiased forms weight by sg(pi / pi_old)
             per_token = per_token + self.kl_coef * kl

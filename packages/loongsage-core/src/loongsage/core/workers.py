@@ -35,6 +35,7 @@ def build_pipeline(cfg: Config, registry: Any) -> LossPipeline:
         aggregation_constant=alg.aggregation_constant,
         kl=registry.create("kl", alg.kl, "algorithm.kl") if alg.kl else None,
         kl_coef=alg.kl_coef,
+        kl_in_reward=alg.kl_in_reward,
         corrections=[registry.create("correction", c, f"algorithm.corrections[{i}]")
                      for i, c in enumerate(alg.corrections)],
     )

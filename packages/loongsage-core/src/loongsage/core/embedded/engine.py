@@ -4,13 +4,15 @@ Shape of the engine:
 
 * ``generate(request)`` is per request and async. It validates the request (a bad one raises a
   one-line ``ValueError`` in its own caller only), queues it and awaits its future.
-* One scheduler task per event loop (:meth:`NativeEngine._serve`) takes queued requests FIFO up to
-  ``max_batch_size`` sample rows and runs them as one
-  :class:`~loongsage.core.embedded.kv_cache.StaticBatch`: a single left-padded prefill of the
-  distinct prompts, the prompt cache copied to the ``n`` sample rows of each request (never
-  re-prefilled), then decode steps that advance all rows by one token. Requests that arrive while a
-  batch runs wait for the next batch; admission is the one place that changes when rows may join a
-  running batch (which needs the block-paged cache).
+* One scheduler task per event loop (:meth:`NativeEngine._serve`) runs *continuous batching* over
+  one :class:`~loongsage.core.embedded.continuous.SlotBatch` (a slot-based KV cache of at most
+  ``max_batch_size`` rows x ``max_model_len``): at every step boundary it admits queued requests
+  FIFO into free slots, then runs one step (at most ``prefill_chunk_tokens`` prompt tokens of
+  prefill, plus one decode token for every decoding row). The ``n`` sample rows of a request share
+  one prefill; finished rows free their slot at once, so new requests join while others decode.
+* Prefix reuse (``prefix_cache``): a finished row's cache stays in its slot until the slot is needed
+  (LRU); a request whose ``input_ids`` extend those tokens (the next turn of a session) prefills
+  only the new suffix. Only caches computed by the current weight version are reused.
 * Between two steps the scheduler yields to the event loop, then applies aborts, drops requests
   whose caller went away and honours ``pause()``. A step (forward + sampling + bookkeeping) holds
   ``self._lock``, as does ``update_weights``, so weights only change between steps, even when called
@@ -34,7 +36,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from loongsage.core.embedded.kv_cache import DecoderRunner, StaticBatch
+from loongsage.core.embedded.continuous import SlotBatch
+from loongsage.core.embedded.kv_cache import DecoderRunner
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,7 +74,9 @@ class NativeEngine:
     """Embedded generation engine over an HF Llama-family checkpoint (CPU first, any torch device).
 
     ``eos_token_ids`` overrides the stop ids read from the model's config and generation config
-    (``[]`` disables them, for benchmarks that must run to ``max_new_tokens``). ``generate`` and
+    (``[]`` disables them, for benchmarks that must run to ``max_new_tokens``). ``max_batch_size``
+    bounds the live sample rows (KV slots); ``prefill_chunk_tokens`` the prompt tokens prefilled per
+    step; ``prefix_cache`` turns prefix reuse across requests on or off. ``generate`` and
     ``abort`` must be awaited on one event loop at a time; ``generate_batch`` is synchronous, runs
     its requests to completion and does not observe ``pause``/``abort``; for it a bad request raises
     before anything runs.
@@ -81,7 +86,8 @@ class NativeEngine:
 
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_batch_size: int = 256, max_model_len: int = 512, fp32_lm_head: bool = True, seed: int = 0,
-                 eos_token_ids: Iterable[int] | None = None):
+                 eos_token_ids: Iterable[int] | None = None, prefill_chunk_tokens: int = 2048,
+                 prefix_cache: bool = True):
         from transformers import AutoModelForCausalLM
 
         torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
@@ -109,9 +115,13 @@ class NativeEngine:
         self._waiting: deque[_Group] = deque()
         self._entries: dict[str, _Group] = {}  # request id -> request waiting or running
         self._aborts: list[tuple[list[_Group], asyncio.Future]] = []
-        self._running: StaticBatch | None = None
         self._last_error: str | None = None
-        self._stats = dict.fromkeys(("batches", "steps", "generated_tokens", "prefill_rows", "prefill_tokens"), 0)
+        self._stats = dict.fromkeys(("batches", "steps", "generated_tokens", "prefill_rows", "prefill_tokens",
+                                     "prefix_hit_tokens", "kv_slots", "kv_cache_bytes"), 0)
+        self._batch_args = {"max_slots": self.max_batch_size, "max_model_len": self.max_model_len,
+                            "generator": self._generator, "stats": self._stats,
+                            "prefill_chunk_tokens": int(prefill_chunk_tokens), "prefix_cache": bool(prefix_cache)}
+        self._batch = SlotBatch(self._runner, **self._batch_args)
 
     # ----------------------------------------------------------------------------- public API
 
@@ -154,10 +164,19 @@ class NativeEngine:
             seen.add(request.request_id)
         groups = [_Group(r, None, self.eos_token_ids) for r in requests]
         pending = deque(groups)
-        while pending:
-            batch = self._new_batch(self._take(pending))
-            while not batch.done:
+        # The serving batch when idle (its retained prefixes are reused), else a batch of its own.
+        batch = self._batch if not self._batch.live_rows() else SlotBatch(self._runner, **self._batch_args)
+        self._stats["batches"] += 1
+        try:
+            while pending or not batch.done:
+                self._admit(batch, pending)
                 self._step(batch)
+        except BaseException:
+            batch.reset()
+            raise
+        finally:
+            if batch is not self._batch:  # its cache goes; report the serving batch's size again
+                self._batch.record_size()
         return [g.results for g in groups]
 
     async def abort(self, request_ids: list[str] | None = None) -> list[GenerationResult]:
@@ -219,13 +238,13 @@ class NativeEngine:
             return self._version
 
     def health(self) -> dict:
-        running = self._running
+        batch = self._batch
         return {
             "status": "paused" if self._paused else "ok",
             "version": self._version,
             "waiting_requests": len(self._waiting),
-            "running_requests": len(running.live_groups()) if running is not None else 0,
-            "running_rows": len(running.row_group) if running is not None else 0,
+            "running_requests": len(batch.live_groups()),
+            "running_rows": batch.live_rows(),
             "max_batch_size": self.max_batch_size,
             "max_model_len": self.max_model_len,
             "device": str(self.device),
@@ -256,29 +275,21 @@ class NativeEngine:
         if request.sampling.n > self.max_batch_size:
             raise ValueError(prefix + f"sampling.n={request.sampling.n} exceeds max_batch_size={self.max_batch_size}")
 
-    def _take(self, queue: deque[_Group]) -> list[_Group]:
-        """Admit queued requests FIFO while their rows fit ``max_batch_size``."""
-        groups, rows = [], 0
+    def _admit(self, batch: SlotBatch, queue: deque[_Group]) -> None:
+        """Admit queued requests FIFO while their rows fit the batch's free slots."""
         while queue:
             group = queue[0]
             if group.future is not None and group.future.done():  # cancelled while waiting
                 queue.popleft()
                 self._entries.pop(group.request.request_id, None)
                 continue
-            if groups and rows + group.n > self.max_batch_size:
-                break
+            if batch.available() < group.n:
+                return
             queue.popleft()
             group.running = True
-            groups.append(group)
-            rows += group.n
-        return groups
+            batch.admit(group, self._version)
 
-    def _new_batch(self, groups: list[_Group]) -> StaticBatch:
-        self._stats["batches"] += 1
-        return StaticBatch(self._runner, groups, max_model_len=self.max_model_len, generator=self._generator,
-                           stats=self._stats)
-
-    def _step(self, batch: StaticBatch) -> list[_Group]:
+    def _step(self, batch: SlotBatch) -> list[_Group]:
         with self._lock, torch.inference_mode():
             return batch.step(self._version)
 
@@ -292,7 +303,7 @@ class NativeEngine:
             self._waiting.clear()
             self._entries.clear()
             self._aborts.clear()
-            self._running = None
+            self._batch.reset()
         if self._serve_task is None or self._serve_task.done():
             self._serve_task = loop.create_task(self._serve())
         return loop
@@ -311,50 +322,42 @@ class NativeEngine:
             loop.call_soon_threadsafe(event.set)
 
     async def _serve(self) -> None:
+        batch, busy = self._batch, False
         while True:
             self._wake_event.clear()
-            self._apply_aborts(None)
-            groups = self._take(self._waiting) if not self._paused else []
-            if not groups:
+            self._apply_aborts(batch)
+            gone = {g for g in batch.live_groups() if g.future is not None and g.future.done()}
+            if gone:  # the caller went away
+                batch.abort(gone)
+                for group in gone:
+                    self._entries.pop(group.request.request_id, None)
+            if not self._paused:
+                self._admit(batch, self._waiting)
+            if self._paused or batch.done:
+                busy = False
                 await self._wake_event.wait()
                 continue
-            batch = self._running = self._new_batch(groups)
+            if not busy:
+                busy = True
+                self._stats["batches"] += 1
             try:
-                while not batch.done:
-                    await self._between_steps(batch)
-                    if batch.done:
-                        break
-                    for group in self._step(batch):
-                        self._finish(group)
-            except Exception as exc:  # a failing batch fails its own requests; the engine keeps serving
+                for group in self._step(batch):
+                    self._finish(group)
+            except Exception as exc:  # a failing step fails its own requests; the engine keeps serving
                 self._last_error = f"{type(exc).__name__}: {exc}"
                 for group in batch.live_groups():
                     self._entries.pop(group.request.request_id, None)
                     if not group.future.done():
                         group.future.set_exception(exc)
-            finally:
-                self._running = None
+                batch.reset()
+            await asyncio.sleep(0)  # let new requests, aborts and weight updates in
 
-    async def _between_steps(self, batch: StaticBatch) -> None:
-        await asyncio.sleep(0)  # let new requests, aborts and weight updates in
-        while True:
-            self._wake_event.clear()
-            self._apply_aborts(batch)
-            gone = {g for g in batch.live_groups() if g.future.done()}
-            if gone:
-                batch.abort(gone)
-                for group in gone:
-                    self._entries.pop(group.request.request_id, None)
-            if not self._paused or batch.done:
-                return
-            await self._wake_event.wait()
-
-    def _apply_aborts(self, batch: StaticBatch | None) -> None:
+    def _apply_aborts(self, batch: SlotBatch) -> None:
         """Answer pending ``abort`` calls for running requests (at a step boundary)."""
         aborts, self._aborts = self._aborts, []
         for groups, future in aborts:
             live = {g for g in groups if g.pending}
-            if batch is not None and live:
+            if live:
                 for group in batch.abort(live):
                     self._finish(group)
             # A request that completed before this boundary answers with its final results.

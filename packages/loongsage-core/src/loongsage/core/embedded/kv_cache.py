@@ -126,9 +126,6 @@ class DecoderRunner:
         """
         bsz, seq = input_ids.shape
         start, end = cache.length, cache.length + seq
-        hidden = self.inner.embed_tokens(input_ids)
-        cos, sin = self.inner.rotary_emb(hidden, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         keys_valid = cache.key_mask[:, :end]
         if seq == 1:
             mask = keys_valid[:, None, None, :]
@@ -137,6 +134,47 @@ class DecoderRunner:
             k_idx = torch.arange(end, device=input_ids.device)
             causal = k_idx[None, :] <= q_idx[:, None]
             mask = (keys_valid[:, None, None, :] & causal) | (k_idx[None, :] == q_idx[:, None])
+
+        def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+            cache.keys[i][:, :, start:end] = k
+            cache.values[i][:, :, start:end] = v
+            return cache.keys[i][:, :, :end], cache.values[i][:, :, :end]
+
+        logits = self._run(input_ids, positions, mask, write)
+        cache.length = end
+        return logits
+
+    def forward_slots(self, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
+                      end: int, mask: Tensor, cols: Tensor | None = None) -> Tensor:
+        """Forward over slot rows whose keys/values live in ``keys[i]``/``values[i]`` ``[B, kv, L, d]``.
+
+        Decode (``cols`` given, ``input_ids`` ``[B, 1]``): row ``b`` writes its new key/value at column
+        ``cols[b]``. Prefill (``cols`` None, ``input_ids`` ``[B, T]``): the new keys/values go to columns
+        ``[end - T, end)`` of every row. Attention covers columns ``[0, end)`` under ``mask``
+        (broadcastable to ``[B, 1, T, end]``); returns the last position's float32 logits.
+        """
+        seq = input_ids.shape[1]
+        if cols is not None:
+            rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+
+            def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+                keys[i][rows, :, cols] = k[:, :, 0]
+                values[i][rows, :, cols] = v[:, :, 0]
+                return keys[i][:, :, :end], values[i][:, :, :end]
+        else:
+            def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+                keys[i][:, :, end - seq:end] = k
+                values[i][:, :, end - seq:end] = v
+                return keys[i][:, :, :end], values[i][:, :, :end]
+        return self._run(input_ids, positions, mask, write)
+
+    def _run(self, input_ids: Tensor, positions: Tensor, mask: Tensor, write) -> Tensor:
+        """The decoder layers; ``write(i, k, v)`` stores layer ``i``'s new keys/values and returns the
+        keys/values to attend over."""
+        bsz, seq = input_ids.shape
+        hidden = self.inner.embed_tokens(input_ids)
+        cos, sin = self.inner.rotary_emb(hidden, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
@@ -148,9 +186,7 @@ class DecoderRunner:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            cache.keys[i][:, :, start:end] = k
-            cache.values[i][:, :, start:end] = v
-            keys, values = cache.keys[i][:, :, :end], cache.values[i][:, :, :end]
+            keys, values = write(i, k, v)
             if seq == 1:
                 # Decode: the query heads that share a kv head become that head's query "rows", so
                 # attention reads each cached key once instead of expanding keys per query head.
@@ -165,7 +201,6 @@ class DecoderRunner:
             mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
             # Mixture-of-experts blocks of some versions return (hidden, router_logits).
             hidden = hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
-        cache.length = end
         last = self.inner.norm(hidden[:, -1])
         if self.fp32_lm_head:
             return last.float() @ self._head.T

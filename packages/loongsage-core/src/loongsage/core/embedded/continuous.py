@@ -1,0 +1,370 @@
+"""Continuous batching for the native engine over a slot-based KV cache.
+
+The cache is ``slots x max_model_len`` per layer (keys and values ``[slots, kv_heads, L, head_dim]``);
+each sample row of a request owns one slot and its own length, so a row's token ``j`` sits in column
+``j`` at position ``j`` (no left padding) and attention masks each row to its own filled span.
+
+One :meth:`SlotBatch.step`:
+
+1. prefills waiting rows, at most ``prefill_chunk_tokens`` prompt tokens per step (a long prompt
+   spans several steps, so decoding rows are never stalled for a whole long prefill); the ``n``
+   sample rows of a request share one prefill, copied into their slots when it completes;
+2. one decode forward over slots ``[0, hi)`` (``hi``: one past the highest decoding slot): every
+   decoding row writes its key at its own column; rows in that range that are not decoding compute
+   throw-away values that land past their valid span (overwritten before being read);
+3. one vectorised sampling call for the decoding rows (plus one for rows whose prefill just ended),
+   bookkeeping, and finished rows leave at once: their slots are free for the next step's admissions.
+
+Requests join at any step boundary (:meth:`admit`); holes left by finished rows are refilled from
+the lowest slot up and, when the range gets sparse, the highest decoding rows move down
+(:meth:`_compact`), so a step costs about the number of live rows.
+
+Prefix reuse: a finished row's slot is *retained* with the tokens its cache holds (prompt plus all
+but the last output token) and the weight version that computed them. A new request whose input
+shares a prefix with a retained slot of the current version takes that slot and prefills only the
+rest (a session's next turn). Retained slots are evicted least-recently-used whenever a slot is
+needed; the cache grows (doubling, up to ``max_slots``) only when no slot is free or retained, so
+memory is bounded by ``max_slots x max_model_len`` and follows the peak number of live rows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import Tensor
+
+from loongsage.core.embedded.kv_cache import DecoderRunner
+from loongsage.core.embedded.sampling import SamplingTensors, draw_uniforms, sample
+from loongsage.core.types import FinishReason, GenerationResult
+
+FREE, PREFILL, WAIT, DECODE, RETAINED = range(5)  # WAIT: sibling row waiting for its prompt's prefill
+
+
+class _Prefill:
+    __slots__ = ("group", "slot", "siblings", "pos", "version")
+
+    def __init__(self, group, slot: int, siblings: list[int], pos: int, version: int):
+        self.group, self.slot, self.siblings, self.pos, self.version = group, slot, siblings, pos, version
+
+
+class SlotBatch:
+    """Live sample rows over one slot cache; see the module docstring.
+
+    ``groups`` passed to :meth:`admit` are the engine's request records: ``request``, ``n``,
+    ``stops`` (stop ids incl. eos) and ``put(sample, result) -> bool`` (True once complete).
+    """
+
+    def __init__(self, runner: DecoderRunner, *, max_slots: int, max_model_len: int, generator: torch.Generator,
+                 stats: dict[str, int], prefill_chunk_tokens: int = 2048, prefix_cache: bool = True,
+                 initial_slots: int = 8):
+        self.runner, self.stats, self.generator = runner, stats, generator
+        self.max_slots, self.L = int(max_slots), int(max_model_len)
+        self.chunk, self.prefix_cache = max(1, int(prefill_chunk_tokens)), prefix_cache
+        self.device = runner.device
+        self.cap, self.stop_width = 0, 1
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self.t: dict[str, Tensor] = {}  # per-slot state, first dim = slot
+        self.status: list[int] = []
+        self.slot_group: list = []
+        self.slot_sample: list[int] = []
+        self.slot_version: list[int] = []  # weight version when the row's prefill started
+        self.retained: dict[int, tuple[list[int], int, int]] = {}  # slot -> (cached tokens, version, last use)
+        self.prefilling: deque[_Prefill] = deque()
+        self.clock = 0
+        self._dec: tuple[Tensor, int, SamplingTensors] | None = None  # decoding slots, hi, their sampling
+        self._grow(min(self.max_slots, max(1, initial_slots)))
+
+    # ----------------------------------------------------------------------------- slots
+
+    def _grow(self, cap: int) -> None:
+        old, dev, r = self.cap, self.device, self.runner
+        weight = r.inner.embed_tokens.weight
+        shape = (cap, r.kv_heads, self.L, r.head_dim)
+
+        def grown(buf: Tensor | None, tail: tuple, dtype, fill=0) -> Tensor:
+            out = torch.full((cap, *tail), fill, dtype=dtype, device=dev)
+            if buf is not None:
+                out[:old] = buf
+            return out
+
+        # Zero-filled, never ``empty``: masked columns still enter attention as 0 x value, and an
+        # uninitialised NaN there would poison the row.
+        self.keys = [grown(k, shape[1:], weight.dtype) for k in (self.keys or [None] * len(r.layers))]
+        self.values = [grown(v, shape[1:], weight.dtype) for v in (self.values or [None] * len(r.layers))]
+        t = self.t
+        spec = {"lens": ((), torch.long, 0), "gen": ((), torch.long, 0), "limit": ((), torch.long, 1),
+                "last": ((), torch.long, 0), "tokens": ((self.L,), torch.long, 0),
+                "logprobs": ((self.L,), torch.float32, 0), "versions": ((self.L,), torch.int32, 0),
+                "uniforms": ((self.L,), torch.float32, 0), "stops": ((self.stop_width,), torch.long, -1),
+                "inv_t": ((), torch.float32, 1), "greedy": ((), torch.bool, True), "top_k": ((), torch.long, 0),
+                "top_p": ((), torch.float32, 1), "min_p": ((), torch.float32, 0)}
+        self.t = {name: grown(t.get(name), tail, dtype, fill) for name, (tail, dtype, fill) in spec.items()}
+        extra = cap - old
+        self.status += [FREE] * extra
+        self.slot_group += [None] * extra
+        self.slot_sample += [0] * extra
+        self.slot_version += [0] * extra
+        self.cap = cap
+        self.record_size()
+
+    def record_size(self) -> None:
+        self.stats["kv_slots"] = self.cap
+        self.stats["kv_cache_bytes"] = sum(k.numel() * k.element_size() for k in self.keys + self.values)
+
+    def _widen_stops(self, width: int) -> None:
+        stops = self.t["stops"]
+        wider = torch.full((self.cap, width), -1, dtype=torch.long, device=self.device)
+        wider[:, :stops.shape[1]] = stops
+        self.t["stops"], self.stop_width = wider, width
+
+    def available(self) -> int:
+        """Slots a new request may take now (free, retained or not yet allocated)."""
+        return sum(1 for s in self.status if s in (FREE, RETAINED)) + self.max_slots - self.cap
+
+    def _claim(self) -> int:
+        for s, status in enumerate(self.status):
+            if status == FREE:
+                return s
+        if self.retained:  # evict the least recently used retained slot
+            s = min(self.retained, key=lambda k: self.retained[k][2])
+            del self.retained[s]
+            return s
+        if self.cap < self.max_slots:
+            s = self.cap
+            self._grow(min(self.max_slots, 2 * self.cap))
+            return s
+        raise RuntimeError("native engine: no free KV slot (admission should have checked)")
+
+    def _match(self, ids: list[int], version: int) -> tuple[int | None, int]:
+        """The retained slot (of this weight version) sharing the longest prefix with ``ids``."""
+        best, best_len = None, 0
+        for s, (cached, v, _) in self.retained.items():
+            if v != version or not cached or cached[0] != ids[0]:
+                continue
+            m, limit = 0, min(len(cached), len(ids) - 1)  # at least one token left to prefill
+            while m < limit and cached[m] == ids[m]:
+                m += 1
+            if m > best_len:
+                best, best_len = s, m
+        return best, best_len
+
+    # ----------------------------------------------------------------------------- admission
+
+    def admit(self, group, version: int) -> None:
+        """Give ``group``'s ``n`` rows slots (the caller checked :meth:`available`); prefill follows."""
+        ids, sp, n = group.request.input_ids, group.request.sampling, group.n
+        slot, reuse = self._match(ids, version) if self.prefix_cache else (None, 0)
+        if slot is not None:
+            del self.retained[slot]
+            self.stats["prefix_hit_tokens"] += reuse
+        else:
+            slot = self._claim()
+        self.status[slot] = PREFILL  # claimed before the siblings look for free slots
+        siblings = []
+        for _ in range(n - 1):
+            s = self._claim()
+            self.status[s] = WAIT
+            siblings.append(s)
+        rows = [slot, *siblings]
+        limit = min(sp.max_new_tokens, self.L - len(ids))
+        if len(group.stops) > self.stop_width:
+            self._widen_stops(len(group.stops))
+        t, dev = self.t, self.device
+        idx = torch.tensor(rows, device=dev)
+        for j, s in enumerate(rows):
+            self.slot_group[s], self.slot_sample[s], self.slot_version[s] = group, j, version
+        t["lens"][idx] = reuse
+        t["gen"][idx] = 0
+        t["limit"][idx] = limit
+        t["stops"][idx] = -1
+        if group.stops:
+            t["stops"][idx, :len(group.stops)] = torch.tensor(group.stops, device=dev)
+        greedy = sp.temperature == 0
+        t["greedy"][idx] = greedy
+        t["inv_t"][idx] = 1.0 if greedy else 1.0 / sp.temperature
+        vocab = self.runner.vocab_size
+        t["top_k"][idx] = sp.top_k if 0 < sp.top_k < vocab else vocab
+        t["top_p"][idx], t["min_p"][idx] = sp.top_p, sp.min_p
+        if not greedy:
+            t["uniforms"][idx, :limit] = draw_uniforms([n], [sp.seed], [limit], limit, self.generator, dev)
+        self.prefilling.append(_Prefill(group, slot, siblings, reuse, version))
+        self.stats["prefill_rows"] += 1
+
+    # ----------------------------------------------------------------------------- steps
+
+    @property
+    def done(self) -> bool:
+        return not self.prefilling and not any(s == DECODE for s in self.status)
+
+    def live_groups(self) -> list:
+        return list(dict.fromkeys(self.slot_group[s] for s, st in enumerate(self.status)
+                                  if st in (PREFILL, WAIT, DECODE)))
+
+    def live_rows(self) -> int:
+        return sum(1 for st in self.status if st in (PREFILL, WAIT, DECODE))
+
+    def _prefill(self) -> tuple[list[int], Tensor | None]:
+        """Run up to ``chunk`` prompt tokens; return the rows whose prefill ended and their logits."""
+        budget, rows, logits = self.chunk, [], []
+        while self.prefilling and budget > 0:
+            e = self.prefilling[0]
+            ids = e.group.request.input_ids
+            take = min(len(ids) - e.pos, budget)
+            start, end = e.pos, e.pos + take
+            dev = self.device
+            x = torch.tensor([ids[start:end]], dtype=torch.long, device=dev)
+            positions = torch.arange(start, end, device=dev).unsqueeze(0)
+            q_idx = torch.arange(start, end, device=dev)
+            mask = torch.arange(end, device=dev)[None, :] <= q_idx[:, None]
+            s = e.slot
+            out = self.runner.forward_slots(x, positions, [k[s:s + 1] for k in self.keys],
+                                            [v[s:s + 1] for v in self.values], end, mask)
+            e.pos, budget = end, budget - take
+            self.t["lens"][s] = end  # the decode forward's throw-away write for this row lands past it
+            self.stats["prefill_tokens"] += take
+            if e.pos < len(ids):
+                break
+            self.prefilling.popleft()
+            for sib in e.siblings:  # n samples share the prompt's cache
+                for buf in self.keys + self.values:
+                    buf[sib, :, :end] = buf[s, :, :end]
+            group_rows = [s, *e.siblings]
+            self.t["lens"][torch.tensor(group_rows, device=dev)] = end
+            rows += group_rows
+            logits.append(out.expand(len(group_rows), -1))
+        return rows, (torch.cat(logits) if logits else None)
+
+    def _decoding(self) -> tuple[Tensor, int, SamplingTensors]:
+        if self._dec is None:
+            slots = [s for s, st in enumerate(self.status) if st == DECODE]
+            self._dec = (torch.tensor(slots, dtype=torch.long, device=self.device), slots[-1] + 1 if slots else 0,
+                         self._sampling(slots))
+        return self._dec
+
+    def _sampling(self, slots: list[int]) -> SamplingTensors:
+        idx, t = torch.tensor(slots, dtype=torch.long, device=self.device), self.t
+        return SamplingTensors._from(t["inv_t"][idx], t["greedy"][idx], t["top_k"][idx], t["top_p"][idx],
+                                     t["min_p"][idx], self.runner.vocab_size)
+
+    def step(self, version: int) -> list:
+        """Prefill (chunk-limited), one decode step for every decoding row; return completed groups."""
+        t = self.t
+        dec, hi, st = self._decoding()
+        new_rows, new_logits = self._prefill()
+        parts = []
+        if hi:
+            lens = t["lens"][:hi]
+            end = int(lens.max()) + 1
+            mask = (torch.arange(end, device=self.device)[None, :] <= lens[:, None])[:, None, None, :]
+            logits = self.runner.forward_slots(t["last"][:hi].unsqueeze(1), lens.unsqueeze(1),
+                                               [k[:hi] for k in self.keys], [v[:hi] for v in self.values],
+                                               end, mask, cols=lens)
+            t["lens"][dec] += 1
+            parts.append((dec, logits[dec], st))
+        if new_rows:
+            parts.append((torch.tensor(new_rows, device=self.device), new_logits, self._sampling(new_rows)))
+            for s in new_rows:
+                self.status[s] = DECODE
+            self._dec = None
+        if not parts:
+            return []
+        rows = torch.cat([p[0] for p in parts])
+        toks, lps = [], []
+        for idx, lg, s in parts:
+            u = None if s.all_greedy else t["uniforms"][idx, t["gen"][idx]]
+            tok, lp = sample(lg, s, u)
+            toks.append(tok)
+            lps.append(lp)
+        tokens, logprobs = torch.cat(toks), torch.cat(lps)
+        gen = t["gen"][rows]
+        t["tokens"][rows, gen] = tokens
+        t["logprobs"][rows, gen] = logprobs
+        t["versions"][rows, gen] = version
+        t["last"][rows] = tokens
+        gen += 1
+        t["gen"][rows] = gen
+        self.stats["steps"] += 1
+        self.stats["generated_tokens"] += rows.numel()
+        stopped = (tokens.unsqueeze(1) == t["stops"][rows]).any(dim=1)
+        finished = stopped | (gen >= t["limit"][rows])
+        if not bool(finished.any()):
+            return []
+        hit = finished.nonzero().flatten()
+        reasons = [FinishReason.STOP if x else FinishReason.LENGTH for x in stopped[hit].tolist()]
+        completed = self._emit(rows[hit].tolist(), reasons, version)
+        self._compact()
+        return completed
+
+    def _emit(self, slots: list[int], reasons: list[FinishReason], version: int | None) -> list:
+        """Results of ``slots`` (tokens so far); their slots are retained (``version`` given) or freed."""
+        t, completed = self.t, []
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        gens = t["gen"][idx].tolist()
+        width = max(gens) if gens else 0
+        tokens = t["tokens"][idx, :width].tolist()
+        logprobs = t["logprobs"][idx, :width].tolist()
+        versions = t["versions"][idx, :width].tolist()
+        lens = t["lens"][idx].tolist()
+        for k, s in enumerate(slots):
+            g, n = self.slot_group[s], gens[k]
+            result = GenerationResult(g.request.request_id, tokens[k][:n], logprobs[k][:n], versions[k][:n], reasons[k])
+            keep = (version is not None and self.prefix_cache and n > 0 and self.slot_version[s] == version
+                    and versions[k][0] == version)
+            if keep:
+                self.clock += 1
+                cached = (list(g.request.input_ids) + tokens[k][:n])[:lens[k]]
+                self.retained[s] = (cached, version, self.clock)
+                self.status[s] = RETAINED
+            else:
+                self.status[s] = FREE
+            self.slot_group[s] = None
+            if g.put(self.slot_sample[s], result):
+                completed.append(g)
+        self._dec = None
+        return completed
+
+    def _compact(self) -> None:
+        """Move the highest decoding rows into lower free slots when the decode range is sparse."""
+        decoding = [s for s, st in enumerate(self.status) if st == DECODE]
+        if not decoding:
+            return
+        hi = decoding[-1] + 1
+        if hi - len(decoding) <= max(4, len(decoding) // 4):
+            return
+        holes = [s for s in range(hi) if self.status[s] in (FREE, RETAINED)]
+        for dst, src in zip(holes, reversed(decoding)):
+            if dst >= src:
+                break
+            self.retained.pop(dst, None)
+            self._move(src, dst)
+        self._dec = None
+
+    def _move(self, src: int, dst: int) -> None:
+        n = int(self.t["lens"][src]) + 1
+        for buf in self.keys + self.values:
+            buf[dst, :, :n] = buf[src, :, :n]
+        for buf in self.t.values():
+            buf[dst] = buf[src]
+        self.status[dst], self.status[src] = self.status[src], FREE
+        self.slot_group[dst], self.slot_group[src] = self.slot_group[src], None
+        self.slot_sample[dst], self.slot_version[dst] = self.slot_sample[src], self.slot_version[src]
+
+    def abort(self, groups: set) -> list:
+        """End the rows of ``groups`` with ``ABORT`` (tokens so far); return those groups completed."""
+        self.prefilling = deque(e for e in self.prefilling if e.group not in groups)
+        hit = [s for s, st in enumerate(self.status) if st in (PREFILL, WAIT, DECODE) and self.slot_group[s] in groups]
+        if not hit:
+            return []
+        completed = self._emit(hit, [FinishReason.ABORT] * len(hit), None)
+        self._compact()
+        return completed
+
+    def reset(self) -> None:
+        """Forget every row (after a failed step); retained caches are dropped too."""
+        self.prefilling.clear()
+        self.retained.clear()
+        self.status = [FREE] * self.cap
+        self.slot_group = [None] * self.cap
+        self._dec = None
