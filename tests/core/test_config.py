@@ -489,3 +489,11 @@ def test_kl_in_reward_needs_an_estimator_that_reads_token_rewards() -> None:
     assert msg.startswith("algorithm.kl_in_reward=true: advantage 'grpo' ignores token rewards")
     load_config(RECIPE, ["algorithm.kl={name: k3}", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",
                          "algorithm.advantage.name=reinforce_pp"])
+
+
+def test_critic_and_value_estimators_go_together() -> None:
+    assert load_config("tiny/ppo_arith_cpu")[0].trainer.critic.optimizer.lr == pytest.approx(1e-3)
+    msg = config_error(["+trainer.critic={backend: {name: torch_critic}}"])
+    assert msg == "trainer.critic is set but algorithm.advantage 'grpo' does not use values; use gae or drop the critic"
+    msg = config_error(["trainer.critic.value_clip=0"], recipe="tiny/ppo_arith_cpu")
+    assert msg.startswith("config.trainer.critic.value_clip=0.0: must be > 0")

@@ -54,7 +54,7 @@ def test_coerce_accepts(value, tp, expected) -> None:
         (1, bool, "k: got 1; expected true or false"),
         (1, str, "k: got 1; expected a string"),
         ("maybe", Literal["skip", "error"], "k: got 'maybe'; allowed: 'skip', 'error'"),
-        ("x", int | None, "k: got 'x'; expected int | null"),
+        ("x", int | None, "k: got 'x'; expected an integer"),
         ("x", list[int], "k: got 'x'; expected a list"),
         ([1, "b"], list[int], "k[1]: got 'b'; expected an integer"),
         ({"a": "b"}, dict[str, float], "k.a: got 'b'; expected a number"),

@@ -118,3 +118,21 @@ def test_kl_against_a_frozen_reference(ray_session, in_tmp, where):
     # the reference is the starting policy: KL is 0 before the first update and positive after it
     assert first[key] == pytest.approx(0.0, abs=1e-6)
     assert abs(second[key]) > 0
+
+
+def test_ppo_with_a_critic(ray_session, in_tmp):
+    """tiny/ppo_arith_cpu: GAE over a learned value model trained beside the policy; resumable."""
+    args = ["train", "tiny/ppo_arith_cpu", "run.name=ppo", "run.total_steps=3", "data_sources.0.prompts_per_step=4",
+            "data_sources.0.samples_per_prompt=4", "evaluation.max_prompts=8", "evaluation.pass_k=0",
+            "tracking.progress=false", "checkpoint.export_hf=false", "checkpoint.every_steps=2"]
+    assert main(args) == 0
+    run_dir = in_tmp / "runs" / "ppo"
+    trained = _trained(_metrics(run_dir))
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    # the value head starts at zero and learns: values move towards the returns
+    assert trained[0]["critic/values"] == pytest.approx(0.0, abs=1e-6)
+    assert abs(trained[-1]["critic/values"]) > 0 and trained[-1]["critic/grad_norm"] > 0
+    assert all(r["critic/value_loss"] >= 0 for r in trained)
+    assert (run_dir / "checkpoints" / "step_000002" / "critic" / "trainer.pt").is_file()
+    assert main([*args, "run.total_steps=4", "resume=true"]) == 0
+    assert [r["step"] for r in _trained(_metrics(run_dir))][-1] == 4

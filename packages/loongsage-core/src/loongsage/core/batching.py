@@ -43,10 +43,12 @@ def to_batch(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
 
 def compute_advantages(batch: TrainBatch, estimator, values: torch.Tensor | None = None,
                        token_rewards: torch.Tensor | None = None) -> TrainBatch:
-    batch.advantages = estimator(AdvantageInput(
-        rewards=batch.rewards, group_ids=batch.group_ids, response_mask=batch.response_mask,
-        token_rewards=token_rewards, values=values,
-    )).float() * batch.response_mask
+    """Advantages over the whole step batch; with critic values also the critic's targets."""
+    inp = AdvantageInput(rewards=batch.rewards, group_ids=batch.group_ids, response_mask=batch.response_mask,
+                         token_rewards=token_rewards, values=values)
+    batch.advantages = estimator(inp).float() * batch.response_mask
+    if values is not None and hasattr(estimator, "returns"):
+        batch.returns = estimator.returns(inp).float() * batch.response_mask
     return batch
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from loongsage.core.data import FileReader
 from loongsage.core.embedded.arith import ArithmeticTask
+from loongsage.core.embedded.critic import TorchCritic
 from loongsage.core.embedded.engine import NativeEngine
 from loongsage.core.embedded.trainer import TorchTrainer
 from loongsage.core.embedded.transport import CpuTransport
@@ -46,6 +47,7 @@ def loongsage_rollout_schedulers() -> Factories:
 def loongsage_backends() -> Factories:
     return {
         "torch": TorchTrainer,
+        "torch_critic": TorchCritic,
         "native": NativeEngine,
         "cpu": CpuTransport,
         "jsonl": JsonlTracker,

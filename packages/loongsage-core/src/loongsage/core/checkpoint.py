@@ -34,7 +34,8 @@ def save(ctl: Any) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    ray.get([t.save.remote(str(tmp)) for t in ctl.trainers])
+    ray.get([t.save.remote(str(tmp)) for t in ctl.trainers]
+            + ([ctl.critic.save.remote(str(tmp / "critic"))] if ctl.critic is not None else []))
     next_group = next(ctl._group_ids)
     ctl._group_ids = itertools.count(next_group)
     state = {"step": ctl.step, "version": ctl.version, "mixer": ctl.mixer.state(), "next_group_id": next_group}
@@ -58,7 +59,8 @@ def restore(ctl: Any) -> int:
         log.warning("resume: no checkpoint under %s; starting from step 0", checkpoint_dir(ctl.run_dir))
         return 0
     state = json.loads((path / "controller.json").read_text())
-    ray.get([t.load.remote(str(path)) for t in ctl.trainers])
+    ray.get([t.load.remote(str(path)) for t in ctl.trainers]
+            + ([ctl.critic.load.remote(str(path / "critic"))] if ctl.critic is not None else []))
     ctl.mixer.restore(state["mixer"])
     ctl._group_ids = itertools.count(state["next_group_id"])
     ctl.step = int(state["step"])

@@ -114,12 +114,26 @@ class OptimizerConfig:
 
 
 @dataclass
+class CriticConfig:
+    """A value model trained beside the policy (PPO with GAE); one rank, in the trainer's bundle."""
+
+    backend: Spec = field(default_factory=lambda: {"name": "torch_critic"})
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3))
+    value_clip: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.value_clip <= 0:
+            raise ValueError(f"value_clip={self.value_clip}: must be > 0")
+
+
+@dataclass
 class TrainerConfig:
     backend: Spec = field(default_factory=lambda: {"name": "torch"})
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     micro_batch_tokens: int = 8192  # token budget of one micro-batch (padded length x rows)
     mini_batches_per_step: int = 1
     world_size: int = 1  # data-parallel ranks (FSDP2; gloo on CPU)
+    critic: CriticConfig | None = None
 
     def __post_init__(self) -> None:
         for key in ("micro_batch_tokens", "mini_batches_per_step", "world_size"):
@@ -304,9 +318,15 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
     registry.create("transport", cfg.rollout.transport, "rollout.transport")
     registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=supplied)
     estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
-    if getattr(estimator, "needs_values", False):
+    if getattr(estimator, "needs_values", False) and cfg.trainer.critic is None:
         raise ConfigError(f"algorithm.advantage.name={cfg.algorithm.advantage['name']!r} needs critic values, and "
-                          "this config trains no critic; choose an outcome estimator (e.g. grpo, rloo)")
+                          "this config trains no critic; set trainer.critic (e.g. {backend: {name: torch_critic}}) "
+                          "or choose an outcome estimator (e.g. grpo, rloo)")
+    if cfg.trainer.critic is not None:
+        registry.check("trainer", cfg.trainer.critic.backend, "trainer.critic.backend", skip=supplied)
+        if not getattr(estimator, "needs_values", False):
+            raise ConfigError(f"trainer.critic is set but algorithm.advantage {cfg.algorithm.advantage['name']!r} "
+                              "does not use values; use gae or drop the critic")
     policy_loss = registry.create("policy_loss", cfg.algorithm.policy_loss, "algorithm.policy_loss")
     supported = getattr(policy_loss, "supported_aggregations", None)
     if supported is not None and cfg.algorithm.aggregation not in supported:

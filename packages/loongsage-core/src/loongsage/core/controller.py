@@ -29,7 +29,8 @@ from loongsage.core.data import Mixer, SourceCursor
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.rollout import AgentContext, EngineRouter, gather_groups
 from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
-from loongsage.core.workers import EngineWorker, RewardWorker, TrainerWorker, build_pipeline
+from loongsage.core.aggregation import loss_weights
+from loongsage.core.workers import CriticWorker, EngineWorker, RewardWorker, TrainerWorker, build_pipeline
 
 log = logging.getLogger("loongsage")
 
@@ -91,6 +92,7 @@ class Controller:
         self.step = 0
         self.version = 0
         self._group_ids = itertools.count()
+        self.critic = None
 
     # ------------------------------------------------------------------ setup
     def _start_actors(self, model_path: str) -> None:
@@ -114,8 +116,12 @@ class Controller:
             for i, b in enumerate(self.placement.engine_bundles)
         ]
         self.reward = ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=1000).remote(cfg)
+        self.critic = None
+        if cfg.trainer.critic is not None:  # shares the first trainer bundle
+            options = {**self.placement.options(self.placement.trainer_bundles[0]), "num_cpus": 0}
+            self.critic = ray.remote(CriticWorker).options(**options).remote(cfg, model_path, threads)
         ray.get([t.param_checksum.remote() for t in self.trainers] + [e.version.remote() for e in self.engines]
-                + [self.reward.__ray_ready__.remote()])
+                + [a.__ray_ready__.remote() for a in (self.reward, self.critic) if a is not None])
         self.router = EngineRouter(self.engines)
 
     def _build_local(self, model_path: str) -> None:
@@ -224,26 +230,32 @@ class Controller:
         if self.pipeline.kl_in_reward and self.pipeline.needs_ref_logprobs:
             token_rewards = self.pipeline.kl_token_rewards(batch)
             _add(sums, "rollout/kl_reward", float(token_rewards.sum()), float(batch.response_mask.sum()))
-        compute_advantages(batch, self.estimator, token_rewards=token_rewards)
+        if self.critic is not None:
+            batch.values = ray.get(self.critic.values.remote(batch)) * batch.response_mask
+        compute_advantages(batch, self.estimator, values=batch.values, token_rewards=token_rewards)
         scalars: dict[str, float] = defaultdict(float)
         for m in range(cfg.trainer.mini_batches_per_step):
             union = [i for r in rows for i in r[m]]
             if not union:
                 continue
-            prepared, corr = self.pipeline.prepare(batch.select(union))
+            mini_batch = batch.select(union)
+            prepared, corr = self.pipeline.prepare(mini_batch)
             for key, (num, den) in corr.items():
                 _add(sums, key, num, den)
             pos = {row: k for k, row in enumerate(union)}
             calls = [tr.train_step.remote(prepared.select([pos[i] for i in r[m]])) for tr, r in zip(self.trainers, rows)]
+            if self.critic is not None:  # the value model steps beside the policy, in its own actor
+                mini_batch.loss_weights = loss_weights(mini_batch.response_mask, "token-mean")
+                calls.append(self.critic.train_step.remote(mini_batch))
             for rank, out in enumerate(ray.get(calls)):
                 for key, value in out.items():
                     if key.endswith("_sum"):
                         _add(sums, key[:-4], value, 0.0)
                     elif key.endswith("_count"):
                         _add(sums, key[:-6], 0.0, value)
-                    elif key == "train/loss":
+                    elif key in ("train/loss", "critic/loss"):
                         scalars[key] += value
-                    elif rank == 0:
+                    elif rank == 0 or key.startswith("critic/"):
                         scalars[key] = value
         metrics = dict(scalars)
         metrics.update({k: v[0] / v[1] for k, v in sums.items() if v[1] > 0})
@@ -315,8 +327,9 @@ class Controller:
             if hasattr(self, "placement"):
                 from ray.util.placement_group import remove_placement_group
 
-                for actor in [*self.trainers, *self.engines, self.reward]:
-                    ray.kill(actor)
+                for actor in [*self.trainers, *self.engines, self.reward, self.critic]:
+                    if actor is not None:
+                        ray.kill(actor)
                 remove_placement_group(self.placement.pg)
             if started_ray:
                 ray.shutdown()

@@ -133,3 +133,26 @@ class LossPipeline:
         for key, value in out.metrics.items():
             metrics[f"train/{key}"] = (float((value.detach() * mask).sum()), count)
         return loss, metrics
+
+
+@dataclass
+class ValueLoss:
+    """PPO's clipped value loss: ``0.5 max((V - R)^2, (V_old + clip(V - V_old, +-c) - R)^2)`` per
+    token, weighted by the mini-batch's global loss weights like the policy loss."""
+
+    clip: float = 0.2
+
+    def __call__(self, values: Tensor, mb: TrainBatch) -> tuple[Tensor, MetricSums]:
+        mask = mb.response_mask
+        old, target = mb.values, mb.returns
+        clipped = old + (values - old).clamp(-self.clip, self.clip)
+        unclipped_err, clipped_err = (values - target) ** 2, (clipped - target) ** 2
+        per_token = 0.5 * torch.maximum(unclipped_err, clipped_err)
+        loss = (per_token * mb.loss_weights).sum()
+        count = float(mask.sum())
+        return loss, {
+            "critic/value_loss": (float((per_token.detach() * mask).sum()), count),
+            "critic/clipfrac": (float(((clipped_err > unclipped_err).float() * mask).sum()), count),
+            "critic/values": (float((values.detach() * mask).sum()), count),
+            "critic/returns": (float((target * mask).sum()), count),
+        }

@@ -50,6 +50,9 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        candidates = [a for a in args if a is not type(None)]
+        if len(candidates) == 1:  # Optional[X]: X's own error says more than "expected X | null"
+            return coerce(value, candidates[0], path)
         errors = []
         for arg in args:
             if arg is type(None):

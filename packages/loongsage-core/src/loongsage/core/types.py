@@ -166,6 +166,8 @@ class TrainBatch:
     old_logprobs: Tensor | None = None
     ref_logprobs: Tensor | None = None
     loss_weights: Tensor | None = None  # aggregation weights with global denominators
+    values: Tensor | None = None  # critic values before the update (PPO with a critic)
+    returns: Tensor | None = None  # critic targets
     sources: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -183,7 +185,7 @@ class TrainBatch:
     def tensor_fields() -> tuple[str, ...]:
         return (
             "input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantages",
-            "rewards", "group_ids", "old_logprobs", "ref_logprobs", "loss_weights",
+            "rewards", "group_ids", "old_logprobs", "ref_logprobs", "loss_weights", "values", "returns",
         )
 
 

@@ -170,3 +170,33 @@ class RewardWorker:
                 return None, Status.FAILED.value + f": {exc}"
 
         return list(await asyncio.gather(*(one(t, r) for t, r in zip(trajectories, records))))
+
+
+class CriticWorker:
+    """The value model of PPO: values before the update, then clipped value-loss steps."""
+
+    def __init__(self, cfg: Config, model_path: str, threads: int = 0):
+        from loongsage.core.loss import ValueLoss
+        from loongsage.core.plugins import load_registry
+
+        setup_worker(threads)
+        critic = cfg.trainer.critic
+        registry = load_registry(cfg.plugins)
+        self.backend = registry.create("trainer", critic.backend, "trainer.critic.backend", **model_args(cfg, model_path))
+        opt = critic.optimizer
+        self.backend.setup_optimizer(opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.grad_clip, opt.warmup_steps)
+        self.loss = ValueLoss(clip=critic.value_clip)
+        self.token_budget = cfg.trainer.micro_batch_tokens
+
+    def values(self, batch: TrainBatch) -> torch.Tensor:
+        return self.backend.values(batch, self.token_budget)
+
+    def train_step(self, mini_batch: TrainBatch) -> dict[str, float]:
+        out = self.backend.train_step(mini_batch, self.loss, self.token_budget)
+        return {key.replace("train/", "critic/", 1): value for key, value in out.items()}
+
+    def save(self, path: str) -> None:
+        self.backend.save(path)
+
+    def load(self, path: str) -> None:
+        self.backend.load(path)

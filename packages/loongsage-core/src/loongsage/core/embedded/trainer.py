@@ -110,11 +110,9 @@ class TorchTrainer:
     dp_mode: Literal["fsdp2", "replicate"] = "fsdp2"
 
     def __post_init__(self) -> None:
-        from transformers import AutoModelForCausalLM
-
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {', '.join(_DTYPES)}")
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[self.dtype])
+        self.model = self._load_model()
         self.model.to(self.device)
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -128,10 +126,18 @@ class TorchTrainer:
         self.grad_clip = 1.0
         self.steps = 0
 
+    def _load_model(self) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[self.dtype])
+
+    def _decoder_layers(self) -> list[torch.nn.Module]:
+        return list(self.model.model.layers)
+
     def _shard(self) -> None:
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        for layer in self.model.model.layers:
+        for layer in self._decoder_layers():
             fully_shard(layer)
         fully_shard(self.model)
         for module in self.model.modules():
@@ -201,7 +207,8 @@ class TorchTrainer:
             lp, ent = self._forward(mb, with_entropy=True)
             n, t = lp.shape
             out_lp[row:row + n, :t] = lp.cpu()
-            out_ent[row:row + n, :t] = ent.cpu()
+            if ent is not None:
+                out_ent[row:row + n, :t] = ent.cpu()
             row += n
         self.model.train()
         return out_lp, out_ent
@@ -227,8 +234,9 @@ class TorchTrainer:
             loss, metrics = loss_fn(lp, mb)
             loss.backward()
             total += float(loss.detach())
-            mask = mb.response_mask.to(ent.device)
-            metrics["train/entropy"] = (float((ent * mask).sum()), float(mask.sum()))
+            if ent is not None:
+                mask = mb.response_mask.to(ent.device)
+                metrics["train/entropy"] = (float((ent * mask).sum()), float(mask.sum()))
             for key, (num, den) in metrics.items():
                 acc = sums.setdefault(key, [0.0, 0.0])
                 acc[0] += num
