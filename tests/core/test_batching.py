@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 
 from loongsage.core.batching import split_groups, to_batch, trainable
 from loongsage.core.types import Status, Trajectory

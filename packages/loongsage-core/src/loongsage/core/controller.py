@@ -12,24 +12,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import math
 import logging
+import math
 import os
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from loongsage.core import checkpoint as ckpt
+from loongsage.core.aggregation import loss_weights
 from loongsage.core.batching import compute_advantages, split_groups, to_batch, trainable
 from loongsage.core.config import Config
 from loongsage.core.data import Mixer, SourceCursor
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.rollout import AgentContext, EngineRouter, gather_groups
 from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
-from loongsage.core.aggregation import loss_weights
 from loongsage.core.workers import CriticWorker, EngineWorker, RewardWorker, TrainerWorker, build_pipeline
 
 log = logging.getLogger("loongsage")
