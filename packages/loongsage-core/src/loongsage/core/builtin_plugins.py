@@ -15,6 +15,7 @@ from loongsage.core.embedded.transport import CpuTransport
 from loongsage.core.embedded.warmstart import WarmStartParams, cached_warm_start
 from loongsage.core.hookspecs import Factories, hookimpl
 from loongsage.core.rollout import SingleTurnAgent, SyncScheduler
+from loongsage.core.sft import ConstantReward, SFTAgent
 from loongsage.core.tracking import JsonlTracker, TensorboardTracker
 
 
@@ -30,7 +31,12 @@ class TinyArithModel(WarmStartParams):
 
 @hookimpl
 def loongsage_agents() -> Factories:
-    return {"single_turn": SingleTurnAgent}
+    return {"single_turn": SingleTurnAgent, "sft": SFTAgent}
+
+
+@hookimpl
+def loongsage_rewards() -> Factories:
+    return {"constant": ConstantReward}
 
 
 @hookimpl

@@ -53,6 +53,7 @@ class DataSourceConfig:
     agent: Spec = field(default_factory=lambda: {"name": "single_turn"})
     reward: Spec = field(default_factory=lambda: {"name": "exact_match"})
     eval_reader: Spec | None = None
+    eval_agent: Spec | None = None  # agent for evaluation (default: ``agent``), e.g. a generating one for SFT
     teacher: Spec | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except n
     on_bad_row: Literal["skip", "error"] = "skip"
@@ -295,6 +296,8 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
         if src.eval_reader is not None:
             registry.create("data_source", src.eval_reader, f"{path}.eval_reader")
         registry.create("agent", src.agent, f"{path}.agent")
+        if src.eval_agent is not None:
+            registry.create("agent", src.eval_agent, f"{path}.eval_agent")
         registry.create("reward", src.reward, f"{path}.reward")
         if src.teacher is not None:
             registry.check("teacher", src.teacher, f"{path}.teacher")

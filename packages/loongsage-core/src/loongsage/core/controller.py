@@ -147,11 +147,12 @@ class Controller:
         self.evaluator = Evaluator(cfg, reg, self)
 
     # ------------------------------------------------------------------ rollout
-    async def rollout(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None) -> list[list[Trajectory]]:
+    async def rollout(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
+                      agents: dict[str, Any] | None = None) -> list[list[Trajectory]]:
         """Groups of trajectories for ``records`` (one group per record), scored."""
         sampling = sampling or self.sampling
         contexts = [AgentContext(self.router, self.tokenizer, sampling[r.source], next(self._group_ids)) for r in records]
-        groups = await gather_groups(self.agents, records, contexts)
+        groups = await gather_groups(agents or self.agents, records, contexts)
         flat = [t for g in groups for t in g]
         recs = [r for r, g in zip(records, groups) for _ in g]
         scores = await self.reward.score.remote(flat, recs)

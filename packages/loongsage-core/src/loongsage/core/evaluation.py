@@ -15,9 +15,12 @@ class Evaluator:
     def __init__(self, cfg: Config, registry: Any, controller: Any):
         self.cfg, self.controller = cfg, controller
         self.records: dict[str, list[DataRecord]] = {}
+        self.agents: dict[str, Any] = {}
         for i, src in enumerate(cfg.data_sources):
             if src.eval_reader is None:
                 continue
+            spec, key = (src.eval_agent, "eval_agent") if src.eval_agent is not None else (src.agent, "agent")
+            self.agents[src.name] = registry.create("agent", spec, f"data_sources[{i}].{key}")
             reader = registry.create("data_source", src.eval_reader, f"data_sources[{i}].eval_reader")
             rows = []
             for index in range(min(len(reader), cfg.evaluation.max_prompts)):
@@ -34,13 +37,13 @@ class Evaluator:
         records = [r for rows in self.records.values() for r in rows]
         greedy = {name: replace(s, temperature=0.0, n=1, seed=None) for name, s in ctl.sampling.items()}
         metrics: dict[str, float] = {}
-        for name, groups in _by_source(await ctl.rollout(records, greedy)).items():
+        for name, groups in _by_source(await ctl.rollout(records, greedy, self.agents)).items():
             hits = [_success(g[0].reward, ev.success_threshold) for g in groups]
             metrics[f"eval/{name}/accuracy"] = sum(hits) / len(hits)
             metrics[f"eval/{name}/response_length"] = sum(len(g[0].response_ids) for g in groups) / len(groups)
         if pass_k and ev.pass_k > 0:
             sampled = {name: replace(s, n=ev.pass_k) for name, s in ctl.sampling.items()}
-            for name, groups in _by_source(await ctl.rollout(records, sampled)).items():
+            for name, groups in _by_source(await ctl.rollout(records, sampled, self.agents)).items():
                 per_group = [[_success(t.reward, ev.success_threshold) for t in g] for g in groups]
                 metrics[f"eval/{name}/pass@{ev.pass_k}"] = sum(any(h) for h in per_group) / len(per_group)
                 metrics[f"eval/{name}/pass@1_sampled"] = sum(sum(h) / len(h) for h in per_group) / len(per_group)
