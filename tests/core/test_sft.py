@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from loongsage.core.embedded.tokenizer import IM_END, IM_START, build_tokenizer
 from loongsage.core.rollout import AgentContext
