@@ -148,6 +148,10 @@ class SlotBatch:
                 m += 1
             if m > best_len:
                 best, best_len = s, m
+        # A short shared prefix (a chat template's header) is not worth a prefill of its own: such a
+        # prompt joins the batched fresh prefill instead. A later turn of a session shares most of it.
+        if 2 * best_len < len(ids):
+            return None, 0
         return best, best_len
 
     # ----------------------------------------------------------------------------- admission
@@ -208,6 +212,7 @@ class SlotBatch:
     def _prefill(self) -> tuple[list[int], Tensor | None]:
         """Run up to ``chunk`` prompt tokens; return the rows whose prefill ended and their logits."""
         budget, rows, logits = self.chunk, [], []
+        budget = self._prefill_fresh_together(budget, rows, logits)
         while self.prefilling and budget > 0:
             e = self.prefilling[0]
             ids = e.group.request.input_ids
@@ -235,6 +240,54 @@ class SlotBatch:
             rows += group_rows
             logits.append(out.expand(len(group_rows), -1))
         return rows, (torch.cat(logits) if logits else None)
+
+    def _prefill_fresh_together(self, budget: int, rows: list[int], logits: list[Tensor]) -> int:
+        """Prefill, in ONE forward, the queued prompts that start from scratch and fit the budget.
+
+        Requests that arrive together (a step of many prompts) then cost one forward instead of one
+        each. The prompts are left-padded into a scratch cache with per-row positions (RoPE sees
+        each token's true position), pad keys are masked (every query still sees itself, so no row
+        attends to nothing), and each row's keys/values are copied into its slot at columns
+        ``[0, len)`` — the same layout the one-request path leaves.
+        """
+        batch = []
+        while self.prefilling and len(batch) < 64:
+            e = self.prefilling[0]
+            n = len(e.group.request.input_ids)
+            if e.pos != 0 or n > budget:
+                break
+            batch.append(self.prefilling.popleft())
+            budget -= n
+        if len(batch) < 2:
+            for e in reversed(batch):
+                self.prefilling.appendleft(e)
+            return budget + sum(len(e.group.request.input_ids) for e in batch)
+        dev = self.device
+        lens = [len(e.group.request.input_ids) for e in batch]
+        width = max(lens)
+        pads = torch.tensor([width - n for n in lens], device=dev)
+        x = torch.zeros(len(batch), width, dtype=torch.long, device=dev)
+        for b, e in enumerate(batch):
+            x[b, width - lens[b]:] = torch.tensor(e.group.request.input_ids, dtype=torch.long, device=dev)
+        cols = torch.arange(width, device=dev)
+        positions = (cols[None, :] - pads[:, None]).clamp(min=0)
+        causal = cols[None, :] <= cols[:, None]
+        mask = (causal[None] & (cols[None, None, :] >= pads[:, None, None])) | torch.eye(width, dtype=torch.bool,
+                                                                                           device=dev)[None]
+        scratch_k = [k.new_zeros(len(batch), *k.shape[1:2], width, k.shape[3]) for k in self.keys]
+        scratch_v = [v.new_zeros(len(batch), *v.shape[1:2], width, v.shape[3]) for v in self.values]
+        out = self.runner.forward_slots(x, positions, scratch_k, scratch_v, width, mask[:, None])
+        for b, e in enumerate(batch):
+            n, s = lens[b], e.slot
+            group_rows = [s, *e.siblings]
+            for buf, scratch in zip(self.keys + self.values, scratch_k + scratch_v):
+                buf[group_rows, :, :n] = scratch[b, :, width - n:]
+            self.t["lens"][torch.tensor(group_rows, device=dev)] = n
+            e.pos = n
+            self.stats["prefill_tokens"] += n
+            rows += group_rows
+            logits.append(out[b:b + 1].expand(len(group_rows), -1))
+        return budget
 
     def _decoding(self) -> tuple[Tensor, int, SamplingTensors]:
         if self._dec is None:
