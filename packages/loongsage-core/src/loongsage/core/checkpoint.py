@@ -8,7 +8,6 @@ that ``resume=true`` would pick up.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import shutil
@@ -36,9 +35,7 @@ def save(ctl: Any) -> Path:
     tmp.mkdir(parents=True)
     ray.get([t.save.remote(str(tmp)) for t in ctl.trainers]
             + ([ctl.critic.save.remote(str(tmp / "critic"))] if ctl.critic is not None else []))
-    next_group = next(ctl._group_ids)
-    ctl._group_ids = itertools.count(next_group)
-    state = {"step": ctl.step, "version": ctl.version, "mixer": ctl.mixer.state(), "next_group_id": next_group}
+    state = {"step": ctl.step, "version": ctl.version, "mixer": ctl.mixer.state(), "next_group_id": ctl.next_group_id}
     (tmp / "controller.json").write_text(json.dumps(state, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -62,7 +59,7 @@ def restore(ctl: Any) -> int:
     ray.get([t.load.remote(str(path)) for t in ctl.trainers]
             + ([ctl.critic.load.remote(str(path / "critic"))] if ctl.critic is not None else []))
     ctl.mixer.restore(state["mixer"])
-    ctl._group_ids = itertools.count(state["next_group_id"])
+    ctl.next_group_id = int(state["next_group_id"])
     ctl.step = int(state["step"])
     ctl._push_weights()
     ray.get([e.set_version.remote(int(state["version"])) for e in ctl.engines])

@@ -10,7 +10,6 @@ weights to the engines (version += 1) -> metrics, evaluation, checkpoint.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import math
@@ -90,7 +89,7 @@ class Controller:
         self.run_dir = cfg.run_dir.resolve()  # actors may run in another working directory
         self.step = 0
         self.version = 0
-        self._group_ids = itertools.count()
+        self.next_group_id = 0  # unique per prompt within a run; saved with checkpoints
         self.critic = None
 
     # ------------------------------------------------------------------ setup
@@ -151,7 +150,8 @@ class Controller:
                       agents: dict[str, Any] | None = None) -> list[list[Trajectory]]:
         """Groups of trajectories for ``records`` (one group per record), scored."""
         sampling = sampling or self.sampling
-        contexts = [AgentContext(self.router, self.tokenizer, sampling[r.source], next(self._group_ids)) for r in records]
+        first, self.next_group_id = self.next_group_id, self.next_group_id + len(records)
+        contexts = [AgentContext(self.router, self.tokenizer, sampling[r.source], first + k) for k, r in enumerate(records)]
         groups = await gather_groups(agents or self.agents, records, contexts)
         flat = [t for g in groups for t in g]
         recs = [r for r, g in zip(records, groups) for _ in g]
