@@ -24,6 +24,13 @@ SHORT = [
 ]
 
 
+def _short_run(recipe: str, name: str, steps: int, *extra: str) -> list[str]:
+    """``loongsage train`` arguments for a CI-sized run: 4 prompts x 4 samples, a small evaluation."""
+    return ["train", recipe, f"run.name={name}", f"run.total_steps={steps}", "data_sources.0.prompts_per_step=4",
+            "data_sources.0.samples_per_prompt=4", "evaluation.max_prompts=8", "evaluation.pass_k=0",
+            "tracking.progress=false", "checkpoint.export_hf=false", *extra]
+
+
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -82,9 +89,7 @@ def test_grpo_loop_runs_and_resumes(ray_session, in_tmp, colocate):
 
 def test_dapo_recipe_refills_filtered_groups(ray_session, in_tmp):
     """tiny/dapo_arith_cpu: dynamic sampling drops uniform groups and refills them from the stream."""
-    args = ["train", "tiny/dapo_arith_cpu", "run.name=dapo", "run.total_steps=3", "data_sources.0.prompts_per_step=4",
-            "data_sources.0.samples_per_prompt=4", "evaluation.max_prompts=8", "evaluation.pass_k=0",
-            "tracking.progress=false", "checkpoint.export_hf=false", "rollout.max_refill_rounds=3"]
+    args = _short_run("tiny/dapo_arith_cpu", "dapo", 3, "rollout.max_refill_rounds=3")
     assert main(args) == 0
     run_dir = in_tmp / "runs" / "dapo"
     trained = _trained(_metrics(run_dir))
@@ -103,10 +108,7 @@ def test_dapo_recipe_refills_filtered_groups(ray_session, in_tmp):
 @pytest.mark.parametrize("where", ["loss", "reward"])
 def test_kl_against_a_frozen_reference(ray_session, in_tmp, where):
     """k3 KL to a frozen reference, in the loss (GRPO) or as a token reward (REINFORCE++)."""
-    args = ["train", "tiny/grpo_arith_cpu", f"run.name=kl_{where}", "run.total_steps=2",
-            "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "evaluation.max_prompts=8",
-            "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false",
-            "algorithm.kl={name: k3}", "algorithm.kl_coef=0.05"]
+    args = _short_run("tiny/grpo_arith_cpu", f"kl_{where}", 2, "algorithm.kl={name: k3}", "algorithm.kl_coef=0.05")
     if where == "reward":
         args += ["algorithm.kl_in_reward=true", "algorithm.advantage.name=reinforce_pp"]
     assert main(args) == 0
@@ -122,9 +124,7 @@ def test_kl_against_a_frozen_reference(ray_session, in_tmp, where):
 
 def test_ppo_with_a_critic(ray_session, in_tmp):
     """tiny/ppo_arith_cpu: GAE over a learned value model trained beside the policy; resumable."""
-    args = ["train", "tiny/ppo_arith_cpu", "run.name=ppo", "run.total_steps=3", "data_sources.0.prompts_per_step=4",
-            "data_sources.0.samples_per_prompt=4", "evaluation.max_prompts=8", "evaluation.pass_k=0",
-            "tracking.progress=false", "checkpoint.export_hf=false", "checkpoint.every_steps=2"]
+    args = _short_run("tiny/ppo_arith_cpu", "ppo", 3, "checkpoint.every_steps=2")
     assert main(args) == 0
     run_dir = in_tmp / "runs" / "ppo"
     trained = _trained(_metrics(run_dir))
