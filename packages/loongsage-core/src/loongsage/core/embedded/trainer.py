@@ -62,6 +62,25 @@ def logprobs_and_entropy(logits: Tensor, input_ids: Tensor, first: int, *, with_
     return lp, ent
 
 
+def policy_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, first: int = 1, *,
+                  fp32_lm_head: bool = True) -> Tensor:
+    """The trainer's forward: logits at positions ``first-1..T-1`` of an HF causal LM.
+
+    The LM head (and later its log-softmax) runs only where a trained token is predicted (``first``
+    = 1 keeps every position); with ``fp32_lm_head`` a bf16/fp16 model's head runs in float32. The
+    native engine's deterministic mode calls this same function, so both sides compute identical
+    log-probs for the same tokens.
+    """
+    keep = input_ids.shape[1] - first + 1 if first > 1 else 0  # 0 = all positions
+    head = model.get_output_embeddings()
+    if not fp32_lm_head or head.weight.dtype == torch.float32:
+        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    if keep:
+        hidden = hidden[:, -keep:]
+    return F.linear(hidden.float(), head.weight.float())
+
+
 def response_start(mask: Tensor) -> int:
     """First position any row of ``mask`` [B, T] trains on (0 if none): the head runs from there."""
     cols = torch.nonzero(mask.sum(0), as_tuple=False)
@@ -161,16 +180,7 @@ class TorchTrainer:
 
     # ------------------------------------------------------------------ forward
     def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int = 1) -> Tensor:
-        """Logits at positions ``first-1..T-1``: the LM head and its log-softmax run only where a
-        trained token is predicted (``first`` = 1 keeps every position)."""
-        keep = input_ids.shape[1] - first + 1 if first > 1 else 0  # 0 = all positions
-        if not self.fp32_lm_head or self.dtype == "float32":
-            return self.model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
-        hidden = self.model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        if keep:
-            hidden = hidden[:, -keep:]
-        head = self.model.get_output_embeddings()
-        return F.linear(hidden.float(), head.weight.float())
+        return policy_logits(self.model, input_ids, attention_mask, first, fp32_lm_head=self.fp32_lm_head)
 
     def _forward(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         ids = mb.input_ids.to(self.device)
