@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,28 +15,12 @@ from loongsage.core.embedded.engine import NativeEngine
 from loongsage.core.embedded.sampling import SamplingTensors, sample
 from loongsage.core.types import FinishReason, GenerationRequest, SamplingParams
 
-VOCAB, EOS = 300, 1
-
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_helpers import EOS, VOCAB, build_engine_test_model, full_logprobs, prompts, req  # noqa: E402
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
-
-    cfg = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=EOS, pad_token_id=0, bos_token_id=None,
-        # Larger than the default 0.02 so the logits are peaked: greedy comparisons then do not
-        # hinge on near-ties that differ in the last float bit between two correct implementations.
-        initializer_range=0.2,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = Qwen3ForCausalLM(cfg)
-    model.generation_config = GenerationConfig(eos_token_id=EOS, pad_token_id=0, do_sample=False)
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    model.save_pretrained(str(path))
-    return str(path)
+    return build_engine_test_model(tmp_path_factory.mktemp("tiny_qwen3"))
 
 
 @pytest.fixture(scope="module")
@@ -47,23 +33,6 @@ def hf_model(model_dir):
 @pytest.fixture
 def engine(model_dir):
     return NativeEngine(model_dir, max_batch_size=64, max_model_len=128, seed=0)
-
-
-def prompts(count: int, seed: int = 0, lo: int = 3, hi: int = 20) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(2, VOCAB) for _ in range(rng.randrange(lo, hi))] for _ in range(count)]
-
-
-def req(rid: str, ids: list[int], **sampling) -> GenerationRequest:
-    return GenerationRequest(rid, ids, SamplingParams(**sampling))
-
-
-def full_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """Plain full-sequence forward: log_softmax (fp32) of each output token given its prefix."""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + output])).logits[0].float()
-    logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
-    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
 
 
 def hf_greedy(model, batch: list[list[int]], max_new: int) -> list[list[int]]:

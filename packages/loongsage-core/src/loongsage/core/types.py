@@ -81,13 +81,6 @@ class SamplingParams:
 
 
 @dataclass
-class GenerationRequest:
-    request_id: str
-    input_ids: list[int]
-    sampling: SamplingParams
-
-
-@dataclass
 class GenerationResult:
     """One sample of a request: the engine's token-in, token-out answer."""
 
@@ -96,6 +89,22 @@ class GenerationResult:
     logprobs: list[float]  # log-prob of each sampled token under the policy distribution
     versions: list[int]  # weight version that produced each token
     finish_reason: FinishReason
+
+
+@dataclass
+class GenerationRequest:
+    """Token ids in; ``sampling.n`` samples out.
+
+    ``resume_from`` continues one sample that was aborted (partial rollout across a weight update):
+    its ``output_ids`` are appended to the prompt, generation goes on with the current weights for
+    the remaining ``max_new_tokens - len(output_ids)``, and the result holds the old tokens followed
+    by the new ones, each with its own log-prob and weight version.
+    """
+
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    resume_from: GenerationResult | None = None
 
 
 @dataclass

@@ -52,7 +52,8 @@ class SlotBatch:
     """Live sample rows over one slot cache; see the module docstring.
 
     ``groups`` passed to :meth:`admit` are the engine's request records: ``request``, ``n``,
-    ``stops`` (stop ids incl. eos) and ``put(sample, result) -> bool`` (True once complete).
+    ``prompt`` (the ids to prefill), ``max_new`` (new tokens allowed), ``stops`` (stop ids incl. eos)
+    and ``put(sample, result) -> bool`` (True once complete).
     """
 
     def __init__(self, runner: DecoderRunner, *, max_slots: int, max_model_len: int, generator: torch.Generator,
@@ -74,7 +75,8 @@ class SlotBatch:
         self.prefilling: deque[_Prefill] = deque()
         self.clock = 0
         self._dec: tuple[Tensor, int, SamplingTensors] | None = None  # decoding slots, hi, their sampling
-        self._grow(min(self.max_slots, max(1, initial_slots)))
+        self.initial_slots = min(self.max_slots, max(1, initial_slots))
+        self._grow(self.initial_slots)
 
     # ----------------------------------------------------------------------------- slots
 
@@ -158,7 +160,7 @@ class SlotBatch:
 
     def admit(self, group, version: int) -> None:
         """Give ``group``'s ``n`` rows slots (the caller checked :meth:`available`); prefill follows."""
-        ids, sp, n = group.request.input_ids, group.request.sampling, group.n
+        ids, sp, n = group.prompt, group.request.sampling, group.n
         slot, reuse = self._match(ids, version) if self.prefix_cache else (None, 0)
         if slot is not None:
             del self.retained[slot]
@@ -172,7 +174,7 @@ class SlotBatch:
             self.status[s] = WAIT
             siblings.append(s)
         rows = [slot, *siblings]
-        limit = min(sp.max_new_tokens, self.L - len(ids))
+        limit = min(group.max_new, self.L - len(ids))
         if len(group.stops) > self.stop_width:
             self._widen_stops(len(group.stops))
         t, dev = self.t, self.device
@@ -215,7 +217,7 @@ class SlotBatch:
         budget = self._prefill_fresh_together(budget, rows, logits)
         while self.prefilling and budget > 0:
             e = self.prefilling[0]
-            ids = e.group.request.input_ids
+            ids = e.group.prompt
             take = min(len(ids) - e.pos, budget)
             start, end = e.pos, e.pos + take
             dev = self.device
@@ -253,7 +255,7 @@ class SlotBatch:
         batch = []
         while self.prefilling and len(batch) < 64:
             e = self.prefilling[0]
-            n = len(e.group.request.input_ids)
+            n = len(e.group.prompt)
             if e.pos != 0 or n > budget:
                 break
             batch.append(self.prefilling.popleft())
@@ -261,14 +263,14 @@ class SlotBatch:
         if len(batch) < 2:
             for e in reversed(batch):
                 self.prefilling.appendleft(e)
-            return budget + sum(len(e.group.request.input_ids) for e in batch)
+            return budget + sum(len(e.group.prompt) for e in batch)
         dev = self.device
-        lens = [len(e.group.request.input_ids) for e in batch]
+        lens = [len(e.group.prompt) for e in batch]
         width = max(lens)
         pads = torch.tensor([width - n for n in lens], device=dev)
         x = torch.zeros(len(batch), width, dtype=torch.long, device=dev)
         for b, e in enumerate(batch):
-            x[b, width - lens[b]:] = torch.tensor(e.group.request.input_ids, dtype=torch.long, device=dev)
+            x[b, width - lens[b]:] = torch.tensor(e.group.prompt, dtype=torch.long, device=dev)
         cols = torch.arange(width, device=dev)
         positions = (cols[None, :] - pads[:, None]).clamp(min=0)
         causal = cols[None, :] <= cols[:, None]
@@ -367,7 +369,7 @@ class SlotBatch:
                     and versions[k][0] == version)
             if keep:
                 self.clock += 1
-                cached = (list(g.request.input_ids) + tokens[k][:n])[:lens[k]]
+                cached = (g.prompt + tokens[k][:n])[:lens[k]]
                 self.retained[s] = (cached, version, self.clock)
                 self.status[s] = RETAINED
             else:
@@ -413,6 +415,19 @@ class SlotBatch:
         completed = self._emit(hit, [FinishReason.ABORT] * len(hit), None)
         self._compact()
         return completed
+
+    def release(self) -> None:
+        """Drop the whole cache (no live rows): memory goes back until :meth:`reallocate`."""
+        self.reset()
+        self.keys, self.values, self.t = [], [], {}
+        self.status, self.slot_group, self.slot_sample, self.slot_version = [], [], [], []
+        self.cap = 0
+        self.record_size()
+
+    def reallocate(self) -> None:
+        """An empty cache of the initial size after :meth:`release`."""
+        if not self.cap:
+            self._grow(self.initial_slots)
 
     def reset(self) -> None:
         """Forget every row (after a failed step); retained caches are dropped too."""

@@ -18,6 +18,19 @@ Shape of the engine:
   ``self._lock``, as does ``update_weights``, so weights only change between steps, even when called
   from another thread.
 
+Lifecycle: ``release_memory()`` frees the KV cache (and, on an accelerator, moves the weights to
+host memory) so a colocated trainer can use the device; ``resume_memory()`` brings both back.
+Weight updates are accepted while released.
+
+Deterministic mode (``deterministic=True``): when a sample completes, its log-probs are recomputed
+by the trainer's own forward (:func:`loongsage.core.embedded.trainer.policy_logits`) over prompt +
+output, one sequence at a time, so they equal the trainer's log-probs of the same tokens bit for
+bit when the trainer also runs one sequence per micro-batch (``trainer.micro_batch_tokens: 1``) on
+the same device and dtype. Sampling still uses the batched decode logits; only the reported
+log-probs change. Slower (one extra forward per sample); meant for consistency checks and
+debugging. A sample whose tokens span a weight update gets the log-probs of the weights at
+completion for its new tokens (a resumed sample keeps its earlier tokens' log-probs).
+
 Results: the sampled stop token (a request's ``stop_token_ids`` plus the model's eos) is kept in
 ``output_ids`` with its log-prob, as vLLM and SGLang return it (``STOP``); ``LENGTH`` means
 ``max_new_tokens`` or ``max_model_len`` was reached; ``ABORT`` returns the tokens so far. Every
@@ -29,6 +42,7 @@ trainer's log-probs of the same tokens (see :mod:`loongsage.core.embedded.sampli
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -38,6 +52,7 @@ from torch import Tensor
 
 from loongsage.core.embedded.continuous import SlotBatch
 from loongsage.core.embedded.kv_cache import DecoderRunner
+from loongsage.core.embedded.trainer import logprobs_and_entropy, policy_logits
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,13 +61,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class _Group:
     """One request in flight: ``n`` sample rows that share its prompt's prefill."""
 
-    __slots__ = ("request", "future", "results", "pending", "stops", "running")
+    __slots__ = ("request", "future", "results", "pending", "stops", "running", "prompt", "prior", "max_new")
 
     def __init__(self, request: GenerationRequest, future: asyncio.Future | None, eos: set[int]):
         self.request, self.future, self.running = request, future, False
         self.results: list[GenerationResult | None] = [None] * request.sampling.n
         self.pending = request.sampling.n
         self.stops = sorted(set(request.sampling.stop_token_ids) | eos)
+        # A resumed sample prefills its earlier tokens as prompt and keeps them in its result.
+        self.prior = request.resume_from
+        done = self.prior.output_ids if self.prior is not None else []
+        self.prompt = list(request.input_ids) + list(done)
+        self.max_new = request.sampling.max_new_tokens - len(done)
 
     @property
     def n(self) -> int:
@@ -60,14 +80,21 @@ class _Group:
 
     def put(self, sample: int, result: GenerationResult) -> bool:
         """Record one sample's result; True when the request is complete."""
+        if self.prior is not None:
+            p = self.prior
+            result = GenerationResult(result.request_id, p.output_ids + result.output_ids, p.logprobs + result.logprobs,
+                                      p.versions + result.versions, result.finish_reason)
         self.results[sample] = result
         self.pending -= 1
         return self.pending == 0
 
     def aborted(self) -> list[GenerationResult]:
-        """Results of a request aborted before it ran: no tokens."""
+        """Results of a request aborted before it ran: no new tokens (a resumed one keeps its old ones)."""
         rid = self.request.request_id
-        return [GenerationResult(rid, [], [], [], FinishReason.ABORT) for _ in range(self.n)]
+        self.results, self.pending = [None] * self.n, self.n
+        for sample in range(self.n):
+            self.put(sample, GenerationResult(rid, [], [], [], FinishReason.ABORT))
+        return self.results
 
 
 class NativeEngine:
@@ -87,7 +114,7 @@ class NativeEngine:
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_batch_size: int = 256, max_model_len: int = 512, fp32_lm_head: bool = True, seed: int = 0,
                  eos_token_ids: Iterable[int] | None = None, prefill_chunk_tokens: int = 2048,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, deterministic: bool = False):
         from transformers import AutoModelForCausalLM
 
         torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
@@ -102,9 +129,9 @@ class NativeEngine:
         self.model = model.to(self.device).eval().requires_grad_(False)
         self._runner = DecoderRunner(self.model, fp32_lm_head=fp32_lm_head)
         self.eos_token_ids = set(_model_eos(self.model) if eos_token_ids is None else eos_token_ids)
-        # Every name a trainer may export, tied aliases included (lm_head.weight of a tied model).
-        self._weights = dict(self.model.named_parameters(remove_duplicate=False))
-        self._weights.update(self.model.named_buffers(remove_duplicate=False))
+        self.deterministic = bool(deterministic)
+        self._released = False
+        self._bind_weights()
         self._generator = torch.Generator().manual_seed(int(seed))
         self._version = 0
         self._lock = threading.Lock()
@@ -237,10 +264,38 @@ class NativeEngine:
             self._version += 1
             return self._version
 
+    def release_memory(self) -> None:
+        """Free the KV cache and, on an accelerator, move the weights to host memory.
+
+        Refused while requests wait or run (pause and abort them first). ``generate`` raises until
+        :meth:`resume_memory`; ``update_weights`` still works (the copy lands in host memory).
+        """
+        with self._lock:
+            if self._entries or self._batch.live_rows():
+                raise RuntimeError(f"release_memory: {len(self._entries)} request(s) still waiting or running; "
+                                   "abort them (or let them finish) first")
+            if self._released:
+                return
+            self._batch.release()
+            if self.device.type != "cpu":
+                self._move_weights(torch.device("cpu"))
+                getattr(torch, self.device.type).empty_cache()
+            self._released = True
+
+    def resume_memory(self) -> None:
+        """Undo :meth:`release_memory`: weights back on the device, an empty KV cache."""
+        with self._lock:
+            if not self._released:
+                return
+            if self.device.type != "cpu":
+                self._move_weights(self.device)
+            self._batch.reallocate()
+            self._released = False
+
     def health(self) -> dict:
         batch = self._batch
         return {
-            "status": "paused" if self._paused else "ok",
+            "status": "released" if self._released else "paused" if self._paused else "ok",
             "version": self._version,
             "waiting_requests": len(self._waiting),
             "running_requests": len(batch.live_groups()),
@@ -256,8 +311,21 @@ class NativeEngine:
 
     # ----------------------------------------------------------------------------- internals
 
+    def _bind_weights(self) -> None:
+        # Every name a trainer may export, tied aliases included (lm_head.weight of a tied model).
+        # Rebuilt after a device move: ``Module.to`` keeps parameter objects but replaces buffers.
+        self._weights = dict(self.model.named_parameters(remove_duplicate=False))
+        self._weights.update(self.model.named_buffers(remove_duplicate=False))
+
+    def _move_weights(self, device: torch.device) -> None:
+        self.model.to(device)
+        self._bind_weights()
+        self._runner.refresh_head()
+
     def _validate(self, request: GenerationRequest) -> None:
         prefix = f"request {request.request_id!r}: "
+        if self._released:
+            raise RuntimeError(prefix + "the engine's memory is released; call resume_memory() first")
         try:
             request.sampling.validate()
         except ValueError as exc:
@@ -265,6 +333,10 @@ class NativeEngine:
         ids = request.input_ids
         if len(ids) == 0:
             raise ValueError(prefix + "input_ids is empty")
+        prior = request.resume_from
+        if prior is not None:
+            _check_resumable(prefix, request, prior)
+            ids = list(ids) + list(prior.output_ids)
         if len(ids) >= self.max_model_len:
             raise ValueError(prefix + f"prompt of {len(ids)} tokens is too long for max_model_len="
                              f"{self.max_model_len} (at most {self.max_model_len - 1}, "
@@ -291,7 +363,25 @@ class NativeEngine:
 
     def _step(self, batch: SlotBatch) -> list[_Group]:
         with self._lock, torch.inference_mode():
-            return batch.step(self._version)
+            return self._completed(batch.step(self._version))
+
+    def _completed(self, groups: list[_Group]) -> list[_Group]:
+        """Deterministic mode: the completed samples' log-probs from the trainer's forward."""
+        if not self.deterministic:
+            return groups
+        with torch.inference_mode():
+            for group in groups:
+                prompt, kept = group.request.input_ids, len(group.prompt)
+                for sample, result in enumerate(group.results):
+                    if result is None or len(prompt) + len(result.output_ids) <= kept:
+                        continue
+                    ids = torch.tensor([list(prompt) + result.output_ids], device=self.device)
+                    logits = policy_logits(self.model, ids, torch.ones_like(ids), len(prompt),
+                                           fp32_lm_head=self._runner.fp32_lm_head)
+                    lp = logprobs_and_entropy(logits, ids, len(prompt), with_entropy=False)[0][0, kept:]
+                    logprobs = result.logprobs[:kept - len(prompt)] + lp.tolist()
+                    group.results[sample] = dataclasses.replace(result, logprobs=logprobs)
+        return groups
 
     def _bind_loop(self) -> asyncio.AbstractEventLoop:
         loop = asyncio.get_running_loop()
@@ -358,7 +448,9 @@ class NativeEngine:
         for groups, future in aborts:
             live = {g for g in groups if g.pending}
             if live:
-                for group in batch.abort(live):
+                with self._lock:
+                    completed = self._completed(batch.abort(live))
+                for group in completed:
                     self._finish(group)
             # A request that completed before this boundary answers with its final results.
             results = [r for g in groups for r in g.results if r is not None]
@@ -368,6 +460,21 @@ class NativeEngine:
     def _finish(self, group: _Group) -> None:
         self._entries.pop(group.request.request_id, None)
         _resolve(group)
+
+
+def _check_resumable(prefix: str, request: GenerationRequest, prior: GenerationResult) -> None:
+    """One-line errors for a ``resume_from`` that cannot be continued."""
+    if prior.finish_reason is not FinishReason.ABORT:
+        raise ValueError(prefix + f"resume_from has finish_reason={prior.finish_reason.value!r}: "
+                         "only an aborted sample can be resumed")
+    if request.sampling.n != 1:
+        raise ValueError(prefix + f"sampling.n={request.sampling.n}: a resumed request continues one sample (n=1)")
+    lengths = {len(prior.output_ids), len(prior.logprobs), len(prior.versions)}
+    if len(lengths) != 1:
+        raise ValueError(prefix + "resume_from.output_ids, logprobs and versions must have equal lengths")
+    if len(prior.output_ids) >= request.sampling.max_new_tokens:
+        raise ValueError(prefix + f"resume_from already holds {len(prior.output_ids)} tokens: nothing left of "
+                         f"sampling.max_new_tokens={request.sampling.max_new_tokens}")
 
 
 def _resolve(group: _Group) -> None:
