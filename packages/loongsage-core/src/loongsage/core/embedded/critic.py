@@ -38,6 +38,7 @@ class TorchCritic(TorchTrainer):
     """``torch_critic``: value model trained with the clipped value loss (PPO)."""
 
     kind = "trainer"
+    supports_lora = False  # LoRA would freeze the value head, which must train
 
     def _load_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM

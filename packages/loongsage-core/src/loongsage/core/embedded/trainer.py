@@ -31,6 +31,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from loongsage.core.embedded.lora import (
+    LoraConfig,
+    adapter_state,
+    add_adapters,
+    load_adapter_state,
+    merged_state,
+    merged_weights,
+)
 from loongsage.core.types import TrainBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -127,11 +135,16 @@ class TorchTrainer:
     fp32_lm_head: bool = True
     gradient_checkpointing: bool = False
     dp_mode: Literal["fsdp2", "replicate"] = "fsdp2"
+    lora: LoraConfig | None = None  # None: full fine-tuning
+
+    supports_lora = True  # the critic's value head is outside the decoder layers LoRA targets
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {', '.join(_DTYPES)}")
         self.model = self._load_model()
+        if self.lora is not None:
+            self._add_lora()
         self.model.to(self.device)
         if self.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
@@ -149,6 +162,23 @@ class TorchTrainer:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[self.dtype])
+
+    def _add_lora(self) -> None:
+        """Adapters on the decoder's linear layers; only they train (see :mod:`.lora`)."""
+        if not self.supports_lora:
+            raise ValueError(f"lora: {type(self).__name__} does not support LoRA; leave lora unset")
+        if self.world_size > 1 and self.dp_mode == "fsdp2":
+            raise ValueError("lora: dp_mode='fsdp2' is not supported with LoRA; set dp_mode='replicate' "
+                             "(the adapters are small, so a full replica per rank costs little)")
+        add_adapters(self.model, self.lora, self._decoder_layers())
+        if self.gradient_checkpointing:
+            # frozen embeddings give checkpointed layers inputs without grad: no adapter grads at all
+            self.model.enable_input_require_grads()
+        if self.world_size > 1:
+            # ranks seed differently, so their random lora_A inits differ: start every replica at rank 0's
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    dist.broadcast(p.data, src=0)
 
     def _decoder_layers(self) -> list[torch.nn.Module]:
         return list(self.model.model.layers)
@@ -168,7 +198,8 @@ class TorchTrainer:
     # ------------------------------------------------------------------ setup
     def setup_optimizer(self, lr: float, betas: list[float], eps: float, weight_decay: float,
                         grad_clip: float, warmup_steps: int = 0) -> None:
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=tuple(betas), eps=eps,
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapters only, under LoRA
+        self.optimizer = torch.optim.AdamW(trainable, lr=lr, betas=tuple(betas), eps=eps,
                                            weight_decay=weight_decay)
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
@@ -288,14 +319,22 @@ class TorchTrainer:
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """HF-named tensors of the current policy (what an engine loads). Call on every rank."""
+        """HF-named tensors of the current policy (what an engine loads). Call on every rank.
+
+        Under LoRA only the adapted weights, merged (``W + B @ A * scale``): every other tensor is
+        still the base checkpoint the engine loaded, so sending it again would move bytes, not weights.
+        """
+        if self.lora is not None:
+            yield from merged_weights(self.model)
+            return
         yield from self._full_model_state().items()
 
     def save(self, path: str | Path) -> None:
         """Full state by rank 0 (``trainer.pt``) plus every rank's RNG. Call on every rank."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        model_state = self._full_model_state()
+        # under LoRA the base weights are the model_path checkpoint's: only the adapters are state
+        model_state = adapter_state(self.model) if self.lora is not None else self._full_model_state()
         optim_state = None
         if self.optimizer is not None:
             optim_state = self.optimizer.state_dict()
@@ -325,6 +364,10 @@ class TorchTrainer:
             set_model_state_dict(self.model, state["model"], options=options)
             if self.optimizer is not None and state["optimizer"] is not None:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=options)
+        elif self.lora is not None:
+            load_adapter_state(self.model, state["model"])
+            if self.optimizer is not None and state["optimizer"] is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
         else:
             self.model.load_state_dict(state["model"])
             if self.optimizer is not None and state["optimizer"] is not None:
@@ -338,7 +381,7 @@ class TorchTrainer:
 
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> None:
         """Write an HF folder (rank 0). Call on every rank: gathering shards is a collective."""
-        state = self._full_model_state()
+        state = merged_state(self.model) if self.lora is not None else self._full_model_state()
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=state)
             if tokenizer is not None:
