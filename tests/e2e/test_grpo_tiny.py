@@ -136,3 +136,14 @@ def test_ppo_with_a_critic(ray_session, in_tmp):
     assert (run_dir / "checkpoints" / "step_000002" / "critic" / "trainer.pt").is_file()
     assert main([*args, "run.total_steps=4", "resume=true"]) == 0
     assert [r["step"] for r in _trained(_metrics(run_dir))][-1] == 4
+
+
+def test_deterministic_engine_matches_the_trainer_exactly(ray_session, in_tmp):
+    """Deterministic engine + one sequence per micro-batch: the train-inference mismatch is exactly 0."""
+    args = _short_run("tiny/grpo_arith_cpu", "exact", 2, "rollout.engine={name: native, params: {deterministic: true}}",
+                      "trainer.micro_batch_tokens=1")
+    assert main(args) == 0
+    trained = _trained(_metrics(in_tmp / "runs" / "exact"))
+    assert [r["step"] for r in trained] == [1, 2]
+    for r in trained:
+        assert r["train/is_logprob_abs_diff"] == 0.0 and r["train/is_approx_k3_kl"] == 0.0

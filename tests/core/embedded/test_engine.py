@@ -13,7 +13,7 @@ import torch
 
 from loongsage.core.embedded.engine import NativeEngine
 from loongsage.core.embedded.sampling import SamplingTensors, sample
-from loongsage.core.types import FinishReason, GenerationRequest, SamplingParams
+from loongsage.core.types import FinishReason, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _engine_helpers import EOS, VOCAB, build_engine_test_model, full_logprobs, prompts, req  # noqa: E402
@@ -387,3 +387,16 @@ def test_next_turn_of_a_session_prefills_only_the_new_suffix(model_dir, hf_model
     before = engine.health()
     engine.generate_batch([req("turn3", turn2 + second.output_ids, max_new_tokens=2)])
     assert engine.health()["prefix_hit_tokens"] == before["prefix_hit_tokens"]
+
+
+def test_a_row_that_filled_max_model_len_does_not_break_its_neighbours(model_dir, hf_model):
+    # Slot 0 stops at the context limit while slot 1 keeps decoding: the finished slot's length then
+    # equals max_model_len, and later decode steps must not write past the cache.
+    engine = NativeEngine(model_dir, max_batch_size=4, max_model_len=32, eos_token_ids=[])
+    long_prompt, short_prompt = prompts(2, seed=40, lo=20, hi=21)[0], prompts(1, seed=41, lo=3, hi=4)[0]
+    results = engine.generate_batch([req("full", long_prompt, temperature=0, max_new_tokens=100),
+                                     req("short", short_prompt, temperature=0, max_new_tokens=25)])
+    (full,), (short,) = results
+    assert full.finish_reason == FinishReason.LENGTH and len(long_prompt) + len(full.output_ids) == 32
+    assert short.finish_reason == FinishReason.LENGTH and len(short.output_ids) == 25
+    assert short.output_ids == hf_greedy(hf_model, [short_prompt], 25)[0]

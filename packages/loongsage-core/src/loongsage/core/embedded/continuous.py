@@ -34,6 +34,7 @@ from collections import deque
 import torch
 from torch import Tensor
 
+from loongsage.core.embedded.cuda_graphs import DecodeGraphs
 from loongsage.core.embedded.kv_cache import DecoderRunner
 from loongsage.core.embedded.sampling import SamplingTensors, draw_uniforms, sample
 from loongsage.core.types import FinishReason, GenerationResult
@@ -58,11 +59,12 @@ class SlotBatch:
 
     def __init__(self, runner: DecoderRunner, *, max_slots: int, max_model_len: int, generator: torch.Generator,
                  stats: dict[str, int], prefill_chunk_tokens: int = 2048, prefix_cache: bool = True,
-                 initial_slots: int = 8):
+                 initial_slots: int = 8, cuda_graphs: bool = False):
         self.runner, self.stats, self.generator = runner, stats, generator
         self.max_slots, self.L = int(max_slots), int(max_model_len)
         self.chunk, self.prefix_cache = max(1, int(prefill_chunk_tokens)), prefix_cache
         self.device = runner.device
+        self.graphs = DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" else None
         self.cap, self.stop_width = 0, 1
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
@@ -103,6 +105,8 @@ class SlotBatch:
                 "inv_t": ((), torch.float32, 1), "greedy": ((), torch.bool, True), "top_k": ((), torch.long, 0),
                 "top_p": ((), torch.float32, 1), "min_p": ((), torch.float32, 0)}
         self.t = {name: grown(t.get(name), tail, dtype, fill) for name, (tail, dtype, fill) in spec.items()}
+        if self.graphs is not None:  # the captured buffers are gone
+            self.graphs.clear()
         extra = cap - old
         self.status += [FREE] * extra
         self.slot_group += [None] * extra
@@ -310,12 +314,11 @@ class SlotBatch:
         new_rows, new_logits = self._prefill()
         parts = []
         if hi:
-            lens = t["lens"][:hi]
-            end = int(lens.max()) + 1
-            mask = (torch.arange(end, device=self.device)[None, :] <= lens[:, None])[:, None, None, :]
-            logits = self.runner.forward_slots(t["last"][:hi].unsqueeze(1), lens.unsqueeze(1),
-                                               [k[:hi] for k in self.keys], [v[:hi] for v in self.values],
-                                               end, mask, cols=lens)
+            end = int(t["lens"][:hi].max()) + 1
+            if self.graphs is not None:
+                logits = self.graphs.run(self._decode_forward, hi, end, self.cap)
+            else:
+                logits = self._decode_forward(hi, end)
             t["lens"][dec] += 1
             parts.append((dec, logits[dec], st))
         if new_rows:
@@ -351,6 +354,20 @@ class SlotBatch:
         completed = self._emit(rows[hit].tolist(), reasons, version)
         self._compact()
         return completed
+
+    def _decode_forward(self, rows: int, end: int) -> Tensor:
+        """One decode token for slots ``[0, rows)`` attending over columns ``[0, end)``.
+
+        Each slot writes its new key/value at its own length. Slots that are not decoding write a
+        throw-away column past their valid span (a finished row's length may equal
+        ``max_model_len``: the write is clamped into the buffer, beyond anything a prefix match reuses).
+        """
+        t = self.t
+        lens = t["lens"][:rows]
+        mask = (torch.arange(end, device=self.device)[None, :] <= lens[:, None])[:, None, None, :]
+        return self.runner.forward_slots(t["last"][:rows].unsqueeze(1), lens.unsqueeze(1),
+                                         [k[:rows] for k in self.keys], [v[:rows] for v in self.values],
+                                         end, mask, cols=lens.clamp(max=self.L - 1))
 
     def _emit(self, slots: list[int], reasons: list[FinishReason], version: int | None) -> list:
         """Results of ``slots`` (tokens so far); their slots are retained (``version`` given) or freed."""
@@ -420,6 +437,8 @@ class SlotBatch:
         """Drop the whole cache (no live rows): memory goes back until :meth:`reallocate`."""
         self.reset()
         self.keys, self.values, self.t = [], [], {}
+        if self.graphs is not None:
+            self.graphs.clear()
         self.status, self.slot_group, self.slot_sample, self.slot_version = [], [], [], []
         self.cap = 0
         self.record_size()

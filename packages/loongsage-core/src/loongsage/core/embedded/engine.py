@@ -103,7 +103,8 @@ class NativeEngine:
     ``eos_token_ids`` overrides the stop ids read from the model's config and generation config
     (``[]`` disables them, for benchmarks that must run to ``max_new_tokens``). ``max_batch_size``
     bounds the live sample rows (KV slots); ``prefill_chunk_tokens`` the prompt tokens prefilled per
-    step; ``prefix_cache`` turns prefix reuse across requests on or off. ``generate`` and
+    step; ``prefix_cache`` turns prefix reuse across requests on or off; ``cuda_graphs`` replays the
+    decode step from captured CUDA graphs on a CUDA device (see :mod:`loongsage.core.embedded.cuda_graphs`). ``generate`` and
     ``abort`` must be awaited on one event loop at a time; ``generate_batch`` is synchronous, runs
     its requests to completion and does not observe ``pause``/``abort``; for it a bad request raises
     before anything runs.
@@ -114,7 +115,7 @@ class NativeEngine:
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_batch_size: int = 256, max_model_len: int = 512, fp32_lm_head: bool = True, seed: int = 0,
                  eos_token_ids: Iterable[int] | None = None, prefill_chunk_tokens: int = 2048,
-                 prefix_cache: bool = True, deterministic: bool = False):
+                 prefix_cache: bool = True, deterministic: bool = False, cuda_graphs: bool = True):
         from transformers import AutoModelForCausalLM
 
         torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
@@ -147,7 +148,8 @@ class NativeEngine:
                                      "prefix_hit_tokens", "kv_slots", "kv_cache_bytes"), 0)
         self._batch_args = {"max_slots": self.max_batch_size, "max_model_len": self.max_model_len,
                             "generator": self._generator, "stats": self._stats,
-                            "prefill_chunk_tokens": int(prefill_chunk_tokens), "prefix_cache": bool(prefix_cache)}
+                            "prefill_chunk_tokens": int(prefill_chunk_tokens), "prefix_cache": bool(prefix_cache),
+                            "cuda_graphs": bool(cuda_graphs)}
         self._batch = SlotBatch(self._runner, **self._batch_args)
 
     # ----------------------------------------------------------------------------- public API
