@@ -19,7 +19,7 @@ EXPECTED = {
     "loongsage_advantage_estimators": {"grpo", "rloo", "reinforce_pp", "gae"},
     "loongsage_policy_losses": {"ppo_clip", "nll", "gspo", "cispo"},
     "loongsage_corrections": {"is", "m2po", "opsm"},
-    "loongsage_kl_estimators": {"k1", "k2", "k3", "low_var_kl"},
+    "loongsage_kl_estimators": {"k1", "k2", "k3", "low_var_kl", "topk_kl", "full_vocab_kl", "jsd", "topk_jsd"},
     "loongsage_rewards": {"exact_match", "math", "overlong_shaping", "format"},
     "loongsage_data_filters": {"dynamic_sampling", "status", "length"},
 }
@@ -67,6 +67,10 @@ def test_factories_are_frozen_dataclasses_with_typed_defaulted_params(registered
             for attr, tp in CLASS_ATTRIBUTES[hook].items():
                 assert isinstance(getattr(factory, attr), tp), f"{name}.{attr}"
                 assert attr not in fields, f"{name}.{attr} must not be a param"
+            if hook == "loongsage_kl_estimators":
+                assert factory.consumes in ("logprobs", "topk", "full_vocab"), name
+                if factory.consumes == "topk":  # how many teacher tokens per position to fetch
+                    assert isinstance(instance.k, int) and instance.k >= 1, name
 
 
 def test_entry_point_and_namespace_package() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from loongsage.algos.advantages import GAE, GRPO, RLOO, ReinforcePP
 from loongsage.algos.corrections import M2PO, OPSM, ImportanceSampling
+from loongsage.algos.divergences import JSD, FullVocabKL, TopKJSD, TopKKL
 from loongsage.algos.filters import DynamicSampling, LengthFilter, StatusFilter
 from loongsage.algos.kl import K1, K2, K3, LowVarKL
 from loongsage.algos.policy_losses import CISPO, GSPO, NLL, PPOClip
@@ -26,7 +27,9 @@ def loongsage_policy_losses() -> Factories:
 
 @hookimpl
 def loongsage_kl_estimators() -> Factories:
-    return {"k1": K1, "k2": K2, "k3": K3, "low_var_kl": LowVarKL}
+    return {"k1": K1, "k2": K2, "k3": K3, "low_var_kl": LowVarKL,
+            # distribution divergences of MOPD's GKD term (algorithm.distill.divergence)
+            "topk_kl": TopKKL, "full_vocab_kl": FullVocabKL, "jsd": JSD, "topk_jsd": TopKJSD}
 
 
 @hookimpl

@@ -1,5 +1,6 @@
-"""What the core itself registers: the embedded default backends, the single-turn agent, the sync
-scheduler, the file reader and the tiny arithmetic task, the trackers."""
+"""What the core itself registers: the embedded default backends (trainer, critic, engine, teacher,
+transport, model builder), the single-turn and sft agents, the sync scheduler, the file reader and
+the tiny arithmetic task, the trackers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from loongsage.core.data import FileReader
 from loongsage.core.embedded.arith import ArithmeticTask
 from loongsage.core.embedded.critic import TorchCritic
 from loongsage.core.embedded.engine import NativeEngine
+from loongsage.core.embedded.teacher import EmbeddedTeacher
 from loongsage.core.embedded.trainer import TorchTrainer
 from loongsage.core.embedded.transport import CpuTransport
 from loongsage.core.embedded.warmstart import WarmStartParams, cached_warm_start
@@ -21,7 +23,11 @@ from loongsage.core.tracking import JsonlTracker, TensorboardTracker
 
 @dataclass
 class TinyArithModel(WarmStartParams):
-    """Model builder: the tiny Qwen3 and tokenizer with an SFT warm start, cached by its params."""
+    """Model builder: the tiny Qwen3 and tokenizer with an SFT warm start, cached by its params.
+
+    With ``init_from`` it fine-tunes another cached warm start instead (how the MOPD teachers of
+    tiny/mopd_two_teachers_cpu are made: correct answers of one operation).
+    """
 
     kind = "model_builder"
 
@@ -55,6 +61,7 @@ def loongsage_backends() -> Factories:
         "torch": TorchTrainer,
         "torch_critic": TorchCritic,
         "native": NativeEngine,
+        "embedded": EmbeddedTeacher,
         "cpu": CpuTransport,
         "jsonl": JsonlTracker,
         "tensorboard": TensorboardTracker,

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loongsage.core.aggregation import AGGREGATION_MODES
+from loongsage.core.distill import check_teacher
 from loongsage.core.schema import build_dataclass
 from loongsage.core.types import ConfigError, SamplingParams
 
@@ -54,7 +55,7 @@ class DataSourceConfig:
     reward: Spec = field(default_factory=lambda: {"name": "exact_match"})
     eval_reader: Spec | None = None
     eval_agent: Spec | None = None  # agent for evaluation (default: ``agent``), e.g. a generating one for SFT
-    teacher: Spec | None = None
+    teacher: Spec | None = None  # MOPD: {name: <teacher backend>, params: {path | builder, ...}}
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except n
     on_bad_row: Literal["skip", "error"] = "skip"
 
@@ -84,6 +85,36 @@ class RolloutConfig:
 
 
 @dataclass
+class DistillConfig:
+    """MOPD: on-policy distillation, each data source from its own ``teacher``.
+
+    PG branch: ``A_t <- A_t - pg_coef * sg(log pi_s - log pi_t)`` on every response token. GKD
+    branch: ``L = (1 - gkd_coef) L_RL + gkd_coef L_GKD`` with ``divergence`` per token (a KL-estimator
+    entry: k2/k3 on the sampled token, topk_kl / topk_jsd on the teacher's top-k, full_vocab_kl / jsd
+    on the whole vocabulary).
+    """
+
+    pg_coef: float = 1.0
+    gkd_coef: float = 0.0
+    divergence: Spec | None = None
+
+    def __post_init__(self) -> None:
+        if not self.pg_coef >= 0:
+            raise ValueError(f"pg_coef={self.pg_coef}: must be >= 0")
+        if not 0 <= self.gkd_coef <= 1:
+            raise ValueError(f"gkd_coef={self.gkd_coef}: must be in [0, 1]")
+        if self.pg_coef == 0 and self.gkd_coef == 0:
+            raise ValueError("pg_coef=0 and gkd_coef=0: distillation would do nothing; set either > 0 "
+                             "or drop algorithm.distill")
+        if self.gkd_coef > 0 and self.divergence is None:
+            raise ValueError(f"divergence=null: gkd_coef={self.gkd_coef} needs one, e.g. {{name: jsd}}, "
+                             "{name: topk_kl, params: {k: 16}}, {name: k3}")
+        if self.gkd_coef == 0 and self.divergence is not None:
+            raise ValueError("divergence: set but gkd_coef=0, so it would never be computed; set gkd_coef > 0 "
+                             "or drop the divergence")
+
+
+@dataclass
 class AlgorithmConfig:
     advantage: Spec = field(default_factory=lambda: {"name": "grpo"})
     policy_loss: Spec = field(default_factory=lambda: {"name": "ppo_clip"})
@@ -94,6 +125,7 @@ class AlgorithmConfig:
     filters: list[Spec] = field(default_factory=list)
     aggregation: str = "token-mean"
     aggregation_constant: float | None = None  # C of seq-mean-token-sum-norm
+    distill: DistillConfig | None = None  # MOPD; null = off (then no source may name a teacher)
 
     def __post_init__(self) -> None:
         if self.aggregation not in AGGREGATION_MODES:
@@ -300,7 +332,15 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
             registry.create("agent", src.eval_agent, f"{path}.eval_agent")
         registry.create("reward", src.reward, f"{path}.reward")
         if src.teacher is not None:
-            registry.check("teacher", src.teacher, f"{path}.teacher")
+            check_teacher(registry, src.teacher, f"{path}.teacher")
+            if cfg.algorithm.distill is None:
+                # refused rather than ignored: a teacher costs a model's memory and a forward per step
+                raise ConfigError(f"{path}.teacher is set but algorithm.distill is null, so the teacher would never "
+                                  "be called; set algorithm.distill (e.g. {pg_coef: 1.0}) or drop the teacher")
+        elif cfg.algorithm.distill is not None:
+            raise ConfigError(f"{path}.teacher: algorithm.distill is set, so every data source needs a teacher and "
+                              f"{src.name!r} has none; add one (e.g. {{name: embedded, params: {{path: <HF folder>}}}}) "
+                              "or drop algorithm.distill")
         if "n" in src.sampling:
             raise ConfigError(f"{path}.sampling.n: set {path}.samples_per_prompt instead")
         sampling = build_dataclass(SamplingParams, {**src.sampling, "n": src.samples_per_prompt}, f"{path}.sampling")
@@ -336,13 +376,20 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
         raise ConfigError(f"algorithm.aggregation={cfg.algorithm.aggregation!r} is not supported by "
                           f"{cfg.algorithm.policy_loss['name']!r}; allowed: {', '.join(supported)}")
     if cfg.algorithm.kl is not None:
-        registry.create("kl", cfg.algorithm.kl, "algorithm.kl")
+        kl = registry.create("kl", cfg.algorithm.kl, "algorithm.kl")
+        if getattr(kl, "consumes", "logprobs") != "logprobs":
+            raise ConfigError(f"algorithm.kl.name={cfg.algorithm.kl['name']!r} consumes {kl.consumes!r}; the reference "
+                              "KL reads log-probs only (k1, k2, k3, low_var_kl); distribution divergences serve "
+                              "algorithm.distill.divergence")
     elif cfg.algorithm.kl_coef:
         raise ConfigError("algorithm.kl_coef is set but algorithm.kl is null; name a KL estimator, e.g. {name: k3}")
     if cfg.algorithm.kl_in_reward and not getattr(estimator, "uses_token_rewards", False):
         raise ConfigError(f"algorithm.kl_in_reward=true: advantage {cfg.algorithm.advantage['name']!r} ignores token "
                           "rewards, so the KL would have no effect; use an estimator that consumes them (e.g. "
                           "reinforce_pp) or put the KL in the loss")
+    distill = cfg.algorithm.distill
+    if distill is not None and distill.divergence is not None:
+        registry.create("kl", distill.divergence, "algorithm.distill.divergence")
     for j, spec in enumerate(cfg.algorithm.corrections):
         registry.create("correction", spec, f"algorithm.corrections[{j}]")
     for j, spec in enumerate(cfg.algorithm.filters):

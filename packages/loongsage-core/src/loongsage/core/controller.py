@@ -1,7 +1,8 @@
 """The single controller: places the Ray actors and drives the synchronous step loop.
 
 One step, as data: the mixer plans exact per-source quotas -> agents generate through the engine
-router -> the reward worker scores -> filters keep groups -> advantages over the whole batch -> the
+router -> the reward worker scores -> filters keep groups -> (MOPD) each source's teacher scores the
+student's tokens -> advantages over the whole batch (MOPD: shaped by the teacher's log-probs) -> the
 batch is dealt to DP ranks and mini-batches -> trainer ranks compute old/ref log-probs ->
 corrections and global loss weights per mini-batch -> optimizer steps -> the trainer pushes its
 weights to the engines (version += 1) -> metrics, evaluation, checkpoint.
@@ -25,10 +26,18 @@ from loongsage.core.aggregation import loss_weights
 from loongsage.core.batching import compute_advantages, split_groups, to_batch, trainable
 from loongsage.core.config import Config
 from loongsage.core.data import Mixer, SourceCursor
+from loongsage.core.distill import TeacherPlan, distill_metrics, fill_teacher_tensors, plan_teachers
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.rollout import AgentContext, EngineRouter, gather_groups
 from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
-from loongsage.core.workers import CriticWorker, EngineWorker, RewardWorker, TrainerWorker, build_pipeline
+from loongsage.core.workers import (
+    CriticWorker,
+    EngineWorker,
+    RewardWorker,
+    TeacherWorker,
+    TrainerWorker,
+    build_pipeline,
+)
 
 log = logging.getLogger("loongsage")
 
@@ -91,9 +100,11 @@ class Controller:
         self.version = 0
         self.next_group_id = 0  # unique per prompt within a run; saved with checkpoints
         self.critic = None
+        self.teachers: list[Any] = []
+        self.teacher_sources: list[list[str]] = []  # the sources each teacher actor serves
 
     # ------------------------------------------------------------------ setup
-    def _start_actors(self, model_path: str) -> None:
+    def _start_actors(self, model_path: str, teacher_plans: list[TeacherPlan] = ()) -> None:
         import ray
 
         cfg = self.cfg
@@ -118,8 +129,18 @@ class Controller:
         if cfg.trainer.critic is not None:  # shares the first trainer bundle
             options = {**self.placement.options(self.placement.trainer_bundles[0]), "num_cpus": 0}
             self.critic = ray.remote(CriticWorker).options(**options).remote(cfg, model_path, threads)
+        # teachers run forward only, in the train phase of a synchronous step: they share the trainer
+        # ranks' bundles (round robin) instead of reserving CPUs of their own, like the critic
+        teacher_cls = ray.remote(TeacherWorker)
+        bundles = self.placement.trainer_bundles
+        self.teachers = [
+            teacher_cls.options(**{**self.placement.options(bundles[j % len(bundles)]), "num_cpus": 0})
+            .remote(cfg, plan.spec, plan.model_path, threads)
+            for j, plan in enumerate(teacher_plans)
+        ]
+        self.teacher_sources = [plan.sources for plan in teacher_plans]
         ray.get([t.param_checksum.remote() for t in self.trainers] + [e.version.remote() for e in self.engines]
-                + [a.__ray_ready__.remote() for a in (self.reward, self.critic) if a is not None])
+                + [a.__ray_ready__.remote() for a in (self.reward, self.critic, *self.teachers) if a is not None])
         self.router = EngineRouter(self.engines)
 
     def _build_local(self, model_path: str) -> None:
@@ -216,6 +237,8 @@ class Controller:
         if not trajs:
             return {"train/skipped": 1.0}
         batch = to_batch(trajs, self.pad_id)
+        if self.teachers:
+            self._score_with_teachers(batch)
         row_of = {id(t): i for i, t in enumerate(trajs)}
         parts = split_groups(groups, cfg.trainer.world_size, cfg.trainer.mini_batches_per_step)
         rows = [[[row_of[id(t)] for t in mb] for mb in rank_parts] for rank_parts in parts]
@@ -233,6 +256,11 @@ class Controller:
         if self.critic is not None:
             batch.values = ray.get(self.critic.values.remote(batch)) * batch.response_mask
         compute_advantages(batch, self.estimator, values=batch.values, token_rewards=token_rewards)
+        if self.teachers:
+            for key, (num, den) in distill_metrics(batch).items():
+                _add(sums, key, num, den)
+            if self.pipeline.pg_coef:
+                batch.advantages = self.pipeline.shape_advantages(batch)
         scalars: dict[str, float] = defaultdict(float)
         for m in range(cfg.trainer.mini_batches_per_step):
             union = [i for r in rows for i in r[m]]
@@ -262,6 +290,19 @@ class Controller:
         metrics["train/advantage_abs_mean"] = float((batch.advantages.abs() * batch.response_mask).sum()
                                                     / batch.response_mask.sum().clamp(min=1))
         return metrics
+
+    def _score_with_teachers(self, batch: TrainBatch) -> None:
+        """Every row's teacher scores the student's tokens (teachers run concurrently)."""
+        import ray
+
+        topk, full_vocab = self.pipeline.teacher_request()
+        calls, rows_of = [], []
+        for actor, sources in zip(self.teachers, self.teacher_sources):
+            rows = [i for i, s in enumerate(batch.sources) if s in sources]
+            if rows:
+                calls.append(actor.score.remote(batch.select(rows), topk, full_vocab))
+                rows_of.append(rows)
+        fill_teacher_tensors(batch, list(zip(rows_of, ray.get(calls))))
 
     def _fill_logprobs(self, batch: TrainBatch, rows: list[list[list[int]]], sums: dict[str, list[float]], *,
                        old: bool) -> None:
@@ -310,6 +351,10 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "run_info.json").write_text(json.dumps({"model_path": model_path}, indent=1))
         self._build_local(model_path)
+        # teachers' weights are resolved (and cached models built) here, before any actor starts
+        teacher_plans = plan_teachers(cfg, self.registry, model_path) if cfg.algorithm.distill else []
+        for plan in teacher_plans:
+            log.info("teacher for %s: %s", ", ".join(plan.sources), plan.model_path)
         started_ray = False
         if not ray.is_initialized():
             needed = cfg.trainer.world_size + cfg.rollout.num_engines
@@ -317,7 +362,7 @@ class Controller:
                      log_to_driver=True, logging_level=logging.WARNING)
             started_ray = True
         try:
-            self._start_actors(model_path)
+            self._start_actors(model_path, teacher_plans)
             start = ckpt.restore(self) if cfg.checkpoint.resume else 0
             summary = asyncio.run(self._loop(start, StepProgress(cfg.run.total_steps, start, cfg.tracking.progress)))
             return summary
@@ -327,7 +372,7 @@ class Controller:
             if hasattr(self, "placement"):
                 from ray.util.placement_group import remove_placement_group
 
-                for actor in [*self.trainers, *self.engines, self.reward, self.critic]:
+                for actor in [*self.trainers, *self.engines, self.reward, self.critic, *self.teachers]:
                     if actor is not None:
                         ray.kill(actor)
                 remove_placement_group(self.placement.pg)

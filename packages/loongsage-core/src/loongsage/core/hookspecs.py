@@ -99,11 +99,16 @@ def loongsage_policy_losses() -> Factories:
 def loongsage_kl_estimators() -> Factories:
     """KL estimators (k1, k2, k3, low-var, unbiased; top-k and full-vocab KL, JSD for MOPD).
 
-    The implementation is ``__call__(logprobs, ref_logprobs, *, old_logprobs=None) -> Tensor`` per
-    token, an estimate of KL(pi || ref); ``old_logprobs`` is passed when the instance's
-    ``needs_old_logprobs`` is true (the unbiased, ratio-weighted forms). Class attribute
-    ``consumes`` is one of ``"logprobs"``, ``"topk"``, ``"full_vocab"``: the trainer fetches only
-    what the chosen estimator needs.
+    Class attribute ``consumes`` is one of ``"logprobs"``, ``"topk"``, ``"full_vocab"``: the
+    trainer fetches only what the chosen estimator needs. With ``"logprobs"`` the implementation is
+    ``__call__(logprobs, ref_logprobs, *, old_logprobs=None) -> Tensor [B, T]`` over sampled-token
+    log-probs ``[B, T]``, an estimate of KL(pi || ref); ``old_logprobs`` is passed when the
+    instance's ``needs_old_logprobs`` is true (the unbiased, ratio-weighted forms). With ``"topk"``
+    (the instance's ``k`` says how many reference tokens per position) or ``"full_vocab"`` it is
+    ``__call__(logprobs, ref_logprobs) -> Tensor [B, T]`` over distributions ``[B, T, K]``: the
+    policy's and the reference's log-probs on the reference's top-k tokens, or on the whole
+    vocabulary. The reference is a frozen copy of the start (``algorithm.kl``, log-prob entries
+    only) or a data source's teacher (``algorithm.distill.divergence``, MOPD).
     """
 
 

@@ -4,6 +4,12 @@ The algorithms themselves are pure per-token functions (``loongsage-algos``); th
 them: corrections decide weights and masks once per optimizer mini-batch, the aggregation gives
 every token its share of a *global* denominator, and the closure returns ``sum(w * loss)`` for a
 micro-batch, so gradient accumulation and DP reduction are plain sums.
+
+MOPD (multi-teacher on-policy distillation) adds two terms, both against the teacher of each row's
+data source (its log-probs arrive in the batch): the PG branch shapes the advantages before the
+loss, ``A_t <- A_t - pg_coef * sg(log pi_s - log pi_t)``; the GKD branch mixes a per-token
+divergence into the loss, ``L = (1 - gkd_coef) L_RL + gkd_coef L_GKD``, aggregated with the same
+global weights. The reference-KL term keeps its own coefficient outside that mix.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from loongsage.core.aggregation import loss_weights
@@ -46,6 +53,41 @@ class LossPipeline:
     kl_coef: float = 0.0
     kl_in_reward: bool = False  # penalise KL through token rewards (before advantages) instead of the loss
     corrections: list[Any] = field(default_factory=list)
+    pg_coef: float = 0.0  # MOPD PG branch: lambda_pg of the advantage shaping
+    gkd_coef: float = 0.0  # MOPD GKD branch: lambda of (1 - lambda) L_RL + lambda L_GKD
+    divergence: Any = None  # the GKD term's per-token divergence (a KL-estimator entry)
+
+    @property
+    def distills(self) -> bool:
+        """Whether the step needs the teachers (MOPD is on)."""
+        return self.pg_coef != 0.0 or self.gkd_coef != 0.0
+
+    @property
+    def divergence_consumes(self) -> str | None:
+        """What the GKD divergence reads: ``logprobs``, ``topk``, ``full_vocab`` (None: no GKD term)."""
+        if self.gkd_coef == 0.0 or self.divergence is None:
+            return None
+        return getattr(self.divergence, "consumes", "logprobs")
+
+    @property
+    def needs_student_distribution(self) -> bool:
+        """Tells the trainer to pass ``student_dist`` (its log-softmax on the teacher's support)."""
+        return self.divergence_consumes in ("topk", "full_vocab")
+
+    def teacher_request(self) -> tuple[int, bool]:
+        """``(k, full_vocab)``: what teachers return besides the sampled tokens' log-probs."""
+        consumes = self.divergence_consumes
+        return (int(self.divergence.k) if consumes == "topk" else 0), consumes == "full_vocab"
+
+    def shape_advantages(self, batch: TrainBatch) -> Tensor:
+        """MOPD's PG branch: ``A_t - pg_coef * sg(log pi_s - log pi_t)`` on response tokens.
+
+        ``log pi_s`` is the student's log-prob of its own sampled token: the recomputed old
+        log-probs when the step has them, else the engine's (the same policy in a synchronous step).
+        """
+        student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+        kl = (student - batch.teacher_logprobs).detach()
+        return batch.advantages - self.pg_coef * torch.where(batch.response_mask != 0, kl, torch.zeros_like(kl))
 
     def recompute_old_logprobs(self, mini_batches: int) -> bool:
         """Whether old log-probs need a forward pass of their own before the first update.
@@ -102,7 +144,12 @@ class LossPipeline:
         weights = loss_weights(mask, self.aggregation, constant=self.aggregation_constant) * token_weights
         return replace(mini_batch, response_mask=mask, loss_weights=weights), sums
 
-    def __call__(self, logprobs: Tensor, mb: TrainBatch) -> tuple[Tensor, MetricSums]:
+    def __call__(self, logprobs: Tensor, mb: TrainBatch, student_dist: Tensor | None = None) -> tuple[Tensor, MetricSums]:
+        """Weighted loss sum of one micro-batch and its metric sums.
+
+        ``student_dist`` (only when :attr:`needs_student_distribution`): the student's log-probs on
+        the teacher's support, ``[B, t, K]`` for the last ``t`` positions of the micro-batch.
+        """
         mask = mb.response_mask
         metrics: MetricSums = {}
         old = mb.old_logprobs
@@ -123,6 +170,10 @@ class LossPipeline:
             per_token = per_token * corr.token_weights
             for key, value in corr.metrics.items():
                 metrics[f"train/{key}"] = (float((value * mask).sum()), count)
+        if self.divergence_consumes is not None:
+            gkd = self._gkd(logprobs, old, mb, student_dist)
+            per_token = (1.0 - self.gkd_coef) * per_token + self.gkd_coef * gkd
+            metrics.update(per_source_sums("gkd", gkd.detach(), mask, mb.sources))
         if self.kl_in_loss:
             extra = {"old_logprobs": old} if getattr(self.kl, "needs_old_logprobs", False) else {}
             kl = self.kl(logprobs, mb.ref_logprobs, **extra)  # unbiased forms weight by sg(pi / pi_old)
@@ -133,6 +184,31 @@ class LossPipeline:
         for key, value in out.metrics.items():
             metrics[f"train/{key}"] = (float((value.detach() * mask).sum()), count)
         return loss, metrics
+
+    def _gkd(self, logprobs: Tensor, old: Tensor, mb: TrainBatch, student_dist: Tensor | None) -> Tensor:
+        """The divergence to each row's teacher per token ``[B, T]``, zero outside the mask."""
+        if self.divergence_consumes == "logprobs":  # sampled-token forms (k2, k3): the teacher's log-prob of our token
+            extra = {"old_logprobs": old} if getattr(self.divergence, "needs_old_logprobs", False) else {}
+            div = self.divergence(logprobs, mb.teacher_logprobs, **extra)
+        else:
+            if student_dist is None or mb.teacher_dist_logprobs is None:
+                raise ValueError(f"distill divergence consumes {self.divergence_consumes!r}: the trainer must pass "
+                                 "student_dist and the batch must carry the teacher's distribution")
+            T, t = logprobs.shape[1], student_dist.shape[1]
+            teacher = mb.teacher_dist_logprobs[:, T - t:].to(student_dist.device)
+            div = F.pad(self.divergence(student_dist, teacher), (T - t, 0))
+        return torch.where(mb.response_mask != 0, div, torch.zeros_like(div))
+
+
+def per_source_sums(name: str, values: Tensor, mask: Tensor, sources: list[str]) -> MetricSums:
+    """``train/<name>`` and ``train_per_ds/<source>/<name>`` token-mean sums of ``values`` [B, T]."""
+    mask = mask.to(values.dtype)
+    out: MetricSums = {f"train/{name}": (float((values * mask).sum()), float(mask.sum()))}
+    for source in sorted(set(sources)):
+        rows = torch.tensor([s == source for s in sources], device=mask.device)
+        m = mask * rows.unsqueeze(1).to(mask.dtype)
+        out[f"train_per_ds/{source}/{name}"] = (float((values * m).sum()), float(m.sum()))
+    return out
 
 
 @dataclass

@@ -177,6 +177,12 @@ class TrainBatch:
     loss_weights: Tensor | None = None  # aggregation weights with global denominators
     values: Tensor | None = None  # critic values before the update (PPO with a critic)
     returns: Tensor | None = None  # critic targets
+    # MOPD: the source's teacher on the student's tokens. teacher_logprobs [B, T] (log-prob of each
+    # token); teacher_dist_logprobs [B, T, K] its log-probs over a support per position, the top-k
+    # tokens named by teacher_dist_ids [B, T, K] or, with teacher_dist_ids None, the full vocabulary
+    teacher_logprobs: Tensor | None = None
+    teacher_dist_ids: Tensor | None = None
+    teacher_dist_logprobs: Tensor | None = None
     sources: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -195,6 +201,7 @@ class TrainBatch:
         return (
             "input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantages",
             "rewards", "group_ids", "old_logprobs", "ref_logprobs", "loss_weights", "values", "returns",
+            "teacher_logprobs", "teacher_dist_ids", "teacher_dist_logprobs",
         )
 
 

@@ -1,4 +1,5 @@
-"""The Ray actors the controller drives: trainer ranks, engine replicas and the reward worker.
+"""The Ray actors the controller drives: trainer ranks, engine replicas, the reward worker, the
+critic and the distillation teachers.
 
 Plain classes: the controller wraps them with ``ray.remote`` at placement time, so this module
 imports without Ray and the same classes run in-process in tests and benchmarks.
@@ -29,6 +30,7 @@ def setup_worker(threads: int) -> None:
 
 def build_pipeline(cfg: Config, registry: Any) -> LossPipeline:
     alg = cfg.algorithm
+    distill = alg.distill
     return LossPipeline(
         policy_loss=registry.create("policy_loss", alg.policy_loss, "algorithm.policy_loss"),
         aggregation=alg.aggregation,
@@ -38,6 +40,10 @@ def build_pipeline(cfg: Config, registry: Any) -> LossPipeline:
         kl_in_reward=alg.kl_in_reward,
         corrections=[registry.create("correction", c, f"algorithm.corrections[{i}]")
                      for i, c in enumerate(alg.corrections)],
+        pg_coef=distill.pg_coef if distill else 0.0,
+        gkd_coef=distill.gkd_coef if distill else 0.0,
+        divergence=(registry.create("kl", distill.divergence, "algorithm.distill.divergence")
+                    if distill and distill.divergence else None),
     )
 
 
@@ -170,6 +176,21 @@ class RewardWorker:
                 return None, Status.FAILED.value + f": {exc}"
 
         return list(await asyncio.gather(*(one(t, r) for t, r in zip(trajectories, records))))
+
+
+class TeacherWorker:
+    """A forward-only distillation teacher (MOPD), shared by the data sources that name its spec."""
+
+    def __init__(self, cfg: Config, spec: dict[str, Any], model_path: str, threads: int = 0):
+        from loongsage.core.plugins import load_registry
+
+        setup_worker(threads)
+        registry = load_registry(cfg.plugins)
+        self.backend = registry.create("teacher", spec, "teacher", model_path=model_path)
+
+    def score(self, batch: TrainBatch, topk: int = 0, full_vocab: bool = False) -> dict[str, torch.Tensor | None]:
+        """Teacher log-probs of the student's tokens (+ top-k or full-vocab log-probs when asked)."""
+        return self.backend.score(batch, topk=topk, full_vocab=full_vocab)
 
 
 class CriticWorker:

@@ -43,7 +43,10 @@ from loongsage.core.types import TrainBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-LossFn = Callable[[Tensor, TrainBatch], tuple[Tensor, dict[str, tuple[float, float]]]]
+# loss_fn(logprobs [B, T], micro_batch) -> (weighted loss sum, metric sums). A loss whose attribute
+# ``needs_student_distribution`` is true (MOPD's distribution divergences) is called with the keyword
+# ``student_dist`` as well: see :func:`logprobs_entropy_and_distribution`.
+LossFn = Callable[..., tuple[Tensor, dict[str, tuple[float, float]]]]
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
@@ -68,6 +71,23 @@ def logprobs_and_entropy(logits: Tensor, input_ids: Tensor, first: int, *, with_
         with torch.no_grad():
             ent = F.pad(-(logp.exp() * logp).sum(-1), (first, 0))
     return lp, ent
+
+
+def logprobs_entropy_and_distribution(logits: Tensor, input_ids: Tensor, first: int,
+                                      support_ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`logprobs_and_entropy` plus the log-probs over a support, from the same log-softmax.
+
+    ``support_ids`` [B, T, k] names k tokens per position (a teacher's top-k): the result is the
+    log-probs of those tokens, [B, T - first, k]; ``None`` keeps the full log-softmax,
+    [B, T - first, V]. Only positions ``first..T-1`` (from the first trained token on) are
+    returned, without padding, so the full vocabulary costs no copy beyond the log-softmax itself.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    lp = F.pad(logp.gather(-1, input_ids[:, first:].unsqueeze(-1)).squeeze(-1), (first, 0))
+    with torch.no_grad():
+        ent = F.pad(-(logp.exp() * logp).sum(-1), (first, 0))
+    dist = logp if support_ids is None else logp.gather(-1, support_ids[:, first:].to(logp.device))
+    return lp, ent, dist
 
 
 def policy_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, first: int = 1, *,
@@ -118,7 +138,7 @@ def micro_batches(batch: TrainBatch, token_budget: int) -> Iterator[TrainBatch]:
 def _trim(batch: TrainBatch, length: int) -> TrainBatch:
     for name in TrainBatch.tensor_fields():
         value = getattr(batch, name)
-        if value is not None and value.dim() == 2:
+        if value is not None and value.dim() >= 2:  # [B, T] and [B, T, K] (teacher distributions)
             setattr(batch, name, value[:, :length].contiguous())
     return batch
 
@@ -219,6 +239,13 @@ class TorchTrainer:
         logits = self._logits(ids, mb.attention_mask.to(self.device), first)
         return logprobs_and_entropy(logits, ids, first, with_entropy=with_entropy)
 
+    def _forward_distribution(self, mb: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """Log-probs, entropies and the student's log-probs on the teacher's support (MOPD)."""
+        ids = mb.input_ids.to(self.device)
+        first = max(response_start(mb.response_mask), 1)
+        logits = self._logits(ids, mb.attention_mask.to(self.device), first)
+        return logprobs_entropy_and_distribution(logits, ids, first, mb.teacher_dist_ids)
+
     def _aligned(self, batch: TrainBatch, token_budget: int) -> list[TrainBatch | None]:
         """Micro-batches, padded with ``None`` to the largest count over ranks (FSDP2 collectives)."""
         mbs: list[TrainBatch | None] = list(micro_batches(batch, token_budget)) if len(batch) else []
@@ -271,8 +298,12 @@ class TorchTrainer:
                 filler = self._filler()
                 (self._logits(filler, torch.ones_like(filler)).sum() * 0.0).backward()
                 continue
-            lp, ent = self._forward(mb, with_entropy=True)
-            loss, metrics = loss_fn(lp, mb)
+            if getattr(loss_fn, "needs_student_distribution", False):
+                lp, ent, dist = self._forward_distribution(mb)
+                loss, metrics = loss_fn(lp, mb, student_dist=dist)
+            else:
+                lp, ent = self._forward(mb, with_entropy=True)
+                loss, metrics = loss_fn(lp, mb)
             loss.backward()
             total += float(loss.detach())
             if ent is not None:

@@ -5,6 +5,11 @@ the imperfect teacher (:func:`loongsage.core.embedded.arith.teacher_answer`) ove
 and saves an HF folder that any Qwen3-capable backend can load. ``cached_warm_start`` keys that
 folder by a hash of the parameters and the builder version, so a recipe pays for it once.
 
+With ``init_from`` the model is not built from a random init but fine-tuned from another cached
+warm start (built first if needed), sharing its tokenizer and architecture. That is how the
+distillation teachers are made cheaply: the default warm start fine-tuned on *correct* answers
+(``drop_prob=0``) of one operation for a few hundred small steps.
+
 Determinism: the same parameters give bitwise the same weights on the same machine and library
 versions with the same ``threads`` (the thread count can change floating-point reduction order).
 """
@@ -22,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -31,6 +36,8 @@ from loongsage.core.embedded.arith import ArithmeticTask, format_answer, teacher
 # Bump whenever the output of build_warm_start changes for the same params (invalidates caches).
 BUILDER_VERSION = 1
 INFO_FILE = "loongsage_warmstart.json"
+# Fields that shape the tokenizer and the network (a fine-tuned model keeps its base's).
+ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "heads", "kv_heads", "intermediate_size")
 
 
 @dataclass
@@ -66,6 +73,30 @@ class WarmStartParams:
     weight_decay: float = 0.01
     seed: int = 0
     threads: int = 2
+    # fine-tune from this warm start (WarmStartParams fields; {} = the defaults) instead of a random
+    # init; its tokenizer and architecture are kept, so the architecture fields above must match it
+    init_from: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"steps={self.steps}: must be >= 1")
+        if self.init_from is not None:
+            base = self.base()
+            if base.init_from is not None:
+                raise ValueError("init_from: the base must itself start from a random init (one level only)")
+            for key in ARCHITECTURE_FIELDS:
+                if getattr(base, key) != getattr(self, key):
+                    raise ValueError(f"{key}={getattr(self, key)!r}: must equal the init_from model's "
+                                     f"({getattr(base, key)!r}); fine-tuning keeps its architecture")
+
+    def base(self) -> "WarmStartParams":
+        """The warm start ``init_from`` names (an error if it names unknown fields)."""
+        if self.init_from is None:
+            raise ValueError("init_from is null: this warm start starts from a random init")
+        unknown = sorted(set(self.init_from) - {f.name for f in dataclasses.fields(WarmStartParams)})
+        if unknown:
+            raise ValueError(f"init_from.{unknown[0]}: unknown key; allowed: WarmStartParams fields")
+        return WarmStartParams(**self.init_from)
 
     def task(self, split: Literal["train", "test"], size: int, seed: int = 0) -> ArithmeticTask:
         """The arithmetic data source these params were trained for."""
@@ -80,7 +111,12 @@ class WarmStartParams:
         )
 
     def cache_key(self) -> str:
-        blob = json.dumps({"params": dataclasses.asdict(self), "builder": BUILDER_VERSION}, sort_keys=True)
+        params = dataclasses.asdict(self)
+        if self.init_from is None:
+            del params["init_from"]  # keys of models built before the field existed stay valid
+        else:  # {} and the spelled-out defaults name the same base model
+            params["init_from"] = dataclasses.asdict(self.base())
+        blob = json.dumps({"params": params, "builder": BUILDER_VERSION}, sort_keys=True)
         return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
@@ -158,9 +194,12 @@ def train_sft(model, tokenizer, params: WarmStartParams, *, log_every: int = 0) 
     return {"final_loss": sum(tail) / len(tail), "sft_seconds": time.perf_counter() - start}
 
 
-def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None, *, log_every: int = 0) -> Path:
+def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None, *, log_every: int = 0,
+                     cache_dir: str | Path | None = None) -> Path:
     """Build tokenizer + tiny Qwen3, run the SFT warm start, save the HF folder; returns ``out_dir``.
 
+    With ``params.init_from`` the base model comes from the cache under ``cache_dir`` (default
+    :func:`default_cache_dir`), built there first if missing.
     Also writes ``loongsage_warmstart.json`` (params, builder version, final loss, timings).
     """
     from loongsage.core.embedded.tiny_model import build_tiny_qwen3, count_parameters, save_model
@@ -171,15 +210,22 @@ def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None,
     try:
         with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
             start = time.perf_counter()
-            model, tokenizer = build_tiny_qwen3(
-                hidden_size=params.hidden_size,
-                num_layers=params.num_layers,
-                heads=params.heads,
-                kv_heads=params.kv_heads,
-                intermediate_size=params.intermediate_size,
-                seed=params.seed,
-                vocab_size=params.vocab_size,
-            )
+            if params.init_from is not None:
+                from transformers import AutoModelForCausalLM, AutoTokenizer
+
+                base = cached_warm_start(params.base(), cache_dir, log_every=log_every)
+                model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+                tokenizer = AutoTokenizer.from_pretrained(base)
+            else:
+                model, tokenizer = build_tiny_qwen3(
+                    hidden_size=params.hidden_size,
+                    num_layers=params.num_layers,
+                    heads=params.heads,
+                    kv_heads=params.kv_heads,
+                    intermediate_size=params.intermediate_size,
+                    seed=params.seed,
+                    vocab_size=params.vocab_size,
+                )
             summary = train_sft(model, tokenizer, params, log_every=log_every)
             out = save_model(model, tokenizer, out_dir)
             info = {
@@ -218,7 +264,7 @@ def cached_warm_start(
     models.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models))
     try:
-        build_warm_start(tmp, params, log_every=log_every)
+        build_warm_start(tmp, params, log_every=log_every, cache_dir=cache_dir)
         try:
             os.rename(tmp, final)
         except OSError:

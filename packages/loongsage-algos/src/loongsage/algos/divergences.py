@@ -1,0 +1,163 @@
+"""Distribution divergences for on-policy distillation (MOPD's GKD term), per token.
+
+The student Q (the policy being trained) sampled the tokens; the teacher P scored them. Unlike the
+sampled-token estimators of :mod:`loongsage.algos.kl` (k2 and k3 serve MOPD too, fed the teacher's
+log-prob of the student's token), these compare whole next-token distributions at every position::
+
+    topk_kl        sum_{v in S} Q^_v (log Q^_v - log P^_v)     S = the teacher's top-k tokens,
+                                                               P^, Q^ = P, Q renormalised over S
+    full_vocab_kl  sum_v Q_v (log Q_v - log P_v)               KL(Q || P), reverse (mode-seeking)
+    jsd            beta KL(P || M) + (1 - beta) KL(Q || M)     M = beta P + (1 - beta) Q
+    topk_jsd       jsd of P^ and Q^ over the teacher's top-k
+
+Each function takes the student's and the teacher's log-probs over the same support, ``[..., K]``
+(``K = k`` for the top-k forms, the vocabulary size for the full forms; row ``[b, t]`` is the
+distribution of token ``t`` given the tokens before it), and returns the unreduced per-position
+divergence ``[...]``. The teacher is a constant: no gradient reaches it, whatever it carries.
+Masking and reduction are the caller's (the loss pipeline weights positions with the policy loss's
+global denominators). Computed in at least float32.
+
+The entries register through the KL-estimator hook with ``consumes = "topk"`` (and ``k``, how many
+teacher tokens per position to fetch) or ``"full_vocab"``: the framework then ships the teacher's
+top-k ids and log-probs, or its full log-softmax, and gathers the student's log-softmax on the same
+support, only for these entries. Their call is ``entry(student [B, T, K], teacher [B, T, K]) ->
+[B, T]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+
+def _prepare(student: Tensor, teacher: Tensor, renormalise: bool) -> tuple[Tensor, Tensor]:
+    if student.shape != teacher.shape:
+        raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} log-probs: "
+                         "shapes must match (the same support at every position)")
+    dtype = torch.promote_types(student.dtype, torch.float32)
+    q, p = student.to(dtype), teacher.detach().to(dtype)
+    if renormalise:
+        q = q - torch.logsumexp(q, dim=-1, keepdim=True)
+        p = p - torch.logsumexp(p, dim=-1, keepdim=True)
+    return q, p
+
+
+def _kl(log_a: Tensor, log_b: Tensor) -> Tensor:
+    """``sum a (log a - log b)`` over the last dimension; terms with ``a = 0`` count 0."""
+    a = log_a.exp()
+    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
+
+
+def topk_kl(student_logprobs: Tensor, teacher_logprobs: Tensor) -> Tensor:
+    """KL(Q^ || P^) over the teacher's top-k support, both renormalised over it.
+
+    ``student_logprobs`` holds the student's log-probs of the teacher's top-k tokens (gathered from
+    its full log-softmax), ``teacher_logprobs`` the teacher's; shapes ``[..., k]`` -> ``[...]``.
+    With ``k`` the vocabulary size it is :func:`full_vocab_kl`.
+    """
+    q, p = _prepare(student_logprobs, teacher_logprobs, renormalise=True)
+    return _kl(q, p).clamp(min=0.0)  # >= 0 exactly; rounding could leave -1e-9
+
+
+def full_vocab_kl(student_logprobs: Tensor, teacher_logprobs: Tensor) -> Tensor:
+    """KL(Q || P) = ``sum_v Q_v (log Q_v - log P_v)`` over the whole vocabulary.
+
+    Inputs are log-softmax outputs ``[..., V]`` (not renormalised here); returns ``[...]``.
+    """
+    q, p = _prepare(student_logprobs, teacher_logprobs, renormalise=False)
+    return _kl(q, p).clamp(min=0.0)
+
+
+def jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, *, beta: float = 0.5,
+        renormalise: bool = False) -> Tensor:
+    """Generalised Jensen-Shannon divergence ``beta KL(P || M) + (1 - beta) KL(Q || M)``.
+
+    ``M = beta P + (1 - beta) Q``, formed in log space (``logsumexp`` of ``log beta + log P`` and
+    ``log(1 - beta) + log Q``) so tiny probabilities keep their digits. Bounded by the binary
+    entropy ``H(beta) <= log 2``; ``beta`` in (0, 1). With ``renormalise`` both are first
+    renormalised over the given support (the top-k form). Shapes ``[..., K]`` -> ``[...]``.
+    """
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"beta={beta}: must be in (0, 1)")
+    q, p = _prepare(student_logprobs, teacher_logprobs, renormalise=renormalise)
+    log_m = torch.logsumexp(torch.stack([p + math.log(beta), q + math.log1p(-beta)]), dim=0)
+    return (beta * _kl(p, log_m) + (1.0 - beta) * _kl(q, log_m)).clamp(min=0.0)
+
+
+def _check_k(name: str, k: int) -> None:
+    if k < 1:
+        raise ValueError(f"{name}.k={k}: must be >= 1 (teacher tokens per position)")
+
+
+def _check_beta(name: str, beta: float) -> None:
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"{name}.beta={beta}: must be in (0, 1)")
+
+
+@dataclass(frozen=True)
+class TopKKL:
+    """``topk_kl``: reverse KL over the teacher's top-``k`` tokens, both sides renormalised."""
+
+    k: int = 16
+
+    name: ClassVar[str] = "topk_kl"
+    consumes: ClassVar[str] = "topk"
+    needs_old_logprobs: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        _check_k(self.name, self.k)
+
+    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        return topk_kl(logprobs, ref_logprobs)
+
+
+@dataclass(frozen=True)
+class FullVocabKL:
+    """``full_vocab_kl``: reverse KL(student || teacher) over the whole vocabulary."""
+
+    name: ClassVar[str] = "full_vocab_kl"
+    consumes: ClassVar[str] = "full_vocab"
+    needs_old_logprobs: ClassVar[bool] = False
+
+    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        return full_vocab_kl(logprobs, ref_logprobs)
+
+
+@dataclass(frozen=True)
+class JSD:
+    """``jsd``: generalised Jensen-Shannon divergence over the whole vocabulary (GKD)."""
+
+    beta: float = 0.5
+
+    name: ClassVar[str] = "jsd"
+    consumes: ClassVar[str] = "full_vocab"
+    needs_old_logprobs: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        _check_beta(self.name, self.beta)
+
+    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        return jsd(logprobs, ref_logprobs, beta=self.beta)
+
+
+@dataclass(frozen=True)
+class TopKJSD:
+    """``topk_jsd``: generalised JSD over the teacher's top-``k`` tokens, both sides renormalised."""
+
+    beta: float = 0.5
+    k: int = 16
+
+    name: ClassVar[str] = "topk_jsd"
+    consumes: ClassVar[str] = "topk"
+    needs_old_logprobs: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        _check_beta(self.name, self.beta)
+        _check_k(self.name, self.k)
+
+    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        return jsd(logprobs, ref_logprobs, beta=self.beta, renormalise=True)

@@ -1,0 +1,127 @@
+"""MOPD plumbing: teacher specs, one teacher actor per distinct spec, and the step's teacher tensors.
+
+A data source names its teacher like the policy names its model::
+
+    teacher:
+      name: embedded                       # a backend of kind `teacher`
+      params:
+        path: /models/math-teacher         # an HF folder, or
+        builder: {name: tiny_arith, params: {...}}   # a model_builder that makes one (cached)
+        micro_batch_tokens: 8192           # the backend's own params
+
+``path`` / ``builder`` are the framework's (resolved in the driver, before any actor, and handed to
+the backend as ``model_path``); everything else is the backend's and is validated against its
+signature. Sources with the same spec share one teacher actor. Token-level distillation compares
+the two models' next-token distributions, so a teacher must share the student's vocabulary: that is
+checked once the models exist.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loongsage.core.loss import MetricSums
+from loongsage.core.types import ConfigError, TrainBatch
+
+if TYPE_CHECKING:
+    from loongsage.core.config import Config
+
+SOURCE_KEYS = ("path", "builder")  # where the teacher's weights come from: the framework's keys
+
+
+def split_teacher_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(model source {path | builder}, backend spec {name, params without them})``."""
+    params = dict(spec.get("params") or {}) if isinstance(spec, dict) else {}
+    source = {k: params.pop(k) for k in SOURCE_KEYS if k in params}
+    backend = {**spec, "params": params} if isinstance(spec, dict) else spec
+    return source, backend
+
+
+def check_teacher(registry: Any, spec: dict[str, Any], path: str) -> None:
+    """Validate a source's ``teacher`` spec without loading anything (ConfigError, one line)."""
+    source, backend = split_teacher_spec(spec)
+    registry.check("teacher", backend, path, skip=("model_path",))
+    given = [k for k in SOURCE_KEYS if source.get(k) is not None]
+    if len(given) != 1:
+        raise ConfigError(f"{path}.params: set exactly one of path (an HF folder) or builder (a model_builder "
+                          f"spec) for the teacher's weights; got {', '.join(given) or 'neither'}")
+    if given == ["builder"]:
+        registry.create("model_builder", source["builder"], f"{path}.params.builder")
+    elif not isinstance(source["path"], str) or not (Path(source["path"]) / "config.json").is_file():
+        raise ConfigError(f"{path}.params.path={source['path']!r}: not an HF model folder (no config.json there)")
+
+
+@dataclass
+class TeacherPlan:
+    """One teacher actor to start: its backend spec, its resolved weights and the sources it serves."""
+
+    spec: dict[str, Any]  # backend {name, params} (without path / builder)
+    model_path: str
+    sources: list[str] = field(default_factory=list)
+
+
+def plan_teachers(cfg: "Config", registry: Any, student_path: str) -> list[TeacherPlan]:
+    """Resolve every source's teacher (building cached models now), one plan per distinct spec."""
+    plans: dict[str, TeacherPlan] = {}
+    for i, src in enumerate(cfg.data_sources):
+        if src.teacher is None:
+            continue
+        key = json.dumps(src.teacher, sort_keys=True)
+        if key not in plans:
+            source, backend = split_teacher_spec(src.teacher)
+            if source.get("builder") is not None:
+                builder = registry.create("model_builder", source["builder"], f"data_sources[{i}].teacher.params.builder")
+                model_path = str(builder.build())
+            else:
+                model_path = str(source["path"])
+            check_same_vocabulary(student_path, model_path, f"data_sources[{i}].teacher")
+            plans[key] = TeacherPlan(backend, model_path)
+        plans[key].sources.append(src.name)
+    return list(plans.values())
+
+
+def check_same_vocabulary(student_path: str, teacher_path: str, where: str) -> None:
+    """Token-level distillation needs one vocabulary: refuse a teacher whose tokenizer differs."""
+    from transformers import AutoTokenizer
+
+    student = AutoTokenizer.from_pretrained(student_path).get_vocab()
+    teacher = AutoTokenizer.from_pretrained(teacher_path).get_vocab()
+    if student != teacher:
+        differ = len(set(student.items()) ^ set(teacher.items()))
+        raise ConfigError(f"{where}: the teacher at {teacher_path} has another vocabulary than the student "
+                          f"({len(teacher)} vs {len(student)} tokens, {differ} entries differ); token-level "
+                          "distillation needs the student's tokenizer")
+
+
+def fill_teacher_tensors(batch: TrainBatch, outputs: list[tuple[list[int], dict[str, Any]]]) -> None:
+    """Write each teacher's answer for its rows into ``batch`` (every row has exactly one teacher)."""
+    B, T = batch.input_ids.shape
+    batch.teacher_logprobs = torch.zeros(B, T)
+    batch.teacher_dist_ids = batch.teacher_dist_logprobs = None
+    for rows, out in outputs:
+        idx = torch.tensor(rows, dtype=torch.long)
+        batch.teacher_logprobs[idx] = out["logprobs"]
+        for name, key in (("teacher_dist_ids", "dist_ids"), ("teacher_dist_logprobs", "dist_logprobs")):
+            value = out[key]
+            if value is None:
+                continue
+            if getattr(batch, name) is None:
+                setattr(batch, name, torch.zeros(B, T, value.shape[-1], dtype=value.dtype))
+            getattr(batch, name)[idx] = value
+
+
+def distill_metrics(batch: TrainBatch) -> MetricSums:
+    """Token-mean sums of the sampled-token KL estimate ``log pi_s - log pi_t`` (``mopd_kl``) and of
+    the teacher's log-prob of the student's tokens, over the step and per source."""
+    from loongsage.core.loss import per_source_sums
+
+    student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+    mask = batch.response_mask
+    out = per_source_sums("mopd_kl", student - batch.teacher_logprobs, mask, batch.sources)
+    out.update(per_source_sums("mopd_teacher_logprob", batch.teacher_logprobs, mask, batch.sources))
+    return out
