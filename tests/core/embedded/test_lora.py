@@ -209,3 +209,21 @@ def test_replicated_dp2_equals_dp1_and_fsdp2_is_refused(model_dir, tmp_path):
     for name in ref:
         np.testing.assert_array_equal(ranks[0][name], ranks[1][name], err_msg=name)  # replicas agree exactly
         np.testing.assert_allclose(ranks[0][name], ref[name], atol=1e-6, rtol=1e-4, err_msg=name)
+
+
+def test_gradient_checkpointing_still_trains_the_adapters(model_dir):
+    """Checkpointed layers whose input (the frozen embedding's output) has no grad must still give
+    the adapters the same gradients as a plain forward."""
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        trainer = TorchTrainer(model_dir, gradient_checkpointing=checkpointing, lora=LoraConfig(rank=4, alpha=8.0))
+        trainer.setup_optimizer(1e-30, [0.9, 0.999], 1e-8, 0.0, 1e9)  # lr ~ 0: gradients at the start point
+        _steps(trainer, lora_batch(), 1)
+        grads.append({n: p.grad for n, p in trainer.model.named_parameters() if p.requires_grad})
+    plain, checkpointed = grads
+    assert plain.keys() == checkpointed.keys()
+    assert all(checkpointed[n] is not None for n in plain)
+    assert any(float(g.abs().sum()) > 0 for n, g in checkpointed.items() if ".lora_B." in n)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-7, rtol=1e-5, msg=name)

@@ -192,7 +192,8 @@ class TorchTrainer:
                              "(the adapters are small, so a full replica per rank costs little)")
         add_adapters(self.model, self.lora, self._decoder_layers())
         if self.gradient_checkpointing:
-            # frozen embeddings give checkpointed layers inputs without grad: no adapter grads at all
+            # with reentrant checkpointing (older transformers' default) frozen embeddings would feed the
+            # checkpointed layers inputs without grad, and the adapters inside them would get none
             self.model.enable_input_require_grads()
         if self.world_size > 1:
             # ranks seed differently, so their random lora_A inits differ: start every replica at rank 0's
