@@ -26,13 +26,19 @@ def build_model(path: str, *, hidden: int = 1024, layers: int = 8, vocab: int = 
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
-def measure(path: str, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64) -> dict[str, float]:
+def measure(path: str, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64, *,
+            deterministic: bool = False) -> dict[str, float]:
+    """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens.
+
+    ``deterministic``: the engine's deterministic mode against a trainer that runs one sequence per
+    micro-batch (the setting under which the two forwards are the same computation).
+    """
     from loongsage.core.embedded.engine import NativeEngine
     from loongsage.core.embedded.trainer import TorchTrainer
     from loongsage.core.types import GenerationRequest, SamplingParams, TrainBatch
 
     engine = NativeEngine(path, dtype="bfloat16", device="cuda", fp32_lm_head=True, eos_token_ids=[],
-                          max_model_len=prompt_len + new_tokens + 8)
+                          max_model_len=prompt_len + new_tokens + 8, deterministic=deterministic)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 32000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     requests = [GenerationRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i))
@@ -49,7 +55,7 @@ def measure(path: str, batch: int = 32, prompt_len: int = 64, new_tokens: int = 
     tb = TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
                     rollout_logprobs=torch.zeros(batch, T), advantages=torch.zeros(batch, T),
                     rewards=torch.zeros(batch), group_ids=torch.arange(batch))
-    trainer_lp, _ = trainer.logprobs(tb, token_budget=batch * T)
+    trainer_lp, _ = trainer.logprobs(tb, token_budget=1 if deterministic else batch * T)
     engine_lp = torch.tensor([r.logprobs for r in results])
     delta = (trainer_lp[:, prompt_len:] - engine_lp).double()
     k3 = (torch.exp(delta) - delta - 1).mean().item()
@@ -66,9 +72,16 @@ def test_engine_and_trainer_logprobs_agree_in_bf16_with_fp32_head(tmp_path):
     assert figures["k3_kl"] <= 1e-5, figures
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deterministic_mode_agrees_with_the_trainer_in_bf16(tmp_path):
+    build_model(str(tmp_path / "m"))
+    figures = measure(str(tmp_path / "m"), deterministic=True)
+    assert figures["k3_kl"] <= 1e-9 and figures["max_abs_logprob_diff"] <= 1e-6, figures
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/consistency"
     os.makedirs(out, exist_ok=True)
     build_model(f"{out}/m")
-    figures = measure(f"{out}/m")
+    figures = {"fast": measure(f"{out}/m"), "deterministic": measure(f"{out}/m", deterministic=True)}
     print(json.dumps(figures, indent=1))

@@ -218,7 +218,11 @@ class SlotBatch:
     def _prefill(self) -> tuple[list[int], Tensor | None]:
         """Run up to ``chunk`` prompt tokens; return the rows whose prefill ended and their logits."""
         budget, rows, logits = self.chunk, [], []
-        budget = self._prefill_fresh_together(budget, rows, logits)
+        while True:  # fresh prompts at the head of the queue, in budget-sized batched forwards
+            left = self._prefill_fresh_together(budget, rows, logits)
+            if left == budget:
+                break
+            budget = left
         while self.prefilling and budget > 0:
             e = self.prefilling[0]
             ids = e.group.prompt
@@ -257,7 +261,7 @@ class SlotBatch:
         ``[0, len)`` — the same layout the one-request path leaves.
         """
         batch = []
-        while self.prefilling and len(batch) < 64:
+        while self.prefilling:
             e = self.prefilling[0]
             n = len(e.group.prompt)
             if e.pos != 0 or n > budget:

@@ -1,0 +1,150 @@
+"""Native engine vs HF ``generate`` on one CUDA GPU: a Qwen3-1.7B-shaped model with random bf16 weights.
+
+Workload: ``--batch`` prompts of ``--prompt`` random tokens, each sampled (temperature 1, no filter,
+no stop ids) for exactly ``--new-tokens`` tokens. Both sides run in this process on the same
+weights; the time covers prefill and decode. Sides:
+
+* HF ``generate`` (``do_sample``, static batch, its default dynamic cache);
+* the native engine with CUDA graphs for decode (the default on CUDA), after one warm-up run that
+  captures the graphs it needs;
+* the native engine eager (``cuda_graphs=False``), to show what the graphs buy.
+
+Reference lines, not measured here: the weights-only bandwidth roofline of this workload on an H200
+and SGLang 0.5.16 on the same workload and card.
+
+    python bench/engine_gpu.py [--batches 64 256] [--prompt 128] [--new-tokens 256] [--repeats 2] [--out PATH]
+
+Writes ``bench/results/engine_gpu.json`` (or ``--out``) and a markdown table next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results" / "engine_gpu.json"
+# SGLang 0.5.16 on one H200, same model shape and workload (tokens/s), by batch size.
+SGLANG_REFERENCE = {64: 18_933, 256: 36_470}
+# The weights-only bandwidth roofline of this workload on an H200, as the engine's goals state it.
+ROOFLINE_REFERENCE = {64: 39_000, 256: 156_000}
+
+
+def qwen3_1_7b_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
+                       rope_theta=1_000_000.0, tie_word_embeddings=True, eos_token_id=151_645, pad_token_id=151_643)
+
+
+def build(path: Path) -> torch.nn.Module:
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen3ForCausalLM(qwen3_1_7b_config()).to(torch.bfloat16)
+    model.generation_config.eos_token_id = None  # run every row to max_new_tokens
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def hf_side(model, prompts: torch.Tensor, new_tokens: int) -> float:
+    def run():
+        with torch.inference_mode():
+            out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
+                                 top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 pad_token_id=0)
+        assert out.shape[1] == prompts.shape[1] + new_tokens
+
+    return timed(run)
+
+
+def engine_side(engine, prompts: torch.Tensor, new_tokens: int) -> float:
+    from loongsage.core.types import GenerationRequest, SamplingParams
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+    requests = [GenerationRequest(f"r{i}", row, sampling) for i, row in enumerate(prompts.tolist())]
+
+    def run():
+        results = engine.generate_batch(requests)
+        assert all(len(r[0].output_ids) == new_tokens for r in results)
+
+    return timed(run)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    from loongsage.core.embedded.engine import NativeEngine
+
+    tmp = Path(tempfile.mkdtemp(prefix="qwen3-1.7b-random-"))
+    model = build(tmp)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    longest = max(args.batches)
+    common = {"dtype": "bfloat16", "device": "cuda", "max_batch_size": longest, "eos_token_ids": [],
+              "max_model_len": args.prompt + args.new_tokens, "prefill_chunk_tokens": longest * args.prompt,
+              # Repeats send the same prompts: a prefix cache would skip their prefill, which HF
+              # cannot, so it is off (this is a static-batch workload, not sessions).
+              "prefix_cache": False}
+    graphed = NativeEngine(str(tmp), **common)
+    eager = NativeEngine(str(tmp), cuda_graphs=False, **common)
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for batch in args.batches:
+        prompts = torch.randint(3, 151_000, (batch, args.prompt), generator=gen).cuda()
+        tokens = batch * args.new_tokens
+        hf_side(model, prompts[:, :16], 8)  # warm-up (kernels, allocator)
+        engine_side(graphed, prompts, args.new_tokens)  # warm-up: captures the decode graphs
+        engine_side(eager, prompts[:8], 8)
+        hf = [tokens / hf_side(model, prompts, args.new_tokens) for _ in range(max(1, args.repeats - 1))]
+        ours = [tokens / engine_side(graphed, prompts, args.new_tokens) for _ in range(args.repeats)]
+        plain = [tokens / engine_side(eager, prompts, args.new_tokens) for _ in range(max(1, args.repeats - 1))]
+        roofline = ROOFLINE_REFERENCE.get(batch)
+        row = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
+               "hf_generate_tok_s": statistics.median(hf), "engine_cuda_graphs_tok_s": statistics.median(ours),
+               "engine_eager_tok_s": statistics.median(plain), "roofline_tok_s": roofline,
+               "sglang_reference_tok_s": SGLANG_REFERENCE.get(batch), "repeats": {"hf": hf, "graphs": ours,
+                                                                                  "eager": plain}}
+        row["speedup_vs_hf"] = row["engine_cuda_graphs_tok_s"] / row["hf_generate_tok_s"]
+        row["eager_speedup_vs_hf"] = row["engine_eager_tok_s"] / row["hf_generate_tok_s"]
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "repeats"}), flush=True)
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "weights_gb": weight_bytes / 1e9, "graphs_captured": graphed._batch.graphs.captures,
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    table = ["| batch | HF generate tok/s | engine eager tok/s | engine + CUDA graphs tok/s | vs HF | "
+             "SGLang 0.5.16 (ref.) | roofline |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sglang = f"{r['sglang_reference_tok_s']:,}" if r["sglang_reference_tok_s"] else "-"
+        table.append(f"| {r['batch']} | {r['hf_generate_tok_s']:,.0f} | {r['engine_eager_tok_s']:,.0f} | "
+                     f"{r['engine_cuda_graphs_tok_s']:,.0f} | {r['speedup_vs_hf']:.2f}x | {sglang} | "
+                     f"{r['roofline_tok_s'] or 0:,} |")
+    text = "\n".join(table)
+    args.out.with_suffix(".md").write_text(f"{info}\n\n{text}\n")
+    print(info)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
