@@ -148,6 +148,23 @@ class EngineWorker:
         """Continue a resumed run's version numbering."""
         self.engine.set_version(version)
 
+    async def abort(self, request_ids: list[str] | None = None) -> list:
+        """Abort requests (None: all); their results carry the tokens generated so far."""
+        return await self.engine.abort(request_ids)
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def release_memory(self) -> None:
+        """Give the device to a colocated trainer (KV cache freed, weights to host on a GPU)."""
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
     def version(self) -> int:
         return self.engine.version
 
