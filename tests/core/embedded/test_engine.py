@@ -394,6 +394,31 @@ def test_next_turn_of_a_session_prefills_only_the_new_suffix(model_dir, hf_model
     assert engine.health()["prefix_hit_tokens"] == before["prefix_hit_tokens"]
 
 
+def test_next_turns_of_many_sessions_are_prefilled_together(model_dir, hf_model):
+    # Six sessions (history lengths differ) send their next turn at once, mixed with fresh prompts:
+    # one batched forward prefills every new suffix on top of its cached prefix.
+    engine = NativeEngine(model_dir, max_batch_size=32, max_model_len=128, eos_token_ids=[])
+    firsts = prompts(6, seed=27, lo=4, hi=30)
+    turn1 = engine.generate_batch([req(f"a{i}", p, max_new_tokens=3 + 2 * i, temperature=0)
+                                   for i, p in enumerate(firsts)])
+    turn2 = [p + r.output_ids + list(range(10, 12 + i)) for i, (p, (r,)) in enumerate(zip(firsts, turn1))]
+    fresh_prompts = prompts(3, seed=28)
+    before = engine.health()
+    requests = [req(f"b{i}", p, max_new_tokens=8, temperature=0, n=1 + i % 2) for i, p in enumerate(turn2)]
+    results = engine.generate_batch(requests + [req(f"f{i}", p, max_new_tokens=8, temperature=0)
+                                                for i, p in enumerate(fresh_prompts)])
+    after = engine.health()
+    cached = sum(len(p) + len(r.output_ids) - 1 for p, (r,) in zip(firsts, turn1))
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == cached
+    assert after["prefill_tokens"] - before["prefill_tokens"] == sum(map(len, turn2 + fresh_prompts)) - cached
+    assert after["prefill_forwards"] - before["prefill_forwards"] == 1
+    for prompt, samples in zip(turn2 + fresh_prompts, results):
+        for r in samples:  # every sample row of a session got the whole history
+            assert r.output_ids == hf_greedy(hf_model, [prompt], 8)[0]
+            torch.testing.assert_close(torch.tensor(r.logprobs), full_logprobs(hf_model, prompt, r.output_ids),
+                                       atol=1e-5, rtol=0)
+
+
 def test_a_row_that_filled_max_model_len_does_not_break_its_neighbours(model_dir, hf_model):
     # Slot 0 stops at the context limit while slot 1 keeps decoding: the finished slot's length then
     # equals max_model_len, and later decode steps must not write past the cache.

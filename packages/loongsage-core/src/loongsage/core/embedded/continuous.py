@@ -218,12 +218,12 @@ class SlotBatch:
     def _prefill(self) -> tuple[list[int], Tensor | None]:
         """Run up to ``chunk`` prompt tokens; return the rows whose prefill ended and their logits."""
         budget, rows, logits = self.chunk, [], []
-        while True:  # fresh prompts at the head of the queue, in budget-sized batched forwards
-            left = self._prefill_fresh_together(budget, rows, logits)
+        while True:  # queued prompts that fit the budget, in batched forwards
+            left = self._prefill_together(budget, rows, logits)
             if left == budget:
                 break
             budget = left
-        while self.prefilling and budget > 0:
+        while self.prefilling and budget > 0:  # one request alone, or a chunk of a long prompt
             e = self.prefilling[0]
             ids = e.group.prompt
             take = min(len(ids) - e.pos, budget)
@@ -236,6 +236,7 @@ class SlotBatch:
             s = e.slot
             out = self.runner.forward_slots(x, positions, [k[s:s + 1] for k in self.keys],
                                             [v[s:s + 1] for v in self.values], end, mask)
+            self.stats["prefill_forwards"] += 1
             e.pos, budget = end, budget - take
             self.t["lens"][s] = end  # the decode forward's throw-away write for this row lands past it
             self.stats["prefill_tokens"] += take
@@ -251,52 +252,80 @@ class SlotBatch:
             logits.append(out.expand(len(group_rows), -1))
         return rows, (torch.cat(logits) if logits else None)
 
-    def _prefill_fresh_together(self, budget: int, rows: list[int], logits: list[Tensor]) -> int:
-        """Prefill, in ONE forward, the queued prompts that start from scratch and fit the budget.
+    def _prefill_together(self, budget: int, rows: list[int], logits: list[Tensor]) -> int:
+        """Prefill, in ONE forward, the queued prompts whose remaining tokens fit the budget.
 
-        Requests that arrive together (a step of many prompts) then cost one forward instead of one
-        each. The prompts are left-padded into a scratch cache with per-row positions (RoPE sees
-        each token's true position), pad keys are masked (every query still sees itself, so no row
-        attends to nothing), and each row's keys/values are copied into its slot at columns
-        ``[0, len)`` — the same layout the one-request path leaves.
+        Requests that arrive together (a step of many prompts, or the next turns of many sessions)
+        then cost one forward instead of one each. Row ``b`` has ``pre`` tokens already cached in
+        its slot (a reused prefix; 0 for a fresh prompt) and ``rest`` tokens to prefill. In a
+        scratch cache of width ``P + S`` (``P``, ``S``: the largest ``pre`` and ``rest``) its cached
+        keys/values are copied to columns ``[P - pre, P)`` and its remaining tokens, left-padded to
+        ``S``, are computed at ``[P, P + S)`` with their true positions (RoPE). A query sees its
+        row's prefix and its own real tokens up to itself; pad keys are masked (a pad query sees
+        itself, so no row attends to nothing). Afterwards columns ``[0, pre + rest)`` of each row's
+        slots (and its sibling samples') hold the whole prompt, as the one-request path leaves them.
         """
         batch = []
         while self.prefilling:
             e = self.prefilling[0]
-            n = len(e.group.prompt)
-            if e.pos != 0 or n > budget:
+            rest = len(e.group.prompt) - e.pos
+            if rest > budget:
                 break
             batch.append(self.prefilling.popleft())
-            budget -= n
-        if len(batch) < 2:
+            budget -= rest
+        if len(batch) < 2:  # one request: the direct path prefills it in its slot without copies
             for e in reversed(batch):
                 self.prefilling.appendleft(e)
-            return budget + sum(len(e.group.prompt) for e in batch)
-        dev = self.device
-        lens = [len(e.group.prompt) for e in batch]
-        width = max(lens)
-        pads = torch.tensor([width - n for n in lens], device=dev)
-        x = torch.zeros(len(batch), width, dtype=torch.long, device=dev)
+            return budget + sum(len(e.group.prompt) - e.pos for e in batch)
+        dev, B = self.device, len(batch)
+        pre = [e.pos for e in batch]
+        rest = [len(e.group.prompt) - e.pos for e in batch]
+        P, S = max(pre), max(rest)
+        W = P + S
+        x = torch.zeros(B, S, dtype=torch.long, device=dev)
         for b, e in enumerate(batch):
-            x[b, width - lens[b]:] = torch.tensor(e.group.prompt, dtype=torch.long, device=dev)
-        cols = torch.arange(width, device=dev)
-        positions = (cols[None, :] - pads[:, None]).clamp(min=0)
-        causal = cols[None, :] <= cols[:, None]
-        mask = (causal[None] & (cols[None, None, :] >= pads[:, None, None])) | torch.eye(width, dtype=torch.bool,
-                                                                                           device=dev)[None]
-        scratch_k = [k.new_zeros(len(batch), *k.shape[1:2], width, k.shape[3]) for k in self.keys]
-        scratch_v = [v.new_zeros(len(batch), *v.shape[1:2], width, v.shape[3]) for v in self.values]
-        out = self.runner.forward_slots(x, positions, scratch_k, scratch_v, width, mask[:, None])
-        for b, e in enumerate(batch):
-            n, s = lens[b], e.slot
-            group_rows = [s, *e.siblings]
+            x[b, S - rest[b]:] = torch.tensor(e.group.prompt[e.pos:], dtype=torch.long, device=dev)
+        pre_t, pad_t = torch.tensor(pre, device=dev), torch.tensor([S - r for r in rest], device=dev)
+        j = torch.arange(S, device=dev)
+        positions = (pre_t[:, None] + j[None, :] - pad_t[:, None]).clamp(min=0)
+        c = torch.arange(W, device=dev)[None, None, :]  # key column
+        q = (P + j)[None, :, None]  # query column
+        prefix = (c >= P - pre_t[:, None, None]) & (c < P)
+        own = (c >= P + pad_t[:, None, None]) & (c <= q)
+        mask = prefix | own | (c == q)
+        scratch_k = [k.new_zeros(B, k.shape[1], W, k.shape[3]) for k in self.keys]
+        scratch_v = [v.new_zeros(B, v.shape[1], W, v.shape[3]) for v in self.values]
+        # Cached prefixes into the scratch, all rows at once: (row b, its slot column i) pairs.
+        pb = [b for b in range(B) for _ in range(pre[b])]
+        if pb:
+            slot_i = torch.tensor([batch[b].slot for b in pb], device=dev)
+            col_i = torch.tensor([i for b in range(B) for i in range(pre[b])], device=dev)
+            b_i = torch.tensor(pb, device=dev)
+            dst_i = col_i + P - pre_t[b_i]
             for buf, scratch in zip(self.keys + self.values, scratch_k + scratch_v):
-                buf[group_rows, :, :n] = scratch[b, :, width - n:]
+                scratch[b_i, :, dst_i] = buf[slot_i, :, col_i]
+        out = self.runner.forward_slots(x, positions, scratch_k, scratch_v, W, mask[:, None])
+        self.stats["prefill_forwards"] += 1
+        # The whole prompt back into every sample row's slot: (slot, column) <- (row b, scratch column).
+        slots, cols, src_b, src_c = [], [], [], []
+        for b, e in enumerate(batch):
+            n = pre[b] + rest[b]
+            group_rows = [e.slot, *e.siblings]
+            src = list(range(P - pre[b], P)) + list(range(W - rest[b], W))
+            for r in group_rows:
+                slots += [r] * n
+                cols += range(n)
+                src_b += [b] * n
+                src_c += src
             self.t["lens"][torch.tensor(group_rows, device=dev)] = n
             e.pos = n
-            self.stats["prefill_tokens"] += n
+            self.stats["prefill_tokens"] += rest[b]
             rows += group_rows
             logits.append(out[b:b + 1].expand(len(group_rows), -1))
+        slots_t, cols_t = torch.tensor(slots, device=dev), torch.tensor(cols, device=dev)
+        src_b_t, src_c_t = torch.tensor(src_b, device=dev), torch.tensor(src_c, device=dev)
+        for buf, scratch in zip(self.keys + self.values, scratch_k + scratch_v):
+            buf[slots_t, :, cols_t] = scratch[src_b_t, :, src_c_t]
         return budget
 
     def _decoding(self) -> tuple[Tensor, int, SamplingTensors]:
@@ -402,7 +431,11 @@ class SlotBatch:
         return completed
 
     def _compact(self) -> None:
-        """Move the highest decoding rows into lower free slots when the decode range is sparse."""
+        """Move the highest decoding rows into lower free slots when the decode range is sparse.
+
+        A retained cache in the way is not dropped: it swaps places with the row moving down, so
+        it leaves the decode range and stays reusable.
+        """
         decoding = [s for s, st in enumerate(self.status) if st == DECODE]
         if not decoding:
             return
@@ -413,19 +446,27 @@ class SlotBatch:
         for dst, src in zip(holes, reversed(decoding)):
             if dst >= src:
                 break
-            self.retained.pop(dst, None)
             self._move(src, dst)
         self._dec = None
 
     def _move(self, src: int, dst: int) -> None:
+        """Move row ``src`` to slot ``dst``; a retained cache at ``dst`` goes to ``src`` in exchange."""
+        kept = self.retained.pop(dst, None)
         n = int(self.t["lens"][src]) + 1
-        for buf in self.keys + self.values:
-            buf[dst, :, :n] = buf[src, :, :n]
-        for buf in self.t.values():
-            buf[dst] = buf[src]
-        self.status[dst], self.status[src] = self.status[src], FREE
+        if kept is not None:
+            n = max(n, int(self.t["lens"][dst]) + 1)
+        n = min(n, self.L)
+        for buf in list(self.t.values()) + [b[:, :, :n] for b in self.keys + self.values]:
+            if kept is None:
+                buf[dst] = buf[src]
+            else:
+                buf[[dst, src]] = buf[[src, dst]]
+        self.status[dst], self.status[src] = self.status[src], RETAINED if kept is not None else FREE
         self.slot_group[dst], self.slot_group[src] = self.slot_group[src], None
         self.slot_sample[dst], self.slot_version[dst] = self.slot_sample[src], self.slot_version[src]
+        if kept is not None:
+            self.retained[src] = kept
+            self.slot_version[src] = kept[1]
 
     def abort(self, groups: set) -> list:
         """End the rows of ``groups`` with ``ABORT`` (tokens so far); return those groups completed."""

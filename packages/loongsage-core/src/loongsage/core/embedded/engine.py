@@ -145,7 +145,7 @@ class NativeEngine:
         self._aborts: list[tuple[list[_Group], asyncio.Future]] = []
         self._last_error: str | None = None
         self._stats = dict.fromkeys(("batches", "steps", "generated_tokens", "prefill_rows", "prefill_tokens",
-                                     "prefix_hit_tokens", "kv_slots", "kv_cache_bytes"), 0)
+                                     "prefix_hit_tokens", "prefill_forwards", "kv_slots", "kv_cache_bytes"), 0)
         self._batch_args = {"max_slots": self.max_batch_size, "max_model_len": self.max_model_len,
                             "generator": self._generator, "stats": self._stats,
                             "prefill_chunk_tokens": int(prefill_chunk_tokens), "prefix_cache": bool(prefix_cache),
