@@ -1,5 +1,5 @@
-"""Shared pieces of the native-engine tests: a tiny Qwen3 with peaked logits, prompts, requests and
-the reference log-probs of a plain full-sequence forward."""
+"""Shared pieces of the native-engine tests: a tiny Qwen3 with peaked logits,
+prompts, requests and the reference log-probs of a plain full-sequence forward."""
 
 from __future__ import annotations
 
@@ -46,3 +46,4 @@ def full_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
         logits = model(torch.tensor([prompt + output])).logits[0].float()
     logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+

@@ -16,19 +16,7 @@ from loongsage.core.embedded.sampling import SamplingTensors, sample
 from loongsage.core.types import FinishReason, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_helpers import EOS, VOCAB, build_engine_test_model, full_logprobs, prompts, req  # noqa: E402
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_engine_test_model(tmp_path_factory.mktemp("tiny_qwen3"))
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
-
+from _engine_helpers import EOS, VOCAB, full_logprobs, prompts, req  # noqa: E402
 
 @pytest.fixture
 def engine(model_dir):

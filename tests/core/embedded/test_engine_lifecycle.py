@@ -15,19 +15,7 @@ from loongsage.core.embedded.trainer import TorchTrainer
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams, TrainBatch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _engine_helpers import build_engine_test_model, full_logprobs, prompts, req  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_engine_test_model(tmp_path_factory.mktemp("tiny_qwen3"))
-
-
-@pytest.fixture(scope="module")
-def hf_model(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+from _engine_helpers import full_logprobs, prompts, req  # noqa: E402
 
 
 def perturbed(hf_model, scale: float = 0.05, seed: int = 3) -> dict[str, torch.Tensor]:
