@@ -76,7 +76,9 @@ class SlotBatch:
         self.retained: dict[int, tuple[list[int], int, int]] = {}  # slot -> (cached tokens, version, last use)
         self.prefilling: deque[_Prefill] = deque()
         self.clock = 0
-        self._dec: tuple[Tensor, int, SamplingTensors] | None = None  # decoding slots, hi, their sampling
+        # decoding slots, hi, their sampling, their longest length; rebuilt when the set changes
+        self._dec: tuple[Tensor, int, SamplingTensors, int] | None = None
+        self._dec_steps = 0  # decode steps since it was built
         self.initial_slots = min(self.max_slots, max(1, initial_slots))
         self._grow(self.initial_slots)
 
@@ -328,11 +330,15 @@ class SlotBatch:
             buf[slots_t, :, cols_t] = scratch[src_b_t, :, src_c_t]
         return budget
 
-    def _decoding(self) -> tuple[Tensor, int, SamplingTensors]:
+    def _decoding(self) -> tuple[Tensor, int, SamplingTensors, int]:
         if self._dec is None:
             slots = [s for s, st in enumerate(self.status) if st == DECODE]
-            self._dec = (torch.tensor(slots, dtype=torch.long, device=self.device), slots[-1] + 1 if slots else 0,
-                         self._sampling(slots))
+            idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+            # Read back once per change of the decoding set (every row then grows by one per step),
+            # so a steady decode step needs no device-to-host sync before its forward.
+            longest = int(self.t["lens"][idx].max()) if slots else 0
+            self._dec = (idx, slots[-1] + 1 if slots else 0, self._sampling(slots), longest)
+            self._dec_steps = 0
         return self._dec
 
     def _sampling(self, slots: list[int]) -> SamplingTensors:
@@ -343,11 +349,12 @@ class SlotBatch:
     def step(self, version: int) -> list:
         """Prefill (chunk-limited), one decode step for every decoding row; return completed groups."""
         t = self.t
-        dec, hi, st = self._decoding()
+        dec, hi, st, longest = self._decoding()
         new_rows, new_logits = self._prefill()
         parts = []
         if hi:
-            end = int(t["lens"][:hi].max()) + 1
+            end = min(longest + self._dec_steps + 1, self.L)
+            self._dec_steps += 1
             if self.graphs is not None:
                 logits = self.graphs.run(self._decode_forward, hi, end, self.cap)
             else:
