@@ -15,7 +15,9 @@ from test_grpo_tiny import _metrics, _model_path, _short_run, _trained  # noqa: 
 
 
 def test_lora_recipe_trains_pushes_merged_weights_and_resumes(ray_session, in_tmp):
-    args = _short_run("tiny/grpo_lora_cpu", "lora", 3, "checkpoint.every_steps=3", "checkpoint.export_hf=true")
+    # with a k3 KL penalty: its frozen reference is the base model with the adapters switched off
+    args = _short_run("tiny/grpo_lora_cpu", "lora", 3, "checkpoint.every_steps=3", "checkpoint.export_hf=true",
+                      "algorithm.kl={name: k3}", "algorithm.kl_coef=0.05")
     assert main(args) == 0
     run_dir = in_tmp / "runs" / "lora"
     trained = _trained(_metrics(run_dir))
@@ -24,6 +26,8 @@ def test_lora_recipe_trains_pushes_merged_weights_and_resumes(ray_session, in_tm
     start = load_file(str(_model_path(run_dir) / "model.safetensors"))
     linear = [k for k in start if k.startswith("model.layers.") and k.endswith("_proj.weight")]
     merged_bytes = sum(start[k].numel() * start[k].element_size() for k in linear)
+    # the reference is the starting policy: KL is 0 before the first update and positive after it
+    assert abs(trained[0]["train/kl"]) < 1e-6 and trained[-1]["train/kl"] > 0
     for r in trained:
         assert r["train/grad_norm"] > 0
         # the engine samples with the trainer's merged weights: the train-inference mismatch stays tiny

@@ -227,3 +227,19 @@ def test_gradient_checkpointing_still_trains_the_adapters(model_dir):
     assert any(float(g.abs().sum()) > 0 for n, g in checkpointed.items() if ".lora_B." in n)
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], atol=1e-7, rtol=1e-5, msg=name)
+
+
+def test_the_kl_reference_is_the_base_model_with_adapters_off(model_dir):
+    """A LoRA policy's frozen reference needs no second model: its adapters switched off give it."""
+    plain = TorchTrainer(model_dir)
+    assert plain.reference_logprobs(lora_batch(), 10_000) is None  # full fine-tuning keeps its own reference
+    trainer = _trainer(model_dir)
+    batch = lora_batch()
+    base_lp = plain.logprobs(batch, 10_000)[0]
+    _steps(trainer, batch)
+    trained_lp = trainer.logprobs(batch, 10_000)[0]
+    assert not torch.equal(trained_lp, base_lp)  # the adapters moved the policy
+    torch.testing.assert_close(trainer.reference_logprobs(batch, 10_000), base_lp, atol=1e-6, rtol=0)
+    # the adapters are back on and still train afterwards
+    assert torch.equal(trainer.logprobs(batch, 10_000)[0], trained_lp)
+    assert all(p.requires_grad for n, p in trainer.model.named_parameters() if ".lora_" in n)

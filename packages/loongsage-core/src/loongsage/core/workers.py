@@ -73,7 +73,10 @@ class TrainerWorker:
         self.pipeline = build_pipeline(cfg, registry)
         self.transport = registry.create("transport", cfg.rollout.transport, "rollout.transport") if rank == 0 else None
         self.reference = None
-        if self.pipeline.needs_ref_logprobs:
+        # A frozen reference for KL: its own model, unless the backend holds the starting policy
+        # already (LoRA: the base weights with the adapters switched off).
+        self._reference_in_backend = getattr(self.backend, "lora", None) is not None
+        if self.pipeline.needs_ref_logprobs and not self._reference_in_backend:
             self.reference = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
         self.token_budget = cfg.trainer.micro_batch_tokens
 
@@ -83,6 +86,8 @@ class TrainerWorker:
         out = {"old_logprobs": old, "entropy": entropy}
         if self.reference is not None:
             out["ref_logprobs"] = self.reference.logprobs(batch, self.token_budget)[0]
+        elif self.pipeline.needs_ref_logprobs:
+            out["ref_logprobs"] = self.backend.reference_logprobs(batch, self.token_budget)
         return out
 
     def train_step(self, mini_batch: TrainBatch) -> dict[str, float]:

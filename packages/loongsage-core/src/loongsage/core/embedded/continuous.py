@@ -76,6 +76,7 @@ class SlotBatch:
         self.retained: dict[int, tuple[list[int], int, int]] = {}  # slot -> (cached tokens, version, last use)
         self.prefilling: deque[_Prefill] = deque()
         self.clock = 0
+        self.version = 0  # the newest weight version seen; retained caches of older ones are freed
         # decoding slots, hi, their sampling, their longest length; rebuilt when the set changes
         self._dec: tuple[Tensor, int, SamplingTensors, int] | None = None
         self._dec_steps = 0  # decode steps since it was built
@@ -164,8 +165,20 @@ class SlotBatch:
 
     # ----------------------------------------------------------------------------- admission
 
+    def _see_version(self, version: int) -> None:
+        """Free retained caches of older weights as soon as newer ones arrive: they can never be
+        reused, and as free slots they cost nothing to compact over."""
+        if version == self.version:
+            return
+        self.version = version
+        for s, (_, v, _) in list(self.retained.items()):
+            if v != version:
+                del self.retained[s]
+                self.status[s] = FREE
+
     def admit(self, group, version: int) -> None:
         """Give ``group``'s ``n`` rows slots (the caller checked :meth:`available`); prefill follows."""
+        self._see_version(version)
         ids, sp, n = group.prompt, group.request.sampling, group.n
         slot, reuse = self._match(ids, version) if self.prefix_cache else (None, 0)
         if slot is not None:
@@ -349,6 +362,7 @@ class SlotBatch:
     def step(self, version: int) -> list:
         """Prefill (chunk-limited), one decode step for every decoding row; return completed groups."""
         t = self.t
+        self._see_version(version)
         dec, hi, st, longest = self._decoding()
         new_rows, new_logits = self._prefill()
         parts = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,23 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):
             yield name, module
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run the base model: every LoRA layer bypasses its adapters inside the block.
+
+    The base weights are frozen, so this IS the starting policy: a LoRA run's KL reference needs no
+    second copy of the model.
+    """
+    layers = [module for _, module in lora_layers(model)]
+    for module in layers:
+        module.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for module in layers:
+            module.enable_adapters(True)  # peft also restores requires_grad on the adapters
 
 
 @torch.no_grad()

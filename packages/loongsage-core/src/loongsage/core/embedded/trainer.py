@@ -34,6 +34,7 @@ from torch import Tensor
 from loongsage.core.embedded.lora import (
     LoraConfig,
     adapter_state,
+    adapters_disabled,
     add_adapters,
     load_adapter_state,
     merged_state,
@@ -281,6 +282,17 @@ class TorchTrainer:
             row += n
         self.model.train()
         return out_lp, out_ent
+
+    def reference_logprobs(self, batch: TrainBatch, token_budget: int) -> Tensor | None:
+        """Log-probs of the frozen starting policy when this trainer holds it already, else None.
+
+        Under LoRA the base weights never change, so the model with its adapters switched off is
+        the reference: no second model in memory.
+        """
+        if self.lora is None:
+            return None
+        with adapters_disabled(self.model):
+            return self.logprobs(batch, token_budget)[0]
 
     # ------------------------------------------------------------------ training
     def train_step(self, mini_batch: TrainBatch, loss_fn: LossFn, token_budget: int) -> dict[str, float]:
