@@ -81,3 +81,18 @@ def test_self_distillation_starts_at_zero(ray_session, in_tmp, model_cache):
         assert first[f"train_per_ds/{source}/gkd"] == pytest.approx(0.0, abs=1e-5)
     # after one update the student has moved away from its frozen copy
     assert second["train/gkd"] > 1e-7 and abs(second["train/mopd_kl"]) > 1e-5
+
+
+def test_mopd_under_two_trainer_ranks_resumes(ray_session, in_tmp):
+    """MOPD with DP 2 (each rank gets both sources' rows) and a resume: teachers hold no state, so the
+    resumed run just goes on scoring with the same teachers."""
+    args = _short_run(MOPD, "mopd_dp2", 2, *SECOND_SOURCE, *CHEAP_MODELS, "trainer.world_size=2",
+                      "checkpoint.every_steps=2")
+    assert main(args) == 0
+    assert main([*args, "run.total_steps=3", "resume=true"]) == 0
+    trained = _trained(_metrics(in_tmp / "runs" / "mopd_dp2"))
+    assert [r["step"] for r in trained] == [1, 2, 3]
+    for r in trained:
+        assert r["rollout/trajectories"] == 32 and r["train/grad_norm"] > 0
+        for source in ("add", "sub"):
+            assert math.isfinite(r[f"train_per_ds/{source}/mopd_kl"]) and r[f"train_per_ds/{source}/gkd"] > 0
