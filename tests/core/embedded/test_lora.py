@@ -185,6 +185,25 @@ def test_config_errors_are_one_line(model_dir, monkeypatch):
         require_peft()
 
 
+def test_launcher_refuses_a_bad_target_before_any_actor_starts(model_cache, in_tmp, capsys):
+    """Checks that need the model's layer names run in the driver: one line, exit code 2, no Ray."""
+    from loongsage.core.cli import main
+
+    code = main(["train", "tiny/grpo_lora_cpu", "trainer.backend.params.lora.target_modules=[qproj]",
+                 "tracking.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # the launcher's log lines come first
+    assert code == 2
+    assert err.startswith("loongsage: error: trainer.backend.params.lora.target_modules: 'qproj' is not a linear "
+                          "layer of the decoder; allowed: down_proj")
+    code = main(["train", "tiny/grpo_lora_cpu", "trainer.world_size=2", "tracking.progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and err.startswith("loongsage: error: trainer.backend.params.lora: dp_mode='fsdp2' is not "
+                                        "supported with LoRA")
+    import ray
+
+    assert not ray.is_initialized()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,7 +29,7 @@ from loongsage.core.data import Mixer, SourceCursor
 from loongsage.core.distill import TeacherPlan, distill_metrics, fill_teacher_tensors, plan_teachers
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.rollout import AgentContext, EngineRouter, gather_groups
-from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
+from loongsage.core.types import ConfigError, DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
 from loongsage.core.workers import (
     CriticWorker,
     EngineWorker,
@@ -165,6 +165,24 @@ class Controller:
         self.trackers = [reg.create("tracker", {"name": name}, f"tracking.backends[{i}]", run_dir=str(self.run_dir))
                          for i, name in enumerate(cfg.tracking.backends)]
         self.evaluator = Evaluator(cfg, reg, self)
+
+    def _preflight(self, model_path: str) -> None:
+        """Backend checks that need the model (a LoRA target's name, say), before any actor starts:
+        a backend factory may define ``preflight(params, model_path, world_size=...)``."""
+        cfg, reg = self.cfg, self.registry
+        supplied = ("model_path", "dtype", "fp32_lm_head")
+        for spec, path in ((cfg.trainer.backend, "trainer.backend"),
+                           (cfg.trainer.critic.backend if cfg.trainer.critic else None, "trainer.critic.backend")):
+            if spec is None:
+                continue
+            check = getattr(reg.entry("trainer", spec["name"], path).factory, "preflight", None)
+            if check is None:
+                continue
+            params = reg.check("trainer", spec, path, skip=supplied)
+            try:
+                check(params, model_path, world_size=cfg.trainer.world_size)
+            except ValueError as exc:
+                raise ConfigError(f"{path}.params.{exc}") from None
 
     # ------------------------------------------------------------------ rollout
     async def rollout(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
@@ -351,6 +369,7 @@ class Controller:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "run_info.json").write_text(json.dumps({"model_path": model_path}, indent=1))
         self._build_local(model_path)
+        self._preflight(model_path)
         # teachers' weights are resolved (and cached models built) here, before any actor starts
         teacher_plans = plan_teachers(cfg, self.registry, model_path) if cfg.algorithm.distill else []
         for plan in teacher_plans:

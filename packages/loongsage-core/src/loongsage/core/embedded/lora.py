@@ -62,6 +62,17 @@ def decoder_linear_names(layers: list[nn.Module]) -> list[str]:
                    if isinstance(m, nn.Linear)})
 
 
+def check_targets(cfg: LoraConfig, layers: list[nn.Module]) -> list[str]:
+    """The target module names (all decoder linear layers when unset); one line if one is unknown."""
+    allowed = decoder_linear_names(layers)
+    targets = list(cfg.target_modules) if cfg.target_modules is not None else allowed
+    unknown = [t for t in targets if t not in allowed]
+    if unknown:
+        raise ValueError(f"lora.target_modules: {unknown[0]!r} is not a linear layer of the decoder; "
+                         f"allowed: {', '.join(allowed)}")
+    return targets
+
+
 def add_adapters(model: nn.Module, cfg: LoraConfig, layers: list[nn.Module]) -> list[str]:
     """Inject LoRA adapters into ``model`` in place and freeze everything else; return the targets.
 
@@ -71,12 +82,7 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, layers: list[nn.Module]) -> 
     require_peft()
     import peft
 
-    allowed = decoder_linear_names(layers)
-    targets = list(cfg.target_modules) if cfg.target_modules is not None else allowed
-    unknown = [t for t in targets if t not in allowed]
-    if unknown:
-        raise ValueError(f"lora.target_modules: {unknown[0]!r} is not a linear layer of the decoder; "
-                         f"allowed: {', '.join(allowed)}")
+    targets = check_targets(cfg, layers)
     prefix = _layers_prefix(model, layers)
     # A regex confined to the decoder layers: a short name alone would also match outside them.
     pattern = rf"{prefix}\.\d+\.(.*\.)?({'|'.join(targets)})"  # peft full-matches a string

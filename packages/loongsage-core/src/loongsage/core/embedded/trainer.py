@@ -36,6 +36,7 @@ from loongsage.core.embedded.lora import (
     adapter_state,
     adapters_disabled,
     add_adapters,
+    check_targets,
     load_adapter_state,
     merged_state,
     merged_weights,
@@ -179,6 +180,30 @@ class TorchTrainer:
         self.grad_clip = 1.0
         self.steps = 0
 
+    @classmethod
+    def preflight(cls, params: dict[str, Any], model_path: str, *, world_size: int = 1) -> None:
+        """Checks that need the model, run by the controller before any actor starts (one line each).
+
+        The model is instantiated on the meta device: its layer names without its weights.
+        """
+        lora = params.get("lora")
+        if lora is None:
+            return
+        cls._check_lora_placement(world_size, params.get("dp_mode", "fsdp2"))
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        check_targets(lora, list(model.model.layers))
+
+    @classmethod
+    def _check_lora_placement(cls, world_size: int, dp_mode: str) -> None:
+        if not cls.supports_lora:
+            raise ValueError(f"lora: {cls.__name__} does not support LoRA; leave lora unset")
+        if world_size > 1 and dp_mode == "fsdp2":
+            raise ValueError("lora: dp_mode='fsdp2' is not supported with LoRA; set dp_mode='replicate' "
+                             "(the adapters are small, so a full replica per rank costs little)")
+
     def _load_model(self) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
 
@@ -186,11 +211,7 @@ class TorchTrainer:
 
     def _add_lora(self) -> None:
         """Adapters on the decoder's linear layers; only they train (see :mod:`.lora`)."""
-        if not self.supports_lora:
-            raise ValueError(f"lora: {type(self).__name__} does not support LoRA; leave lora unset")
-        if self.world_size > 1 and self.dp_mode == "fsdp2":
-            raise ValueError("lora: dp_mode='fsdp2' is not supported with LoRA; set dp_mode='replicate' "
-                             "(the adapters are small, so a full replica per rank costs little)")
+        self._check_lora_placement(self.world_size, self.dp_mode)
         add_adapters(self.model, self.lora, self._decoder_layers())
         if self.gradient_checkpointing:
             # with reentrant checkpointing (older transformers' default) frozen embeddings would feed the
