@@ -37,6 +37,7 @@ from loongsage.core.workers import (
     TeacherWorker,
     TrainerWorker,
     build_pipeline,
+    model_args,
 )
 
 log = logging.getLogger("loongsage")
@@ -170,7 +171,7 @@ class Controller:
         """Backend checks that need the model (a LoRA target's name, say), before any actor starts:
         a backend factory may define ``preflight(params, model_path, world_size=...)``."""
         cfg, reg = self.cfg, self.registry
-        supplied = ("model_path", "dtype", "fp32_lm_head")
+        supplied = tuple(model_args(cfg, model_path))  # what the framework passes to trainer factories
         for spec, path in ((cfg.trainer.backend, "trainer.backend"),
                            (cfg.trainer.critic.backend if cfg.trainer.critic else None, "trainer.critic.backend")):
             if spec is None:

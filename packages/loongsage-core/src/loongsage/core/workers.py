@@ -75,8 +75,8 @@ class TrainerWorker:
         self.reference = None
         # A frozen reference for KL: its own model, unless the backend holds the starting policy
         # already (LoRA: the base weights with the adapters switched off).
-        self._reference_in_backend = getattr(self.backend, "lora", None) is not None
-        if self.pipeline.needs_ref_logprobs and not self._reference_in_backend:
+        reference_in_backend = getattr(self.backend, "lora", None) is not None
+        if self.pipeline.needs_ref_logprobs and not reference_in_backend:
             self.reference = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
         self.token_budget = cfg.trainer.micro_batch_tokens
 
