@@ -81,8 +81,16 @@ def test_deterministic_mode_agrees_with_the_trainer_in_bf16(tmp_path):
 
 
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/consistency"
-    os.makedirs(out, exist_ok=True)
-    build_model(f"{out}/m")
-    figures = {"fast": measure(f"{out}/m"), "deterministic": measure(f"{out}/m", deterministic=True)}
+    # python tests/gpu/test_consistency_gpu.py [OUT.json]: the figures, printed and written as JSON
+    import tempfile
+
+    out = sys.argv[1] if len(sys.argv) > 1 else "/tmp/consistency_gpu.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        build_model(f"{tmp}/m")
+        figures = {"device": torch.cuda.get_device_name(), "model": "Qwen3-shaped, hidden 1024, 8 layers, random bf16",
+                   "workload": "32 prompts x 64 tokens, 64 sampled tokens each, FP32 LM head",
+                   "fast": measure(f"{tmp}/m"), "deterministic": measure(f"{tmp}/m", deterministic=True)}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(figures, f, indent=1)
     print(json.dumps(figures, indent=1))
