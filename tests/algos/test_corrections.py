@@ -46,7 +46,9 @@ def random_input(seed: int, rows: int = 6, cols: int = 8, scale: float = 0.6) ->
 
 
 def reference_is(c: CorrectionInput, level: str, mode: str, low: float, high: float, veto: float | None):
-    """(token_weights, mask) as nested lists, from plain loops over each row."""
+    """(token_weights, mask) as nested lists, from plain loops over each row.
+
+    A weight is None where it cannot matter: on a token the mask removes (mask mode)."""
     weights, masks = [], []
     for old, ro, m in zip(c.old_logprobs.tolist(), c.rollout_logprobs.tolist(), c.response_mask.tolist(), strict=True):
         deltas = [max(-20.0, min(20.0, o - r)) for o, r in zip(old, ro, strict=True)]
@@ -63,9 +65,10 @@ def reference_is(c: CorrectionInput, level: str, mode: str, low: float, high: fl
             elif mode == "clip":
                 row_w.append(min(max(w, low), high))
                 row_m.append(0.0 if vetoed else 1.0)
-            else:
-                row_w.append(1.0)
-                row_m.append(1.0 if inside and not vetoed else 0.0)
+            else:  # MIS / IcePop: kept tokens carry their raw IS weight, the others leave the mask
+                kept = inside and not vetoed
+                row_w.append(w if kept else None)
+                row_m.append(1.0 if kept else 0.0)
         weights.append(row_w)
         masks.append(row_m)
     return weights, masks
@@ -98,8 +101,8 @@ def test_is_hand_values() -> None:
     assert tis.metrics["is_clipfrac"][0].tolist() == [0.0, 0.0, 1.0, 0.0]
     assert tis.metrics["is_weight_mean"][0].tolist() == pytest.approx([1.0, math.exp(0.5), math.exp(-1.0), 0.0])
 
-    mis = ImportanceSampling(mode="mask")(c)
-    assert mis.token_weights.tolist() == [[1.0] * 4]
+    mis = ImportanceSampling(mode="mask")(c)  # MIS / IcePop: kept tokens keep their raw weight w
+    assert mis.token_weights[0, :2].tolist() == pytest.approx([1.0, math.exp(0.5)])
     assert mis.response_mask[0].tolist() == [1.0, 1.0, 0.0, 0.0]
     assert mis.metrics["is_maskfrac"][0].tolist() == [0.0, 0.0, 1.0, 0.0]
 
@@ -110,6 +113,7 @@ def test_is_hand_values() -> None:
     assert seq_mask.response_mask.tolist() == [[0.0] * 4]
     geo = ImportanceSampling(level="geometric", mode="mask", low=0.7)(c)
     assert geo.response_mask.tolist() == c.response_mask.tolist()
+    assert geo.token_weights[0, :3].tolist() == pytest.approx([math.exp(-0.5 / 3)] * 3)  # kept: raw w
     assert geo.metrics["is_weight_mean"][0].tolist() == pytest.approx([math.exp(-0.5 / 3)] * 3 + [0.0])
 
     # Veto 0.4: the token with w = 0.368 drops the whole row, in clip mode too.
@@ -127,9 +131,14 @@ def test_is_matches_loop_formula(level: str, mode: str, veto: float | None) -> N
     low, high = 0.5, 2.0
     out = ImportanceSampling(level=level, mode=mode, low=low, high=high, veto=veto)(c)
     weights, masks = reference_is(c, level, mode, low, high, veto)
-    for got, want in zip(out.token_weights.tolist(), weights, strict=True):
-        assert got == pytest.approx(want, rel=1e-12)
+    for got_row, want_row in zip(out.token_weights.tolist(), weights, strict=True):
+        for got, want in zip(got_row, want_row, strict=True):
+            if want is not None:
+                assert got == pytest.approx(want, rel=1e-12)
     assert out.response_mask.tolist() == masks
+    kept = out.response_mask != 0
+    if mode == "mask" and kept.any():  # kept tokens really carry weights other than 1
+        assert (out.token_weights[kept] != 1).all()
     changed = (out.token_weights != 1).any() if mode == "clip" else (out.response_mask != c.response_mask).any()
     assert changed  # the data exercises the bounds
     if veto is not None:
@@ -378,6 +387,12 @@ def test_denominators_through_loss_pipeline() -> None:
     mis, sums = prepare(ImportanceSampling(mode="mask"))  # w = e^2 on token (1, 1): masked
     torch.testing.assert_close(mis.loss_weights, torch.tensor([[1 / 6] * 3 + [0.0], [1 / 6, 0.0, 1 / 6, 1 / 6]]))
     assert sums["train/is_maskfrac"] == (1.0, 7.0)
+    # kept tokens carry their raw weight: w = e^0.5 on token (0, 0) multiplies its 1/6 share
+    batch.old_logprobs = old + torch.tensor([[0.5, 0.0, 0.0, 0.0], [0.0] * 4])
+    mis, _ = prepare(ImportanceSampling(mode="mask"))
+    torch.testing.assert_close(mis.loss_weights, torch.tensor([[math.exp(0.5) / 6] + [1 / 6] * 2 + [0.0],
+                                                               [1 / 6, 0.0, 1 / 6, 1 / 6]]))
+    batch.old_logprobs = old
 
     tis, _ = prepare(ImportanceSampling())  # clipped to 2, denominator still 7 tokens
     torch.testing.assert_close(tis.loss_weights, torch.tensor([[1 / 7] * 3 + [0.0], [1 / 7, 2 / 7, 1 / 7, 1 / 7]]))

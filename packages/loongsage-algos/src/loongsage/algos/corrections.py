@@ -72,12 +72,14 @@ def is_correction(
         geometric  w_i = exp(sum_t m delta_t / sum_t m)
 
     ``mode="clip"`` (truncated IS, "TIS"): ``token_weights = clamp(w, low, high)``; the mask is
-    unchanged, so the denominator is unchanged. ``mode="mask"`` (masked IS, "MIS" / IcePop):
-    ``token_weights = 1`` and tokens (token level) or whole sequences (sequence, geometric) whose
-    raw ``w`` lies outside ``[low, high]`` (bounds included) are removed from the *mask*: they leave
-    numerator and denominator. ``veto``: a sequence with any valid token whose ``exp(delta_t) <
-    veto`` is removed from the mask, in either mode. Range tests are made on log-weights, which
-    stay finite for any length; ``low = 0`` means no lower bound.
+    unchanged, so the denominator is unchanged. ``mode="mask"`` (masked IS, "MIS" / IcePop): tokens
+    (token level) or whole sequences (sequence, geometric) whose raw ``w`` lies outside ``[low,
+    high]`` (bounds included) are removed from the *mask*, so they leave numerator and denominator,
+    and the tokens that stay keep their raw IS weight, ``token_weights = w`` (inside the range
+    ``w = clamp(w, low, high)``, so both modes return ``clamp(w, low, high)`` as weights and differ
+    only in the mask). ``veto``: a sequence with any valid token whose ``exp(delta_t) < veto`` is
+    removed from the mask, in either mode. Range tests are made on log-weights, which stay finite
+    for any length; ``low = 0`` means no lower bound.
 
     Shapes: all inputs ``[B, T]``. Metrics (per token): ``is_weight_mean`` (raw ``w`` before
     clipping, its log clamped to +-20 to stay finite), ``is_clipfrac`` (clip mode: 1 where ``w``
@@ -100,12 +102,12 @@ def is_correction(
 
     raw = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()
     metrics = {"is_weight_mean": torch.where(mask, raw, torch.zeros_like(raw))}
+    # clip: every token carries clamp(w); mask: the kept ones (inside the range) carry w itself
+    token_weights = torch.where(mask, log_w.clamp(log_low, log_high).exp(), torch.ones_like(raw))
     keep = torch.ones_like(mask)
     if mode == "clip":
-        token_weights = torch.where(mask, log_w.clamp(log_low, log_high).exp(), torch.ones_like(raw))
         metrics["is_clipfrac"] = (mask & ~inside).to(dtype)
     else:
-        token_weights = torch.ones_like(delta)
         keep = inside
     if veto is not None:
         vetoed = (mask & (delta < math.log(veto))).any(dim=-1, keepdim=True).expand_as(mask)
