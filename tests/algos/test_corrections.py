@@ -84,8 +84,9 @@ def reference_m2po(values: list[float], tau: float) -> set[int]:
     raise AssertionError("unreachable")
 
 
-def reference_opsm_seq_kl(target: list[float], rollout: list[float], m: list[float]) -> float:
-    gaps = [max(-20.0, min(20.0, r - t)) for t, r, x in zip(target, rollout, m, strict=True) if x]
+def reference_opsm_seq_kl(target: list[float], source: list[float], m: list[float]) -> float:
+    """k1 KL(source || target) of one row: the mean of log source - log target over its valid tokens."""
+    gaps = [max(-20.0, min(20.0, r - t)) for t, r, x in zip(target, source, m, strict=True) if x]
     return sum(gaps) / max(len(gaps), 1)
 
 
@@ -206,38 +207,52 @@ def test_m2po_matches_loop_formula_over_the_whole_mini_batch(harmful_only: bool)
 
 
 def test_opsm_hand_values() -> None:
-    # Without current log-probs: KL_i = mean(rollout - old). Row 0: -(0.5 - 1)/2 = 0.25, A < 0 -> zeroed.
-    # Row 1: same KL, A > 0 -> kept. Row 2: KL = -0.25 (old more likely than rollout), A < 0 -> kept.
+    # reference rollout, no current log-probs: KL_i = mean(rollout - old). Row 0: -(0.5 - 1)/2 = 0.25,
+    # A < 0 -> zeroed. Row 1: same KL, A > 0 -> kept. Row 2: KL = -0.25 (old more likely), A < 0 -> kept.
     old = [[0.5, -1.0, 7.0], [0.5, -1.0, 0.0], [-0.5, 1.0, 0.0]]
     ro = [[0.0] * 3] * 3
     adv = [[-1.0, -1.0, -1.0], [1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]]
     mask = [[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]
-    out = OPSM(delta=0.1)(inp(old, ro, adv, mask))
+    out = OPSM(delta=0.1, reference="rollout")(inp(old, ro, adv, mask))
     assert out.token_weights.tolist() == [[0.0, 0.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
     assert out.response_mask.tolist() == mask  # denominator unchanged
     assert out.metrics["opsm_clipfrac"].tolist() == [[1.0, 1.0, 0.0], [0.0] * 3, [0.0] * 3]
     assert out.metrics["opsm_seq_kl"][:, 0].tolist() == pytest.approx([0.25, 0.25, -0.25])
-    assert OPSM(delta=0.3)(inp(old, ro, adv, mask)).token_weights.tolist() == [[1.0] * 3] * 3
+    assert OPSM(delta=0.3, reference="rollout")(inp(old, ro, adv, mask)).token_weights.tolist() == [[1.0] * 3] * 3
 
-    # With current log-probs the target is the current policy: KL_i = mean(rollout - logprobs).
+    # reference rollout, current log-probs: KL_i = mean(rollout - current).
     current = [[-1.0, -1.0, 0.0], [0.0] * 3, [0.0] * 3]  # row 0: KL = 1; row 2: KL = 0
-    with_current = OPSM(delta=0.1)(inp(old, ro, adv, mask, logprobs=current))
+    with_current = OPSM(delta=0.1, reference="rollout")(inp(old, ro, adv, mask, logprobs=current))
     assert with_current.token_weights.tolist() == [[0.0, 0.0, 1.0], [1.0] * 3, [1.0] * 3]
     assert with_current.metrics["opsm_seq_kl"][:, 0].tolist() == pytest.approx([1.0, 0.0, 0.0])
 
+    # reference old (the default): KL_i = mean(old - current); the engine's log-probs play no part.
+    # Row 0: (0.5 + 1 - 1 + 1) / 2 = 0.75 -> zeroed; row 2: (-0.5 + 1) / 2 = 0.25 -> zeroed.
+    by_old = OPSM(delta=0.1)(inp(old, ro, adv, mask, logprobs=current))
+    assert by_old.metrics["opsm_seq_kl"][:, 0].tolist() == pytest.approx([0.75, -0.25, 0.25])
+    assert by_old.token_weights.tolist() == [[0.0, 0.0, 1.0], [1.0] * 3, [0.0, 0.0, 1.0]]
+    assert OPSM(delta=0.3)(inp(old, ro, adv, mask, logprobs=current)).token_weights[2].tolist() == [1.0] * 3
+    # engine mismatch alone (current = old): the old reference sees no drift, the rollout one does
+    assert OPSM(delta=0.1)(inp(old, ro, adv, mask, logprobs=old)).token_weights.tolist() == [[1.0] * 3] * 3
+    assert OPSM(delta=0.1)(inp(old, ro, adv, mask)).token_weights.tolist() == [[1.0] * 3] * 3  # target = old
+    assert OPSM(delta=0.1, reference="rollout")(inp(old, ro, adv, mask, logprobs=old)).token_weights[0].tolist() \
+        == [0.0, 0.0, 1.0]
 
-def test_opsm_matches_loop_formula_with_token_level_advantages() -> None:
+
+@pytest.mark.parametrize("reference", ["old", "rollout"])
+def test_opsm_matches_loop_formula_with_token_level_advantages(reference: str) -> None:
     c = random_input(8, scale=0.05)
     g = torch.Generator().manual_seed(1)
     adv = torch.randn(c.advantages.shape, generator=g, dtype=torch.float64)  # GAE-like: varies per token
     current = c.old_logprobs + 0.05 * torch.randn(c.advantages.shape, generator=g, dtype=torch.float64)
-    for target in (None, current):
+    source = (c.old_logprobs if reference == "old" else c.rollout_logprobs).tolist()
+    for target in (None, current) if reference == "rollout" else (current,):
         out = opsm_correction(c.old_logprobs, c.rollout_logprobs, adv, c.response_mask, logprobs=target,
-                              delta=1e-3)
+                              delta=1e-3, reference=reference)
         ref_target = (c.old_logprobs if target is None else target).tolist()
         n_zero = 0
         for i, m in enumerate(c.response_mask.tolist()):
-            kl = reference_opsm_seq_kl(ref_target[i], c.rollout_logprobs[i].tolist(), m)
+            kl = reference_opsm_seq_kl(ref_target[i], source[i], m)
             for t, x in enumerate(m):
                 zeroed = bool(x) and adv[i, t].item() < 0 and kl > 1e-3
                 assert out.token_weights[i, t].item() == (0.0 if zeroed else 1.0)
@@ -255,6 +270,8 @@ CORRECTIONS = [
     M2PO(tau=0.01, harmful_only=True),
     OPSM(),
     OPSM(delta=0.0),
+    OPSM(delta=1e-4, reference="rollout"),
+    OPSM(delta=0.0, reference="rollout"),
 ]
 
 rows_st = st.integers(1, 4)
@@ -315,7 +332,7 @@ def test_opsm_only_touches_negative_advantages_and_never_the_mask(seed, rows, co
     old = ro + 0.3 * torch.randn(rows, cols, generator=g)
     adv = torch.randn(rows, 1, generator=g).expand(rows, cols)
     mask = (torch.rand(rows, cols, generator=g) < 0.7).float()
-    out = OPSM(delta=delta)(CorrectionInput(old, ro, adv, mask))
+    out = OPSM(delta=delta, reference="rollout")(CorrectionInput(old, ro, adv, mask))
     assert torch.equal(out.response_mask, mask)
     assert (out.token_weights[adv >= 0] == 1).all()
     # Whole sequences: a row is zeroed on all its valid tokens or on none.
@@ -398,7 +415,8 @@ def test_denominators_through_loss_pipeline() -> None:
     torch.testing.assert_close(tis.loss_weights, torch.tensor([[1 / 7] * 3 + [0.0], [1 / 7, 2 / 7, 1 / 7, 1 / 7]]))
 
     # OPSM needs the current policy: it is applied per micro-batch inside the loss, weights only
-    pipeline = LossPipeline(policy_loss=PPOClip(), aggregation="seq-mean-token-mean", corrections=[OPSM(delta=0.1)])
+    pipeline = LossPipeline(policy_loss=PPOClip(), aggregation="seq-mean-token-mean",
+                            corrections=[OPSM(delta=0.1, reference="rollout")])
     batch.old_logprobs = -old  # row 1: KL(rollout || current) = 0.5 > 0.1 and A < 0
     prepared, sums = pipeline.prepare(batch)
     torch.testing.assert_close(prepared.loss_weights, torch.tensor([[1 / 6] * 3 + [0.0], [1 / 8] * 4]))  # untouched
@@ -417,7 +435,7 @@ def test_denominators_through_loss_pipeline() -> None:
      (ImportanceSampling, {"low": 1.5}, "is.low"), (ImportanceSampling, {"low": -0.1}, "is.low"),
      (ImportanceSampling, {"high": 0.9}, "is.high"), (ImportanceSampling, {"veto": 0.0}, "is.veto"),
      (ImportanceSampling, {"veto": 1.5}, "is.veto"), (M2PO, {"tau": 0.0}, "m2po.tau"),
-     (OPSM, {"delta": -1e-4}, "opsm.delta")],
+     (OPSM, {"delta": -1e-4}, "opsm.delta"), (OPSM, {"reference": "engine"}, "opsm.reference")],
 )
 def test_params_are_validated(factory, params: dict, key: str) -> None:
     with pytest.raises(ValueError, match=rf"^{key}="):
@@ -427,4 +445,4 @@ def test_params_are_validated(factory, params: dict, key: str) -> None:
 def test_defaults() -> None:
     assert ImportanceSampling() == ImportanceSampling(level="token", mode="clip", low=0.5, high=2.0, veto=None)
     assert M2PO().tau == 0.04 and M2PO().harmful_only is False
-    assert OPSM().delta == 1e-4
+    assert OPSM() == OPSM(delta=0.1, reference="old")  # upstream LoongSage's: drift from pi_old, delta 0.1

@@ -1,10 +1,11 @@
 """Train-inference consistency corrections: per-token loss weights and loss masks, no gradient.
 
-Each correction reads ``delta_t = clamp(old_logprobs - rollout_logprobs, -20, 20)``, the log of the
-IS weight between the trainer's policy (``old``: recomputed before the step's first update) and the
-behaviour policy that sampled the tokens (``rollout``: the engine's log-probs). The framework calls
-each correction once per optimizer mini-batch, over the whole mini-batch of every DP rank
-(:meth:`loongsage.core.loss.LossPipeline.prepare`), before micro-batching.
+``is`` and ``m2po`` read ``delta_t = clamp(old_logprobs - rollout_logprobs, -20, 20)``, the log of
+the IS weight between the trainer's policy (``old``: recomputed before the step's first update) and
+the behaviour policy that sampled the tokens (``rollout``: the engine's log-probs). The framework
+calls them once per optimizer mini-batch, over the whole mini-batch of every DP rank
+(:meth:`loongsage.core.loss.LossPipeline.prepare`), before micro-batching. ``opsm`` compares the
+current policy with ``old`` (or ``rollout``) and is called per micro-batch (``needs_logprobs``).
 
 A correction returns ``CorrectionOutput(token_weights, response_mask, metrics)`` and can act on the
 loss in two ways, which differ in what happens to the loss *denominator*:
@@ -38,6 +39,7 @@ from loongsage.core.types import CorrectionInput, CorrectionOutput
 LOG_RATIO_CLAMP = 20.0
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("clip", "mask")
+OPSM_REFERENCES = ("old", "rollout")
 
 
 def _log_gap(numerator: Tensor, denominator: Tensor, mask: Tensor) -> Tensor:
@@ -180,28 +182,38 @@ def opsm_correction(
     response_mask: Tensor,
     *,
     logprobs: Tensor | None = None,
-    delta: float = 1e-4,
+    delta: float = 0.1,
+    reference: str = "old",
 ) -> CorrectionOutput:
     """Off-policy sequence masking (DeepSeek-V3.2): drop negative-advantage tokens of drifted sequences.
 
-    Per sequence, the k1 estimate of KL(sampler || target) over its valid tokens::
+    Per sequence, the k1 estimate of KL(reference || target) over its valid tokens::
 
-        KL_i = sum_t m (log pi_rollout - log pi_target) / sum_t m      (log-ratios clamped to +-20)
+        KL_i = sum_t m (log pi_reference - log pi_target) / sum_t m      (log-ratios clamped to +-20)
         token_weights[i, t] = 0   where A_t < 0 and KL_i > delta, else 1
 
-    The sampler is the engine (DeepSeek-V3.2 measures from the sampling probabilities, so the KL
-    covers both engine mismatch and staleness). The target is the current policy ``logprobs`` when
-    given; without it, the trainer's ``old_logprobs`` (then ``KL_i = -mean_t delta_t``: mismatch and
-    staleness up to the step's first update, not the drift across mini-batches of the same step).
+    The target is the current policy ``logprobs`` when given (the framework always gives it),
+    else the trainer's ``old_logprobs``. The reference is
+
+    * ``"old"`` (default, as upstream LoongSage): ``old_logprobs``, the trainer's policy
+      before the step's first update, so ``KL_i`` is the drift of this step's updates. With one
+      optimizer step per rollout the current policy *is* the old one and nothing is dropped.
+    * ``"rollout"``: the engine's ``rollout_logprobs``, the policy that sampled the tokens, so
+      ``KL_i`` also covers the train-inference mismatch and staleness (DeepSeek-V3.2 measures from
+      the sampling probabilities).
+
     With a sequence-level advantage (GRPO) the whole sequence is dropped. The loss *denominator is
     unchanged* (token weights, not the mask), as in DeepSeek-V3.2 and slime.
 
     Shapes: all inputs ``[B, T]``. Metrics (per token): ``opsm_clipfrac`` (1 where zeroed) and
     ``opsm_seq_kl`` (``KL_i`` on every valid token of row ``i``).
     """
+    if reference not in OPSM_REFERENCES:
+        raise ValueError(f"opsm.reference={reference!r}: allowed: {', '.join(OPSM_REFERENCES)}")
     mask = response_mask != 0
     target = old_logprobs if logprobs is None else logprobs
-    gap = _log_gap(rollout_logprobs, target, mask)
+    source = old_logprobs if reference == "old" else rollout_logprobs
+    gap = _log_gap(source, target, mask)
     lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1).to(gap.dtype)
     seq_kl = (gap.sum(dim=-1, keepdim=True) / lengths).expand_as(gap)
     dropped = mask & (advantages.detach() < 0) & (seq_kl > delta)
@@ -276,19 +288,26 @@ class M2PO:
 
 @dataclass(frozen=True)
 class OPSM:
-    """``opsm``: zero negative-advantage tokens of sequences whose KL exceeds ``delta``; denominator kept.
+    """``opsm``: zero negative-advantage tokens of sequences whose KL(reference || current) exceeds
+    ``delta``; denominator kept.
 
-    Applied by the framework per micro-batch with the current policy's (detached) log-probs, which
-    it may do because it only sets weights of whole sequences and leaves the mask alone.
+    ``reference: old`` (default, with ``delta`` 0.1: upstream LoongSage's) measures the drift from
+    the trainer's policy before the step's first update; ``reference: rollout`` measures from the
+    engine's log-probs (mismatch and staleness included). slime's default ``delta`` is 1e-4. Applied by the framework per micro-batch with the current policy's
+    (detached) log-probs, which it may do because it only sets weights of whole sequences and
+    leaves the mask alone.
     """
 
     needs_logprobs: ClassVar[bool] = True
 
-    delta: float = 1e-4  # slime's default; upstream LoongSage used 0.1
+    delta: float = 0.1
+    reference: Literal["old", "rollout"] = "old"
 
     def __post_init__(self) -> None:
         if not self.delta >= 0:
             raise ValueError(f"opsm.delta={self.delta}: must be >= 0")
+        if self.reference not in OPSM_REFERENCES:
+            raise ValueError(f"opsm.reference={self.reference!r}: allowed: {', '.join(OPSM_REFERENCES)}")
 
     def __call__(self, inp: CorrectionInput) -> CorrectionOutput:
         return opsm_correction(
@@ -298,4 +317,5 @@ class OPSM:
             inp.response_mask,
             logprobs=inp.logprobs,
             delta=self.delta,
+            reference=self.reference,
         )
