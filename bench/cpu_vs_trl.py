@@ -47,6 +47,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
+from _source import source_state  # noqa: E402
 
 RUN_NAME = "cpu_vs_trl"
 
@@ -244,14 +245,6 @@ def run_logged(cmd: list[str], cwd: Path, log_path: Path, env: dict[str, str]) -
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
         raise SystemExit(f"cpu_vs_trl: command failed (rc={rc}), log {log_path}:\n{tail}")
     return wall
-
-
-def git_state() -> dict[str, Any]:
-    """The commit the framework ran from, and whether the working tree had uncommitted changes."""
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "uncommitted_files": len(git("status", "--porcelain").splitlines())}
 
 
 def launcher_command() -> list[str]:
@@ -595,6 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import importlib.util
 
+    source = source_state()  # the commit measured, taken before anything runs
     if importlib.util.find_spec("trl") is None:
         raise SystemExit("cpu_vs_trl: TRL is not installed in this environment; run with "
                          "`uv run --group bench python bench/cpu_vs_trl.py ...`")
@@ -642,6 +636,7 @@ def main(argv: list[str] | None = None) -> int:
 
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters())
     result = {
+        "source": source,
         "recipe": args.recipe,
         "quick": args.quick,
         "order": "trl, ours" if args.trl_first else "ours, trl",
@@ -655,7 +650,6 @@ def main(argv: list[str] | None = None) -> int:
         if (Path(model_path) / "loongsage_warmstart.json").is_file() else None,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "platform": platform.platform()},
-        "source": git_state(),
         "train_record_indices": [r["index"] for r in train],
         "eval_record_indices": [r["index"] for r in held_out],
         "greedy_accuracy_shared_helper": acc,

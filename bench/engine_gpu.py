@@ -5,14 +5,16 @@ no stop ids) for exactly ``--new-tokens`` tokens. Both sides run in this process
 weights; the time covers prefill and decode. Sides:
 
 * HF ``generate`` (``do_sample``, static batch, its default dynamic cache);
-* the native engine with CUDA graphs for decode (the default on CUDA), after one warm-up run that
-  captures the graphs it needs;
+* the native engine with CUDA graphs for decode (the default on CUDA);
 * the native engine eager (``cuda_graphs=False``), to show what the graphs buy.
+
+Every side first runs the full workload once untimed (kernels, allocator, graph capture), then
+``--repeats`` (at least 3) timed runs of the sides are interleaved; medians and min-max are reported.
 
 Reference lines, not measured here: the weights-only bandwidth roofline of this workload on an H200
 and SGLang 0.5.16 on the same workload and card.
 
-    python bench/engine_gpu.py [--batches 64 256] [--prompt 128] [--new-tokens 256] [--repeats 2] [--out PATH]
+    python bench/engine_gpu.py [--batches 64 256] [--prompt 128] [--new-tokens 256] [--repeats 3] [--out PATH]
 
 Writes ``bench/results/engine_gpu.json`` (or ``--out``) and a markdown table next to it.
 """
@@ -27,6 +29,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from _source import source_state
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_gpu.json"
 # SGLang 0.5.16 on one H200, same model shape and workload (tokens/s), by batch size.
@@ -86,14 +90,21 @@ def engine_side(engine, prompts: torch.Tensor, new_tokens: int) -> float:
     return timed(run)
 
 
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.repeats < 3:
+        parser.error(f"--repeats={args.repeats}: at least 3 timed runs per side")
+    source = source_state()  # the commit measured, taken before anything runs
     from loongsage.core.embedded.engine import NativeEngine
 
     tmp = Path(tempfile.mkdtemp(prefix="qwen3-1.7b-random-"))
@@ -107,42 +118,61 @@ def main() -> None:
               "prefix_cache": False}
     graphed = NativeEngine(str(tmp), **common)
     eager = NativeEngine(str(tmp), cuda_graphs=False, **common)
+    sides = {
+        "hf": lambda prompts: hf_side(model, prompts, args.new_tokens),
+        "graphs": lambda prompts: engine_side(graphed, prompts, args.new_tokens),
+        "eager": lambda prompts: engine_side(eager, prompts, args.new_tokens),
+    }
     gen = torch.Generator().manual_seed(1)
     rows = []
     for batch in args.batches:
         prompts = torch.randint(3, 151_000, (batch, args.prompt), generator=gen).cuda()
         tokens = batch * args.new_tokens
-        hf_side(model, prompts[:, :16], 8)  # warm-up (kernels, allocator)
-        engine_side(graphed, prompts, args.new_tokens)  # warm-up: captures the decode graphs
-        engine_side(eager, prompts[:8], 8)
-        hf = [tokens / hf_side(model, prompts, args.new_tokens) for _ in range(max(1, args.repeats - 1))]
-        ours = [tokens / engine_side(graphed, prompts, args.new_tokens) for _ in range(args.repeats)]
-        plain = [tokens / engine_side(eager, prompts, args.new_tokens) for _ in range(max(1, args.repeats - 1))]
-        roofline = ROOFLINE_REFERENCE.get(batch)
+        # Every side is warmed on the full workload, once (kernels, allocator, autotuning, graphs);
+        # the timed runs are then interleaved so that a drift of the host hits every side alike.
+        warm = {name: tokens / run(prompts) for name, run in sides.items()}
+        timed_runs: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(args.repeats):
+            for name, run in sides.items():
+                timed_runs[name].append(tokens / run(prompts))
+        stats = {name: spread(values) for name, values in timed_runs.items()}
         row = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
-               "hf_generate_tok_s": statistics.median(hf), "engine_cuda_graphs_tok_s": statistics.median(ours),
-               "engine_eager_tok_s": statistics.median(plain), "roofline_tok_s": roofline,
-               "sglang_reference_tok_s": SGLANG_REFERENCE.get(batch), "repeats": {"hf": hf, "graphs": ours,
-                                                                                  "eager": plain}}
-        row["speedup_vs_hf"] = row["engine_cuda_graphs_tok_s"] / row["hf_generate_tok_s"]
-        row["eager_speedup_vs_hf"] = row["engine_eager_tok_s"] / row["hf_generate_tok_s"]
+               "hf_generate_tok_s": stats["hf"], "engine_cuda_graphs_tok_s": stats["graphs"],
+               "engine_eager_tok_s": stats["eager"], "roofline_tok_s": ROOFLINE_REFERENCE.get(batch),
+               "sglang_reference_tok_s": SGLANG_REFERENCE.get(batch), "warm_up_tok_s": warm, "repeats": timed_runs}
+        row["speedup_vs_hf"] = stats["graphs"]["median"] / stats["hf"]["median"]
+        # the least favourable pairing of our slowest run against HF's fastest, and the reverse
+        row["speedup_vs_hf_range"] = [stats["graphs"]["min"] / stats["hf"]["max"],
+                                      stats["graphs"]["max"] / stats["hf"]["min"]]
+        row["eager_speedup_vs_hf"] = stats["eager"]["median"] / stats["hf"]["median"]
+        if row["sglang_reference_tok_s"]:
+            row["fraction_of_sglang"] = stats["graphs"]["median"] / row["sglang_reference_tok_s"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "repeats"}), flush=True)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "weights_gb": weight_bytes / 1e9, "graphs_captured": graphed._batch.graphs.captures,
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "repeats": args.repeats}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    table = ["| batch | HF generate tok/s | engine eager tok/s | engine + CUDA graphs tok/s | vs HF | "
-             "SGLang 0.5.16 (ref.) | roofline |", "|---|---|---|---|---|---|---|"]
+    args.out.write_text(json.dumps({"source": source, "info": info, "rows": rows}, indent=1))
+    table = ["| batch | HF generate tok/s | engine eager tok/s | engine + CUDA graphs tok/s | vs HF (range) | "
+             "SGLang 0.5.16 (ref.) | share of SGLang | roofline |", "|---|---|---|---|---|---|---|---|"]
+
+    def cell(s: dict[str, float]) -> str:
+        return f"{s['median']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f})"
+
     for r in rows:
         sglang = f"{r['sglang_reference_tok_s']:,}" if r["sglang_reference_tok_s"] else "-"
-        table.append(f"| {r['batch']} | {r['hf_generate_tok_s']:,.0f} | {r['engine_eager_tok_s']:,.0f} | "
-                     f"{r['engine_cuda_graphs_tok_s']:,.0f} | {r['speedup_vs_hf']:.2f}x | {sglang} | "
-                     f"{r['roofline_tok_s'] or 0:,} |")
+        share = f"{r['fraction_of_sglang']:.0%}" if r.get("fraction_of_sglang") else "-"
+        lo, hi = r["speedup_vs_hf_range"]
+        table.append(f"| {r['batch']} | {cell(r['hf_generate_tok_s'])} | {cell(r['engine_eager_tok_s'])} | "
+                     f"{cell(r['engine_cuda_graphs_tok_s'])} | {r['speedup_vs_hf']:.2f}x ({lo:.2f}-{hi:.2f}) | "
+                     f"{sglang} | {share} | {r['roofline_tok_s'] or 0:,} |")
     text = "\n".join(table)
-    args.out.with_suffix(".md").write_text(f"{info}\n\n{text}\n")
+    note = (f"Commit {source['commit'][:10]}; medians of {args.repeats} interleaved timed runs per side (min-max in "
+            "brackets), each side warmed once on the full workload first.")
+    args.out.with_suffix(".md").write_text(f"{info}\n\n{note}\n\n{text}\n")
     print(info)
+    print(note)
     print(text)
 
 
