@@ -1,7 +1,7 @@
 """The commit a benchmark measured, recorded first in every result file.
 
-On a machine without the repository's history (a GPU machine that got a copy of the working tree)
-the commit comes from ``LOONGSAGE_COMMIT``, set by whoever copied the tree.
+``LOONGSAGE_COMMIT``, when set, names it: a machine that got a copy of the working tree (a GPU
+machine) may carry no history, or a stale one.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ def source_state() -> dict[str, Any]:
             return None
         return out.stdout.strip() if out.returncode == 0 else None
 
+    if os.environ.get("LOONGSAGE_COMMIT"):
+        return {"commit": os.environ["LOONGSAGE_COMMIT"], "uncommitted_files": None}
     commit = git("rev-parse", "HEAD")
     if commit is None:
-        return {"commit": os.environ.get("LOONGSAGE_COMMIT", "unknown"), "uncommitted_files": None}
+        return {"commit": "unknown", "uncommitted_files": None}
     return {"commit": commit, "uncommitted_files": len((git("status", "--porcelain") or "").splitlines())}
