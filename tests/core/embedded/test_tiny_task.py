@@ -140,6 +140,22 @@ def test_cached_warm_start_builds_once(tmp_path, monkeypatch):
     second = warmstart.cached_warm_start(params, tmp_path)
     assert first == second == tmp_path / "models" / params.cache_key() and len(calls) == 1
     assert (first / warmstart.INFO_FILE).is_file() and (first / "model.safetensors").is_file()
-    assert [p.name for p in (tmp_path / "models").iterdir()] == [first.name]  # no temp folder left
+    # no temp folder left (the builders' lock file stays, empty)
+    assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")] == [first.name]
     other = warmstart.WarmStartParams(**{**params.__dict__, "seed": 1})
     assert other.cache_key() != params.cache_key()
+
+
+def test_concurrent_builders_of_one_warm_start_build_it_once(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loongsage.core.embedded import warmstart
+
+    params = warmstart.WarmStartParams(hidden_size=16, num_layers=1, heads=2, kv_heads=1, intermediate_size=32,
+                                       steps=2, batch_size=4, warmup_steps=1)
+    calls = []
+    real_build = warmstart.build_warm_start
+    monkeypatch.setattr(warmstart, "build_warm_start", lambda *a, **k: calls.append(1) or real_build(*a, **k))
+    with ThreadPoolExecutor(3) as pool:  # each opens the lock file on its own, as processes do
+        paths = list(pool.map(lambda _: warmstart.cached_warm_start(params, tmp_path), range(3)))
+    assert len(set(paths)) == 1 and len(calls) == 1

@@ -253,8 +253,11 @@ def cached_warm_start(
 
     The folder is ``<cache_dir>/models/<name>-<hash of params + builder version>``. It is built in
     a temporary sibling folder and renamed into place, so a crash never leaves a half-written model
-    behind and concurrent builders end up sharing one complete folder.
+    behind. Builders of the same folder take turns on a lock file: the first builds, the others wait
+    and then find it (two processes never spend the CPU on the same build).
     """
+    import fcntl
+
     params = params or WarmStartParams()
     models = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     models = models / "models"
@@ -262,15 +265,15 @@ def cached_warm_start(
     if (final / INFO_FILE).is_file():
         return final
     models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models))
-    try:
-        build_warm_start(tmp, params, log_every=log_every, cache_dir=cache_dir)
+    with open(models / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if (final / INFO_FILE).is_file():  # built while this process waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models))
         try:
+            build_warm_start(tmp, params, log_every=log_every, cache_dir=cache_dir)
             os.rename(tmp, final)
-        except OSError:
-            if not (final / INFO_FILE).is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
     return final
