@@ -18,7 +18,7 @@ from loongsage.core.embedded.warmstart import WarmStartParams, cached_warm_start
 from loongsage.core.hookspecs import Factories, hookimpl
 from loongsage.core.rollout import SingleTurnAgent, SyncScheduler
 from loongsage.core.sft import ConstantReward, SFTAgent
-from loongsage.core.tracking import JsonlTracker, TensorboardTracker
+from loongsage.core.tracking import JsonlTracker, TensorboardTracker, WandbTracker
 
 
 @dataclass
@@ -65,5 +65,6 @@ def loongsage_backends() -> Factories:
         "cpu": CpuTransport,
         "jsonl": JsonlTracker,
         "tensorboard": TensorboardTracker,
+        "wandb": WandbTracker,
         "tiny_arith": TinyArithModel,
     }

@@ -185,7 +185,8 @@ class PlacementConfig:
 
 @dataclass
 class TrackingConfig:
-    backends: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    # each a tracker name (jsonl, tensorboard, wandb) or a spec with params: {name: wandb, params: {...}}
+    backends: list[str | Spec] = field(default_factory=lambda: ["jsonl", "tensorboard"])
     progress: bool = True
 
 
@@ -394,8 +395,9 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
         registry.create("correction", spec, f"algorithm.corrections[{j}]")
     for j, spec in enumerate(cfg.algorithm.filters):
         registry.create("data_filter", spec, f"algorithm.filters[{j}]")
-    for j, name in enumerate(cfg.tracking.backends):
-        registry.entry("tracker", name, f"tracking.backends[{j}]")
+    from loongsage.core.tracking import check_trackers
+
+    check_trackers(registry, cfg.tracking.backends)
     return cfg
 
 

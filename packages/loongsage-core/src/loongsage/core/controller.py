@@ -163,8 +163,9 @@ class Controller:
         self.estimator = reg.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
         self.scheduler = reg.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
         self.pipeline = build_pipeline(cfg, reg)
-        self.trackers = [reg.create("tracker", {"name": name}, f"tracking.backends[{i}]", run_dir=str(self.run_dir))
-                         for i, name in enumerate(cfg.tracking.backends)]
+        from loongsage.core.tracking import create_trackers
+
+        self.trackers = create_trackers(reg, cfg, self.run_dir)
         self.evaluator = Evaluator(cfg, reg, self)
 
     def _preflight(self, model_path: str) -> None:
