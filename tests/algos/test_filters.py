@@ -1,4 +1,4 @@
-"""Group filters: dynamic sampling, status and length."""
+"""Data filters: dynamic sampling, status, and DAPO's overlong filtering (a per-sample loss mask)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from hypothesis import strategies as st
 
 from loongsage.algos.filters import (
     DynamicSampling,
-    LengthFilter,
+    OverlongFilter,
+    RenamedLengthFilter,
     StatusFilter,
     has_reward_spread,
+    is_truncated,
     status_fraction,
     truncated_fraction,
 )
@@ -85,27 +87,45 @@ def test_status_filter_fraction_and_several_statuses() -> None:
         StatusFilter(max_fraction=1.0)
 
 
-# ------------------------------------------------------------------------------ length
+# ------------------------------------------------------------------------------ overlong
 
 
-def test_length_filter_drops_only_all_truncated_groups_by_default() -> None:
-    f = LengthFilter()
+def test_overlong_filter_keeps_every_group_and_masks_truncated_samples() -> None:
+    """DAPO overlong filtering: the truncated samples leave the loss, their group stays."""
+    f = OverlongFilter()
     cut = traj(status=Status.TRUNCATED)
-    assert f([cut, cut, cut]) is False
-    assert f([cut, traj(), cut]) is True
-    assert f([cut, cut, traj(None, Status.FAILED)]) is False  # failed rows are not judged
-    assert f([traj(None, Status.FAILED)]) is True  # nothing to judge: keep
+    for group in ([cut, cut, cut], [cut, traj(), cut], [traj(None, Status.FAILED)], []):
+        assert f(group) is True  # never drops (or refills) a group
+    assert [f.excludes_from_loss(t) for t in (cut, traj(), traj(length=100), traj(None, Status.FAILED))] \
+        == [True, False, False, False]  # without max_length only the status counts
 
 
-def test_length_filter_fraction_and_max_length() -> None:
-    f = LengthFilter(max_truncated_frac=0.25, max_length=8)
-    short, long_ = traj(length=7), traj(length=8)  # 8 tokens hit a limit of 8
-    assert truncated_fraction([short, long_, short, short], 8) == 0.25
-    assert f([short, long_, short, short]) is True
-    assert f([short, long_, traj(status=Status.TRUNCATED), short]) is False  # 1/2
-    assert LengthFilter(max_truncated_frac=0.0)([traj(), traj(status=Status.TRUNCATED)]) is False
-    assert truncated_fraction([traj(length=100)]) == 0.0  # without max_length only the status counts
-    with pytest.raises(ValueError, match=r"^length\.max_truncated_frac=1\.0: "):
-        LengthFilter(max_truncated_frac=1.0)
-    with pytest.raises(ValueError, match=r"^length\.max_length=0: "):
-        LengthFilter(max_length=0)
+def test_overlong_filter_max_length() -> None:
+    f = OverlongFilter(max_length=8)
+    assert [f.excludes_from_loss(traj(length=n)) for n in (7, 8, 9)] == [False, True, True]
+    assert f.excludes_from_loss(traj(status=Status.TRUNCATED, length=2))
+    assert not f.excludes_from_loss(traj(None, Status.FAILED, length=9))  # failures are not judged
+    assert truncated_fraction([traj(length=7), traj(length=8), traj(length=7), traj(length=7)], 8) == 0.25
+    assert is_truncated(traj(length=8), 8) and not is_truncated(traj(length=8))
+    with pytest.raises(ValueError, match=r"^overlong\.max_length=0: "):
+        OverlongFilter(max_length=0)
+
+
+def test_the_old_length_name_points_to_overlong_in_one_line() -> None:
+    for params in ({}, {"max_truncated_frac": 0.25}, {"max_length": 8}):
+        with pytest.raises(ValueError, match=r"^the 'length' filter is now 'overlong'") as info:
+            RenamedLengthFilter(**params)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match=r"use \{name: overlong, params: \{max_length: 8\}\}"):
+        RenamedLengthFilter(max_length=8)
+
+
+def test_a_recipe_naming_length_gets_the_one_line_error_at_validation() -> None:
+    from loongsage.core.plugins import load_registry
+    from loongsage.core.types import ConfigError
+
+    registry = load_registry()
+    with pytest.raises(ConfigError, match=r"^algorithm\.filters\[0\]\.params: the 'length' filter is now 'overlong'"):
+        registry.create("data_filter", {"name": "length", "params": {"max_truncated_frac": 0.5}}, "algorithm.filters[0]")
+    built = registry.create("data_filter", {"name": "overlong", "params": {"max_length": 8}}, "algorithm.filters[0]")
+    assert built == OverlongFilter(max_length=8)

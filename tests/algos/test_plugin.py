@@ -21,7 +21,7 @@ EXPECTED = {
     "loongsage_corrections": {"is", "m2po", "opsm"},
     "loongsage_kl_estimators": {"k1", "k2", "k3", "low_var_kl", "topk_kl", "full_vocab_kl", "jsd", "topk_jsd"},
     "loongsage_rewards": {"exact_match", "math", "overlong_shaping", "format"},
-    "loongsage_data_filters": {"dynamic_sampling", "status", "length"},
+    "loongsage_data_filters": {"dynamic_sampling", "status", "overlong", "length"},
 }
 CLASS_ATTRIBUTES = {
     "loongsage_advantage_estimators": {"needs_values": bool, "uses_token_rewards": bool},
@@ -60,6 +60,11 @@ def test_factories_are_frozen_dataclasses_with_typed_defaulted_params(registered
             assert fields == set(sig.parameters), name  # fields ARE the params schema
             for f in dataclasses.fields(factory):
                 assert f.name in hints and f.default is not dataclasses.MISSING, f"{name}.{f.name}"
+            if hasattr(factory, "renamed_to"):  # an old name: building it names the new one (one line)
+                assert factory.renamed_to in entries and factory.renamed_to != name, name
+                with pytest.raises(ValueError, match=rf"'{factory.renamed_to}'"):
+                    factory()
+                continue
             instance = factory()
             assert callable(instance)
             with pytest.raises(dataclasses.FrozenInstanceError):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import pytest
+import torch
 
-from loongsage.core.batching import split_groups, to_batch, trainable
+from loongsage.core.aggregation import loss_weights
+from loongsage.core.batching import engine_sampled, exclude_rows, loss_excluded, split_groups, to_batch, trainable
 from loongsage.core.types import Status, Trajectory
 
 
@@ -60,3 +63,184 @@ def test_split_balances_tokens_across_ranks():
     loads = [sum(len(t.response_ids) for t in rank[0]) for rank in parts]
     assert max(loads) - min(loads) <= 20
     assert loads[0] + loads[1] == sum([100, 90, 80, 70, 10, 10, 5, 5])
+
+
+# ------------------------------------------------ one training step through Controller._train, in-process
+#
+# The trainer ranks and the critic are replaced by in-process fakes that run the real loss pipeline
+# on a fixed policy (log-prob -1 for every token), and ray.get by the identity: what is checked is
+# what the controller hands them and how it reduces what they return.
+
+POLICY_LP = -1.0  # the fake trainer's log-prob of every token
+
+
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakeTrainer:
+    """One trainer rank: the real LossPipeline on log-probs POLICY_LP; records what it was given."""
+
+    def __init__(self, pipeline):
+        self.pipeline, self.steps, self.logprob_calls = pipeline, [], 0
+        self.logprobs = _Remote(self._logprobs)
+        self.train_step = _Remote(self._train_step)
+
+    def _logprobs(self, batch):
+        self.logprob_calls += 1
+        return {"old_logprobs": torch.full(batch.input_ids.shape, POLICY_LP),
+                "entropy": torch.zeros(batch.input_ids.shape)}
+
+    def _train_step(self, mb):
+        self.steps.append(mb)
+        lp = torch.full(mb.input_ids.shape, POLICY_LP, requires_grad=True)
+        loss, metrics = self.pipeline(lp, mb)
+        out = {"train/loss": float(loss.detach())}
+        for key, (num, den) in metrics.items():
+            out[key + "_sum"], out[key + "_count"] = num, den
+        return out
+
+
+class FakeCritic:
+    def __init__(self):
+        self.steps = []
+        self.values = _Remote(lambda batch: torch.zeros(batch.input_ids.shape))
+        self.train_step = _Remote(lambda mb: self.steps.append(mb) or {"critic/loss": 0.0})
+
+
+def _controller(monkeypatch, recipe: str, overrides: list[str], critic: bool = False):
+    import ray
+
+    from loongsage.core.config import load_config
+    from loongsage.core.controller import Controller
+    from loongsage.core.workers import build_pipeline
+
+    monkeypatch.setattr(ray, "get", lambda x: x)
+    cfg, registry = load_config(recipe, ["tracking.progress=false", *overrides])
+    ctrl = Controller(cfg, registry)
+    ctrl.pad_id = 0
+    ctrl.pipeline = build_pipeline(cfg, registry)
+    ctrl.estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
+    ctrl.filters = [registry.create("data_filter", f, f"algorithm.filters[{i}]")
+                    for i, f in enumerate(cfg.algorithm.filters)]
+    ctrl.trainers = [FakeTrainer(ctrl.pipeline)]
+    ctrl.critic = FakeCritic() if critic else None
+    return ctrl
+
+
+def _sampled(group: int, k: int, length: int, reward: float, delta: float = 0.1,
+             status: Status = Status.OK) -> Trajectory:
+    """An engine-sampled trajectory whose rollout log-probs sit ``delta`` below the fake policy's."""
+    return Trajectory(source="arith", group_id=group, sample_index=k, prompt_ids=[1, 2, 3],
+                      response_ids=[7] * length, loss_mask=[1] * length,
+                      rollout_logprobs=[POLICY_LP - delta] * length, versions=[0] * length,
+                      status=status, reward=reward)
+
+
+def _teacher_forced(group: int, length: int) -> Trajectory:
+    """What the sft agent makes: no engine call, placeholder log-probs 0, versions -1."""
+    return Trajectory(source="arith", group_id=group, sample_index=0, prompt_ids=[1, 2, 3],
+                      response_ids=[7] * length, loss_mask=[1] * length, rollout_logprobs=[0.0] * length,
+                      versions=[-1] * length, reward=1.0, metadata={"teacher_forced": True})
+
+
+def _k3(delta: float) -> float:
+    return math.exp(delta) - delta - 1.0
+
+
+def test_engine_sampled_marks_only_generated_trained_tokens():
+    sampled, forced = _sampled(0, 0, 3, 1.0), _teacher_forced(1, 2)
+    sampled.loss_mask, sampled.versions = [1, 0, 1], [0, -1, 2]  # a tool token in the middle
+    batch = to_batch([sampled, forced], pad_id=0)
+    got = engine_sampled([sampled, forced], batch.response_mask.shape[1])
+    assert got.tolist() == [[0, 0, 0, 1, 0, 1], [0, 0, 0, 0, 0, 0]]
+
+
+def test_overlong_filter_masks_truncated_samples_after_group_advantages(monkeypatch):
+    """DAPO overlong filtering: truncated samples count in the group's baseline, then leave the loss."""
+    ctrl = _controller(monkeypatch, "tiny/dapo_arith_cpu",
+                       ["algorithm.filters=[{name: dynamic_sampling}, {name: overlong}]"])
+    group = [_sampled(0, 0, 3, 1.0), _sampled(0, 1, 8, 0.0, status=Status.TRUNCATED),
+             _sampled(0, 2, 2, 0.0), _sampled(0, 3, 8, 1.0, status=Status.TRUNCATED)]
+    assert all(f(group) for f in ctrl.filters)  # the group is kept
+    metrics = ctrl._train([group])
+    (mb,) = ctrl.trainers[0].steps
+    # GRPO over all four rewards [1, 0, 0, 1]: mean 0.5, unbiased std 0.577 -> A = +-0.866
+    # (over the two untruncated ones alone it would be +-0.707)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    assert mb.response_mask.sum(-1).tolist() == [3, 0, 2, 0]
+    assert mb.advantages.sum(-1).tolist() == pytest.approx([3 * a, 0.0, -2 * a, 0.0], rel=1e-5)
+    # token-mean over the 5 tokens that train: the truncated samples are in no denominator
+    torch.testing.assert_close(mb.loss_weights, loss_weights(mb.response_mask, "token-mean"))
+    assert float(mb.loss_weights.sum()) == pytest.approx(1.0) and float(mb.loss_weights.max()) == pytest.approx(1 / 5)
+    assert metrics["train/loss_excluded_frac"] == 0.5
+    assert metrics["train/is_approx_k3_kl"] == pytest.approx(_k3(0.1), rel=1e-5)
+
+
+def test_exclude_rows_and_loss_excluded():
+    ok, cut = _sampled(0, 0, 2, 1.0), _sampled(0, 1, 2, 0.0, status=Status.TRUNCATED)
+    from loongsage.algos.filters import DynamicSampling, OverlongFilter
+
+    excluded = loss_excluded([ok, cut], [DynamicSampling(), OverlongFilter()])
+    assert excluded.tolist() == [False, True]
+    assert loss_excluded([ok, cut], [DynamicSampling()]).tolist() == [False, False]
+    batch = to_batch([ok, cut], pad_id=0)
+    batch.advantages = batch.response_mask * 2.0
+    exclude_rows(batch, excluded)
+    assert batch.response_mask.sum(-1).tolist() == [2, 0] and batch.advantages.sum(-1).tolist() == [4, 0]
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_critic_loss_weights_follow_the_aggregation(monkeypatch, aggregation):
+    ctrl = _controller(monkeypatch, "tiny/ppo_arith_cpu", [f"algorithm.aggregation={aggregation}"], critic=True)
+    ctrl._train([[_sampled(0, 0, 2, 1.0), _sampled(0, 1, 5, 0.0)], [_sampled(1, 0, 3, 1.0), _sampled(1, 1, 1, 0.0)]])
+    (policy_mb,), (critic_mb,) = ctrl.trainers[0].steps, ctrl.critic.steps
+    want = loss_weights(critic_mb.response_mask, aggregation)
+    torch.testing.assert_close(critic_mb.loss_weights, want)
+    torch.testing.assert_close(policy_mb.loss_weights, want)  # the same weights as the policy loss
+    if aggregation != "token-mean":
+        assert not torch.allclose(want, loss_weights(critic_mb.response_mask, "token-mean"))
+
+
+RECIPE_GRPO = "tiny/grpo_arith_cpu"
+
+
+def _mismatched(group: int) -> list[Trajectory]:
+    """Rows of 2 and 4 tokens with mismatches 0.1 and 0.3: the token mean and the mean of row means differ."""
+    return [_sampled(group, 0, 2, 1.0, delta=0.1), _sampled(group, 1, 4, 0.0, delta=0.3)]
+
+
+TOKEN_MEAN = {"k3": (2 * _k3(0.1) + 4 * _k3(0.3)) / 6, "abs": (2 * 0.1 + 4 * 0.3) / 6}
+SEQ_MEAN = {"k3": (_k3(0.1) + _k3(0.3)) / 2, "abs": (0.1 + 0.3) / 2}
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])  # 1: from the training forward (in the loss); 2: recomputed
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_consistency_metrics_follow_the_aggregation(monkeypatch, aggregation, mini_batches):
+    ctrl = _controller(monkeypatch, RECIPE_GRPO, [f"algorithm.aggregation={aggregation}",
+                                                  f"trainer.mini_batches_per_step={mini_batches}"])
+    metrics = ctrl._train([_mismatched(g) for g in range(mini_batches)])
+    assert (ctrl.trainers[0].logprob_calls > 0) == (mini_batches > 1)
+    want = SEQ_MEAN if aggregation.startswith("seq-mean") else TOKEN_MEAN
+    assert metrics["train/is_approx_k3_kl"] == pytest.approx(want["k3"], rel=1e-5)
+    assert metrics["train/is_logprob_abs_diff"] == pytest.approx(want["abs"], rel=1e-5)
+
+
+def test_teacher_forced_trajectories_have_no_consistency_metrics(monkeypatch):
+    """SFT: the placeholder log-probs 0 of teacher-forced tokens are not compared with anything."""
+    ctrl = _controller(monkeypatch, "tiny/sft_chat_cpu", [])
+    metrics = ctrl._train([[_teacher_forced(0, 3)], [_teacher_forced(1, 5)]])
+    assert ctrl.trainers[0].steps and ctrl.trainers[0].logprob_calls == 0  # no extra forward for it
+    assert "train/pg_loss" in metrics
+    assert not any(k.startswith(("train/is_approx_k3_kl", "train/is_logprob_abs_diff")) for k in metrics)
+
+
+def test_a_mixed_batch_measures_the_sampled_tokens_only(monkeypatch):
+    """Teacher-forced rows beside sampled ones: old log-probs are recomputed and the metrics read
+    the sampled rows alone (token mean of 2 x 0.1 and 4 x 0.3, not diluted by the forced rows)."""
+    ctrl = _controller(monkeypatch, RECIPE_GRPO, ["data_sources.0.samples_per_prompt=2"])
+    metrics = ctrl._train([_mismatched(0), [_teacher_forced(5, 3), _teacher_forced(5, 4)]])
+    assert ctrl.trainers[0].logprob_calls == 1
+    assert metrics["train/is_approx_k3_kl"] == pytest.approx(TOKEN_MEAN["k3"], rel=1e-5)
+    assert metrics["train/is_logprob_abs_diff"] == pytest.approx(TOKEN_MEAN["abs"], rel=1e-5)

@@ -1,8 +1,14 @@
-"""Group filters: ``group: list[Trajectory] -> bool`` (True keeps the group).
+"""Data filters: ``group: list[Trajectory] -> bool`` (True keeps the group), and sample masks.
 
 Each filter is a pure predicate over plain values plus a frozen dataclass that binds its parameters
 (the fields are the recipe's ``params`` schema) and implements the hook's call. Filters run after
 rewards, on whole groups; a dropped group may be refilled by the scheduler from oversampling.
+
+A filter may also judge single samples: ``excludes_from_loss(trajectory) -> bool``. The trainer
+keeps such samples in the step's batch while the advantages are computed (their rewards count in
+their group's statistics) and then gives them loss mask 0, so they leave the numerator and the
+denominator of the loss (:func:`loongsage.core.batching.loss_excluded`). DAPO's overlong filtering
+(``overlong``) is one: it keeps every group and masks its truncated samples.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from loongsage.core.types import Status, Trajectory
 
@@ -36,6 +43,15 @@ def status_fraction(group: Sequence[Trajectory], statuses: Iterable[str]) -> flo
     return sum(t.status.value in wanted for t in group) / len(group) if group else 0.0
 
 
+def is_truncated(trajectory: Trajectory, max_length: int | None = None) -> bool:
+    """Status ``truncated``, or (with ``max_length``) at least ``max_length`` response tokens, for
+    agents that do not set the status. A failed trajectory is never judged truncated."""
+    if trajectory.status is Status.FAILED:
+        return False
+    return trajectory.status is Status.TRUNCATED or (
+        max_length is not None and len(trajectory.response_ids) >= max_length)
+
+
 def truncated_fraction(group: Sequence[Trajectory], max_length: int | None = None) -> float | None:
     """The fraction of the group's non-failed trajectories that hit the length limit.
 
@@ -45,11 +61,7 @@ def truncated_fraction(group: Sequence[Trajectory], max_length: int | None = Non
     judged = [t for t in group if t.status is not Status.FAILED]
     if not judged:
         return None
-    hit = sum(
-        t.status is Status.TRUNCATED or (max_length is not None and len(t.response_ids) >= max_length)
-        for t in judged
-    )
-    return hit / len(judged)
+    return sum(is_truncated(t, max_length) for t in judged) / len(judged)
 
 
 @dataclass(frozen=True)
@@ -94,33 +106,47 @@ class StatusFilter:
 
 
 @dataclass(frozen=True)
-class LengthFilter:
-    """``length``: drop groups whose responses hit the length limit.
+class OverlongFilter:
+    """``overlong``: DAPO's overlong filtering. Truncated samples get loss mask 0; groups are kept.
 
-    ``max_truncated_frac`` None drops a group only when every judged trajectory is truncated; a
-    number drops it when the truncated fraction exceeds it. ``max_length`` also counts responses of
-    at least that many tokens as truncated. Failed trajectories are not judged; a group with none
-    left is kept (the ``status`` filter decides about failures).
+    A truncated response was cut by the length limit, not judged on its answer, so its reward is
+    noise: DAPO keeps it out of the loss. The sample still counts in its group's advantage
+    statistics (the advantages are computed before the mask is applied), as in DAPO. Truncated
+    means status ``truncated``, or with ``max_length`` at least that many response tokens. The group
+    predicate keeps every group, so nothing is refilled because of this filter.
     """
+
+    max_length: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length < 1:
+            raise ValueError(
+                f"overlong.max_length={self.max_length}: must be >= 1 (or null: use the truncated status only)"
+            )
+
+    def __call__(self, group: list[Trajectory]) -> bool:
+        return True
+
+    def excludes_from_loss(self, trajectory: Trajectory) -> bool:
+        return is_truncated(trajectory, self.max_length)
+
+
+@dataclass(frozen=True)
+class RenamedLengthFilter:
+    """``length``: renamed ``overlong``, which masks truncated samples instead of dropping groups.
+
+    Kept under the old name only to answer a recipe that still uses it with one line; it accepts
+    the old params so that the message, not an unknown-key error, is what the user sees.
+    """
+
+    renamed_to: ClassVar[str] = "overlong"
 
     max_truncated_frac: float | None = None
     max_length: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_truncated_frac is not None and not 0 <= self.max_truncated_frac < 1:
-            raise ValueError(
-                f"length.max_truncated_frac={self.max_truncated_frac}: must be in [0, 1) "
-                "(or null: drop only all-truncated groups)"
-            )
-        if self.max_length is not None and self.max_length < 1:
-            raise ValueError(
-                f"length.max_length={self.max_length}: must be >= 1 (or null: use the truncated status only)"
-            )
-
-    def __call__(self, group: list[Trajectory]) -> bool:
-        frac = truncated_fraction(group, self.max_length)
-        if frac is None:
-            return True
-        if self.max_truncated_frac is None:
-            return frac < 1.0
-        return frac <= self.max_truncated_frac
+        keep = f", params: {{max_length: {self.max_length}}}" if self.max_length is not None else ""
+        raise ValueError(
+            "the 'length' filter is now 'overlong' (DAPO overlong filtering): it masks truncated samples out of "
+            f"the loss and keeps their group; use {{name: overlong{keep}}} (max_truncated_frac is gone)"
+        )

@@ -8,7 +8,7 @@ from __future__ import annotations
 from loongsage.algos.advantages import GAE, GRPO, RLOO, ReinforcePP
 from loongsage.algos.corrections import M2PO, OPSM, ImportanceSampling
 from loongsage.algos.divergences import JSD, FullVocabKL, TopKJSD, TopKKL
-from loongsage.algos.filters import DynamicSampling, LengthFilter, StatusFilter
+from loongsage.algos.filters import DynamicSampling, OverlongFilter, RenamedLengthFilter, StatusFilter
 from loongsage.algos.kl import K1, K2, K3, LowVarKL
 from loongsage.algos.policy_losses import CISPO, GSPO, NLL, PPOClip
 from loongsage.algos.rewards import ExactMatch, FormatReward, MathAnswer, OverlongShaping
@@ -44,4 +44,5 @@ def loongsage_corrections() -> Factories:
 
 @hookimpl
 def loongsage_data_filters() -> Factories:
-    return {"dynamic_sampling": DynamicSampling, "status": StatusFilter, "length": LengthFilter}
+    return {"dynamic_sampling": DynamicSampling, "status": StatusFilter, "overlong": OverlongFilter,
+            "length": RenamedLengthFilter}  # the old name answers with one line pointing to overlong

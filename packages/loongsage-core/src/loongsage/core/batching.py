@@ -41,6 +41,45 @@ def to_batch(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
     )
 
 
+def engine_sampled(trajectories: list[Trajectory], length: int) -> torch.Tensor:
+    """``[B, length]`` 1.0 on the trained response tokens that an engine sampled, in :func:`to_batch`'s layout.
+
+    Only those carry rollout log-probs: a token the engine generated has its weight version
+    (``>= 0``); teacher-forced tokens (the ``sft`` agent) and tool or user tokens have version -1
+    and a placeholder log-prob of 0, which the train-inference consistency metrics must not read.
+    """
+    out = torch.zeros(len(trajectories), length)
+    for i, t in enumerate(trajectories):
+        p = len(t.prompt_ids)
+        sampled = [float(m != 0 and v >= 0) for m, v in zip(t.loss_mask, t.versions)]
+        out[i, p:p + len(sampled)] = torch.tensor(sampled)
+    return out
+
+
+def loss_excluded(trajectories: list[Trajectory], filters: list) -> torch.Tensor:
+    """``[B]`` bool: the trajectories a sample filter keeps out of the loss.
+
+    A data filter may, besides its group predicate, judge single samples with
+    ``excludes_from_loss(trajectory) -> bool`` (DAPO's overlong filtering: truncated samples). Such
+    samples stay in the step's batch, so the advantages are computed with them present (a group's
+    baseline sees their rewards), and are then removed from the loss by :func:`exclude_rows`.
+    """
+    judges = [f.excludes_from_loss for f in filters if callable(getattr(f, "excludes_from_loss", None))]
+    return torch.tensor([any(judge(t) for judge in judges) for t in trajectories], dtype=torch.bool)
+
+
+def exclude_rows(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
+    """Take the rows where ``rows`` ([B] bool) is True out of the loss: mask, advantages and
+    critic targets zeroed, so they count in no numerator and no denominator (nor as a sequence of
+    the seq-mean modes)."""
+    keep = (~rows).to(batch.response_mask.dtype)[:, None]
+    batch.response_mask = batch.response_mask * keep
+    batch.advantages = batch.advantages * keep
+    if batch.returns is not None:
+        batch.returns = batch.returns * keep
+    return batch
+
+
 def compute_advantages(batch: TrainBatch, estimator, values: torch.Tensor | None = None,
                        token_rewards: torch.Tensor | None = None) -> TrainBatch:
     """Advantages over the whole step batch; with critic values also the critic's targets."""

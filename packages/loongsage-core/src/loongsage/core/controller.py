@@ -22,12 +22,20 @@ from typing import Any
 import torch
 
 from loongsage.core import checkpoint as ckpt
-from loongsage.core.aggregation import loss_weights
-from loongsage.core.batching import compute_advantages, split_groups, to_batch, trainable
+from loongsage.core.batching import (
+    compute_advantages,
+    engine_sampled,
+    exclude_rows,
+    loss_excluded,
+    split_groups,
+    to_batch,
+    trainable,
+)
 from loongsage.core.config import Config
 from loongsage.core.data import Mixer, SourceCursor
 from loongsage.core.distill import TeacherPlan, distill_metrics, fill_teacher_tensors, plan_teachers
 from loongsage.core.evaluation import Evaluator
+from loongsage.core.loss import CONSISTENCY_METRICS, consistency_metrics
 from loongsage.core.rollout import AgentContext, EngineRouter, gather_groups
 from loongsage.core.types import ConfigError, DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
 from loongsage.core.workers import (
@@ -257,6 +265,16 @@ class Controller:
         if not trajs:
             return {"train/skipped": 1.0}
         batch = to_batch(trajs, self.pad_id)
+        # samples a filter keeps out of the loss (DAPO overlong filtering): present for the
+        # advantages, masked after them
+        excluded = loss_excluded(trajs, self.filters)
+        # the train-inference consistency metrics read the trained tokens an engine sampled: teacher-
+        # forced ones (sft) have no rollout log-probs. The loss computes them when the training forward
+        # gives the old log-probs; a batch that mixes both kinds has them recomputed and measured here.
+        trained = batch.response_mask * (~excluded).to(batch.response_mask.dtype)[:, None]
+        consistency_mask = trained * engine_sampled(trajs, trained.shape[1])
+        any_sampled = bool(consistency_mask.any())
+        partly_sampled = any_sampled and not torch.equal(consistency_mask, trained)
         if self.teachers:
             self._score_with_teachers(batch)
         row_of = {id(t): i for i, t in enumerate(trajs)}
@@ -264,18 +282,23 @@ class Controller:
         rows = [[[row_of[id(t)] for t in mb] for mb in rank_parts] for rank_parts in parts]
         sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         need_old = (self.pipeline.recompute_old_logprobs(cfg.trainer.mini_batches_per_step)
-                    or (self.pipeline.kl_in_reward and self.pipeline.needs_ref_logprobs))
+                    or (self.pipeline.kl_in_reward and self.pipeline.needs_ref_logprobs) or partly_sampled)
         if need_old or self.pipeline.needs_ref_logprobs:
-            self._fill_logprobs(batch, rows, sums, old=need_old)
+            self._fill_logprobs(batch, rows, sums, old=need_old, consistency_mask=consistency_mask)
         else:
             batch.old_logprobs = None  # taken from the training forward itself
         token_rewards = None
         if self.pipeline.kl_in_reward and self.pipeline.needs_ref_logprobs:
             token_rewards = self.pipeline.kl_token_rewards(batch)
-            _add(sums, "rollout/kl_reward", float(token_rewards.sum()), float(batch.response_mask.sum()))
+            count = float(batch.response_mask.sum())
+            _add(sums, "rollout/kl_reward", float(token_rewards.sum()), count)
+            _add(sums, "train/kl", float(token_rewards.sum()) / -self.pipeline.kl_coef, count)  # KL(pi_old || ref)
         if self.critic is not None:
             batch.values = ray.get(self.critic.values.remote(batch)) * batch.response_mask
         compute_advantages(batch, self.estimator, values=batch.values, token_rewards=token_rewards)
+        if any(callable(getattr(f, "excludes_from_loss", None)) for f in self.filters):
+            exclude_rows(batch, excluded)
+            _add(sums, "train/loss_excluded_frac", float(excluded.sum()), float(len(trajs)))
         if self.teachers:
             for key, (num, den) in distill_metrics(batch).items():
                 _add(sums, key, num, den)
@@ -293,10 +316,12 @@ class Controller:
             pos = {row: k for k, row in enumerate(union)}
             calls = [tr.train_step.remote(prepared.select([pos[i] for i in r[m]])) for tr, r in zip(self.trainers, rows)]
             if self.critic is not None:  # the value model steps beside the policy, in its own actor
-                mini_batch.loss_weights = loss_weights(mini_batch.response_mask, "token-mean")
+                mini_batch.loss_weights = self.pipeline.aggregation_weights(mini_batch.response_mask)
                 calls.append(self.critic.train_step.remote(mini_batch))
             for rank, out in enumerate(ray.get(calls)):
                 for key, value in out.items():
+                    if not any_sampled and key.startswith(CONSISTENCY_METRICS):
+                        continue  # nothing was sampled: the loss compared against placeholder log-probs
                     if key.endswith("_sum"):
                         _add(sums, key[:-4], value, 0.0)
                     elif key.endswith("_count"):
@@ -325,11 +350,10 @@ class Controller:
         fill_teacher_tensors(batch, list(zip(rows_of, ray.get(calls))))
 
     def _fill_logprobs(self, batch: TrainBatch, rows: list[list[list[int]]], sums: dict[str, list[float]], *,
-                       old: bool) -> None:
-        """Old (and reference) log-probs, each trainer rank computing its own rows."""
+                       old: bool, consistency_mask: torch.Tensor | None = None) -> None:
+        """Old (and reference) log-probs, each trainer rank computing its own rows; with old ones also
+        the consistency metrics over ``consistency_mask`` (default: the response mask)."""
         import ray
-
-        from loongsage.core.loss import consistency_metrics
 
         rank_rows = [[i for mb in r for i in mb] for r in rows]
         # every rank is called, even with no rows: FSDP2 forward and backward are collectives
@@ -347,8 +371,9 @@ class Controller:
             if batch.ref_logprobs is not None:
                 batch.ref_logprobs[idx, :t] = out["ref_logprobs"]
         if batch.old_logprobs is not None:
-            for key, (num, den) in consistency_metrics(batch.old_logprobs, batch.rollout_logprobs,
-                                                       batch.response_mask).items():
+            mask = batch.response_mask if consistency_mask is None else consistency_mask
+            for key, (num, den) in consistency_metrics(batch.old_logprobs, batch.rollout_logprobs, mask,
+                                                       self.pipeline.aggregation).items():
                 _add(sums, key, num, den)
 
     def _push_weights(self) -> dict[str, float]:

@@ -27,19 +27,32 @@ from loongsage.core.types import CorrectionInput, PolicyLossInput, TrainBatch
 # Tokens whose mask is 0 get no metric mass; metrics are reported as token means over the step.
 MetricSums = dict[str, tuple[float, float]]
 
+CONSISTENCY_METRICS = ("train/is_approx_k3_kl", "train/is_logprob_abs_diff")
 
-def consistency_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor) -> MetricSums:
+
+def consistency_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
+                        aggregation: str = "token-mean") -> MetricSums:
     """Train-inference mismatch: ``train/is_approx_k3_kl`` and ``train/is_logprob_abs_diff`` sums.
 
-    delta = log pi_old - log pi_rollout (clamped to +-20); k3 = e^delta - delta - 1 >= 0.
+    delta = log pi_old - log pi_rollout (clamped to +-20); k3 = e^delta - delta - 1 >= 0; the
+    second metric is |delta|. Averaged like the loss: with a ``seq-mean-*`` aggregation the mean
+    over sequences of each sequence's token mean (sums: one token mean per row with a token in
+    ``mask``, over the number of such rows), else the token mean over ``mask``. Either way the sums
+    add up over micro-batches and ranks (a row is never split). ``mask`` selects the tokens that
+    carry rollout log-probs (sampled by the engine); nothing is returned when it is empty.
     """
-    delta = (old_logprobs - rollout_logprobs).clamp(-20, 20)
-    k3 = torch.expm1(delta) - delta
+    mask = mask.to(torch.float32) if not mask.is_floating_point() else mask
+    if not bool((mask != 0).any()):
+        return {}
+    delta = torch.where(mask != 0, (old_logprobs - rollout_logprobs).clamp(-20, 20), torch.zeros_like(mask))
+    values = {"train/is_approx_k3_kl": torch.expm1(delta) - delta, "train/is_logprob_abs_diff": delta.abs()}
+    if aggregation.startswith("seq-mean"):
+        lengths = mask.sum(dim=-1)
+        rows = lengths > 0
+        return {key: (float(((v * mask).sum(dim=-1)[rows] / lengths[rows]).sum()), float(rows.sum()))
+                for key, v in values.items()}
     count = float(mask.sum())
-    return {
-        "train/is_approx_k3_kl": (float((k3 * mask).sum()), count),
-        "train/is_logprob_abs_diff": (float((delta.abs() * mask).sum()), count),
-    }
+    return {key: (float((v * mask).sum()), count) for key, v in values.items()}
 
 
 @dataclass
@@ -126,6 +139,10 @@ class LossPipeline:
         """Corrections that need the current policy: weights only, applied in every micro-batch."""
         return [c for c in self.corrections if getattr(c, "needs_logprobs", False)]
 
+    def aggregation_weights(self, response_mask: Tensor) -> Tensor:
+        """Global loss weights of a whole mini-batch under ``algorithm.aggregation`` (the critic's too)."""
+        return loss_weights(response_mask, self.aggregation, constant=self.aggregation_constant)
+
     def prepare(self, mini_batch: TrainBatch) -> tuple[TrainBatch, MetricSums]:
         """Decide corrections and loss weights once for a whole optimizer mini-batch."""
         mask = mini_batch.response_mask.float()
@@ -141,7 +158,7 @@ class LossPipeline:
             for key, value in out.metrics.items():
                 sums[f"train/{key}"] = (float((value * mask).sum()), float(mask.sum()))
             mask = out.response_mask.float()
-        weights = loss_weights(mask, self.aggregation, constant=self.aggregation_constant) * token_weights
+        weights = self.aggregation_weights(mask) * token_weights
         return replace(mini_batch, response_mask=mask, loss_weights=weights), sums
 
     def __call__(self, logprobs: Tensor, mb: TrainBatch, student_dist: Tensor | None = None) -> tuple[Tensor, MetricSums]:
@@ -155,7 +172,7 @@ class LossPipeline:
         old = mb.old_logprobs
         if old is None:  # on-policy single step: this forward's log-probs are the old ones
             old = logprobs.detach()
-            metrics.update(consistency_metrics(old, mb.rollout_logprobs, mask))
+            metrics.update(consistency_metrics(old, mb.rollout_logprobs, mask, self.aggregation))
         out = self.policy_loss(PolicyLossInput(
             logprobs=logprobs, old_logprobs=old, advantages=mb.advantages, response_mask=mask,
             rollout_logprobs=mb.rollout_logprobs,
@@ -214,7 +231,8 @@ def per_source_sums(name: str, values: Tensor, mask: Tensor, sources: list[str])
 @dataclass
 class ValueLoss:
     """PPO's clipped value loss: ``0.5 max((V - R)^2, (V_old + clip(V - V_old, +-c) - R)^2)`` per
-    token, weighted by the mini-batch's global loss weights like the policy loss."""
+    token, weighted by the mini-batch's global loss weights like the policy loss (the controller
+    computes them with ``algorithm.aggregation``: :meth:`LossPipeline.aggregation_weights`)."""
 
     clip: float = 0.2
 
