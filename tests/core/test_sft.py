@@ -106,3 +106,15 @@ def test_sft_recipe_evaluates_with_a_generating_agent(monkeypatch):
 def test_constant_reward():
     assert ConstantReward()(None, None) == 0.0
     assert ConstantReward(value=0.5)(None, None) == 0.5
+
+
+def test_teacher_forced_tokens_are_not_taken_for_engine_samples(tokenizer):
+    """The step reads rollout log-probs only where an engine sampled: an SFT trajectory has none,
+    so the train-inference consistency metrics never compare the placeholder 0s."""
+    from loongsage.core.batching import engine_sampled, to_batch
+
+    [t] = _run(tokenizer, DataRecord("arith", 0, [{"role": "user", "content": "4+5="}], label="9"))
+    t.reward = 1.0  # scored, as the reward worker does before training
+    batch = to_batch([t], pad_id=0)
+    assert batch.response_mask.sum() > 0
+    assert engine_sampled([t], batch.response_mask.shape[1]).sum() == 0

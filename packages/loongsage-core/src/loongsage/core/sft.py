@@ -14,7 +14,9 @@ task becomes a two-message conversation). A plain-text prompt is a single user m
 
 One sample. Teacher forcing has nothing to sample, so the agent returns one trajectory per
 record whatever the source's ``samples_per_prompt`` (set it to 1: a group of identical copies
-would only weight the record more).
+would only weight the record more). Its tokens carry weight version -1 and a placeholder rollout
+log-prob of 0: no engine sampled them, so the train-inference consistency metrics leave them out
+(:func:`loongsage.core.batching.engine_sampled`); an SFT run emits none.
 
 Evaluation. A teacher-forced trajectory measures nothing, so an SFT data source names a
 generating agent for evaluation (``eval_agent: {name: single_turn, params: {prompt_template:
