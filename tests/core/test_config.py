@@ -295,7 +295,107 @@ def test_data_sources_list_rules(at_repo, tmp_path) -> None:
 
 def test_hydra_syntax_error_is_one_line(at_repo) -> None:
     msg = config_error(["trainer.micro_batch_tokens=[1,"])
-    assert msg.startswith("grpo_arith_cpu.yaml: ")
+    assert msg.startswith("override 'trainer.micro_batch_tokens=[1,': not valid override syntax; write key=value")
+    assert config_error(["trainer.world_size"]).startswith("override 'trainer.world_size': no '='; write key=value")
+    assert config_error(["run.name=${nope}"]) == "override 'run.name=${nope}': Interpolation key 'nope' not found"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["data_sources.5.prompts_per_step=4"], "data_sources.5: the recipe has 1 data source; only index 0 exists"),
+        (["~data_sources.1"], "data_sources.1: the recipe has 1 data source; only index 0 exists"),
+        (["data_sources.x.name=y"], "data_sources.x: data_sources is a list, indexed by number; the recipe has 1 data "
+                                    "source; only index 0 exists"),
+        (["trainer.optimizer.betas.2=0.5"], "trainer.optimizer.betas.2: trainer.optimizer.betas has 2 items; "
+                                            "indices 0 to 1 exist"),
+        # counted after the overrides before it: the list an earlier override set
+        (["data_sources=[]", "data_sources.0.name=a"], "data_sources.0: the recipe has 0 data sources; it is empty"),
+    ],
+)
+def test_list_index_past_the_end_names_the_count(at_repo, overrides, expected) -> None:
+    assert config_error(overrides).startswith(expected)
+
+
+def test_malformed_recipe_yaml_names_file_line_and_column(tmp_path) -> None:
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("run: {name: x\n")
+    expected = (f"{bad}: invalid YAML at line 2, column 1: expected ',' or '}}', but got '<stream end>' "
+                "(while parsing a flow mapping at line 1, column 6)")
+    assert config_error([], recipe=str(bad)) == expected
+    assert config_error([], recipe="broken", config_dir=str(tmp_path)) == expected
+    (tmp_path / "tabs.yaml").write_text("run:\n\tname: x\n")
+    assert config_error([], recipe="tabs", config_dir=str(tmp_path)).startswith(
+        f"{tmp_path / 'tabs.yaml'}: invalid YAML at line 2, column 1: found character '\\t'")
+
+
+def test_nonexistent_config_dir_is_refused(tmp_path) -> None:
+    missing = tmp_path / "nope"
+    msg = config_error([], config_dir=str(missing))
+    assert msg == f"--config-dir '{missing}': no such directory; pass a folder of recipe YAML files"
+    with pytest.raises(ConfigError, match="no such directory"):
+        list_recipes(str(missing))
+    (tmp_path / "file").write_text("")
+    assert "is a file, not a directory" in config_error([], config_dir=str(tmp_path / "file"))
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("evaluation.every_steps=-5", "config.evaluation.every_steps=-5: must be >= 0 (0 = only at start and end)"),
+        ("evaluation.pass_k=-1", "config.evaluation.pass_k=-1: must be >= 0 (0 = off)"),
+        ("evaluation.max_prompts=0", "config.evaluation.max_prompts=0: must be >= 1"),
+        ("checkpoint.every_steps=-1", "config.checkpoint.every_steps=-1: must be >= 0 (0 = only at the end)"),
+        ("checkpoint.keep_last=-1", "config.checkpoint.keep_last=-1: must be >= 0 (0 = keep all)"),
+        ("run.seed=-1", "config.run.seed=-1: must be >= 0"),
+        ("run.total_steps=-3", "config.run.total_steps=-3: must be >= 1"),
+        ("placement.cpus_per_actor=-1", "config.placement.cpus_per_actor=-1.0: must be > 0"),
+        ("placement.gpus_per_actor=-1", "config.placement.gpus_per_actor=-1.0: must be >= 0"),
+        ("placement.num_cpus=0", "config.placement.num_cpus=0: must be >= 1"),
+        ("placement.torch_threads=-1", "config.placement.torch_threads=-1: must be >= 0 (0 = every core)"),
+        ("rollout.max_refill_rounds=-1", "config.rollout.max_refill_rounds=-1: must be >= 0 (0 = no refill)"),
+        ("trainer.optimizer.warmup_steps=-1", "config.trainer.optimizer.warmup_steps=-1: must be >= 0 (0 = no warm-up)"),
+        ("trainer.optimizer.eps=0", "config.trainer.optimizer.eps=0.0: must be > 0"),
+        ("trainer.optimizer.weight_decay=-0.1", "config.trainer.optimizer.weight_decay=-0.1: must be >= 0"),
+        ("trainer.optimizer.grad_clip=0", "config.trainer.optimizer.grad_clip=0.0: must be > 0"),
+        ("trainer.optimizer.lr=nan", "config.trainer.optimizer.lr=nan: must be > 0"),
+        ("trainer.optimizer.betas=[0.9,1.5]", "config.trainer.optimizer.betas[1]=1.5: must be in [0, 1)"),
+        ("trainer.optimizer.betas=[0.9]", "config.trainer.optimizer.betas=[0.9]: must be two numbers"),
+        ("trainer.world_size=0", "config.trainer.world_size=0: must be >= 1"),
+        ("algorithm.kl_coef=-1", "config.algorithm.kl_coef=-1.0: must be >= 0"),
+        ("algorithm.aggregation_constant=0", "config.algorithm.aggregation_constant=0.0: must be > 0"),
+        ("run.name=", "config.run.name='': must name a directory under run.output_dir"),
+    ],
+)
+def test_every_numeric_key_has_a_range(at_repo, override, expected) -> None:
+    assert config_error([override]).startswith(expected)
+
+
+def test_zero_still_means_never(at_repo) -> None:
+    cfg, _ = load_config(RECIPE, ["evaluation.every_steps=0", "checkpoint.every_steps=0", "checkpoint.keep_last=0",
+                                  "evaluation.pass_k=0", "placement.torch_threads=0", "trainer.optimizer.grad_clip=inf"])
+    assert (cfg.evaluation.every_steps, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "need"),
+    [
+        (["colocate=false", "placement.num_cpus=1"], "needs 2 CPUs, 2 bundles (disaggregated: trainer.world_size=1 + "
+                                                     "rollout.num_engines=1) x placement.cpus_per_actor=1"),
+        (["placement.cpus_per_actor=3", "placement.num_cpus=2"], "needs 3 CPUs, 1 bundle (colocated: "
+                                                                 "max(trainer.world_size=1, rollout.num_engines=1))"),
+        (["rollout.num_engines=3", "placement.num_cpus=2"], "needs 3 CPUs"),
+        (["colocate=false", "placement.cpus_per_actor=0.5", "placement.num_cpus=0"], "num_cpus=0: must be >= 1"),
+    ],
+)
+def test_num_cpus_too_small_for_the_bundles(at_repo, overrides, need) -> None:
+    msg = config_error(overrides)
+    assert "placement.num_cpus=" in msg and need in msg, msg
+
+
+def test_num_cpus_enough_for_the_bundles(at_repo) -> None:
+    load_config(RECIPE, ["colocate=false", "placement.num_cpus=2"])
+    load_config(RECIPE, ["colocate=false", "placement.cpus_per_actor=0.5", "placement.num_cpus=1"])
 
 
 # ----------------------------------------------------------------------------- aliases

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,22 @@ from pathlib import Path
 from loongsage.core.types import BadRecordError, ConfigError
 
 log = logging.getLogger("loongsage")
+COMMANDS = ("train", "plugins", "recipes", "report")
+
+
+class UsageError(Exception):
+    """A malformed command line; reported like a config error, as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a mistake is one ``loongsage: error:`` line (no usage block) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        command = self.prog.removeprefix("loongsage").strip()
+        bad = re.search(r"invalid choice: '(.*?)'", message)
+        if not command and bad:
+            message = f"unknown command {bad.group(1)!r}; choose one of: {', '.join(COMMANDS)}"
+        raise UsageError(f"{command + ': ' if command else ''}{message} (see `{self.prog} --help`)")
 
 
 def _setup_logging(log_dir: str) -> Path:
@@ -40,10 +57,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     from loongsage.core.config import load_config
     from loongsage.core.controller import Controller
 
+    if args.recipe is None:
+        raise ConfigError("train: no recipe given; usage: loongsage train <recipe> [key=value ...], e.g. "
+                          "loongsage train tiny/grpo_arith_cpu; `loongsage recipes` lists the recipes")
+    if "=" in args.recipe and not Path(args.recipe).is_file():
+        raise ConfigError(f"train: the recipe comes first, got the override {args.recipe!r}; usage: loongsage train "
+                          "<recipe> [key=value ...]; `loongsage recipes` lists the recipes")
     cfg, registry = load_config(args.recipe, args.overrides, config_dir=args.config_dir)
-    log_path = _setup_logging(cfg.run.log_dir)
     run_dir = cfg.run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
+    for key, path in (("run.output_dir", run_dir), ("run.log_dir", Path(cfg.run.log_dir))):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"{key}: cannot create the directory {str(path)!r}: {exc.strerror or exc}") from None
+    log_path = _setup_logging(cfg.run.log_dir)
     from omegaconf import OmegaConf
 
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
@@ -87,19 +114,33 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    import json
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        what = "is not a directory" if run_dir.exists() else "no such directory"
+        raise ConfigError(f"report: {args.run_dir!r}: {what}; pass a run's output directory (e.g. runs/grpo_arith_cpu)")
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ConfigError(f"report: no metrics.jsonl in {args.run_dir!r}; pass a run's output directory "
+                          "(e.g. runs/grpo_arith_cpu)")
     from loongsage.core.report import write_report
 
-    for path in write_report(args.run_dir):
+    try:
+        paths = write_report(run_dir)
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ConfigError(f"report: {run_dir / 'metrics.jsonl'} is not a run's metrics (one JSON object with a "
+                          f"'step' per line): {type(exc).__name__}: {exc}") from None
+    for path in paths:
         print(path)
     return 0
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="loongsage", description="LoongSage: RL post-training for LLMs")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="loongsage", description="LoongSage: RL post-training for LLMs")
+    sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
     t = sub.add_parser("train", help="run a recipe: loongsage train tiny/grpo_arith_cpu [key=value ...]")
-    t.add_argument("recipe", help="recipe name (e.g. tiny/grpo_arith_cpu) or path to a YAML file")
-    t.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. run.total_steps=5 colocate=false")
+    t.add_argument("recipe", nargs="?", help="recipe name (e.g. tiny/grpo_arith_cpu) or path to a YAML file")
+    t.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. run.total_steps=5 colocate=false")
     t.add_argument("--config-dir", default=None, help="extra directory searched first for recipes")
     t.set_defaults(func=cmd_train)
     pl = sub.add_parser("plugins", help="table of every extension point and its providers")
@@ -115,11 +156,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; overrides may come before or after ``--config-dir``."""
+    p = parser()
+    args, extra = p.parse_known_args(argv)
+    if args.command is None:
+        raise UsageError(f"no command given; choose one of: {', '.join(COMMANDS)} (see `loongsage --help`)")
+    if args.command == "train":
+        args.overrides = [*args.overrides, *(a for a in extra if not a.startswith("-"))]
+        extra = [a for a in extra if a.startswith("-")]
+    if extra:
+        raise UsageError(f"{args.command}: unrecognized arguments: {' '.join(extra)} "
+                         f"(see `loongsage {args.command} --help`)")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
     try:
+        args = parse(argv)
         return args.func(args)
-    except (ConfigError, BadRecordError, FileNotFoundError) as exc:
+    except (ConfigError, BadRecordError, FileNotFoundError, UsageError) as exc:
         print(f"loongsage: error: {exc}", file=sys.stderr)
         return 2
 

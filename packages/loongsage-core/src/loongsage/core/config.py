@@ -9,13 +9,14 @@ and what is allowed.
 from __future__ import annotations
 
 import importlib.resources
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from loongsage.core.aggregation import AGGREGATION_MODES
 from loongsage.core.distill import check_teacher
-from loongsage.core.schema import build_dataclass
+from loongsage.core.schema import build_dataclass, ranged
 from loongsage.core.types import ConfigError, SamplingParams
 
 Spec = dict[str, Any]  # {name: ..., params: {...}}
@@ -27,14 +28,14 @@ OVERRIDE_ALIASES = {"colocate": "placement.colocate", "resume": "checkpoint.resu
 @dataclass
 class RunConfig:
     name: str = "run"
-    seed: int = 0
-    total_steps: int = 10
+    seed: int = ranged(0, ge=0)
+    total_steps: int = ranged(10, ge=1)
     output_dir: str = "runs"  # outputs go to <output_dir>/<name>/
     log_dir: str = "log"
 
     def __post_init__(self) -> None:
-        if self.total_steps < 1:
-            raise ValueError(f"total_steps={self.total_steps}: must be >= 1")
+        if self.name.strip() in ("", ".", ".."):
+            raise ValueError(f"name={self.name!r}: must name a directory under run.output_dir (e.g. my_run)")
 
 
 @dataclass
@@ -49,8 +50,8 @@ class ModelConfig:
 class DataSourceConfig:
     name: str
     reader: Spec
-    prompts_per_step: int = 8  # B_i
-    samples_per_prompt: int = 8  # N_i
+    prompts_per_step: int = ranged(8, ge=1)  # B_i
+    samples_per_prompt: int = ranged(8, ge=1)  # N_i
     agent: Spec = field(default_factory=lambda: {"name": "single_turn"})
     reward: Spec = field(default_factory=lambda: {"name": "exact_match"})
     eval_reader: Spec | None = None
@@ -59,29 +60,16 @@ class DataSourceConfig:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except n
     on_bad_row: Literal["skip", "error"] = "skip"
 
-    def __post_init__(self) -> None:
-        if self.prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step={self.prompts_per_step}: must be >= 1")
-        if self.samples_per_prompt < 1:
-            raise ValueError(f"samples_per_prompt={self.samples_per_prompt}: must be >= 1")
-
 
 @dataclass
 class RolloutConfig:
     engine: Spec = field(default_factory=lambda: {"name": "native"})
-    num_engines: int = 1
+    num_engines: int = ranged(1, ge=1)
     scheduler: Spec = field(default_factory=lambda: {"name": "sync"})
     transport: Spec = field(default_factory=lambda: {"name": "cpu"})  # weight push trainer -> engines
-    max_refill_rounds: int = 0  # extra generation rounds to replace groups that filters dropped
-    refill_oversample: float = 1.0  # prompts asked per missing group in a refill round
-
-    def __post_init__(self) -> None:
-        if self.num_engines < 1:
-            raise ValueError(f"num_engines={self.num_engines}: must be >= 1")
-        if self.max_refill_rounds < 0:
-            raise ValueError(f"max_refill_rounds={self.max_refill_rounds}: must be >= 0")
-        if self.refill_oversample < 1:
-            raise ValueError(f"refill_oversample={self.refill_oversample}: must be >= 1")
+    # extra generation rounds to replace groups that filters dropped
+    max_refill_rounds: int = ranged(0, ge=0, note="0 = no refill")
+    refill_oversample: float = ranged(1.0, ge=1)  # prompts asked per missing group in a refill round
 
 
 @dataclass
@@ -94,15 +82,11 @@ class DistillConfig:
     on the whole vocabulary).
     """
 
-    pg_coef: float = 1.0
-    gkd_coef: float = 0.0
+    pg_coef: float = ranged(1.0, ge=0)
+    gkd_coef: float = ranged(0.0, ge=0, le=1)
     divergence: Spec | None = None
 
     def __post_init__(self) -> None:
-        if not self.pg_coef >= 0:
-            raise ValueError(f"pg_coef={self.pg_coef}: must be >= 0")
-        if not 0 <= self.gkd_coef <= 1:
-            raise ValueError(f"gkd_coef={self.gkd_coef}: must be in [0, 1]")
         if self.pg_coef == 0 and self.gkd_coef == 0:
             raise ValueError("pg_coef=0 and gkd_coef=0: distillation would do nothing; set either > 0 "
                              "or drop algorithm.distill")
@@ -119,12 +103,12 @@ class AlgorithmConfig:
     advantage: Spec = field(default_factory=lambda: {"name": "grpo"})
     policy_loss: Spec = field(default_factory=lambda: {"name": "ppo_clip"})
     kl: Spec | None = None
-    kl_coef: float = 0.0
+    kl_coef: float = ranged(0.0, ge=0)
     kl_in_reward: bool = False  # KL as a token reward before advantages (else a loss term)
     corrections: list[Spec] = field(default_factory=list)
     filters: list[Spec] = field(default_factory=list)
     aggregation: str = "token-mean"
-    aggregation_constant: float | None = None  # C of seq-mean-token-sum-norm
+    aggregation_constant: float | None = ranged(None, gt=0)  # C of seq-mean-token-sum-norm
     distill: DistillConfig | None = None  # MOPD; null = off (then no source may name a teacher)
 
     def __post_init__(self) -> None:
@@ -134,16 +118,16 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
+    lr: float = ranged(1e-4, gt=0)
+    betas: list[float] = ranged(default_factory=lambda: [0.9, 0.999], ge=0, lt=1)
+    eps: float = ranged(1e-8, gt=0)
+    weight_decay: float = ranged(0.0, ge=0)
+    grad_clip: float = ranged(1.0, gt=0, note="max gradient norm; inf = no clipping")
+    warmup_steps: int = ranged(0, ge=0, note="0 = no warm-up")
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr}: must be > 0")
+        if len(self.betas) != 2:
+            raise ValueError(f"betas={self.betas}: must be two numbers [beta1, beta2], e.g. [0.9, 0.999]")
 
 
 @dataclass
@@ -152,35 +136,27 @@ class CriticConfig:
 
     backend: Spec = field(default_factory=lambda: {"name": "torch_critic"})
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3))
-    value_clip: float = 0.2
-
-    def __post_init__(self) -> None:
-        if self.value_clip <= 0:
-            raise ValueError(f"value_clip={self.value_clip}: must be > 0")
+    value_clip: float = ranged(0.2, gt=0)
 
 
 @dataclass
 class TrainerConfig:
     backend: Spec = field(default_factory=lambda: {"name": "torch"})
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    micro_batch_tokens: int = 8192  # token budget of one micro-batch (padded length x rows)
-    mini_batches_per_step: int = 1
-    world_size: int = 1  # data-parallel ranks (FSDP2; gloo on CPU)
+    micro_batch_tokens: int = ranged(8192, ge=1)  # token budget of one micro-batch (padded length x rows)
+    mini_batches_per_step: int = ranged(1, ge=1)
+    world_size: int = ranged(1, ge=1)  # data-parallel ranks (FSDP2; gloo on CPU)
     critic: CriticConfig | None = None
-
-    def __post_init__(self) -> None:
-        for key in ("micro_batch_tokens", "mini_batches_per_step", "world_size"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key}={getattr(self, key)}: must be >= 1")
 
 
 @dataclass
 class PlacementConfig:
     colocate: bool = True
-    cpus_per_actor: float = 1.0
-    gpus_per_actor: float = 0.0
-    num_cpus: int | None = None  # Ray's num_cpus when this run starts Ray itself
-    torch_threads: int = 0  # intra-op threads per actor; 0 = every core (sync steps never overlap)
+    cpus_per_actor: float = ranged(1.0, gt=0)  # CPUs of one bundle (see placement_bundles)
+    gpus_per_actor: float = ranged(0.0, ge=0)
+    num_cpus: int | None = ranged(None, ge=1)  # Ray's num_cpus when this run starts Ray itself (null = every core)
+    # intra-op threads per actor; 0 = every core (sync steps never overlap)
+    torch_threads: int = ranged(0, ge=0, note="0 = every core")
 
 
 @dataclass
@@ -192,17 +168,18 @@ class TrackingConfig:
 
 @dataclass
 class EvaluationConfig:
-    every_steps: int = 0  # 0 = only at start and end
-    pass_k: int = 0  # at the first and last evaluation, also pass@k with k samples (0 = off)
-    max_prompts: int = 256
+    every_steps: int = ranged(0, ge=0, note="0 = only at start and end")
+    # at the first and last evaluation, also pass@k with k samples (0 = off)
+    pass_k: int = ranged(0, ge=0, note="0 = off")
+    max_prompts: int = ranged(256, ge=1)
     success_threshold: float = 1.0  # a response with reward >= this counts as correct
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0  # 0 = only at the end
+    every_steps: int = ranged(0, ge=0, note="0 = only at the end")
     resume: bool = False
-    keep_last: int = 2
+    keep_last: int = ranged(2, ge=0, note="0 = keep all")
     export_hf: bool = True
 
 
@@ -231,6 +208,45 @@ class Config:
         return SamplingParams(**{**source.sampling, "n": source.samples_per_prompt})
 
 
+# ----------------------------------------------------------------------------- placement
+def placement_bundles(cfg: Config) -> list[dict[str, float]]:
+    """The Ray bundles a run reserves: colocated roles share bundle i, so ``max(world_size, num_engines)``
+    bundles; disaggregated roles get one each, ``world_size + num_engines``; each of ``cpus_per_actor``
+    CPUs (and ``gpus_per_actor`` GPUs)."""
+    p = cfg.placement
+    world, engines = cfg.trainer.world_size, cfg.rollout.num_engines
+    count = max(world, engines) if p.colocate else world + engines
+    bundle = {"CPU": p.cpus_per_actor, **({"GPU": p.gpus_per_actor} if p.gpus_per_actor else {})}
+    return [dict(bundle) for _ in range(count)]
+
+
+def placement_demand(cfg: Config) -> tuple[dict[str, float], dict[str, str]]:
+    """The resources all bundles need together (``{"CPU": 2.0}``) and, per resource, how that number
+    comes about, for messages: ``2 bundles (disaggregated: ...) x placement.cpus_per_actor=1``."""
+    bundles = placement_bundles(cfg)
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0.0) + amount
+    world, engines = cfg.trainer.world_size, cfg.rollout.num_engines
+    layout = (f"colocated: max(trainer.world_size={world}, rollout.num_engines={engines})" if cfg.placement.colocate
+              else f"disaggregated: trainer.world_size={world} + rollout.num_engines={engines}")
+    count = f"{len(bundles)} bundle{'' if len(bundles) == 1 else 's'} ({layout})"
+    per = {"CPU": ("cpus_per_actor", cfg.placement.cpus_per_actor), "GPU": ("gpus_per_actor", cfg.placement.gpus_per_actor)}
+    how = {key: f"{count} x placement.{per[key][0]}={per[key][1]:g}" for key in need}
+    return need, how
+
+
+def check_placement(cfg: Config) -> None:
+    """Refuse a ``placement.num_cpus`` too small for the bundles (Ray would wait for them forever)."""
+    need, how = placement_demand(cfg)
+    num_cpus = cfg.placement.num_cpus
+    if num_cpus is not None and num_cpus < need["CPU"] - 1e-9:
+        raise ConfigError(f"placement.num_cpus={num_cpus}: the placement needs {need['CPU']:g} CPUs, {how['CPU']}; "
+                          f"set placement.num_cpus >= {math.ceil(need['CPU'] - 1e-9)}, lower placement.cpus_per_actor, "
+                          "or leave placement.num_cpus null")
+
+
 # ----------------------------------------------------------------------------- finding recipes
 def packaged_recipe_dir() -> Path:
     """Recipes shipped inside the core wheel; in an editable install, the repository's recipes/."""
@@ -248,8 +264,16 @@ def recipe_search_path(config_dir: str | None = None) -> list[Path]:
     return dirs
 
 
+def check_config_dir(config_dir: str | None) -> None:
+    """An extra recipe directory must exist: a typo there would silently fall back to other recipes."""
+    if config_dir is not None and not Path(config_dir).is_dir():
+        what = "is a file, not a directory" if Path(config_dir).exists() else "no such directory"
+        raise ConfigError(f"--config-dir {config_dir!r}: {what}; pass a folder of recipe YAML files")
+
+
 def find_recipe(name: str, config_dir: str | None = None) -> Path:
     """Resolve ``tiny/grpo_arith_cpu`` (or a path to a YAML file) to a file."""
+    check_config_dir(config_dir)
     direct = Path(name)
     if direct.suffix in (".yaml", ".yml") and direct.is_file():
         return direct.resolve()
@@ -266,6 +290,7 @@ def find_recipe(name: str, config_dir: str | None = None) -> Path:
 
 
 def list_recipes(config_dir: str | None = None) -> list[str]:
+    check_config_dir(config_dir)
     names: set[str] = set()
     for base in recipe_search_path(config_dir):
         if base.is_dir():
@@ -278,29 +303,128 @@ def _expand_aliases(overrides: list[str]) -> list[str]:
     out = []
     for item in overrides:
         key, sep, value = item.partition("=")
-        prefix = "".join(c for c in key if c in "+~")
-        bare = key[len(prefix):]
+        bare = key.lstrip("+~")
+        prefix = key[:len(key) - len(bare)]
+        if not sep and not prefix.startswith("~"):
+            raise ConfigError(f"override {item!r}: no '='; write key=value (e.g. run.total_steps=5), "
+                              "or ~key to delete a key")
         if sep and bare in OVERRIDE_ALIASES:
             item = f"{prefix}{OVERRIDE_ALIASES[bare]}={value}"
         out.append(f"++{item}" if sep and not prefix else item)  # set or add; validate() names unknown keys
     return out
 
 
-def compose(recipe: Path, overrides: list[str]) -> dict[str, Any]:
-    """Compose ``recipe`` with Hydra overrides into a plain dict (no validation yet)."""
+def _compose(recipe: Path, overrides: list[str]) -> dict[str, Any]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(recipe.parent), version_base=None):
+        cfg = hydra_compose(config_name=recipe.stem, overrides=overrides)
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def compose(recipe: Path, overrides: list[str]) -> dict[str, Any]:
+    """Compose ``recipe`` with Hydra overrides into a plain dict (no validation yet).
+
+    Anything that goes wrong (a YAML syntax error in the recipe, an override Hydra cannot parse or
+    apply) becomes one ConfigError line naming the file and position, or the override at fault.
+    """
+    expanded = _expand_aliases(overrides)
+    try:
+        return _compose(recipe, expanded)
+    except Exception as exc:  # Hydra, OmegaConf and YAML raise many types; each is explained below
+        raise ConfigError(_explain_compose_error(recipe, overrides, expanded, exc)) from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _first_line(exc: BaseException) -> str:
+    from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    try:
-        with initialize_config_dir(config_dir=str(recipe.parent), version_base=None):
-            cfg = hydra_compose(config_name=recipe.stem, overrides=_expand_aliases(overrides))
-        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-    except (HydraException, OmegaConfBaseException) as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise ConfigError(f"{recipe.name}: {first}") from None
+    lines = str(exc).strip().splitlines()
+    first = lines[0].strip() if lines else type(exc).__name__
+    if first.startswith(("Error merging override", "Error parsing override")) and exc.__cause__ is not None:
+        return _first_line(exc.__cause__)
+    if not isinstance(exc, (HydraException, OmegaConfBaseException)):
+        first = f"{type(exc).__name__}: {first}"
+    return first
+
+
+def _yaml_error(recipe: Path, exc: Any) -> str:
+    """``file: invalid YAML at line L, column C: problem (context at line l, column c)``."""
+    mark, context, context_mark = (getattr(exc, a, None) for a in ("problem_mark", "context", "context_mark"))
+    problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+    name = mark.name if mark is not None and mark.name and not str(mark.name).startswith("<") else str(recipe)
+    text = f"{name}: invalid YAML"
+    if mark is not None:
+        text += f" at line {mark.line + 1}, column {mark.column + 1}"
+    text += f": {_one_line(problem)}"
+    if context:
+        where = f" at line {context_mark.line + 1}, column {context_mark.column + 1}" if context_mark is not None else ""
+        text += f" ({_one_line(context)}{where})"
+    return text
+
+
+def _list_index_error(base: Any, key: str) -> str | None:
+    """If ``key`` (dotted) indexes past the end of a list of ``base`` (or by a non-number), say so."""
+    node, walked = base, []
+    for part in key.split("."):
+        if isinstance(node, list):
+            where, n = ".".join(walked), len(node)
+            if where == "data_sources":
+                has = f"the recipe has {n} data source{'' if n == 1 else 's'}"
+            else:
+                has = f"{where} has {n} item{'' if n == 1 else 's'}"
+            valid = ("it is empty; set the whole list instead" if n == 0 else "only index 0 exists" if n == 1
+                     else f"indices 0 to {n - 1} exist")
+            if not part.isdigit():
+                return f"{where}.{part}: {where} is a list, indexed by number; {has}; {valid}"
+            if int(part) >= n:
+                return f"{where}.{part}: {has}; {valid}"
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+        walked.append(part)
+    return None
+
+
+def _explain_compose_error(recipe: Path, overrides: list[str], expanded: list[str], exc: Exception) -> str:
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if isinstance(exc, yaml.YAMLError):
+        return _yaml_error(recipe, exc)
+    parser = OverridesParser.create()
+    for given, item in zip(overrides, expanded):
+        try:
+            parser.parse_override(item)
+        except Exception:
+            return (f"override {given!r}: not valid override syntax; write key=value (quote a value with spaces "
+                    "or brackets), +key=value to add a key, or ~key to delete one")
+    # the recipe composes alone? then find the first override that breaks it, on what came before it
+    base: Any = None
+    for k in range(len(expanded) + 1):
+        try:
+            composed = _compose(recipe, expanded[:k])
+        except Exception as inner:
+            if k == 0:
+                if isinstance(inner, yaml.YAMLError):
+                    return _yaml_error(recipe, inner)
+                if "must be a DictConfig" in str(inner):
+                    kind = "list" if "ListConfig" in str(inner) else "single value"
+                    return (f"{recipe}: a recipe is a mapping of config sections (run, model, data_sources, ...); "
+                            f"this file holds a {kind}")
+                return f"{recipe.name}: {_first_line(inner)}"
+            key = expanded[k - 1].partition("=")[0].lstrip("+~")
+            return _list_index_error(base, key) or f"override {overrides[k - 1]!r}: {_first_line(inner)}"
+        base = composed
+    return f"{recipe.name}: {_first_line(exc)}"
 
 
 def validate(raw: dict[str, Any], registry: Any) -> Config:
@@ -311,6 +435,7 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
     are checked against their signatures only.
     """
     cfg: Config = build_dataclass(Config, raw, "config")
+    check_placement(cfg)
     if not cfg.data_sources:
         raise ConfigError("data_sources: at least one data source is required")
     names = [s.name for s in cfg.data_sources]

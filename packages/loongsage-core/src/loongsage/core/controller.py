@@ -60,41 +60,79 @@ def resolve_model_path(cfg: Config, registry: Any) -> str:
 
 
 class Placement:
-    """Ray placement group: colocated roles share one bundle; disaggregated roles get their own."""
+    """Ray placement group: colocated roles share one bundle; disaggregated roles get their own.
+
+    The bundles (:func:`placement_bundles`) are checked against what Ray has before anything is
+    reserved: more than the cluster holds is refused at once, and more than is free now is waited
+    for at most ``free_wait_s`` (resources of a run that just ended come back within moments),
+    each as one ConfigError line naming both numbers.
+    """
+
+    free_wait_s = 15.0
 
     def __init__(self, cfg: Config):
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from loongsage.core.config import placement_bundles
+
         self._strategy = PlacementGroupSchedulingStrategy
         p = cfg.placement
         world, engines = cfg.trainer.world_size, cfg.rollout.num_engines
         self.colocate = p.colocate
+        bundles = placement_bundles(cfg)
         if p.colocate:
             # rank i of every role shares bundle i; extra engines take their own bundles
-            shared = max(world, engines)
-            bundles = [{"CPU": p.cpus_per_actor} for _ in range(shared)]
             self.trainer_bundles = list(range(world))
             self.engine_bundles = list(range(engines))
-            per_bundle = [0] * shared
+            per_bundle = [0] * len(bundles)
             for i in self.trainer_bundles + self.engine_bundles:
                 per_bundle[i] += 1
             self._share = {i: p.cpus_per_actor / n for i, n in enumerate(per_bundle)}
         else:
-            bundles = [{"CPU": p.cpus_per_actor} for _ in range(world + engines)]
             self.trainer_bundles = list(range(world))
             self.engine_bundles = list(range(world, world + engines))
             self._share = {i: p.cpus_per_actor for i in range(world + engines)}
-        if p.gpus_per_actor:
-            for b in bundles:
-                b["GPU"] = p.gpus_per_actor
+        self._check_resources(cfg)
         self.pg = placement_group(bundles, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=120)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"placement: Ray could not reserve bundles {bundles} within 120 s; "
-                               f"cluster resources: {ray.cluster_resources()}") from None
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            raise ConfigError(f"placement: Ray could not reserve the bundles {bundles} within 120 s; "
+                              f"free: {ray.available_resources()}, in all: {ray.cluster_resources()}") from None
+
+    def _check_resources(self, cfg: Config) -> None:
+        """Refuse bundles this Ray cannot hold, instead of waiting for them."""
+        import ray
+
+        from loongsage.core.config import placement_demand
+
+        need, how = placement_demand(cfg)
+        total = ray.cluster_resources()
+        for key, amount in need.items():
+            if total.get(key, 0.0) < amount - 1e-9:
+                raise ConfigError(f"placement: the run needs {amount:g} {key}{'' if amount == 1 else 's'} ({how[key]}) "
+                                  "and this Ray cluster has "
+                                  f"{total.get(key, 0.0):g} in all; lower placement.cpus_per_actor / gpus_per_actor, "
+                                  "trainer.world_size or rollout.num_engines, or start Ray with more")
+        deadline = time.monotonic() + self.free_wait_s
+        while True:
+            free = ray.available_resources()
+            short = {k: free.get(k, 0.0) for k, amount in need.items() if free.get(k, 0.0) < amount - 1e-9}
+            if not short:
+                return
+            if time.monotonic() >= deadline:
+                key, has = next(iter(short.items()))
+                raise ConfigError(f"placement: the run needs {need[key]:g} {key}{'' if need[key] == 1 else 's'} "
+                                  f"({how[key]}) "
+                                  "and this Ray cluster has "
+                                  f"{has:g} free of {total.get(key, 0.0):g} (other work holds the rest); wait for "
+                                  "it to finish, or lower placement.cpus_per_actor")
+            time.sleep(0.2)
 
     def options(self, bundle: int) -> dict[str, Any]:
         return {"num_cpus": self._share[bundle],
@@ -388,42 +426,51 @@ class Controller:
         init_ray_environment()
         import ray
 
+        from loongsage.core.config import placement_demand
         from loongsage.core.progress import StepProgress
 
         cfg = self.cfg
-        model_path = resolve_model_path(cfg, self.registry)
-        log.info("model: %s", model_path)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "run_info.json").write_text(json.dumps({"model_path": model_path}, indent=1))
-        self._build_local(model_path)
-        self._preflight(model_path)
-        # teachers' weights are resolved (and cached models built) here, before any actor starts
-        teacher_plans = plan_teachers(cfg, self.registry, model_path) if cfg.algorithm.distill else []
-        for plan in teacher_plans:
-            log.info("teacher for %s: %s", ", ".join(plan.sources), plan.model_path)
         started_ray = False
-        if not ray.is_initialized():
-            needed = cfg.trainer.world_size + cfg.rollout.num_engines
-            ray.init(num_cpus=cfg.placement.num_cpus or max(os.cpu_count() or 1, needed), include_dashboard=False,
-                     log_to_driver=True, logging_level=logging.WARNING)
-            started_ray = True
         try:
+            model_path = resolve_model_path(cfg, self.registry)
+            log.info("model: %s", model_path)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "run_info.json").write_text(json.dumps({"model_path": model_path}, indent=1))
+            self._build_local(model_path)
+            self._preflight(model_path)
+            # teachers' weights are resolved (and cached models built) here, before any actor starts
+            teacher_plans = plan_teachers(cfg, self.registry, model_path) if cfg.algorithm.distill else []
+            for plan in teacher_plans:
+                log.info("teacher for %s: %s", ", ".join(plan.sources), plan.model_path)
+            if not ray.is_initialized():
+                cpus = math.ceil(placement_demand(cfg)[0]["CPU"] - 1e-9)  # what the bundles reserve
+                ray.init(num_cpus=cfg.placement.num_cpus or max(os.cpu_count() or 1, cpus), include_dashboard=False,
+                         log_to_driver=True, logging_level=logging.WARNING)
+                started_ray = True
             self._start_actors(model_path, teacher_plans)
             start = ckpt.restore(self) if cfg.checkpoint.resume else 0
             summary = asyncio.run(self._loop(start, StepProgress(cfg.run.total_steps, start, cfg.tracking.progress)))
             return summary
         finally:
-            for tracker in getattr(self, "trackers", []):
-                tracker.close()
-            if hasattr(self, "placement"):
-                from ray.util.placement_group import remove_placement_group
+            # Release what exists, each step on its own: a failure part-way through setup (some actors
+            # started, others not) must surface as itself, never as an error of the cleanup.
+            from ray.util.placement_group import remove_placement_group
 
-                for actor in [*self.trainers, *self.engines, self.reward, self.critic, *self.teachers]:
-                    if actor is not None:
-                        ray.kill(actor)
-                remove_placement_group(self.placement.pg)
+            steps: list[tuple[str, Any]] = [("close tracker", t.close) for t in getattr(self, "trackers", [])]
+            if ray.is_initialized():
+                actors = [*getattr(self, "trainers", []), *getattr(self, "engines", []), getattr(self, "reward", None),
+                          getattr(self, "critic", None), *getattr(self, "teachers", [])]
+                steps += [("kill actor", lambda a=a: ray.kill(a)) for a in actors if a is not None]
+                placement = getattr(self, "placement", None)
+                if placement is not None:
+                    steps.append(("remove placement group", lambda: remove_placement_group(placement.pg)))
             if started_ray:
-                ray.shutdown()
+                steps.append(("shut Ray down", ray.shutdown))
+            for what, release in steps:
+                try:
+                    release()
+                except Exception as exc:  # noqa: BLE001 - logged; the run's own outcome is what propagates
+                    log.warning("cleanup: could not %s: %s: %s", what, type(exc).__name__, exc)
 
     async def _loop(self, start: int, progress: Any) -> dict[str, Any]:
         cfg = self.cfg

@@ -16,6 +16,72 @@ from typing import Any, Literal, Union
 from loongsage.core.types import ConfigError
 
 _MISSING = object()
+RANGE = "loongsage.range"  # dataclass field metadata key: the field's allowed range (see ``ranged``)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Allowed values of a number (or of each number in a list): bounds, and a note on special values."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    note: str = ""  # e.g. "0 = never"
+
+    def allows(self, value: float) -> bool:
+        # written as "not (ok)" so that NaN, which fails every comparison, is refused
+        return not ((self.ge is not None and not value >= self.ge) or (self.gt is not None and not value > self.gt)
+                    or (self.le is not None and not value <= self.le) or (self.lt is not None and not value < self.lt))
+
+    def describe(self) -> str:
+        low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else ""
+        high = f"{self.le:g}]" if self.le is not None else f"{self.lt:g})" if self.lt is not None else ""
+        if low and high:
+            text = f"must be in {low}, {high}"
+        elif low:
+            text = f"must be >= {self.ge:g}" if self.ge is not None else f"must be > {self.gt:g}"
+        elif high:
+            text = f"must be <= {self.le:g}" if self.le is not None else f"must be < {self.lt:g}"
+        else:
+            text = "any number"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def ranged(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+           le: float | None = None, lt: float | None = None, note: str = "",
+           default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with an allowed range, checked by :func:`check_params` (so by ``build_dataclass``
+    and every plugin's params) with the usual one-line error::
+
+        every_steps: int = ranged(0, ge=0, note="0 = only at the end")
+        -> config.checkpoint.every_steps=-1: must be >= 0 (0 = only at the end)
+
+    ``None`` (an optional field left unset) is always allowed; a list is checked item by item.
+    """
+    meta = {RANGE: Range(ge, gt, le, lt, note)}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def check_range(value: Any, rng: Range, path: str) -> None:
+    """Raise ConfigError ``<path>=<value>: must be ...`` if ``value`` (or an item of it) is out of range."""
+    if value is None:
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_range(item, rng, f"{path}[{i}]")
+        return
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and not rng.allows(value):
+        raise ConfigError(f"{path}={_describe(value)}: {rng.describe()}")
+
+
+def ranges_of(factory: Any) -> dict[str, Range]:
+    """The ``ranged`` fields of a dataclass (name -> Range); empty for anything else."""
+    if not dataclasses.is_dataclass(factory):
+        return {}
+    return {f.name: f.metadata[RANGE] for f in dataclasses.fields(factory) if RANGE in f.metadata}
 
 
 def _type_name(tp: Any) -> str:
@@ -141,10 +207,13 @@ def check_params(factory: Any, params: dict[str, Any], path: str, *, skip: tuple
     if unknown:
         allowed = ", ".join(sorted(fields)) or "(none)"
         raise ConfigError(f"{path}.{unknown[0]}: unknown key; allowed: {allowed}")
+    ranges = ranges_of(factory)
     out = {}
     for name, (tp, default) in fields.items():
         if name in params:
             out[name] = coerce(params[name], tp, f"{path}.{name}")
+            if name in ranges:
+                check_range(out[name], ranges[name], f"{path}.{name}")
         elif default is _MISSING:
             raise ConfigError(f"{path}.{name}: missing required key (type {_type_name(tp)})")
     return out
@@ -175,9 +244,12 @@ def join_error(path: str, exc: Exception, keys: Any = ()) -> str:
 def describe_params(factory: Any) -> str:
     """``name: type = default`` for each parameter, for ``loongsage plugins --verbose``."""
     parts = []
+    ranges = ranges_of(factory)
     for name, (tp, default) in _fields_of(factory).items():
         text = f"{name}: {_type_name(tp)}"
         if default is not _MISSING:
             text += f" = {default!r}"
+        if name in ranges:
+            text += f" [{ranges[name].describe()}]"
         parts.append(text)
     return ", ".join(parts)
