@@ -375,6 +375,12 @@ def test_next_turn_of_a_session_prefills_only_the_new_suffix(model_dir, hf_model
     assert second.output_ids == ref.output_ids
     torch.testing.assert_close(torch.tensor(second.logprobs), full_logprobs(hf_model, turn2, second.output_ids),
                                atol=1e-5, rtol=0)
+    # A flushed cache is not reused either: the next turn computes as on a fresh engine.
+    assert engine.flush_cache() >= 1 and engine.flush_cache() == 0
+    before = engine.health()
+    (again,) = engine.generate_batch([req("turn2b", turn2, max_new_tokens=10, temperature=0)])[0]
+    assert engine.health()["prefix_hit_tokens"] == before["prefix_hit_tokens"]
+    assert again.output_ids == ref.output_ids and again.logprobs == ref.logprobs
     # Caches of older weights are never reused.
     engine.update_weights(hf_model.state_dict().items())
     before = engine.health()

@@ -17,6 +17,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -36,7 +37,7 @@ from loongsage.core.data import Mixer, SourceCursor
 from loongsage.core.distill import TeacherPlan, distill_metrics, fill_teacher_tensors, plan_teachers
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.loss import CONSISTENCY_METRICS, consistency_metrics
-from loongsage.core.rollout import AgentContext, EngineRouter, gather_groups
+from loongsage.core.rollout import AgentContext, EngineRouter, gather_groups, request_seed
 from loongsage.core.types import ConfigError, DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
 from loongsage.core.workers import (
     CriticWorker,
@@ -234,11 +235,19 @@ class Controller:
 
     # ------------------------------------------------------------------ rollout
     async def rollout(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
-                      agents: dict[str, Any] | None = None) -> list[list[Trajectory]]:
-        """Groups of trajectories for ``records`` (one group per record), scored."""
+                      agents: dict[str, Any] | None = None, group_ids: list[int] | None = None) -> list[list[Trajectory]]:
+        """Groups of trajectories for ``records`` (one group per record), scored.
+
+        Training groups take the next ids of the run (saved with checkpoints); evaluation passes ids
+        of its own so that it never shifts the training stream. Every group samples with a seed
+        derived from its id (:func:`request_seed`), which makes a resumed run exact.
+        """
         sampling = sampling or self.sampling
-        first, self.next_group_id = self.next_group_id, self.next_group_id + len(records)
-        contexts = [AgentContext(self.router, self.tokenizer, sampling[r.source], first + k) for k, r in enumerate(records)]
+        if group_ids is None:
+            first, self.next_group_id = self.next_group_id, self.next_group_id + len(records)
+            group_ids = list(range(first, self.next_group_id))
+        contexts = [AgentContext(self.router, self.tokenizer, self._seeded(sampling[r.source], gid), gid)
+                    for r, gid in zip(records, group_ids)]
         groups = await gather_groups(agents or self.agents, records, contexts)
         flat = [t for g in groups for t in g]
         recs = [r for r, g in zip(records, groups) for _ in g]
@@ -249,6 +258,15 @@ class Controller:
                 t.status = Status.FAILED
                 t.metadata["failure"] = status
         return groups
+
+    async def flush_engine_caches(self) -> None:
+        await asyncio.gather(*(e.flush_cache.remote() for e in self.engines))
+
+    def _seeded(self, sampling: SamplingParams, group_id: int) -> SamplingParams:
+        if sampling.greedy:
+            return sampling
+        base = self.cfg.run.seed if sampling.seed is None else sampling.seed
+        return replace(sampling, seed=request_seed(base, group_id))
 
     async def _collect(self) -> tuple[list[list[Trajectory]], dict[str, float]]:
         state = SchedulerState(version=self.version, groups_per_step=sum(self.mixer.quotas.values()),

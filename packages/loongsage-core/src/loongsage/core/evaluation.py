@@ -37,17 +37,29 @@ class Evaluator:
         records = [r for rows in self.records.values() for r in rows]
         greedy = {name: replace(s, temperature=0.0, n=1, seed=None) for name, s in ctl.sampling.items()}
         metrics: dict[str, float] = {}
-        for name, groups in _by_source(await ctl.rollout(records, greedy, self.agents)).items():
+        for name, groups in _by_source(await ctl.rollout(records, greedy, self.agents, self._ids(0))).items():
             hits = [_success(g[0].reward, ev.success_threshold) for g in groups]
             metrics[f"eval/{name}/accuracy"] = sum(hits) / len(hits)
             metrics[f"eval/{name}/response_length"] = sum(len(g[0].response_ids) for g in groups) / len(groups)
         if pass_k and ev.pass_k > 0:
             sampled = {name: replace(s, n=ev.pass_k) for name, s in ctl.sampling.items()}
-            for name, groups in _by_source(await ctl.rollout(records, sampled, self.agents)).items():
+            for name, groups in _by_source(await ctl.rollout(records, sampled, self.agents, self._ids(1))).items():
                 per_group = [[_success(t.reward, ev.success_threshold) for t in g] for g in groups]
                 metrics[f"eval/{name}/pass@{ev.pass_k}"] = sum(any(h) for h in per_group) / len(per_group)
                 metrics[f"eval/{name}/pass@1_sampled"] = sum(sum(h) / len(h) for h in per_group) / len(per_group)
+        # Training after this must not reuse evaluation's prefixes: it would compute (to rounding)
+        # differently from a run resumed here, whose engines never ran this evaluation.
+        await ctl.flush_engine_caches()
         return metrics
+
+
+    def _ids(self, phase: int) -> list[int]:
+        """Group ids of one evaluation phase: negative (never a training id) and a function of the
+        step alone, so evaluation neither shifts the training stream nor depends on when a run
+        was resumed."""
+        n = sum(len(rows) for rows in self.records.values())
+        first = (2 * self.controller.step + phase) * n
+        return [-1 - (first + k) for k in range(n)]
 
 
 def _success(reward: float | None, threshold: float) -> bool:

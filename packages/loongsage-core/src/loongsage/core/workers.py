@@ -157,6 +157,10 @@ class EngineWorker:
         """Abort requests (None: all); their results carry the tokens generated so far."""
         return await self.engine.abort(request_ids)
 
+    def flush_cache(self) -> int:
+        """Forget retained prefix caches (what runs next computes as on a fresh engine)."""
+        return self.engine.flush_cache()
+
     def pause(self) -> None:
         self.engine.pause()
 

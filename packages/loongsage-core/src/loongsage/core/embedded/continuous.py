@@ -499,6 +499,14 @@ class SlotBatch:
         self._compact()
         return completed
 
+    def drop_retained(self) -> int:
+        """Forget every retained prefix (live rows untouched); returns how many were dropped."""
+        dropped = len(self.retained)
+        for s in self.retained:
+            self.status[s] = FREE
+        self.retained.clear()
+        return dropped
+
     def release(self) -> None:
         """Drop the whole cache (no live rows): memory goes back until :meth:`reallocate`."""
         self.reset()

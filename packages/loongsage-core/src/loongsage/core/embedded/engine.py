@@ -246,6 +246,16 @@ class NativeEngine:
         self._paused = False
         self._wake()
 
+    def flush_cache(self) -> int:
+        """Forget the retained prefixes (requests in flight keep theirs); returns how many.
+
+        What runs next then computes exactly what it would on a fresh engine: evaluation flushes
+        after itself, so that training after it does not reuse its prefixes (a resumed run, whose
+        engine never saw that evaluation, must draw the same numbers).
+        """
+        with self._lock:
+            return self._batch.drop_retained()
+
     def update_weights(self, named_tensors: Iterable[tuple[str, Tensor]]) -> int:
         """Copy HF-named tensors into the model in place, between decode steps; returns the new version.
 
