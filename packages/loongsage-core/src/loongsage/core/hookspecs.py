@@ -125,10 +125,12 @@ def loongsage_corrections() -> Factories:
 
 @hookspec
 def loongsage_data_filters() -> Factories:
-    """Group filters applied after rewards (dynamic sampling, status, length).
+    """Group filters applied after rewards (dynamic sampling, status, overlong).
 
     The implementation is ``__call__(group: list[Trajectory]) -> bool``: keep the group or drop it.
-    Dropped groups may be refilled from oversampling by the scheduler.
+    Dropped groups may be refilled from oversampling by the scheduler. A filter may also define
+    ``excludes_from_loss(trajectory) -> bool``: such a sample stays in its group's advantage
+    statistics but leaves the loss (DAPO's overlong filtering masks truncated samples this way).
     """
 
 
