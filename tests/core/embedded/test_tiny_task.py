@@ -128,7 +128,9 @@ def test_teacher_forgets_carries_only_where_there_is_one():
     assert all(teacher_answer(a, "+", b) == a + b for a in range(0, 1000, 37) for b in range(0, 1000, 41))
 
 
-def test_cached_warm_start_builds_once(tmp_path, monkeypatch):
+@pytest.fixture
+def counted_builds(monkeypatch):
+    """A tiny warm start's params and the list of builds run (one entry per build)."""
     from loongsage.core.embedded import warmstart
 
     params = warmstart.WarmStartParams(hidden_size=16, num_layers=1, heads=2, kv_heads=1, intermediate_size=32,
@@ -136,6 +138,13 @@ def test_cached_warm_start_builds_once(tmp_path, monkeypatch):
     calls = []
     real_build = warmstart.build_warm_start
     monkeypatch.setattr(warmstart, "build_warm_start", lambda *a, **k: calls.append(1) or real_build(*a, **k))
+    return params, calls
+
+
+def test_cached_warm_start_builds_once(tmp_path, counted_builds):
+    from loongsage.core.embedded import warmstart
+
+    params, calls = counted_builds
     first = warmstart.cached_warm_start(params, tmp_path)
     second = warmstart.cached_warm_start(params, tmp_path)
     assert first == second == tmp_path / "models" / params.cache_key() and len(calls) == 1
@@ -146,16 +155,12 @@ def test_cached_warm_start_builds_once(tmp_path, monkeypatch):
     assert other.cache_key() != params.cache_key()
 
 
-def test_concurrent_builders_of_one_warm_start_build_it_once(tmp_path, monkeypatch):
+def test_concurrent_builders_of_one_warm_start_build_it_once(tmp_path, counted_builds):
     from concurrent.futures import ThreadPoolExecutor
 
     from loongsage.core.embedded import warmstart
 
-    params = warmstart.WarmStartParams(hidden_size=16, num_layers=1, heads=2, kv_heads=1, intermediate_size=32,
-                                       steps=2, batch_size=4, warmup_steps=1)
-    calls = []
-    real_build = warmstart.build_warm_start
-    monkeypatch.setattr(warmstart, "build_warm_start", lambda *a, **k: calls.append(1) or real_build(*a, **k))
+    params, calls = counted_builds
     with ThreadPoolExecutor(3) as pool:  # each opens the lock file on its own, as processes do
         paths = list(pool.map(lambda _: warmstart.cached_warm_start(params, tmp_path), range(3)))
     assert len(set(paths)) == 1 and len(calls) == 1
