@@ -35,7 +35,7 @@ def save(ctl: Any) -> Path:
     tmp.mkdir(parents=True)
     ray.get([t.save.remote(str(tmp)) for t in ctl.trainers]
             + ([ctl.critic.save.remote(str(tmp / "critic"))] if ctl.critic is not None else []))
-    state = {"step": ctl.step, "version": ctl.version, "mixer": ctl.mixer.state(), "next_group_id": ctl.next_group_id}
+    state = {"step": ctl.step, "version": ctl.version, **ctl.rollout.state()}
     (tmp / "controller.json").write_text(json.dumps(state, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -58,8 +58,7 @@ def restore(ctl: Any) -> int:
     state = json.loads((path / "controller.json").read_text())
     ray.get([t.load.remote(str(path)) for t in ctl.trainers]
             + ([ctl.critic.load.remote(str(path / "critic"))] if ctl.critic is not None else []))
-    ctl.mixer.restore(state["mixer"])
-    ctl.next_group_id = int(state["next_group_id"])
+    ctl.rollout.restore(state)
     ctl.step = int(state["step"])
     ctl._push_weights()
     ray.get([e.set_version.remote(int(state["version"])) for e in ctl.engines])

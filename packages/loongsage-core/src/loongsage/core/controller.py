@@ -17,7 +17,6 @@ import math
 import os
 import time
 from collections import defaultdict
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ from loongsage.core.data import Mixer, SourceCursor
 from loongsage.core.distill import TeacherPlan, distill_metrics, fill_teacher_tensors, plan_teachers
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.loss import CONSISTENCY_METRICS, consistency_metrics
-from loongsage.core.rollout import AgentContext, EngineRouter, gather_groups, request_seed
+from loongsage.core.rollout import EngineRouter, RolloutService
 from loongsage.core.types import ConfigError, DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
 from loongsage.core.workers import (
     CriticWorker,
@@ -146,7 +145,7 @@ class Controller:
         self.run_dir = cfg.run_dir.resolve()  # actors may run in another working directory
         self.step = 0
         self.version = 0
-        self.next_group_id = 0  # unique per prompt within a run; saved with checkpoints
+        self.rollout: RolloutService | None = None  # built once the engines and the reward worker exist
         self.critic = None
         self.teachers: list[Any] = []
         self.teacher_sources: list[list[str]] = []  # the sources each teacher actor serves
@@ -189,7 +188,8 @@ class Controller:
         self.teacher_sources = [plan.sources for plan in teacher_plans]
         ray.get([t.param_checksum.remote() for t in self.trainers] + [e.version.remote() for e in self.engines]
                 + [a.__ray_ready__.remote() for a in (self.reward, self.critic, *self.teachers) if a is not None])
-        self.router = EngineRouter(self.engines)
+        self.rollout = RolloutService(router=EngineRouter(self.engines), engines=self.engines, reward=self.reward,
+                                      **self._rollout_parts)
 
     def _build_local(self, model_path: str) -> None:
         from transformers import AutoTokenizer
@@ -202,13 +202,16 @@ class Controller:
                          seed=cfg.run.seed * 7919 + i, on_bad_row=s.on_bad_row)
             for i, s in enumerate(cfg.data_sources)
         ]
-        self.mixer = Mixer(cursors, {s.name: s.prompts_per_step for s in cfg.data_sources})
-        self.agents = {s.name: reg.create("agent", s.agent, f"data_sources[{i}].agent")
-                       for i, s in enumerate(cfg.data_sources)}
-        self.sampling = {s.name: cfg.sampling_for(s) for s in cfg.data_sources}
         self.filters = [reg.create("data_filter", f, f"algorithm.filters[{i}]") for i, f in enumerate(cfg.algorithm.filters)]
+        # what the rollout service is built from once the actors exist
+        self._rollout_parts = dict(
+            tokenizer=self.tokenizer, mixer=Mixer(cursors, {s.name: s.prompts_per_step for s in cfg.data_sources}),
+            agents={s.name: reg.create("agent", s.agent, f"data_sources[{i}].agent")
+                    for i, s in enumerate(cfg.data_sources)},
+            sampling={s.name: cfg.sampling_for(s) for s in cfg.data_sources}, filters=self.filters,
+            scheduler=reg.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler"), seed=cfg.run.seed,
+            max_refill_rounds=cfg.rollout.max_refill_rounds, refill_oversample=cfg.rollout.refill_oversample)
         self.estimator = reg.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
-        self.scheduler = reg.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
         self.pipeline = build_pipeline(cfg, reg)
         from loongsage.core.tracking import create_trackers
 
@@ -232,83 +235,6 @@ class Controller:
                 check(params, model_path, world_size=cfg.trainer.world_size)
             except ValueError as exc:
                 raise ConfigError(f"{path}.params.{exc}") from None
-
-    # ------------------------------------------------------------------ rollout
-    async def rollout(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
-                      agents: dict[str, Any] | None = None, group_ids: list[int] | None = None) -> list[list[Trajectory]]:
-        """Groups of trajectories for ``records`` (one group per record), scored.
-
-        Training groups take the next ids of the run (saved with checkpoints); evaluation passes ids
-        of its own so that it never shifts the training stream. Every group samples with a seed
-        derived from its id (:func:`request_seed`), which makes a resumed run exact.
-        """
-        sampling = sampling or self.sampling
-        if group_ids is None:
-            first, self.next_group_id = self.next_group_id, self.next_group_id + len(records)
-            group_ids = list(range(first, self.next_group_id))
-        contexts = [AgentContext(self.router, self.tokenizer, self._seeded(sampling[r.source], gid), gid)
-                    for r, gid in zip(records, group_ids)]
-        groups = await gather_groups(agents or self.agents, records, contexts)
-        flat = [t for g in groups for t in g]
-        recs = [r for r, g in zip(records, groups) for _ in g]
-        scores = await self.reward.score.remote(flat, recs)
-        for t, (value, status) in zip(flat, scores):
-            t.reward = value
-            if value is None:
-                t.status = Status.FAILED
-                t.metadata["failure"] = status
-        return groups
-
-    async def flush_engine_caches(self) -> None:
-        await asyncio.gather(*(e.flush_cache.remote() for e in self.engines))
-
-    def _seeded(self, sampling: SamplingParams, group_id: int) -> SamplingParams:
-        if sampling.greedy:
-            return sampling
-        base = self.cfg.run.seed if sampling.seed is None else sampling.seed
-        return replace(sampling, seed=request_seed(base, group_id))
-
-    async def _collect(self) -> tuple[list[list[Trajectory]], dict[str, float]]:
-        state = SchedulerState(version=self.version, groups_per_step=sum(self.mixer.quotas.values()),
-                               in_flight=0, buffered=0, consumed=self.step)
-        if self.scheduler.groups_to_dispatch(state) <= 0:
-            raise RuntimeError("sync step: the scheduler dispatched nothing")
-        plan = self.mixer.plan()
-        records = [r for name in plan for r in plan[name]]
-        groups = await self.rollout(records)
-        metrics = rollout_metrics(groups)  # of the step's own prompts, before filtering and refill
-        kept = [g for g in groups if all(f(g) for f in self.filters)]
-        dropped = len(groups) - len(kept)
-        kept, rounds = await self._refill(kept)
-        metrics.update({"rollout/groups_filtered": float(dropped), "rollout/refill_rounds": float(rounds),
-                        "rollout/groups_trained": float(len(kept))})
-        return kept, metrics
-
-    async def _refill(self, kept: list[list[Trajectory]]) -> tuple[list[list[Trajectory]], int]:
-        """Top each source back up to its quota after filters dropped groups (DAPO dynamic sampling).
-
-        Each round asks for ``ceil(missing x refill_oversample)`` fresh prompts of every short source,
-        keeps what passes the filters up to the quota, and stops after ``max_refill_rounds``; a step
-        still short then trains on fewer groups. Extra prompts consume the data stream like any other.
-        """
-        rollout_cfg = self.cfg.rollout
-        rounds = 0
-        while rounds < rollout_cfg.max_refill_rounds:
-            have: dict[str, int] = defaultdict(int)
-            for g in kept:
-                have[g[0].source] += 1
-            missing = {name: quota - have[name] for name, quota in self.mixer.quotas.items() if have[name] < quota}
-            if not missing:
-                break
-            rounds += 1
-            records = [r for name, n in missing.items()
-                       for r in self.mixer.take(name, math.ceil(n * rollout_cfg.refill_oversample))]
-            for g in await self.rollout(records):
-                source = g[0].source
-                if have[source] < self.mixer.quotas[source] and all(f(g) for f in self.filters):
-                    kept.append(g)
-                    have[source] += 1
-        return kept, rounds
 
     # ------------------------------------------------------------------ training
     def _train(self, groups: list[list[Trajectory]]) -> dict[str, float]:
@@ -498,7 +424,7 @@ class Controller:
             self._log(0, await self.evaluator.run())
         for step in range(start, cfg.run.total_steps):
             t0 = time.perf_counter()
-            groups, metrics = await self._collect()
+            groups, metrics = await self.rollout.next_batch(self.version)
             t1 = time.perf_counter()
             metrics.update(await asyncio.to_thread(self._train, groups))
             t2 = time.perf_counter()
@@ -541,24 +467,6 @@ def init_ray_environment() -> None:
     Workers run in this very environment (same interpreter, same site-packages); Ray's `uv run` hook
     would instead try to rebuild a uv project inside every worker's working directory."""
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-
-
-def rollout_metrics(groups: list[list[Trajectory]]) -> dict[str, float]:
-    flat = [t for g in groups for t in g]
-    scored = [t for t in flat if t.reward is not None]
-    out = {
-        "rollout/trajectories": float(len(flat)),
-        "rollout/reward_mean": sum(t.reward for t in scored) / max(1, len(scored)),
-        "rollout/response_length_mean": sum(len(t.response_ids) for t in flat) / max(1, len(flat)),
-        "rollout/truncated_frac": sum(t.status is Status.TRUNCATED for t in flat) / max(1, len(flat)),
-        "rollout/failed": float(sum(t.status is Status.FAILED for t in flat)),
-    }
-    by_source: dict[str, list[float]] = defaultdict(list)
-    for t in scored:
-        by_source[t.source].append(t.reward)
-    for source, values in by_source.items():
-        out[f"rollout_per_ds/{source}/reward_mean"] = sum(values) / len(values)
-    return out
 
 
 def _add(sums: dict[str, list[float]], key: str, num: float, den: float) -> None:

@@ -33,23 +33,23 @@ class Evaluator:
         """Greedy accuracy; with ``pass_k`` (first and last evaluation) also pass@k and sampled pass@1."""
         if not self.records:
             return {}
-        ctl, ev = self.controller, self.cfg.evaluation
+        rollout, ev = self.controller.rollout, self.cfg.evaluation
         records = [r for rows in self.records.values() for r in rows]
-        greedy = {name: replace(s, temperature=0.0, n=1, seed=None) for name, s in ctl.sampling.items()}
+        greedy = {name: replace(s, temperature=0.0, n=1, seed=None) for name, s in rollout.sampling.items()}
         metrics: dict[str, float] = {}
-        for name, groups in _by_source(await ctl.rollout(records, greedy, self.agents, self._ids(0))).items():
+        for name, groups in _by_source(await rollout.generate(records, greedy, self.agents, self._ids(0))).items():
             hits = [_success(g[0].reward, ev.success_threshold) for g in groups]
             metrics[f"eval/{name}/accuracy"] = sum(hits) / len(hits)
             metrics[f"eval/{name}/response_length"] = sum(len(g[0].response_ids) for g in groups) / len(groups)
         if pass_k and ev.pass_k > 0:
-            sampled = {name: replace(s, n=ev.pass_k) for name, s in ctl.sampling.items()}
-            for name, groups in _by_source(await ctl.rollout(records, sampled, self.agents, self._ids(1))).items():
+            sampled = {name: replace(s, n=ev.pass_k) for name, s in rollout.sampling.items()}
+            for name, groups in _by_source(await rollout.generate(records, sampled, self.agents, self._ids(1))).items():
                 per_group = [[_success(t.reward, ev.success_threshold) for t in g] for g in groups]
                 metrics[f"eval/{name}/pass@{ev.pass_k}"] = sum(any(h) for h in per_group) / len(per_group)
                 metrics[f"eval/{name}/pass@1_sampled"] = sum(sum(h) / len(h) for h in per_group) / len(per_group)
         # Training after this must not reuse evaluation's prefixes: it would compute (to rounding)
         # differently from a run resumed here, whose engines never ran this evaluation.
-        await ctl.flush_engine_caches()
+        await rollout.flush_caches()
         return metrics
 
 

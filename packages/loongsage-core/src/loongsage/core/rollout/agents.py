@@ -1,0 +1,78 @@
+"""What agents see and the built-in single-turn agent.
+
+The single-turn agent calls an engine directly with token ids (no HTTP on the hot path). Every
+group samples with a seed derived from the run's seed and the group's id (:func:`request_seed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from loongsage.core.rollout.router import EngineRouter
+from loongsage.core.types import DataRecord, FinishReason, SamplingParams, Status, Trajectory
+
+_MASK64 = (1 << 64) - 1
+
+
+def request_seed(base_seed: int, group_id: int) -> int:
+    """The sampling seed of one group's requests, from the run's seed and the group's id alone.
+
+    Group ids follow the data stream (they are saved with checkpoints), so a resumed run draws
+    exactly the samples an uninterrupted one would: no engine's random state needs saving, and the
+    draw does not depend on the engine backend, the number of replicas or what shares a batch.
+    A splitmix64 finaliser keeps neighbouring ids' seeds unrelated.
+    """
+    z = (int(base_seed) * 0x9E3779B97F4A7C15 + int(group_id) + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 2  # 62 bits: a valid torch seed
+
+
+@dataclass
+class AgentContext:
+    """What an agent may use: the engine (token-in, token-out), the tokenizer, its sampling."""
+
+    engine: EngineRouter
+    tokenizer: Any
+    sampling: SamplingParams
+    group_id: int
+
+
+_STATUS = {FinishReason.STOP: Status.OK, FinishReason.LENGTH: Status.TRUNCATED, FinishReason.ABORT: Status.ABORTED}
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], template: str) -> list[int]:
+    if isinstance(prompt, list) or template == "chat":
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
+@dataclass
+class SingleTurnAgent:
+    """One prompt, ``n`` sampled responses, straight from the engine with token ids."""
+
+    prompt_template: Literal["raw", "chat"] = "raw"
+
+    async def run(self, record: DataRecord, ctx: AgentContext) -> list[Trajectory]:
+        prompt_ids = encode_prompt(ctx.tokenizer, record.prompt, self.prompt_template)
+        results = await ctx.engine.generate(prompt_ids, ctx.sampling, session=f"g{ctx.group_id}")
+        ctx.engine.release_session(f"g{ctx.group_id}")
+        return [
+            Trajectory(
+                source=record.source, group_id=ctx.group_id, sample_index=k, prompt_ids=list(prompt_ids),
+                response_ids=list(r.output_ids), loss_mask=[1] * len(r.output_ids),
+                rollout_logprobs=list(r.logprobs), versions=list(r.versions), status=_STATUS[r.finish_reason],
+                response_text=ctx.tokenizer.decode(r.output_ids, skip_special_tokens=True),
+                metadata={"record_index": record.index},
+            )
+            for k, r in enumerate(results)
+        ]
+
+
+async def gather_groups(agent_for: dict[str, Any], records: list[DataRecord], contexts: list[AgentContext]) -> list[list[Trajectory]]:
+    """Run every record's agent concurrently; the engine batches what arrives together."""
+    return list(await asyncio.gather(*(agent_for[r.source].run(r, c) for r, c in zip(records, contexts))))
