@@ -57,3 +57,45 @@ def test_router_balances_replicas_and_keeps_a_session_on_one(ray_session, tmp_pa
     assert "s" not in router._sticky and router.in_flight == [0, 0]
     for e in engines:
         ray.kill(e)
+
+
+def test_a_weight_update_cuts_generations_that_then_continue_from_their_tokens(ray_session, tmp_path):
+    """Partial rollout: samples in flight at an update keep their tokens (old version) and go on
+    with the new weights (new version) up to the same budget; the caller sees one result each."""
+    import torch
+
+    from loongsage.core.embedded.transport import CpuTransport
+
+    ray = ray_session
+    model = build_engine_test_model(tmp_path / "m")
+    cfg, _ = load_config("tiny/grpo_arith_cpu",
+                         ["rollout.engine={name: native, params: {max_model_len: 512, eos_token_ids: []}}"])
+    engine = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=100).remote(cfg, model, 0, 1)
+    router = EngineRouter([engine])
+    from transformers import AutoModelForCausalLM
+
+    weights = {n: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(3))
+               for n, t in AutoModelForCausalLM.from_pretrained(model).state_dict().items()}
+    budget = 300
+
+    async def main():
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=budget, n=2, seed=7)
+        task = asyncio.create_task(router.generate(prompts(1, seed=80)[0], sampling))
+        while ray.get(engine.health.remote())["generated_tokens"] < 20:
+            await asyncio.sleep(0.01)
+        await router.pause_for_update()
+        held = asyncio.create_task(router.generate(prompts(1, seed=81)[0], SamplingParams(max_new_tokens=4)))
+        await asyncio.sleep(0.2)
+        assert not held.done()  # nothing new starts while the update holds generation
+        assert CpuTransport().push(weights.items(), [engine])["sync/version"] == 1
+        router.resume_after_update()
+        return await task, await held
+
+    results, (after,) = asyncio.run(main())
+    assert router.updates == 1 and router.resumed_samples == 2
+    for r in results:
+        assert r.finish_reason.value == "length" and len(r.output_ids) == budget == len(r.logprobs)
+        assert r.versions[0] == 0 and r.versions[-1] == 1 and r.versions == sorted(r.versions)
+        assert 0 < r.versions.count(0) < budget
+    assert after.versions == [1] * 4
+    ray.kill(engine)

@@ -247,13 +247,15 @@ class CorrectionOutput:
 
 @dataclass
 class SchedulerState:
-    """Counters a rollout scheduler decides from (in groups)."""
+    """Counters a rollout scheduler decides from, in groups of one data source."""
 
     version: int  # current policy version
-    groups_per_step: int  # B
+    groups_per_step: int  # B: the groups one training batch takes
     in_flight: int  # dispatched, not finished
-    buffered: int  # finished, not yet consumed by the trainer
+    buffered: int  # finished and kept, not yet consumed by the trainer
     consumed: int  # consumed by the trainer so far
+    dispatched: int = 0  # dispatched so far (groups get sequence numbers 0, 1, ... in dispatch order)
+    oldest_unconsumed: int = 0  # sequence number of the oldest dispatched group not yet consumed or dropped
 
 
 @runtime_checkable

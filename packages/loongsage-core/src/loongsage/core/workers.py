@@ -134,10 +134,17 @@ class EngineWorker:
     async def generate(self, request):
         return await self.engine.generate(request)
 
-    async def generate_many(self, requests: list) -> list:
-        """Several requests in one call; each answer is its results or its own error (one bad
-        request does not fail the others)."""
-        return list(await asyncio.gather(*(self.engine.generate(r) for r in requests), return_exceptions=True))
+    async def generate_stream(self, requests: list):
+        """Several requests in one call, answered as each finishes: yields ``(k, results or error)``
+        with ``k`` the request's position (the caller asks for a streaming reply)."""
+        async def one(k: int, request):
+            try:
+                return k, await self.engine.generate(request)
+            except Exception as exc:  # noqa: BLE001 - one bad request fails alone
+                return k, exc
+
+        for finished in asyncio.as_completed([one(k, r) for k, r in enumerate(requests)]):
+            yield await finished
 
     def receive_bucket(self, metas, buffer, commit: bool = False) -> int:
         """Stage one bucket; with ``commit`` (the last bucket) swap everything in. Returns the version."""

@@ -1,12 +1,14 @@
 """The rollout side of a run, split by concern.
 
 ``router``      least-loaded routing over engine replicas, sticky per session
-``agents``      what an agent sees (:class:`AgentContext`), the single-turn agent, per-group seeds
+``agents``      what an agent sees (:class:`AgentContext`) and the single-turn agent
+``seeds``       per-group sampling seeds that follow the data stream
 ``schedulers``  when to dispatch (pure decisions over counters)
 ``service``     the rollout service: dispatch, scoring, filters, refill, the next training batch
 """
 
-from loongsage.core.rollout.agents import AgentContext, SingleTurnAgent, encode_prompt, gather_groups, request_seed
+from loongsage.core.rollout.agents import AgentContext, SingleTurnAgent, encode_prompt, gather_groups
+from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.rollout.router import EngineRouter
 from loongsage.core.rollout.schedulers import SyncScheduler
 from loongsage.core.rollout.service import RolloutService, rollout_metrics

@@ -6,7 +6,7 @@ hands the controller the next training batch as groups with exact per-source cou
 controller never touches agents, the router or the data stream itself.
 
 Every group gets a run-unique id in data order; its requests sample with a seed derived from that id
-(:func:`loongsage.core.rollout.agents.request_seed`), and the id counter and the mixer's position
+(:func:`loongsage.core.rollout.seeds.request_seed`), and the id counter and the mixer's position
 are the service's checkpoint state, so a resumed run draws exactly what an uninterrupted one would.
 """
 
@@ -19,7 +19,8 @@ from dataclasses import replace
 from typing import Any
 
 from loongsage.core.data import Mixer
-from loongsage.core.rollout.agents import AgentContext, gather_groups, request_seed
+from loongsage.core.rollout.agents import AgentContext, gather_groups
+from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.rollout.router import EngineRouter
 from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, Trajectory
 
