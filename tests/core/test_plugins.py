@@ -148,6 +148,12 @@ def test_duplicate_within_one_kind_but_not_across_kinds(plugin_module) -> None:
         class TorchTracker:
             kind = "tracker"
 
+            def log(self, step, metrics):
+                pass
+
+            def close(self):
+                pass
+
         @hookimpl
         def loongsage_backends():
             return {"torch": TorchTracker}
@@ -328,6 +334,9 @@ def test_cli_plugins_verbose_and_extra_module(plugin_module, capsys) -> None:
         class Shout:
             level: int = 3
             suffix: str = "!"
+
+            async def __call__(self, request, call_next):
+                return await call_next(request)
 
         @hookimpl
         def loongsage_gateway_middlewares():

@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from loongsage.core.contracts import AdvantageEstimator
 from loongsage.core.types import AdvantageInput
 
 _CHUNK = 64  # block size of the blocked discounted cumsum
@@ -183,7 +184,7 @@ def grpo_advantages(
 
 
 @dataclass(frozen=True)
-class GRPO:
+class GRPO(AdvantageEstimator):
     """``grpo``: group z-score (``std_normalize=True``) or Dr.GRPO mean-centring (``False``).
 
     ``scope="batch"`` takes mean and std over the whole batch instead of each group.
@@ -234,7 +235,7 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor, response_mask: Tensor) -
 
 
 @dataclass(frozen=True)
-class RLOO:
+class RLOO(AdvantageEstimator):
     """``rloo``: leave-one-out baseline within each group; no parameters."""
 
     needs_values: ClassVar[bool] = False
@@ -292,7 +293,7 @@ def reinforce_pp_advantages(
 
 
 @dataclass(frozen=True)
-class ReinforcePP:
+class ReinforcePP(AdvantageEstimator):
     """``reinforce_pp``: REINFORCE++ (``baseline=True``: subtract the group mean reward first)."""
 
     gamma: float = 1.0
@@ -396,7 +397,7 @@ def gae_returns(
 
 
 @dataclass(frozen=True)
-class GAE:
+class GAE(AdvantageEstimator):
     """``gae``: PPO with a critic; ``normalize`` whitens the advantages over the batch."""
 
     gamma: float = 1.0

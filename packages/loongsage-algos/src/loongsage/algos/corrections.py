@@ -34,6 +34,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
+from loongsage.core.contracts import Correction
 from loongsage.core.types import CorrectionInput, CorrectionOutput
 
 LOG_RATIO_CLAMP = 20.0
@@ -226,7 +227,7 @@ def opsm_correction(
 
 
 @dataclass(frozen=True)
-class ImportanceSampling:
+class ImportanceSampling(Correction):
     """``is``: token / sequence / geometric IS weight, clipped (TIS) or masked (MIS, IcePop), optional veto."""
 
     needs_logprobs: ClassVar[bool] = False  # decided once per mini-batch from old vs rollout
@@ -263,7 +264,7 @@ class ImportanceSampling:
 
 
 @dataclass(frozen=True)
-class M2PO:
+class M2PO(Correction):
     """``m2po``: mask the fewest largest-``delta^2`` tokens so that the kept mean is ``<= tau``."""
 
     needs_logprobs: ClassVar[bool] = False
@@ -287,7 +288,7 @@ class M2PO:
 
 
 @dataclass(frozen=True)
-class OPSM:
+class OPSM(Correction):
     """``opsm``: zero negative-advantage tokens of sequences whose KL(reference || current) exceeds
     ``delta``; denominator kept.
 

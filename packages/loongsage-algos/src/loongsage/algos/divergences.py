@@ -33,6 +33,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from loongsage.core.contracts import KLEstimator
+
 
 def _prepare(student: Tensor, teacher: Tensor, renormalise: bool) -> tuple[Tensor, Tensor]:
     if student.shape != teacher.shape:
@@ -99,7 +101,7 @@ def _check_beta(name: str, beta: float) -> None:
 
 
 @dataclass(frozen=True)
-class TopKKL:
+class TopKKL(KLEstimator):
     """``topk_kl``: reverse KL over the teacher's top-``k`` tokens, both sides renormalised."""
 
     k: int = 16
@@ -116,7 +118,7 @@ class TopKKL:
 
 
 @dataclass(frozen=True)
-class FullVocabKL:
+class FullVocabKL(KLEstimator):
     """``full_vocab_kl``: reverse KL(student || teacher) over the whole vocabulary."""
 
     name: ClassVar[str] = "full_vocab_kl"
@@ -128,7 +130,7 @@ class FullVocabKL:
 
 
 @dataclass(frozen=True)
-class JSD:
+class JSD(KLEstimator):
     """``jsd``: generalised Jensen-Shannon divergence over the whole vocabulary (GKD)."""
 
     beta: float = 0.5
@@ -145,7 +147,7 @@ class JSD:
 
 
 @dataclass(frozen=True)
-class TopKJSD:
+class TopKJSD(KLEstimator):
     """``topk_jsd``: generalised JSD over the teacher's top-``k`` tokens, both sides renormalised."""
 
     beta: float = 0.5

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from loongsage.core.contracts import DataFilter
 from loongsage.core.types import Status, Trajectory
 
 _STATUSES = tuple(s.value for s in Status)
@@ -65,7 +66,7 @@ def truncated_fraction(group: Sequence[Trajectory], max_length: int | None = Non
 
 
 @dataclass(frozen=True)
-class DynamicSampling:
+class DynamicSampling(DataFilter):
     """``dynamic_sampling``: drop groups whose scored rewards are all equal (within ``tolerance``).
 
     Groups with fewer than two scored trajectories are dropped too: no baseline can be formed.
@@ -82,7 +83,7 @@ class DynamicSampling:
 
 
 @dataclass(frozen=True)
-class StatusFilter:
+class StatusFilter(DataFilter):
     """``status``: drop groups where more than ``max_fraction`` of the trajectories have one of
     ``statuses`` (default: any failed trajectory drops its group)."""
 
@@ -106,7 +107,7 @@ class StatusFilter:
 
 
 @dataclass(frozen=True)
-class OverlongFilter:
+class OverlongFilter(DataFilter):
     """``overlong``: DAPO's overlong filtering. Truncated samples get loss mask 0; groups are kept.
 
     A truncated response was cut by the length limit, not judged on its answer, so its reward is
@@ -132,7 +133,7 @@ class OverlongFilter:
 
 
 @dataclass(frozen=True)
-class RenamedLengthFilter:
+class RenamedLengthFilter(DataFilter):
     """``length``: renamed ``overlong``, which masks truncated samples instead of dropping groups.
 
     Kept under the old name only to answer a recipe that still uses it with one line; it accepts
@@ -150,3 +151,6 @@ class RenamedLengthFilter:
             "the 'length' filter is now 'overlong' (DAPO overlong filtering): it masks truncated samples out of "
             f"the loss and keeps their group; use {{name: overlong{keep}}} (max_truncated_frac is gone)"
         )
+
+    def __call__(self, group: list[Trajectory]) -> bool:  # the contract's member; never built (see above)
+        raise AssertionError("unreachable: the 'length' filter refuses to be built")

@@ -26,6 +26,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from loongsage.core.contracts import KLEstimator
+
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -92,7 +94,7 @@ def kl_in_reward(
     return out
 
 
-class _Weighted:
+class _Weighted(KLEstimator):
     """The shared call of the estimator entries: the plain estimate, or the unbiased one."""
 
     name: ClassVar[str]

@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from loongsage.core.contracts import PolicyLoss
 from loongsage.core.types import LossOutput, PolicyLossInput
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: finite in fp32/bf16, far beyond any clip range
@@ -174,7 +175,7 @@ def cispo_loss(
 
 
 @dataclass(frozen=True)
-class PPOClip:
+class PPOClip(PolicyLoss):
     """``ppo_clip``: PPO clip with asymmetric bounds (DAPO: 0.2 / 0.28) and optional dual clip."""
 
     clip_low: float = 0.2
@@ -205,7 +206,7 @@ class PPOClip:
 
 
 @dataclass(frozen=True)
-class NLL:
+class NLL(PolicyLoss):
     """``nll``: supervised fine-tuning loss; ignores advantages and old log-probs."""
 
     needs_old_logprobs: ClassVar[bool] = False
@@ -216,7 +217,7 @@ class NLL:
 
 
 @dataclass(frozen=True)
-class GSPO:
+class GSPO(PolicyLoss):
     """``gspo``: sequence-level ratio in token form; only defined under seq-mean-token-mean."""
 
     clip_low: float = 3e-4
@@ -243,7 +244,7 @@ class GSPO:
 
 
 @dataclass(frozen=True)
-class CISPO:
+class CISPO(PolicyLoss):
     """``cispo``: stop-gradient clipped IS weight times ``A * logprobs``; no lower clip by default."""
 
     clip_low: float = 1.0  # >= 1: no lower bound on the weight

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar, Literal
 
+from loongsage.core.contracts import Reward
 from loongsage.core.types import DataRecord, Trajectory
 
 RewardFn = Callable[[Trajectory, DataRecord], "float | Awaitable[float]"]
@@ -54,7 +55,7 @@ def exact_match(response_text: str, label: object, *, strip: bool = True, extrac
 
 
 @dataclass(frozen=True)
-class ExactMatch:
+class ExactMatch(Reward):
     """``exact_match``: string equality of the (optionally regex-extracted) answer and the label."""
 
     strip: bool = True
@@ -94,7 +95,7 @@ def _check_spec(owner: str, spec: Mapping[str, Any] | None) -> None:
         raise ValueError(f"{owner}.inner={spec!r}: must be a mapping with 'name' (and optional 'params')")
 
 
-class _Wrapper:
+class _Wrapper(Reward):
     """Holds the built inner reward of a wrapper entry (not a param: set by :meth:`bind`)."""
 
     name: ClassVar[str]
@@ -319,7 +320,7 @@ def math_verify_available() -> bool:
 
 
 @dataclass(frozen=True)
-class MathAnswer:
+class MathAnswer(Reward):
     """``math``: 1.0 if the response's final answer equals the label mathematically, else 0.0.
 
     ``backend="auto"`` grades with ``math-verify`` when it is installed and with the fallback

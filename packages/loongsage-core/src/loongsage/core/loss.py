@@ -15,13 +15,13 @@ global weights. The reference-KL term keeps its own coefficient outside that mix
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from loongsage.core.aggregation import loss_weights
+from loongsage.core.contracts import Correction, KLEstimator, LossFunction, PolicyLoss
 from loongsage.core.types import CorrectionInput, PolicyLossInput, TrainBatch
 
 # Tokens whose mask is 0 get no metric mass; metrics are reported as token means over the step.
@@ -56,19 +56,23 @@ def consistency_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Te
 
 
 @dataclass
-class LossPipeline:
-    """Policy loss + optional KL penalty + corrections, aggregated with global denominators."""
+class LossPipeline(LossFunction):
+    """Policy loss + optional KL penalty + corrections, aggregated with global denominators.
 
-    policy_loss: Any
+    The entries come from the registry (checked against their contracts, their flags filled in),
+    so their capability flags are read directly.
+    """
+
+    policy_loss: PolicyLoss
     aggregation: str = "token-mean"
     aggregation_constant: float | None = None
-    kl: Any = None
+    kl: KLEstimator | None = None
     kl_coef: float = 0.0
     kl_in_reward: bool = False  # penalise KL through token rewards (before advantages) instead of the loss
-    corrections: list[Any] = field(default_factory=list)
+    corrections: list[Correction] = field(default_factory=list)
     pg_coef: float = 0.0  # MOPD PG branch: lambda_pg of the advantage shaping
     gkd_coef: float = 0.0  # MOPD GKD branch: lambda of (1 - lambda) L_RL + lambda L_GKD
-    divergence: Any = None  # the GKD term's per-token divergence (a KL-estimator entry)
+    divergence: KLEstimator | None = None  # the GKD term's per-token divergence (a KL-estimator entry)
 
     @property
     def distills(self) -> bool:
@@ -80,7 +84,7 @@ class LossPipeline:
         """What the GKD divergence reads: ``logprobs``, ``topk``, ``full_vocab`` (None: no GKD term)."""
         if self.gkd_coef == 0.0 or self.divergence is None:
             return None
-        return getattr(self.divergence, "consumes", "logprobs")
+        return self.divergence.consumes
 
     @property
     def needs_student_distribution(self) -> bool:
@@ -111,7 +115,7 @@ class LossPipeline:
         correction that decides from old log-probs up front, need them recomputed.
         """
         up_front = bool(self.up_front_corrections)
-        if not getattr(self.policy_loss, "needs_old_logprobs", True) and not up_front:
+        if not self.policy_loss.needs_old_logprobs and not up_front:
             return False
         return mini_batches > 1 or up_front
 
@@ -125,19 +129,19 @@ class LossPipeline:
 
     def kl_token_rewards(self, batch: TrainBatch) -> Tensor:
         """``-coef x KL(old || ref)`` per response token, the KL-in-reward term (no gradient)."""
-        extra = {"old_logprobs": batch.old_logprobs} if getattr(self.kl, "needs_old_logprobs", False) else {}
+        extra = {"old_logprobs": batch.old_logprobs} if self.kl.needs_old_logprobs else {}
         kl = self.kl(batch.old_logprobs, batch.ref_logprobs, **extra).detach()
         return -self.kl_coef * kl * batch.response_mask
 
     @property
-    def up_front_corrections(self) -> list[Any]:
+    def up_front_corrections(self) -> list[Correction]:
         """Corrections decided once per mini-batch (they may change the mask, so the denominator)."""
-        return [c for c in self.corrections if not getattr(c, "needs_logprobs", False)]
+        return [c for c in self.corrections if not c.needs_logprobs]
 
     @property
-    def per_step_corrections(self) -> list[Any]:
+    def per_step_corrections(self) -> list[Correction]:
         """Corrections that need the current policy: weights only, applied in every micro-batch."""
-        return [c for c in self.corrections if getattr(c, "needs_logprobs", False)]
+        return [c for c in self.corrections if c.needs_logprobs]
 
     def aggregation_weights(self, response_mask: Tensor) -> Tensor:
         """Global loss weights of a whole mini-batch under ``algorithm.aggregation`` (the critic's too)."""
@@ -192,7 +196,7 @@ class LossPipeline:
             per_token = (1.0 - self.gkd_coef) * per_token + self.gkd_coef * gkd
             metrics.update(per_source_sums("gkd", gkd.detach(), mask, mb.sources))
         if self.kl_in_loss:
-            extra = {"old_logprobs": old} if getattr(self.kl, "needs_old_logprobs", False) else {}
+            extra = {"old_logprobs": old} if self.kl.needs_old_logprobs else {}
             kl = self.kl(logprobs, mb.ref_logprobs, **extra)  # unbiased forms weight by sg(pi / pi_old)
             per_token = per_token + self.kl_coef * kl
             metrics["train/kl"] = (float((kl.detach() * mask).sum()), count)
@@ -205,7 +209,7 @@ class LossPipeline:
     def _gkd(self, logprobs: Tensor, old: Tensor, mb: TrainBatch, student_dist: Tensor | None) -> Tensor:
         """The divergence to each row's teacher per token ``[B, T]``, zero outside the mask."""
         if self.divergence_consumes == "logprobs":  # sampled-token forms (k2, k3): the teacher's log-prob of our token
-            extra = {"old_logprobs": old} if getattr(self.divergence, "needs_old_logprobs", False) else {}
+            extra = {"old_logprobs": old} if self.divergence.needs_old_logprobs else {}
             div = self.divergence(logprobs, mb.teacher_logprobs, **extra)
         else:
             if student_dist is None or mb.teacher_dist_logprobs is None:
@@ -229,7 +233,7 @@ def per_source_sums(name: str, values: Tensor, mask: Tensor, sources: list[str])
 
 
 @dataclass
-class ValueLoss:
+class ValueLoss(LossFunction):
     """PPO's clipped value loss: ``0.5 max((V - R)^2, (V_old + clip(V - V_old, +-c) - R)^2)`` per
     token, weighted by the mini-batch's global loss weights like the policy loss (the controller
     computes them with ``algorithm.aggregation``: :meth:`LossPipeline.aggregation_weights`)."""

@@ -4,18 +4,26 @@ Load order: the core's built-ins, then every module of the entry-point group ``l
 the modules listed under ``plugins:`` in the config. Each hook's mappings are merged into one
 table per *category*; a name provided twice is refused with both providers named, and a miss
 lists the names that are known.
+
+Every entry is held to its contract (:mod:`loongsage.core.contracts`): a class factory when the
+tables are built, whatever a factory builds when it is built. A missing member, a method that
+cannot take the contract's call or a capability flag of the wrong type is one line naming the
+entry, its provider and the member; flags an entry leaves out get their defaults, so the
+framework reads every flag directly.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from dataclasses import dataclass
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pluggy
 
-from loongsage.core import hookspecs
+from loongsage.core import contracts, hookspecs
 from loongsage.core.schema import check_params, join_error
 from loongsage.core.types import ConfigError
 
@@ -33,7 +41,7 @@ CATEGORIES: dict[str, str] = {
     "sandbox": "loongsage_sandboxes",
     "gateway_middleware": "loongsage_gateway_middlewares",
 }
-BACKEND_KINDS = ("trainer", "engine", "teacher", "transport", "tracker", "chat_parser", "model_builder")
+BACKEND_KINDS: tuple[str, ...] = tuple(contracts.BACKENDS)
 
 BUILTIN_MODULE = "loongsage.core.builtin_plugins"
 
@@ -44,6 +52,13 @@ class Entry:
     category: str
     factory: Any
     provider: str  # "distribution version (module)" or "config plugins: module"
+    contract: type  # the Protocol of its category (contracts.HOOKS / contracts.BACKENDS)
+    preflight: Callable[..., None] | None = None  # a backend class's optional preflight classmethod
+
+    def refuse(self, problem: str, where: str = "") -> ConfigError:
+        """``[where: ]<category> '<name>' (from <provider>): <problem>``, one line."""
+        head = f"{where}: " if where else ""
+        return ConfigError(f"{head}{self.category} {self.name!r} (from {self.provider}): {problem}")
 
 
 class Registry:
@@ -102,8 +117,21 @@ class Registry:
                             f"{cat} {name!r} is provided twice: by {table[name].provider} and by {provider}; "
                             "uninstall one or rename it"
                         )
-                    table[name] = Entry(name, cat, factory, provider)
+                    table[name] = self._checked(Entry(name, cat, factory, provider, _contract(cat)))
         return tables
+
+    @staticmethod
+    def _checked(entry: Entry) -> Entry:
+        """A class factory against its contract now (its missing flags set to their defaults); a
+        factory function is checked on what it builds (:meth:`create`)."""
+        if not inspect.isclass(entry.factory):
+            return entry
+        problem = contracts.check_class(entry.factory, entry.contract)
+        if problem is not None:
+            raise entry.refuse(problem)
+        if "preflight" in contracts.flags(entry.contract):
+            entry = replace(entry, preflight=entry.factory.preflight)
+        return entry
 
     @property
     def tables(self) -> dict[str, dict[str, Entry]]:
@@ -134,23 +162,37 @@ class Registry:
         entry = self.entry(category, spec["name"], path)
         return check_params(entry.factory, spec.get("params") or {}, f"{path}.params", skip=skip)
 
-    def create(self, category: str, spec: dict[str, Any], path: str = "", **supplied: Any) -> Any:
-        """Build the implementation a ``{name, params}`` spec names; ``supplied`` are framework args."""
+    def create(self, category: str, spec: dict[str, Any], path: str = "", *, contract: type | None = None,
+               **supplied: Any) -> Any:
+        """Build the implementation a ``{name, params}`` spec names; ``supplied`` are framework args.
+
+        What is built is checked against the category's contract, or against ``contract`` where
+        the role asks for more (a trainer used as the critic: :class:`~loongsage.core.contracts.Critic`).
+        """
         path = path or category
         params = self.check(category, spec, path, skip=tuple(supplied))
-        factory = self.entry(category, spec["name"], path).factory
+        entry = self.entry(category, spec["name"], path)
         try:
-            built = factory(**params, **supplied)
+            built = entry.factory(**params, **supplied)
         except (ValueError, TypeError) as exc:
             raise ConfigError(join_error(f"{path}.params", exc, params)) from None
+        contract = contract or entry.contract
+        problem = contracts.check_object(built, contract)
+        if problem is not None:
+            raise entry.refuse(problem, path)
         # Entries that wrap other entries (a reward around a reward) name them in params as specs
         # and declare ``nested = {param: category}``; those are built here, depth first, and bound.
-        for name, inner_category in getattr(type(built), "nested", {}).items():
-            inner_spec = params.get(name)
-            if inner_spec is not None:
-                inner = self.create(inner_category, inner_spec, f"{path}.params.{name}")
-                built = built.bind(**{name: inner})
+        if "nested" in contracts.flags(contract):
+            for name, inner_category in built.nested.items():
+                inner_spec = params.get(name)
+                if inner_spec is not None:
+                    inner = self.create(inner_category, inner_spec, f"{path}.params.{name}")
+                    built = built.bind(**{name: inner})
         return built
+
+
+def _contract(category: str) -> type:
+    return contracts.HOOKS[category] if category in contracts.HOOKS else contracts.BACKENDS[category]
 
 
 def load_registry(extra_modules: list[str] | tuple[str, ...] = ()) -> Registry:

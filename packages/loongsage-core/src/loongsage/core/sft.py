@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from loongsage.core.contracts import Agent, Reward
 from loongsage.core.rollout import AgentContext
 from loongsage.core.types import DataRecord, Status, Trajectory
 
@@ -90,7 +91,7 @@ def teacher_forced_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> tup
 
 
 @dataclass
-class SFTAgent:
+class SFTAgent(Agent):
     """``sft``: one teacher-forced trajectory per record (no engine call); see the module doc."""
 
     async def run(self, record: DataRecord, ctx: AgentContext) -> list[Trajectory]:
@@ -110,7 +111,7 @@ class SFTAgent:
 
 
 @dataclass(frozen=True)
-class ConstantReward:
+class ConstantReward(Reward):
     """``constant``: the same reward for every trajectory (SFT data without a checker)."""
 
     value: float = 0.0

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from loongsage.core.contracts import Tracker
 from loongsage.core.types import ConfigError
 
 # Framework arguments a tracker factory receives when its signature names them.
@@ -32,7 +33,7 @@ def _finite(value: Any) -> bool:
 
 
 @dataclass
-class JsonlTracker:
+class JsonlTracker(Tracker):
     """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (what ``loongsage report`` reads)."""
 
     kind = "tracker"
@@ -52,7 +53,7 @@ class JsonlTracker:
 
 
 @dataclass
-class TensorboardTracker:
+class TensorboardTracker(Tracker):
     """Scalars to ``<run_dir>/tensorboard``."""
 
     kind = "tracker"
@@ -79,7 +80,7 @@ WANDB_RUN_ID_FILE = "wandb_run_id"
 
 
 @dataclass
-class WandbTracker:
+class WandbTracker(Tracker):
     """Weights & Biases: the run config once, then every step's finite scalars with ``step`` as the
     W&B step.
 
@@ -169,7 +170,7 @@ def check_trackers(registry: Any, backends: list[Any]) -> None:
         path = f"tracking.backends[{j}]"
         spec = tracker_spec(entry)
         params = registry.check("tracker", spec, path, skip=TRACKER_ARGS)
-        preflight = getattr(registry.entry("tracker", spec["name"], path).factory, "preflight", None)
+        preflight = registry.entry("tracker", spec["name"], path).preflight
         if preflight is not None:
             try:
                 preflight(params)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from loongsage.core.config import Config
+from loongsage.core.contracts import Critic
 from loongsage.core.loss import LossPipeline
 from loongsage.core.types import RewardInfraError, Status, TrainBatch, Trajectory, DataRecord
 
@@ -61,7 +62,7 @@ class TrainerWorker:
 
         setup_worker(threads)
         torch.manual_seed(cfg.run.seed + rank)
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         if world_size > 1:
             torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                                  timeout=timedelta(minutes=10))
@@ -75,8 +76,7 @@ class TrainerWorker:
         self.reference = None
         # A frozen reference for KL: its own model, unless the backend holds the starting policy
         # already (LoRA: the base weights with the adapters switched off).
-        reference_in_backend = getattr(self.backend, "lora", None) is not None
-        if self.pipeline.needs_ref_logprobs and not reference_in_backend:
+        if self.pipeline.needs_ref_logprobs and not self.backend.holds_reference:
             self.reference = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
         self.token_budget = cfg.trainer.micro_batch_tokens
 
@@ -103,7 +103,7 @@ class TrainerWorker:
         return self.transport.push(weights, engines)
 
     def param_checksum(self) -> float:
-        return float(sum(p.detach().double().abs().sum() for p in self.backend.model.parameters()))
+        return self.backend.param_checksum()
 
     def save(self, path: str) -> None:
         self.backend.save(path)
@@ -114,7 +114,7 @@ class TrainerWorker:
     def export_hf(self, path: str) -> None:
         from transformers import AutoTokenizer
 
-        self.backend.export_hf(path, AutoTokenizer.from_pretrained(self.backend.model_path))
+        self.backend.export_hf(path, AutoTokenizer.from_pretrained(self.model_path))
 
 
 class EngineWorker:
@@ -236,7 +236,8 @@ class CriticWorker:
         setup_worker(threads)
         critic = cfg.trainer.critic
         registry = load_registry(cfg.plugins)
-        self.backend = registry.create("trainer", critic.backend, "trainer.critic.backend", **model_args(cfg, model_path))
+        self.backend = registry.create("trainer", critic.backend, "trainer.critic.backend", contract=Critic,
+                                       **model_args(cfg, model_path))
         opt = critic.optimizer
         self.backend.setup_optimizer(opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.grad_clip, opt.warmup_steps)
         self.loss = ValueLoss(clip=critic.value_clip)

@@ -11,11 +11,13 @@ plain returns.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loongsage.core.contracts import Critic
 from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer
 from loongsage.core.types import TrainBatch
 
@@ -34,11 +36,11 @@ class ValueModel(nn.Module):
 
 
 @dataclass
-class TorchCritic(TorchTrainer):
+class TorchCritic(TorchTrainer, Critic):
     """``torch_critic``: value model trained with the clipped value loss (PPO)."""
 
     kind = "trainer"
-    supports_lora = False  # LoRA would freeze the value head, which must train
+    supports_lora: ClassVar[bool] = False  # LoRA would freeze the value head, which must train
 
     def _load_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM

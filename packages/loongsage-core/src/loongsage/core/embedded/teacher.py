@@ -15,12 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from loongsage.core.contracts import Teacher
 from loongsage.core.embedded.trainer import _DTYPES, micro_batches, policy_logits, response_start
 from loongsage.core.types import TrainBatch
 
 
 @dataclass
-class EmbeddedTeacher:
+class EmbeddedTeacher(Teacher):
     """``embedded``: an HF causal LM scoring the student's tokens, forward only (kind ``teacher``).
 
     ``model_path`` is supplied by the framework from the teacher spec's ``path`` or ``builder``.

@@ -23,7 +23,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from loongsage.core.contracts import LossFunction, Trainer
 from loongsage.core.embedded.lora import (
     LoraConfig,
     adapter_state,
@@ -45,10 +46,11 @@ from loongsage.core.types import TrainBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# loss_fn(logprobs [B, T], micro_batch) -> (weighted loss sum, metric sums). A loss whose attribute
-# ``needs_student_distribution`` is true (MOPD's distribution divergences) is called with the keyword
-# ``student_dist`` as well: see :func:`logprobs_entropy_and_distribution`.
-LossFn = Callable[..., tuple[Tensor, dict[str, tuple[float, float]]]]
+# loss_fn(logprobs [B, T], micro_batch) -> (weighted loss sum, metric sums): a contracts.LossFunction,
+# or a bare callable. A LossFunction whose ``needs_student_distribution`` is true (MOPD's distribution
+# divergences) is called with the keyword ``student_dist`` as well: see
+# :func:`logprobs_entropy_and_distribution`.
+LossFn = LossFunction | Callable[..., tuple[Tensor, dict[str, tuple[float, float]]]]
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
@@ -146,8 +148,9 @@ def _trim(batch: TrainBatch, length: int) -> TrainBatch:
 
 
 @dataclass
-class TorchTrainer:
-    """HF transformers causal LM, fp32 on CPU, AdamW, grad clipping, FSDP2 or replicated DP."""
+class TorchTrainer(Trainer):
+    """HF transformers causal LM, fp32 on CPU, AdamW, grad clipping, FSDP2 or replicated DP
+    (the :class:`~loongsage.core.contracts.Trainer` contract)."""
 
     kind = "trainer"
 
@@ -159,7 +162,7 @@ class TorchTrainer:
     dp_mode: Literal["fsdp2", "replicate"] = "fsdp2"
     lora: LoraConfig | None = None  # None: full fine-tuning
 
-    supports_lora = True  # the critic's value head is outside the decoder layers LoRA targets
+    supports_lora: ClassVar[bool] = True  # the critic's value head is outside the decoder layers LoRA targets
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -249,6 +252,11 @@ class TorchTrainer:
         self.grad_clip = grad_clip
 
     @property
+    def holds_reference(self) -> bool:
+        """Under LoRA the frozen base IS the starting policy: :meth:`reference_logprobs` answers."""
+        return self.lora is not None
+
+    @property
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -332,7 +340,7 @@ class TorchTrainer:
                 filler = self._filler()
                 (self._logits(filler, torch.ones_like(filler)).sum() * 0.0).backward()
                 continue
-            if getattr(loss_fn, "needs_student_distribution", False):
+            if isinstance(loss_fn, LossFunction) and loss_fn.needs_student_distribution:
                 lp, ent, dist = self._forward_distribution(mb)
                 loss, metrics = loss_fn(lp, mb, student_dist=dist)
             else:
@@ -451,6 +459,10 @@ class TorchTrainer:
             self.model.save_pretrained(path, state_dict=state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
+
+    def param_checksum(self) -> float:
+        """Sum of |w| over this rank's parameters (its shards under FSDP2)."""
+        return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
 
     def offload(self) -> None:
         """Nothing to free on CPU; a GPU placement moves parameters and optimizer state to host."""

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from loongsage.core.contracts import Transport
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -67,7 +69,7 @@ def unpack_bucket(metas: list[TensorMeta], buffer: np.ndarray) -> Iterator[tuple
 
 
 @dataclass
-class CpuTransport:
+class CpuTransport(Transport):
     """Sender side of the CPU transport; receivers expose ``receive_bucket`` and ``commit_weights``."""
 
     kind = "transport"
