@@ -120,3 +120,83 @@ def test_every_installed_hookimpl_matches_a_spec() -> None:
     registry = plugins.load_registry()
     registry.pm.check_pending()  # raises PluginValidationError on a hookimpl without a spec
     assert len(registry.pm.get_plugins()) >= 2  # the built-ins and loongsage-algos
+
+
+# ----------------------------------------------------------------------------- the contracts behind the hooks
+# What the framework calls on each hook's product and each backend, pinned: the parameters of every
+# method of every Protocol in core/contracts.py (slime pins its hooks' call signatures the same way).
+# A contract changes deliberately: this table, the Protocol and every implementation in one commit.
+CONTRACT_CALLS = {
+    "Agent": {"run": ("record", "ctx")},
+    "Reward": {"__call__": ("trajectory", "record")},
+    "DataSource": {"__len__": (), "__getitem__": ("index",)},
+    "AdvantageEstimator": {"__call__": ("inp",)},
+    "PolicyLoss": {"__call__": ("inp",)},
+    "KLEstimator": {"__call__": ("logprobs", "ref_logprobs", "old_logprobs")},
+    "Correction": {"__call__": ("inp",)},
+    "DataFilter": {"__call__": ("group",)},
+    "RolloutScheduler": {"groups_to_dispatch": ("state",)},
+    "Sandbox": {"create": (), "exec": ("sandbox_id", "cmd", "timeout"), "put": ("sandbox_id", "path", "data"),
+                "get": ("sandbox_id", "path"), "delete": ("sandbox_id",)},
+    "GatewayMiddleware": {"__call__": ("request", "call_next")},
+    "Trainer": {"setup_optimizer": ("lr", "betas", "eps", "weight_decay", "grad_clip", "warmup_steps"),
+                "logprobs": ("batch", "token_budget"), "reference_logprobs": ("batch", "token_budget"),
+                "train_step": ("mini_batch", "loss_fn", "token_budget"), "export_weights": (), "save": ("path",),
+                "load": ("path",), "export_hf": ("path", "tokenizer"), "offload": (), "onload": (),
+                "param_checksum": ()},
+    "Engine": {"generate": ("request",), "abort": ("request_ids",), "pause": (), "resume": (), "flush_cache": (),
+               "update_weights": ("named_tensors",), "release_memory": (), "resume_memory": (),
+               "set_version": ("version",), "health": ()},
+    "Teacher": {"score": ("batch", "topk", "full_vocab")},
+    "Transport": {"push": ("named_tensors", "receivers")},
+    "Tracker": {"log": ("step", "metrics"), "close": ()},
+    "ChatParser": {"parse": ("text",)},
+    "ModelBuilder": {"build": ()},
+}
+CONTRACT_FLAGS = {
+    "Reward": {"nested": {}, "bind": None},
+    "AdvantageEstimator": {"needs_values": False, "uses_token_rewards": False, "returns": None},
+    "PolicyLoss": {"needs_old_logprobs": True, "supported_aggregations": None},
+    "KLEstimator": {"consumes": "logprobs", "needs_old_logprobs": False},
+    "Correction": {"needs_logprobs": False},
+    "DataFilter": {"excludes_from_loss": None},
+    "Trainer": {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None},
+    "Engine": {"kind": "engine"},
+    "Teacher": {"kind": "teacher"},
+    "Transport": {"kind": "transport"},
+    "Tracker": {"kind": "tracker", "preflight": None},
+    "ChatParser": {"kind": "chat_parser"},
+    "ModelBuilder": {"kind": "model_builder"},
+}
+
+
+def _hook_contract(name: str):
+    from loongsage.core import contracts
+
+    category = {hook: cat for cat, hook in plugins.CATEGORIES.items()}.get(name)
+    return contracts.HOOKS[category] if category else None
+
+
+@pytest.mark.parametrize("name", TWELVE)
+def test_each_hook_names_its_contract(name: str) -> None:
+    """The spec is the contract: every hookspec points at the Protocol its entries implement."""
+    from loongsage.core import contracts
+
+    doc = inspect.getdoc(getattr(hookspecs, name))
+    if name == "loongsage_backends":
+        for protocol in (*contracts.BACKENDS.values(), contracts.Critic):
+            assert f"contracts.{protocol.__name__}`" in doc, protocol.__name__
+        return
+    assert f":class:`loongsage.core.contracts.{_hook_contract(name).__name__}`" in doc
+
+
+def test_contract_signatures_are_pinned() -> None:
+    from loongsage.core import contracts
+
+    protocols = {p.__name__: p for p in (*contracts.HOOKS.values(), *contracts.BACKENDS.values())}
+    assert set(protocols) == set(CONTRACT_CALLS)
+    for name, calls in CONTRACT_CALLS.items():
+        methods = {m.name: tuple(m.signature.parameters) for m in contracts.members(protocols[name])
+                   if m.role == "method"}
+        assert methods == calls, name
+        assert contracts.flags(protocols[name]) == CONTRACT_FLAGS.get(name, {}), name

@@ -10,8 +10,11 @@ entry by name only, with its parameters beside it::
 
 A *factory* is any callable whose keyword parameters are the entry's parameters (a dataclass is
 the usual choice): its signature is the schema the recipe's ``params`` are validated against
-before any Ray actor starts, and calling it returns the implementation. The contract each
-implementation fulfils is written under its hook below; the record types live in
+before any Ray actor starts, and calling it returns the implementation. What the implementation
+must provide is a ``typing.Protocol`` of :mod:`loongsage.core.contracts`, named under each hook
+below (the spec is the contract): its methods, its capability flags with their defaults, the
+process it runs in and how often it is called. The registry checks every entry against it when it
+loads (a class) or builds (what a factory function returns) the entry. The record types live in
 :mod:`loongsage.core.types`.
 
 Plugins register by the entry-point group ``loongsage`` (one module per distribution holding
@@ -37,78 +40,49 @@ Factories = Mapping[str, Callable[..., Any]]
 
 @hookspec
 def loongsage_agents() -> Factories:
-    """Agents: turn one data record into trajectories.
+    """Agents: turn one data record into its group of trajectories.
 
-    The implementation is ``async run(record: DataRecord, ctx: AgentContext) -> list[Trajectory]``.
-    ``ctx`` gives the engine client (token-in, token-out ``generate``), the tokenizer and the
-    source's sampling parameters. A single-turn agent calls the engine directly with token ids; a
-    chat agent talks to the gateway's chat-completion endpoint and the gateway rebuilds the tokens.
-    Called once per prompt; returns the group of ``n`` trajectories of that prompt.
+    Contract: :class:`loongsage.core.contracts.Agent` (``async run(record, ctx)``).
     """
 
 
 @hookspec
 def loongsage_rewards() -> Factories:
-    """Rewards: score one finished trajectory.
+    """Rewards: score one finished trajectory (a wrapper reward builds and binds the reward it wraps).
 
-    The implementation is ``__call__(trajectory: Trajectory, record: DataRecord) -> float`` (or an
-    awaitable of one). ``trajectory.response_text`` holds the decoded response; the token ids stay
-    the truth for training. A wrapper reward names the reward it wraps in its params as a
-    ``{name, params}`` spec and declares ``nested = {param: "reward"}`` plus ``bind(**built)``: the
-    registry builds the inner entry (validated like any other) and binds it. Raise :class:`loongsage.core.types.RewardInfraError` when the scorer
-    itself failed (a sandbox died, a judge timed out): the trajectory is then marked ``failed``
-    and kept out of group statistics instead of being scored 0.
+    Contract: :class:`loongsage.core.contracts.Reward` (``__call__(trajectory, record)``; ``nested``, ``bind``).
     """
 
 
 @hookspec
 def loongsage_data_sources() -> Factories:
-    """Data sources: dataset readers and synthetic task generators.
+    """Data sources: map-style dataset readers and synthetic task generators.
 
-    The implementation is a map-style :class:`loongsage.core.types.DataSource`: ``__len__`` and
-    ``__getitem__(i) -> DataRecord``. Map-style access is what makes the data position exact on
-    resume. Malformed rows are reported by index and skipped or rejected by the reader's
-    ``on_bad_row`` policy.
+    Contract: :class:`loongsage.core.contracts.DataSource` (``__len__``, ``__getitem__(index)``).
     """
 
 
 @hookspec
 def loongsage_advantage_estimators() -> Factories:
-    """Advantage estimators (GRPO, RLOO, REINFORCE++, GAE, ...).
+    """Advantage estimators (GRPO, RLOO, REINFORCE++, GAE, ...): per-token advantages of a step.
 
-    The implementation is ``__call__(inp: AdvantageInput) -> Tensor[B, T]`` returning per-token
-    advantages (zero outside ``inp.response_mask``). It sees the whole step's batch, so group and
-    batch statistics need no collective. Class attribute ``needs_values: bool`` asks the trainer for
-    critic values first.
+    Contract: :class:`loongsage.core.contracts.AdvantageEstimator` (``__call__(inp)``; ``needs_values``, ...).
     """
 
 
 @hookspec
 def loongsage_policy_losses() -> Factories:
-    """Policy losses (PPO-clip with clip-higher and dual-clip, GSPO, CISPO, NLL for SFT).
+    """Policy losses (PPO-clip with clip-higher and dual-clip, GSPO, CISPO, NLL for SFT), unreduced.
 
-    The implementation is ``__call__(inp: PolicyLossInput) -> LossOutput``: an *unreduced*
-    per-token loss ``[B, T]`` plus per-token metric tensors. The trainer aggregates with global
-    denominators (see :mod:`loongsage.core.aggregation`), so micro-batching and DP size cannot
-    change the result. Class attribute ``needs_old_logprobs: bool`` (default True) tells the trainer
-    whether to recompute old log-probs before the first update.
+    Contract: :class:`loongsage.core.contracts.PolicyLoss` (``__call__(inp)``; ``needs_old_logprobs``, ...).
     """
 
 
 @hookspec
 def loongsage_kl_estimators() -> Factories:
-    """KL estimators (k1, k2, k3, low-var, unbiased; top-k and full-vocab KL, JSD for MOPD).
+    """KL estimators (k1, k2, k3, low-var, unbiased) and MOPD's distribution divergences (top-k, JSD).
 
-    Class attribute ``consumes`` is one of ``"logprobs"``, ``"topk"``, ``"full_vocab"``: the
-    trainer fetches only what the chosen estimator needs. With ``"logprobs"`` the implementation is
-    ``__call__(logprobs, ref_logprobs, *, old_logprobs=None) -> Tensor [B, T]`` over sampled-token
-    log-probs ``[B, T]``, an estimate of KL(pi || ref); ``old_logprobs`` is passed when the
-    instance's ``needs_old_logprobs`` is true (the unbiased, ratio-weighted forms). With ``"topk"``
-    (the instance's ``k`` says how many reference tokens per position) or ``"full_vocab"`` it is
-    ``__call__(logprobs, ref_logprobs) -> Tensor [B, T]`` over distributions ``[B, T, K]``: the
-    policy's and the reference's log-probs on the reference's top-k tokens, or on the whole
-    vocabulary. The reference is a frozen copy of the start (``algorithm.kl``, log-prob entries
-    only) or a data source's teacher (``algorithm.distill.divergence``, MOPD).
+    Contract: :class:`loongsage.core.contracts.KLEstimator` (``__call__(logprobs, ref_logprobs)``; ``consumes``).
     """
 
 
@@ -116,55 +90,53 @@ def loongsage_kl_estimators() -> Factories:
 def loongsage_corrections() -> Factories:
     """Train-inference consistency corrections (IS token/seq/geo x clip/mask, M2PO, OPSM).
 
-    The implementation is ``__call__(inp: CorrectionInput) -> CorrectionOutput``: a per-token
-    weight applied to the loss (no gradient), an updated loss mask, and per-token metrics. Masking
-    corrections decide once per optimizer mini-batch across all DP ranks and document how they
-    treat the loss denominator.
+    Contract: :class:`loongsage.core.contracts.Correction` (``__call__(inp)``; ``needs_logprobs``).
     """
 
 
 @hookspec
 def loongsage_data_filters() -> Factories:
-    """Group filters applied after rewards (dynamic sampling, status, overlong).
+    """Group filters applied after rewards (dynamic sampling, status, overlong sample masks).
 
-    The implementation is ``__call__(group: list[Trajectory]) -> bool``: keep the group or drop it.
-    Dropped groups may be refilled from oversampling by the scheduler. A filter may also define
-    ``excludes_from_loss(trajectory) -> bool``: such a sample stays in its group's advantage
-    statistics but leaves the loss (DAPO's overlong filtering masks truncated samples this way).
+    Contract: :class:`loongsage.core.contracts.DataFilter` (``__call__(group)``; ``excludes_from_loss``).
     """
 
 
 @hookspec
 def loongsage_rollout_schedulers() -> Factories:
-    """Rollout schedulers: how many groups may be in flight (sync, one-step-off, fully async).
+    """Rollout schedulers: when to dispatch groups (sync, one-step-off, fully async windows).
 
-    The implementation is a :class:`loongsage.core.types.RolloutScheduler`: a pure decision over
-    counters (``groups_to_dispatch``), so it is tested without Ray.
+    Contract: :class:`loongsage.core.contracts.RolloutScheduler` (``groups_to_dispatch(state)``).
     """
 
 
 @hookspec
 def loongsage_sandboxes() -> Factories:
-    """Sandbox backends (isolated local process, docker, k8s).
+    """Sandbox backends (isolated local process, docker, k8s) for agents and rewards.
 
-    The implementation offers ``create() -> id``, ``exec(id, cmd, timeout)``, ``put``/``get`` files
-    and ``delete(id)``; every sandbox has an owner and a deadline, and the pool reaps orphans.
+    Contract: :class:`loongsage.core.contracts.Sandbox` (``create``, ``exec``, ``put``, ``get``, ``delete``).
     """
 
 
 @hookspec
 def loongsage_gateway_middlewares() -> Factories:
-    """Middlewares of the chat-completion gateway (request/response rewriting, logging, limits)."""
+    """Middlewares of the chat-completion gateway (request/response rewriting, logging, limits).
+
+    Contract: :class:`loongsage.core.contracts.GatewayMiddleware` (``async __call__(request, call_next)``).
+    """
 
 
 @hookspec
 def loongsage_backends() -> Factories:
     """Infrastructure backends, each factory declaring its ``kind`` as a class attribute.
 
-    Kinds: ``trainer`` (torch, megatron), ``engine`` (native, sglang), ``teacher``, ``transport``
-    (cpu, ipc, nccl), ``tracker`` (jsonl, tensorboard, wandb), ``chat_parser`` and
-    ``model_builder`` (builds an HF model folder offline, e.g. the tiny embedded model). Names are
-    unique within a kind.
+    Kinds and contracts: ``trainer`` (torch, megatron; :class:`~loongsage.core.contracts.Trainer`,
+    as the critic :class:`~loongsage.core.contracts.Critic`), ``engine`` (native, sglang;
+    :class:`~loongsage.core.contracts.Engine`), ``teacher`` (:class:`~loongsage.core.contracts.Teacher`),
+    ``transport`` (cpu, ipc, nccl; :class:`~loongsage.core.contracts.Transport`), ``tracker`` (jsonl,
+    tensorboard, wandb; :class:`~loongsage.core.contracts.Tracker`), ``chat_parser``
+    (:class:`~loongsage.core.contracts.ChatParser`) and ``model_builder`` (builds an HF model folder
+    offline; :class:`~loongsage.core.contracts.ModelBuilder`). Names are unique within a kind.
     """
 
 

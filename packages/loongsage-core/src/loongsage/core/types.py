@@ -120,6 +120,15 @@ class DataRecord:
 
 @runtime_checkable
 class DataSource(Protocol):
+    """``loongsage_data_sources``: a map-style data set (a file reader, a synthetic task generator).
+
+    Runs in the driver, where each source's cursor reads it: ``__len__`` once per epoch, ``__getitem__``
+    once per prompt drawn (training, refills and evaluation). Map-style access is what makes the data
+    position exact on resume. A malformed row raises :class:`BadRecordError` naming its index; the
+    source's ``on_bad_row`` policy skips or rejects it. One of the contracts of
+    :mod:`loongsage.core.contracts`.
+    """
+
     def __len__(self) -> int: ...
     def __getitem__(self, index: int) -> DataRecord: ...
 
@@ -260,4 +269,11 @@ class SchedulerState:
 
 @runtime_checkable
 class RolloutScheduler(Protocol):
+    """``loongsage_rollout_schedulers``: when the rollout service dispatches (sync, one-step-off, async).
+
+    Runs in the driver, inside the rollout service, per data source whenever it may dispatch (sync:
+    once per step); a pure decision over :class:`SchedulerState`. One of the contracts of
+    :mod:`loongsage.core.contracts`.
+    """
+
     def groups_to_dispatch(self, state: SchedulerState) -> int: ...
