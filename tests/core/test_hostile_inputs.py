@@ -123,6 +123,12 @@ CASES: list[tuple[str, list[str], str]] = [
      "-1.0: must be >= 0"),
     ("prompts_not_divisible", train("trainer.world_size=3"), "data_sources[0].prompts_per_step=8: must be divisible by "
      "trainer.world_size x trainer.mini_batches_per_step = 3"),
+    ("negative_staleness", train("colocate=false", "rollout.scheduler={name: no_window, params: {max_staleness: -1}}"),
+     "max_staleness=-1: must be >= 0"),
+    ("async_colocated", train("rollout.scheduler.name=no_window"), "rollout.scheduler.name='no_window' generates while "
+     "the trainer trains, so engines and trainers need separate resources: set placement.colocate=false"),
+    ("unknown_scheduler", train("rollout.scheduler.name=eager"), "rollout.scheduler.name: unknown rollout_scheduler "
+     "'eager'; known: "),
     # plugins and cross-field rules
     ("unknown_advantage", train("algorithm.advantage.name=nope"), "algorithm.advantage.name: unknown advantage 'nope'; "
      "known: "),

@@ -16,7 +16,8 @@ from loongsage.core.embedded.trainer import TorchTrainer
 from loongsage.core.embedded.transport import CpuTransport
 from loongsage.core.embedded.warmstart import WarmStartParams, cached_warm_start
 from loongsage.core.hookspecs import Factories, hookimpl
-from loongsage.core.rollout import SingleTurnAgent, SyncScheduler
+from loongsage.core.rollout import SingleTurnAgent
+from loongsage.core.rollout.schedulers import SCHEDULERS
 from loongsage.core.sft import ConstantReward, SFTAgent
 from loongsage.core.tracking import JsonlTracker, TensorboardTracker, WandbTracker
 
@@ -52,7 +53,7 @@ def loongsage_data_sources() -> Factories:
 
 @hookimpl
 def loongsage_rollout_schedulers() -> Factories:
-    return {"sync": SyncScheduler}
+    return dict(SCHEDULERS)
 
 
 @hookimpl

@@ -26,7 +26,9 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save(ctl: Any) -> Path:
+def save(ctl: Any, rollout_state: dict[str, Any]) -> Path:
+    """Write the checkpoint of the step just finished; ``rollout_state`` is the rollout service's
+    state, taken on the event loop that runs the service (this runs in a worker thread)."""
     import ray
 
     final = checkpoint_dir(ctl.run_dir) / f"step_{ctl.step:06d}"
@@ -35,7 +37,7 @@ def save(ctl: Any) -> Path:
     tmp.mkdir(parents=True)
     ray.get([t.save.remote(str(tmp)) for t in ctl.trainers]
             + ([ctl.critic.save.remote(str(tmp / "critic"))] if ctl.critic is not None else []))
-    state = {"step": ctl.step, "version": ctl.version, **ctl.rollout.state()}
+    state = {"step": ctl.step, "version": ctl.version, **rollout_state}
     (tmp / "controller.json").write_text(json.dumps(state, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)

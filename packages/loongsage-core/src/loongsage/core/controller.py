@@ -81,6 +81,7 @@ class Placement:
         p = cfg.placement
         world, engines = cfg.trainer.world_size, cfg.rollout.num_engines
         self.colocate = p.colocate
+        self._cpus_per_actor, self._gpus = p.cpus_per_actor, p.gpus_per_actor
         bundles = placement_bundles(cfg)
         if p.colocate:
             # rank i of every role shares bundle i; extra engines take their own bundles
@@ -134,6 +135,17 @@ class Placement:
                                   "it to finish, or lower placement.cpus_per_actor")
             time.sleep(0.2)
 
+    def cores(self) -> dict[int, list[int]]:
+        """Disjoint CPU cores per bundle of a disaggregated CPU placement on one machine: bundle ``b``
+        gets ``cpus_per_actor`` cores of its own, in order. Empty (no pinning) when colocated, on
+        GPUs, or when the bundles need more cores than this machine has."""
+        per = max(1, int(self._cpus_per_actor))
+        bundles = len(self._share)
+        usable = sorted(os.sched_getaffinity(0))
+        if self.colocate or self._gpus or bundles * per > len(usable):
+            return {}
+        return {b: usable[b * per:(b + 1) * per] for b in range(bundles)}
+
     def options(self, bundle: int) -> dict[str, Any]:
         return {"num_cpus": self._share[bundle],
                 "scheduling_strategy": self._strategy(placement_group=self.pg, placement_group_bundle_index=bundle)}
@@ -161,14 +173,20 @@ class Controller:
         init_method = None
         if world > 1:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
+        # generation and training overlap under an asynchronous scheduler: on CPU each actor then
+        # gets cores of its own, so the two do not slow each other down
+        pin = getattr(self._rollout_parts["scheduler"], "asynchronous", False)
+        cores = self.placement.cores() if pin else {}
         trainer_cls = ray.remote(TrainerWorker)
         self.trainers = [
-            trainer_cls.options(**self.placement.options(b)).remote(cfg, model_path, r, world, init_method, threads)
+            trainer_cls.options(**self.placement.options(b)).remote(cfg, model_path, r, world, init_method, threads,
+                                                                    cores.get(b))
             for r, b in enumerate(self.placement.trainer_bundles)
         ]
         engine_cls = ray.remote(EngineWorker)
         self.engines = [
-            engine_cls.options(**self.placement.options(b), max_concurrency=1000).remote(cfg, model_path, i, threads)
+            engine_cls.options(**self.placement.options(b), max_concurrency=1000).remote(cfg, model_path, i, threads,
+                                                                                         cores.get(b))
             for i, b in enumerate(self.placement.engine_bundles)
         ]
         self.reward = ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=1000).remote(cfg)
@@ -210,7 +228,8 @@ class Controller:
                     for i, s in enumerate(cfg.data_sources)},
             sampling={s.name: cfg.sampling_for(s) for s in cfg.data_sources}, filters=self.filters,
             scheduler=reg.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler"), seed=cfg.run.seed,
-            max_refill_rounds=cfg.rollout.max_refill_rounds, refill_oversample=cfg.rollout.refill_oversample)
+            max_refill_rounds=cfg.rollout.max_refill_rounds, refill_oversample=cfg.rollout.refill_oversample,
+            mask_old_tokens=cfg.rollout.mask_old_tokens)
         self.estimator = reg.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
         self.pipeline = build_pipeline(cfg, reg)
         from loongsage.core.tracking import create_trackers
@@ -261,6 +280,8 @@ class Controller:
             self._score_with_teachers(batch)
         row_of = {id(t): i for i, t in enumerate(trajs)}
         parts = split_groups(groups, cfg.trainer.world_size, cfg.trainer.mini_batches_per_step)
+        if cfg.tracking.batches:
+            self._audit(parts)
         rows = [[[row_of[id(t)] for t in mb] for mb in rank_parts] for rank_parts in parts]
         sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         need_old = (self.pipeline.recompute_old_logprobs(cfg.trainer.mini_batches_per_step)
@@ -317,6 +338,22 @@ class Controller:
         metrics["train/advantage_abs_mean"] = float((batch.advantages.abs() * batch.response_mask).sum()
                                                     / batch.response_mask.sum().clamp(min=1))
         return metrics
+
+    def _audit(self, parts: list[list[list[Trajectory]]]) -> None:
+        """One row per training step in ``<run_dir>/batches.jsonl``: every trained group's source,
+        record index, group id, staleness (policy version minus its oldest token's), rank and
+        mini-batch. A resumed run appends; the last row of a step is the one that counts."""
+        groups = []
+        for rank, rank_parts in enumerate(parts):
+            for mb, trajs in enumerate(rank_parts):
+                for gid in dict.fromkeys(t.group_id for t in trajs):
+                    t = next(t for t in trajs if t.group_id == gid)
+                    tokens = [v for u in trajs if u.group_id == gid for v in u.versions if v >= 0]
+                    groups.append({"source": t.source, "index": t.metadata.get("record_index"), "group_id": gid,
+                                   "staleness": self.version - min(tokens, default=self.version),
+                                   "rank": rank, "mini_batch": mb})
+        with open(self.run_dir / "batches.jsonl", "a") as fh:
+            fh.write(json.dumps({"step": self.step + 1, "version": self.version, "groups": groups}) + "\n")
 
     def _score_with_teachers(self, batch: TrainBatch) -> None:
         """Every row's teacher scores the student's tokens (teachers run concurrently)."""
@@ -426,9 +463,12 @@ class Controller:
             t0 = time.perf_counter()
             groups, metrics = await self.rollout.next_batch(self.version)
             t1 = time.perf_counter()
+            # an asynchronous rollout keeps generating (on its own resources) while this trains
             metrics.update(await asyncio.to_thread(self._train, groups))
             t2 = time.perf_counter()
+            await self.rollout.begin_update()  # asynchronous: generations in flight are cut here
             metrics.update(await asyncio.to_thread(self._push_weights))
+            self.rollout.end_update(self.version)  # ... and continue from their tokens on the new weights
             t3 = time.perf_counter()
             self.step = step + 1
             n = sum(len(g) for g in groups)
@@ -444,8 +484,9 @@ class Controller:
             history.append(metrics)
             progress.update(metrics)
             if (cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0) or last:
-                await asyncio.to_thread(ckpt.save, self)
+                await asyncio.to_thread(ckpt.save, self, self.rollout.state())
         progress.close()
+        await self.rollout.close()
         if cfg.checkpoint.export_hf:
             await asyncio.to_thread(ckpt.export_final, self)
         return {"steps": self.step, "version": self.version, "run_dir": str(self.run_dir),

@@ -21,11 +21,15 @@ from loongsage.core.loss import LossPipeline
 from loongsage.core.types import RewardInfraError, Status, TrainBatch, Trajectory, DataRecord
 
 
-def setup_worker(threads: int) -> None:
-    """Per-actor process setup: torch threads, and no per-file progress bars in the run's log."""
+def setup_worker(threads: int, cores: list[int] | None = None) -> None:
+    """Per-actor process setup: pinned to ``cores`` when given, torch threads (0: one per usable
+    core), and no per-file progress bars in the run's log."""
     from transformers.utils import logging as hf_logging
 
-    torch.set_num_threads(threads if threads > 0 else (os.cpu_count() or 1))
+    if cores:
+        os.sched_setaffinity(0, cores)
+    usable = len(cores) if cores else (os.cpu_count() or 1)
+    torch.set_num_threads(threads if threads > 0 else usable)
     hf_logging.disable_progress_bar()
 
 
@@ -57,10 +61,10 @@ class TrainerWorker:
     """One data-parallel rank of the policy trainer (plus a frozen reference when KL needs it)."""
 
     def __init__(self, cfg: Config, model_path: str, rank: int = 0, world_size: int = 1,
-                 init_method: str | None = None, threads: int = 0):
+                 init_method: str | None = None, threads: int = 0, cores: list[int] | None = None):
         from loongsage.core.plugins import load_registry
 
-        setup_worker(threads)
+        setup_worker(threads, cores)
         torch.manual_seed(cfg.run.seed + rank)
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         if world_size > 1:
@@ -120,11 +124,12 @@ class TrainerWorker:
 class EngineWorker:
     """One rollout engine replica; receives weights through the transport's buckets."""
 
-    def __init__(self, cfg: Config, model_path: str, index: int = 0, threads: int = 0):
+    def __init__(self, cfg: Config, model_path: str, index: int = 0, threads: int = 0,
+                 cores: list[int] | None = None):
         from loongsage.core.embedded.transport import unpack_bucket
         from loongsage.core.plugins import load_registry
 
-        setup_worker(threads)
+        setup_worker(threads, cores)
         self._unpack = unpack_bucket
         registry = load_registry(cfg.plugins)
         self.engine = registry.create("engine", cfg.rollout.engine, "rollout.engine",
@@ -143,7 +148,10 @@ class EngineWorker:
             except Exception as exc:  # noqa: BLE001 - one bad request fails alone
                 return k, exc
 
-        for finished in asyncio.as_completed([one(k, r) for k, r in enumerate(requests)]):
+        # started in order (as_completed alone would start them in set order): the engine queues
+        # them as they come, and that order decides slots and batches
+        tasks = [asyncio.ensure_future(one(k, r)) for k, r in enumerate(requests)]
+        for finished in asyncio.as_completed(tasks):
             yield await finished
 
     def receive_bucket(self, metas, buffer, commit: bool = False) -> int:

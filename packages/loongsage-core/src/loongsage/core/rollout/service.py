@@ -5,6 +5,19 @@ worker score the trajectories, applies the filters, refills each source back to 
 hands the controller the next training batch as groups with exact per-source counts. The
 controller never touches agents, the router or the data stream itself.
 
+Two modes, chosen by the scheduler:
+
+* synchronous (``sync``): :meth:`RolloutService.next_batch` dispatches the step's prompts, waits
+  for them, refills what the filters dropped in rounds, and returns;
+* asynchronous (``one_step_off``, ``no_window``, ``window_gated``, ``windowed_fifo``): a
+  dispatcher runs beside training, per source, as the scheduler allows (events: a group finished,
+  a batch was consumed, an update ended). Finished groups that pass the filters wait in a per-source
+  buffer; a filtered group frees its place, so the source is refilled by the next dispatch.
+  ``next_batch`` takes each source's quota in dispatch order, once no group in it lags more than
+  ``max_staleness`` versions (a staler one is dropped and its prompt dispatched again). Around a
+  weight update (:meth:`begin_update` / :meth:`end_update`) generations in flight are cut and
+  continued from their tokens on the new weights (see the router).
+
 Every group gets a run-unique id in data order; its requests sample with a seed derived from that id
 (:func:`loongsage.core.rollout.seeds.request_seed`), and the id counter and the mixer's position
 are the service's checkpoint state, so a resumed run draws exactly what an uninterrupted one would.
@@ -13,9 +26,10 @@ are the service's checkpoint state, so a resumed run draws exactly what an unint
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
-from collections import defaultdict
-from dataclasses import replace
+from collections import defaultdict, deque
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loongsage.core.data import Mixer
@@ -36,13 +50,24 @@ class RolloutService:
 
     def __init__(self, *, router: EngineRouter, engines: list[Any], reward: Any, tokenizer: Any, mixer: Mixer,
                  agents: dict[str, Any], sampling: dict[str, SamplingParams], filters: list[Any], scheduler: Any,
-                 seed: int, max_refill_rounds: int = 0, refill_oversample: float = 1.0):
+                 seed: int, max_refill_rounds: int = 0, refill_oversample: float = 1.0,
+                 mask_old_tokens: bool = False):
         self.router, self.engines, self.reward, self.tokenizer = router, engines, reward, tokenizer
         self.mixer, self.agents, self.sampling, self.filters = mixer, agents, sampling, filters
         self.scheduler, self.seed = scheduler, int(seed)
         self.max_refill_rounds, self.refill_oversample = int(max_refill_rounds), float(refill_oversample)
         self.next_group_id = 0  # run-unique, in data order; part of the checkpoint
         self.consumed = 0  # training batches handed out
+        self.asynchronous = bool(getattr(scheduler, "asynchronous", False))
+        self.max_staleness = int(getattr(scheduler, "max_staleness", 0))
+        self.mask_old_tokens = bool(mask_old_tokens)
+        self.sources = {name: _Source(quota) for name, quota in mixer.quotas.items()}
+        self.version = 0  # the policy version the engines hold
+        self._changed: asyncio.Event | None = None
+        self._dispatcher: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._error: BaseException | None = None
+        self._counters: dict[str, float] = defaultdict(float)  # since the last batch
 
     # ------------------------------------------------------------------ generation
     async def generate(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
@@ -86,6 +111,8 @@ class RolloutService:
         ``version`` is the policy version the batch will train. Synchronous scheduling: the step's
         prompts are dispatched now and the batch is complete when they are scored.
         """
+        if self.asynchronous:
+            return await self._next_batch_async(version)
         state = SchedulerState(version=version, groups_per_step=sum(self.mixer.quotas.values()),
                                in_flight=0, buffered=0, consumed=self.consumed)
         if self.scheduler.groups_to_dispatch(state) <= 0:
@@ -130,14 +157,193 @@ class RolloutService:
                     have[source] += 1
         return kept, rounds
 
+    # ------------------------------------------------------------------ asynchronous mode
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:  # created on the running loop
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _notify(self) -> None:
+        self._event().set()
+
+    def start(self, version: int) -> None:
+        """Start dispatching beside training (asynchronous schedulers; a no-op otherwise)."""
+        self.version = version
+        if self.asynchronous and self._dispatcher is None:
+            self._dispatcher = asyncio.ensure_future(self._dispatch_loop())
+
+    async def close(self) -> None:
+        """Stop dispatching and end what is in flight (at the end of the run)."""
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, *([self._dispatcher] if self._dispatcher else []), return_exceptions=True)
+        self._dispatcher, self._tasks = None, set()
+
+    async def begin_update(self) -> None:
+        """A weight update is about to start: generations in flight are cut (their samples wait)."""
+        if self.asynchronous:
+            await self.router.pause_for_update()
+
+    def end_update(self, version: int) -> None:
+        """The engines hold ``version``: cut samples go on from their tokens, dispatch resumes."""
+        self.version = version
+        if self.asynchronous:
+            self.router.resume_after_update()
+            self._notify()
+
+    def _scheduler_state(self, src: "_Source") -> SchedulerState:
+        return SchedulerState(version=self.version, groups_per_step=src.quota, in_flight=src.in_flight,
+                              buffered=len(src.buffer), consumed=src.consumed, dispatched=src.next_seq,
+                              oldest_unconsumed=min(src.outstanding, default=src.next_seq))
+
+    async def _dispatch_loop(self) -> None:
+        try:
+            while True:
+                self._event().clear()
+                for name, src in self.sources.items():
+                    count = self.scheduler.groups_to_dispatch(self._scheduler_state(src))
+                    if count > 0:
+                        self._dispatch(name, src, count)
+                await self._event().wait()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - surfaced by next_batch
+            self._error = exc
+            self._notify()
+
+    def _dispatch(self, name: str, src: "_Source", count: int) -> None:
+        again = [src.returned.popleft() for _ in range(min(count, len(src.returned)))]
+        records = again + (self.mixer.take(name, count - len(again)) if count > len(again) else [])
+        for record in records:
+            seq, gid = src.next_seq, self.next_group_id
+            src.next_seq, self.next_group_id = seq + 1, gid + 1
+            src.outstanding[seq] = record
+            src.in_flight += 1
+            task = asyncio.ensure_future(self._run_group(name, src, seq, gid, record))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run_group(self, name: str, src: "_Source", seq: int, gid: int, record: DataRecord) -> None:
+        try:
+            (group,) = await self.generate([record], group_ids=[gid])
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - surfaced by next_batch
+            self._error = exc
+            self._notify()
+            return
+        finally:
+            src.in_flight -= 1
+        if self._passes(group):
+            src.buffer.append((seq, group))
+        else:  # its place is refilled by the next dispatch
+            del src.outstanding[seq]
+            self._counters["rollout/groups_filtered"] += 1
+        self._counters["rollout/groups_finished"] += 1
+        self._notify()
+
+    def _lag(self, group: list[Trajectory]) -> int:
+        """Versions between the policy and the group's oldest generated token."""
+        oldest = min((v for t in group for v in t.versions if v >= 0), default=self.version)
+        return self.version - oldest
+
+    async def _next_batch_async(self, version: int) -> tuple[Groups, dict[str, float]]:
+        self.version = version
+        self.start(version)
+        while True:
+            if self._error is not None:
+                raise RuntimeError(f"rollout: {type(self._error).__name__}: {self._error}") from self._error
+            self._drop_stale()
+            picks = {name: self._collectable(src) for name, src in self.sources.items()}
+            if all(len(p) >= src.quota for p, src in zip(picks.values(), self.sources.values())):
+                break
+            self._event().clear()
+            await self._event().wait()
+        groups: Groups = []
+        lags = []
+        for (name, src), pick in zip(self.sources.items(), picks.values()):
+            taken = sorted(pick)[:src.quota]
+            for seq in taken:
+                group = src.take(seq)
+                lags.append(self._lag(group))
+                groups.append(group)
+            src.consumed += src.quota
+        if self.mask_old_tokens:
+            for t in (t for g in groups for t in g):
+                newest = max(t.versions, default=-1)
+                t.loss_mask = [m if v < 0 or v == newest else 0 for m, v in zip(t.loss_mask, t.versions)]
+        self.consumed += 1
+        metrics = rollout_metrics(groups)
+        metrics.update({key: value for key, value in self._counters.items()})
+        self._counters.clear()
+        flat = [t for g in groups for t in g]
+        spans = [len({v for v in t.versions if v >= 0}) for t in flat]
+        metrics.update({
+            "rollout/groups_trained": float(len(groups)),
+            "rollout/staleness_mean": sum(lags) / max(1, len(lags)), "rollout/staleness_max": float(max(lags, default=0)),
+            "rollout/partial_frac": sum(n > 1 for n in spans) / max(1, len(spans)),
+            "rollout/in_flight": float(sum(s.in_flight for s in self.sources.values())),
+            "rollout/buffered": float(sum(len(s.buffer) for s in self.sources.values())),
+            "rollout/resumed_samples": float(self.router.resumed_samples),
+        })
+        self._notify()  # consumption frees places
+        return groups, metrics
+
+    def _collectable(self, src: "_Source") -> list[int]:
+        state = self._scheduler_state(src)
+        return [seq for seq, _ in src.buffer if self.scheduler.collectable(seq, state)]
+
+    def _drop_stale(self) -> None:
+        """Never train beyond the staleness bound: a staler group goes, its prompt is dispatched again."""
+        for src in self.sources.values():
+            for seq, group in list(src.buffer):
+                if self._lag(group) > self.max_staleness:
+                    src.buffer.remove((seq, group))
+                    src.returned.append(src.outstanding.pop(seq))
+                    self._counters["rollout/stale_dropped"] += 1
+
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
-        return {"mixer": self.mixer.state(), "next_group_id": self.next_group_id, "consumed": self.consumed}
+        """The data position, the group counter and, asynchronously, the prompts dispatched but not
+        yet trained (in flight, buffered or returned): a resumed run dispatches those first, so no
+        prompt is lost or trained twice."""
+        pending = {name: [dataclasses.asdict(r) for r in src.pending()] for name, src in self.sources.items()}
+        return {"mixer": self.mixer.state(), "next_group_id": self.next_group_id, "consumed": self.consumed,
+                "pending": pending}
 
     def restore(self, state: dict[str, Any]) -> None:
         self.mixer.restore(state["mixer"])
         self.next_group_id = int(state["next_group_id"])
         self.consumed = int(state.get("consumed", 0))
+        for name, records in state.get("pending", {}).items():
+            self.sources[name].returned.extend(DataRecord(**r) for r in records)
+
+
+@dataclass
+class _Source:
+    """One data source's bookkeeping in the asynchronous mode (counts in groups)."""
+
+    quota: int  # groups per training batch
+    next_seq: int = 0  # sequence number of the next group dispatched
+    in_flight: int = 0
+    consumed: int = 0
+    buffer: list[tuple[int, list[Trajectory]]] = field(default_factory=list)  # (seq, group), kept
+    outstanding: dict[int, DataRecord] = field(default_factory=dict)  # seq -> record, not yet trained
+    returned: deque[DataRecord] = field(default_factory=deque)  # records to dispatch again first
+
+    def take(self, seq: int) -> list[Trajectory]:
+        for k, (s, group) in enumerate(self.buffer):
+            if s == seq:
+                del self.buffer[k]
+                del self.outstanding[seq]
+                return group
+        raise KeyError(seq)
+
+    def pending(self) -> list[DataRecord]:
+        """Records dispatched but not trained, in dispatch order, then those waiting to go again."""
+        return [self.outstanding[s] for s in sorted(self.outstanding)] + list(self.returned)
 
 
 def rollout_metrics(groups: Groups) -> dict[str, float]:
