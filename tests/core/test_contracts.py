@@ -347,10 +347,16 @@ def test_a_role_may_ask_for_more_than_the_category(plugin_module) -> None:
     supplied = {"model_path": "/m", "dtype": "float32", "fp32_lm_head": True}
     trainer = reg.create("trainer", {"name": "fake"}, "trainer.backend", **supplied)
     assert trainer.holds_reference is False and trainer.supports_lora is False and trainer.preflight is None
+    expected = (f"trainer.critic.backend: trainer 'fake' (from config plugins: {mod}): "
+                "missing values(batch, token_budget) of Critic")
     with pytest.raises(ConfigError) as exc:
         reg.create("trainer", {"name": "fake"}, "trainer.critic.backend", contract=Critic, **supplied)
-    assert one_line(exc) == (f"trainer.critic.backend: trainer 'fake' (from config plugins: {mod}): "
-                             "missing values(batch, token_budget) of Critic")
+    assert one_line(exc) == expected
+    with pytest.raises(ConfigError) as exc:  # at config validation, before anything is built
+        reg.check("trainer", {"name": "fake"}, "trainer.critic.backend", skip=tuple(supplied), contract=Critic)
+    assert one_line(exc) == expected
+    assert reg.check("trainer", {"name": "torch_critic"}, "trainer.critic.backend", skip=tuple(supplied),
+                     contract=Critic) == {}
 
 
 # ----------------------------------------------------------------------------- the built-ins

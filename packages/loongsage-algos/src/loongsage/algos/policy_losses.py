@@ -5,9 +5,9 @@ averages. Every loss and metric is exactly zero outside ``response_mask``, and v
 mask (padding garbage) reach neither the loss nor its gradient.
 
 Each loss is a pure function plus a frozen dataclass that binds its parameters (the fields are the
-recipe's ``params`` schema) and implements ``__call__(PolicyLossInput) -> LossOutput``. Class
-attributes: ``needs_old_logprobs`` (see the hookspec) and ``supported_aggregations``, the
-aggregation modes the loss is defined for (``None`` = every mode of
+recipe's ``params`` schema) and implements ``__call__(PolicyLossInput) -> LossOutput``. Its flags
+(:class:`loongsage.core.contracts.PolicyLoss`): ``needs_old_logprobs`` and ``supported_aggregations``,
+the aggregation modes the loss is defined for (``None`` = every mode of
 :mod:`loongsage.core.aggregation`); GSPO's sequence ratio is only GSPO under seq-mean-token-mean.
 """
 

@@ -105,7 +105,7 @@ class Registry:
                 mapping = impl.function() or {}
                 for name, factory in mapping.items():
                     cat = category
-                    if category == "backend":
+                    if category == "backend":  # the declared kind routes the entry to its table and contract
                         cat = getattr(factory, "kind", None)
                         if cat not in BACKEND_KINDS:
                             raise ConfigError(
@@ -152,14 +152,23 @@ class Registry:
             raise ConfigError(f"{where}: unknown {category} {name!r}; known: {known}")
         return table[name]
 
-    def check(self, category: str, spec: dict[str, Any] | None, path: str, *, skip: tuple[str, ...] = ()) -> dict:
-        """Validate a ``{name, params}`` spec without building it; return the coerced params."""
+    def check(self, category: str, spec: dict[str, Any] | None, path: str, *, skip: tuple[str, ...] = (),
+              contract: type | None = None) -> dict:
+        """Validate a ``{name, params}`` spec without building it; return the coerced params.
+
+        ``contract``: a role that asks for more than the category (a trainer used as the critic:
+        :class:`~loongsage.core.contracts.Critic`), checked on a class factory now.
+        """
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise ConfigError(f"{path}: expected a mapping with 'name' (and optional 'params'); got {spec!r}")
         extra = sorted(set(spec) - {"name", "params"})
         if extra:
             raise ConfigError(f"{path}.{extra[0]}: unknown key; allowed: name, params")
         entry = self.entry(category, spec["name"], path)
+        if contract is not None and inspect.isclass(entry.factory):
+            problem = contracts.check_class(entry.factory, contract)
+            if problem is not None:
+                raise entry.refuse(problem, path)
         return check_params(entry.factory, spec.get("params") or {}, f"{path}.params", skip=skip)
 
     def create(self, category: str, spec: dict[str, Any], path: str = "", *, contract: type | None = None,
