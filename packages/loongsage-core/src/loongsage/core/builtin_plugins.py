@@ -1,6 +1,6 @@
 """What the core itself registers: the embedded default backends (trainer, critic, engine, teacher,
 transport, model builder), the single-turn and sft agents, the sync scheduler, the file reader and
-the tiny arithmetic task, the trackers."""
+the tiny arithmetic and digit-sorting tasks (with the sorting task's reward), the trackers."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from loongsage.core.data import FileReader
 from loongsage.core.embedded.arith import ArithmeticTask
 from loongsage.core.embedded.critic import TorchCritic
+from loongsage.core.embedded.digit_sort import DigitSortReward, DigitSortTask
 from loongsage.core.embedded.engine import NativeEngine
 from loongsage.core.embedded.teacher import EmbeddedTeacher
 from loongsage.core.embedded.trainer import TorchTrainer
@@ -27,7 +28,8 @@ class TinyArithModel(WarmStartParams):
     """Model builder: the tiny Qwen3 and tokenizer with an SFT warm start, cached by its params.
 
     With ``init_from`` it fine-tunes another cached warm start instead (how the MOPD teachers of
-    tiny/mopd_two_teachers_cpu are made: correct answers of one operation).
+    tiny/mopd_two_teachers_cpu are made: correct answers of one operation). With ``sort`` the same
+    model also learns the digit-sorting task (tiny/mixed_async_cpu's two-task warm start).
     """
 
     kind = "model_builder"
@@ -43,12 +45,12 @@ def loongsage_agents() -> Factories:
 
 @hookimpl
 def loongsage_rewards() -> Factories:
-    return {"constant": ConstantReward}
+    return {"constant": ConstantReward, "digit_sort": DigitSortReward}
 
 
 @hookimpl
 def loongsage_data_sources() -> Factories:
-    return {"file": FileReader, "arith": ArithmeticTask}
+    return {"file": FileReader, "arith": ArithmeticTask, "digit_sort": DigitSortTask}
 
 
 @hookimpl

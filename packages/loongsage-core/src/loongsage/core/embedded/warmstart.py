@@ -10,6 +10,11 @@ warm start (built first if needed), sharing its tokenizer and architecture. That
 distillation teachers are made cheaply: the default warm start fine-tuned on *correct* answers
 (``drop_prob=0``) of one operation for a few hundred small steps.
 
+With ``sort`` the model is also fine-tuned on the digit-sorting task
+(:mod:`loongsage.core.embedded.digit_sort`): each SFT batch mixes arithmetic answers and sorted
+lists of the sorting task's own imperfect teacher, so one model learns both (tiny/mixed_async_cpu).
+The field is left out of the cache key when it is null, so every warm start without it keeps its key.
+
 Determinism: the same parameters give bitwise the same weights on the same machine and library
 versions with the same ``threads`` (the thread count can change floating-point reduction order).
 """
@@ -31,6 +36,7 @@ from typing import Any, Literal
 
 import torch
 
+from loongsage.core.embedded import digit_sort
 from loongsage.core.embedded.arith import ArithmeticTask, format_answer, teacher_answer
 
 # Bump whenever the output of build_warm_start changes for the same params (invalidates caches).
@@ -38,6 +44,25 @@ BUILDER_VERSION = 1
 INFO_FILE = "loongsage_warmstart.json"
 # Fields that shape the tokenizer and the network (a fine-tuned model keeps its base's).
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "heads", "kv_heads", "intermediate_size")
+
+
+@dataclass(frozen=True)
+class SortWarmStart:
+    """The digit-sorting share of a two-task warm start (``WarmStartParams.sort``)."""
+
+    fraction: float = 0.5  # share of every SFT batch given to sorting (the rest is arithmetic)
+    min_len: int = 3  # list lengths, as DigitSortTask's
+    max_len: int = 20
+    drop_prob: float = 0.6  # the teacher forgets the repeats of the largest digit this often
+
+    def __post_init__(self) -> None:
+        if not 0 < self.fraction < 1:
+            raise ValueError(f"sort.fraction={self.fraction}: must be in (0, 1) (both tasks share each batch)")
+        if not 0 <= self.drop_prob <= 1:
+            raise ValueError(f"sort.drop_prob={self.drop_prob}: must be in [0, 1]")
+        if not 1 <= self.min_len <= self.max_len <= digit_sort.MAX_LEN_LIMIT:
+            raise ValueError(f"sort.min_len={self.min_len}, sort.max_len={self.max_len}: "
+                             f"need 1 <= min_len <= max_len <= {digit_sort.MAX_LEN_LIMIT}")
 
 
 @dataclass
@@ -76,10 +101,15 @@ class WarmStartParams:
     # fine-tune from this warm start (WarmStartParams fields; {} = the defaults) instead of a random
     # init; its tokenizer and architecture are kept, so the architecture fields above must match it
     init_from: dict[str, Any] | None = None
+    # also train the digit-sorting task into the same model (SortWarmStart fields; {} = its
+    # defaults); null = arithmetic only
+    sort: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"steps={self.steps}: must be >= 1")
+        if self.sort is not None:
+            self.sort_params()  # unknown keys and bad values fail here
         if self.init_from is not None:
             base = self.base()
             if base.init_from is not None:
@@ -98,6 +128,24 @@ class WarmStartParams:
             raise ValueError(f"init_from.{unknown[0]}: unknown key; allowed: WarmStartParams fields")
         return WarmStartParams(**self.init_from)
 
+    def sort_params(self) -> SortWarmStart:
+        """The sorting share ``sort`` names (an error if it is null or names unknown fields)."""
+        if self.sort is None:
+            raise ValueError("sort is null: this warm start trains arithmetic only")
+        if not isinstance(self.sort, dict):
+            raise ValueError(f"sort={self.sort!r}: must be a mapping of SortWarmStart fields")
+        unknown = sorted(set(self.sort) - {f.name for f in dataclasses.fields(SortWarmStart)})
+        if unknown:
+            raise ValueError(f"sort.{unknown[0]}: unknown key; allowed: "
+                             f"{', '.join(f.name for f in dataclasses.fields(SortWarmStart))}")
+        return SortWarmStart(**self.sort)
+
+    def sort_task(self, split: Literal["train", "test"], size: int, seed: int = 0) -> digit_sort.DigitSortTask:
+        """The digit-sorting data source these params were trained for (``sort`` must be set)."""
+        sort = self.sort_params()
+        return digit_sort.DigitSortTask(min_len=sort.min_len, max_len=sort.max_len, split=split, size=size,
+                                        seed=seed, prompt_format=self.prompt_format)
+
     def task(self, split: Literal["train", "test"], size: int, seed: int = 0) -> ArithmeticTask:
         """The arithmetic data source these params were trained for."""
         return ArithmeticTask(
@@ -110,12 +158,26 @@ class WarmStartParams:
             prompt_format=self.prompt_format,
         )
 
-    def cache_key(self) -> str:
+    def key_params(self) -> dict[str, Any]:
+        """The fields as they enter the cache key.
+
+        ``init_from`` and ``sort`` came after models were cached: each is left out while null (so
+        the keys of warm starts that do not use them, the default's included, never change) and
+        spelled out in full otherwise ({} and the spelled-out defaults name the same model).
+        """
         params = dataclasses.asdict(self)
         if self.init_from is None:
-            del params["init_from"]  # keys of models built before the field existed stay valid
-        else:  # {} and the spelled-out defaults name the same base model
-            params["init_from"] = dataclasses.asdict(self.base())
+            del params["init_from"]
+        else:
+            params["init_from"] = self.base().key_params() | {"init_from": None}  # as keyed before
+        if self.sort is None:
+            del params["sort"]
+        else:
+            params["sort"] = dataclasses.asdict(self.sort_params())
+        return params
+
+    def cache_key(self) -> str:
+        params = self.key_params()
         blob = json.dumps({"params": params, "builder": BUILDER_VERSION}, sort_keys=True)
         return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
@@ -141,18 +203,40 @@ def sft_batch(tokenizer, task: ArithmeticTask, indices: list[int], drop_prob: fl
     The target of each prompt is the teacher's answer followed by the eos token (``<|im_end|>``),
     so the model also learns to stop.
     """
+    return sft_tensors(tokenizer, *arith_examples(tokenizer, task, indices, drop_prob, rng))
+
+
+def arith_examples(tokenizer, task: ArithmeticTask, indices: list[int], drop_prob: float, rng: random.Random):
+    """Prompt texts and the imperfect arithmetic teacher's answers (eos appended) of ``indices``."""
     prompts, answers = [], []
     for i in indices:
         a, op, b = task.problem(i)
         prompts.append(render_prompt(tokenizer, task.render_prompt(a, op, b)))
         value = teacher_answer(a, op, b, drop_prob=drop_prob, rng=rng)
         answers.append(format_answer(value, task.answer_format) + tokenizer.eos_token)
+    return prompts, answers
+
+
+def sort_examples(tokenizer, task: digit_sort.DigitSortTask, indices: list[int], drop_prob: float,
+                  rng: random.Random):
+    """Prompt texts and the imperfect sorting teacher's answers (eos appended) of ``indices``."""
+    prompts, answers = [], []
+    for i in indices:
+        digits = task.problem(i)
+        prompts.append(render_prompt(tokenizer, task.render_prompt(digits)))
+        answers.append(digit_sort.teacher_answer(digits, drop_prob=drop_prob, rng=rng) + tokenizer.eos_token)
+    return prompts, answers
+
+
+def sft_tensors(tokenizer, prompts: list[str], answers: list[str]):
+    """Right-padded ``(input_ids, attention_mask, labels)`` of prompt + answer texts; labels are
+    -100 except on the answer tokens."""
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     answer_ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
     width = max(len(p) + len(a) for p, a in zip(prompt_ids, answer_ids))
-    input_ids = torch.full((len(indices), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(indices), width), -100, dtype=torch.long)
-    attention = torch.zeros((len(indices), width), dtype=torch.long)
+    input_ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((len(prompts), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, (p, a) in enumerate(zip(prompt_ids, answer_ids)):
         n = len(p) + len(a)
         input_ids[row, :n] = torch.tensor(p + a)
@@ -162,10 +246,21 @@ def sft_batch(tokenizer, task: ArithmeticTask, indices: list[int], drop_prob: fl
 
 
 def train_sft(model, tokenizer, params: WarmStartParams, *, log_every: int = 0) -> dict:
-    """Fine-tune ``model`` in place on the imperfect teacher's answers; returns a summary."""
+    """Fine-tune ``model`` in place on the imperfect teacher's answers; returns a summary.
+
+    With ``params.sort`` each batch holds ``round(batch_size * sort.fraction)`` sorting examples
+    (at least one, and at least one arithmetic example), the rest arithmetic.
+    """
     torch.manual_seed(params.seed)
     rng = random.Random(f"sft/{params.seed}")
-    task = params.task("train", size=params.steps * params.batch_size, seed=params.seed)
+    n_sort, sorter, sort_rng = 0, None, None
+    if params.sort is not None:
+        sort = params.sort_params()
+        n_sort = min(params.batch_size - 1, max(1, round(params.batch_size * sort.fraction)))
+        sorter = params.sort_task("train", size=params.steps * n_sort, seed=params.seed)
+        sort_rng = random.Random(f"sft-sort/{params.seed}")
+    n_arith = params.batch_size - n_sort
+    task = params.task("train", size=params.steps * n_arith, seed=params.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # norms: no weight decay
     optimizer = torch.optim.AdamW(
@@ -177,8 +272,14 @@ def train_sft(model, tokenizer, params: WarmStartParams, *, log_every: int = 0) 
     model.train()
     start, losses = time.perf_counter(), []
     for step in range(params.steps):
-        indices = list(range(step * params.batch_size, (step + 1) * params.batch_size))
-        input_ids, attention, labels = sft_batch(tokenizer, task, indices, params.drop_prob, rng)
+        indices = list(range(step * n_arith, (step + 1) * n_arith))
+        if sorter is None:
+            input_ids, attention, labels = sft_batch(tokenizer, task, indices, params.drop_prob, rng)
+        else:
+            prompts, answers = arith_examples(tokenizer, task, indices, params.drop_prob, rng)
+            more_prompts, more_answers = sort_examples(
+                tokenizer, sorter, list(range(step * n_sort, (step + 1) * n_sort)), sort.drop_prob, sort_rng)
+            input_ids, attention, labels = sft_tensors(tokenizer, prompts + more_prompts, answers + more_answers)
         loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
