@@ -160,6 +160,7 @@ CONTRACT_FLAGS = {
     "KLEstimator": {"consumes": "logprobs", "needs_old_logprobs": False},
     "Correction": {"needs_logprobs": False},
     "DataFilter": {"excludes_from_loss": None},
+    "RolloutScheduler": {"asynchronous": False, "max_staleness": 0, "collectable": None},
     "Trainer": {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None},
     "Engine": {"kind": "engine"},
     "Teacher": {"kind": "teacher"},

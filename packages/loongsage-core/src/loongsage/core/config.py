@@ -490,7 +490,7 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
     supplied = ("model_path", "dtype", "fp32_lm_head")
     registry.check("engine", cfg.rollout.engine, "rollout.engine", skip=(*supplied, "seed"))
     scheduler = registry.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
-    if getattr(scheduler, "asynchronous", False) and cfg.placement.colocate:
+    if scheduler.asynchronous and cfg.placement.colocate:
         raise ConfigError(f"rollout.scheduler.name={cfg.rollout.scheduler['name']!r} generates while the trainer "
                           "trains, so engines and trainers need separate resources: set placement.colocate=false "
                           "(colocate=false), or use rollout.scheduler.name='sync'")

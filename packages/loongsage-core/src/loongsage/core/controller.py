@@ -175,7 +175,7 @@ class Controller:
             init_method = f"tcp://127.0.0.1:{_free_port()}"
         # generation and training overlap under an asynchronous scheduler: on CPU each actor then
         # gets cores of its own, so the two do not slow each other down
-        pin = getattr(self._rollout_parts["scheduler"], "asynchronous", False)
+        pin = self._rollout_parts["scheduler"].asynchronous
         cores = self.placement.cores() if pin else {}
         trainer_cls = ray.remote(TrainerWorker)
         self.trainers = [

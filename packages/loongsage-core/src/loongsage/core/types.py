@@ -13,8 +13,9 @@ tool/user tokens and padding.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -273,7 +274,15 @@ class RolloutScheduler(Protocol):
 
     Runs in the driver, inside the rollout service, per data source whenever it may dispatch (sync:
     once per step); a pure decision over :class:`SchedulerState`. One of the contracts of
-    :mod:`loongsage.core.contracts`.
+    :mod:`loongsage.core.contracts`; the built-ins are in :mod:`loongsage.core.rollout.schedulers`.
     """
+
+    asynchronous: ClassVar[bool] = False
+    """Dispatches while the trainer trains (needs engines and trainers on separate resources)."""
+    max_staleness: ClassVar[int] = 0
+    """Versions a trained trajectory's oldest generated token may lag the policy that trains on it."""
+    collectable: ClassVar[Callable[[int, SchedulerState], bool] | None] = None
+    """``collectable(seq, state)``: may the finished group with this sequence number enter the next
+    batch now (``None``: any finished group may)."""
 
     def groups_to_dispatch(self, state: SchedulerState) -> int: ...

@@ -24,6 +24,7 @@ Counting in groups of one source, with ``B`` its groups per step:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from loongsage.core.schema import ranged
 from loongsage.core.types import SchedulerState
@@ -33,32 +34,28 @@ from loongsage.core.types import SchedulerState
 class SyncScheduler:
     """Synchronous: dispatch exactly one step's groups, and only once the previous step is consumed."""
 
-    max_staleness = 0
-    asynchronous = False
+    asynchronous: ClassVar[bool] = False
+    max_staleness: ClassVar[int] = 0
+    collectable: ClassVar[None] = None  # any finished group
 
     def groups_to_dispatch(self, state: SchedulerState) -> int:
         if state.in_flight or state.buffered:
             return 0
         return state.groups_per_step
 
-    def collectable(self, seq: int, state: SchedulerState) -> bool:
-        return True
-
 
 @dataclass
 class OneStepOffScheduler:
     """The next step's groups are generated while the current step trains (staleness 1)."""
 
-    max_staleness = 1
-    asynchronous = True
+    asynchronous: ClassVar[bool] = True
+    max_staleness: ClassVar[int] = 1
+    collectable: ClassVar[None] = None
 
     def groups_to_dispatch(self, state: SchedulerState) -> int:
         if state.in_flight + state.buffered > state.groups_per_step:
             return 0
         return state.groups_per_step
-
-    def collectable(self, seq: int, state: SchedulerState) -> bool:
-        return True
 
 
 @dataclass
@@ -66,7 +63,8 @@ class NoWindowScheduler:
     """Fully asynchronous: as many groups in flight as the staleness bound allows."""
 
     max_staleness: int = ranged(1, ge=0, note="policy versions a trained token may lag")
-    asynchronous = True
+    asynchronous: ClassVar[bool] = True
+    collectable: ClassVar[None] = None
 
     def budget(self, state: SchedulerState) -> int:
         """Groups the staleness bound still allows: (η + version + 1)·B minus those consumed, kept
@@ -76,9 +74,6 @@ class NoWindowScheduler:
 
     def groups_to_dispatch(self, state: SchedulerState) -> int:
         return max(0, self.budget(state))
-
-    def collectable(self, seq: int, state: SchedulerState) -> bool:
-        return True
 
 
 @dataclass

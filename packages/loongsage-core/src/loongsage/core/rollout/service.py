@@ -58,8 +58,7 @@ class RolloutService:
         self.max_refill_rounds, self.refill_oversample = int(max_refill_rounds), float(refill_oversample)
         self.next_group_id = 0  # run-unique, in data order; part of the checkpoint
         self.consumed = 0  # training batches handed out
-        self.asynchronous = bool(getattr(scheduler, "asynchronous", False))
-        self.max_staleness = int(getattr(scheduler, "max_staleness", 0))
+        self.asynchronous, self.max_staleness = bool(scheduler.asynchronous), int(scheduler.max_staleness)
         self.mask_old_tokens = bool(mask_old_tokens)
         self.sources = {name: _Source(quota) for name, quota in mixer.quotas.items()}
         self.version = 0  # the policy version the engines hold
@@ -292,8 +291,8 @@ class RolloutService:
         return groups, metrics
 
     def _collectable(self, src: "_Source") -> list[int]:
-        state = self._scheduler_state(src)
-        return [seq for seq, _ in src.buffer if self.scheduler.collectable(seq, state)]
+        state, collectable = self._scheduler_state(src), self.scheduler.collectable
+        return [seq for seq, _ in src.buffer if collectable is None or collectable(seq, state)]
 
     def _drop_stale(self) -> None:
         """Never train beyond the staleness bound: a staler group goes, its prompt is dispatched again."""
