@@ -97,7 +97,7 @@ def test_overrides_reach_keys_the_recipe_leaves_to_defaults(at_repo) -> None:
         ("rollout.engine.name=vllm", "rollout.engine.name: unknown engine 'vllm'; known: ", "native"),
         ("data_sources.0.reward.name=nope", "data_sources[0].reward.name: unknown reward 'nope'", "exact_match"),
         ("data_sources.0.agent.name=nope", "data_sources[0].agent.name: unknown agent 'nope'", "single_turn"),
-        ("data_sources.0.reader.name=csv", "data_sources[0].reader.name: unknown data_source 'csv'", "arith, file"),
+        ("data_sources.0.reader.name=csv", "data_sources[0].reader.name: unknown data_source 'csv'", "arith, digit_sort, file"),
         ("model.builder.name=nope", "model.builder.name: unknown model_builder 'nope'", "tiny_arith"),
         ("tracking.backends=[jsonl,nope]", "tracking.backends[1].name: unknown tracker 'nope'", "tensorboard"),
         ("++algorithm.filters=[{name: nope}]", "algorithm.filters[0].name: unknown data_filter 'nope'", ""),

@@ -64,7 +64,7 @@ def loss_excluded(trajectories: list[Trajectory], filters: list) -> torch.Tensor
     samples stay in the step's batch, so the advantages are computed with them present (a group's
     baseline sees their rewards), and are then removed from the loss by :func:`exclude_rows`.
     """
-    judges = [f.excludes_from_loss for f in filters if callable(getattr(f, "excludes_from_loss", None))]
+    judges = [f.excludes_from_loss for f in filters if f.excludes_from_loss is not None]
     return torch.tensor([any(judge(t) for judge in judges) for t in trajectories], dtype=torch.bool)
 
 
@@ -86,7 +86,7 @@ def compute_advantages(batch: TrainBatch, estimator, values: torch.Tensor | None
     inp = AdvantageInput(rewards=batch.rewards, group_ids=batch.group_ids, response_mask=batch.response_mask,
                          token_rewards=token_rewards, values=values)
     batch.advantages = estimator(inp).float() * batch.response_mask
-    if values is not None and hasattr(estimator, "returns"):
+    if values is not None and estimator.returns is not None:
         batch.returns = estimator.returns(inp).float() * batch.response_mask
     return batch
 

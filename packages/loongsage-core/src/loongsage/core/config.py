@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from loongsage.core.aggregation import AGGREGATION_MODES
 from loongsage.core.distill import check_teacher
+from loongsage.core.contracts import Critic
 from loongsage.core.schema import build_dataclass, ranged
 from loongsage.core.types import ConfigError, SamplingParams
 
@@ -497,29 +498,29 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
     registry.create("transport", cfg.rollout.transport, "rollout.transport")
     registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=supplied)
     estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
-    if getattr(estimator, "needs_values", False) and cfg.trainer.critic is None:
+    if estimator.needs_values and cfg.trainer.critic is None:
         raise ConfigError(f"algorithm.advantage.name={cfg.algorithm.advantage['name']!r} needs critic values, and "
                           "this config trains no critic; set trainer.critic (e.g. {backend: {name: torch_critic}}) "
                           "or choose an outcome estimator (e.g. grpo, rloo)")
     if cfg.trainer.critic is not None:
-        registry.check("trainer", cfg.trainer.critic.backend, "trainer.critic.backend", skip=supplied)
-        if not getattr(estimator, "needs_values", False):
+        registry.check("trainer", cfg.trainer.critic.backend, "trainer.critic.backend", skip=supplied, contract=Critic)
+        if not estimator.needs_values:
             raise ConfigError(f"trainer.critic is set but algorithm.advantage {cfg.algorithm.advantage['name']!r} "
                               "does not use values; use gae or drop the critic")
     policy_loss = registry.create("policy_loss", cfg.algorithm.policy_loss, "algorithm.policy_loss")
-    supported = getattr(policy_loss, "supported_aggregations", None)
+    supported = policy_loss.supported_aggregations
     if supported is not None and cfg.algorithm.aggregation not in supported:
         raise ConfigError(f"algorithm.aggregation={cfg.algorithm.aggregation!r} is not supported by "
                           f"{cfg.algorithm.policy_loss['name']!r}; allowed: {', '.join(supported)}")
     if cfg.algorithm.kl is not None:
         kl = registry.create("kl", cfg.algorithm.kl, "algorithm.kl")
-        if getattr(kl, "consumes", "logprobs") != "logprobs":
+        if kl.consumes != "logprobs":
             raise ConfigError(f"algorithm.kl.name={cfg.algorithm.kl['name']!r} consumes {kl.consumes!r}; the reference "
                               "KL reads log-probs only (k1, k2, k3, low_var_kl); distribution divergences serve "
                               "algorithm.distill.divergence")
     elif cfg.algorithm.kl_coef:
         raise ConfigError("algorithm.kl_coef is set but algorithm.kl is null; name a KL estimator, e.g. {name: k3}")
-    if cfg.algorithm.kl_in_reward and not getattr(estimator, "uses_token_rewards", False):
+    if cfg.algorithm.kl_in_reward and not estimator.uses_token_rewards:
         raise ConfigError(f"algorithm.kl_in_reward=true: advantage {cfg.algorithm.advantage['name']!r} ignores token "
                           "rewards, so the KL would have no effect; use an estimator that consumes them (e.g. "
                           "reinforce_pp) or put the KL in the loss")

@@ -246,7 +246,7 @@ class Controller:
                            (cfg.trainer.critic.backend if cfg.trainer.critic else None, "trainer.critic.backend")):
             if spec is None:
                 continue
-            check = getattr(reg.entry("trainer", spec["name"], path).factory, "preflight", None)
+            check = reg.entry("trainer", spec["name"], path).preflight
             if check is None:
                 continue
             params = reg.check("trainer", spec, path, skip=supplied)
@@ -299,7 +299,7 @@ class Controller:
         if self.critic is not None:
             batch.values = ray.get(self.critic.values.remote(batch)) * batch.response_mask
         compute_advantages(batch, self.estimator, values=batch.values, token_rewards=token_rewards)
-        if any(callable(getattr(f, "excludes_from_loss", None)) for f in self.filters):
+        if any(f.excludes_from_loss is not None for f in self.filters):
             exclude_rows(batch, excluded)
             _add(sums, "train/loss_excluded_frac", float(excluded.sum()), float(len(trajs)))
         if self.teachers:
