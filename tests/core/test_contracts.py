@@ -8,9 +8,6 @@ flags an entry leaves out get their defaults, so the framework reads them direct
 from __future__ import annotations
 
 import inspect
-import itertools
-import sys
-import textwrap
 
 import pytest
 
@@ -20,7 +17,6 @@ from loongsage.core.loss import LossPipeline, ValueLoss
 from loongsage.core.plugins import BACKEND_KINDS, CATEGORIES, load_registry
 from loongsage.core.types import ConfigError
 
-_counter = itertools.count()
 BUILTIN = "loongsage-core (built-in)"
 
 
@@ -28,26 +24,6 @@ def one_line(exc: pytest.ExceptionInfo) -> str:
     text = str(exc.value)
     assert "\n" not in text, f"error spans several lines: {text!r}"
     return text
-
-
-@pytest.fixture(scope="module")
-def registry():
-    return load_registry()
-
-
-@pytest.fixture
-def plugin_module(tmp_path, monkeypatch):
-    """A third-party-like module of hookimpls under a fresh name, importable; returns its name."""
-
-    def write(body: str) -> str:
-        name = f"loongsage_contract_plugin_{next(_counter)}"
-        header = "from dataclasses import dataclass\nfrom typing import ClassVar\nfrom loongsage.core.hookspecs import hookimpl\n"
-        (tmp_path / f"{name}.py").write_text(header + textwrap.dedent(body))
-        monkeypatch.syspath_prepend(str(tmp_path))
-        monkeypatch.delitem(sys.modules, name, raising=False)
-        return name
-
-    return write
 
 
 def load_error(module: str, category: str = "advantage") -> str:

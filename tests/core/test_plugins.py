@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
 import re
-import sys
-import textwrap
 
 import pytest
 
@@ -30,33 +27,10 @@ ALGOS_NAMES = {
     "kl": {"k1", "k2", "k3", "low_var_kl"},
     "reward": {"exact_match"},
 }
-_counter = itertools.count()
-
-
 def one_line(exc: pytest.ExceptionInfo) -> str:
     text = str(exc.value)
     assert "\n" not in text, f"error spans several lines: {text!r}"
     return text
-
-
-@pytest.fixture(scope="module")
-def registry():
-    return load_registry()
-
-
-@pytest.fixture
-def plugin_module(tmp_path, monkeypatch):
-    """Write a module of hookimpls under a fresh name and make it importable; returns its name."""
-
-    def write(body: str) -> str:
-        name = f"loongsage_test_plugin_{next(_counter)}"
-        header = "from loongsage.core.hookspecs import hookimpl\n"
-        (tmp_path / f"{name}.py").write_text(header + textwrap.dedent(body))
-        monkeypatch.syspath_prepend(str(tmp_path))
-        monkeypatch.delitem(sys.modules, name, raising=False)
-        return name
-
-    yield write
 
 
 # ----------------------------------------------------------------------------- loading
