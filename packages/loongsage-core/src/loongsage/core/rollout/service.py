@@ -360,4 +360,9 @@ def rollout_metrics(groups: Groups) -> dict[str, float]:
         by_source[t.source].append(t.reward)
     for source, values in by_source.items():
         out[f"rollout_per_ds/{source}/reward_mean"] = sum(values) / len(values)
+    lengths: dict[str, list[int]] = defaultdict(list)
+    for t in flat:
+        lengths[t.source].append(len(t.response_ids))
+    for source, values in lengths.items():
+        out[f"rollout_per_ds/{source}/response_length_mean"] = sum(values) / len(values)
     return out
