@@ -1,4 +1,4 @@
-"""IS (token/sequence/geometric x clip/mask, veto), M2PO and OPSM against hand values and float64 loops."""
+"""IS (token/sequence/geometric x clip/mask, veto), decoupled PPO's behaviour weight, M2PO and OPSM against hand values and float64 loops."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 from loongsage.algos.corrections import (
     M2PO,
     OPSM,
+    Decoupled,
     ImportanceSampling,
+    decoupled_correction,
     is_correction,
     m2po_correction,
     opsm_correction,
@@ -260,12 +262,57 @@ def test_opsm_matches_loop_formula_with_token_level_advantages(reference: str) -
         assert n_zero > 0
 
 
+# ------------------------------------------------------------------------ decoupled PPO
+
+
+def test_decoupled_hand_values() -> None:
+    """w = pi_proximal / pi_behaviour per token, no lower bound; above the cap masked or clipped."""
+    proximal = [[0.0, 0.0, math.log(8.0), 0.0]]
+    behaviour = [[0.0, math.log(4.0), 0.0, 0.0]]  # w = 1, 1/4, 8, (padding)
+    mask = [[1.0, 1.0, 1.0, 0.0]]
+    masked = Decoupled()(inp(proximal, behaviour, [[1.0] * 4], mask))
+    torch.testing.assert_close(masked.response_mask, torch.tensor([[1.0, 1.0, 0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(masked.token_weights, torch.tensor([[1.0, 0.25, 5.0, 1.0]], dtype=torch.float64))
+    torch.testing.assert_close(masked.metrics["decoupled_maskfrac"],
+                               torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(masked.metrics["decoupled_weight_mean"],
+                               torch.tensor([[1.0, 0.25, 8.0, 0.0]], dtype=torch.float64))
+    clipped = Decoupled(mode="clip")(inp(proximal, behaviour, [[1.0] * 4], mask))
+    assert torch.equal(clipped.response_mask, masked.response_mask.new_tensor(mask))  # denominator kept
+    torch.testing.assert_close(clipped.token_weights, torch.tensor([[1.0, 0.25, 5.0, 1.0]], dtype=torch.float64))
+    assert set(clipped.metrics) == {"decoupled_weight_mean", "decoupled_clipfrac"}
+    free = decoupled_correction(*(torch.tensor(x, dtype=torch.float64) for x in (proximal, behaviour, mask)), cap=None)
+    torch.testing.assert_close(free.token_weights, torch.tensor([[1.0, 0.25, 8.0, 1.0]], dtype=torch.float64))
+    assert torch.equal(free.response_mask, torch.tensor(mask, dtype=torch.float64))
+
+
+@settings(deadline=None, max_examples=40)
+@given(seed=st.integers(0, 2**16), cap=st.sampled_from([1.5, 2.0, 5.0]), mode=st.sampled_from(["clip", "mask"]))
+def test_decoupled_matches_a_float64_loop(seed, cap, mode) -> None:
+    g = torch.Generator().manual_seed(seed)
+    behaviour = -3 * torch.rand(3, 6, generator=g, dtype=torch.float64)
+    proximal = behaviour + torch.randn(3, 6, generator=g, dtype=torch.float64)
+    mask = (torch.rand(3, 6, generator=g) < 0.7).double()
+    out = Decoupled(cap=cap, mode=mode)(inp(proximal, behaviour, torch.zeros(3, 6), mask))
+    for i in range(3):
+        for t in range(6):
+            w = math.exp(proximal[i, t].item() - behaviour[i, t].item())
+            on = mask[i, t].item() == 1.0
+            dropped = on and mode == "mask" and w > cap
+            assert out.response_mask[i, t].item() == (0.0 if dropped or not on else 1.0)
+            expected = min(w, cap) if on else 1.0
+            assert out.token_weights[i, t].item() == pytest.approx(expected, rel=1e-12)
+
+
 # ----------------------------------------------------------- properties over all the corrections
 
 CORRECTIONS = [
     *[ImportanceSampling(level=lv, mode=md, veto=vt)
       for lv in ("token", "sequence", "geometric") for md in ("clip", "mask") for vt in (None, 0.5)],
     ImportanceSampling(low=0.0, high=1.0),
+    Decoupled(),
+    Decoupled(mode="clip", cap=1.5),
+    Decoupled(cap=None),
     M2PO(),
     M2PO(tau=0.01, harmful_only=True),
     OPSM(),
@@ -435,6 +482,8 @@ def test_denominators_through_loss_pipeline() -> None:
      (ImportanceSampling, {"low": 1.5}, "is.low"), (ImportanceSampling, {"low": -0.1}, "is.low"),
      (ImportanceSampling, {"high": 0.9}, "is.high"), (ImportanceSampling, {"veto": 0.0}, "is.veto"),
      (ImportanceSampling, {"veto": 1.5}, "is.veto"), (M2PO, {"tau": 0.0}, "m2po.tau"),
+     (Decoupled, {"cap": 1.0}, "decoupled.cap"), (Decoupled, {"cap": 0.5}, "decoupled.cap"),
+     (Decoupled, {"mode": "drop"}, "decoupled.mode"),
      (OPSM, {"delta": -1e-4}, "opsm.delta"), (OPSM, {"reference": "engine"}, "opsm.reference")],
 )
 def test_params_are_validated(factory, params: dict, key: str) -> None:
@@ -445,4 +494,5 @@ def test_params_are_validated(factory, params: dict, key: str) -> None:
 def test_defaults() -> None:
     assert ImportanceSampling() == ImportanceSampling(level="token", mode="clip", low=0.5, high=2.0, veto=None)
     assert M2PO().tau == 0.04 and M2PO().harmful_only is False
+    assert Decoupled() == Decoupled(cap=5.0, mode="mask")  # AReaL's asynchronous recipes' cap
     assert OPSM() == OPSM(delta=0.1, reference="old")  # upstream LoongSage's: drift from pi_old, delta 0.1

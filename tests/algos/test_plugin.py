@@ -18,7 +18,7 @@ from loongsage.core import hookspecs
 EXPECTED = {
     "loongsage_advantage_estimators": {"grpo", "rloo", "reinforce_pp", "gae"},
     "loongsage_policy_losses": {"ppo_clip", "nll", "gspo", "cispo"},
-    "loongsage_corrections": {"is", "m2po", "opsm"},
+    "loongsage_corrections": {"is", "decoupled", "m2po", "opsm"},
     "loongsage_kl_estimators": {"k1", "k2", "k3", "low_var_kl", "topk_kl", "full_vocab_kl", "jsd", "topk_jsd"},
     "loongsage_rewards": {"exact_match", "math", "overlong_shaping", "format"},
     "loongsage_data_filters": {"dynamic_sampling", "status", "overlong", "length"},

@@ -1,6 +1,6 @@
 """Train-inference consistency corrections: per-token loss weights and loss masks, no gradient.
 
-``is`` and ``m2po`` read ``delta_t = clamp(old_logprobs - rollout_logprobs, -20, 20)``, the log of
+``is``, ``decoupled`` and ``m2po`` read ``delta_t = clamp(old_logprobs - rollout_logprobs, -20, 20)``, the log of
 the IS weight between the trainer's policy (``old``: recomputed before the step's first update) and
 the behaviour policy that sampled the tokens (``rollout``: the engine's log-probs). The framework
 calls them once per optimizer mini-batch, over the whole mini-batch of every DP rank
@@ -40,6 +40,8 @@ from loongsage.core.types import CorrectionInput, CorrectionOutput
 LOG_RATIO_CLAMP = 20.0
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("clip", "mask")
+DECOUPLED_METRICS = {"is_weight_mean": "decoupled_weight_mean", "is_clipfrac": "decoupled_clipfrac",
+                     "is_maskfrac": "decoupled_maskfrac"}
 OPSM_REFERENCES = ("old", "rollout")
 
 
@@ -119,6 +121,40 @@ def is_correction(
     if mode == "mask":
         metrics["is_maskfrac"] = (mask & ~keep).to(dtype)
     return CorrectionOutput(token_weights=token_weights, response_mask=_keep(response_mask, keep), metrics=metrics)
+
+
+def decoupled_correction(
+    proximal_logprobs: Tensor,
+    behaviour_logprobs: Tensor,
+    response_mask: Tensor,
+    *,
+    cap: float | None = 5.0,
+    mode: str = "mask",
+) -> CorrectionOutput:
+    """Decoupled PPO (AReaL): the behaviour-policy weight of asynchronous, partially rolled-out data.
+
+    Three policies meet in an asynchronous step: the *behaviour* policies that sampled the tokens
+    (the engine's log-probs; a partial rollout's tokens come from several versions, each token with
+    its own), the *proximal* policy (the trainer's weights before the step's first update: the
+    recomputed ``old_logprobs``) and the current one. The policy loss clips the current policy's
+    ratio to the proximal one, so the trust region is around the newest weights however stale the
+    data; this correction weights every token by the behaviour importance ratio::
+
+        w_t = pi_proximal / pi_behaviour = exp(log pi_old - log pi_rollout)     (per token)
+
+    ``mode="mask"`` (AReaL's ``behav_imp_weight_cap``): tokens with ``w_t > cap`` leave the loss
+    (numerator and denominator), the others keep ``w_t``. ``mode="clip"``: ``min(w_t, cap)``, the
+    denominator unchanged. ``cap=None``: no bound (``mode`` then does not matter). There is no lower
+    bound: a token the proximal policy finds unlikely simply counts less.
+
+    The same arithmetic as :func:`is_correction` at token level with ``low = 0``; the name, the
+    defaults and the metrics (``decoupled_weight_mean``, ``decoupled_maskfrac`` /
+    ``decoupled_clipfrac``) are those of the decoupled objective.
+    """
+    out = is_correction(proximal_logprobs, behaviour_logprobs, response_mask, level="token", mode=mode,
+                        low=0.0, high=math.inf if cap is None else cap)
+    metrics = {DECOUPLED_METRICS[k]: v for k, v in out.metrics.items()}
+    return CorrectionOutput(token_weights=out.token_weights, response_mask=out.response_mask, metrics=metrics)
 
 
 def m2po_correction(
@@ -261,6 +297,33 @@ class ImportanceSampling(Correction):
             high=self.high,
             veto=self.veto,
         )
+
+
+@dataclass(frozen=True)
+class Decoupled(Correction):
+    """``decoupled``: decoupled PPO's behaviour weight pi_proximal / pi_behaviour per token, tokens
+    above ``cap`` masked (``mode: mask``, AReaL's) or clipped to it (``mode: clip``).
+
+    Meant for asynchronous scheduling: the old log-probs are recomputed (the proximal policy) because
+    this correction reads them up front, and the PPO clip then bounds the update around the newest
+    weights while this weight accounts for the versions that sampled each token. ``cap: 5.0`` is
+    what AReaL's asynchronous recipes run (its own default is no cap: ``cap: null``).
+    """
+
+    needs_logprobs: ClassVar[bool] = False  # decided once per mini-batch from old vs rollout
+
+    cap: float | None = 5.0
+    mode: Literal["mask", "clip"] = "mask"
+
+    def __post_init__(self) -> None:
+        if self.cap is not None and not self.cap > 1:
+            raise ValueError(f"decoupled.cap={self.cap}: must be > 1 (or null for no cap)")
+        if self.mode not in IS_MODES:
+            raise ValueError(f"decoupled.mode={self.mode!r}: allowed: {', '.join(IS_MODES)}")
+
+    def __call__(self, inp: CorrectionInput) -> CorrectionOutput:
+        return decoupled_correction(inp.old_logprobs, inp.rollout_logprobs, inp.response_mask, cap=self.cap,
+                                    mode=self.mode)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Each hook maps a recipe name to a factory: a frozen dataclass whose fields are t
 from __future__ import annotations
 
 from loongsage.algos.advantages import GAE, GRPO, RLOO, ReinforcePP
-from loongsage.algos.corrections import M2PO, OPSM, ImportanceSampling
+from loongsage.algos.corrections import M2PO, OPSM, Decoupled, ImportanceSampling
 from loongsage.algos.divergences import JSD, FullVocabKL, TopKJSD, TopKKL
 from loongsage.algos.filters import DynamicSampling, OverlongFilter, RenamedLengthFilter, StatusFilter
 from loongsage.algos.kl import K1, K2, K3, LowVarKL
@@ -39,7 +39,7 @@ def loongsage_rewards() -> Factories:
 
 @hookimpl
 def loongsage_corrections() -> Factories:
-    return {"is": ImportanceSampling, "m2po": M2PO, "opsm": OPSM}
+    return {"is": ImportanceSampling, "decoupled": Decoupled, "m2po": M2PO, "opsm": OPSM}
 
 
 @hookimpl
