@@ -12,14 +12,26 @@ effective generation config).
 
 ``greedy_accuracy`` is deliberately independent of both trainers: plain HF ``generate`` with
 ``do_sample=False``, the chat template with ``add_generation_prompt=True``, the response cut at the
-first stop token, decoded with ``skip_special_tokens=True`` and scored by ``exact_match``.
+first stop token, decoded with ``skip_special_tokens=True`` and scored by ``exact_match`` (or by a
+``score`` function the caller passes).
+
+Several data sources (``bench/async_vs_sync.py``): when ``settings["sources"]`` maps each source name
+to ``{"reward": <reward spec>, "max_new_tokens": n}`` and every record carries its ``"source"``,
+the one reward function TRL is given scores each completion with its own source's reward (the
+framework's reward plugin, built from the spec), per-source mean rewards are recorded every step,
+and held-out accuracy is measured per source with that source's max new tokens. TRL still samples
+the whole batch with one temperature / top-p / max completion length (``settings``): it has no
+per-source sampling.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +57,19 @@ def prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 @torch.no_grad()
 def greedy_accuracy(model: Any, tokenizer: Any, records: list[dict[str, Any]], *, max_new_tokens: int,
-                    reward_params: dict[str, Any], batch_size: int = 256) -> dict[str, float]:
-    """Held-out greedy accuracy (exact match) and mean response length over ``records``."""
+                    reward_params: dict[str, Any] | None = None, batch_size: int = 256,
+                    score: Callable[[str, dict[str, Any]], float] | None = None) -> dict[str, float]:
+    """Held-out greedy accuracy and mean response length over ``records``: a hit is ``exact_match``
+    with ``reward_params`` (default) or ``score(text, record) >= 1``."""
     from transformers import GenerationConfig
 
     from loongsage.algos.rewards import exact_match
+
+    if score is None:
+        params = dict(reward_params or {})
+
+        def score(text: str, record: dict[str, Any]) -> float:
+            return exact_match(text, record["label"], **params)
 
     stops = stop_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
@@ -75,10 +95,34 @@ def greedy_accuracy(model: Any, tokenizer: Any, records: list[dict[str, Any]], *
                 response = row[:cut]
                 lengths += len(response)
                 text = tokenizer.decode(response, skip_special_tokens=True)
-                hits += exact_match(text, record["label"], **reward_params) >= 1.0
+                hits += score(text, record) >= 1.0
     finally:
         model.train(was_training)
     return {"accuracy": hits / len(records), "response_length": lengths / len(records)}
+
+
+def source_scorers(sources: dict[str, dict[str, Any]]) -> dict[str, Callable[[str, dict[str, Any]], float]]:
+    """Per source, ``score(text, record)``: the framework's reward plugin named by the source's spec,
+    applied to a trajectory holding only the decoded response (what the rewards read)."""
+    from loongsage.core.plugins import load_registry
+    from loongsage.core.types import DataRecord, Trajectory
+
+    registry = load_registry()
+    out = {}
+    for name, src in sources.items():
+        reward = registry.create("reward", src["reward"], f"{name}.reward")
+
+        def score(text: str, record: dict[str, Any], reward: Any = reward, name: str = name) -> float:
+            traj = Trajectory(source=name, group_id=0, sample_index=0, prompt_ids=[], response_ids=[], loss_mask=[],
+                              rollout_logprobs=[], versions=[], response_text=text)
+            value = reward(traj, DataRecord(source=name, index=int(record.get("index", 0)), prompt=record["prompt"],
+                                            label=record["label"]))
+            if inspect.isawaitable(value):
+                value = asyncio.run(value)
+            return float(value)
+
+        out[name] = score
+    return out
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -91,20 +135,37 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     s = spec["settings"]
     out_dir = Path(spec["work_dir"])
-    reward_params = s["reward_params"]
+    sources = s.get("sources")  # several data sources: one reward and max length each
+    reward_params = s.get("reward_params")
+    scorers = source_scorers(sources) if sources else {}
     eval_records = spec["eval_records"]
     t_build = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_path"])
-    train = Dataset.from_list([{"prompt": r["prompt"], "label": r["label"]} for r in spec["train_records"]])
+    columns = ("prompt", "label", "source", "index") if sources else ("prompt", "label")
+    train = Dataset.from_list([{k: r[k] for k in columns} for r in spec["train_records"]])
 
     step_rewards: list[float] = []
+    step_rewards_by_source: list[dict[str, float]] = []
 
     def exact_match_reward(completions: list[Any], label: list[str], **_: Any) -> list[float]:
         """The framework's exact-match reward on the decoded completion (message list or text)."""
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         values = [exact_match(t, y, **reward_params) for t, y in zip(texts, label)]
         step_rewards.append(sum(values) / len(values))
+        return values
+
+    def per_source_reward(completions: list[Any], label: list[str], source: list[str], index: list[int],
+                          prompts: list[Any] | None = None, **_: Any) -> list[float]:
+        """Each completion scored by its own source's reward (the framework's plugin)."""
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        values = [scorers[src](t, {"prompt": p, "label": y, "index": i})
+                  for t, y, src, i, p in zip(texts, label, source, index, prompts or [None] * len(texts))]
+        step_rewards.append(sum(values) / len(values))
+        by: dict[str, list[float]] = {}
+        for src, v in zip(source, values):
+            by.setdefault(src, []).append(v)
+        step_rewards_by_source.append({k: sum(v) / len(v) for k, v in by.items()})
         return values
 
     P, G = s["prompts"], s["samples"]
@@ -141,6 +202,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
     def evaluate(step: int) -> None:
         t = time.perf_counter()
+        if sources:  # each source on its own records, with its own max new tokens and reward
+            per_source = {name: greedy_accuracy(trainer_ref["t"].model, tokenizer,
+                                                [r for r in eval_records if r["source"] == name],
+                                                max_new_tokens=src["max_new_tokens"], score=scorers[name])
+                          for name, src in sources.items()}
+            evals.append({"step": step, "per_source": per_source, "seconds": time.perf_counter() - t})
+            return
         res = greedy_accuracy(trainer_ref["t"].model, tokenizer, eval_records, max_new_tokens=s["max_new_tokens"],
                               reward_params=reward_params)
         evals.append({"step": step, **res, "seconds": time.perf_counter() - t})
@@ -157,7 +225,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             dt = time.perf_counter() - state["t0"]
             step = int(st.global_step)
             steps.append({"step": step, "step_s": dt, "rollout_s": rollout_s[-1] if rollout_s else float("nan"),
-                          "reward_mean": step_rewards[-1] if step_rewards else float("nan")})
+                          "reward_mean": step_rewards[-1] if step_rewards else float("nan"),
+                          **({"reward_mean_by_source": step_rewards_by_source[-1] if step_rewards_by_source else {}}
+                             if sources else {})})
             every = s["eval_every"]
             if (every and step % every == 0) or step == s["steps"]:
                 evaluate(step)
@@ -167,7 +237,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 log_rows.append({"step": int(st.global_step),
                                  **{k: v for k, v in logs.items() if isinstance(v, (int, float))}})
 
-    trainer = GRPOTrainer(model=model, reward_funcs=exact_match_reward, args=args, train_dataset=train,
+    trainer = GRPOTrainer(model=model, reward_funcs=per_source_reward if sources else exact_match_reward, args=args, train_dataset=train,
                           processing_class=tokenizer, callbacks=[Timing()])
     trainer_ref["t"] = trainer
 
