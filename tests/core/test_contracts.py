@@ -1,4 +1,4 @@
-"""The contracts (core/contracts.py) as the registry enforces them: every entry against its Protocol.
+"""The contracts (core/contracts.py) as the registry enforces them (core/contract_check.py): every entry against its Protocol.
 
 A plugin that misses a member, whose method cannot take the contract's call or whose capability
 flag has the wrong type is refused in one line naming the entry, its provider and the member;
@@ -11,7 +11,7 @@ import inspect
 
 import pytest
 
-from loongsage.core import contracts
+from loongsage.core import contract_check, contracts
 from loongsage.core.contracts import BACKENDS, HOOKS, Critic, LossFunction
 from loongsage.core.loss import LossPipeline, ValueLoss
 from loongsage.core.plugins import BACKEND_KINDS, CATEGORIES, load_registry
@@ -340,7 +340,7 @@ def test_the_tables_cover_every_category_and_kind() -> None:
     assert set(HOOKS) == set(CATEGORIES)
     assert tuple(BACKENDS) == BACKEND_KINDS
     for kind, protocol in BACKENDS.items():
-        assert contracts.flags(protocol)["kind"] == kind
+        assert contract_check.flags(protocol)["kind"] == kind
 
 
 def _cheap(factory):
@@ -360,16 +360,16 @@ def test_every_builtin_entry_satisfies_its_protocol(registry) -> None:
             if not entry.provider.startswith(("loongsage-core", "loongsage-algos")):
                 continue  # only what this workspace ships
             assert inspect.isclass(entry.factory), f"{category} {name!r}: built-ins are classes"
-            assert contracts.check_class(entry.factory, protocol) is None, (category, name)
+            assert contract_check.check_class(entry.factory, protocol) is None, (category, name)
             if category in BACKENDS:
                 continue  # backends load models or open files: their classes are checked above
             obj = _cheap(entry.factory)
             if obj is not None:
-                assert contracts.check_object(obj, protocol) is None, (category, name)
+                assert contract_check.check_object(obj, protocol) is None, (category, name)
                 built += 1
     assert built >= 25  # every algorithm, agent, scheduler and most rewards were built and checked
-    assert contracts.check_class(registry.entry("trainer", "torch_critic").factory, Critic) is None
-    assert contracts.check_class(registry.entry("trainer", "torch").factory, Critic) is not None  # no values
+    assert contract_check.check_class(registry.entry("trainer", "torch_critic").factory, Critic) is None
+    assert contract_check.check_class(registry.entry("trainer", "torch").factory, Critic) is not None  # no values
 
 
 def test_builtin_flags_as_the_framework_reads_them(registry) -> None:
@@ -398,16 +398,16 @@ def test_loss_functions() -> None:
     assert LossPipeline(policy_loss=PPOClip(), gkd_coef=1.0, divergence=TopKKL(k=2)).needs_student_distribution
     assert isinstance(ValueLoss(), LossFunction) and ValueLoss().needs_student_distribution is False
     assert not isinstance(lambda lp, mb: (lp.sum(), {}), LossFunction)  # a bare callable: no student_dist
-    assert contracts.check_object(ValueLoss(), LossFunction) is None
+    assert contract_check.check_object(ValueLoss(), LossFunction) is None
 
 
 def test_members_are_read_from_the_protocols() -> None:
-    roles = {m.name: m.role for m in contracts.members(contracts.KLEstimator)}
+    roles = {m.name: m.role for m in contract_check.members(contracts.KLEstimator)}
     assert roles == {"consumes": "flag", "needs_old_logprobs": "flag", "k": "attribute", "__call__": "method"}
-    flags = contracts.flags(contracts.Trainer)
+    flags = contract_check.flags(contracts.Trainer)
     assert flags == {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None}
-    critic = {m.name for m in contracts.members(Critic)}
-    assert critic == {m.name for m in contracts.members(contracts.Trainer)} | {"values"}
+    critic = {m.name for m in contract_check.members(Critic)}
+    assert critic == {m.name for m in contract_check.members(contracts.Trainer)} | {"values"}
     for protocol in (*HOOKS.values(), *BACKENDS.values(), Critic, LossFunction):
         doc = inspect.getdoc(protocol) or ""
         where = ("driver", "actor", "trainer rank", "gateway", "worker")

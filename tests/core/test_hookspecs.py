@@ -192,12 +192,12 @@ def test_each_hook_names_its_contract(name: str) -> None:
 
 
 def test_contract_signatures_are_pinned() -> None:
-    from loongsage.core import contracts
+    from loongsage.core import contract_check, contracts
 
     protocols = {p.__name__: p for p in (*contracts.HOOKS.values(), *contracts.BACKENDS.values())}
     assert set(protocols) == set(CONTRACT_CALLS)
     for name, calls in CONTRACT_CALLS.items():
-        methods = {m.name: tuple(m.signature.parameters) for m in contracts.members(protocols[name])
+        methods = {m.name: tuple(m.signature.parameters) for m in contract_check.members(protocols[name])
                    if m.role == "method"}
         assert methods == calls, name
-        assert contracts.flags(protocols[name]) == CONTRACT_FLAGS.get(name, {}), name
+        assert contract_check.flags(protocols[name]) == CONTRACT_FLAGS.get(name, {}), name

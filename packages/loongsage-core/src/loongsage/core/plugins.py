@@ -23,7 +23,7 @@ from typing import Any
 
 import pluggy
 
-from loongsage.core import contracts, hookspecs
+from loongsage.core import contract_check, contracts, hookspecs
 from loongsage.core.schema import check_params, join_error
 from loongsage.core.types import ConfigError
 
@@ -126,10 +126,10 @@ class Registry:
         factory function is checked on what it builds (:meth:`create`)."""
         if not inspect.isclass(entry.factory):
             return entry
-        problem = contracts.check_class(entry.factory, entry.contract)
+        problem = contract_check.check_class(entry.factory, entry.contract)
         if problem is not None:
             raise entry.refuse(problem)
-        if "preflight" in contracts.flags(entry.contract):
+        if "preflight" in contract_check.flags(entry.contract):
             entry = replace(entry, preflight=entry.factory.preflight)
         return entry
 
@@ -166,7 +166,7 @@ class Registry:
             raise ConfigError(f"{path}.{extra[0]}: unknown key; allowed: name, params")
         entry = self.entry(category, spec["name"], path)
         if contract is not None and inspect.isclass(entry.factory):
-            problem = contracts.check_class(entry.factory, contract)
+            problem = contract_check.check_class(entry.factory, contract)
             if problem is not None:
                 raise entry.refuse(problem, path)
         return check_params(entry.factory, spec.get("params") or {}, f"{path}.params", skip=skip)
@@ -186,12 +186,12 @@ class Registry:
         except (ValueError, TypeError) as exc:
             raise ConfigError(join_error(f"{path}.params", exc, params)) from None
         contract = contract or entry.contract
-        problem = contracts.check_object(built, contract)
+        problem = contract_check.check_object(built, contract)
         if problem is not None:
             raise entry.refuse(problem, path)
         # Entries that wrap other entries (a reward around a reward) name them in params as specs
         # and declare ``nested = {param: category}``; those are built here, depth first, and bound.
-        if "nested" in contracts.flags(contract):
+        if "nested" in contract_check.flags(contract):
             for name, inner_category in built.nested.items():
                 inner_spec = params.get(name)
                 if inner_spec is not None:
