@@ -450,7 +450,7 @@ def test_denominators_through_loss_pipeline() -> None:
 
     mis, sums = prepare(ImportanceSampling(mode="mask"))  # w = e^2 on token (1, 1): masked
     torch.testing.assert_close(mis.loss_weights, torch.tensor([[1 / 6] * 3 + [0.0], [1 / 6, 0.0, 1 / 6, 1 / 6]]))
-    assert sums["train/is_maskfrac"] == (1.0, 7.0)
+    assert sums.ratios["train/is_maskfrac"] == (1.0, 7.0)
     # kept tokens carry their raw weight: w = e^0.5 on token (0, 0) multiplies its 1/6 share
     batch.old_logprobs = old + torch.tensor([[0.5, 0.0, 0.0, 0.0], [0.0] * 4])
     mis, _ = prepare(ImportanceSampling(mode="mask"))
@@ -470,7 +470,7 @@ def test_denominators_through_loss_pipeline() -> None:
     current = prepared.old_logprobs.clone().requires_grad_(True)
     loss, metrics = pipeline(current, prepared)
     loss.backward()
-    assert metrics["train/opsm_clipfrac"] == (4.0, 7.0)
+    assert metrics.ratios["train/opsm_clipfrac"] == (4.0, 7.0)
     assert torch.equal(current.grad[1], torch.zeros(4))  # the whole sequence leaves the numerator
     assert (current.grad[0, :3] != 0).all()  # B stays 2: row 0 keeps its 1/(3*2) share
     torch.testing.assert_close(current.grad[0, :3], -torch.full((3,), 1 / 6))

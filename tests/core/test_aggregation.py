@@ -171,13 +171,13 @@ def test_consistency_metrics_average_like_the_loss():
     rollout = torch.tensor([[0.0, -1.1, -1.1, 5.0, 0.0], [0.0, -1.3, -1.3, -1.3, -1.3], [0.0, 3.0, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[0.0, 1, 1, 0, 0], [0.0, 1, 1, 1, 1], [0.0] * 5])  # row 2: no token
     k3 = [math.exp(d) - d - 1 for d in (0.1, 0.3)]
-    token = consistency_metrics(old, rollout, mask)
+    token = consistency_metrics(old, rollout, mask).ratios
     assert token["train/is_approx_k3_kl"][1] == 6.0
     assert token["train/is_approx_k3_kl"][0] / 6 == pytest.approx((2 * k3[0] + 4 * k3[1]) / 6, rel=1e-5)
     assert token["train/is_logprob_abs_diff"][0] / 6 == pytest.approx((0.2 + 1.2) / 6, rel=1e-5)
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
-        seq = consistency_metrics(old, rollout, mask, mode)
+        seq = consistency_metrics(old, rollout, mask, mode).ratios
         num, den = seq["train/is_approx_k3_kl"]
         assert den == 2.0 and num / den == pytest.approx((k3[0] + k3[1]) / 2, rel=1e-5)
         assert seq["train/is_logprob_abs_diff"][0] / 2 == pytest.approx(0.2, rel=1e-5)
-    assert consistency_metrics(old, rollout, torch.zeros_like(mask)) == {}
+    assert consistency_metrics(old, rollout, torch.zeros_like(mask)).ratios == {}

@@ -1,16 +1,16 @@
-"""Batch assembly and the per-rank / per-mini-batch split."""
+"""Batch assembly, and one training step through the controller with in-process trainer fakes."""
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import pytest
 import torch
 
 from loongsage.core.aggregation import loss_weights
-from loongsage.core.batching import engine_sampled, exclude_rows, loss_excluded, split_groups, to_batch, trainable
-from loongsage.core.types import Status, Trajectory
+from loongsage.core.batching import engine_sampled, exclude_rows, loss_excluded, to_batch, trainable
+from loongsage.core.metrics import Metrics
+from loongsage.core.types import Segment, Status, TrainBatch, Trajectory
 
 
 def _traj(source: str, group: int, k: int, prompt_len: int, resp_len: int, reward: float = 1.0) -> Trajectory:
@@ -36,33 +36,32 @@ def test_failed_trajectories_are_not_trained():
     assert trainable([ok, failed]) == [ok]
 
 
-@pytest.mark.parametrize("world,mbs", [(1, 1), (2, 1), (2, 2), (4, 2)])
-def test_split_keeps_exact_source_proportions(world, mbs):
-    groups = []
-    gid = 0
-    for source, count in (("math", 16), ("code", 8)):
-        for _ in range(count):
-            groups.append([_traj(source, gid, k, 3, 1 + (gid * 7) % 13) for k in range(4)])
-            gid += 1
-    parts = split_groups(groups, world, mbs)
-    assert len(parts) == world and all(len(p) == mbs for p in parts)
-    seen = Counter()
-    for rank in parts:
-        for mb in rank:
-            per_source = Counter(t.source for t in mb)
-            # every (rank, mini-batch) has the global 2:1 ratio of groups (x4 samples)
-            assert per_source["math"] == 4 * 16 // (world * mbs)
-            assert per_source["code"] == 4 * 8 // (world * mbs)
-            seen.update(t.group_id for t in mb)
-    assert seen == Counter({g: 4 for g in range(24)})  # every trajectory exactly once
+def test_to_batch_carries_what_the_trajectories_have():
+    """Versions, sample indices, token rewards, segments and routed experts travel with their rows."""
+    a, b = _traj("s", 3, 0, 3, 2), _traj("t", 5, 1, 2, 4)
+    a.versions, b.versions = [4, 5], [5, -1, 5, 6]  # b's second token is a tool token
+    b.token_rewards = [0.0, 0.0, 0.5, 1.0]
+    a.segments = [Segment(0, 3), Segment(3, 5, "compaction")]
+    b.routed_experts = {"layer0": [1, 2]}
+    batch = to_batch([a, b], pad_id=0)
+    assert batch.versions.dtype == torch.int32
+    assert batch.versions.tolist() == [[-1, -1, -1, 4, 5, -1], [-1, -1, 5, -1, 5, 6]]
+    assert batch.token_rewards.tolist() == [[0.0] * 6, [0.0, 0.0, 0.0, 0.0, 0.5, 1.0]]
+    assert batch.trajectory_ids == [(3, 0), (5, 1)] and batch.sources == ["s", "t"]
+    assert batch.segments == [a.segments, []] and batch.routed_experts == [None, {"layer0": [1, 2]}]
+    picked = batch.select([1])
+    assert picked.trajectory_ids == [(5, 1)] and picked.sources == ["t"] and picked.segments == [[]]
+    assert picked.routed_experts == [{"layer0": [1, 2]}]
+    assert picked.versions.tolist() == [[-1, -1, 5, -1, 5, 6]] and picked.token_rewards.tolist()[0][-1] == 1.0
+    for name in TrainBatch.tensor_fields():  # every tensor sliced alike
+        value = getattr(picked, name)
+        assert value is None or value.shape[0] == 1, name
 
 
-def test_split_balances_tokens_across_ranks():
-    groups = [[_traj("s", g, 0, 1, length)] for g, length in enumerate([100, 90, 80, 70, 10, 10, 5, 5])]
-    parts = split_groups(groups, 2, 1)
-    loads = [sum(len(t.response_ids) for t in rank[0]) for rank in parts]
-    assert max(loads) - min(loads) <= 20
-    assert loads[0] + loads[1] == sum([100, 90, 80, 70, 10, 10, 5, 5])
+def test_to_batch_leaves_out_what_no_trajectory_has():
+    batch = to_batch([_traj("s", 0, 0, 2, 2), _traj("s", 0, 1, 2, 3)], pad_id=0)
+    assert batch.token_rewards is None and batch.segments == [] and batch.routed_experts == []
+    assert batch.select([1, 0]).segments == []
 
 
 # ------------------------------------------------ one training step through Controller._train, in-process
@@ -96,17 +95,14 @@ class FakeTrainer:
         self.steps.append(mb)
         lp = torch.full(mb.input_ids.shape, POLICY_LP, requires_grad=True)
         loss, metrics = self.pipeline(lp, mb)
-        out = {"train/loss": float(loss.detach())}
-        for key, (num, den) in metrics.items():
-            out[key + "_sum"], out[key + "_count"] = num, den
-        return out
+        return metrics.total("train/loss", float(loss.detach()))
 
 
 class FakeCritic:
     def __init__(self):
         self.steps = []
         self.values = _Remote(lambda batch: torch.zeros(batch.input_ids.shape))
-        self.train_step = _Remote(lambda mb: self.steps.append(mb) or {"critic/loss": 0.0})
+        self.train_step = _Remote(lambda mb: self.steps.append(mb) or Metrics().total("critic/loss", 0.0))
 
 
 def _controller(monkeypatch, recipe: str, overrides: list[str], critic: bool = False):
@@ -153,8 +149,9 @@ def test_engine_sampled_marks_only_generated_trained_tokens():
     sampled, forced = _sampled(0, 0, 3, 1.0), _teacher_forced(1, 2)
     sampled.loss_mask, sampled.versions = [1, 0, 1], [0, -1, 2]  # a tool token in the middle
     batch = to_batch([sampled, forced], pad_id=0)
-    got = engine_sampled([sampled, forced], batch.response_mask.shape[1])
-    assert got.tolist() == [[0, 0, 0, 1, 0, 1], [0, 0, 0, 0, 0, 0]]
+    assert engine_sampled(batch).tolist() == [[0, 0, 0, 1, 0, 1], [0, 0, 0, 0, 0, 0]]
+    batch.versions = None  # a batch without versions: every trained token counts as sampled
+    assert engine_sampled(batch).tolist() == [[0, 0, 0, 1, 0, 1], [0, 0, 0, 1, 1, 0]]
 
 
 def test_overlong_filter_masks_truncated_samples_after_group_advantages(monkeypatch):

@@ -117,4 +117,4 @@ def test_teacher_forced_tokens_are_not_taken_for_engine_samples(tokenizer):
     t.reward = 1.0  # scored, as the reward worker does before training
     batch = to_batch([t], pad_id=0)
     assert batch.response_mask.sum() > 0
-    assert engine_sampled([t], batch.response_mask.shape[1]).sum() == 0
+    assert engine_sampled(batch).sum() == 0

@@ -111,19 +111,20 @@ def run_case(trainer: TorchTrainer, batch: TrainBatch, case: str, aggregation: s
              budget: int) -> dict[str, Any]:
     """One step (lr 0) on ``rows`` of ``batch``, prepared over the whole batch as the controller does.
 
-    Returns the step's loss, grad norm, every ``*_sum`` / ``*_count`` metric and the gradients, all
-    summed over data-parallel ranks, and the corrections' metric sums from ``prepare``.
+    Returns the step's loss, grad norm, every ratio's numerator and denominator (as ``<name>_sum`` /
+    ``<name>_count``) and the gradients, all summed over data-parallel ranks, and the corrections'
+    metrics from ``prepare``.
     """
     pipeline = pipeline_for(case, aggregation)
     prepared, corrections = pipeline.prepare(batch)  # corrections and denominators: whole mini-batch
     metrics = trainer.train_step(prepared.select(rows), pipeline, budget)
-    sums = {k: v for k, v in metrics.items() if k.endswith(("_sum", "_count"))}
-    sums["train/loss"] = metrics["train/loss"]
+    sums = {f"{k}_{part}": v for k, pair in metrics.ratios.items() for part, v in zip(("sum", "count"), pair)}
+    sums["train/loss"] = metrics.totals["train/loss"]
     if dist.is_initialized():
         every: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(every, sums)
         sums = {k: sum(s.get(k, 0.0) for s in every) for k in set().union(*every)}
-    return {"loss": sums.pop("train/loss"), "grad_norm": metrics["train/grad_norm"], "metrics": sums,
+    return {"loss": sums.pop("train/loss"), "grad_norm": metrics.gauges["train/grad_norm"], "metrics": sums,
             "corrections": corrections, "grads": _gathered(trainer)}
 
 

@@ -12,6 +12,7 @@ import torch
 
 from loongsage.core.embedded.engine import NativeEngine
 from loongsage.core.embedded.trainer import TorchTrainer
+from loongsage.core.metrics import Metrics
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams, TrainBatch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -131,7 +132,7 @@ def _trainer_logprobs(model_dir: str, rows: list[tuple[list[int], list[int]]]) -
 
     def loss_fn(lp, mb):
         seen.append(lp.detach())
-        return (lp * mb.response_mask).sum(), {}
+        return (lp * mb.response_mask).sum(), Metrics()
 
     trainer.train_step(batch, loss_fn, token_budget=1)
     training = torch.zeros(len(rows), width)

@@ -53,7 +53,7 @@ def test_micro_batching_is_invariant(model_dir, mode):
     whole, g_whole = _grads_after_step(model_dir, batch, budget=10_000, mode=mode)
     split, g_split = _grads_after_step(model_dir, batch, budget=14, mode=mode)  # about one row each
     assert len(list(micro_batches(batch, 14))) >= 6
-    assert abs(whole["train/loss"] - split["train/loss"]) < 1e-5
+    assert abs(whole.totals["train/loss"] - split.totals["train/loss"]) < 1e-5
     for name in g_whole:
         torch.testing.assert_close(g_whole[name], g_split[name], atol=1e-6, rtol=1e-4)
 

@@ -146,8 +146,8 @@ def test_batch_is_nontrivial(batch):
 
 
 def _frac(result: dict, key: str) -> float:
-    sums = {**result["metrics"], **{f"{k}_sum": v[0] for k, v in result["corrections"].items()},
-            **{f"{k}_count": v[1] for k, v in result["corrections"].items()}}
+    sums = {**result["metrics"], **{f"{k}_sum": v[0] for k, v in result["corrections"].ratios.items()},
+            **{f"{k}_count": v[1] for k, v in result["corrections"].ratios.items()}}
     return sums[f"train/{key}_sum"] / sums[f"train/{key}_count"]
 
 
@@ -190,7 +190,7 @@ def test_shard_local_preparation_would_be_caught(model_dir, batch, single, case_
     loss, grads = 0.0, {}
     for rows in DP_ROWS:
         prepared, _ = pipeline.prepare(batch.select(rows))
-        loss += trainer.train_step(prepared, pipeline, DP_BUDGET)["train/loss"]
+        loss += trainer.train_step(prepared, pipeline, DP_BUDGET).totals["train/loss"]
         for name, p in trainer.model.named_parameters():
             grads[name] = grads.get(name, 0) + p.grad
     ref = single["1x8"][case_id]

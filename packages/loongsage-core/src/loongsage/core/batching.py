@@ -1,8 +1,7 @@
-"""From scored trajectories to training tensors, split per DP rank and per mini-batch.
+"""From scored trajectories to the step's training tensors.
 
-Pure functions over plain data (no Ray), so the split is tested directly. Every rank and every
-mini-batch gets each source's groups in the global proportion, and groups are dealt to ranks in a
-length-balanced order.
+Pure functions over plain data (no Ray). Which rows each DP rank and mini-batch trains is decided
+by :mod:`loongsage.core.planning`.
 """
 
 from __future__ import annotations
@@ -18,7 +17,14 @@ def trainable(trajectories: list[Trajectory]) -> list[Trajectory]:
 
 
 def to_batch(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
-    """Right-padded ``[B, T]`` tensors over prompt + response; advantages left at zero."""
+    """Right-padded ``[B, T]`` tensors over prompt + response, one row per trajectory in order;
+    advantages left at zero.
+
+    Everything a trajectory carries that the step may read travels with its row: the policy
+    version of every token (-1 on the prompt and on tokens no engine sampled), its token rewards
+    (when any trajectory has them; 0 elsewhere), its group id and sample index, source, segments
+    and routed experts (those two only when some trajectory has them).
+    """
     if not trajectories:
         raise ValueError("to_batch: no trajectories")
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
@@ -27,33 +33,43 @@ def to_batch(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
     attention = torch.zeros(B, T, dtype=torch.long)
     mask = torch.zeros(B, T)
     rollout_lp = torch.zeros(B, T)
+    versions = torch.full((B, T), -1, dtype=torch.int32)
+    has_token_rewards = any(t.token_rewards is not None for t in trajectories)
+    token_rewards = torch.zeros(B, T) if has_token_rewards else None
     for i, t in enumerate(trajectories):
         p, r = len(t.prompt_ids), len(t.response_ids)
         input_ids[i, :p + r] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
         attention[i, :p + r] = 1
         mask[i, p:p + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
         rollout_lp[i, p:p + r] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
+        versions[i, p:p + r] = torch.tensor(t.versions, dtype=torch.int32)
+        if token_rewards is not None and t.token_rewards is not None:
+            token_rewards[i, p:p + r] = torch.tensor(t.token_rewards, dtype=torch.float32)
     return TrainBatch(
         input_ids=input_ids, attention_mask=attention, response_mask=mask, rollout_logprobs=rollout_lp,
         advantages=torch.zeros(B, T), rewards=torch.tensor([float(t.reward) for t in trajectories]),
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        versions=versions, token_rewards=token_rewards,
+        sample_indices=torch.tensor([t.sample_index for t in trajectories], dtype=torch.long),
         sources=[t.source for t in trajectories],
+        segments=[list(t.segments) for t in trajectories] if any(t.segments for t in trajectories) else [],
+        routed_experts=([t.routed_experts for t in trajectories]
+                        if any(t.routed_experts is not None for t in trajectories) else []),
     )
 
 
-def engine_sampled(trajectories: list[Trajectory], length: int) -> torch.Tensor:
-    """``[B, length]`` 1.0 on the trained response tokens that an engine sampled, in :func:`to_batch`'s layout.
+def engine_sampled(batch: TrainBatch) -> torch.Tensor:
+    """``[B, T]`` 1.0 on the trained response tokens that an engine sampled.
 
     Only those carry rollout log-probs: a token the engine generated has its weight version
     (``>= 0``); teacher-forced tokens (the ``sft`` agent) and tool or user tokens have version -1
     and a placeholder log-prob of 0, which the train-inference consistency metrics must not read.
+    A batch without versions counts every trained token as sampled.
     """
-    out = torch.zeros(len(trajectories), length)
-    for i, t in enumerate(trajectories):
-        p = len(t.prompt_ids)
-        sampled = [float(m != 0 and v >= 0) for m, v in zip(t.loss_mask, t.versions)]
-        out[i, p:p + len(sampled)] = torch.tensor(sampled)
-    return out
+    trained = batch.response_mask != 0
+    if batch.versions is not None:
+        trained = trained & (batch.versions >= 0)
+    return trained.to(batch.response_mask.dtype)
 
 
 def loss_excluded(trajectories: list[Trajectory], filters: list) -> torch.Tensor:
@@ -89,29 +105,3 @@ def compute_advantages(batch: TrainBatch, estimator, values: torch.Tensor | None
     if values is not None and estimator.returns is not None:
         batch.returns = estimator.returns(inp).float() * batch.response_mask
     return batch
-
-
-def split_groups(groups: list[list[Trajectory]], world_size: int, mini_batches: int) -> list[list[list[Trajectory]]]:
-    """Deal groups to ``world_size`` ranks x ``mini_batches`` parts with exact per-source shares.
-
-    Per source, groups are sorted by token count (longest first) and dealt to ranks in snake order
-    (0,1,..,R-1,R-1,..,0) so the ranks' loads stay balanced; each rank's share of a source is then cut
-    dealt round-robin into ``mini_batches`` parts. The shares are exact when each source's group count is
-    divisible by ``world_size x mini_batches`` (checked at config validation); after a filter dropped
-    groups they are as even as the count allows.
-    Returns ``parts[rank][mini_batch] -> trajectories``.
-    """
-    by_source: dict[str, list[list[Trajectory]]] = {}
-    for g in groups:
-        by_source.setdefault(g[0].source, []).append(g)
-    parts: list[list[list[Trajectory]]] = [[[] for _ in range(mini_batches)] for _ in range(world_size)]
-    for source in sorted(by_source):
-        src_groups = sorted(by_source[source], key=lambda g: -sum(len(t.prompt_ids) + len(t.response_ids) for t in g))
-        per_rank: list[list[list[Trajectory]]] = [[] for _ in range(world_size)]
-        for k, g in enumerate(src_groups):
-            cycle, pos = divmod(k, world_size)
-            per_rank[pos if cycle % 2 == 0 else world_size - 1 - pos].append(g)
-        for rank, rank_groups in enumerate(per_rank):
-            for k, g in enumerate(rank_groups):
-                parts[rank][k % mini_batches].extend(g)
-    return parts

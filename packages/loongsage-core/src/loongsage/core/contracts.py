@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from loongsage.core.metrics import Metrics
 from loongsage.core.types import (
     AdvantageInput,
     CorrectionInput,
@@ -52,8 +53,6 @@ from loongsage.core.types import (
     TrainBatch,
     Trajectory,
 )
-
-MetricSums = dict[str, tuple[float, float]]  # name -> (sum, count): summed over micro-batches and ranks
 
 
 # ================================================================================== hooks
@@ -214,15 +213,15 @@ class LossFunction(Protocol):
     (:class:`~loongsage.core.loss.LossPipeline` for the policy, ``ValueLoss`` for a critic).
 
     Called in the trainer rank once per micro-batch with the forward's per-token output (log-probs
-    or values) ``[B, T]``; returns the weighted loss *sum* and metric sums. A bare callable (a
-    test's closure) is no ``LossFunction`` (``isinstance`` tells) and is called without
-    ``student_dist``.
+    or values) ``[B, T]``; returns the weighted loss *sum* and its :class:`~loongsage.core.metrics.Metrics`
+    (ratios that add up over micro-batches and ranks). A bare callable (a test's closure) is no
+    ``LossFunction`` (``isinstance`` tells) and is called without ``student_dist``.
     """
 
     needs_student_distribution: bool = False
     """Pass ``student_dist=``: the policy's log-probs on the teacher's support (MOPD's GKD term)."""
 
-    def __call__(self, logprobs: Tensor, mb: TrainBatch) -> tuple[Tensor, MetricSums]: ...
+    def __call__(self, logprobs: Tensor, mb: TrainBatch) -> tuple[Tensor, Metrics]: ...
 
 
 class Trainer(Protocol):
@@ -257,9 +256,10 @@ class Trainer(Protocol):
         """The frozen starting policy's log-probs when ``holds_reference``, else None."""
         ...
 
-    def train_step(self, mini_batch: TrainBatch, loss_fn: LossFunction, token_budget: int) -> dict[str, float]:
-        """One optimizer step over ``mini_batch`` (every rank calls, an empty batch included):
-        metrics, with ``<name>_sum`` / ``<name>_count`` pairs for the loss's metric sums."""
+    def train_step(self, mini_batch: TrainBatch, loss_fn: LossFunction, token_budget: int) -> Metrics:
+        """One optimizer step over ``mini_batch`` (every rank calls, an empty batch included): the
+        loss's metrics summed over micro-batches, the weighted loss as the total ``train/loss``,
+        and gauges such as ``train/grad_norm``."""
         ...
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:

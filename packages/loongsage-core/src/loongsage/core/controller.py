@@ -16,26 +16,19 @@ import logging
 import math
 import os
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
 
 from loongsage.core import checkpoint as ckpt
-from loongsage.core.batching import (
-    compute_advantages,
-    engine_sampled,
-    exclude_rows,
-    loss_excluded,
-    split_groups,
-    to_batch,
-    trainable,
-)
+from loongsage.core.batching import compute_advantages, engine_sampled, exclude_rows, loss_excluded, to_batch, trainable
 from loongsage.core.config import Config
 from loongsage.core.data import Mixer, SourceCursor
 from loongsage.core.distill import TeacherPlan, distill_metrics, fill_teacher_tensors, plan_teachers
 from loongsage.core.evaluation import Evaluator
-from loongsage.core.loss import CONSISTENCY_METRICS, consistency_metrics
+from loongsage.core.loss import consistency_metrics
+from loongsage.core.metrics import Metrics
+from loongsage.core.planning import StepPlan, plan_step
 from loongsage.core.rollout import EngineRouter, RolloutService
 from loongsage.core.types import ConfigError, DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
 from loongsage.core.workers import (
@@ -273,84 +266,69 @@ class Controller:
         # forced ones (sft) have no rollout log-probs. The loss computes them when the training forward
         # gives the old log-probs; a batch that mixes both kinds has them recomputed and measured here.
         trained = batch.response_mask * (~excluded).to(batch.response_mask.dtype)[:, None]
-        consistency_mask = trained * engine_sampled(trajs, trained.shape[1])
-        any_sampled = bool(consistency_mask.any())
-        partly_sampled = any_sampled and not torch.equal(consistency_mask, trained)
+        consistency_mask = trained * engine_sampled(batch)
+        partly_sampled = bool(consistency_mask.any()) and not torch.equal(consistency_mask, trained)
         if self.teachers:
             self._score_with_teachers(batch)
-        row_of = {id(t): i for i, t in enumerate(trajs)}
-        parts = split_groups(groups, cfg.trainer.world_size, cfg.trainer.mini_batches_per_step)
+        plan = plan_step(groups, cfg.trainer.world_size, cfg.trainer.mini_batches_per_step,
+                         quotas={s.name: s.prompts_per_step for s in cfg.data_sources})
         if cfg.tracking.batches:
-            self._audit(parts)
-        rows = [[[row_of[id(t)] for t in mb] for mb in rank_parts] for rank_parts in parts]
-        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+            self._audit(plan, trajs)
+        metrics = Metrics()
         need_old = (self.pipeline.recompute_old_logprobs(cfg.trainer.mini_batches_per_step)
                     or (self.pipeline.kl_in_reward and self.pipeline.needs_ref_logprobs) or partly_sampled)
         if need_old or self.pipeline.needs_ref_logprobs:
-            self._fill_logprobs(batch, rows, sums, old=need_old, consistency_mask=consistency_mask)
+            metrics.merge(self._fill_logprobs(batch, plan, old=need_old, consistency_mask=consistency_mask))
         else:
             batch.old_logprobs = None  # taken from the training forward itself
         token_rewards = None
         if self.pipeline.kl_in_reward and self.pipeline.needs_ref_logprobs:
             token_rewards = self.pipeline.kl_token_rewards(batch)
             count = float(batch.response_mask.sum())
-            _add(sums, "rollout/kl_reward", float(token_rewards.sum()), count)
-            _add(sums, "train/kl", float(token_rewards.sum()) / -self.pipeline.kl_coef, count)  # KL(pi_old || ref)
+            metrics.add("rollout/kl_reward", float(token_rewards.sum()), count)
+            metrics.add("train/kl", float(token_rewards.sum()) / -self.pipeline.kl_coef, count)  # KL(pi_old || ref)
         if self.critic is not None:
             batch.values = ray.get(self.critic.values.remote(batch)) * batch.response_mask
         compute_advantages(batch, self.estimator, values=batch.values, token_rewards=token_rewards)
         if any(f.excludes_from_loss is not None for f in self.filters):
             exclude_rows(batch, excluded)
-            _add(sums, "train/loss_excluded_frac", float(excluded.sum()), float(len(trajs)))
+            metrics.add("train/loss_excluded_frac", float(excluded.sum()), float(len(trajs)))
         if self.teachers:
-            for key, (num, den) in distill_metrics(batch).items():
-                _add(sums, key, num, den)
+            metrics.merge(distill_metrics(batch))
             if self.pipeline.pg_coef:
                 batch.advantages = self.pipeline.shape_advantages(batch)
-        scalars: dict[str, float] = defaultdict(float)
-        for m in range(cfg.trainer.mini_batches_per_step):
-            union = [i for r in rows for i in r[m]]
+        for m in range(plan.mini_batches):
+            union = plan.mini_batch_rows(m)
             if not union:
                 continue
             mini_batch = batch.select(union)
-            prepared, corr = self.pipeline.prepare(mini_batch)
-            for key, (num, den) in corr.items():
-                _add(sums, key, num, den)
-            pos = {row: k for k, row in enumerate(union)}
-            calls = [tr.train_step.remote(prepared.select([pos[i] for i in r[m]])) for tr, r in zip(self.trainers, rows)]
+            # corrections and loss weights over the whole mini-batch (global denominators)
+            prepared, corrections = self.pipeline.prepare(mini_batch)
+            metrics.merge(corrections)
+            calls = [tr.train_step.remote(prepared.select(rows)) for tr, rows in zip(self.trainers, plan.positions(m))]
             if self.critic is not None:  # the value model steps beside the policy, in its own actor
                 mini_batch.loss_weights = self.pipeline.aggregation_weights(mini_batch.response_mask)
                 calls.append(self.critic.train_step.remote(mini_batch))
-            for rank, out in enumerate(ray.get(calls)):
-                for key, value in out.items():
-                    if not any_sampled and key.startswith(CONSISTENCY_METRICS):
-                        continue  # nothing was sampled: the loss compared against placeholder log-probs
-                    if key.endswith("_sum"):
-                        _add(sums, key[:-4], value, 0.0)
-                    elif key.endswith("_count"):
-                        _add(sums, key[:-6], 0.0, value)
-                    elif key in ("train/loss", "critic/loss"):
-                        scalars[key] += value
-                    elif rank == 0 or key.startswith("critic/"):
-                        scalars[key] = value
-        metrics = dict(scalars)
-        metrics.update({k: v[0] / v[1] for k, v in sums.items() if v[1] > 0})
-        metrics["train/advantage_abs_mean"] = float((batch.advantages.abs() * batch.response_mask).sum()
-                                                    / batch.response_mask.sum().clamp(min=1))
-        return metrics
+            for out in ray.get(calls):
+                metrics.merge(out)
+        metrics.gauge("train/advantage_abs_mean", float((batch.advantages.abs() * batch.response_mask).sum()
+                                                        / batch.response_mask.sum().clamp(min=1)))
+        return metrics.means()
 
-    def _audit(self, parts: list[list[list[Trajectory]]]) -> None:
+    def _audit(self, plan: StepPlan, trajs: list[Trajectory]) -> None:
         """One row per training step in ``<run_dir>/batches.jsonl``: every trained group's source,
         record index, group id, staleness (policy version minus its oldest token's), rank and
         mini-batch. A resumed run appends; the last row of a step is the one that counts."""
         groups = []
-        for rank, rank_parts in enumerate(parts):
-            for mb, trajs in enumerate(rank_parts):
-                for gid in dict.fromkeys(t.group_id for t in trajs):
-                    t = next(t for t in trajs if t.group_id == gid)
-                    tokens = [v for u in trajs if u.group_id == gid for v in u.versions if v >= 0]
-                    groups.append({"source": t.source, "index": t.metadata.get("record_index"), "group_id": gid,
-                                   "staleness": self.version - min(tokens, default=self.version),
+        for rank, rank_rows in enumerate(plan.rows):
+            for mb, rows in enumerate(rank_rows):
+                members: dict[int, list[Trajectory]] = {}
+                for i in rows:
+                    members.setdefault(trajs[i].group_id, []).append(trajs[i])
+                for gid, group in members.items():
+                    tokens = [v for t in group for v in t.versions if v >= 0]
+                    groups.append({"source": group[0].source, "index": group[0].metadata.get("record_index"),
+                                   "group_id": gid, "staleness": self.version - min(tokens, default=self.version),
                                    "rank": rank, "mini_batch": mb})
         with open(self.run_dir / "batches.jsonl", "a") as fh:
             fh.write(json.dumps({"step": self.step + 1, "version": self.version, "groups": groups}) + "\n")
@@ -368,13 +346,13 @@ class Controller:
                 rows_of.append(rows)
         fill_teacher_tensors(batch, list(zip(rows_of, ray.get(calls))))
 
-    def _fill_logprobs(self, batch: TrainBatch, rows: list[list[list[int]]], sums: dict[str, list[float]], *,
-                       old: bool, consistency_mask: torch.Tensor | None = None) -> None:
+    def _fill_logprobs(self, batch: TrainBatch, plan: StepPlan, *, old: bool,
+                       consistency_mask: torch.Tensor | None = None) -> Metrics:
         """Old (and reference) log-probs, each trainer rank computing its own rows; with old ones also
         the consistency metrics over ``consistency_mask`` (default: the response mask)."""
         import ray
 
-        rank_rows = [[i for mb in r for i in mb] for r in rows]
+        rank_rows = [plan.rank_rows(r) for r in range(plan.world_size)]
         # every rank is called, even with no rows: FSDP2 forward and backward are collectives
         outs = ray.get([tr.logprobs.remote(batch.select(rr)) for tr, rr in zip(self.trainers, rank_rows)])
         B, T = batch.input_ids.shape
@@ -389,11 +367,10 @@ class Controller:
                 batch.old_logprobs[idx, :t] = out["old_logprobs"]
             if batch.ref_logprobs is not None:
                 batch.ref_logprobs[idx, :t] = out["ref_logprobs"]
-        if batch.old_logprobs is not None:
-            mask = batch.response_mask if consistency_mask is None else consistency_mask
-            for key, (num, den) in consistency_metrics(batch.old_logprobs, batch.rollout_logprobs, mask,
-                                                       self.pipeline.aggregation).items():
-                _add(sums, key, num, den)
+        if batch.old_logprobs is None:
+            return Metrics()
+        mask = batch.response_mask if consistency_mask is None else consistency_mask
+        return consistency_metrics(batch.old_logprobs, batch.rollout_logprobs, mask, self.pipeline.aggregation)
 
     def _push_weights(self) -> dict[str, float]:
         import ray
@@ -508,11 +485,6 @@ def init_ray_environment() -> None:
     Workers run in this very environment (same interpreter, same site-packages); Ray's `uv run` hook
     would instead try to rebuild a uv project inside every worker's working directory."""
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-
-
-def _add(sums: dict[str, list[float]], key: str, num: float, den: float) -> None:
-    sums[key][0] += num
-    sums[key][1] += den
 
 
 def _free_port() -> int:

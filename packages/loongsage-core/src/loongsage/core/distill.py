@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from loongsage.core.loss import MetricSums
+from loongsage.core.metrics import Metrics
 from loongsage.core.types import ConfigError, TrainBatch
 
 if TYPE_CHECKING:
@@ -115,13 +115,12 @@ def fill_teacher_tensors(batch: TrainBatch, outputs: list[tuple[list[int], dict[
             getattr(batch, name)[idx] = value
 
 
-def distill_metrics(batch: TrainBatch) -> MetricSums:
-    """Token-mean sums of the sampled-token KL estimate ``log pi_s - log pi_t`` (``mopd_kl``) and of
+def distill_metrics(batch: TrainBatch) -> Metrics:
+    """Token means of the sampled-token KL estimate ``log pi_s - log pi_t`` (``mopd_kl``) and of
     the teacher's log-prob of the student's tokens, over the step and per source."""
     from loongsage.core.loss import per_source_sums
 
     student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
     mask = batch.response_mask
     out = per_source_sums("mopd_kl", student - batch.teacher_logprobs, mask, batch.sources)
-    out.update(per_source_sums("mopd_teacher_logprob", batch.teacher_logprobs, mask, batch.sources))
-    return out
+    return out.merge(per_source_sums("mopd_teacher_logprob", batch.teacher_logprobs, mask, batch.sources))

@@ -21,18 +21,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loongsage.core.aggregation import loss_weights
+from loongsage.core.batching import engine_sampled
 from loongsage.core.contracts import Correction, KLEstimator, LossFunction, PolicyLoss
+from loongsage.core.metrics import Metrics
 from loongsage.core.types import CorrectionInput, PolicyLossInput, TrainBatch
 
-# Tokens whose mask is 0 get no metric mass; metrics are reported as token means over the step.
-MetricSums = dict[str, tuple[float, float]]
-
-CONSISTENCY_METRICS = ("train/is_approx_k3_kl", "train/is_logprob_abs_diff")
+# Metrics are ratios summed over micro-batches and ranks (tokens whose mask is 0 carry no mass), so
+# what is reported is the token mean over the step.
 
 
 def consistency_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
-                        aggregation: str = "token-mean") -> MetricSums:
-    """Train-inference mismatch: ``train/is_approx_k3_kl`` and ``train/is_logprob_abs_diff`` sums.
+                        aggregation: str = "token-mean") -> Metrics:
+    """Train-inference mismatch: ``train/is_approx_k3_kl`` and ``train/is_logprob_abs_diff`` ratios.
 
     delta = log pi_old - log pi_rollout (clamped to +-20); k3 = e^delta - delta - 1 >= 0; the
     second metric is |delta|. Averaged like the loss: with a ``seq-mean-*`` aggregation the mean
@@ -41,18 +41,22 @@ def consistency_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Te
     add up over micro-batches and ranks (a row is never split). ``mask`` selects the tokens that
     carry rollout log-probs (sampled by the engine); nothing is returned when it is empty.
     """
+    out = Metrics()
     mask = mask.to(torch.float32) if not mask.is_floating_point() else mask
     if not bool((mask != 0).any()):
-        return {}
+        return out
     delta = torch.where(mask != 0, (old_logprobs - rollout_logprobs).clamp(-20, 20), torch.zeros_like(mask))
     values = {"train/is_approx_k3_kl": torch.expm1(delta) - delta, "train/is_logprob_abs_diff": delta.abs()}
     if aggregation.startswith("seq-mean"):
         lengths = mask.sum(dim=-1)
         rows = lengths > 0
-        return {key: (float(((v * mask).sum(dim=-1)[rows] / lengths[rows]).sum()), float(rows.sum()))
-                for key, v in values.items()}
+        for key, v in values.items():
+            out.add(key, float(((v * mask).sum(dim=-1)[rows] / lengths[rows]).sum()), float(rows.sum()))
+        return out
     count = float(mask.sum())
-    return {key: (float((v * mask).sum()), count) for key, v in values.items()}
+    for key, v in values.items():
+        out.add(key, float((v * mask).sum()), count)
+    return out
 
 
 @dataclass
@@ -147,11 +151,11 @@ class LossPipeline(LossFunction):
         """Global loss weights of a whole mini-batch under ``algorithm.aggregation`` (the critic's too)."""
         return loss_weights(response_mask, self.aggregation, constant=self.aggregation_constant)
 
-    def prepare(self, mini_batch: TrainBatch) -> tuple[TrainBatch, MetricSums]:
+    def prepare(self, mini_batch: TrainBatch) -> tuple[TrainBatch, Metrics]:
         """Decide corrections and loss weights once for a whole optimizer mini-batch."""
         mask = mini_batch.response_mask.float()
         token_weights = torch.ones_like(mask)
-        sums: MetricSums = {}
+        sums = Metrics()
         old = mini_batch.old_logprobs
         for correction in self.up_front_corrections:
             out = correction(CorrectionInput(
@@ -160,23 +164,24 @@ class LossPipeline(LossFunction):
             ))
             token_weights = token_weights * out.token_weights
             for key, value in out.metrics.items():
-                sums[f"train/{key}"] = (float((value * mask).sum()), float(mask.sum()))
+                sums.add(f"train/{key}", float((value * mask).sum()), float(mask.sum()))
             mask = out.response_mask.float()
         weights = self.aggregation_weights(mask) * token_weights
         return replace(mini_batch, response_mask=mask, loss_weights=weights), sums
 
-    def __call__(self, logprobs: Tensor, mb: TrainBatch, student_dist: Tensor | None = None) -> tuple[Tensor, MetricSums]:
-        """Weighted loss sum of one micro-batch and its metric sums.
+    def __call__(self, logprobs: Tensor, mb: TrainBatch, student_dist: Tensor | None = None) -> tuple[Tensor, Metrics]:
+        """Weighted loss sum of one micro-batch and its metrics.
 
         ``student_dist`` (only when :attr:`needs_student_distribution`): the student's log-probs on
         the teacher's support, ``[B, t, K]`` for the last ``t`` positions of the micro-batch.
         """
         mask = mb.response_mask
-        metrics: MetricSums = {}
+        metrics = Metrics()
         old = mb.old_logprobs
         if old is None:  # on-policy single step: this forward's log-probs are the old ones
             old = logprobs.detach()
-            metrics.update(consistency_metrics(old, mb.rollout_logprobs, mask, self.aggregation))
+            # measured on the tokens an engine sampled: teacher-forced ones have no rollout log-probs
+            metrics.merge(consistency_metrics(old, mb.rollout_logprobs, mask * engine_sampled(mb), self.aggregation))
         out = self.policy_loss(PolicyLossInput(
             logprobs=logprobs, old_logprobs=old, advantages=mb.advantages, response_mask=mask,
             rollout_logprobs=mb.rollout_logprobs,
@@ -190,20 +195,20 @@ class LossPipeline(LossFunction):
             ))
             per_token = per_token * corr.token_weights
             for key, value in corr.metrics.items():
-                metrics[f"train/{key}"] = (float((value * mask).sum()), count)
+                metrics.add(f"train/{key}", float((value * mask).sum()), count)
         if self.divergence_consumes is not None:
             gkd = self._gkd(logprobs, old, mb, student_dist)
             per_token = (1.0 - self.gkd_coef) * per_token + self.gkd_coef * gkd
-            metrics.update(per_source_sums("gkd", gkd.detach(), mask, mb.sources))
+            metrics.merge(per_source_sums("gkd", gkd.detach(), mask, mb.sources))
         if self.kl_in_loss:
             extra = {"old_logprobs": old} if self.kl.needs_old_logprobs else {}
             kl = self.kl(logprobs, mb.ref_logprobs, **extra)  # unbiased forms weight by sg(pi / pi_old)
             per_token = per_token + self.kl_coef * kl
-            metrics["train/kl"] = (float((kl.detach() * mask).sum()), count)
+            metrics.add("train/kl", float((kl.detach() * mask).sum()), count)
         loss = (per_token * mb.loss_weights).sum()
-        metrics["train/pg_loss"] = (float((out.loss.detach() * mask).sum()), count)
+        metrics.add("train/pg_loss", float((out.loss.detach() * mask).sum()), count)
         for key, value in out.metrics.items():
-            metrics[f"train/{key}"] = (float((value.detach() * mask).sum()), count)
+            metrics.add(f"train/{key}", float((value.detach() * mask).sum()), count)
         return loss, metrics
 
     def _gkd(self, logprobs: Tensor, old: Tensor, mb: TrainBatch, student_dist: Tensor | None) -> Tensor:
@@ -221,14 +226,14 @@ class LossPipeline(LossFunction):
         return torch.where(mb.response_mask != 0, div, torch.zeros_like(div))
 
 
-def per_source_sums(name: str, values: Tensor, mask: Tensor, sources: list[str]) -> MetricSums:
-    """``train/<name>`` and ``train_per_ds/<source>/<name>`` token-mean sums of ``values`` [B, T]."""
+def per_source_sums(name: str, values: Tensor, mask: Tensor, sources: list[str]) -> Metrics:
+    """``train/<name>`` and ``train_per_ds/<source>/<name>``: token means of ``values`` [B, T]."""
     mask = mask.to(values.dtype)
-    out: MetricSums = {f"train/{name}": (float((values * mask).sum()), float(mask.sum()))}
+    out = Metrics().add(f"train/{name}", float((values * mask).sum()), float(mask.sum()))
     for source in sorted(set(sources)):
         rows = torch.tensor([s == source for s in sources], device=mask.device)
         m = mask * rows.unsqueeze(1).to(mask.dtype)
-        out[f"train_per_ds/{source}/{name}"] = (float((values * m).sum()), float(m.sum()))
+        out.add(f"train_per_ds/{source}/{name}", float((values * m).sum()), float(m.sum()))
     return out
 
 
@@ -240,7 +245,7 @@ class ValueLoss(LossFunction):
 
     clip: float = 0.2
 
-    def __call__(self, values: Tensor, mb: TrainBatch) -> tuple[Tensor, MetricSums]:
+    def __call__(self, values: Tensor, mb: TrainBatch) -> tuple[Tensor, Metrics]:
         mask = mb.response_mask
         old, target = mb.values, mb.returns
         clipped = old + (values - old).clamp(-self.clip, self.clip)
@@ -248,9 +253,8 @@ class ValueLoss(LossFunction):
         per_token = 0.5 * torch.maximum(unclipped_err, clipped_err)
         loss = (per_token * mb.loss_weights).sum()
         count = float(mask.sum())
-        return loss, {
-            "critic/value_loss": (float((per_token.detach() * mask).sum()), count),
-            "critic/clipfrac": (float(((clipped_err > unclipped_err).float() * mask).sum()), count),
-            "critic/values": (float((values.detach() * mask).sum()), count),
-            "critic/returns": (float((target * mask).sum()), count),
-        }
+        metrics = (Metrics().add("critic/value_loss", float((per_token.detach() * mask).sum()), count)
+                   .add("critic/clipfrac", float(((clipped_err > unclipped_err).float() * mask).sum()), count)
+                   .add("critic/values", float((values.detach() * mask).sum()), count)
+                   .add("critic/returns", float((target * mask).sum()), count))
+        return loss, metrics

@@ -173,7 +173,12 @@ class Trajectory:
 
 @dataclass
 class TrainBatch:
-    """Right-padded token batch; every per-token tensor is ``[B, T]`` over prompt + response."""
+    """Right-padded token batch; every per-token tensor is ``[B, T]`` over prompt + response.
+
+    Rows are trajectories (in the order :func:`~loongsage.core.batching.to_batch` was given them);
+    what identifies and describes a row travels with it: its source, group and sample index, the
+    policy version of every token, its segments. :meth:`select` keeps all of it together.
+    """
 
     input_ids: Tensor  # long
     attention_mask: Tensor  # long, 1 on real tokens
@@ -193,26 +198,51 @@ class TrainBatch:
     teacher_logprobs: Tensor | None = None
     teacher_dist_ids: Tensor | None = None
     teacher_dist_logprobs: Tensor | None = None
+    # the policy version that produced each token, int32 (-1: prompt, teacher-forced, tool or user
+    # token, padding); the trainer reads which tokens an engine sampled from it
+    versions: Tensor | None = None
+    token_rewards: Tensor | None = None  # the trajectories' own per-token rewards (None: no row has any)
+    sample_indices: Tensor | None = None  # [B] long: each row's position in its group
     sources: list[str] = field(default_factory=list)
+    segments: list[list[Segment]] = field(default_factory=list)  # per row (multi-turn spans), offsets into the row
+    routed_experts: list[Any] = field(default_factory=list)  # per row, as the engine returned them (empty: none)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
 
+    @property
+    def trajectory_ids(self) -> list[tuple[int, int]]:
+        """``(group id, sample index)`` of every row: unique within a run."""
+        if self.sample_indices is None:
+            raise ValueError("trajectory_ids: this batch carries no sample_indices")
+        return list(zip(self.group_ids.tolist(), self.sample_indices.tolist()))
+
     def select(self, rows: Tensor | list[int]) -> "TrainBatch":
+        """The batch of ``rows`` (in that order): every tensor and per-row list sliced alike."""
         idx = torch.as_tensor(rows, dtype=torch.long)
-        out = {}
+        out: dict[str, Any] = {}
         for name in self.tensor_fields():
             value = getattr(self, name)
             out[name] = None if value is None else value.index_select(0, idx)
-        return TrainBatch(**out, sources=[self.sources[i] for i in idx.tolist()] if self.sources else [])
+        picked = idx.tolist()
+        for name in self.row_fields():
+            value = getattr(self, name)
+            out[name] = [value[i] for i in picked] if value else []
+        return TrainBatch(**out)
 
     @staticmethod
     def tensor_fields() -> tuple[str, ...]:
         return (
             "input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantages",
             "rewards", "group_ids", "old_logprobs", "ref_logprobs", "loss_weights", "values", "returns",
-            "teacher_logprobs", "teacher_dist_ids", "teacher_dist_logprobs",
+            "teacher_logprobs", "teacher_dist_ids", "teacher_dist_logprobs", "versions", "token_rewards",
+            "sample_indices",
         )
+
+    @staticmethod
+    def row_fields() -> tuple[str, ...]:
+        """The per-row lists (empty when no row has the value)."""
+        return ("sources", "segments", "routed_experts")
 
 
 @dataclass

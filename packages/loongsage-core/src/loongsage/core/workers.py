@@ -18,6 +18,7 @@ import torch
 from loongsage.core.config import Config
 from loongsage.core.contracts import Critic
 from loongsage.core.loss import LossPipeline
+from loongsage.core.metrics import Metrics
 from loongsage.core.types import RewardInfraError, Status, TrainBatch, Trajectory, DataRecord
 
 
@@ -94,8 +95,11 @@ class TrainerWorker:
             out["ref_logprobs"] = self.backend.reference_logprobs(batch, self.token_budget)
         return out
 
-    def train_step(self, mini_batch: TrainBatch) -> dict[str, float]:
-        return self.backend.train_step(mini_batch, self.pipeline, self.token_budget)
+    def train_step(self, mini_batch: TrainBatch) -> Metrics:
+        metrics = self.backend.train_step(mini_batch, self.pipeline, self.token_budget)
+        # the gradient norm and learning rate are the model's, the same on every rank: rank 0
+        # reports them, the others their shares of the sums
+        return metrics if self.rank == 0 else metrics.without_gauges()
 
     def push_weights(self, engines: list[Any]) -> dict[str, float]:
         """Every rank calls (gathering shards is a collective); rank 0 sends to the engines."""
@@ -254,9 +258,8 @@ class CriticWorker:
     def values(self, batch: TrainBatch) -> torch.Tensor:
         return self.backend.values(batch, self.token_budget)
 
-    def train_step(self, mini_batch: TrainBatch) -> dict[str, float]:
-        out = self.backend.train_step(mini_batch, self.loss, self.token_budget)
-        return {key.replace("train/", "critic/", 1): value for key, value in out.items()}
+    def train_step(self, mini_batch: TrainBatch) -> Metrics:
+        return self.backend.train_step(mini_batch, self.loss, self.token_budget).renamed("train/", "critic/")
 
     def save(self, path: str) -> None:
         self.backend.save(path)

@@ -42,15 +42,16 @@ from loongsage.core.embedded.lora import (
     merged_state,
     merged_weights,
 )
+from loongsage.core.metrics import Metrics
 from loongsage.core.types import TrainBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# loss_fn(logprobs [B, T], micro_batch) -> (weighted loss sum, metric sums): a contracts.LossFunction,
+# loss_fn(logprobs [B, T], micro_batch) -> (weighted loss sum, Metrics): a contracts.LossFunction,
 # or a bare callable. A LossFunction whose ``needs_student_distribution`` is true (MOPD's distribution
 # divergences) is called with the keyword ``student_dist`` as well: see
 # :func:`logprobs_entropy_and_distribution`.
-LossFn = LossFunction | Callable[..., tuple[Tensor, dict[str, tuple[float, float]]]]
+LossFn = LossFunction | Callable[..., tuple[Tensor, Metrics]]
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
@@ -324,16 +325,18 @@ class TorchTrainer(Trainer):
             return self.logprobs(batch, token_budget)[0]
 
     # ------------------------------------------------------------------ training
-    def train_step(self, mini_batch: TrainBatch, loss_fn: LossFn, token_budget: int) -> dict[str, float]:
+    def train_step(self, mini_batch: TrainBatch, loss_fn: LossFn, token_budget: int) -> Metrics:
         """One optimizer step over ``mini_batch``; ``loss_fn`` returns the weighted loss *sum*.
 
         The loss of every micro-batch is already scaled by global denominators, so gradients are
         accumulated by plain summation and summed across data-parallel ranks. Every rank must call
-        this once per optimizer step, with an empty batch if it has no rows.
+        this once per optimizer step, with an empty batch if it has no rows. Returns the loss's
+        metrics summed over micro-batches, ``train/entropy``, the total ``train/loss`` and the
+        gauges ``train/grad_norm`` and ``train/lr``.
         """
         assert self.optimizer is not None, "setup_optimizer() first"
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, list[float]] = {}
+        metrics = Metrics()
         total = 0.0
         for mb in self._aligned(mini_batch, token_budget):
             if mb is None:
@@ -342,19 +345,16 @@ class TorchTrainer(Trainer):
                 continue
             if isinstance(loss_fn, LossFunction) and loss_fn.needs_student_distribution:
                 lp, ent, dist = self._forward_distribution(mb)
-                loss, metrics = loss_fn(lp, mb, student_dist=dist)
+                loss, mb_metrics = loss_fn(lp, mb, student_dist=dist)
             else:
                 lp, ent = self._forward(mb, with_entropy=True)
-                loss, metrics = loss_fn(lp, mb)
+                loss, mb_metrics = loss_fn(lp, mb)
             loss.backward()
             total += float(loss.detach())
+            metrics.merge(mb_metrics)
             if ent is not None:
                 mask = mb.response_mask.to(ent.device)
-                metrics["train/entropy"] = (float((ent * mask).sum()), float(mask.sum()))
-            for key, (num, den) in metrics.items():
-                acc = sums.setdefault(key, [0.0, 0.0])
-                acc[0] += num
-                acc[1] += den
+                metrics.add("train/entropy", float((ent * mask).sum()), float(mask.sum()))
         if self.world_size > 1 and not self.sharded:
             self._all_reduce_grads()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -364,11 +364,8 @@ class TorchTrainer(Trainer):
         if self.scheduler is not None:
             self.scheduler.step()
         self.steps += 1
-        out = {"train/loss": total, "train/grad_norm": float(grad_norm),
-               "train/lr": self.optimizer.param_groups[0]["lr"]}
-        for key, (num, den) in sums.items():
-            out[key + "_sum"], out[key + "_count"] = num, den
-        return out
+        return (metrics.total("train/loss", total).gauge("train/grad_norm", float(grad_norm))
+                .gauge("train/lr", self.optimizer.param_groups[0]["lr"]))
 
     def _all_reduce_grads(self) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
