@@ -26,53 +26,51 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save(ctl: Any, rollout_state: dict[str, Any]) -> Path:
-    """Write the checkpoint of the step just finished; ``rollout_state`` is the rollout service's
-    state, taken on the event loop that runs the service (this runs in a worker thread)."""
+def save(run_dir: Path, step: int, state: dict[str, Any], trainers: list[Any], critic: Any | None,
+         keep_last: int) -> Path:
+    """Write the checkpoint of ``step``: every trainer rank's state (and the critic's) and, as
+    ``controller.json``, the step with ``state`` (the weight version and the rollout service's data
+    position, taken on the event loop that runs the service: this runs in a worker thread). Keeps
+    the newest ``keep_last`` checkpoints (0: all)."""
     import ray
 
-    final = checkpoint_dir(ctl.run_dir) / f"step_{ctl.step:06d}"
+    final = checkpoint_dir(run_dir) / f"step_{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    ray.get([t.save.remote(str(tmp)) for t in ctl.trainers]
-            + ([ctl.critic.save.remote(str(tmp / "critic"))] if ctl.critic is not None else []))
-    state = {"step": ctl.step, "version": ctl.version, **rollout_state}
-    (tmp / "controller.json").write_text(json.dumps(state, indent=1))
+    ray.get([t.save.remote(str(tmp)) for t in trainers]
+            + ([critic.save.remote(str(tmp / "critic"))] if critic is not None else []))
+    (tmp / "controller.json").write_text(json.dumps({"step": step, **state}, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    keep = ctl.cfg.checkpoint.keep_last
-    old = sorted(p for p in checkpoint_dir(ctl.run_dir).glob("step_*") if not p.name.endswith(".tmp"))
-    for p in old[:-keep] if keep > 0 else []:
+    old = sorted(p for p in checkpoint_dir(run_dir).glob("step_*") if not p.name.endswith(".tmp"))
+    for p in old[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
     log.info("checkpoint: %s", final)
     return final
 
 
-def restore(ctl: Any) -> int:
-    """Load the latest checkpoint into the actors and the controller; return the step to start at."""
+def restore(run_dir: Path, trainers: list[Any], critic: Any | None) -> dict[str, Any] | None:
+    """Load the latest checkpoint's state into the trainer ranks (and the critic); return what
+    :func:`save` wrote as ``controller.json`` (step, version, rollout state), or None without one."""
     import ray
 
-    path = latest(ctl.run_dir)
+    path = latest(run_dir)
     if path is None:
-        log.warning("resume: no checkpoint under %s; starting from step 0", checkpoint_dir(ctl.run_dir))
-        return 0
+        log.warning("resume: no checkpoint under %s; starting from step 0", checkpoint_dir(run_dir))
+        return None
     state = json.loads((path / "controller.json").read_text())
-    ray.get([t.load.remote(str(path)) for t in ctl.trainers]
-            + ([ctl.critic.load.remote(str(path / "critic"))] if ctl.critic is not None else []))
-    ctl.rollout.restore(state)
-    ctl.step = int(state["step"])
-    ctl._push_weights()
-    ray.get([e.set_version.remote(int(state["version"])) for e in ctl.engines])
-    ctl.version = int(state["version"])
-    log.info("resume: %s (step %d, version %d)", path, ctl.step, ctl.version)
-    return ctl.step
+    ray.get([t.load.remote(str(path)) for t in trainers]
+            + ([critic.load.remote(str(path / "critic"))] if critic is not None else []))
+    log.info("resume: %s (step %d, version %d)", path, int(state["step"]), int(state["version"]))
+    return state
 
 
-def export_final(ctl: Any) -> Path:
+def export_final(run_dir: Path, trainers: list[Any]) -> Path:
+    """The trained policy as an HF folder, ``<run_dir>/final`` (every rank takes part)."""
     import ray
 
-    out = Path(ctl.run_dir) / "final"
-    ray.get([t.export_hf.remote(str(out)) for t in ctl.trainers])
+    out = Path(run_dir) / "final"
+    ray.get([t.export_hf.remote(str(out)) for t in trainers])
     log.info("exported HF model: %s", out)
     return out

@@ -359,7 +359,8 @@ class Transport(Protocol):
     kind: ClassVar[Literal["transport"]] = "transport"
 
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], receivers: list[Any]) -> dict[str, float]:
-        """Send every tensor to every receiver; returns ``sync/*`` statistics."""
+        """Send every tensor to every receiver; returns ``sync/*`` statistics, among them
+        ``sync/version``: the receivers' weight version after the push."""
         ...
 
 

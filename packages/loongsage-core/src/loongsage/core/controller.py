@@ -228,7 +228,7 @@ class Controller:
         from loongsage.core.tracking import create_trackers
 
         self.trackers = create_trackers(reg, cfg, self.run_dir)
-        self.evaluator = Evaluator(cfg, reg, self)
+        self.evaluator = Evaluator(cfg, reg)
 
     def _preflight(self, model_path: str) -> None:
         """Backend checks that need the model (a LoRA target's name, say), before any actor starts:
@@ -372,12 +372,29 @@ class Controller:
         mask = batch.response_mask if consistency_mask is None else consistency_mask
         return consistency_metrics(batch.old_logprobs, batch.rollout_logprobs, mask, self.pipeline.aggregation)
 
-    def _push_weights(self) -> dict[str, float]:
+    def push_weights(self) -> dict[str, float]:
+        """Every trainer rank exports its weights, rank 0 sends them to the engines; the engines'
+        new version becomes the controller's. Returns the transfer's ``sync/*`` metrics."""
         import ray
 
-        stats = ray.get([t.push_weights.remote(self.engines) for t in self.trainers])[0]
-        self.version = int(stats["sync/version"])
-        return stats
+        pushed = ray.get([t.push_weights.remote(self.engines) for t in self.trainers])[0]
+        self.version = pushed.version
+        return pushed.metrics
+
+    def resume(self) -> int:
+        """Continue from the latest checkpoint: trainer state, data position, the restored weights on
+        the engines and the version numbering. Returns the step to start at (0 without a checkpoint)."""
+        import ray
+
+        state = ckpt.restore(self.run_dir, self.trainers, self.critic)
+        if state is None:
+            return 0
+        self.rollout.restore(state)
+        self.step = int(state["step"])
+        self.push_weights()
+        ray.get([e.set_version.remote(int(state["version"])) for e in self.engines])
+        self.version = int(state["version"])
+        return self.step
 
     # ------------------------------------------------------------------ loop
     def run(self) -> dict[str, Any]:
@@ -406,7 +423,7 @@ class Controller:
                          log_to_driver=True, logging_level=logging.WARNING)
                 started_ray = True
             self._start_actors(model_path, teacher_plans)
-            start = ckpt.restore(self) if cfg.checkpoint.resume else 0
+            start = self.resume() if cfg.checkpoint.resume else 0
             summary = asyncio.run(self._loop(start, StepProgress(cfg.run.total_steps, start, cfg.tracking.progress)))
             return summary
         finally:
@@ -435,7 +452,7 @@ class Controller:
         ev = cfg.evaluation
         history: list[dict[str, float]] = []
         if start == 0:
-            self._log(0, await self.evaluator.run())
+            self._log(0, await self.evaluator.run(self.rollout, self.step))
         for step in range(start, cfg.run.total_steps):
             t0 = time.perf_counter()
             groups, metrics = await self.rollout.next_batch(self.version)
@@ -444,7 +461,7 @@ class Controller:
             metrics.update(await asyncio.to_thread(self._train, groups))
             t2 = time.perf_counter()
             await self.rollout.begin_update()  # asynchronous: generations in flight are cut here
-            metrics.update(await asyncio.to_thread(self._push_weights))
+            metrics.update(await asyncio.to_thread(self.push_weights))
             self.rollout.end_update(self.version)  # ... and continue from their tokens on the new weights
             t3 = time.perf_counter()
             self.step = step + 1
@@ -456,16 +473,18 @@ class Controller:
             })
             last = self.step == cfg.run.total_steps
             if (ev.every_steps and self.step % ev.every_steps == 0) or last:
-                metrics.update(await self.evaluator.run(pass_k=last))
+                metrics.update(await self.evaluator.run(self.rollout, self.step, pass_k=last))
             self._log(self.step, metrics)
             history.append(metrics)
             progress.update(metrics)
             if (cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0) or last:
-                await asyncio.to_thread(ckpt.save, self, self.rollout.state())
+                state = {"version": self.version, **self.rollout.state()}
+                await asyncio.to_thread(ckpt.save, self.run_dir, self.step, state, self.trainers, self.critic,
+                                        cfg.checkpoint.keep_last)
         progress.close()
         await self.rollout.close()
         if cfg.checkpoint.export_hf:
-            await asyncio.to_thread(ckpt.export_final, self)
+            await asyncio.to_thread(ckpt.export_final, self.run_dir, self.trainers)
         return {"steps": self.step, "version": self.version, "run_dir": str(self.run_dir),
                 "last_metrics": history[-1] if history else {}}
 

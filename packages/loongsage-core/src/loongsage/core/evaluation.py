@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loongsage.core.config import Config
 from loongsage.core.types import DataRecord
+
+if TYPE_CHECKING:
+    from loongsage.core.rollout import RolloutService
 
 
 class Evaluator:
     """Evaluates every data source that names an ``eval_reader`` on its first ``max_prompts`` rows."""
 
-    def __init__(self, cfg: Config, registry: Any, controller: Any):
-        self.cfg, self.controller = cfg, controller
+    def __init__(self, cfg: Config, registry: Any):
+        self.cfg = cfg
         self.records: dict[str, list[DataRecord]] = {}
         self.agents: dict[str, Any] = {}
         for i, src in enumerate(cfg.data_sources):
@@ -29,21 +32,24 @@ class Evaluator:
                 rows.append(record)
             self.records[src.name] = rows
 
-    async def run(self, pass_k: bool = True) -> dict[str, float]:
-        """Greedy accuracy; with ``pass_k`` (first and last evaluation) also pass@k and sampled pass@1."""
+    async def run(self, rollout: RolloutService, step: int, pass_k: bool = True) -> dict[str, float]:
+        """Greedy accuracy after ``step`` training steps, generated through ``rollout``; with
+        ``pass_k`` (first and last evaluation) also pass@k and sampled pass@1."""
         if not self.records:
             return {}
-        rollout, ev = self.controller.rollout, self.cfg.evaluation
+        ev = self.cfg.evaluation
         records = [r for rows in self.records.values() for r in rows]
         greedy = {name: replace(s, temperature=0.0, n=1, seed=None) for name, s in rollout.sampling.items()}
         metrics: dict[str, float] = {}
-        for name, groups in _by_source(await rollout.generate(records, greedy, self.agents, self._ids(0))).items():
+        answers = await rollout.generate(records, greedy, self.agents, self._ids(step, 0))
+        for name, groups in _by_source(answers).items():
             hits = [_success(g[0].reward, ev.success_threshold) for g in groups]
             metrics[f"eval/{name}/accuracy"] = sum(hits) / len(hits)
             metrics[f"eval/{name}/response_length"] = sum(len(g[0].response_ids) for g in groups) / len(groups)
         if pass_k and ev.pass_k > 0:
             sampled = {name: replace(s, n=ev.pass_k) for name, s in rollout.sampling.items()}
-            for name, groups in _by_source(await rollout.generate(records, sampled, self.agents, self._ids(1))).items():
+            answers = await rollout.generate(records, sampled, self.agents, self._ids(step, 1))
+            for name, groups in _by_source(answers).items():
                 per_group = [[_success(t.reward, ev.success_threshold) for t in g] for g in groups]
                 metrics[f"eval/{name}/pass@{ev.pass_k}"] = sum(any(h) for h in per_group) / len(per_group)
                 metrics[f"eval/{name}/pass@1_sampled"] = sum(sum(h) / len(h) for h in per_group) / len(per_group)
@@ -52,13 +58,12 @@ class Evaluator:
         await rollout.flush_caches()
         return metrics
 
-
-    def _ids(self, phase: int) -> list[int]:
+    def _ids(self, step: int, phase: int) -> list[int]:
         """Group ids of one evaluation phase: negative (never a training id) and a function of the
         step alone, so evaluation neither shifts the training stream nor depends on when a run
         was resumed."""
         n = sum(len(rows) for rows in self.records.values())
-        first = (2 * self.controller.step + phase) * n
+        first = (2 * step + phase) * n
         return [-1 - (first + k) for k in range(n)]
 
 

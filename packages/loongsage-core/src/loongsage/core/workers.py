@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -58,6 +59,15 @@ def model_args(cfg: Config, model_path: str) -> dict[str, Any]:
     return {"model_path": model_path, "dtype": cfg.model.dtype, "fp32_lm_head": cfg.model.fp32_lm_head}
 
 
+@dataclass
+class PushResult:
+    """What a weight push left behind: the engines' new weight version and the transport's
+    ``sync/*`` statistics (logged with the step)."""
+
+    version: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class TrainerWorker:
     """One data-parallel rank of the policy trainer (plus a frozen reference when KL needs it)."""
 
@@ -101,14 +111,16 @@ class TrainerWorker:
         # reports them, the others their shares of the sums
         return metrics if self.rank == 0 else metrics.without_gauges()
 
-    def push_weights(self, engines: list[Any]) -> dict[str, float]:
-        """Every rank calls (gathering shards is a collective); rank 0 sends to the engines."""
+    def push_weights(self, engines: list[Any]) -> PushResult | None:
+        """Every rank calls (gathering shards is a collective); rank 0 sends to the engines and
+        returns what the push did (the other ranks None)."""
         weights = self.backend.export_weights()
         if self.transport is None:
             for _ in weights:
                 pass
-            return {}
-        return self.transport.push(weights, engines)
+            return None
+        stats = self.transport.push(weights, engines)
+        return PushResult(version=int(stats["sync/version"]), metrics=stats)
 
     def param_checksum(self) -> float:
         return self.backend.param_checksum()
