@@ -1,0 +1,259 @@
+"""The HTTP gateway: uvicorn on loopback serving both chat protocols, one URL prefix per session.
+
+::
+
+    GET  /health
+    GET  /v1/models                                      the served model
+    GET  /{trajectory}/{attempt}/v1/models
+    POST /{trajectory}/{attempt}/v1/chat/completions     OpenAI (base_url = .../{trajectory}/{attempt}/v1)
+    POST /{trajectory}/{attempt}/v1/messages             Anthropic (base_url = .../{trajectory}/{attempt})
+
+A session exists once :meth:`Gateway.open_session` opened it and answers with its own key
+(``Authorization: Bearer <key>`` or ``x-api-key``), so a client bound to one session can neither
+read nor write another's trajectory; a request for a session never opened, closed or retired by a
+newer attempt is a 404/410. Every error is a JSON body in the endpoint's protocol; malformed
+input is a 4xx, never a 5xx.
+
+The gateway runs on the caller's event loop (:meth:`Gateway.start`, beside the engine router it
+generates with) or on a thread of its own (:meth:`Gateway.start_background`, for synchronous
+callers). Streams are written once the turn is generated: the engine answers whole samples, and a
+turn that fails must still get its 4xx status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from loongsage.agentflow import anthropic_api, openai_api
+from loongsage.agentflow.errors import APIError
+from loongsage.agentflow.service import ChatService
+from loongsage.agentflow.store import Budget, Session
+
+log = logging.getLogger("loongsage.agentflow")
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """Where a client of one session points: ``openai_base_url`` or ``anthropic_base_url``, with ``api_key``."""
+
+    trajectory: str
+    attempt: int
+    base_url: str
+    api_key: str | None
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    @property
+    def anthropic_base_url(self) -> str:
+        return self.base_url
+
+
+class _Server(uvicorn.Server):
+    """Uvicorn without its signal handlers: the gateway lives inside a run, whose signals are its own."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class Gateway:
+    def __init__(self, service: ChatService, *, host: str = "127.0.0.1", port: int = 0,
+                 max_body_bytes: int = 8 << 20):
+        self.service, self.host, self.port, self.max_body_bytes = service, host, int(port), int(max_body_bytes)
+        self.app = self._app()
+        self._server: _Server | None = None
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # ----------------------------------------------------------------------------- lifecycle
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def start(self) -> str:
+        """Serve on the running loop; returns the base URL once the socket accepts connections."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=2)
+        self._server, self._loop = _Server(config), asyncio.get_running_loop()
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("gateway: the server stopped before it started")
+            await asyncio.sleep(0.005)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = self._task = None
+
+    def start_background(self) -> str:
+        """Serve on a thread with its own event loop (the engine client must be usable there)."""
+        ready, failure = threading.Event(), []
+
+        async def run() -> None:
+            try:
+                await self.start()
+            except BaseException as exc:  # noqa: BLE001 - handed to the starting thread
+                failure.append(exc)
+                return
+            finally:
+                ready.set()
+            await self._task
+
+        self._thread = threading.Thread(target=asyncio.run, args=(run(),), name="agentflow-gateway", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        return self.url
+
+    def stop_background(self) -> None:
+        if self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------------------------ sessions
+    def open_session(self, trajectory: str, attempt: int = 0, *, budget: Budget | None = None,
+                     api_key: str | None = "") -> SessionInfo:
+        session = self.service.store.open(trajectory, attempt, budget=budget, api_key=api_key)
+        return SessionInfo(trajectory, attempt, f"{self.url}/{trajectory}/{attempt}", session.api_key)
+
+    async def close_session(self, trajectory: str, attempt: int = 0) -> Session:
+        """Stop serving a session; returns it after its turn in flight committed (call on the gateway's loop)."""
+        session = await self.service.store.close(trajectory, attempt)
+        self.service.engine.release_session(session.route_key)
+        return session
+
+    def close_session_threadsafe(self, trajectory: str, attempt: int = 0) -> Session:
+        """:meth:`close_session` from another thread (a gateway started with :meth:`start_background`)."""
+        return asyncio.run_coroutine_threadsafe(self.close_session(trajectory, attempt), self._loop).result()
+
+    # ---------------------------------------------------------------------------------- HTTP
+    def _app(self) -> Starlette:
+        routes = [
+            Route("/health", self._health, methods=["GET"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/{trajectory}/{attempt:int}/v1/models", self._session_models, methods=["GET"]),
+            Route("/{trajectory}/{attempt:int}/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/{trajectory}/{attempt:int}/v1/messages", self._messages, methods=["POST"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _crash})
+
+    async def _health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "sessions": len(self.service.store.sessions())})
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.service.model_name, "object": "model",
+                                                         "created": 0, "owned_by": "loongsage"}]})
+
+    async def _session_models(self, request: Request) -> Response:
+        try:
+            self._session(request)
+        except APIError as exc:
+            return JSONResponse(exc.openai_body(), exc.status)
+        return await self._models(request)
+
+    async def _chat(self, request: Request) -> Response:
+        try:
+            session = self._session(request)
+            chat, options = openai_api.parse(await self._body(request))
+            result = await self.service.complete(session.trajectory, session.attempt, chat)
+        except APIError as exc:
+            return JSONResponse(exc.openai_body(), exc.status)
+        model = options.model or self.service.model_name
+        token_text = self._token_text
+        if not options.stream:
+            return JSONResponse(openai_api.response(result, model, options, token_text))
+        lines = [f"data: {_dump(c)}\n\n" for c in openai_api.chunks(result, model, options, token_text)]
+        return _sse([*lines, "data: [DONE]\n\n"])
+
+    async def _messages(self, request: Request) -> Response:
+        try:
+            session = self._session(request)
+            chat, model, stream = anthropic_api.parse(await self._body(request))
+            result = await self.service.complete(session.trajectory, session.attempt, chat)
+        except APIError as exc:
+            return JSONResponse(exc.anthropic_body(), exc.status)
+        if not stream:
+            return JSONResponse(anthropic_api.response(result, model))
+        return _sse([f"event: {name}\ndata: {_dump(data)}\n\n" for name, data in anthropic_api.events(result, model)])
+
+    def _token_text(self, token: int) -> str:
+        return self.service.renderer.decode([token])
+
+    def _session(self, request: Request) -> Session:
+        params = request.path_params
+        session = self.service.store.get(params["trajectory"], params["attempt"])
+        if session.api_key is not None:
+            sent = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+            if not hmac.compare_digest(sent.strip().encode(), session.api_key.encode()):
+                raise APIError(401, f"session {session.route_key}: missing or wrong API key")
+        return session
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {self.max_body_bytes}")
+        data, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body_bytes:
+                raise APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+            data.append(part)
+        try:
+            body = json.loads(b"".join(data))
+        except (ValueError, RecursionError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}"[:300]) from None
+        if not isinstance(body, dict):
+            raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        return body
+
+
+def _dump(data: Any) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(events: Iterable[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        for event in events:
+            yield event.encode()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    message = {404: f"no route {request.url.path}: sessions live under /{{trajectory}}/{{attempt}}/v1/",
+               405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(APIError(exc.status_code, message).openai_body(), exc.status_code)
+
+
+async def _crash(request: Request, exc: Exception) -> Response:
+    log.exception("gateway: unhandled error on %s", request.url.path)
+    return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}").openai_body(), 500)

@@ -1,0 +1,11 @@
+"""AgentFlow's entry point (group ``loongsage``): the ``qwen3`` chat parser backend."""
+
+from __future__ import annotations
+
+from loongsage.agentflow.parsers import Qwen3ChatParser
+from loongsage.core.hookspecs import Factories, hookimpl
+
+
+@hookimpl
+def loongsage_backends() -> Factories:
+    return {"qwen3": Qwen3ChatParser}
