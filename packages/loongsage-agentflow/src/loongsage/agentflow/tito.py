@@ -16,10 +16,10 @@ new_conversation   shares not even its first message with any line (a side conve
 tools_changed      offers other tools than the line was rendered with
 reasoning_dropped  sends a reply back without its reasoning (when that is not allowed)
 reply_edited       sends the last reply back changed
-rewound            is a prefix of the line's conversation (it went back: a branch, a new
-                   line)
+rewound            goes on from an earlier reply of the line, or resends an earlier request
+                   (a branch: a new line)
 compaction         is shorter than the line's conversation (history condensed)
-rewritten          changed earlier history
+rewritten          changed earlier history (not right after a reply)
 not_append_only    extends the line, but the template renders the new messages differently
                    in context (nothing to append)
 =================  ======================================================================
@@ -93,8 +93,8 @@ def classify(line: LineView, messages: list[Message], tools: list | None, *, rea
                 return "reasoning_dropped"
             if k == len(line.messages) - 1:
                 return "reply_edited"
-    if k == len(messages):
-        return "rewound"
+    if k == len(messages) or (0 < k < len(line.messages) and line.messages[k - 1].get("role") == "assistant"):
+        return "rewound"  # goes on from an earlier reply (or resends an earlier request)
     if len(messages) < len(line.messages):
         return "compaction"
     return "rewritten"
