@@ -32,3 +32,8 @@ def reply_text(renderer, reply, tools=None) -> str:
     full = renderer.render([*user, reply], tools, generation_prompt=False)
     assert full.startswith(before) and full.endswith(renderer.closing)
     return full[len(before):len(full) - len(renderer.closing)]
+
+# the tool the plumbing tests offer
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "look a number up",
+                                           "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}

@@ -64,3 +64,28 @@ _ids = iter(range(10**9))
 def session(gateway):
     """A fresh session of the module's gateway."""
     return gateway.open_session(f"traj-{next(_ids)}")
+
+
+class ScriptedToolParser:
+    """A deterministic chat parser for the plumbing tests (the tiny model never writes a tool call
+    by itself): every completion is read as one call of ``lookup`` whose argument is the length of
+    the completion's text, with that text as the reasoning."""
+
+    kind = "chat_parser"
+
+    def parse(self, text):
+        import json
+
+        return {"content": "", "reasoning_content": f"wrote {len(text)} characters",
+                "tool_calls": [{"type": "function", "function": {"name": "lookup",
+                                                                 "arguments": json.dumps({"n": len(text)})}}]}
+
+
+@pytest.fixture
+def tool_parser(gateway):
+    """The module's gateway reads every completion as a tool call for the length of one test."""
+    saved = gateway.service.parser
+    gateway.service.parser = ScriptedToolParser()
+    yield
+    gateway.service.parser = saved
+

@@ -155,11 +155,12 @@ class ChatService:
         if text is None:
             text = self.renderer.decode(ids[:-1] if sampled_stop is not None else ids)
         message = self._message(text, request)
-        finish = ("abort" if result.finish_reason is FinishReason.ABORT
-                  else "length" if result.finish_reason is FinishReason.LENGTH and stop is None
-                  else "tool_calls" if message.get("tool_calls") else "stop")
-        sample = Sample(ids[:kept], list(result.logprobs[:kept]), list(result.versions[:kept]), finish, message,
+        ended = ("abort" if result.finish_reason is FinishReason.ABORT
+                 else "length" if result.finish_reason is FinishReason.LENGTH and stop is None else "stop")
+        sample = Sample(ids[:kept], list(result.logprobs[:kept]), list(result.versions[:kept]), ended, message,
                         self.renderer.tail(sampled_stop))
+        # complete calls are the client's to run, even from a reply the length limit ended
+        finish = "tool_calls" if message.get("tool_calls") and ended != "abort" else ended
         return Choice(index, message, finish, sample.ids, sample.logprobs, stop), sample
 
     def _message(self, text: str, request: ChatRequest) -> Message:

@@ -52,7 +52,7 @@ class Sample:
     ids: list[int]  # the engine's tokens (cut after a stop string)
     logprobs: list[float]
     versions: list[int]
-    finish_reason: str  # stop | length | tool_calls | abort
+    finish_reason: str  # how the engine ended it: stop (a stop token or string) | length | abort
     message: Message  # the reply as returned to the client
     tail: str  # closing text still to write before the next turn's tokens
 
