@@ -173,8 +173,13 @@ def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
         raise unsupported(f"aggregation {alg.aggregation} (token-mean expected; TRL loss_type='dapo')")
     if alg.kl is not None or alg.kl_coef:
         raise unsupported("a KL term (the comparison runs with beta=0 and no reference model)")
-    if alg.corrections or alg.filters:
-        raise unsupported("corrections/filters")
+    if alg.filters:
+        raise unsupported("filters")
+    # decoupled PPO's behaviour weight: about 1 on-policy, it matters for stale samples; TRL has none, so
+    # it runs plain GRPO while the launcher keeps the recipe's correction (and pays its extra forward pass)
+    ours_only = [dict(c) for c in alg.corrections]
+    if any(c.get("name") != "decoupled" for c in ours_only):
+        raise unsupported(f"corrections {ours_only} (only 'decoupled', kept on the launcher side, is handled)")
     tr = cfg.trainer
     if tr.mini_batches_per_step != 1 or tr.world_size != 1 or cfg.rollout.num_engines != 1:
         raise unsupported("mini_batches_per_step, world_size and num_engines must be 1")
@@ -188,6 +193,7 @@ def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
     opt = tr.optimizer
     return {
         "sources": sources,
+        "ours_only_corrections": ours_only,
         "prompts_per_step": sum(s["prompts"] for s in sources),
         "samples": sources[0]["samples"],
         "trajectories_per_step": sum(s["prompts"] * s["samples"] for s in sources),
@@ -657,7 +663,12 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         "completion with its own source's reward plugin (`exact_match` / `digit_sort`), the same optimizer, clip "
         "range, `loss_type='dapo'` (token-mean), `scale_rewards='group'`, `beta=0`, no vLLM, "
         "`gradient_checkpointing=False`, both cores for every phase. TRL's held-out accuracy comes from the shared "
-        "greedy HF-`generate` helper with each source's own max new tokens and reward.",
+        "greedy HF-`generate` helper with each source's own max new tokens and reward."
+        + (f" The recipe's correction {', '.join(c['name'] for c in s['ours_only_corrections'])} (decoupled PPO's "
+           "per-token behaviour weight, about 1 on-policy, for stale samples) runs on every launcher "
+           "configuration, synchronous included, and costs it an extra forward pass per step for the proximal "
+           "log-probs; TRL has no such correction and runs plain GRPO."
+           if s.get("ours_only_corrections") else ""),
         "",
         "## Throughput",
         "",
