@@ -1,0 +1,168 @@
+"""Hostile and careless clients: every bad request is a 4xx with a message (never a 5xx), budgets
+end in an API error and a truncated trajectory, and a client that vanishes mid-stream leaves no
+lock held."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from loongsage.agentflow.store import Budget
+from loongsage.core.types import Status
+
+pytestmark = pytest.mark.timeout(120)
+USER = [{"role": "user", "content": "hi"}]
+
+
+def _post(session, path, body, *, raw=None, key=None):
+    headers = {"authorization": f"Bearer {session.api_key if key is None else key}", "content-type": "application/json"}
+    content = raw if raw is not None else json.dumps(body)
+    return httpx.post(f"{session.base_url}{path}", content=content, headers=headers, timeout=60)
+
+
+def _error(resp, status):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    message = body["error"]["message"]
+    assert isinstance(message, str) and message and "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+    ({"messages": USER, "temperature": "hot"}, "temperature"),
+    ({"messages": USER, "temperature": True}, "temperature"),
+    ({"messages": USER, "n": 0}, "n"),
+    ({"messages": USER, "n": 17}, "n"),
+    ({"messages": USER, "max_tokens": -1}, "max_tokens"),
+    ({"messages": USER, "top_p": 0}, "top_p"),
+    ({"messages": USER, "stop": [""]}, "stop"),
+    ({"messages": USER, "tools": {"a": 1}}, "tools"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {}}]}, "name"),
+    ({"messages": USER, "tool_choice": 3}, "tool_choice"),
+    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": USER, "stream": "yes"}, "stream"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": "f"}]}]}, "tool_calls"),
+])
+def test_malformed_openai_requests_are_400s_naming_the_field(session, body, field):
+    assert field in _error(_post(session, "/v1/chat/completions", body), 400)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe", b"[" * 100_000 + b"]" * 100_000, b""])
+def test_bodies_that_are_no_json_object_are_400s(session, raw):
+    _error(_post(session, "/v1/chat/completions", None, raw=raw), 400)
+    assert _post(session, "/v1/messages", None, raw=raw).json()["type"] == "error"
+
+
+def test_oversized_bodies_are_413s(gateway, session):
+    big = {"messages": [{"role": "user", "content": "x" * (gateway.max_body_bytes + 1)}]}
+    _error(_post(session, "/v1/chat/completions", big), 413)
+    # a client that lies about the length is cut off while streaming the body
+    def chunks():
+        for _ in range(gateway.max_body_bytes // 65536 + 2):
+            yield b" " * 65536
+    resp = httpx.post(f"{session.openai_base_url}/chat/completions", content=chunks(),
+                      headers={"authorization": f"Bearer {session.api_key}"})
+    _error(resp, 413)
+
+
+def test_sessions_are_closed_to_strangers(gateway, session):
+    ok = {"messages": USER, "max_tokens": 2}
+    assert "unknown session" in _error(httpx.post(f"{gateway.url}/nobody/0/v1/chat/completions", json=ok), 404)
+    assert "API key" in _error(_post(session, "/v1/chat/completions", ok, key="someone-else"), 401)
+    other = gateway.open_session(session.trajectory + "-other")
+    assert "API key" in _error(_post(session, "/v1/chat/completions", ok, key=other.api_key), 401)
+    retry = gateway.open_session(session.trajectory, attempt=1)
+    assert "retired" in _error(_post(session, "/v1/chat/completions", ok), 410)
+    assert _post(retry, "/v1/chat/completions", ok).status_code == 200
+    assert "no route" in _error(httpx.post(f"{gateway.url}/v1/chat/completions", json=ok), 404)
+    _error(httpx.get(f"{retry.openai_base_url}/chat/completions"), 405)
+    _error(httpx.get(f"{gateway.url}/{session.trajectory}/zero/v1/models"), 404)
+    with pytest.raises(ValueError, match="not newer"):
+        gateway.open_session(session.trajectory, attempt=1)
+    with pytest.raises(ValueError, match="trajectory id"):
+        gateway.open_session("../etc")
+
+
+def test_unknown_fields_real_clients_send_are_accepted(session):
+    body = {"messages": USER, "max_completion_tokens": 2, "reasoning_effort": "high", "metadata": {"a": "b"},
+            "prompt_cache_key": "k", "parallel_tool_calls": False, "store": False, "user": "u", "service_tier": "auto",
+            "frequency_penalty": 0.5, "logit_bias": {"5": 1}, "tools": [{"type": "web_search"}],
+            "tool_choice": "required", "response_format": {"type": "text"}, "modalities": ["text"]}
+    resp = _post(session, "/v1/chat/completions", body)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] <= 2
+    anthropic_body = {"model": "m", "max_tokens": 2, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 9},
+                      "service_tier": "auto", "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+                      "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}]}
+    assert _post(session, "/v1/messages", anthropic_body).status_code == 200
+
+
+def test_budgets_end_in_an_api_error_and_a_truncated_trajectory(gateway):
+    small = gateway.open_session("budget-context", budget=Budget(max_context_tokens=8))
+    assert "out of budget" in _error(_post(small, "/v1/chat/completions", {"messages": USER}), 400)
+    s = gateway.open_session("budget-response", budget=Budget(max_response_tokens=6))
+    first = _post(s, "/v1/chat/completions", {"messages": USER, "max_tokens": 50, "temperature": 0})
+    assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] <= 6
+    reply = first.json()["choices"][0]["message"]
+    follow = {"messages": [*USER, reply, {"role": "user", "content": "more"}], "max_tokens": 5}
+    if first.json()["choices"][0]["finish_reason"] == "length":
+        assert _post(s, "/v1/chat/completions", follow).json()["error"]["code"] == "context_length_exceeded"
+    (trajectory,) = gateway.close_session_threadsafe("budget-response").trajectories()
+    assert trajectory.status is Status.TRUNCATED and sum(trajectory.loss_mask) <= 6
+    assert gateway.service.metrics()["agentflow/budget_refusals"] >= 1
+
+
+def test_a_client_gone_mid_stream_leaves_no_lock_held(gateway, session):
+    body = json.dumps({"messages": [{"role": "user", "content": "long"}], "max_tokens": 200, "temperature": 0,
+                       "stream": True}).encode()
+    host, port = gateway.host, gateway.port
+    with socket.create_connection((host, port)) as sock:  # sends the request, reads nothing, hangs up
+        sock.sendall(f"POST /{session.trajectory}/0/v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
+                     f"authorization: Bearer {session.api_key}\r\ncontent-type: application/json\r\n"
+                     f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.3)
+    started = time.monotonic()
+    resp = _post(session, "/v1/chat/completions", {"messages": [{"role": "user", "content": "next"}], "max_tokens": 2})
+    assert resp.status_code == 200 and time.monotonic() - started < 60
+    # the abandoned turn committed, and asking it again is a retry answered from memory
+    again = _post(session, "/v1/chat/completions", json.loads(body) | {"stream": False})
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 200
+    lines = gateway.close_session_threadsafe(session.trajectory).trajectories()
+    assert sorted(len(t.metadata["turns"]) for t in lines) == [1, 1]
+
+
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                     max_leaves=10)
+_keys = st.sampled_from(["messages", "model", "max_tokens", "n", "tools", "stop", "temperature", "stream", "seed",
+                         "tool_choice", "system", "stop_sequences", "top_k", "stream_options", "logprobs"])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(_keys, _json, max_size=6), messages=st.lists(st.dictionaries(
+    st.sampled_from(["role", "content", "tool_calls", "tool_call_id"]), _json | st.sampled_from(["user", "assistant",
+                                                                                               "tool", "system"])),
+    max_size=3), path=st.sampled_from(["/v1/chat/completions", "/v1/messages"]))
+def test_no_body_makes_a_5xx(gateway, body, messages, path):
+    session = gateway.open_session(f"fuzz-{time.monotonic_ns()}", budget=Budget(default_max_tokens=2))
+    body = {**body, "messages": messages} if messages else body
+    body.pop("n", None) if not isinstance(body.get("n"), int) or body.get("n", 1) > 2 else None
+    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 2:
+        body["max_tokens"] = 2
+    resp = _post(session, path, body)
+    assert resp.status_code < 500, resp.text
+    if resp.status_code >= 400:
+        payload = resp.json()
+        assert (payload.get("error") or {}).get("message"), payload
