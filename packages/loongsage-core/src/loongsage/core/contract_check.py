@@ -1,13 +1,14 @@
-"""Checks an entry against its contract (:mod:`loongsage.core.contracts`), as the registry does.
+"""How the registry checks an entry against its contract (:mod:`loongsage.core.contracts`).
 
-* a class factory when the registry loads it: every method present and callable as the Protocol
-  calls it, every flag the class declares of the right type, every flag it leaves out set on the
-  class to the Protocol's default;
-* what any factory builds, when it is built: the same, on the object (flags that depend on the
-  entry's params, attributes set by ``__init__``), flags left out set to their default.
+* :func:`check_class`: a class factory when the registry loads it: every method present and
+  callable as the Protocol calls it, every flag the class declares of the right type, every flag
+  it leaves out set on the class to the Protocol's default;
+* :func:`check_object`: what any factory builds, when it is built: the same, on the object (flags
+  that depend on the entry's params, attributes set by ``__init__``), flags left out set to their
+  default.
 
-Each check returns the first problem as one line (the registry prefixes the entry and its
-provider), or None.
+Each returns the first problem as one line (the registry prefixes the entry and its provider), or
+None. :func:`members` and :func:`flags` read a Protocol as the checks see it.
 """
 
 from __future__ import annotations
