@@ -48,6 +48,24 @@ def ray_session(model_cache):
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ray_module(model_cache):
+    """Ray for one module that runs before the tests checking that bad input never starts Ray
+    (they assert it is not running): started here if needed, and then shut down after the module."""
+    from loongsage.core.controller import init_ray_environment
+
+    init_ray_environment()
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"LOONGSAGE_CACHE": str(model_cache)}})
+    yield ray
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture
 def in_tmp(tmp_path, monkeypatch) -> Path:
     """Run in a temporary directory that sees the repository's recipes (log/ and runs/ land there)."""

@@ -12,12 +12,12 @@ from loongsage.agentflow.service import ChatService
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_turns_of_a_session_reach_the_engine_holding_their_prefix(ray_session, tiny):
+def test_turns_of_a_session_reach_the_engine_holding_their_prefix(ray_module, tiny):
     from loongsage.core.config import load_config
     from loongsage.core.rollout import EngineRouter
     from loongsage.core.workers import EngineWorker
 
-    ray = ray_session
+    ray = ray_module
     path, tokenizer = tiny
     cfg, _ = load_config("tiny/grpo_arith_cpu", ["rollout.engine={name: native, params: {max_model_len: 1024}}"])
     engine = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=100).remote(cfg, path, 0, 1)
