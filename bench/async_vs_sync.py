@@ -525,30 +525,39 @@ def label(c: str, eta: int) -> str:
 
 
 def goal_lines(result: dict[str, Any]) -> list[str]:
-    """The goals, judged on the median-based ratio; the least-contended (p10) ratio is given beside it."""
+    """The goals, judged on both the median-based and the least-contended (p10) ratios: met only where both are."""
     summ, eta = result["summary"], result["max_staleness"]
     asyncs = [c for c in result["configurations"] if c not in ("sync", TRL) and c in summ]
 
-    def both(c: str, base: str) -> str:
-        d = summ[c][base]
-        p10 = d.get("trajectories_per_s_p10_of_medians")
-        return f"{d['trajectories_per_s_of_medians']:.2f}x" + (f" (least contended: {p10:.2f}x)" if p10 else "")
+    def r(c: str, base: str, key: str) -> float:
+        return summ[c][base].get(f"{key}_of_medians") or 0.0
+
+    def verdict(c: str, base: str, goal: float) -> str:
+        med, p10 = r(c, base, "trajectories_per_s"), r(c, base, "trajectories_per_s_p10")
+        if med >= goal and p10 >= goal:
+            word = "met"
+        elif med < goal and p10 < goal:
+            word = "not met"
+        else:
+            word = "met on one measure only"
+        return f"**{word}**: {label(c, eta)} at {med:.2f}x (median steps) and {p10:.2f}x (least contended)"
 
     lines = []
     if asyncs:
-        best = max(asyncs, key=lambda c: summ[c]["vs_sync"]["trajectories_per_s_of_medians"])
-        met = [c for c in asyncs if summ[c]["vs_sync"]["trajectories_per_s_of_medians"] >= 1.5]
-        lines.append(f"- Asynchronous >= 1.5x synchronous throughput: **{'met' if met else 'not met'}**. Best "
-                     f"{label(best, eta)} at {both(best, 'vs_sync')} sync (medians of repeats); "
-                     + (f"at or above 1.5x: {', '.join(label(c, eta) for c in met)}." if met
-                        else "none reaches 1.5x."))
+        best = max(asyncs, key=lambda c: min(r(c, "vs_sync", "trajectories_per_s"),
+                                             r(c, "vs_sync", "trajectories_per_s_p10")))
+        lines.append(f"- Asynchronous >= 1.5x synchronous throughput: {verdict(best, 'vs_sync', 1.5)} "
+                     "(the best asynchronous scheduler; every one is in the tables above).")
     if TRL in summ:
         sides = [c for c in result["configurations"] if c != TRL and c in summ]
-        best = max(sides, key=lambda c: summ[c]["vs_trl"]["trajectories_per_s_of_medians"])
-        r = summ[best]["vs_trl"]["trajectories_per_s_of_medians"]
-        lines.append(f"- >= 3x TRL's trajectories/s at an equal curve: **{'met' if r >= 3 else 'not met'}** on "
-                     f"throughput (best {label(best, eta)} at {both(best, 'vs_trl')} TRL; sync at "
-                     f"{both('sync', 'vs_trl')}); see the curves below for the \"equal curve\" half.")
+        best = max(sides, key=lambda c: min(r(c, "vs_trl", "trajectories_per_s"),
+                                            r(c, "vs_trl", "trajectories_per_s_p10")))
+        lines.append(f"- >= 3x TRL's trajectories/s at an equal curve, throughput half: {verdict(best, 'vs_trl', 3.0)}; "
+                     f"sync at {r('sync', 'vs_trl', 'trajectories_per_s'):.2f}x / "
+                     f"{r('sync', 'vs_trl', 'trajectories_per_s_p10'):.2f}x. The curve half: see Learning.")
+    if noise_note(result):
+        lines.append("- These verdicts come from a loaded machine (see Throughput): they hold for that load, "
+                     "not for a quiet machine.")
     return lines
 
 
@@ -610,12 +619,20 @@ def learning_verdict(result: dict[str, Any]) -> list[str]:
 def noise_note(result: dict[str, Any]) -> list[str]:
     cpus = result["machine"]["cpus"] or 1
     loads = [x for r in result["runs"] for x in r["loadavg_1m_before_after"]]
-    peak = max(loads) if loads else 0.0
-    if peak <= cpus:
+    if not loads or max(loads) <= cpus:
         return []
-    return [f"**Shared machine**: the 1-minute load average reached {peak:.1f} on {cpus} cores during the "
-            "runs (other processes were running), so absolute times carry contention; the interleaved "
-            "repeats spread it across configurations, and the ratios are the figures to read.", ""]
+    by_config = {c: statistics.fmean(x for r in result["runs"] if r["configuration"] == c
+                                     for x in r["loadavg_1m_before_after"])
+                 for c in result["configurations"] if any(r["configuration"] == c for r in result["runs"])}
+    return [f"**Shared machine under load**: the 1-minute load average reached {max(loads):.1f} on {cpus} cores "
+            f"(median {statistics.median(loads):.1f} over the runs' start and end; mean per configuration: "
+            + ", ".join(f"{label(c, result['max_staleness'])} {v:.1f}" for c, v in by_config.items())
+            + "). Other processes shared the cores, so absolute times measure contention as much as code, and "
+            "the ratios are skewed too: the synchronous launcher's actors and TRL run two torch threads each, "
+            "which slow down far more when the cores are oversubscribed than an asynchronous run's pinned "
+            "one-thread actors do. Under such load the ratios vs sync and vs TRL overstate what the schedule "
+            "gains on a quiet machine; the least-contended table is the closer estimate of the uncontended "
+            "cost, and a quiet machine is needed for firm numbers.", ""]
 
 
 def write_markdown(path: Path, result: dict[str, Any]) -> None:
