@@ -6,6 +6,8 @@ import asyncio
 import sys
 from pathlib import Path
 
+import pytest
+
 from loongsage.core.config import load_config
 from loongsage.core.rollout import EngineRouter
 from loongsage.core.types import SamplingParams
@@ -99,3 +101,87 @@ def test_a_weight_update_cuts_generations_that_then_continue_from_their_tokens(r
         assert 0 < r.versions.count(0) < budget
     assert after.versions == [1] * 4
     ray.kill(engine)
+
+
+def test_a_lost_engine_is_replaced_and_its_requests_sampled_again(ray_session, tmp_path):
+    """Failover over real replicas: one engine is killed (SIGKILL) while it generates, then the other
+    one freezes (SIGSTOP: alive to Ray, answering nothing). Each time the requests it held go again,
+    with their seeds, to a replacement started in its place, and every caller gets exactly the
+    tokens an undisturbed round samples; once the restarts allowed are spent, a loss fails the
+    callers with one line naming the setting."""
+    import os
+    import signal
+
+    from loongsage.core.rollout.recovery import EngineRecovery
+
+    ray = ray_session
+    model = build_engine_test_model(tmp_path / "m")
+    cfg, _ = load_config("tiny/grpo_arith_cpu",
+                         ["rollout.engine={name: native, params: {max_model_len: 512, eos_token_ids: []}}"])
+    worker = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=100)
+    engines = [worker.remote(cfg, model, i, 1) for i in range(2)]
+    router = EngineRouter(engines, health_timeout_s=4)
+    started, errors = [], []
+
+    def restart(index, lost):  # what the controller does: the old actor killed, a new one, same arguments
+        ray.kill(lost)
+        engine = worker.remote(cfg, model, index, 1)
+        ray.get(engine.version.remote())
+        started.append(engine)
+        return engine
+
+    EngineRecovery(router, restart=restart, load=lambda engine, version: ray.get(engine.set_version.remote(version)),
+                   max_restarts=2, on_error=errors.append)
+    batch = prompts(6, seed=90)
+    sampling = [SamplingParams(temperature=1.0, max_new_tokens=100, n=2, seed=100 + k) for k in range(6)]
+
+    async def round_(victim: int | None = None, sig: int = signal.SIGKILL):
+        """Every request at once (three per engine); ``victim`` gets ``sig`` once it is generating."""
+        for e in router.engines:  # each round computes as on fresh engines
+            await e.flush_cache.remote()
+        target = router.engines[victim] if victim is not None else None
+        target_pid = await target.__ray_call__.remote(lambda self: os.getpid()) if target is not None else None
+        before = (await target.health.remote())["generated_tokens"] if target is not None else 0
+        task = asyncio.gather(*(router.generate(p, s) for p, s in zip(batch, sampling)))
+        if target is not None:
+            while (await target.health.remote())["generated_tokens"] < before + 20:
+                await asyncio.sleep(0.01)
+            os.kill(target_pid, sig)
+        results = await task
+        for _ in range(600):  # the lost engine's requests may have finished on the other one first
+            if not router.down or errors:
+                break
+            await asyncio.sleep(0.1)
+        return results
+
+    def same_tokens(results, reference):
+        return [[r.output_ids for r in rs] for rs in results] == [[r.output_ids for r in rs] for rs in reference]
+
+    async def main():  # one event loop for the router's whole life
+        undisturbed = await round_()
+        assert router.in_flight == [0, 0] and router.requests_redispatched == 0
+        for results in undisturbed:
+            assert [len(r.output_ids) for r in results] == [100, 100] and results[0].output_ids != results[1].output_ids
+
+        killed = await round_(victim=1)
+        assert router.engine_restarts == 1 and router.requests_redispatched == 3  # engine 1 held three
+        assert router.engines[1] is started[0] and router.engines[0] is engines[0] and not router.down
+        assert same_tokens(killed, undisturbed)
+        for rs, ref in zip(killed, undisturbed):
+            for r, r0 in zip(rs, ref):
+                assert r.versions == r0.versions and r.logprobs == pytest.approx(r0.logprobs, abs=1e-5)
+
+        frozen_pid = await router.engines[0].__ray_call__.remote(lambda self: os.getpid())
+        frozen = await round_(victim=0, sig=signal.SIGSTOP)  # no error: silence, then no answer to a probe
+        assert router.engine_restarts == 2 and router.requests_redispatched == 6
+        assert router.engines[0] is started[1] and same_tokens(frozen, undisturbed)
+        with pytest.raises(ProcessLookupError):  # the frozen actor was killed, freeing its bundle
+            os.kill(frozen_pid, 0)
+
+        with pytest.raises(RuntimeError, match=r"rollout.max_engine_restarts=2 replacement\(s\) were made already"):
+            await round_(victim=1)
+        assert len(started) == 2 and errors and 1 in router.down
+
+    asyncio.run(main())
+    for e in router.engines:
+        ray.kill(e)

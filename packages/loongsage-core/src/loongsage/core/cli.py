@@ -9,11 +9,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 from loongsage.core.types import BadRecordError, ConfigError
 
@@ -45,12 +49,95 @@ def _setup_logging(log_dir: str) -> Path:
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("[loongsage] %(message)s"))
     root = logging.getLogger("loongsage")
+    for handler in root.handlers:  # an earlier run's log file, in this process
+        handler.close()
     root.handlers[:] = [file_handler, console]
     root.setLevel(logging.INFO)
     root.propagate = False
     for name in ("loongsage.core.data",):
         logging.getLogger(name).setLevel(logging.INFO)
     return path
+
+
+# The watchdog of a training launcher (see reap_on_abnormal_exit), a program of its own: it must outlive
+# the launcher. argv[1] is the launcher's pid. It records the launcher's descendants (pid, start
+# time) every half second; when the launcher is gone (its pipe closes, or its pid does) without
+# having written the stand-down byte, it kills those still running (SIGKILL).
+_WATCHDOG = r"""
+import os, select, signal, sys
+
+root, me = int(sys.argv[1]), os.getpid()
+
+def processes():
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            table[int(name)] = (int(fields[1]), fields[19])  # parent pid, start time
+    return table
+
+def descendants(table):
+    children = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = {}, [root]
+    while todo:
+        for pid in children.get(todo.pop(), ()):
+            if pid != me and pid not in found:
+                found[pid] = table[pid][1]
+                todo.append(pid)
+    return found
+
+table = processes()
+root_start = table.get(root, (0, None))[1]
+seen = {}
+while True:
+    ready = select.select([0], [], [], 0.5)[0]
+    if ready and os.read(0, 1):
+        sys.exit(0)  # the launcher cleaned up after itself
+    table = processes()
+    if ready or table.get(root, (0, None))[1] != root_start:
+        break  # the launcher is gone
+    seen = {pid: start for pid, start in seen.items() if table.get(pid, (0, None))[1] == start}
+    seen.update(descendants(table))
+table = processes()
+for pid, start in seen.items():
+    if table.get(pid, (0, None))[1] == start:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+
+
+@contextlib.contextmanager
+def reap_on_abnormal_exit() -> Iterator[None]:
+    """Kill what this process started if it dies without cleaning up (kill -9, an OOM kill).
+
+    Ray's head processes share the launcher's fate, and its workers follow the raylet, but the
+    agents the raylet starts outlive a killed launcher by about a minute (they first try to report
+    to the GCS that died with it). A watchdog process records this process's descendants while it
+    runs and, if it dies, kills the ones left. Leaving the block (normally or by an exception, once
+    the controller has released Ray) stands the watchdog down. Linux only (it reads /proc).
+    """
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    watchdog = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid())], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        yield
+    finally:
+        try:
+            watchdog.stdin.write(b"x")
+            watchdog.stdin.close()
+            watchdog.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            watchdog.kill()
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -75,7 +162,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
     log.info("recipe %s -> %s (log %s)", args.recipe, run_dir, log_path)
-    summary = Controller(cfg, registry).run()
+    with reap_on_abnormal_exit():
+        summary = Controller(cfg, registry).run()
     last = summary["last_metrics"]
     evals = " ".join(f"{k}={v:.3f}" for k, v in sorted(last.items()) if k.startswith("eval/"))
     print(f"done: {summary['steps']} steps, engine version {summary['version']}, outputs in {run_dir} {evals}")

@@ -145,6 +145,8 @@ class Placement:
 
 
 class Controller:
+    engine_start_timeout_s = 600.0  # a lost engine's replacement: actor start and model load
+
     def __init__(self, cfg: Config, registry: Any):
         self.cfg, self.registry = cfg, registry
         self.run_dir = cfg.run_dir.resolve()  # actors may run in another working directory
@@ -177,11 +179,13 @@ class Controller:
             for r, b in enumerate(self.placement.trainer_bundles)
         ]
         engine_cls = ray.remote(EngineWorker)
-        self.engines = [
-            engine_cls.options(**self.placement.options(b), max_concurrency=1000).remote(cfg, model_path, i, threads,
-                                                                                         cores.get(b))
+        # how each engine replica is started, kept to start a replacement the same way (same bundle)
+        self._engine_starts = [
+            (engine_cls.options(**self.placement.options(b), max_concurrency=1000),
+             (cfg, model_path, i, threads, cores.get(b)))
             for i, b in enumerate(self.placement.engine_bundles)
         ]
+        self.engines = [actor.remote(*args) for actor, args in self._engine_starts]
         self.reward = ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=1000).remote(cfg)
         self.critic = None
         if cfg.trainer.critic is not None:  # shares the first trainer bundle
@@ -199,8 +203,40 @@ class Controller:
         self.teacher_sources = [plan.sources for plan in teacher_plans]
         ray.get([t.param_checksum.remote() for t in self.trainers] + [e.version.remote() for e in self.engines]
                 + [a.__ray_ready__.remote() for a in (self.reward, self.critic, *self.teachers) if a is not None])
-        self.rollout = RolloutService(router=EngineRouter(self.engines), engines=self.engines, reward=self.reward,
+        rc = cfg.rollout
+        self.rollout = RolloutService(router=EngineRouter(self.engines, health_timeout_s=rc.engine_health_timeout_s),
+                                      engines=self.engines, reward=self.reward, restart_engine=self._restart_engine,
+                                      load_engine=self._load_engine, max_engine_restarts=rc.max_engine_restarts,
                                       **self._rollout_parts)
+
+    def _restart_engine(self, index: int, lost: Any) -> Any:
+        """A new engine replica ``index`` in the lost one's bundle, with its constructor arguments
+        (called by the rollout's engine recovery, in a worker thread); what is left of the lost actor
+        is killed first, so that a hung one lets go of its bundle."""
+        import ray
+
+        try:
+            ray.kill(lost, no_restart=True)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        actor, args = self._engine_starts[index]
+        engine = actor.remote(*args)
+        try:
+            ray.get(engine.version.remote(), timeout=self.engine_start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(engine)
+            raise RuntimeError(f"engine {index}: its replacement did not start within "
+                               f"{self.engine_start_timeout_s:g} s (free: {ray.available_resources()})") from None
+        log.info("engine %d: replacement started", index)
+        return engine
+
+    def _load_engine(self, engine: Any, version: int) -> None:
+        """Push the trainer's weights to ``engine`` alone and give it ``version`` (the other engines
+        keep theirs). Called only while the trainer is at rest, when its weights are that version's."""
+        import ray
+
+        ray.get([t.push_weights.remote([engine]) for t in self.trainers])  # every rank: the gather is a collective
+        ray.get(engine.set_version.remote(version))
 
     def _build_local(self, model_path: str) -> None:
         from transformers import AutoTokenizer
@@ -433,8 +469,10 @@ class Controller:
 
             steps: list[tuple[str, Any]] = [("close tracker", t.close) for t in getattr(self, "trackers", [])]
             if ray.is_initialized():
-                actors = [*getattr(self, "trainers", []), *getattr(self, "engines", []), getattr(self, "reward", None),
-                          getattr(self, "critic", None), *getattr(self, "teachers", [])]
+                rollout = getattr(self, "rollout", None)
+                spares = rollout.recovery.spares() if rollout is not None and rollout.recovery is not None else []
+                actors = [*getattr(self, "trainers", []), *getattr(self, "engines", []), *spares,
+                          getattr(self, "reward", None), getattr(self, "critic", None), *getattr(self, "teachers", [])]
                 steps += [("kill actor", lambda a=a: ray.kill(a)) for a in actors if a is not None]
                 placement = getattr(self, "placement", None)
                 if placement is not None:
@@ -479,8 +517,9 @@ class Controller:
             progress.update(metrics)
             if (cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0) or last:
                 state = {"version": self.version, **self.rollout.state()}
-                await asyncio.to_thread(ckpt.save, self.run_dir, self.step, state, self.trainers, self.critic,
-                                        cfg.checkpoint.keep_last)
+                async with self.rollout.trainer_in_use():  # no lost engine's replacement loads meanwhile
+                    await asyncio.to_thread(ckpt.save, self.run_dir, self.step, state, self.trainers, self.critic,
+                                            cfg.checkpoint.keep_last)
         progress.close()
         await self.rollout.close()
         if cfg.checkpoint.export_hf:

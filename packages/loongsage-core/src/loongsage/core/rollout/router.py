@@ -1,23 +1,39 @@
 """The engine router: least-loaded routing over engine replicas, sticky per session, one actor call per
-replica per event-loop tick, and token-level partial rollout across weight updates.
+replica per event-loop tick, token-level partial rollout across weight updates, and failover when an
+engine dies.
 
 Partial rollout: :meth:`EngineRouter.pause_for_update` holds new requests and aborts what is in
 flight; each caller's aborted samples wait, and after :meth:`EngineRouter.resume_after_update` they
 go on from the tokens already generated, on the new weights (``GenerationRequest.resume_from``: the
 remaining budget is ``max_new_tokens`` minus what was generated). The caller gets one result per
-sample whose tokens carry the version that produced each of them; agents never see the update.
+sample whose tokens carry the version that produced them; agents never see the update.
+
+Failover: an engine is lost when its actor call raises ``RayActorError`` (the actor died), or when a
+call fails or stays silent for ``health_timeout_s`` and a health probe (``engine.health``, bounded by
+the same timeout) does not answer. The router then stops routing to it, tells its owner
+(``on_engine_lost(index, handle)``, which starts a replacement), and sends every request that was
+waiting on it again: to another live engine, or to the replacement once the owner calls
+:meth:`EngineRouter.engine_replaced`. A request goes again as it was (same prompt, sampling and seed,
+same ``resume_from``), so on the same weights it samples the same tokens; agents never see the loss.
+Without an owner (``on_engine_lost`` unset) a lost engine fails its callers, as any other error does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
-
+import logging
 from dataclasses import replace
+from typing import Any, Callable
 
 from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+
+log = logging.getLogger("loongsage")
+
+
+class EngineLost(Exception):
+    """An engine died or stopped answering; the requests it held are sent again."""
 
 
 class EngineRouter:
@@ -25,24 +41,41 @@ class EngineRouter:
 
     Requests made in the same event-loop tick are sent to an engine in ONE actor call, so the engine
     sees them together and batches them, and a step of many prompts costs one round trip per engine.
+    ``engines`` is kept by reference: a replacement is swapped into the caller's own list.
     """
 
-    def __init__(self, engines: list[Any]):
+    def __init__(self, engines: list[Any], *, health_timeout_s: float = 30.0):
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
+        if not health_timeout_s > 0:
+            raise ValueError(f"EngineRouter: health_timeout_s={health_timeout_s!r} must be > 0")
         self.engines = engines
+        self.health_timeout_s = float(health_timeout_s)
         self.in_flight = [0] * len(engines)
         self._sticky: dict[str, int] = {}
         self._ids = itertools.count()
         self._pending: dict[int, list[tuple[GenerationRequest, asyncio.Future]]] = {}
         self._open: asyncio.Event | None = None  # cleared while a weight update holds generation
+        self._routable: asyncio.Event | None = None  # set whenever an engine comes back (or routing fails)
         self.updates = 0  # weight updates that paused generation so far
         self.resumed_samples = 0  # samples continued from their tokens after an update
+        # failover: engines not routed to (index -> the lost handle), set by the owner
+        self.on_engine_lost: Callable[[int, Any], None] | None = None
+        self.down: dict[int, Any] = {}
+        self.engine_restarts = 0  # replacements routed to so far
+        self.requests_redispatched = 0  # requests sent again because their engine was lost
+        self._failed: BaseException | None = None
 
-    def pick(self, session: str | None = None) -> int:
-        if session is not None and session in self._sticky:
+    # ------------------------------------------------------------------ routing
+    def pick(self, session: str | None = None) -> int | None:
+        """The engine for a request: the session's own while it is up, else the least loaded one
+        that is up; None while every engine is down."""
+        if session is not None and self._sticky.get(session) not in (None, *self.down):
             return self._sticky[session]
-        index = min(range(len(self.engines)), key=lambda i: self.in_flight[i])
+        live = [i for i in range(len(self.engines)) if i not in self.down]
+        if not live:
+            return None
+        index = min(live, key=lambda i: self.in_flight[i])
         if session is not None:
             self._sticky[session] = index
         return index
@@ -56,56 +89,141 @@ class EngineRouter:
             self._open.set()
         return self._open
 
+    def _routable_event(self) -> asyncio.Event:
+        if self._routable is None:
+            self._routable = asyncio.Event()
+        return self._routable
+
+    # ------------------------------------------------------------------ weight updates
     async def pause_for_update(self) -> None:
         """Hold new requests and abort every engine's requests in flight (their callers wait)."""
         self._gate().clear()
         self.updates += 1
-        await asyncio.gather(*(engine.abort.remote(None) for engine in self.engines))
+        live = [(i, e) for i, e in enumerate(self.engines) if i not in self.down]
+        await asyncio.gather(*(self._abort_all(i, e) for i, e in live))
+
+    async def _abort_all(self, index: int, engine: Any) -> None:
+        try:
+            await asyncio.wait_for(_awaitable(engine.abort.remote(None)), self.health_timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a lost engine's requests are sent again instead
+            if not await self._lost(index, engine, exc):
+                raise
+
+    async def check_engines(self) -> None:
+        """Probe every engine routed to; one that does not answer is lost (and replaced)."""
+        if self.on_engine_lost is None:
+            return
+        live = [(i, e) for i, e in enumerate(self.engines) if i not in self.down]
+        answers = await asyncio.gather(*(self.healthy(e) for _, e in live))
+        for (index, engine), ok in zip(live, answers):
+            if not ok:
+                await self._lost(index, engine, EngineLost("no answer to a health probe"))
 
     def resume_after_update(self) -> None:
         """Let held requests go and aborted samples continue, on the weights now in the engines."""
         self._gate().set()
 
+    # ------------------------------------------------------------------ failover
+    def engine_replaced(self, index: int, engine: Any) -> None:
+        """The owner's replacement of engine ``index`` holds the current weights: route to it."""
+        self.engines[index] = engine
+        if self.down.pop(index, None) is not None:
+            self.engine_restarts += 1
+        self._routable_event().set()
+
+    def fail(self, error: BaseException) -> None:
+        """No replacement is coming: every request waiting for an engine fails with ``error``."""
+        self._failed = error
+        self._routable_event().set()
+
+    async def healthy(self, engine: Any) -> bool:
+        """Whether ``engine`` answers a health probe within ``health_timeout_s``."""
+        from ray.exceptions import RayActorError
+
+        try:
+            await asyncio.wait_for(_awaitable(engine.health.remote()), self.health_timeout_s)
+        except (RayActorError, asyncio.TimeoutError):
+            return False
+        except Exception:  # noqa: BLE001 - it answered, with an error of its own: alive
+            return True
+        return True
+
+    async def _lost(self, index: int, engine: Any, error: BaseException) -> bool:
+        """Whether the requests of a failed call to ``engine`` go again: the engine is lost (it died, or
+        does not answer a health probe; its owner is told), or only the call was. A live engine's own
+        error is its callers' to see."""
+        from ray.exceptions import ActorDiedError, RayActorError
+
+        if self.on_engine_lost is None:
+            return False
+        if self.engines[index] is not engine or index in self.down:
+            return True  # already lost, and being replaced
+        if not isinstance(error, (ActorDiedError, EngineLost)) and await self.healthy(engine):
+            return isinstance(error, RayActorError)
+        if self.engines[index] is engine and index not in self.down:
+            log.warning("rollout: engine %d lost (%s: %s); starting a replacement", index, type(error).__name__,
+                        (str(error).splitlines() or [""])[0])
+            self.down[index] = engine
+            self.on_engine_lost(index, engine)
+        return True
+
+    # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: list[int], sampling: SamplingParams, session: str | None = None) -> list[GenerationResult]:
         """The ``sampling.n`` samples of one prompt; samples cut by a weight update are continued."""
         await self._gate().wait()
         updates = self.updates
-        results = await self._submit(self.pick(session), input_ids, sampling)
+        results = await self._submit(session, input_ids, sampling)
         while updates != self.updates and any(r.finish_reason is FinishReason.ABORT for r in results):
             await self._gate().wait()
             updates = self.updates
             cut = [j for j, r in enumerate(results) if r.finish_reason is FinishReason.ABORT]
-            index = self.pick(session)
-            more = await asyncio.gather(*(self._submit(index, input_ids, _continuation(sampling, j, results[j]),
+            more = await asyncio.gather(*(self._submit(session, input_ids, _continuation(sampling, j, results[j]),
                                                        resume_from=results[j]) for j in cut))
             for j, (result,) in zip(cut, more):
                 results[j] = result
             self.resumed_samples += len(cut)
         return results
 
-    async def _submit(self, index: int, input_ids: list[int], sampling: SamplingParams,
+    async def _submit(self, session: str | None, input_ids: list[int], sampling: SamplingParams,
                       resume_from: GenerationResult | None = None) -> list[GenerationResult]:
         request = GenerationRequest(request_id=f"r{next(self._ids)}", input_ids=input_ids, sampling=sampling,
                                     resume_from=resume_from)
-        future = asyncio.get_running_loop().create_future()
-        if index not in self._pending:
-            self._pending[index] = []
-            asyncio.get_running_loop().call_soon(lambda: asyncio.ensure_future(self._flush(index)))
-        self._pending[index].append((request, future))
-        self.in_flight[index] += 1
-        try:
-            return await future
-        finally:
-            self.in_flight[index] -= 1
+        while True:
+            index = await self._route(session)
+            future = asyncio.get_running_loop().create_future()
+            if index not in self._pending:
+                self._pending[index] = []
+                asyncio.get_running_loop().call_soon(lambda i=index: asyncio.ensure_future(self._flush(i)))
+            self._pending[index].append((request, future))
+            self.in_flight[index] += 1
+            try:
+                return await future
+            except EngineLost:
+                # the same request again (its seed with it), under a fresh id, after any update hold
+                self.requests_redispatched += 1
+                request = replace(request, request_id=f"r{next(self._ids)}")
+                await self._gate().wait()
+            finally:
+                self.in_flight[index] -= 1
+
+    async def _route(self, session: str | None) -> int:
+        while True:
+            if self._failed is not None:
+                raise RuntimeError(f"rollout: no engine to generate on: {self._failed}") from self._failed
+            index = self.pick(session)
+            if index is not None:
+                return index
+            self._routable_event().clear()
+            await self._routable_event().wait()
 
     async def _flush(self, index: int) -> None:
         """Send one tick's requests to an engine in one call; each caller gets its answer as soon as
         the engine finishes that request (a streamed reply), not when the slowest one is done."""
         batch = self._pending.pop(index)
+        engine = self.engines[index]
         try:
-            stream = self.engines[index].generate_stream.options(num_returns="streaming").remote([r for r, _ in batch])
-            async for ref in stream:
-                k, result = await ref
+            stream = engine.generate_stream.options(num_returns="streaming").remote([r for r, _ in batch])
+            async for k, result in self._answers(stream, engine):
                 future = batch[k][1]
                 if future.done():
                     continue
@@ -113,10 +231,34 @@ class EngineRouter:
                     future.set_exception(result)
                 else:
                     future.set_result(result)
-        except Exception as exc:  # the call failed: every caller still waiting sees it
+        except Exception as exc:  # the call failed: every caller still waiting sees it, or goes again
+            error = EngineLost(f"engine {index}") if await self._lost(index, engine, exc) else exc
             for _, future in batch:
                 if not future.done():
-                    future.set_exception(exc)
+                    future.set_exception(error)
+
+    async def _answers(self, stream: Any, engine: Any):
+        """The stream's ``(k, result)`` items; a silence of ``health_timeout_s`` is probed, and an
+        engine that does not answer the probe is lost (a long generation on a live engine is not)."""
+        while True:
+            item = asyncio.ensure_future(stream.__anext__())
+            while not (await asyncio.wait({item}, timeout=self.health_timeout_s))[0]:
+                if not await self.healthy(engine):
+                    item.cancel()
+                    raise EngineLost(f"no answer within rollout.engine_health_timeout_s={self.health_timeout_s:g}")
+            try:
+                ref = item.result()
+            except StopAsyncIteration:
+                return
+            yield await ref
+
+
+def _awaitable(ref: Any) -> Any:
+    """An object ref as something ``asyncio.wait_for`` can wrap in a task."""
+    async def wait() -> Any:
+        return await ref
+
+    return wait()
 
 
 def _continuation(sampling: SamplingParams, sample: int, partial: GenerationResult) -> SamplingParams:

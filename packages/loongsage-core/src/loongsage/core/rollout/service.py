@@ -18,6 +18,12 @@ Two modes, chosen by the scheduler:
   weight update (:meth:`begin_update` / :meth:`end_update`) generations in flight are cut and
   continued from their tokens on the new weights (see the router).
 
+A lost engine (it died, or stopped answering) is replaced when the owner passes ``restart_engine``
+and ``load_engine`` (see :mod:`loongsage.core.rollout.recovery`): the requests it held are sent
+again with their seeds, so no prompt is lost or trained twice, in either mode. Every batch's metrics
+count what happened since the previous batch: ``rollout/engine_restarts`` (replacements routed to)
+and ``rollout/requests_redispatched`` (requests sent again).
+
 Every group gets a run-unique id in data order; its requests sample with a seed derived from that id
 (:func:`loongsage.core.rollout.seeds.request_seed`), and the id counter and the mixer's position
 are the service's checkpoint state, so a resumed run draws exactly what an uninterrupted one would.
@@ -26,6 +32,7 @@ are the service's checkpoint state, so a resumed run draws exactly what an unint
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 from collections import defaultdict, deque
@@ -34,6 +41,7 @@ from typing import Any
 
 from loongsage.core.data import Mixer
 from loongsage.core.rollout.agents import AgentContext, gather_groups
+from loongsage.core.rollout.recovery import EngineRecovery
 from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.rollout.router import EngineRouter
 from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, Trajectory
@@ -46,12 +54,15 @@ class RolloutService:
 
     ``reward`` is the reward worker (an actor handle with ``score.remote(trajectories, records)``);
     ``engines`` the engine actor handles behind ``router``; ``filters`` the group filters in order.
+    ``restart_engine(index, lost) -> handle`` and ``load_engine(handle, version)`` (blocking; both or
+    neither) replace a lost engine, at most ``max_engine_restarts`` times in a run.
     """
 
     def __init__(self, *, router: EngineRouter, engines: list[Any], reward: Any, tokenizer: Any, mixer: Mixer,
                  agents: dict[str, Any], sampling: dict[str, SamplingParams], filters: list[Any], scheduler: Any,
                  seed: int, max_refill_rounds: int = 0, refill_oversample: float = 1.0,
-                 mask_old_tokens: bool = False):
+                 mask_old_tokens: bool = False, restart_engine: Any = None, load_engine: Any = None,
+                 max_engine_restarts: int = 0):
         self.router, self.engines, self.reward, self.tokenizer = router, engines, reward, tokenizer
         self.mixer, self.agents, self.sampling, self.filters = mixer, agents, sampling, filters
         self.scheduler, self.seed = scheduler, int(seed)
@@ -67,6 +78,11 @@ class RolloutService:
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
         self._counters: dict[str, float] = defaultdict(float)  # since the last batch
+        self.recovery = None
+        if restart_engine is not None and max_engine_restarts > 0:
+            self.recovery = EngineRecovery(router, restart=restart_engine, load=load_engine,
+                                           max_restarts=max_engine_restarts, on_error=self._fail)
+        self._failover_seen = (0, 0)  # the router's (restarts, redispatched) at the last batch
 
     # ------------------------------------------------------------------ generation
     async def generate(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
@@ -100,8 +116,14 @@ class RolloutService:
         return replace(sampling, seed=request_seed(base, group_id))
 
     async def flush_caches(self) -> None:
-        """Make every engine forget its retained prefixes (see the engine's ``flush_cache``)."""
-        await asyncio.gather(*(e.flush_cache.remote() for e in self.engines))
+        """Make every engine forget its retained prefixes (see the engine's ``flush_cache``); a lost
+        engine has none to forget, and its replacement starts without."""
+        from ray.exceptions import RayActorError
+
+        live = [e for i, e in enumerate(self.router.engines) if i not in self.router.down]
+        for answer in await asyncio.gather(*(e.flush_cache.remote() for e in live), return_exceptions=True):
+            if isinstance(answer, BaseException) and not isinstance(answer, RayActorError):
+                raise answer
 
     # ------------------------------------------------------------------ training batches
     async def next_batch(self, version: int) -> tuple[Groups, dict[str, float]]:
@@ -110,8 +132,18 @@ class RolloutService:
         ``version`` is the policy version the batch will train. Synchronous scheduling: the step's
         prompts are dispatched now and the batch is complete when they are scored.
         """
+        self._raise_error()
+        self.version = version
         if self.asynchronous:
-            return await self._next_batch_async(version)
+            groups, metrics = await self._next_batch_async(version)
+        else:
+            groups, metrics = await self._next_batch_sync(version)
+        metrics.update(self._failover_metrics())
+        if self.recovery is not None:  # the trainer's weights change from here to the end of the update
+            await self.recovery.before_batch()
+        return groups, metrics
+
+    async def _next_batch_sync(self, version: int) -> tuple[Groups, dict[str, float]]:
         state = SchedulerState(version=version, groups_per_step=sum(self.mixer.quotas.values()),
                                in_flight=0, buffered=0, consumed=self.consumed)
         if self.scheduler.groups_to_dispatch(state) <= 0:
@@ -173,6 +205,8 @@ class RolloutService:
 
     async def close(self) -> None:
         """Stop dispatching and end what is in flight (at the end of the run)."""
+        if self.recovery is not None:
+            await self.recovery.close()
         if self._dispatcher is not None:
             self._dispatcher.cancel()
         for task in list(self._tasks):
@@ -181,13 +215,25 @@ class RolloutService:
         self._dispatcher, self._tasks = None, set()
 
     async def begin_update(self) -> None:
-        """A weight update is about to start: generations in flight are cut (their samples wait)."""
+        """A weight update is about to start: generations in flight are cut (their samples wait), and
+        a lost engine's replacement joins the engines the update is pushed to."""
         if self.asynchronous:
             await self.router.pause_for_update()
+        elif self.recovery is not None:  # an engine idle since the rollout may have died since
+            await self.router.check_engines()
+        if self.recovery is not None:
+            await self.recovery.before_update(self.version)
+
+    def trainer_in_use(self) -> Any:
+        """An async context for trainer work outside a step (a checkpoint): a lost engine's
+        replacement is not loaded from the trainer meanwhile."""
+        return self.recovery.trainer_in_use() if self.recovery is not None else contextlib.nullcontext()
 
     def end_update(self, version: int) -> None:
         """The engines hold ``version``: cut samples go on from their tokens, dispatch resumes."""
         self.version = version
+        if self.recovery is not None:
+            self.recovery.after_update(version)
         if self.asynchronous:
             self.router.resume_after_update()
             self._notify()
@@ -248,12 +294,27 @@ class RolloutService:
         oldest = min((v for t in group for v in t.versions if v >= 0), default=self.version)
         return self.version - oldest
 
+    def _fail(self, exc: BaseException) -> None:
+        """Surfaced by the next ``next_batch`` (and at once by the requests that wait on an engine)."""
+        if self._error is None:
+            self._error = exc
+        self._notify()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"rollout: {type(self._error).__name__}: {self._error}") from self._error
+
+    def _failover_metrics(self) -> dict[str, float]:
+        """Engines replaced and requests sent again since the previous batch."""
+        now = (self.router.engine_restarts, self.router.requests_redispatched)
+        seen, self._failover_seen = self._failover_seen, now
+        return {"rollout/engine_restarts": float(now[0] - seen[0]),
+                "rollout/requests_redispatched": float(now[1] - seen[1])}
+
     async def _next_batch_async(self, version: int) -> tuple[Groups, dict[str, float]]:
-        self.version = version
         self.start(version)
         while True:
-            if self._error is not None:
-                raise RuntimeError(f"rollout: {type(self._error).__name__}: {self._error}") from self._error
+            self._raise_error()
             self._drop_stale()
             picks = {name: self._collectable(src) for name, src in self.sources.items()}
             if all(len(p) >= src.quota for p, src in zip(picks.values(), self.sources.values())):
@@ -316,6 +377,9 @@ class RolloutService:
         self.mixer.restore(state["mixer"])
         self.next_group_id = int(state["next_group_id"])
         self.consumed = int(state.get("consumed", 0))
+        self.version = int(state.get("version", self.version))
+        for src in self.sources.values():  # every batch took each source's quota (the staleness budget reads it)
+            src.consumed = self.consumed * src.quota
         for name, records in state.get("pending", {}).items():
             self.sources[name].returned.extend(DataRecord(**r) for r in records)
 

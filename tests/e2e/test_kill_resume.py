@@ -1,0 +1,152 @@
+"""kill -9 of the launcher mid-run, then ``resume=true``: no process of the killed run survives it,
+and the resumed run trains exactly the prompts of an uninterrupted one, none twice.
+
+The launcher is a real process killed with SIGKILL as soon as it starts training step 3: its
+batch audit row is written before the step trains, so the kill lands after that step's training
+began and (almost always) before its checkpoint. The resumed run then trains that step again from
+the previous checkpoint; ``batches.jsonl`` keeps both rows and the last one counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from loongsage.core.cli import main
+
+STEPS, KILL_AT = 6, 3
+COMMON = ("data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "colocate=false",
+          "evaluation.every_steps=0", "evaluation.max_prompts=4", "evaluation.pass_k=0", "tracking.progress=false",
+          "checkpoint.export_hf=false", "checkpoint.every_steps=1", "checkpoint.keep_last=0", "tracking.batches=true",
+          f"run.total_steps={STEPS}")
+
+
+def _args(name: str, scheduler: str, *extra: str) -> list[str]:
+    return ["train", "tiny/grpo_arith_cpu", f"run.name={name}", f"rollout.scheduler={scheduler}", *COMMON, *extra]
+
+
+def _rows(path: Path) -> list[dict]:
+    """Complete JSON lines of a file another process may be writing."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1] if line]
+
+
+def _trained(run_dir: Path) -> list[tuple[str, int]]:
+    """(source, record index) of every trained group, the last audit row of each step counting."""
+    last = {row["step"]: row for row in _rows(run_dir / "batches.jsonl")}
+    assert sorted(last) == list(range(1, STEPS + 1))
+    return sorted((g["source"], g["index"]) for row in last.values() for g in row["groups"])
+
+
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, start time, name) of every live process (Linux /proc; zombies left out)."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{name}/stat").read_text()
+            cmdline = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z":
+            table[int(name)] = (int(fields[1]), fields[19], cmdline or stat[stat.index("(") + 1:stat.rindex(")")])
+    return table
+
+
+def _descendants(root: int) -> dict[int, tuple[str, str]]:
+    """pid -> (start time, name) of every process below ``root``."""
+    table = _processes()
+    found, todo = {}, [root]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, start, name) in table.items():
+            if ppid == parent and pid not in found:
+                found[pid] = (start, name)
+                todo.append(pid)
+    return found
+
+
+def _survivors(recorded: dict[int, tuple[str, str]]) -> list[str]:
+    table = _processes()
+    return [f"{pid} {name}" for pid, (start, name) in recorded.items() if pid in table and table[pid][1] == start]
+
+
+def _wait_for(what: str, ready, proc: subprocess.Popen, log: Path, timeout: float = 240.0, every: float = 0.002):
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, f"the launcher exited ({proc.returncode}) before {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s:\n{log.read_text()[-3000:]}"
+        time.sleep(every)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("scheduler", ["{name: windowed_fifo, params: {max_staleness: 2}}", "{name: sync}"])
+def test_a_launcher_killed_mid_run_leaves_nothing_and_resumes_the_same_prompts(ray_session, in_tmp, scheduler):
+    assert main(_args("whole", scheduler)) == 0  # the uninterrupted run, same seed
+
+    run_dir, log = in_tmp / "runs" / "killed", in_tmp / "killed.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as from a shell
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "loongsage.core.cli", *_args("killed", scheduler)], cwd=in_tmp,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        # every process of the run exists once it trains (Ray's head, its agents, the actors)
+        _wait_for("step 1", lambda: any(r["step"] >= 1 for r in _rows(run_dir / "metrics.jsonl")), proc, log,
+                  every=0.05)
+        recorded = _descendants(proc.pid)
+        _wait_for(f"step {KILL_AT}'s training", lambda: any(r["step"] >= KILL_AT for r in
+                                                            _rows(run_dir / "batches.jsonl")), proc, log)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    names = " ".join(name for _, name in recorded.values())
+    assert "raylet" in names and "gcs_server" in names and "ray::TrainerWorker" in names, names
+
+    deadline = time.monotonic() + 15
+    while _survivors(recorded) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _survivors(recorded), f"left running after the launcher was killed: {_survivors(recorded)}"
+
+    audited = max(r["step"] for r in _rows(run_dir / "batches.jsonl"))
+    saved = sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_??????"))
+    assert saved and saved[-1] < STEPS, (saved, log.read_text()[-2000:])
+    assert audited >= KILL_AT and saved[-1] >= audited - 1
+
+    assert main([*_args("killed", scheduler), "resume=true"]) == 0
+    steps = {r["step"] for r in _rows(run_dir / "metrics.jsonl") if "train/loss" in r}
+    assert steps == set(range(1, STEPS + 1))
+    whole, resumed = _trained(in_tmp / "runs" / "whole"), _trained(run_dir)
+    assert len(whole) == STEPS * 4 and max(Counter(whole).values()) == 1  # nothing trained twice
+    assert resumed == whole
+    # a step trained after the last checkpoint was trained again, on the same prompts
+    rows = _rows(run_dir / "batches.jsonl")
+    for step in range(saved[-1] + 1, audited + 1):
+        again = [sorted((g["source"], g["index"]) for g in r["groups"]) for r in rows if r["step"] == step]
+        assert len(again) == 2 and again[0] == again[1], step
+
+
+def test_a_resumed_run_keeps_the_staleness_budget(ray_session, in_tmp):
+    """``no_window`` dispatches while consumed + kept + running < (η + version + 1)·B: a resumed run
+    continues the version numbering, so it must continue the consumed count too, or it dispatches
+    (version)·B groups beyond the bound at once. After each batch at most η·B are left in flight or
+    buffered, in the resumed steps as in the first ones."""
+    eta, quota = 1, 4
+    scheduler = f"{{name: no_window, params: {{max_staleness: {eta}}}}}"
+    split = [arg for arg in _args("budget", scheduler) if not arg.startswith("run.total_steps")]
+    assert main([*split, "run.total_steps=3"]) == 0
+    assert main([*split, "run.total_steps=5", "resume=true"]) == 0
+    rows = [r for r in _rows(in_tmp / "runs" / "budget" / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert max(r["rollout/in_flight"] + r["rollout/buffered"] for r in rows) <= eta * quota
