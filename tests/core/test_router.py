@@ -10,7 +10,8 @@ import pytest
 
 from loongsage.core.config import load_config
 from loongsage.core.rollout import EngineRouter
-from loongsage.core.types import SamplingParams
+from loongsage.core.rollout.service import mask_old_versions
+from loongsage.core.types import SamplingParams, Trajectory
 from loongsage.core.workers import EngineWorker
 
 sys.path.insert(0, str(Path(__file__).parent / "embedded"))
@@ -100,6 +101,12 @@ def test_a_weight_update_cuts_generations_that_then_continue_from_their_tokens(r
         assert r.versions[0] == 0 and r.versions[-1] == 1 and r.versions == sorted(r.versions)
         assert 0 < r.versions.count(0) < budget
     assert after.versions == [1] * 4
+    # rollout.mask_old_tokens: such a sample trains only on its tokens of the newest version
+    for k, r in enumerate(results):
+        t = Trajectory(source="s", group_id=0, sample_index=k, prompt_ids=[1], response_ids=list(r.output_ids),
+                       loss_mask=[1] * budget, rollout_logprobs=list(r.logprobs), versions=list(r.versions))
+        assert mask_old_versions(t) == r.versions.count(0)
+        assert t.loss_mask == [int(v == 1) for v in r.versions]
     ray.kill(engine)
 
 

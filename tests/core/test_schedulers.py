@@ -62,3 +62,16 @@ def test_windowed_fifo_collects_only_near_the_oldest():
     st = state(dispatched=20, oldest=5)
     assert [seq for seq in range(20) if s.collectable(seq, st)] == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert NoWindowScheduler().collectable is None  # any finished group
+
+
+def test_mask_old_versions_keeps_only_the_newest_version_and_untouched_tokens():
+    from loongsage.core.rollout.service import mask_old_versions
+    from loongsage.core.types import Trajectory
+
+    t = Trajectory(source="s", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[5, 6, 7, 8, 9, 10],
+                   loss_mask=[1, 1, 0, 1, 1, 0], rollout_logprobs=[0.0] * 6, versions=[3, 3, -1, 4, 4, 4])
+    assert mask_old_versions(t) == 2
+    assert t.loss_mask == [0, 0, 0, 1, 1, 0]  # the prompt-side token (-1) and a masked one stay as they were
+    whole = Trajectory(source="s", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[5, 6],
+                       loss_mask=[1, 1], rollout_logprobs=[0.0] * 2, versions=[2, 2])
+    assert mask_old_versions(whole) == 0 and whole.loss_mask == [1, 1]

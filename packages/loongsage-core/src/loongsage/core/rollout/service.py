@@ -330,12 +330,11 @@ class RolloutService:
                 lags.append(self._lag(group))
                 groups.append(group)
             src.consumed += src.quota
-        if self.mask_old_tokens:
-            for t in (t for g in groups for t in g):
-                newest = max(t.versions, default=-1)
-                t.loss_mask = [m if v < 0 or v == newest else 0 for m, v in zip(t.loss_mask, t.versions)]
+        masked = sum(mask_old_versions(t) for g in groups for t in g) if self.mask_old_tokens else 0
         self.consumed += 1
         metrics = rollout_metrics(groups)
+        if self.mask_old_tokens:
+            metrics["rollout/old_tokens_masked"] = float(masked)
         metrics.update({key: value for key, value in self._counters.items()})
         self._counters.clear()
         flat = [t for g in groups for t in g]
@@ -407,6 +406,17 @@ class _Source:
     def pending(self) -> list[DataRecord]:
         """Records dispatched but not trained, in dispatch order, then those waiting to go again."""
         return [self.outstanding[s] for s in sorted(self.outstanding)] + list(self.returned)
+
+
+def mask_old_versions(trajectory: Trajectory) -> int:
+    """``rollout.mask_old_tokens``: keep in the loss only the tokens of the trajectory's newest
+    policy version (a partial rollout's tokens from before a weight update leave the loss; tokens
+    no engine sampled, version -1, keep their mask). Returns how many tokens it took out."""
+    newest = max(trajectory.versions, default=-1)
+    kept = [m if v < 0 or v == newest else 0 for m, v in zip(trajectory.loss_mask, trajectory.versions)]
+    removed = sum(1 for before, after in zip(trajectory.loss_mask, kept) if before and not after)
+    trajectory.loss_mask = kept
+    return removed
 
 
 def rollout_metrics(groups: Groups) -> dict[str, float]:
