@@ -32,8 +32,10 @@ def test_one_step_off_keeps_at_most_the_next_step_ahead():
     s = OneStepOffScheduler()
     assert s.max_staleness == 1 and s.asynchronous
     assert s.groups_to_dispatch(state()) == B
-    assert s.groups_to_dispatch(state(in_flight=B)) == B  # the step after the one in flight
-    assert s.groups_to_dispatch(state(in_flight=B, buffered=1)) == 0
+    # one step ahead, never two: a second step's worth would lag two versions when trained
+    assert s.groups_to_dispatch(state(in_flight=B)) == 0
+    assert s.groups_to_dispatch(state(in_flight=1, buffered=B - 1)) == 0
+    assert s.groups_to_dispatch(state(in_flight=1, buffered=1, consumed=B)) == B - 2  # a filtered group's place
 
 
 @pytest.mark.parametrize("eta", [0, 1, 3])

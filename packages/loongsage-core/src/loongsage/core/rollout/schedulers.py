@@ -10,7 +10,8 @@ Counting in groups of one source, with ``B`` its groups per step:
 
 * ``sync`` (η = 0): dispatch one step's ``B`` groups once the previous ones are consumed.
 * ``one_step_off`` (η = 1): the next step's groups are generated while the current step trains:
-  dispatch ``B`` more whenever at most one step's worth is in flight or buffered.
+  one step's worth is kept in flight or buffered (what a batch consumed, or a filter dropped, is
+  dispatched again).
 * ``no_window`` (η): keep the pipe full up to the staleness bound: the groups consumed, kept or
   running may not exceed ``(η + version + 1) · B`` (AReaL's bound; ``consumed = version · B``, so at
   most ``(η + 1) · B`` are in flight or buffered).
@@ -53,9 +54,9 @@ class OneStepOffScheduler:
     collectable: ClassVar[None] = None
 
     def groups_to_dispatch(self, state: SchedulerState) -> int:
-        if state.in_flight + state.buffered > state.groups_per_step:
-            return 0
-        return state.groups_per_step
+        # exactly one step ahead: what the step being trained consumed is dispatched again (a second
+        # step's worth would be sampled two versions behind the policy that trains on it, and dropped)
+        return max(0, state.groups_per_step - state.in_flight - state.buffered)
 
 
 @dataclass
