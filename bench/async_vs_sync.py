@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path.insert(0, str(BENCH))
 from _source import source_state  # noqa: E402
+from cpu_vs_trl import grpo_loss  # noqa: E402
 
 NAME = "async_vs_sync"
 SCHEDULERS = ("sync", "one_step_off", "no_window", "window_gated", "windowed_fifo")
@@ -162,18 +163,7 @@ def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
     if len({s["samples"] for s in sources}) != 1:
         raise unsupported("samples_per_prompt differs between sources (TRL has one num_generations)")
     alg = cfg.algorithm
-    if alg.advantage.get("name") != "grpo":
-        raise unsupported(f"advantage {alg.advantage} (grpo expected)")
-    adv = registry.create("advantage", alg.advantage, "algorithm.advantage")
-    if alg.policy_loss.get("name") != "ppo_clip":
-        raise unsupported(f"policy_loss {alg.policy_loss} (ppo_clip expected)")
-    loss = registry.create("policy_loss", alg.policy_loss, "algorithm.policy_loss")
-    if getattr(loss, "clip_c", None) is not None:
-        raise unsupported("dual clip (clip_c)")
-    if alg.aggregation != "token-mean":
-        raise unsupported(f"aggregation {alg.aggregation} (token-mean expected; TRL loss_type='dapo')")
-    if alg.kl is not None or alg.kl_coef:
-        raise unsupported("a KL term (the comparison runs with beta=0 and no reference model)")
+    adv, loss = grpo_loss(cfg, registry, unsupported)
     if alg.filters:
         raise unsupported("filters")
     # decoupled PPO's behaviour weight: about 1 on-policy, it matters for stale samples; TRL has none, so

@@ -121,6 +121,25 @@ def unsupported(msg: str) -> SystemExit:
     return SystemExit(f"cpu_vs_trl: the TRL side cannot reproduce this recipe: {msg}")
 
 
+def grpo_loss(cfg: Any, registry: Any, unsupported: Any) -> tuple[Any, Any]:
+    """The advantage estimator and policy loss of a config TRL's GRPOTrainer can mirror (GRPO,
+    PPO-clip without dual clip, token-mean, no KL); ``unsupported(msg)`` makes the refusal."""
+    alg = cfg.algorithm
+    if alg.advantage.get("name") != "grpo":
+        raise unsupported(f"advantage {alg.advantage} (grpo expected)")
+    adv = registry.create("advantage", alg.advantage, "algorithm.advantage")
+    if alg.policy_loss.get("name") != "ppo_clip":
+        raise unsupported(f"policy_loss {alg.policy_loss} (ppo_clip expected)")
+    loss = registry.create("policy_loss", alg.policy_loss, "algorithm.policy_loss")
+    if getattr(loss, "clip_c", None) is not None:
+        raise unsupported("dual clip (clip_c)")
+    if alg.aggregation != "token-mean":
+        raise unsupported(f"aggregation {alg.aggregation} (token-mean expected; TRL loss_type='dapo')")
+    if alg.kl is not None or alg.kl_coef:
+        raise unsupported("a KL term (the comparison runs with beta=0 and no reference model)")
+    return adv, loss
+
+
 def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
     """Every setting both sides share, from the validated config; refuse what TRL cannot mirror."""
     if len(cfg.data_sources) != 1:
@@ -138,18 +157,7 @@ def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
     if src.eval_reader is None:
         raise unsupported("no eval_reader (held-out accuracy needs one)")
     alg = cfg.algorithm
-    if alg.advantage.get("name") != "grpo":
-        raise unsupported(f"advantage {alg.advantage} (grpo expected)")
-    adv = registry.create("advantage", alg.advantage, "algorithm.advantage")
-    if alg.policy_loss.get("name") != "ppo_clip":
-        raise unsupported(f"policy_loss {alg.policy_loss} (ppo_clip expected)")
-    loss = registry.create("policy_loss", alg.policy_loss, "algorithm.policy_loss")
-    if getattr(loss, "clip_c", None) is not None:
-        raise unsupported("dual clip (clip_c)")
-    if alg.aggregation != "token-mean":
-        raise unsupported(f"aggregation {alg.aggregation} (token-mean expected; TRL loss_type='dapo')")
-    if alg.kl is not None or alg.kl_coef:
-        raise unsupported("a KL term (the comparison runs with beta=0 and no reference model)")
+    adv, loss = grpo_loss(cfg, registry, unsupported)
     if alg.corrections or alg.filters:
         raise unsupported("corrections/filters")
     tr = cfg.trainer
