@@ -900,7 +900,7 @@ def main(argv: list[str] | None = None) -> int:
     base_seed = base_cfg.run.seed
     seeds = [base_seed if args.same_seed else base_seed + k for k in range(args.repeats)]
     warmup = max(0, min(args.warmup_steps, args.steps - 1))
-    max_load = 2.0 * (os.cpu_count() or 1) if args.max_load is None else args.max_load
+    max_load = 2.0 * len(os.sched_getaffinity(0)) if args.max_load is None else args.max_load
     print("settings:", json.dumps({k: v for k, v in settings.items() if k != "sources"}, default=str), flush=True)
 
     t = time.perf_counter()

@@ -455,7 +455,7 @@ class Controller:
                 log.info("teacher for %s: %s", ", ".join(plan.sources), plan.model_path)
             if not ray.is_initialized():
                 cpus = math.ceil(placement_demand(cfg)[0]["CPU"] - 1e-9)  # what the bundles reserve
-                ray.init(num_cpus=cfg.placement.num_cpus or max(os.cpu_count() or 1, cpus), include_dashboard=False,
+                ray.init(num_cpus=cfg.placement.num_cpus or max(len(os.sched_getaffinity(0)), cpus), include_dashboard=False,
                          log_to_driver=True, logging_level=logging.WARNING)
                 started_ray = True
             self._start_actors(model_path, teacher_plans)

@@ -30,7 +30,8 @@ def setup_worker(threads: int, cores: list[int] | None = None) -> None:
 
     if cores:
         os.sched_setaffinity(0, cores)
-    usable = len(cores) if cores else (os.cpu_count() or 1)
+    # the cores this process may run on (a container or `taskset` may allow fewer than the machine has)
+    usable = len(cores) if cores else len(os.sched_getaffinity(0))
     torch.set_num_threads(threads if threads > 0 else usable)
     hf_logging.disable_progress_bar()
 
