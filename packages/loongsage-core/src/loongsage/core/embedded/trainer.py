@@ -42,6 +42,7 @@ from loongsage.core.embedded.lora import (
     merged_state,
     merged_weights,
 )
+from loongsage.core.embedded.micro_batching import plan_micro_batches
 from loongsage.core.metrics import Metrics
 from loongsage.core.types import TrainBatch
 
@@ -126,18 +127,17 @@ def micro_batches(batch: TrainBatch, token_budget: int) -> Iterator[TrainBatch]:
     Rows are trimmed to the micro-batch's own longest sequence, so short rows do not pay for long
     ones elsewhere in the batch. A single row longer than the budget still forms its own micro-batch.
     """
+    for _, mb in planned_micro_batches(batch, token_budget, group_by_length=False):
+        yield mb
+
+
+def planned_micro_batches(batch: TrainBatch, token_budget: int, *,
+                          group_by_length: bool) -> Iterator[tuple[list[int], TrainBatch]]:
+    """``(row indices, micro-batch)`` pairs as :func:`~loongsage.core.embedded.micro_batching.plan_micro_batches`
+    plans them, each micro-batch trimmed to its own longest row."""
     lengths = batch.attention_mask.sum(-1).tolist()
-    start = 0
-    while start < len(lengths):
-        end, longest = start, 0
-        while end < len(lengths):
-            new_longest = max(longest, int(lengths[end]))
-            if end > start and new_longest * (end - start + 1) > token_budget:
-                break
-            longest, end = new_longest, end + 1
-        mb = batch.select(list(range(start, end)))
-        yield _trim(mb, longest)
-        start = end
+    for rows in plan_micro_batches(lengths, token_budget, group_by_length=group_by_length):
+        yield rows, _trim(batch.select(rows), max(int(lengths[i]) for i in rows))
 
 
 def _trim(batch: TrainBatch, length: int) -> TrainBatch:
@@ -162,6 +162,8 @@ class TorchTrainer(Trainer):
     gradient_checkpointing: bool = False
     dp_mode: Literal["fsdp2", "replicate"] = "fsdp2"
     lora: LoraConfig | None = None  # None: full fine-tuning
+    # micro-batches of rows of similar length when that saves padding (see micro_batching.py)
+    group_by_length: bool = True
 
     supports_lora: ClassVar[bool] = True  # the critic's value head is outside the decoder layers LoRA targets
 
@@ -278,9 +280,11 @@ class TorchTrainer(Trainer):
         logits = self._logits(ids, mb.attention_mask.to(self.device), first)
         return logprobs_entropy_and_distribution(logits, ids, first, mb.teacher_dist_ids)
 
-    def _aligned(self, batch: TrainBatch, token_budget: int) -> list[TrainBatch | None]:
-        """Micro-batches, padded with ``None`` to the largest count over ranks (FSDP2 collectives)."""
-        mbs: list[TrainBatch | None] = list(micro_batches(batch, token_budget)) if len(batch) else []
+    def _aligned(self, batch: TrainBatch, token_budget: int) -> list[tuple[list[int], TrainBatch] | None]:
+        """``(rows, micro-batch)`` pairs, padded with ``None`` to the largest count over ranks (FSDP2
+        collectives)."""
+        mbs: list[tuple[list[int], TrainBatch] | None] = (
+            list(planned_micro_batches(batch, token_budget, group_by_length=self.group_by_length)) if len(batch) else [])
         if self.world_size > 1:
             count = torch.tensor([len(mbs)])
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -298,18 +302,18 @@ class TorchTrainer(Trainer):
         B, T = batch.input_ids.shape
         out_lp = torch.zeros(B, T)
         out_ent = torch.zeros(B, T)
-        row = 0
-        for mb in self._aligned(batch, token_budget):
-            if mb is None:
+        for planned in self._aligned(batch, token_budget):
+            if planned is None:
                 filler = self._filler()
                 self._logits(filler, torch.ones_like(filler))
                 continue
+            rows, mb = planned
             lp, ent = self._forward(mb, with_entropy=True)
-            n, t = lp.shape
-            out_lp[row:row + n, :t] = lp.cpu()
+            t = lp.shape[1]
+            index = torch.tensor(rows)
+            out_lp[index, :t] = lp.cpu()
             if ent is not None:
-                out_ent[row:row + n, :t] = ent.cpu()
-            row += n
+                out_ent[index, :t] = ent.cpu()
         self.model.train()
         return out_lp, out_ent
 
@@ -338,11 +342,12 @@ class TorchTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         metrics = Metrics()
         total = 0.0
-        for mb in self._aligned(mini_batch, token_budget):
-            if mb is None:
+        for planned in self._aligned(mini_batch, token_budget):
+            if planned is None:
                 filler = self._filler()
                 (self._logits(filler, torch.ones_like(filler)).sum() * 0.0).backward()
                 continue
+            mb = planned[1]
             if isinstance(loss_fn, LossFunction) and loss_fn.needs_student_distribution:
                 lp, ent, dist = self._forward_distribution(mb)
                 loss, mb_metrics = loss_fn(lp, mb, student_dist=dist)
