@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -296,6 +297,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> int:
+    # one thread per core this process may use (under taskset, fewer than the machine has), as the
+    # launcher's synchronous actors get
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
     spec = json.loads(Path(sys.argv[1]).read_text())
     result = run(spec)
     Path(sys.argv[2]).write_text(json.dumps(result, indent=1, default=str) + "\n")

@@ -74,6 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated schedulers to run (default {','.join(SCHEDULERS)}); sync is the baseline")
     p.add_argument("--no-trl", action="store_true", help="leave TRL out")
     p.add_argument("--same-seed", action="store_true", help="every repeat with the recipe's run.seed")
+    p.add_argument("--first-repeat", type=int, default=0,
+                   help="number of the first repeat (seed run.seed + it): repeats can run as separate benches, "
+                        "say one per pair of cores (taskset), and be joined with --merge")
+    p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
+                   help="train nothing: join the runs of bench results of the same commit and settings (separate "
+                        "repeats) into <out-dir>/async_vs_sync.{json,md,png}")
     p.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the steady state (default 3)")
     p.add_argument("--max-load", type=float,
                    help="before each run, wait while the 1-minute load average is above this (default: 2 x cores; "
@@ -609,7 +615,25 @@ def learning_verdict(result: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def machine_note(result: dict[str, Any]) -> str:
+    """Where the bench ran: the whole machine, or pinned (taskset) to some of its cores."""
+    m, load = result["machine"], result["loadavg_1m_bench_before_after"]
+    parts = result.get("merged_from")
+    if parts:
+        slices = "; ".join(f"repeat(s) {', '.join(str(k + 1) for k in p['repeats'])} on cores "
+                           f"{','.join(map(str, p.get('cores') or []))}" for p in parts)
+        return (f"Machine: {m['cpus']} CPU cores, {len(parts)} benches at once, each pinned to "
+                f"{m['affinity']} cores of its own ({slices}): every run had {m['affinity']} cores to itself. ")
+    if m.get("affinity", m["cpus"]) < m["cpus"]:
+        return (f"Machine: pinned to {m['affinity']} of {m['cpus']} CPU cores (1-minute load average of the "
+                f"machine {load[0]:.1f} before / {load[1]:.1f} after the bench; per run in the JSON).")
+    return (f"Machine: {m['cpus']} CPU cores, shared with other work (1-minute load average {load[0]:.1f} before / "
+            f"{load[1]:.1f} after the bench; per run in the JSON).")
+
+
 def noise_note(result: dict[str, Any]) -> list[str]:
+    if result.get("merged_from") or result["machine"].get("affinity", result["machine"]["cpus"]) < result["machine"]["cpus"]:
+        return []  # pinned to cores of its own: the machine's load is other slices' work
     cpus = result["machine"]["cpus"] or 1
     loads = [x for r in result["runs"] for x in r["loadavg_1m_before_after"]]
     if not loads or max(loads) <= cpus:
@@ -644,9 +668,7 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         f"({', '.join(result['configurations'])}, then again); repeat k with run seed "
         f"{'the recipe seed' if result['same_seed'] else 'recipe seed + k'} on every side. "
         f"Model `{Path(result['model_path']).name}` ({result['num_parameters']:,} parameters). "
-        f"Machine: {m['cpus']} CPU cores, shared with other work (1-minute load average "
-        f"{result['loadavg_1m_bench_before_after'][0]:.1f} before / {result['loadavg_1m_bench_before_after'][1]:.1f} "
-        f"after the bench; per run in the JSON). torch {v['torch']}, transformers {v['transformers']}, TRL {v['trl']}, "
+        + machine_note(result).rstrip() + f" torch {v['torch']}, transformers {v['transformers']}, TRL {v['trl']}, "
         f"Python {m['python']}. Framework source: commit {result['source']['commit'][:10]}"
         + (f" with {result['source']['uncommitted_files']} uncommitted file(s)"
            if result["source"].get("uncommitted_files") else "")
@@ -836,6 +858,34 @@ def version_of(dist: str) -> str | None:
         return None
 
 
+# Fields that must agree for runs of separate benches to be compared as repeats of one.
+_SAME = ("recipe", "quick", "steps", "max_staleness", "eval_every", "warmup_steps", "configurations",
+         "training_overrides", "settings", "num_parameters", "eval_record_indices")
+
+
+def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result from benches that ran separate repeats (``--first-repeat``) of the same commit and
+    settings, say at once on disjoint cores: their runs joined, the machine and load of each kept."""
+    first = parts[0]
+    for part in parts[1:]:
+        for key in ("source", *_SAME):
+            if part.get(key) != first.get(key):
+                raise SystemExit(f"{NAME} --merge: the results differ in {key!r}; only repeats of one commit and "
+                                 "one set of settings can be joined")
+    runs = sorted((r for part in parts for r in part["runs"]), key=lambda r: (r["repeat"], r["configuration"]))
+    repeats = sorted({r["repeat"] for r in runs})
+    if len(repeats) != len([r for part in parts for r in {x["repeat"] for x in part["runs"]}]):
+        raise SystemExit(f"{NAME} --merge: a repeat number occurs in more than one result (use --first-repeat)")
+    merged = {**first, "runs": runs, "repeats": len(repeats), "seeds": [s for part in parts for s in part["seeds"]],
+              "merged_from": [{"machine": p["machine"], "repeats": sorted({r["repeat"] for r in p["runs"]}),
+                               "bench_wall_s": p.get("bench_wall_s"),
+                               "loadavg_1m_bench_before_after": p.get("loadavg_1m_bench_before_after"),
+                               "cores": p.get("cores")} for p in parts]}
+    merged["bench_wall_s"] = max(p.get("bench_wall_s") or 0.0 for p in parts)
+    merged.pop("summary", None)
+    return merged
+
+
 # ----------------------------------------------------------------------------- main
 def run_exported(args: argparse.Namespace, argv: list[str]) -> int:
     """Export ``--export-commit`` with ``git archive`` and run this bench from the export: the
@@ -874,6 +924,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_only:
         write_outputs(args.out_dir, json.loads((args.out_dir / f"{NAME}.json").read_text()))
         return 0
+    if args.merge:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        write_outputs(args.out_dir, merge_results([json.loads(p.read_text()) for p in args.merge]))
+        return 0
     import importlib.util
 
     source = source_state()  # the commit measured, taken before anything runs
@@ -898,7 +952,8 @@ def main(argv: list[str] | None = None) -> int:
                     config_dir=str(REPO / "recipes"))
     sources = [x["name"] for x in settings["sources"]]
     base_seed = base_cfg.run.seed
-    seeds = [base_seed if args.same_seed else base_seed + k for k in range(args.repeats)]
+    repeats = range(args.first_repeat, args.first_repeat + args.repeats)
+    seeds = [base_seed if args.same_seed else base_seed + k for k in repeats]
     warmup = max(0, min(args.warmup_steps, args.steps - 1))
     max_load = 2.0 * len(os.sched_getaffinity(0)) if args.max_load is None else args.max_load
     print("settings:", json.dumps({k: v for k, v in settings.items() if k != "sources"}, default=str), flush=True)
@@ -929,6 +984,7 @@ def main(argv: list[str] | None = None) -> int:
         "model_path": model_path,
         "num_parameters": n_params,
         "warm_start_s": warm_start_s,
+        "cores": sorted(os.sched_getaffinity(0)),
         "machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
                     "python": platform.python_version(), "platform": platform.platform()},
         "versions": {"torch": torch.__version__, "transformers": version_of("transformers"),
@@ -938,13 +994,13 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     trl_versions = None
-    for k, seed in enumerate(seeds):
+    for k, seed in zip(repeats, seeds):
         cfg_k, _ = load_config(args.recipe, training_overrides(args, seed), config_dir=str(REPO / "recipes"))
         train = training_records(cfg_k, registry, args.steps) if not args.no_trl else []
         for c in result["configurations"]:
             root = work / f"r{k}" / c
             waited = wait_for_load(max_load, args.max_wait_s)
-            print(f"--- repeat {k + 1}/{len(seeds)} (seed {seed}): {c}"
+            print(f"--- repeat {k + 1} of {repeats.start + 1}-{repeats.stop} (seed {seed}): {c}"
                   + (f" (waited {waited:.0f} s for the load to drop)" if waited >= 1 else ""), flush=True)
             failures = []
             for attempt in range(2):  # a failed run (say, the shared environment changed under it) goes once more
