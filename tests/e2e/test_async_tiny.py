@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from loongsage.core.cli import main
 
@@ -51,15 +52,16 @@ def _trained_prompts(run_dir: Path) -> list[tuple[str, int]]:
 
 def test_async_resume_trains_the_same_prompts_as_an_uninterrupted_run(ray_session, in_tmp):
     """In dispatch order (windowed_fifo), a run stopped after step 2 and resumed trains exactly the
-    prompts of the uninterrupted run: the checkpoint holds the prompts dispatched ahead of training,
-    and the resumed run dispatches them first."""
+    prompts of the uninterrupted run: the checkpoint holds the groups generated ahead of training
+    (buffered, or in flight with their calls so far), and the resumed run goes on with them."""
     fifo = "{name: windowed_fifo, params: {max_staleness: 2}}"
     common = ("checkpoint.every_steps=1", "tracking.batches=true")
     assert main(_args("whole", fifo, 4, *common)) == 0
     assert main(_args("split", fifo, 2, *common)) == 0
     run_dir = in_tmp / "runs" / "split"
-    state = json.loads((run_dir / "checkpoints" / "step_000002" / "controller.json").read_text())
-    assert len(state["pending"]["arith"]) > 0  # generation had run ahead of training
+    rollout = torch.load(run_dir / "checkpoints" / "step_000002" / "rollout.pt", weights_only=False)
+    ahead = rollout["sources"]["arith"]
+    assert len(ahead["buffer"]) + len(ahead["in_flight"]) > 0  # generation had run ahead of training
     assert main([*_args("split", fifo, 4, *common), "resume=true"]) == 0
     assert [r["step"] for r in _trained(run_dir)] == [1, 2, 3, 4]
     whole = _trained_prompts(in_tmp / "runs" / "whole")

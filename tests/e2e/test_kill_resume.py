@@ -4,7 +4,9 @@ and the resumed run trains exactly the prompts of an uninterrupted one, none twi
 The launcher is a real process killed with SIGKILL as soon as it starts training step 3: its
 batch audit row is written before the step trains, so the kill lands after that step's training
 began and (almost always) before its checkpoint. The resumed run then trains that step again from
-the previous checkpoint; ``batches.jsonl`` keeps both rows and the last one counts.
+the previous checkpoint; ``batches.jsonl`` keeps both rows and the last one counts. Asynchronously,
+the checkpoint holds the rollout's buffer: the resumed run's first batch trains those very groups
+(same ids, the tokens generated before the kill), not new samples of their prompts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from loongsage.core.cli import main
 
@@ -45,6 +48,12 @@ def _trained(run_dir: Path) -> list[tuple[str, int]]:
     last = {row["step"]: row for row in _rows(run_dir / "batches.jsonl")}
     assert sorted(last) == list(range(1, STEPS + 1))
     return sorted((g["source"], g["index"]) for row in last.values() for g in row["groups"])
+
+
+def _group_ids(run_dir: Path) -> dict[int, list[int]]:
+    """step -> the group ids it trained (its last audit row)."""
+    last = {row["step"]: row for row in _rows(run_dir / "batches.jsonl")}
+    return {step: sorted(g["group_id"] for g in row["groups"]) for step, row in last.items()}
 
 
 def _processes() -> dict[int, tuple[int, str, str]]:
@@ -135,6 +144,25 @@ def test_a_launcher_killed_mid_run_leaves_nothing_and_resumes_the_same_prompts(r
     for step in range(saved[-1] + 1, audited + 1):
         again = [sorted((g["source"], g["index"]) for g in r["groups"]) for r in rows if r["step"] == step]
         assert len(again) == 2 and again[0] == again[1], step
+    # every step trained the groups of the uninterrupted run, by id: nothing was sampled anew under
+    # another id (seed) after the resume
+    assert _group_ids(run_dir) == _group_ids(in_tmp / "runs" / "whole")
+
+    checkpoint = run_dir / "checkpoints" / f"step_{saved[-1]:06d}"
+    if scheduler == "{name: sync}":  # nothing runs between synchronous steps: no rollout state to keep
+        assert not (checkpoint / "rollout.pt").exists()
+        return
+    version = json.loads((checkpoint / "controller.json").read_text())["version"]
+    rollout = torch.load(checkpoint / "rollout.pt", weights_only=False)["sources"]["arith"]
+    buffered = {group[0].group_id: group for _, group in rollout["buffer"]}
+    in_flight = {gid for _, gid, _ in rollout["in_flight"]}
+    first = [r for r in rows if r["step"] == saved[-1] + 1][-1]["groups"]  # the resumed run's first batch
+    assert {g["group_id"] for g in first} <= buffered.keys() | in_flight
+    from_buffer = [g for g in first if g["group_id"] in buffered]
+    assert from_buffer, (first, sorted(buffered))
+    for g in from_buffer:  # trained with the tokens generated before the kill, by older policies
+        oldest = min(v for t in buffered[g["group_id"]] for v in t.versions if v >= 0)
+        assert g["staleness"] == version - oldest >= 1
 
 
 def test_a_resumed_run_keeps_the_staleness_budget(ray_session, in_tmp):

@@ -418,8 +418,9 @@ class Controller:
         return pushed.metrics
 
     def resume(self) -> int:
-        """Continue from the latest checkpoint: trainer state, data position, the restored weights on
-        the engines and the version numbering. Returns the step to start at (0 without a checkpoint)."""
+        """Continue from the latest checkpoint: trainer state, data position, the rollout's buffers and
+        groups in flight (asynchronous), the restored weights on the engines and the version numbering.
+        Returns the step to start at (0 without a checkpoint)."""
         import ray
 
         state = ckpt.restore(self.run_dir, self.trainers, self.critic)
@@ -498,8 +499,12 @@ class Controller:
             # an asynchronous rollout keeps generating (on its own resources) while this trains
             metrics.update(await asyncio.to_thread(self._train, groups))
             t2 = time.perf_counter()
+            save_now = bool(cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0) \
+                or step + 1 == cfg.run.total_steps
             await self.rollout.begin_update()  # asynchronous: generations in flight are cut here
             metrics.update(await asyncio.to_thread(self.push_weights))
+            if save_now:  # the consistent cut: generation is held, the trainer holds what is saved
+                rollout_state, rollout_data = await self.rollout.snapshot()
             self.rollout.end_update(self.version)  # ... and continue from their tokens on the new weights
             t3 = time.perf_counter()
             self.step = step + 1
@@ -515,11 +520,11 @@ class Controller:
             self._log(self.step, metrics)
             history.append(metrics)
             progress.update(metrics)
-            if (cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0) or last:
-                state = {"version": self.version, **self.rollout.state()}
+            if save_now:
+                state = {"version": self.version, **rollout_state}
                 async with self.rollout.trainer_in_use():  # no lost engine's replacement loads meanwhile
                     await asyncio.to_thread(ckpt.save, self.run_dir, self.step, state, self.trainers, self.critic,
-                                            cfg.checkpoint.keep_last)
+                                            cfg.checkpoint.keep_last, rollout=rollout_data)
         progress.close()
         await self.rollout.close()
         if cfg.checkpoint.export_hf:

@@ -3,6 +3,7 @@
 ``router``      least-loaded routing over engine replicas, sticky per session
 ``agents``      what an agent sees (:class:`AgentContext`) and the single-turn agent
 ``seeds``       per-group sampling seeds that follow the data stream
+``replay``      per-group call logs: groups in flight saved with checkpoints and carried on exactly
 ``schedulers``  when to dispatch (pure decisions over counters)
 ``service``     the rollout service: dispatch, scoring, filters, refill, the next training batch
 """

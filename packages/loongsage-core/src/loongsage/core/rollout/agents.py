@@ -15,9 +15,15 @@ from loongsage.core.types import DataRecord, FinishReason, SamplingParams, Statu
 
 @dataclass
 class AgentContext:
-    """What an agent may use: the engine (token-in, token-out), the tokenizer, its sampling."""
+    """What an agent may use: the engine (token-in, token-out), the tokenizer, its sampling.
 
-    engine: EngineRouter
+    ``engine`` has the router's interface: ``async generate(input_ids, sampling, session=None)`` and
+    ``release_session(session)``. It is the :class:`EngineRouter` itself, or, for a training group of
+    an asynchronous run, a recorder in front of it that logs the group's calls for checkpoints
+    (:mod:`loongsage.core.rollout.replay`).
+    """
+
+    engine: EngineRouter | Any
     tokenizer: Any
     sampling: SamplingParams
     group_id: int

@@ -1,6 +1,6 @@
 """The engine router: least-loaded routing over engine replicas, sticky per session, one actor call per
-replica per event-loop tick, token-level partial rollout across weight updates, and failover when an
-engine dies.
+replica per event-loop tick, token-level partial rollout across weight updates, failover when an
+engine dies, and every call's state in view for checkpoints.
 
 Partial rollout: :meth:`EngineRouter.pause_for_update` holds new requests and aborts what is in
 flight; each caller's aborted samples wait, and after :meth:`EngineRouter.resume_after_update` they
@@ -16,6 +16,17 @@ waiting on it again: to another live engine, or to the replacement once the owne
 :meth:`EngineRouter.engine_replaced`. A request goes again as it was (same prompt, sampling and seed,
 same ``resume_from``), so on the same weights it samples the same tokens; agents never see the loss.
 Without an owner (``on_engine_lost`` unset) a lost engine fails its callers, as any other error does.
+
+Calls: every ``generate`` is a :class:`Call` while it runs (``EngineRouter.calls``): its prompt,
+sampling (seed included), session and results so far: ``None`` until an engine answered, then the
+``n`` samples, finished or cut (``ABORT``, with their tokens, log-probs and versions so far). A call's
+results change in the same event-loop step as the answer arrives, so they are never behind what the
+engines returned. :meth:`EngineRouter.settled` waits until no call awaits an engine's answer: after
+:meth:`EngineRouter.pause_for_update` that comes quickly (the aborted requests answer at once; one
+that reached its engine after the abort just finishes), and then every call's state is fixed until
+:meth:`EngineRouter.resume_after_update`. That is the moment a checkpoint takes the rollout's state
+(see :mod:`loongsage.core.rollout.replay`). :meth:`EngineRouter.run` runs a call given as a ``Call``;
+one that holds results already (a call restored from a checkpoint) continues its cut samples.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from loongsage.core.rollout.seeds import request_seed
@@ -34,6 +45,16 @@ log = logging.getLogger("loongsage")
 
 class EngineLost(Exception):
     """An engine died or stopped answering; the requests it held are sent again."""
+
+
+@dataclass(eq=False)
+class Call:
+    """One ``generate`` call as the router holds it (compared by identity: two calls may ask the same)."""
+
+    input_ids: list[int]
+    sampling: SamplingParams
+    session: str | None = None
+    results: list[GenerationResult] | None = None  # None until an engine answered; cut samples are ABORT
 
 
 class EngineRouter:
@@ -57,6 +78,9 @@ class EngineRouter:
         self._pending: dict[int, list[tuple[GenerationRequest, asyncio.Future]]] = {}
         self._open: asyncio.Event | None = None  # cleared while a weight update holds generation
         self._routable: asyncio.Event | None = None  # set whenever an engine comes back (or routing fails)
+        self.calls: set[Call] = set()  # the generate calls in progress
+        self._awaiting = 0  # requests sent and not yet answered
+        self._quiet: asyncio.Event | None = None  # set whenever _awaiting drops to 0
         self.updates = 0  # weight updates that paused generation so far
         self.resumed_samples = 0  # samples continued from their tokens after an update
         # failover: engines not routed to (index -> the lost handle), set by the owner
@@ -89,6 +113,11 @@ class EngineRouter:
             self._open.set()
         return self._open
 
+    async def _pass_gate(self) -> None:
+        # a waiter woken by the gate opening runs later: the gate may have closed again by then
+        while not self._gate().is_set():
+            await self._gate().wait()
+
     def _routable_event(self) -> asyncio.Event:
         if self._routable is None:
             self._routable = asyncio.Event()
@@ -118,6 +147,15 @@ class EngineRouter:
         for (index, engine), ok in zip(live, answers):
             if not ok:
                 await self._lost(index, engine, EngineLost("no answer to a health probe"))
+
+    async def settled(self) -> None:
+        """Wait until no request awaits an engine's answer (every call's results are then fixed while
+        the update holds generation)."""
+        while self._awaiting:
+            if self._quiet is None:
+                self._quiet = asyncio.Event()
+            self._quiet.clear()
+            await self._quiet.wait()
 
     def resume_after_update(self) -> None:
         """Let held requests go and aborted samples continue, on the weights now in the engines."""
@@ -170,19 +208,33 @@ class EngineRouter:
     # ------------------------------------------------------------------ generation
     async def generate(self, input_ids: list[int], sampling: SamplingParams, session: str | None = None) -> list[GenerationResult]:
         """The ``sampling.n`` samples of one prompt; samples cut by a weight update are continued."""
-        await self._gate().wait()
-        updates = self.updates
-        results = await self._submit(session, input_ids, sampling)
-        while updates != self.updates and any(r.finish_reason is FinishReason.ABORT for r in results):
-            await self._gate().wait()
+        return await self.run(Call(list(input_ids), sampling, session))
+
+    async def run(self, call: Call) -> list[GenerationResult]:
+        """Generate ``call``'s samples, keeping its results current (see the module docstring). A call
+        that holds results already continues the cut ones from their tokens and keeps the others."""
+        self.calls.add(call)
+        try:
+            await self._pass_gate()
             updates = self.updates
-            cut = [j for j, r in enumerate(results) if r.finish_reason is FinishReason.ABORT]
-            more = await asyncio.gather(*(self._submit(session, input_ids, _continuation(sampling, j, results[j]),
-                                                       resume_from=results[j]) for j in cut))
-            for j, (result,) in zip(cut, more):
-                results[j] = result
-            self.resumed_samples += len(cut)
-        return results
+            if call.results is None:
+                call.results = await self._submit(call.session, call.input_ids, call.sampling)
+            else:
+                updates = -1  # restored: its cut samples go on now
+            while updates != self.updates and any(r.finish_reason is FinishReason.ABORT for r in call.results):
+                await self._pass_gate()
+                updates = self.updates
+                cut = [j for j, r in enumerate(call.results) if r.finish_reason is FinishReason.ABORT]
+                await asyncio.gather(*(self._continue(call, j) for j in cut))
+            return list(call.results)
+        finally:
+            self.calls.discard(call)
+
+    async def _continue(self, call: Call, sample: int) -> None:
+        partial = call.results[sample]
+        self.resumed_samples += 1
+        (call.results[sample],) = await self._submit(call.session, call.input_ids,
+                                                     _continuation(call.sampling, sample, partial), resume_from=partial)
 
     async def _submit(self, session: str | None, input_ids: list[int], sampling: SamplingParams,
                       resume_from: GenerationResult | None = None) -> list[GenerationResult]:
@@ -196,15 +248,19 @@ class EngineRouter:
                 asyncio.get_running_loop().call_soon(lambda i=index: asyncio.ensure_future(self._flush(i)))
             self._pending[index].append((request, future))
             self.in_flight[index] += 1
+            self._awaiting += 1
             try:
                 return await future
             except EngineLost:
                 # the same request again (its seed with it), under a fresh id, after any update hold
                 self.requests_redispatched += 1
                 request = replace(request, request_id=f"r{next(self._ids)}")
-                await self._gate().wait()
             finally:
                 self.in_flight[index] -= 1
+                self._awaiting -= 1
+                if not self._awaiting and self._quiet is not None:
+                    self._quiet.set()
+            await self._pass_gate()
 
     async def _route(self, session: str | None) -> int:
         while True:

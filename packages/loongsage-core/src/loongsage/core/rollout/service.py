@@ -26,13 +26,25 @@ and ``rollout/requests_redispatched`` (requests sent again).
 
 Every group gets a run-unique id in data order; its requests sample with a seed derived from that id
 (:func:`loongsage.core.rollout.seeds.request_seed`), and the id counter and the mixer's position
-are the service's checkpoint state, so a resumed run draws exactly what an uninterrupted one would.
+are part of the service's checkpoint state, so a resumed run draws exactly what an uninterrupted one
+would.
+
+Checkpoints (:meth:`RolloutService.snapshot`, taken while a weight update holds generation): the
+mixer's position, the group counter and the batches consumed, as JSON, and, asynchronously, every
+source's rollout as it stands: its dispatch counter, the finished groups in its buffer (whole
+trajectories: tokens, log-probs, versions, rewards, statuses), the groups in flight (their ids,
+records and every engine call they made with what came back, cut samples included; see
+:mod:`loongsage.core.rollout.replay`), and the records waiting to go again. A resumed run trains the
+buffered groups as they are and starts the groups in flight first, under their own ids and sequence
+numbers: they replay their calls and continue their cut samples from their tokens, so the run goes on
+as the uninterrupted one did, no prompt lost or trained twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import math
 from collections import defaultdict, deque
@@ -42,6 +54,7 @@ from typing import Any
 from loongsage.core.data import Mixer
 from loongsage.core.rollout.agents import AgentContext, gather_groups
 from loongsage.core.rollout.recovery import EngineRecovery
+from loongsage.core.rollout.replay import GroupRecorder, RecordedCall
 from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.rollout.router import EngineRouter
 from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, Trajectory
@@ -86,18 +99,21 @@ class RolloutService:
 
     # ------------------------------------------------------------------ generation
     async def generate(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
-                       agents: dict[str, Any] | None = None, group_ids: list[int] | None = None) -> Groups:
+                       agents: dict[str, Any] | None = None, group_ids: list[int] | None = None,
+                       engines: list[Any] | None = None) -> Groups:
         """Groups of scored trajectories for ``records`` (one group per record).
 
         Training groups take the next ids of the run; evaluation passes ids of its own so that it
-        never shifts the training stream.
+        never shifts the training stream. ``engines``: what each group's agent generates through
+        (default: the router).
         """
         sampling = sampling or self.sampling
         if group_ids is None:
             first, self.next_group_id = self.next_group_id, self.next_group_id + len(records)
             group_ids = list(range(first, self.next_group_id))
-        contexts = [AgentContext(self.router, self.tokenizer, self._seeded(sampling[r.source], gid), gid)
-                    for r, gid in zip(records, group_ids)]
+        engines = engines or [self.router] * len(records)
+        contexts = [AgentContext(engine, self.tokenizer, self._seeded(sampling[r.source], gid), gid)
+                    for r, gid, engine in zip(records, group_ids, engines)]
         groups = await gather_groups(agents or self.agents, records, contexts)
         flat = [t for g in groups for t in g]
         recs = [r for r, g in zip(records, groups) for _ in g]
@@ -198,9 +214,14 @@ class RolloutService:
         self._event().set()
 
     def start(self, version: int) -> None:
-        """Start dispatching beside training (asynchronous schedulers; a no-op otherwise)."""
+        """Start dispatching beside training (asynchronous schedulers; a no-op otherwise); groups
+        restored in flight from a checkpoint go first."""
         self.version = version
         if self.asynchronous and self._dispatcher is None:
+            for name, src in self.sources.items():
+                restored, src.restored = src.restored, []
+                for seq, gid, calls in restored:
+                    self._launch(name, src, seq, gid, src.outstanding[seq], calls)
             self._dispatcher = asyncio.ensure_future(self._dispatch_loop())
 
     async def close(self) -> None:
@@ -265,14 +286,21 @@ class RolloutService:
             seq, gid = src.next_seq, self.next_group_id
             src.next_seq, self.next_group_id = seq + 1, gid + 1
             src.outstanding[seq] = record
-            src.in_flight += 1
-            task = asyncio.ensure_future(self._run_group(name, src, seq, gid, record))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._launch(name, src, seq, gid, record)
 
-    async def _run_group(self, name: str, src: "_Source", seq: int, gid: int, record: DataRecord) -> None:
+    def _launch(self, name: str, src: "_Source", seq: int, gid: int, record: DataRecord,
+                calls: list[RecordedCall] = ()) -> None:
+        recorder = GroupRecorder(self.router, calls)
+        src.running[seq] = (gid, recorder)
+        src.in_flight += 1
+        task = asyncio.ensure_future(self._run_group(name, src, seq, gid, record, recorder))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_group(self, name: str, src: "_Source", seq: int, gid: int, record: DataRecord,
+                         recorder: GroupRecorder) -> None:
         try:
-            (group,) = await self.generate([record], group_ids=[gid])
+            (group,) = await self.generate([record], group_ids=[gid], engines=[recorder])
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001 - surfaced by next_batch
@@ -280,7 +308,9 @@ class RolloutService:
             self._notify()
             return
         finally:
+            # in the same event-loop step as the group enters the buffer: a snapshot sees it in one place
             src.in_flight -= 1
+            del src.running[seq]
         if self._passes(group):
             src.buffer.append((seq, group))
         else:  # its place is refilled by the next dispatch
@@ -365,14 +395,39 @@ class RolloutService:
 
     # ------------------------------------------------------------------ checkpoints
     def state(self) -> dict[str, Any]:
-        """The data position, the group counter and, asynchronously, the prompts dispatched but not
-        yet trained (in flight, buffered or returned): a resumed run dispatches those first, so no
-        prompt is lost or trained twice."""
-        pending = {name: [dataclasses.asdict(r) for r in src.pending()] for name, src in self.sources.items()}
-        return {"mixer": self.mixer.state(), "next_group_id": self.next_group_id, "consumed": self.consumed,
-                "pending": pending}
+        """The data position, the group counter and the batches consumed (JSON); synchronous
+        scheduling has nothing in flight between steps, so this is its whole checkpoint state."""
+        state = {"mixer": self.mixer.state(), "next_group_id": self.next_group_id, "consumed": self.consumed}
+        if not self.asynchronous:  # empty lists, kept so that the checkpoint reads as it always did
+            state["pending"] = {name: [dataclasses.asdict(r) for r in src.pending()]
+                                for name, src in self.sources.items()}
+        return state
+
+    async def snapshot(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """``(state, rollout)``: :meth:`state` and, asynchronously, every source's rollout as it stands
+        (see the module docstring; plain data and dataclasses, copied, for ``torch.save``). Call it
+        while a weight update holds generation (between :meth:`begin_update` and :meth:`end_update`):
+        it waits until no request awaits an engine, and the cut is then consistent."""
+        if not self.asynchronous:
+            return self.state(), None
+        await self.router.settled()
+        sources = {}
+        for name, src in self.sources.items():
+            sources[name] = {
+                "next_seq": src.next_seq, "consumed": src.consumed, "outstanding": dict(src.outstanding),
+                "buffer": list(src.buffer), "returned": list(src.returned),
+                "in_flight": [(seq, gid, recorder.snapshot()) for seq, (gid, recorder) in sorted(src.running.items())]
+                + list(src.restored),  # restored and not started yet (no batch was asked for since)
+            }
+        rollout = {"sources": sources, "counters": dict(self._counters),
+                   "resumed_samples": self.router.resumed_samples}
+        return self.state(), copy.deepcopy(rollout)  # the run goes on while the checkpoint is written
 
     def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: its JSON state (``controller.json``: :meth:`state` with the
+        version) and, from an asynchronous run, ``state["rollout"]``, the rollout :meth:`snapshot`
+        took (``rollout.pt``). An older checkpoint holds only the records not yet trained
+        (``pending``): they are dispatched again first, as new groups."""
         self.mixer.restore(state["mixer"])
         self.next_group_id = int(state["next_group_id"])
         self.consumed = int(state.get("consumed", 0))
@@ -381,6 +436,18 @@ class RolloutService:
             src.consumed = self.consumed * src.quota
         for name, records in state.get("pending", {}).items():
             self.sources[name].returned.extend(DataRecord(**r) for r in records)
+        rollout = state.get("rollout")
+        if rollout is None:
+            return
+        self._counters.update(rollout["counters"])
+        self.router.resumed_samples = int(rollout["resumed_samples"])
+        for name, saved in rollout["sources"].items():
+            src = self.sources[name]
+            src.next_seq, src.consumed = int(saved["next_seq"]), int(saved["consumed"])
+            src.outstanding = dict(saved["outstanding"])
+            src.buffer = list(saved["buffer"])
+            src.returned = deque(saved["returned"])
+            src.restored = [tuple(entry) for entry in saved["in_flight"]]
 
 
 @dataclass
@@ -394,6 +461,8 @@ class _Source:
     buffer: list[tuple[int, list[Trajectory]]] = field(default_factory=list)  # (seq, group), kept
     outstanding: dict[int, DataRecord] = field(default_factory=dict)  # seq -> record, not yet trained
     returned: deque[DataRecord] = field(default_factory=deque)  # records to dispatch again first
+    running: dict[int, tuple[int, GroupRecorder]] = field(default_factory=dict)  # seq -> (group id, its calls)
+    restored: list[tuple[int, int, list[RecordedCall]]] = field(default_factory=list)  # (seq, group id, calls)
 
     def take(self, seq: int) -> list[Trajectory]:
         for k, (s, group) in enumerate(self.buffer):
