@@ -1,11 +1,12 @@
-"""AgentFlow's entry point (group ``loongsage``): the ``qwen3`` chat parser backend."""
+"""AgentFlow's entry point (group ``loongsage``): the ``qwen3`` chat parser and the ``gateway`` run service."""
 
 from __future__ import annotations
 
 from loongsage.agentflow.parsers import Qwen3ChatParser
+from loongsage.agentflow.run_service import GatewayService
 from loongsage.core.hookspecs import Factories, hookimpl
 
 
 @hookimpl
 def loongsage_backends() -> Factories:
-    return {"qwen3": Qwen3ChatParser}
+    return {"qwen3": Qwen3ChatParser, "gateway": GatewayService}

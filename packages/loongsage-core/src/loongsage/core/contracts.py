@@ -407,6 +407,22 @@ class ModelBuilder(Protocol):
     def build(self) -> str | Path: ...
 
 
+class RunService(Protocol):
+    """A ``service`` backend: lives as long as the run and is reached by agents (the chat gateway).
+
+    Runs in the driver, on the event loop that runs the rollout (see :mod:`loongsage.core.services`):
+    ``start`` once when the run starts, after the engines, ``stop`` once when it ends (also after an
+    error). What ``start`` returns is what agents get as ``ctx.services[<name>]``; ``metrics``
+    (optional) adds the service's counters to every step's metrics.
+    """
+
+    kind: ClassVar[Literal["service"]] = "service"
+
+    async def start(self, ctx: Any) -> Any: ...
+
+    async def stop(self) -> None: ...
+
+
 # ================================================================================= tables
 HOOKS: dict[str, type] = {
     "agent": Agent,
@@ -431,6 +447,7 @@ BACKENDS: dict[str, type] = {
     "tracker": Tracker,
     "chat_parser": ChatParser,
     "model_builder": ModelBuilder,
+    "service": RunService,
 }
 """The Protocol each backend kind implements, by kind."""
 
@@ -458,5 +475,5 @@ REQUIRED_WHEN: dict[type, dict[str, When]] = {
 __all__ = [
     "AdvantageEstimator", "Agent", "BACKENDS", "ChatParser", "Correction", "Critic", "DataFilter", "DataSource",
     "Engine", "GatewayMiddleware", "HOOKS", "KLEstimator", "LossFunction", "ModelBuilder", "PolicyLoss",
-    "REQUIRED_WHEN", "Reward", "RolloutScheduler", "Sandbox", "Teacher", "Tracker", "Trainer", "Transport", "When",
+    "REQUIRED_WHEN", "Reward", "RolloutScheduler", "RunService", "Sandbox", "Teacher", "Tracker", "Trainer", "Transport", "When",
 ]

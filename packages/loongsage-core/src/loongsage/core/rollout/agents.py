@@ -6,7 +6,7 @@ The single-turn agent calls an engine directly with token ids (no HTTP on the ho
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from loongsage.core.rollout.router import EngineRouter
@@ -20,13 +20,15 @@ class AgentContext:
     ``engine`` has the router's interface: ``async generate(input_ids, sampling, session=None)`` and
     ``release_session(session)``. It is the :class:`EngineRouter` itself, or, for a training group of
     an asynchronous run, a recorder in front of it that logs the group's calls for checkpoints
-    (:mod:`loongsage.core.rollout.replay`).
+    (:mod:`loongsage.core.rollout.replay`). ``services`` are the run's services by name (the chat
+    gateway: ``services["gateway"]``; see :mod:`loongsage.core.services`).
     """
 
     engine: EngineRouter | Any
     tokenizer: Any
     sampling: SamplingParams
     group_id: int
+    services: dict[str, Any] = field(default_factory=dict)
 
 
 _STATUS = {FinishReason.STOP: Status.OK, FinishReason.LENGTH: Status.TRUNCATED, FinishReason.ABORT: Status.ABORTED}

@@ -96,6 +96,7 @@ class RolloutService:
             self.recovery = EngineRecovery(router, restart=restart_engine, load=load_engine,
                                            max_restarts=max_engine_restarts, on_error=self._fail)
         self._failover_seen = (0, 0)  # the router's (restarts, redispatched) at the last batch
+        self.services: dict[str, Any] = {}  # the run's services by name, for agents (set once started)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
@@ -112,7 +113,7 @@ class RolloutService:
             first, self.next_group_id = self.next_group_id, self.next_group_id + len(records)
             group_ids = list(range(first, self.next_group_id))
         engines = engines or [self.router] * len(records)
-        contexts = [AgentContext(engine, self.tokenizer, self._seeded(sampling[r.source], gid), gid)
+        contexts = [AgentContext(engine, self.tokenizer, self._seeded(sampling[r.source], gid), gid, self.services)
                     for r, gid, engine in zip(records, group_ids, engines)]
         groups = await gather_groups(agents or self.agents, records, contexts)
         flat = [t for g in groups for t in g]

@@ -1,0 +1,69 @@
+"""The chat gateway as a run-scoped service: ``services: [{name: gateway, params: {...}}]``.
+
+The controller starts it with the run, on the rollout's event loop (see
+:mod:`loongsage.core.services`), so the gateway generates through the run's engine router: turns
+wait while a weight update holds generation, turns in flight at an update are cut and continued on
+the new weights from their tokens (asynchronous schedulers), and a lost engine's requests go to its
+replacement. Agents get the started :class:`~loongsage.agentflow.gateway.Gateway` as
+``ctx.services["gateway"]`` and open one session per trajectory. Its counters (turns, segments by
+category, refusals) join every step's metrics as ``agentflow/*``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from loongsage.agentflow.gateway import Gateway
+from loongsage.agentflow.service import ChatService
+from loongsage.agentflow.store import Budget
+from loongsage.agentflow.templates import QWEN3_TOOLS_TEMPLATE
+from loongsage.core.schema import ranged
+
+
+@dataclass
+class GatewayService:
+    """An OpenAI/Anthropic-compatible chat endpoint on ``host`` (a free port), one session per trajectory."""
+
+    kind: ClassVar[str] = "service"
+
+    chat_parser: str | None = "qwen3"  # a chat_parser backend (tool calls, reasoning); null = text only
+    # "qwen3": the package's Qwen3-style ChatML template with tools and reasoning; "tokenizer": the
+    # model tokenizer's own template; anything else: a Jinja template string
+    chat_template: str = "qwen3"
+    max_context_tokens: int = ranged(4096, ge=1, note="prompt + new tokens of one engine call")
+    max_response_tokens: int = ranged(16384, ge=1, note="model tokens of one trajectory, all turns")
+    default_max_tokens: int = ranged(1024, ge=1, note="new tokens of a turn whose request names none")
+    max_n: int = ranged(16, ge=1)
+    model_name: str = "loongsage"
+    host: str = "127.0.0.1"  # loopback: agents run on the driver's machine
+
+    def __post_init__(self) -> None:
+        self.gateway: Gateway | None = None
+        self.chat: ChatService | None = None
+
+    def _template(self, tokenizer: Any) -> str | None:
+        if self.chat_template == "qwen3":
+            return QWEN3_TOOLS_TEMPLATE
+        if self.chat_template == "tokenizer":
+            return None
+        return self.chat_template
+
+    async def start(self, ctx: Any) -> Gateway:
+        parser = None
+        if self.chat_parser:
+            parser = ctx.registry.create("chat_parser", {"name": self.chat_parser}, "services.gateway.params.chat_parser")
+        budget = Budget(max_context_tokens=self.max_context_tokens, max_response_tokens=self.max_response_tokens,
+                        default_max_tokens=self.default_max_tokens)
+        self.chat = ChatService(ctx.engine, ctx.tokenizer, parser=parser, chat_template=self._template(ctx.tokenizer),
+                                budget=budget, model_name=self.model_name, max_n=self.max_n)
+        self.gateway = Gateway(self.chat, host=self.host)
+        await self.gateway.start()
+        return self.gateway
+
+    async def stop(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()
+
+    def metrics(self) -> dict[str, float]:
+        return self.chat.metrics() if self.chat is not None else {}

@@ -1,0 +1,71 @@
+"""Run-scoped services: things that live as long as a run and that agents reach (the chat gateway).
+
+A service is a ``service`` backend (``loongsage_backends``, :class:`~loongsage.core.contracts.RunService`)
+named in the config's ``services`` list. The controller starts every service after the engines and
+the rollout service exist, on the event loop that runs the rollout, in list order; each ``start``
+gets a :class:`ServiceContext` (the engine router, the tokenizer, the registry, ...) and returns
+the handle agents see as ``ctx.services[<name>]``. Services stop in reverse order when the run
+ends, also when it fails. A new kind of service needs a plugin, never a change to the controller.
+
+Because services share the rollout's event loop, a service may call the engine router directly:
+requests it sends wait while a weight update holds generation and, under an asynchronous
+scheduler, are cut at the update and continued on the new weights like any agent's.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("loongsage")
+
+
+@dataclass
+class ServiceContext:
+    """What a service may use when it starts."""
+
+    engine: Any  # the engine router: async generate(input_ids, sampling, session), release_session(session)
+    tokenizer: Any
+    model_path: str
+    run_dir: Path
+    registry: Any  # creates other plugins (a chat parser, middlewares) by name
+    seed: int
+
+
+class RunServices:
+    """The run's services, started in order and stopped in reverse (each stop on its own)."""
+
+    def __init__(self, specs: list[dict[str, Any]], registry: Any):
+        self.entries = [(spec["name"], registry.create("service", spec, f"services.{i}"))
+                        for i, spec in enumerate(specs)]
+        self.handles: dict[str, Any] = {}
+        self._started: list[tuple[str, Any]] = []
+
+    async def start(self, ctx: ServiceContext) -> dict[str, Any]:
+        """Start every service; returns ``{name: handle}`` (what agents get as ``ctx.services``)."""
+        for name, service in self.entries:
+            self.handles[name] = await service.start(ctx)
+            self._started.append((name, service))
+            log.info("service %s started", name)
+        return self.handles
+
+    async def stop(self) -> None:
+        """Stop what was started, newest first; a service that fails to stop is logged, and the
+        others still stop."""
+        while self._started:
+            name, service = self._started.pop()
+            try:
+                await service.stop()
+            except Exception as exc:  # noqa: BLE001 - the run's own outcome is what propagates
+                log.warning("service %s did not stop cleanly: %s: %s", name, type(exc).__name__, exc)
+        self.handles.clear()
+
+    def metrics(self) -> dict[str, float]:
+        """Every started service's counters (a service without ``metrics`` has none)."""
+        out: dict[str, float] = {}
+        for _, service in self._started:
+            if callable(getattr(service, "metrics", None)):
+                out.update(service.metrics())
+        return out
