@@ -152,6 +152,7 @@ CONTRACT_CALLS = {
     "Tracker": {"log": ("step", "metrics"), "close": ()},
     "ChatParser": {"parse": ("text",)},
     "ModelBuilder": {"build": ()},
+    "RunService": {"start": ("ctx",), "stop": ()},
 }
 CONTRACT_FLAGS = {
     "Reward": {"nested": {}, "bind": None},
@@ -168,6 +169,7 @@ CONTRACT_FLAGS = {
     "Tracker": {"kind": "tracker", "preflight": None},
     "ChatParser": {"kind": "chat_parser"},
     "ModelBuilder": {"kind": "model_builder"},
+    "RunService": {"kind": "service", "metrics": None},
 }
 
 

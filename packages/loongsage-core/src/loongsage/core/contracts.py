@@ -382,8 +382,8 @@ class Tracker(Protocol):
 
 
 class ChatParser(Protocol):
-    """A ``chat_parser`` backend (none ships yet; this is the contract one will meet): splits a
-    model family's completion text into the chat-completion message fields.
+    """A ``chat_parser`` backend (loongsage-agentflow ships ``qwen3``): splits a model family's
+    completion text into the chat-completion message fields.
 
     Runs in the gateway, once per completion.
     """
@@ -412,11 +412,12 @@ class RunService(Protocol):
 
     Runs in the driver, on the event loop that runs the rollout (see :mod:`loongsage.core.services`):
     ``start`` once when the run starts, after the engines, ``stop`` once when it ends (also after an
-    error). What ``start`` returns is what agents get as ``ctx.services[<name>]``; ``metrics``
-    (optional) adds the service's counters to every step's metrics.
+    error). What ``start`` returns is what agents get as ``ctx.services[<name>]``.
     """
 
     kind: ClassVar[Literal["service"]] = "service"
+    metrics: ClassVar[Callable[[], dict[str, float]] | None] = None
+    """Optional method ``metrics()``: the service's counters, added to every step's metrics."""
 
     async def start(self, ctx: Any) -> Any: ...
 

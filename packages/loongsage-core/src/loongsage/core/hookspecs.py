@@ -135,8 +135,10 @@ def loongsage_backends() -> Factories:
     :class:`~loongsage.core.contracts.Engine`), ``teacher`` (:class:`~loongsage.core.contracts.Teacher`),
     ``transport`` (cpu, ipc, nccl; :class:`~loongsage.core.contracts.Transport`), ``tracker`` (jsonl,
     tensorboard, wandb; :class:`~loongsage.core.contracts.Tracker`), ``chat_parser``
-    (:class:`~loongsage.core.contracts.ChatParser`) and ``model_builder`` (builds an HF model folder
-    offline; :class:`~loongsage.core.contracts.ModelBuilder`). Names are unique within a kind.
+    (:class:`~loongsage.core.contracts.ChatParser`), ``model_builder`` (builds an HF model folder
+    offline; :class:`~loongsage.core.contracts.ModelBuilder`) and ``service`` (lives as long as the run
+    and is handed to agents, the chat gateway; :class:`~loongsage.core.contracts.RunService`). Names
+    are unique within a kind.
     """
 
 

@@ -66,6 +66,6 @@ class RunServices:
         """Every started service's counters (a service without ``metrics`` has none)."""
         out: dict[str, float] = {}
         for _, service in self._started:
-            if callable(getattr(service, "metrics", None)):
+            if service.metrics is not None:
                 out.update(service.metrics())
         return out
