@@ -118,8 +118,7 @@ def configurations(args: argparse.Namespace) -> list[str]:
 def scheduler_override(name: str, eta: int) -> str:
     """The launcher override that selects a scheduler (η only where the scheduler takes it)."""
     if name in ("sync", "one_step_off"):  # η fixed by the scheduler: 0 and 1
-        # params: null, or the override would merge into the recipe's scheduler and keep its params
-        return f"rollout.scheduler={{name: {name}, params: null}}"
+        return f"rollout.scheduler={{name: {name}}}"  # another name: the recipe's params do not carry over
     return f"rollout.scheduler={{name: {name}, params: {{max_staleness: {eta}}}}}"
 
 

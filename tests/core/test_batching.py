@@ -110,6 +110,7 @@ def _controller(monkeypatch, recipe: str, overrides: list[str], critic: bool = F
 
     from loongsage.core.config import load_config
     from loongsage.core.controller import Controller
+    from loongsage.core.worker_group import WorkerGroup
     from loongsage.core.workers import build_pipeline
 
     monkeypatch.setattr(ray, "get", lambda x: x)
@@ -120,8 +121,8 @@ def _controller(monkeypatch, recipe: str, overrides: list[str], critic: bool = F
     ctrl.estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
     ctrl.filters = [registry.create("data_filter", f, f"algorithm.filters[{i}]")
                     for i, f in enumerate(cfg.algorithm.filters)]
-    ctrl.trainers = [FakeTrainer(ctrl.pipeline)]
-    ctrl.critic = FakeCritic() if critic else None
+    ctrl.trainer_group = WorkerGroup("trainer", [FakeTrainer(ctrl.pipeline)])
+    ctrl.critic_group = WorkerGroup("critic", [FakeCritic()] if critic else [])
     return ctrl
 
 
@@ -162,7 +163,7 @@ def test_overlong_filter_masks_truncated_samples_after_group_advantages(monkeypa
              _sampled(0, 2, 2, 0.0), _sampled(0, 3, 8, 1.0, status=Status.TRUNCATED)]
     assert all(f(group) for f in ctrl.filters)  # the group is kept
     metrics = ctrl._train([group])
-    (mb,) = ctrl.trainers[0].steps
+    (mb,) = ctrl.trainer_group.actors[0].steps
     # GRPO over all four rewards [1, 0, 0, 1]: mean 0.5, unbiased std 0.577 -> A = +-0.866
     # (over the two untruncated ones alone it would be +-0.707)
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
@@ -192,7 +193,7 @@ def test_exclude_rows_and_loss_excluded():
 def test_critic_loss_weights_follow_the_aggregation(monkeypatch, aggregation):
     ctrl = _controller(monkeypatch, "tiny/ppo_arith_cpu", [f"algorithm.aggregation={aggregation}"], critic=True)
     ctrl._train([[_sampled(0, 0, 2, 1.0), _sampled(0, 1, 5, 0.0)], [_sampled(1, 0, 3, 1.0), _sampled(1, 1, 1, 0.0)]])
-    (policy_mb,), (critic_mb,) = ctrl.trainers[0].steps, ctrl.critic.steps
+    (policy_mb,), (critic_mb,) = ctrl.trainer_group.actors[0].steps, ctrl.critic_group.actors[0].steps
     want = loss_weights(critic_mb.response_mask, aggregation)
     torch.testing.assert_close(critic_mb.loss_weights, want)
     torch.testing.assert_close(policy_mb.loss_weights, want)  # the same weights as the policy loss
@@ -218,7 +219,7 @@ def test_consistency_metrics_follow_the_aggregation(monkeypatch, aggregation, mi
     ctrl = _controller(monkeypatch, RECIPE_GRPO, [f"algorithm.aggregation={aggregation}",
                                                   f"trainer.mini_batches_per_step={mini_batches}"])
     metrics = ctrl._train([_mismatched(g) for g in range(mini_batches)])
-    assert (ctrl.trainers[0].logprob_calls > 0) == (mini_batches > 1)
+    assert (ctrl.trainer_group.actors[0].logprob_calls > 0) == (mini_batches > 1)
     want = SEQ_MEAN if aggregation.startswith("seq-mean") else TOKEN_MEAN
     assert metrics["train/is_approx_k3_kl"] == pytest.approx(want["k3"], rel=1e-5)
     assert metrics["train/is_logprob_abs_diff"] == pytest.approx(want["abs"], rel=1e-5)
@@ -228,7 +229,8 @@ def test_teacher_forced_trajectories_have_no_consistency_metrics(monkeypatch):
     """SFT: the placeholder log-probs 0 of teacher-forced tokens are not compared with anything."""
     ctrl = _controller(monkeypatch, "tiny/sft_chat_cpu", [])
     metrics = ctrl._train([[_teacher_forced(0, 3)], [_teacher_forced(1, 5)]])
-    assert ctrl.trainers[0].steps and ctrl.trainers[0].logprob_calls == 0  # no extra forward for it
+    (trainer,) = ctrl.trainer_group.actors
+    assert trainer.steps and trainer.logprob_calls == 0  # no extra forward for it
     assert "train/pg_loss" in metrics
     assert not any(k.startswith(("train/is_approx_k3_kl", "train/is_logprob_abs_diff")) for k in metrics)
 
@@ -238,6 +240,6 @@ def test_a_mixed_batch_measures_the_sampled_tokens_only(monkeypatch):
     the sampled rows alone (token mean of 2 x 0.1 and 4 x 0.3, not diluted by the forced rows)."""
     ctrl = _controller(monkeypatch, RECIPE_GRPO, ["data_sources.0.samples_per_prompt=2"])
     metrics = ctrl._train([_mismatched(0), [_teacher_forced(5, 3), _teacher_forced(5, 4)]])
-    assert ctrl.trainers[0].logprob_calls == 1
+    assert ctrl.trainer_group.actors[0].logprob_calls == 1
     assert metrics["train/is_approx_k3_kl"] == pytest.approx(TOKEN_MEAN["k3"], rel=1e-5)
     assert metrics["train/is_logprob_abs_diff"] == pytest.approx(TOKEN_MEAN["abs"], rel=1e-5)

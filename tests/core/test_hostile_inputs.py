@@ -249,7 +249,7 @@ def test_placement_checks_what_ray_has_before_reserving(monkeypatch, overrides, 
     ConfigError at once (free ones after a short grace), not Ray's silent wait."""
     import ray
 
-    from loongsage.core.controller import Placement
+    from loongsage.core.placement import Placement
 
     monkeypatch.setattr(ray, "cluster_resources", lambda: dict(total))
     monkeypatch.setattr(ray, "available_resources", lambda: dict(free))
@@ -265,7 +265,7 @@ def test_placement_checks_what_ray_has_before_reserving(monkeypatch, overrides, 
 def test_placement_accepts_bundles_that_fit(monkeypatch) -> None:
     import ray
 
-    from loongsage.core.controller import Placement
+    from loongsage.core.placement import Placement
 
     free = iter([{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 2.0}])  # a finished run's bundles come back
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
@@ -280,6 +280,7 @@ def test_a_failure_while_starting_actors_is_not_masked_by_the_cleanup(tmp_path, 
     import ray.util.placement_group  # noqa: F401 - the module, which ray.util's function of that name hides
 
     from loongsage.core import controller as ctl
+    from loongsage.core.worker_group import WorkerGroup
 
     ray_pg = sys.modules["ray.util.placement_group"]
 
@@ -287,7 +288,8 @@ def test_a_failure_while_starting_actors_is_not_masked_by_the_cleanup(tmp_path, 
 
     def start_half(self, model_path, teacher_plans=()):
         self.placement = SimpleNamespace(pg="pg")
-        self.trainers = ["trainer0"]  # engines never started: no self.engines, no self.reward
+        # the trainer group started, the engines never: no engine group, no reward group
+        self.groups.append(WorkerGroup("trainer", ["trainer0", "trainer1"]))
         raise ValueError("engine 0 failed to start")
 
     def kill(actor):
@@ -310,5 +312,5 @@ def test_a_failure_while_starting_actors_is_not_masked_by_the_cleanup(tmp_path, 
             ctl.Controller(cfg, registry).run()
     finally:
         logger.removeHandler(caplog.handler)
-    assert released == ["kill trainer0", "remove pg"]
-    assert "could not kill actor: RuntimeError: actor already dead" in caplog.text
+    assert released == ["kill trainer0", "kill trainer1", "remove pg"]  # one failed kill does not stop the next
+    assert "could not kill the trainer actors: RuntimeError: actor already dead" in caplog.text

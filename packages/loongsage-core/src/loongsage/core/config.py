@@ -1,9 +1,9 @@
-"""The config tree, how recipes are found and composed (Hydra), and validation before any actor.
+"""The config tree, how recipes are found, and validation before any actor.
 
 A recipe is a small YAML over these defaults. ``load_config`` composes it with command-line
-overrides, then ``validate`` checks every key, every plugin's ``params`` against the plugin's own
-signature, and cross-field rules, raising :class:`ConfigError` with one line naming the key path
-and what is allowed.
+overrides (:mod:`loongsage.core.compose`), then ``validate`` checks every key, every plugin's
+``params`` against the plugin's own signature, and cross-field rules, raising :class:`ConfigError`
+with one line naming the key path and what is allowed.
 """
 
 from __future__ import annotations
@@ -15,15 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loongsage.core.aggregation import AGGREGATION_MODES
+from loongsage.core.compose import compose
 from loongsage.core.distill import check_teacher
 from loongsage.core.contracts import Critic
 from loongsage.core.schema import build_dataclass, ranged
 from loongsage.core.types import ConfigError, SamplingParams
 
 Spec = dict[str, Any]  # {name: ..., params: {...}}
-
-# Short forms accepted on the command line: `colocate=false`, `resume=true`.
-OVERRIDE_ALIASES = {"colocate": "placement.colocate", "resume": "checkpoint.resume"}
 
 
 @dataclass
@@ -309,135 +307,7 @@ def list_recipes(config_dir: str | None = None) -> list[str]:
     return sorted(names)
 
 
-# ----------------------------------------------------------------------------- compose + validate
-def _expand_aliases(overrides: list[str]) -> list[str]:
-    out = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        bare = key.lstrip("+~")
-        prefix = key[:len(key) - len(bare)]
-        if not sep and not prefix.startswith("~"):
-            raise ConfigError(f"override {item!r}: no '='; write key=value (e.g. run.total_steps=5), "
-                              "or ~key to delete a key")
-        if sep and bare in OVERRIDE_ALIASES:
-            item = f"{prefix}{OVERRIDE_ALIASES[bare]}={value}"
-        out.append(f"++{item}" if sep and not prefix else item)  # set or add; validate() names unknown keys
-    return out
-
-
-def _compose(recipe: Path, overrides: list[str]) -> dict[str, Any]:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from omegaconf import OmegaConf
-
-    with initialize_config_dir(config_dir=str(recipe.parent), version_base=None):
-        cfg = hydra_compose(config_name=recipe.stem, overrides=overrides)
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
-
-
-def compose(recipe: Path, overrides: list[str]) -> dict[str, Any]:
-    """Compose ``recipe`` with Hydra overrides into a plain dict (no validation yet).
-
-    Anything that goes wrong (a YAML syntax error in the recipe, an override Hydra cannot parse or
-    apply) becomes one ConfigError line naming the file and position, or the override at fault.
-    """
-    expanded = _expand_aliases(overrides)
-    try:
-        return _compose(recipe, expanded)
-    except Exception as exc:  # Hydra, OmegaConf and YAML raise many types; each is explained below
-        raise ConfigError(_explain_compose_error(recipe, overrides, expanded, exc)) from None
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _first_line(exc: BaseException) -> str:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    lines = str(exc).strip().splitlines()
-    first = lines[0].strip() if lines else type(exc).__name__
-    if first.startswith(("Error merging override", "Error parsing override")) and exc.__cause__ is not None:
-        return _first_line(exc.__cause__)
-    if not isinstance(exc, (HydraException, OmegaConfBaseException)):
-        first = f"{type(exc).__name__}: {first}"
-    return first
-
-
-def _yaml_error(recipe: Path, exc: Any) -> str:
-    """``file: invalid YAML at line L, column C: problem (context at line l, column c)``."""
-    mark, context, context_mark = (getattr(exc, a, None) for a in ("problem_mark", "context", "context_mark"))
-    problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
-    name = mark.name if mark is not None and mark.name and not str(mark.name).startswith("<") else str(recipe)
-    text = f"{name}: invalid YAML"
-    if mark is not None:
-        text += f" at line {mark.line + 1}, column {mark.column + 1}"
-    text += f": {_one_line(problem)}"
-    if context:
-        where = f" at line {context_mark.line + 1}, column {context_mark.column + 1}" if context_mark is not None else ""
-        text += f" ({_one_line(context)}{where})"
-    return text
-
-
-def _list_index_error(base: Any, key: str) -> str | None:
-    """If ``key`` (dotted) indexes past the end of a list of ``base`` (or by a non-number), say so."""
-    node, walked = base, []
-    for part in key.split("."):
-        if isinstance(node, list):
-            where, n = ".".join(walked), len(node)
-            if where == "data_sources":
-                has = f"the recipe has {n} data source{'' if n == 1 else 's'}"
-            else:
-                has = f"{where} has {n} item{'' if n == 1 else 's'}"
-            valid = ("it is empty; set the whole list instead" if n == 0 else "only index 0 exists" if n == 1
-                     else f"indices 0 to {n - 1} exist")
-            if not part.isdigit():
-                return f"{where}.{part}: {where} is a list, indexed by number; {has}; {valid}"
-            if int(part) >= n:
-                return f"{where}.{part}: {has}; {valid}"
-            node = node[int(part)]
-        elif isinstance(node, dict) and part in node:
-            node = node[part]
-        else:
-            return None
-        walked.append(part)
-    return None
-
-
-def _explain_compose_error(recipe: Path, overrides: list[str], expanded: list[str], exc: Exception) -> str:
-    import yaml
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    if isinstance(exc, yaml.YAMLError):
-        return _yaml_error(recipe, exc)
-    parser = OverridesParser.create()
-    for given, item in zip(overrides, expanded):
-        try:
-            parser.parse_override(item)
-        except Exception:
-            return (f"override {given!r}: not valid override syntax; write key=value (quote a value with spaces "
-                    "or brackets), +key=value to add a key, or ~key to delete one")
-    # the recipe composes alone? then find the first override that breaks it, on what came before it
-    base: Any = None
-    for k in range(len(expanded) + 1):
-        try:
-            composed = _compose(recipe, expanded[:k])
-        except Exception as inner:
-            if k == 0:
-                if isinstance(inner, yaml.YAMLError):
-                    return _yaml_error(recipe, inner)
-                if "must be a DictConfig" in str(inner):
-                    kind = "list" if "ListConfig" in str(inner) else "single value"
-                    return (f"{recipe}: a recipe is a mapping of config sections (run, model, data_sources, ...); "
-                            f"this file holds a {kind}")
-                return f"{recipe.name}: {_first_line(inner)}"
-            key = expanded[k - 1].partition("=")[0].lstrip("+~")
-            return _list_index_error(base, key) or f"override {overrides[k - 1]!r}: {_first_line(inner)}"
-        base = composed
-    return f"{recipe.name}: {_first_line(exc)}"
-
-
+# ----------------------------------------------------------------------------- validate
 def validate(raw: dict[str, Any], registry: Any) -> Config:
     """Build the typed config and check every plugin spec; raise ConfigError (one line) if bad.
 

@@ -1,4 +1,5 @@
-"""The single controller: places the Ray actors and drives the synchronous step loop.
+"""The single controller: starts one worker group per role (trainer ranks, engine replicas, reward,
+critic, teachers; see :mod:`loongsage.core.worker_group`) and drives the step loop over them.
 
 One step, as data: the mixer plans exact per-source quotas -> agents generate through the engine
 router -> the reward worker scores -> filters keep groups -> (MOPD) each source's teacher scores the
@@ -28,9 +29,10 @@ from loongsage.core.distill import TeacherPlan, distill_metrics, fill_teacher_te
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.loss import consistency_metrics
 from loongsage.core.metrics import Metrics
+from loongsage.core.placement import Placement
 from loongsage.core.planning import StepPlan, plan_step
 from loongsage.core.rollout import EngineRouter, RolloutService
-from loongsage.core.types import ConfigError, DataRecord, SamplingParams, SchedulerState, Status, TrainBatch, Trajectory
+from loongsage.core.types import ConfigError, TrainBatch, Trajectory
 from loongsage.core.workers import (
     CriticWorker,
     EngineWorker,
@@ -40,6 +42,7 @@ from loongsage.core.workers import (
     build_pipeline,
     model_args,
 )
+from loongsage.core.worker_group import Slot, WorkerGroup, per_rank, wait_ready
 
 log = logging.getLogger("loongsage")
 
@@ -52,98 +55,6 @@ def resolve_model_path(cfg: Config, registry: Any) -> str:
     return str(builder.build())
 
 
-class Placement:
-    """Ray placement group: colocated roles share one bundle; disaggregated roles get their own.
-
-    The bundles (:func:`placement_bundles`) are checked against what Ray has before anything is
-    reserved: more than the cluster holds is refused at once, and more than is free now is waited
-    for at most ``free_wait_s`` (resources of a run that just ended come back within moments),
-    each as one ConfigError line naming both numbers.
-    """
-
-    free_wait_s = 15.0
-
-    def __init__(self, cfg: Config):
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from loongsage.core.config import placement_bundles
-
-        self._strategy = PlacementGroupSchedulingStrategy
-        p = cfg.placement
-        world, engines = cfg.trainer.world_size, cfg.rollout.num_engines
-        self.colocate = p.colocate
-        self._cpus_per_actor, self._gpus = p.cpus_per_actor, p.gpus_per_actor
-        bundles = placement_bundles(cfg)
-        if p.colocate:
-            # rank i of every role shares bundle i; extra engines take their own bundles
-            self.trainer_bundles = list(range(world))
-            self.engine_bundles = list(range(engines))
-            per_bundle = [0] * len(bundles)
-            for i in self.trainer_bundles + self.engine_bundles:
-                per_bundle[i] += 1
-            self._share = {i: p.cpus_per_actor / n for i, n in enumerate(per_bundle)}
-        else:
-            self.trainer_bundles = list(range(world))
-            self.engine_bundles = list(range(world, world + engines))
-            self._share = {i: p.cpus_per_actor for i in range(world + engines)}
-        self._check_resources(cfg)
-        self.pg = placement_group(bundles, strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=120)
-        except ray.exceptions.GetTimeoutError:
-            from ray.util.placement_group import remove_placement_group
-
-            remove_placement_group(self.pg)
-            raise ConfigError(f"placement: Ray could not reserve the bundles {bundles} within 120 s; "
-                              f"free: {ray.available_resources()}, in all: {ray.cluster_resources()}") from None
-
-    def _check_resources(self, cfg: Config) -> None:
-        """Refuse bundles this Ray cannot hold, instead of waiting for them."""
-        import ray
-
-        from loongsage.core.config import placement_demand
-
-        need, how = placement_demand(cfg)
-        total = ray.cluster_resources()
-        for key, amount in need.items():
-            if total.get(key, 0.0) < amount - 1e-9:
-                raise ConfigError(f"placement: the run needs {amount:g} {key}{'' if amount == 1 else 's'} ({how[key]}) "
-                                  "and this Ray cluster has "
-                                  f"{total.get(key, 0.0):g} in all; lower placement.cpus_per_actor / gpus_per_actor, "
-                                  "trainer.world_size or rollout.num_engines, or start Ray with more")
-        deadline = time.monotonic() + self.free_wait_s
-        while True:
-            free = ray.available_resources()
-            short = {k: free.get(k, 0.0) for k, amount in need.items() if free.get(k, 0.0) < amount - 1e-9}
-            if not short:
-                return
-            if time.monotonic() >= deadline:
-                key, has = next(iter(short.items()))
-                raise ConfigError(f"placement: the run needs {need[key]:g} {key}{'' if need[key] == 1 else 's'} "
-                                  f"({how[key]}) "
-                                  "and this Ray cluster has "
-                                  f"{has:g} free of {total.get(key, 0.0):g} (other work holds the rest); wait for "
-                                  "it to finish, or lower placement.cpus_per_actor")
-            time.sleep(0.2)
-
-    def cores(self) -> dict[int, list[int]]:
-        """Disjoint CPU cores per bundle of a disaggregated CPU placement on one machine: bundle ``b``
-        gets ``cpus_per_actor`` cores of its own, in order. Empty (no pinning) when colocated, on
-        GPUs, or when the bundles need more cores than this machine has."""
-        per = max(1, int(self._cpus_per_actor))
-        bundles = len(self._share)
-        usable = sorted(os.sched_getaffinity(0))
-        if self.colocate or self._gpus or bundles * per > len(usable):
-            return {}
-        return {b: usable[b * per:(b + 1) * per] for b in range(bundles)}
-
-    def options(self, bundle: int) -> dict[str, Any]:
-        return {"num_cpus": self._share[bundle],
-                "scheduling_strategy": self._strategy(placement_group=self.pg, placement_group_bundle_index=bundle)}
-
-
 class Controller:
     engine_start_timeout_s = 600.0  # a lost engine's replacement: actor start and model load
 
@@ -153,89 +64,68 @@ class Controller:
         self.step = 0
         self.version = 0
         self.rollout: RolloutService | None = None  # built once the engines and the reward worker exist
-        self.critic = None
-        self.teachers: list[Any] = []
-        self.teacher_sources: list[list[str]] = []  # the sources each teacher actor serves
+        # one WorkerGroup per role, set by _start_actors; ``groups``: every group started, in order
+        # (what the end of a run kills, however far the start got)
+        self.groups: list[WorkerGroup] = []
+        self.trainer_group = self.engine_group = self.reward_group = self.critic_group = None
+        self.teacher_group: WorkerGroup | None = None  # MOPD: one teacher per distinct spec
+        self.teacher_sources: list[list[str]] = []  # the sources each teacher serves, by rank
 
     # ------------------------------------------------------------------ setup
     def _start_actors(self, model_path: str, teacher_plans: list[TeacherPlan] = ()) -> None:
-        import ray
-
         cfg = self.cfg
         threads = cfg.placement.torch_threads
-        self.placement = Placement(cfg)
+        place = self.placement = Placement(cfg)
         world = cfg.trainer.world_size
-        init_method = None
-        if world > 1:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
         # generation and training overlap under an asynchronous scheduler: on CPU each actor then
         # gets cores of its own, so the two do not slow each other down
-        pin = self._rollout_parts["scheduler"].asynchronous
-        cores = self.placement.cores() if pin else {}
-        trainer_cls = ray.remote(TrainerWorker)
-        self.trainers = [
-            trainer_cls.options(**self.placement.options(b)).remote(cfg, model_path, r, world, init_method, threads,
-                                                                    cores.get(b))
-            for r, b in enumerate(self.placement.trainer_bundles)
-        ]
-        engine_cls = ray.remote(EngineWorker)
-        # how each engine replica is started, kept to start a replacement the same way (same bundle)
-        self._engine_starts = [
-            (engine_cls.options(**self.placement.options(b), max_concurrency=1000),
-             (cfg, model_path, i, threads, cores.get(b)))
-            for i, b in enumerate(self.placement.engine_bundles)
-        ]
-        self.engines = [actor.remote(*args) for actor, args in self._engine_starts]
-        self.reward = ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=1000).remote(cfg)
-        self.critic = None
-        if cfg.trainer.critic is not None:  # shares the first trainer bundle
-            options = {**self.placement.options(self.placement.trainer_bundles[0]), "num_cpus": 0}
-            self.critic = ray.remote(CriticWorker).options(**options).remote(cfg, model_path, threads)
-        # teachers run forward only, in the train phase of a synchronous step: they share the trainer
-        # ranks' bundles (round robin) instead of reserving CPUs of their own, like the critic
-        teacher_cls = ray.remote(TeacherWorker)
-        bundles = self.placement.trainer_bundles
-        self.teachers = [
-            teacher_cls.options(**{**self.placement.options(bundles[j % len(bundles)]), "num_cpus": 0})
-            .remote(cfg, plan.spec, plan.model_path, threads)
-            for j, plan in enumerate(teacher_plans)
-        ]
+        cores = place.cores() if self._rollout_parts["scheduler"].asynchronous else {}
+        self.trainer_group = self._start_group("trainer", TrainerWorker, [
+            place.slot(b, (cfg, model_path, r, world, init_method, threads, cores.get(b)))
+            for r, b in enumerate(place.trainer_bundles)], ready="param_checksum")
+        # a lost engine's replacement starts from its slot: same bundle, same constructor arguments
+        self.engine_group = self._start_group("engine", EngineWorker, [
+            place.slot(b, (cfg, model_path, i, threads, cores.get(b)), max_concurrency=1000)
+            for i, b in enumerate(place.engine_bundles)], ready="version")
+        self.reward_group = self._start_group("reward", RewardWorker, [
+            Slot(None, {"num_cpus": 0, "max_concurrency": 1000}, (cfg,))])
+        # the critic and the teachers share the trainer ranks' bundles without reserving CPUs: the
+        # critic the first one; the teachers (forward only, in the train phase of a synchronous step)
+        # round robin
+        bundles = place.trainer_bundles
+        self.critic_group = self._start_group("critic", CriticWorker, [
+            place.slot(bundles[0], (cfg, model_path, threads), num_cpus=0)] if cfg.trainer.critic is not None else [])
+        self.teacher_group = self._start_group("teacher", TeacherWorker, [
+            place.slot(bundles[j % len(bundles)], (cfg, plan.spec, plan.model_path, threads), num_cpus=0)
+            for j, plan in enumerate(teacher_plans)])
         self.teacher_sources = [plan.sources for plan in teacher_plans]
-        ray.get([t.param_checksum.remote() for t in self.trainers] + [e.version.remote() for e in self.engines]
-                + [a.__ray_ready__.remote() for a in (self.reward, self.critic, *self.teachers) if a is not None])
+        wait_ready(self.groups)
         rc = cfg.rollout
-        self.rollout = RolloutService(router=EngineRouter(self.engines, health_timeout_s=rc.engine_health_timeout_s),
-                                      engines=self.engines, reward=self.reward, restart_engine=self._restart_engine,
-                                      load_engine=self._load_engine, max_engine_restarts=rc.max_engine_restarts,
-                                      **self._rollout_parts)
+        engines = self.engine_group.actors  # the router swaps a ready replacement into this very list
+        self.rollout = RolloutService(router=EngineRouter(engines, health_timeout_s=rc.engine_health_timeout_s),
+                                      engines=engines, reward=self.reward_group.only(),
+                                      restart_engine=self._restart_engine, load_engine=self._load_engine,
+                                      max_engine_restarts=rc.max_engine_restarts, **self._rollout_parts)
+
+    def _start_group(self, role: str, worker_class: type, slots: list[Slot],
+                     ready: str = "__ray_ready__") -> WorkerGroup:
+        group = WorkerGroup.start(role, worker_class, slots, ready=ready)
+        self.groups.append(group)
+        return group
 
     def _restart_engine(self, index: int, lost: Any) -> Any:
-        """A new engine replica ``index`` in the lost one's bundle, with its constructor arguments
-        (called by the rollout's engine recovery, in a worker thread); what is left of the lost actor
-        is killed first, so that a hung one lets go of its bundle."""
-        import ray
-
-        try:
-            ray.kill(lost, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        actor, args = self._engine_starts[index]
-        engine = actor.remote(*args)
-        try:
-            ray.get(engine.version.remote(), timeout=self.engine_start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            ray.kill(engine)
-            raise RuntimeError(f"engine {index}: its replacement did not start within "
-                               f"{self.engine_start_timeout_s:g} s (free: {ray.available_resources()})") from None
-        log.info("engine %d: replacement started", index)
-        return engine
+        """A new engine replica ``index`` from the lost one's slot (called by the rollout's engine
+        recovery, in a worker thread). Not put in the engine list: the recovery does that once the
+        replacement holds the current weights."""
+        return self.engine_group.replace(index, install=False, timeout_s=self.engine_start_timeout_s)
 
     def _load_engine(self, engine: Any, version: int) -> None:
         """Push the trainer's weights to ``engine`` alone and give it ``version`` (the other engines
         keep theirs). Called only while the trainer is at rest, when its weights are that version's."""
         import ray
 
-        ray.get([t.push_weights.remote([engine]) for t in self.trainers])  # every rank: the gather is a collective
+        self.trainer_group.call("push_weights", [engine])  # every rank: the gather is a collective
         ray.get(engine.set_version.remote(version))
 
     def _build_local(self, model_path: str) -> None:
@@ -304,7 +194,7 @@ class Controller:
         trained = batch.response_mask * (~excluded).to(batch.response_mask.dtype)[:, None]
         consistency_mask = trained * engine_sampled(batch)
         partly_sampled = bool(consistency_mask.any()) and not torch.equal(consistency_mask, trained)
-        if self.teachers:
+        if self.teacher_group:
             self._score_with_teachers(batch)
         plan = plan_step(groups, cfg.trainer.world_size, cfg.trainer.mini_batches_per_step,
                          quotas={s.name: s.prompts_per_step for s in cfg.data_sources})
@@ -323,13 +213,13 @@ class Controller:
             count = float(batch.response_mask.sum())
             metrics.add("rollout/kl_reward", float(token_rewards.sum()), count)
             metrics.add("train/kl", float(token_rewards.sum()) / -self.pipeline.kl_coef, count)  # KL(pi_old || ref)
-        if self.critic is not None:
-            batch.values = ray.get(self.critic.values.remote(batch)) * batch.response_mask
+        if self.critic_group:
+            batch.values = self.critic_group.call("values", batch)[0] * batch.response_mask
         compute_advantages(batch, self.estimator, values=batch.values, token_rewards=token_rewards)
         if any(f.excludes_from_loss is not None for f in self.filters):
             exclude_rows(batch, excluded)
             metrics.add("train/loss_excluded_frac", float(excluded.sum()), float(len(trajs)))
-        if self.teachers:
+        if self.teacher_group:
             metrics.merge(distill_metrics(batch))
             if self.pipeline.pg_coef:
                 batch.advantages = self.pipeline.shape_advantages(batch)
@@ -341,10 +231,11 @@ class Controller:
             # corrections and loss weights over the whole mini-batch (global denominators)
             prepared, corrections = self.pipeline.prepare(mini_batch)
             metrics.merge(corrections)
-            calls = [tr.train_step.remote(prepared.select(rows)) for tr, rows in zip(self.trainers, plan.positions(m))]
-            if self.critic is not None:  # the value model steps beside the policy, in its own actor
+            calls = self.trainer_group.call_async("train_step", per_rank([prepared.select(rows)
+                                                                          for rows in plan.positions(m)]))
+            if self.critic_group:  # the value model steps beside the policy, in its own actor
                 mini_batch.loss_weights = self.pipeline.aggregation_weights(mini_batch.response_mask)
-                calls.append(self.critic.train_step.remote(mini_batch))
+                calls += self.critic_group.call_async("train_step", mini_batch)
             for out in ray.get(calls):
                 metrics.merge(out)
         metrics.gauge("train/advantage_abs_mean", float((batch.advantages.abs() * batch.response_mask).sum()
@@ -371,26 +262,21 @@ class Controller:
 
     def _score_with_teachers(self, batch: TrainBatch) -> None:
         """Every row's teacher scores the student's tokens (teachers run concurrently)."""
-        import ray
-
         topk, full_vocab = self.pipeline.teacher_request()
-        calls, rows_of = [], []
-        for actor, sources in zip(self.teachers, self.teacher_sources):
-            rows = [i for i, s in enumerate(batch.sources) if s in sources]
-            if rows:
-                calls.append(actor.score.remote(batch.select(rows), topk, full_vocab))
-                rows_of.append(rows)
-        fill_teacher_tensors(batch, list(zip(rows_of, ray.get(calls))))
+        rows_of = {j: [i for i, s in enumerate(batch.sources) if s in sources]
+                   for j, sources in enumerate(self.teacher_sources)}
+        rows_of = {j: rows for j, rows in rows_of.items() if rows}  # teachers with no row are not called
+        scores = self.teacher_group.call("score", per_rank([batch.select(rows) for rows in rows_of.values()]),
+                                         topk, full_vocab, ranks=list(rows_of))
+        fill_teacher_tensors(batch, list(zip(rows_of.values(), scores)))
 
     def _fill_logprobs(self, batch: TrainBatch, plan: StepPlan, *, old: bool,
                        consistency_mask: torch.Tensor | None = None) -> Metrics:
         """Old (and reference) log-probs, each trainer rank computing its own rows; with old ones also
         the consistency metrics over ``consistency_mask`` (default: the response mask)."""
-        import ray
-
         rank_rows = [plan.rank_rows(r) for r in range(plan.world_size)]
         # every rank is called, even with no rows: FSDP2 forward and backward are collectives
-        outs = ray.get([tr.logprobs.remote(batch.select(rr)) for tr, rr in zip(self.trainers, rank_rows)])
+        outs = self.trainer_group.call("logprobs", per_rank([batch.select(rr) for rr in rank_rows]))
         B, T = batch.input_ids.shape
         batch.old_logprobs = torch.zeros(B, T) if old else None
         batch.ref_logprobs = torch.zeros(B, T) if self.pipeline.needs_ref_logprobs else None
@@ -411,9 +297,7 @@ class Controller:
     def push_weights(self) -> dict[str, float]:
         """Every trainer rank exports its weights, rank 0 sends them to the engines; the engines'
         new version becomes the controller's. Returns the transfer's ``sync/*`` metrics."""
-        import ray
-
-        pushed = ray.get([t.push_weights.remote(self.engines) for t in self.trainers])[0]
+        pushed = self.trainer_group.call("push_weights", self.engine_group.actors)[0]
         self.version = pushed.version
         return pushed.metrics
 
@@ -421,15 +305,13 @@ class Controller:
         """Continue from the latest checkpoint: trainer state, data position, the rollout's buffers and
         groups in flight (asynchronous), the restored weights on the engines and the version numbering.
         Returns the step to start at (0 without a checkpoint)."""
-        import ray
-
-        state = ckpt.restore(self.run_dir, self.trainers, self.critic)
+        state = ckpt.restore(self.run_dir, self.trainer_group.actors, self.critic_group.only())
         if state is None:
             return 0
         self.rollout.restore(state)
         self.step = int(state["step"])
         self.push_weights()
-        ray.get([e.set_version.remote(int(state["version"])) for e in self.engines])
+        self.engine_group.call("set_version", int(state["version"]))
         self.version = int(state["version"])
         return self.step
 
@@ -470,11 +352,8 @@ class Controller:
 
             steps: list[tuple[str, Any]] = [("close tracker", t.close) for t in getattr(self, "trackers", [])]
             if ray.is_initialized():
-                rollout = getattr(self, "rollout", None)
-                spares = rollout.recovery.spares() if rollout is not None and rollout.recovery is not None else []
-                actors = [*getattr(self, "trainers", []), *getattr(self, "engines", []), *spares,
-                          getattr(self, "reward", None), getattr(self, "critic", None), *getattr(self, "teachers", [])]
-                steps += [("kill actor", lambda a=a: ray.kill(a)) for a in actors if a is not None]
+                # a group kills every actor it started, an engine's replacement not yet in use included
+                steps += [(f"kill the {group.role} actors", group.kill) for group in self.groups]
                 placement = getattr(self, "placement", None)
                 if placement is not None:
                     steps.append(("remove placement group", lambda: remove_placement_group(placement.pg)))
@@ -523,12 +402,12 @@ class Controller:
             if save_now:
                 state = {"version": self.version, **rollout_state}
                 async with self.rollout.trainer_in_use():  # no lost engine's replacement loads meanwhile
-                    await asyncio.to_thread(ckpt.save, self.run_dir, self.step, state, self.trainers, self.critic,
-                                            cfg.checkpoint.keep_last, rollout=rollout_data)
+                    await asyncio.to_thread(ckpt.save, self.run_dir, self.step, state, self.trainer_group.actors,
+                                            self.critic_group.only(), cfg.checkpoint.keep_last, rollout=rollout_data)
         progress.close()
         await self.rollout.close()
         if cfg.checkpoint.export_hf:
-            await asyncio.to_thread(ckpt.export_final, self.run_dir, self.trainers)
+            await asyncio.to_thread(ckpt.export_final, self.run_dir, self.trainer_group.actors)
         return {"steps": self.step, "version": self.version, "run_dir": str(self.run_dir),
                 "last_metrics": history[-1] if history else {}}
 

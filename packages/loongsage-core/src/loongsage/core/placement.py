@@ -1,0 +1,112 @@
+"""Where a run's actors go: one Ray placement group, its bundles per role, and CPU core pinning.
+
+Colocated roles share bundle ``i`` (rank ``i`` of every role); disaggregated roles get bundles of
+their own. The bundles themselves are :func:`loongsage.core.config.placement_bundles` (computed from
+the config alone, so that a bad placement is refused before Ray starts).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from loongsage.core.config import Config, placement_bundles, placement_demand
+from loongsage.core.types import ConfigError
+from loongsage.core.worker_group import Slot
+
+
+class Placement:
+    """Ray placement group: colocated roles share one bundle; disaggregated roles get their own.
+
+    The bundles (:func:`placement_bundles`) are checked against what Ray has before anything is
+    reserved: more than the cluster holds is refused at once, and more than is free now is waited
+    for at most ``free_wait_s`` (resources of a run that just ended come back within moments),
+    each as one ConfigError line naming both numbers.
+    """
+
+    free_wait_s = 15.0
+
+    def __init__(self, cfg: Config):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._strategy = PlacementGroupSchedulingStrategy
+        p = cfg.placement
+        world, engines = cfg.trainer.world_size, cfg.rollout.num_engines
+        self.colocate = p.colocate
+        self._cpus_per_actor, self._gpus = p.cpus_per_actor, p.gpus_per_actor
+        bundles = placement_bundles(cfg)
+        if p.colocate:
+            # rank i of every role shares bundle i; extra engines take their own bundles
+            self.trainer_bundles = list(range(world))
+            self.engine_bundles = list(range(engines))
+            per_bundle = [0] * len(bundles)
+            for i in self.trainer_bundles + self.engine_bundles:
+                per_bundle[i] += 1
+            self._share = {i: p.cpus_per_actor / n for i, n in enumerate(per_bundle)}
+        else:
+            self.trainer_bundles = list(range(world))
+            self.engine_bundles = list(range(world, world + engines))
+            self._share = {i: p.cpus_per_actor for i in range(world + engines)}
+        self._check_resources(cfg)
+        self.pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            raise ConfigError(f"placement: Ray could not reserve the bundles {bundles} within 120 s; "
+                              f"free: {ray.available_resources()}, in all: {ray.cluster_resources()}") from None
+
+    def _check_resources(self, cfg: Config) -> None:
+        """Refuse bundles this Ray cannot hold, instead of waiting for them."""
+        import ray
+
+        need, how = placement_demand(cfg)
+        total = ray.cluster_resources()
+        for key, amount in need.items():
+            if total.get(key, 0.0) < amount - 1e-9:
+                raise ConfigError(f"placement: the run needs {amount:g} {key}{'' if amount == 1 else 's'} ({how[key]}) "
+                                  "and this Ray cluster has "
+                                  f"{total.get(key, 0.0):g} in all; lower placement.cpus_per_actor / gpus_per_actor, "
+                                  "trainer.world_size or rollout.num_engines, or start Ray with more")
+        deadline = time.monotonic() + self.free_wait_s
+        while True:
+            free = ray.available_resources()
+            short = {k: free.get(k, 0.0) for k, amount in need.items() if free.get(k, 0.0) < amount - 1e-9}
+            if not short:
+                return
+            if time.monotonic() >= deadline:
+                key, has = next(iter(short.items()))
+                raise ConfigError(f"placement: the run needs {need[key]:g} {key}{'' if need[key] == 1 else 's'} "
+                                  f"({how[key]}) "
+                                  "and this Ray cluster has "
+                                  f"{has:g} free of {total.get(key, 0.0):g} (other work holds the rest); wait for "
+                                  "it to finish, or lower placement.cpus_per_actor")
+            time.sleep(0.2)
+
+    def cores(self) -> dict[int, list[int]]:
+        """Disjoint CPU cores per bundle of a disaggregated CPU placement on one machine: bundle ``b``
+        gets ``cpus_per_actor`` cores of its own, in order. Empty (no pinning) when colocated, on
+        GPUs, or when the bundles need more cores than this machine has."""
+        per = max(1, int(self._cpus_per_actor))
+        bundles = len(self._share)
+        usable = sorted(os.sched_getaffinity(0))
+        if self.colocate or self._gpus or bundles * per > len(usable):
+            return {}
+        return {b: usable[b * per:(b + 1) * per] for b in range(bundles)}
+
+    def options(self, bundle: int) -> dict[str, Any]:
+        return {"num_cpus": self._share[bundle],
+                "scheduling_strategy": self._strategy(placement_group=self.pg, placement_group_bundle_index=bundle)}
+
+    def slot(self, bundle: int, args: tuple, *, num_cpus: float | None = None, **options: Any) -> Slot:
+        """A member started in ``bundle`` with constructor ``args``: it takes its share of the bundle's
+        CPUs, or ``num_cpus`` (0 for a role riding along in another's bundle), plus Ray ``options``."""
+        placed = self.options(bundle)
+        if num_cpus is not None:
+            placed["num_cpus"] = num_cpus
+        return Slot(bundle, {**placed, **options}, args)
