@@ -155,6 +155,7 @@ CONTRACT_CALLS = {
     "RunService": {"start": ("ctx",), "stop": ()},
 }
 CONTRACT_FLAGS = {
+    "Agent": {"required_services": ()},
     "Reward": {"nested": {}, "bind": None},
     "AdvantageEstimator": {"needs_values": False, "uses_token_rewards": False, "returns": None},
     "PolicyLoss": {"needs_old_logprobs": True, "supported_aggregations": None},

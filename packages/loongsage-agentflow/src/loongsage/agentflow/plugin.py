@@ -1,7 +1,9 @@
-"""AgentFlow's entry point (group ``loongsage``): the ``qwen3`` chat parser and the ``gateway`` run service."""
+"""AgentFlow's entry point (group ``loongsage``): the ``qwen3`` chat parser, the ``gateway`` run
+service and the agents that reach the policy through it."""
 
 from __future__ import annotations
 
+from loongsage.agentflow.chat_agent import ChatAgent
 from loongsage.agentflow.parsers import Qwen3ChatParser
 from loongsage.agentflow.run_service import GatewayService
 from loongsage.core.hookspecs import Factories, hookimpl
@@ -10,3 +12,8 @@ from loongsage.core.hookspecs import Factories, hookimpl
 @hookimpl
 def loongsage_backends() -> Factories:
     return {"qwen3": Qwen3ChatParser, "gateway": GatewayService}
+
+
+@hookimpl
+def loongsage_agents() -> Factories:
+    return {"chat": ChatAgent}

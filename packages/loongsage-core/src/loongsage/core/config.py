@@ -204,6 +204,9 @@ class Config:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # run-scoped services agents reach, started in order with the run (the chat gateway:
+    # {name: gateway, params: {...}}); see loongsage.core.services
+    services: list[Spec] = field(default_factory=list)
     plugins: list[str] = field(default_factory=list)
 
     @property
@@ -329,14 +332,20 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
     elif not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r}: not an HF model folder (no config.json there)")
 
+    services = {spec.get("name") for spec in cfg.services if isinstance(spec, dict)}
     for i, src in enumerate(cfg.data_sources):
         path = f"data_sources[{i}]"
         registry.create("data_source", src.reader, f"{path}.reader")
         if src.eval_reader is not None:
             registry.create("data_source", src.eval_reader, f"{path}.eval_reader")
-        registry.create("agent", src.agent, f"{path}.agent")
-        if src.eval_agent is not None:
-            registry.create("agent", src.eval_agent, f"{path}.eval_agent")
+        for where, spec in (("agent", src.agent), ("eval_agent", src.eval_agent)):
+            if spec is None:
+                continue
+            agent = registry.create("agent", spec, f"{path}.{where}")
+            missing = [name for name in agent.required_services if name not in services]
+            if missing:
+                raise ConfigError(f"{path}.{where}: agent {spec['name']!r} needs the run service {missing[0]!r}; add "
+                                  f"services: [{{name: {missing[0]}}}] (services now: {sorted(services) or 'none'})")
         registry.create("reward", src.reward, f"{path}.reward")
         if src.teacher is not None:
             check_teacher(registry, src.teacher, f"{path}.teacher")
@@ -405,6 +414,11 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
         registry.create("correction", spec, f"algorithm.corrections[{j}]")
     for j, spec in enumerate(cfg.algorithm.filters):
         registry.create("data_filter", spec, f"algorithm.filters[{j}]")
+    names = [spec.get("name") if isinstance(spec, dict) else None for spec in cfg.services]
+    for j, spec in enumerate(cfg.services):
+        registry.check("service", spec, f"services.{j}")
+        if names.count(spec["name"]) > 1:
+            raise ConfigError(f"services.{j}: service {spec['name']!r} is listed twice; agents reach each by its name")
     from loongsage.core.tracking import check_trackers
 
     check_trackers(registry, cfg.tracking.backends)

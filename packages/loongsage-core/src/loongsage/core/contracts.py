@@ -64,6 +64,11 @@ class Agent(Protocol):
     (as a source's ``eval_agent``) every evaluation prompt's.
     """
 
+    required_services: ClassVar[tuple[str, ...]] = ()
+    """Names of the run services (config ``services``) the agent reaches through ``ctx.services``;
+    a config without one of them is refused at validation (an instance may compute it from its
+    params)."""
+
     async def run(self, record: DataRecord, ctx: Any) -> list[Trajectory]:
         """The group of ``record``; ``ctx`` (:class:`~loongsage.core.rollout.AgentContext`) holds
         the engine client (token-in, token-out), the tokenizer, the sampling and the group id."""

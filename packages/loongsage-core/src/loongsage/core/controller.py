@@ -7,6 +7,9 @@ student's tokens -> advantages over the whole batch (MOPD: shaped by the teacher
 batch is dealt to DP ranks and mini-batches -> trainer ranks compute old/ref log-probs ->
 corrections and global loss weights per mini-batch -> optimizer steps -> the trainer pushes its
 weights to the engines (version += 1) -> metrics, evaluation, checkpoint.
+
+The run's services (config ``services``, the chat gateway) start on the rollout's event loop before
+the first generation and stop after the last (:mod:`loongsage.core.services`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from loongsage.core.metrics import Metrics
 from loongsage.core.placement import Placement
 from loongsage.core.planning import StepPlan, plan_step
 from loongsage.core.rollout import EngineRouter, RolloutService
+from loongsage.core.services import RunServices, ServiceContext
 from loongsage.core.types import ConfigError, TrainBatch, Trajectory
 from loongsage.core.workers import (
     CriticWorker,
@@ -326,7 +330,7 @@ class Controller:
         cfg = self.cfg
         started_ray = False
         try:
-            model_path = resolve_model_path(cfg, self.registry)
+            model_path = self.model_path = resolve_model_path(cfg, self.registry)
             log.info("model: %s", model_path)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "run_info.json").write_text(json.dumps({"model_path": model_path}, indent=1))
@@ -366,6 +370,19 @@ class Controller:
                     log.warning("cleanup: could not %s: %s: %s", what, type(exc).__name__, exc)
 
     async def _loop(self, start: int, progress: Any) -> dict[str, Any]:
+        """The run's services around the training steps: started on this loop (the rollout's) before
+        the first generation, handed to agents, stopped when the steps end or fail."""
+        cfg = self.cfg
+        self.services = RunServices(cfg.services, self.registry)
+        try:
+            self.rollout.services = await self.services.start(ServiceContext(
+                engine=self.rollout.router, tokenizer=self.tokenizer, model_path=self.model_path,
+                run_dir=self.run_dir, registry=self.registry, seed=cfg.run.seed))
+            return await self._steps(start, progress)
+        finally:
+            await self.services.stop()
+
+    async def _steps(self, start: int, progress: Any) -> dict[str, Any]:
         cfg = self.cfg
         ev = cfg.evaluation
         history: list[dict[str, float]] = []
@@ -391,7 +408,7 @@ class Controller:
             metrics.update({
                 "timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
                 "timing/step_s": t3 - t0, "perf/trajectories_per_s": n / max(t3 - t0, 1e-9),
-                "engine/version": float(self.version),
+                "engine/version": float(self.version), **self.services.metrics(),
             })
             last = self.step == cfg.run.total_steps
             if (ev.every_steps and self.step % ev.every_steps == 0) or last:
