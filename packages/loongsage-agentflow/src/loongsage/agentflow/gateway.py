@@ -76,8 +76,10 @@ class _Server(uvicorn.Server):
 
 class Gateway:
     def __init__(self, service: ChatService, *, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = 8 << 20):
+                 max_body_bytes: int = 8 << 20, middlewares: Iterable[Any] = ()):
         self.service, self.host, self.port, self.max_body_bytes = service, host, int(port), int(max_body_bytes)
+        # loongsage_gateway_middlewares, outermost first: each sees every chat request (see _turn)
+        self.middlewares = list(middlewares)
         self.app = self._app()
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -181,29 +183,55 @@ class Gateway:
         return await self._models(request)
 
     async def _chat(self, request: Request) -> Response:
-        try:
-            session = self._session(request)
-            chat, options = openai_api.parse(await self._body(request))
-            result = await self.service.complete(session.trajectory, session.attempt, chat)
-        except APIError as exc:
-            return JSONResponse(exc.openai_body(), exc.status)
-        model = options.model or self.service.model_name
-        token_text = self._token_text
-        if not options.stream:
-            return JSONResponse(openai_api.response(result, model, options, token_text))
-        lines = [f"data: {_dump(c)}\n\n" for c in openai_api.chunks(result, model, options, token_text)]
-        return _sse([*lines, "data: [DONE]\n\n"])
+        return await self._turn(request, "openai")
 
     async def _messages(self, request: Request) -> Response:
+        return await self._turn(request, "anthropic")
+
+    async def _turn(self, request: Request, protocol: str) -> Response:
+        """One chat request through the middleware chain.
+
+        A middleware gets ``{"protocol", "trajectory", "attempt", "body"}`` (it may rewrite the body)
+        and ``call_next``, and returns ``{"status", "body"}``: the reply as the client gets it (for a
+        streamed reply, its non-streamed form: the stream itself is written from the turn), or a
+        reply of its own without calling ``call_next`` (a rate limit's 429). Errors are replies too,
+        so a logging middleware sees them.
+        """
+        error_body = APIError.openai_body if protocol == "openai" else APIError.anthropic_body
+        streamed: dict[str, Any] = {}
+
+        async def handle(req: dict[str, Any]) -> dict[str, Any]:
+            try:
+                if protocol == "openai":
+                    chat, options = openai_api.parse(req["body"])
+                    model, stream = options.model or self.service.model_name, options.stream
+                else:
+                    chat, model, stream = anthropic_api.parse(req["body"])
+                result = await self.service.complete(req["trajectory"], req["attempt"], chat)
+            except APIError as exc:
+                return {"status": exc.status, "body": error_body(exc)}
+            if protocol == "openai":
+                body = openai_api.response(result, model, options, self._token_text)
+                if stream:
+                    streamed["events"] = [f"data: {_dump(c)}\n\n" for c in
+                                          openai_api.chunks(result, model, options, self._token_text)] + ["data: [DONE]\n\n"]
+            else:
+                body = anthropic_api.response(result, model)
+                if stream:
+                    streamed["events"] = [f"event: {name}\ndata: {_dump(data)}\n\n"
+                                          for name, data in anthropic_api.events(result, model)]
+            return {"status": 200, "body": body}
+
         try:
             session = self._session(request)
-            chat, model, stream = anthropic_api.parse(await self._body(request))
-            result = await self.service.complete(session.trajectory, session.attempt, chat)
+            req = {"protocol": protocol, "trajectory": session.trajectory, "attempt": session.attempt,
+                   "body": await self._body(request)}
         except APIError as exc:
-            return JSONResponse(exc.anthropic_body(), exc.status)
-        if not stream:
-            return JSONResponse(anthropic_api.response(result, model))
-        return _sse([f"event: {name}\ndata: {_dump(data)}\n\n" for name, data in anthropic_api.events(result, model)])
+            return JSONResponse(error_body(exc), exc.status)
+        reply = await _chain(self.middlewares, handle)(req)
+        if reply.get("status") == 200 and "events" in streamed:
+            return _sse(streamed["events"])
+        return JSONResponse(reply["body"], int(reply["status"]))
 
     def _token_text(self, token: int) -> str:
         return self.service.renderer.decode([token])
@@ -234,6 +262,14 @@ class Gateway:
         if not isinstance(body, dict):
             raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
         return body
+
+
+def _chain(middlewares: list[Any], handle: Any) -> Any:
+    """``handle`` wrapped by the middlewares, the first one outermost."""
+    call = handle
+    for middleware in reversed(middlewares):
+        call = (lambda mw, nxt: lambda req: mw(req, nxt))(middleware, call)
+    return call
 
 
 def _dump(data: Any) -> str:

@@ -4,6 +4,7 @@ service and the agents that reach the policy through it."""
 from __future__ import annotations
 
 from loongsage.agentflow.chat_agent import ChatAgent
+from loongsage.agentflow.middlewares import MIDDLEWARES
 from loongsage.agentflow.parsers import Qwen3ChatParser
 from loongsage.agentflow.run_service import GatewayService
 from loongsage.core.hookspecs import Factories, hookimpl
@@ -17,3 +18,8 @@ def loongsage_backends() -> Factories:
 @hookimpl
 def loongsage_agents() -> Factories:
     return {"chat": ChatAgent}
+
+
+@hookimpl
+def loongsage_gateway_middlewares() -> Factories:
+    return dict(MIDDLEWARES)

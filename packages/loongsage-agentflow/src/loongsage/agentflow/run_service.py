@@ -11,7 +11,8 @@ category, refusals) join every step's metrics as ``agentflow/*``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from loongsage.agentflow.gateway import Gateway
@@ -37,6 +38,9 @@ class GatewayService:
     max_n: int = ranged(16, ge=1)
     model_name: str = "loongsage"
     host: str = "127.0.0.1"  # loopback: agents run on the driver's machine
+    # loongsage_gateway_middlewares specs, outermost first (see agentflow.middlewares); a middleware
+    # whose factory takes ``run_dir`` gets the run's directory
+    middlewares: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.gateway: Gateway | None = None
@@ -57,9 +61,19 @@ class GatewayService:
                         default_max_tokens=self.default_max_tokens)
         self.chat = ChatService(ctx.engine, ctx.tokenizer, parser=parser, chat_template=self._template(ctx.tokenizer),
                                 budget=budget, model_name=self.model_name, max_n=self.max_n)
-        self.gateway = Gateway(self.chat, host=self.host)
+        self.gateway = Gateway(self.chat, host=self.host, middlewares=[
+            self._middleware(ctx, spec, f"services.gateway.params.middlewares.{i}")
+            for i, spec in enumerate(self.middlewares)])
         await self.gateway.start()
         return self.gateway
+
+    @staticmethod
+    def _middleware(ctx: Any, spec: Any, path: str) -> Any:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ValueError(f"{path}: expected a mapping with 'name' (and optional 'params'); got {spec!r}")
+        entry = ctx.registry.entry("gateway_middleware", spec["name"], path)
+        supplied = {"run_dir": str(ctx.run_dir)} if "run_dir" in inspect.signature(entry.factory).parameters else {}
+        return ctx.registry.create("gateway_middleware", spec, path, **supplied)
 
     async def stop(self) -> None:
         if self.gateway is not None:

@@ -200,11 +200,12 @@ class Sandbox(Protocol):
 
 
 class GatewayMiddleware(Protocol):
-    """``loongsage_gateway_middlewares`` (no gateway ships yet; this is the contract one will
-    meet): rewrites, logs or limits chat-completion traffic.
+    """``loongsage_gateway_middlewares``: rewrites, logs or limits the chat gateway's traffic.
 
-    Runs in the gateway service, once per chat-completion request: it may change the request,
-    call ``call_next`` (the rest of the chain) and change the response.
+    Runs in the gateway service (loongsage-agentflow), once per chat request (OpenAI or Anthropic):
+    ``request`` is ``{"protocol", "trajectory", "attempt", "body"}`` (the JSON body, which it may
+    rewrite); it calls ``call_next`` (the rest of the chain) or answers by itself, and returns the
+    reply ``{"status", "body"}`` (a streamed reply in its non-streamed form).
     """
 
     async def __call__(self, request: dict[str, Any],

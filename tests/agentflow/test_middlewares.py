@@ -1,0 +1,91 @@
+"""Gateway middlewares (``loongsage_gateway_middlewares``) on a real gateway, with the official clients:
+a rewriting middleware changes what the model is asked, ``rate_limit`` answers 429 in each
+protocol's error shape without reaching the model, ``request_log`` writes one line per request."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+
+from loongsage.agentflow.middlewares import RateLimit, RequestLog
+MAX_MODEL_LEN = 1024  # as the package conftest's engine
+
+
+class ShortAnswers:
+    """Rewrites the request: a client that sends ``user: "short"`` gets one token at most."""
+
+    def __init__(self):
+        self.seen = []
+
+    async def __call__(self, request, call_next):
+        self.seen.append((request["protocol"], request["trajectory"]))
+        if request["body"].get("user") == "short":
+            request["body"]["max_tokens"] = 1
+        return await call_next(request)
+
+
+@pytest.fixture(scope="module")
+def limited(tiny, tmp_path_factory):
+    from loongsage.agentflow.engines import DirectEngine
+    from loongsage.agentflow.gateway import Gateway
+    from loongsage.agentflow.service import ChatService
+    from loongsage.core.embedded.engine import NativeEngine
+
+    path, tokenizer = tiny
+    log = tmp_path_factory.mktemp("mw") / "requests.jsonl"
+    rewriter = ShortAnswers()
+    engine = DirectEngine(NativeEngine(path, max_model_len=MAX_MODEL_LEN, max_batch_size=8))
+    gw = Gateway(ChatService(engine, tokenizer), middlewares=[
+        RequestLog(path=str(log)), rewriter, RateLimit(requests_per_second=0.2, burst=2)])
+    gw.start_background()
+    yield gw, log, rewriter
+    gw.stop_background()
+
+
+def _openai(info):
+    return openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0, timeout=60)
+
+
+def test_a_middleware_rewrites_the_request(limited):
+    gw, _, rewriter = limited
+    info = gw.open_session("rewrite")
+    client = _openai(info)
+    long = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=12,
+                                          temperature=1.0, seed=3)
+    short = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2="}], max_tokens=12,
+                                           temperature=1.0, seed=3, user="short")
+    assert short.usage.completion_tokens == 1 and short.choices[0].finish_reason == "length"
+    assert long.usage.completion_tokens > 1
+    assert ("openai", "rewrite") in rewriter.seen
+
+
+def test_rate_limit_answers_429_in_each_protocol_without_reaching_the_model(limited):
+    gw, log, _ = limited
+    info = gw.open_session("limited")
+    client = _openai(info)
+    turns_before = gw.service.counters["turns"]
+    for k in range(2):  # the burst (different questions: an equal request would be answered as a retry)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{k}+1="}], max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as err:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=2)
+    assert "rate limit: at most 0.2 requests per second per session" in str(err.value)
+    claude = anthropic.Anthropic(base_url=info.anthropic_base_url, api_key=info.api_key, max_retries=0, timeout=60)
+    with pytest.raises(anthropic.RateLimitError):
+        claude.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "1+1="}])
+    assert gw.service.counters["turns"] == turns_before + 2  # the refused ones never reached the model
+    # another session has a bucket of its own
+    other = _openai(gw.open_session("other"))
+    other.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=2)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    mine = [r for r in rows if r["trajectory"] == "limited"]
+    assert [r["status"] for r in mine] == [200, 200, 429, 429]
+    assert [r["protocol"] for r in mine] == ["openai"] * 3 + ["anthropic"]
+    assert mine[0]["completion_tokens"] >= 1 and mine[2]["error"].startswith("rate limit")
+
+
+def test_request_log_needs_a_path_outside_a_run():
+    with pytest.raises(ValueError, match="path: required outside a run"):
+        RequestLog()
