@@ -1,8 +1,9 @@
 """AgentFlow's entry point (group ``loongsage``): the ``qwen3`` chat parser, the ``gateway`` run
-service and the agents that reach the policy through it."""
+service, its middlewares, and the agents that reach the policy through it."""
 
 from __future__ import annotations
 
+from loongsage.agentflow.blackbox import CommandAgent, FileReward
 from loongsage.agentflow.chat_agent import ChatAgent
 from loongsage.agentflow.middlewares import MIDDLEWARES
 from loongsage.agentflow.parsers import Qwen3ChatParser
@@ -17,7 +18,13 @@ def loongsage_backends() -> Factories:
 
 @hookimpl
 def loongsage_agents() -> Factories:
-    return {"chat": ChatAgent}
+    # chat: one chat completion per group; command: any program, black box (blackbox.py)
+    return {"chat": ChatAgent, "command": CommandAgent}
+
+
+@hookimpl
+def loongsage_rewards() -> Factories:
+    return {"file_reward": FileReward}  # what a command agent's program wrote to {workdir}/reward
 
 
 @hookimpl

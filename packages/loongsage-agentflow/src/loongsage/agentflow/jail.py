@@ -1,0 +1,100 @@
+"""The loopback-only network jail of agent programs: bubblewrap, and a relay to the gateway.
+
+``bwrap --unshare-net`` starts the program in a new network namespace that holds nothing but its
+own loopback interface: no route, so a connection to any other address fails at once with
+"network is unreachable" and nothing leaves the machine. That loopback is not the host's, so the
+gateway is carried in::
+
+    program --TCP--> 127.0.0.1:<gateway port>   (the namespace's loopback)
+            supervisor's relay (inside, see supervise.py)
+            --Unix socket (a file under the episode's control directory: files cross namespaces)-->
+            HostRelay (the runner's event loop, host side) --TCP--> the gateway
+
+The program keeps the gateway's URL unchanged. No root daemon is needed: bubblewrap creates the
+namespaces itself (as root, or through an unprivileged user namespace). The jail also unshares the
+PID namespace (``--unshare-pid``, with a fresh ``/proc``): when the supervisor ends, the kernel
+kills every process left in it, and ``--die-with-parent`` ends it with the runner. Files are not
+isolated: the program sees the host's file system as the runner does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import shutil
+import subprocess
+
+PACKAGE_HINT = "install the 'bubblewrap' package (apt-get install -y bubblewrap)"
+_JAIL_FLAGS = ["--unshare-net", "--unshare-pid", "--die-with-parent", "--dev-bind", "/", "/", "--proc", "/proc"]
+
+
+@functools.lru_cache(maxsize=1)
+def bwrap_problem() -> str | None:
+    """Why the jail cannot be used here (None: it can): bwrap missing, or unable to make namespaces."""
+    path = shutil.which("bwrap")
+    if path is None:
+        return f"bwrap (bubblewrap) is not on PATH: {PACKAGE_HINT}"
+    try:
+        probe = subprocess.run([path, *_JAIL_FLAGS, "--", "true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap could not run: {exc}"
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        return f"bwrap cannot create network and PID namespaces here ({reason})"
+    return None
+
+
+def jail_argv(argv: list[str], control_dir: str) -> list[str]:
+    """``argv`` run inside the jail; ``control_dir`` (the relay's socket) is bound at the same path."""
+    return [shutil.which("bwrap") or "bwrap", *_JAIL_FLAGS, "--bind", control_dir, control_dir, "--", *argv]
+
+
+class HostRelay:
+    """The host end: a Unix socket whose every connection is carried to the gateway over TCP."""
+
+    def __init__(self, path: str, host: str, port: int):
+        self.path, self.host, self.port = path, host, port
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._accept, path=self.path)
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.ensure_future(self._bridge(reader, writer))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _bridge(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(self.host, self.port)
+        except OSError:
+            writer.close()
+            return
+        try:
+            await asyncio.gather(_copy(reader, up_writer), _copy(up_reader, writer))
+        finally:
+            for w in (writer, up_writer):
+                w.close()
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, OSError):
+                await task
+
+
+async def _copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()  # half-close: the other direction may still be answering
+    except OSError:
+        pass

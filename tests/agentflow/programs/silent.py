@@ -1,0 +1,7 @@
+"""Never talks to the model."""
+
+import sys
+
+print("nothing to say")
+print("giving up", file=sys.stderr)
+sys.exit(3)
