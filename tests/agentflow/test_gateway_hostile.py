@@ -147,20 +147,24 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow
                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                      max_leaves=10)
 _keys = st.sampled_from(["messages", "model", "max_tokens", "n", "tools", "stop", "temperature", "stream", "seed",
-                         "tool_choice", "system", "stop_sequences", "top_k", "stream_options", "logprobs"])
+                         "tool_choice", "system", "stop_sequences", "top_k", "stream_options", "logprobs",
+                         "input", "instructions", "max_output_tokens", "text", "previous_response_id"])
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=st.dictionaries(_keys, _json, max_size=6), messages=st.lists(st.dictionaries(
     st.sampled_from(["role", "content", "tool_calls", "tool_call_id"]), _json | st.sampled_from(["user", "assistant",
                                                                                                "tool", "system"])),
-    max_size=3), path=st.sampled_from(["/v1/chat/completions", "/v1/messages"]))
+    max_size=3), path=st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/responses"]))
 def test_no_body_makes_a_5xx(gateway, body, messages, path):
     session = gateway.open_session(f"fuzz-{time.monotonic_ns()}", budget=Budget(default_max_tokens=2))
     body = {**body, "messages": messages} if messages else body
+    if path == "/v1/responses" and messages:
+        body = {**body, "input": messages}
     body.pop("n", None) if not isinstance(body.get("n"), int) or body.get("n", 1) > 2 else None
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 2:
-        body["max_tokens"] = 2
+    for cap in ("max_tokens", "max_output_tokens"):
+        if isinstance(body.get(cap), int) and body[cap] > 2:
+            body[cap] = 2
     resp = _post(session, path, body)
     assert resp.status_code < 500, resp.text
     if resp.status_code >= 400:

@@ -7,6 +7,7 @@
     GET  /{trajectory}/{attempt}/v1/models
     POST /{trajectory}/{attempt}/v1/chat/completions     OpenAI (base_url = .../{trajectory}/{attempt}/v1)
     POST /{trajectory}/{attempt}/v1/messages             Anthropic (base_url = .../{trajectory}/{attempt})
+    POST /{trajectory}/{attempt}/v1/responses            OpenAI Responses (base_url = .../{trajectory}/{attempt}/v1)
 
 A session exists once :meth:`Gateway.open_session` opened it and answers with its own key
 (``Authorization: Bearer <key>`` or ``x-api-key``), so a client bound to one session can neither
@@ -40,7 +41,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from loongsage.agentflow import anthropic_api, openai_api
+from loongsage.agentflow import anthropic_api, openai_api, responses_api
 from loongsage.agentflow.errors import APIError
 from loongsage.agentflow.service import ChatService
 from loongsage.agentflow.store import Budget, Session
@@ -165,6 +166,7 @@ class Gateway:
             Route("/{trajectory}/{attempt:int}/v1/models", self._session_models, methods=["GET"]),
             Route("/{trajectory}/{attempt:int}/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/{trajectory}/{attempt:int}/v1/messages", self._messages, methods=["POST"]),
+            Route("/{trajectory}/{attempt:int}/v1/responses", self._responses, methods=["POST"]),
         ]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _crash})
 
@@ -188,6 +190,9 @@ class Gateway:
     async def _messages(self, request: Request) -> Response:
         return await self._turn(request, "anthropic")
 
+    async def _responses(self, request: Request) -> Response:
+        return await self._turn(request, "responses")
+
     async def _turn(self, request: Request, protocol: str) -> Response:
         """One chat request through the middleware chain.
 
@@ -197,13 +202,16 @@ class Gateway:
         reply of its own without calling ``call_next`` (a rate limit's 429). Errors are replies too,
         so a logging middleware sees them.
         """
-        error_body = APIError.openai_body if protocol == "openai" else APIError.anthropic_body
+        error_body = APIError.anthropic_body if protocol == "anthropic" else APIError.openai_body
         streamed: dict[str, Any] = {}
 
         async def handle(req: dict[str, Any]) -> dict[str, Any]:
             try:
                 if protocol == "openai":
                     chat, options = openai_api.parse(req["body"])
+                    model, stream = options.model or self.service.model_name, options.stream
+                elif protocol == "responses":
+                    chat, options = responses_api.parse(req["body"])
                     model, stream = options.model or self.service.model_name, options.stream
                 else:
                     chat, model, stream = anthropic_api.parse(req["body"])
@@ -215,6 +223,11 @@ class Gateway:
                 if stream:
                     streamed["events"] = [f"data: {_dump(c)}\n\n" for c in
                                           openai_api.chunks(result, model, options, self._token_text)] + ["data: [DONE]\n\n"]
+            elif protocol == "responses":
+                body = responses_api.response(result, model, options)
+                if stream:
+                    streamed["events"] = [f"event: {name}\ndata: {_dump(data)}\n\n"
+                                          for name, data in responses_api.events(result, model, options)]
             else:
                 body = anthropic_api.response(result, model)
                 if stream:
