@@ -56,7 +56,9 @@ def test_asynchronous_training_through_the_gateway(ray_session, in_tmp):
     for r in rows:
         assert r["rollout/trajectories"] == 16
         assert r["rollout/staleness_max"] <= 1
-        assert r["train/grad_norm"] > 0
+    # a step whose groups all got equal rewards has no gradient; not every step can be one
+    assert any(r["train/grad_norm"] > 0 for r in rows)
+    assert rows[-1]["agentflow/turns"] >= 3 * 4
 
 
 def test_an_agent_that_needs_the_gateway_is_refused_at_validation_without_it():

@@ -51,7 +51,7 @@ class ChatAgent:
         trajectory = f"g{ctx.group_id}".replace("-", "m")
         attempt = self._attempts[trajectory]
         self._attempts[trajectory] += 1
-        info = gateway.open_session(trajectory, attempt)
+        info = gateway.open_session(trajectory, attempt, engine=ctx.engine)
         s = ctx.sampling
         client = AsyncOpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0, timeout=600)
         try:

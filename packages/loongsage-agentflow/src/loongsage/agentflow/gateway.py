@@ -144,14 +144,17 @@ class Gateway:
 
     # ------------------------------------------------------------------------------ sessions
     def open_session(self, trajectory: str, attempt: int = 0, *, budget: Budget | None = None,
-                     api_key: str | None = "") -> SessionInfo:
+                     api_key: str | None = "", engine: Any = None) -> SessionInfo:
+        """A new session; ``engine``: the engine client its turns use instead of the gateway's (an
+        agent's ``ctx.engine``, so the run's per-group call log records them)."""
         session = self.service.store.open(trajectory, attempt, budget=budget, api_key=api_key)
+        session.engine = engine
         return SessionInfo(trajectory, attempt, f"{self.url}/{trajectory}/{attempt}", session.api_key)
 
     async def close_session(self, trajectory: str, attempt: int = 0) -> Session:
         """Stop serving a session; returns it after its turn in flight committed (call on the gateway's loop)."""
         session = await self.service.store.close(trajectory, attempt)
-        self.service.engine.release_session(session.route_key)
+        (session.engine or self.service.engine).release_session(session.route_key)
         return session
 
     def close_session_threadsafe(self, trajectory: str, attempt: int = 0) -> Session:

@@ -132,7 +132,7 @@ class ChatService:
     async def _generate(self, prompt: list[int], sampling: SamplingParams, session: Session) -> list[GenerationResult]:
         try:
             sampling.validate()
-            return await self.engine.generate(prompt, sampling, session=session.route_key)
+            return await (session.engine or self.engine).generate(prompt, sampling, session=session.route_key)
         except ValueError as exc:
             raise APIError(400, (str(exc).splitlines() or ["bad request"])[0]) from None
         except (APIError, asyncio.CancelledError):

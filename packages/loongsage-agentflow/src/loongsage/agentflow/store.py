@@ -126,6 +126,9 @@ class Session:
         self.categories: Counter[str] = Counter()  # why segments started
         self.refusals = 0  # requests refused by the budget
         self._answers: OrderedDict[str, Any] = OrderedDict()
+        # the engine client of this session's turns (None: the gateway's): an agent passes its own
+        # context's engine, so a run's per-group call log (checkpoints of groups in flight) sees them
+        self.engine: Any = None
 
     @property
     def route_key(self) -> str:
