@@ -16,7 +16,7 @@ from typing import Any
 
 from loongsage.agentflow import fields
 from loongsage.agentflow.errors import bad_request
-from loongsage.agentflow.messages import Message, assistant, function_tool, text_of, tool_call
+from loongsage.agentflow.messages import Message, assistant, function_tools, text_of, tool_call
 from loongsage.agentflow.service import ChatRequest, ChatResult, Choice
 
 _CHUNK = 24
@@ -114,20 +114,9 @@ def _assistant(blocks: list[dict[str, Any]]) -> list[Message]:
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise bad_request("tools must be an array", "tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict):
-            raise bad_request(f"tools.{i} must be an object", f"tools.{i}")
-        if tool.get("type", "custom") != "custom":
-            continue  # a server tool (web search, bash, ...): not the policy's to call
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise bad_request(f"tools.{i}.name must be a non-empty string", f"tools.{i}.name")
-        tools.append(function_tool(tool["name"], tool.get("description"), tool.get("input_schema"), f"tools.{i}"))
-    return tools or None
+    # a server tool (web search, bash, ...) has a type other than "custom": not the policy's to call
+    return function_tools(raw, function_type="custom", spec_of=lambda tool: tool, schema="input_schema",
+                          path=lambda i: f"tools.{i}")
 
 
 # ------------------------------------------------------------------------------------ answers

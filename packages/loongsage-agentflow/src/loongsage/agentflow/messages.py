@@ -16,7 +16,7 @@ Both protocol front ends (:mod:`~loongsage.agentflow.openai_api`,
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from loongsage.agentflow.errors import bad_request
 
@@ -122,20 +122,33 @@ def _openai_calls(raw: Any, where: str) -> list[dict[str, Any]]:
 def openai_tools(raw: Any) -> list[dict[str, Any]] | None:
     """Function tools in OpenAI's shape; hosted tools (web search, code interpreter...) are dropped:
     the policy cannot call them, and refusing them would break clients that always send them."""
+    return function_tools(raw, function_type="function", spec_of=lambda tool: tool.get("function"),
+                          schema="parameters", path=lambda i: f"tools[{i}]")
+
+
+def function_tools(raw: Any, *, function_type: str, spec_of: Callable[[dict], Any], schema: str,
+                   path: Callable[[int], str]) -> list[dict[str, Any]] | None:
+    """The function tools of any protocol's ``tools`` array in canonical form (None when there are
+    none): entries of another ``type`` are hosted or server tools, not the policy's to call, and are
+    left out. ``spec_of`` finds a tool's name/description/schema object (the entry itself, or a
+    nested one), ``schema`` names its JSON-schema field, ``path`` spells entry ``i`` in errors."""
     if raw is None:
         return None
     if not isinstance(raw, list):
         raise bad_request("tools must be an array", "tools")
     tools = []
     for i, tool in enumerate(raw):
+        where = path(i)
         if not isinstance(tool, dict):
-            raise bad_request(f"tools[{i}] must be an object", f"tools[{i}]")
-        if tool.get("type", "function") != "function":
+            raise bad_request(f"{where} must be an object", where)
+        if tool.get("type", function_type) != function_type:
             continue
-        fn = tool.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"tools[{i}].function.name must be a non-empty string", f"tools[{i}].function.name")
-        tools.append(function_tool(fn["name"], fn.get("description"), fn.get("parameters"), f"tools[{i}].function"))
+        spec = spec_of(tool)
+        if spec is not tool:
+            where += ".function"
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise bad_request(f"{where}.name must be a non-empty string", f"{where}.name")
+        tools.append(function_tool(spec["name"], spec.get("description"), spec.get(schema), where))
     return tools or None
 
 

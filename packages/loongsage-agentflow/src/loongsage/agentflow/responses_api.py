@@ -24,7 +24,7 @@ from typing import Any
 
 from loongsage.agentflow import fields
 from loongsage.agentflow.errors import bad_request
-from loongsage.agentflow.messages import Message, assistant, function_tool, text_of, tool_call
+from loongsage.agentflow.messages import Message, assistant, function_tools, text_of, tool_call
 from loongsage.agentflow.service import ChatRequest, ChatResult
 
 _CHUNK = 24  # characters of text per streamed delta
@@ -130,20 +130,9 @@ def _assistant_turn(out: list[Message]) -> Message:
 
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, list):
-        raise bad_request("tools must be an array", "tools")
-    tools = []
-    for i, tool in enumerate(raw):
-        if not isinstance(tool, dict):
-            raise bad_request(f"tools[{i}] must be an object", f"tools[{i}]")
-        if tool.get("type", "function") != "function":
-            continue  # hosted tools (web search, file search, ...): the policy cannot call them
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise bad_request(f"tools[{i}].name must be a non-empty string", f"tools[{i}].name")
-        tools.append(function_tool(tool["name"], tool.get("description"), tool.get("parameters"), f"tools[{i}]"))
-    return tools or None
+    # flat function tools; hosted tools (web search, file search, ...) are not the policy's to call
+    return function_tools(raw, function_type="function", spec_of=lambda tool: tool, schema="parameters",
+                          path=lambda i: f"tools[{i}]")
 
 
 # ------------------------------------------------------------------------------------ answers
