@@ -32,8 +32,8 @@ from loongsage.core.types import ConfigError, DataRecord, SamplingParams, Status
 pytestmark = pytest.mark.timeout(180)
 
 PROGRAMS = Path(__file__).parent / "programs"
-needs_audit = pytest.mark.skipif(jail.bwrap_problem() is not None or netaudit.strace_problem() is not None,
-                                 reason=f"no jail or no strace here: {jail.bwrap_problem() or netaudit.strace_problem()}")
+_MISSING = jail.bwrap_problem() or netaudit.strace_problem()
+needs_audit = pytest.mark.skipif(_MISSING is not None, reason=f"no jail or no strace here: {_MISSING}")
 SESSION_ENV = {"OPENAI_BASE_URL": "http://127.0.0.1:9/t/0/v1", "OPENAI_API_KEY": "sk-session",
                "LOONGSAGE_PROMPT_FILE": "/w/prompt.txt"}
 
@@ -126,6 +126,7 @@ def test_opencode_is_pointed_at_its_session_with_every_fetch_switched_off(tmp_pa
     assert argv[argv.index("--model") + 1] == "loongsage/loongsage" and "--title" in argv
     config_dir = workdir / "home" / ".config" / "opencode"
     assert env["HOME"] == str(workdir / "home") and env["XDG_CONFIG_HOME"] == str(workdir / "home" / ".config")
+    assert env["TMPDIR"] == str(workdir / "home" / "tmp") and Path(env["TMPDIR"]).is_dir()
     config = json.loads((config_dir / "opencode.json").read_text())
     provider = config["provider"]["loongsage"]
     assert provider["options"] == {"baseURL": SESSION_ENV["OPENAI_BASE_URL"], "apiKey": "sk-session"}

@@ -91,7 +91,9 @@ def _check_run(run_dir: Path, logs: Path, tag: str, tools: list[str], stream: bo
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in trained] == [1, 2]
-    assert all(r["rollout/trajectories"] >= 2 for r in trained)
+    # the trainer ran over the programs' tokens (the tiny model earns no reward, so GRPO's
+    # advantages, and with them the loss and its gradient, are zero: plumbing, not learning)
+    assert all(r["rollout/trajectories"] >= 2 and r["train/entropy"] > 0 for r in trained)
     assert rows[-1]["agentflow/turns"] >= 4  # two episodes a step, one turn at least each
     assert rows[-1]["agentflow/completion_tokens"] > 0
     batches = [json.loads(line) for line in (run_dir / "batches.jsonl").read_text().splitlines()]
@@ -99,7 +101,8 @@ def _check_run(run_dir: Path, logs: Path, tag: str, tools: list[str], stream: bo
     # the gateway parsed every request the programs sent, in the shape these programs send them
     requests = [json.loads(line) for line in (run_dir / "gateway_requests.jsonl").read_text().splitlines()]
     assert len(requests) >= 4 and {r["status"] for r in requests} == {200}, requests
-    assert {(tuple(r["tools"] or ()), r["stream"], r["protocol"]) for r in requests} == {(tuple(tools), stream, "openai")}
+    shapes = {(tuple(r["tools"] or ()), r["stream"], r["protocol"]) for r in requests}
+    assert shapes == {(tuple(tools), stream, "openai")}, shapes
     assert all(r["completion_tokens"] > 0 for r in requests)
     # every episode: the program ended by itself, in the jail, well within its timeout, having
     # named no destination but the loopback (the gateway's relay)
@@ -123,6 +126,10 @@ def test_mini_swe_agent_episodes_through_the_launcher(ray_session, in_tmp, mini_
              "model": {"format_error_template": "Call the bash tool."}}
     run_dir, logs = _train(in_tmp, "mini_swe_agent", {"step_limit": 2, "max_tokens": 8, "config": short}, tag)
     episodes = _check_run(run_dir, logs, tag, tools=["bash"], stream=False)
+    # mini leaves a reply without a tool call out of its history (it sends the format error after
+    # the task), so each episode's second request starts a new segment of its line
+    last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["agentflow/segments/rewritten"] == 4
     for ep in episodes:
         # the tiny model calls no tool: each call is a format error, and the second call ends it
         assert ep["exit_code"] == 0 and ep["mini"]["exit_status"] == "LimitsExceeded", ep

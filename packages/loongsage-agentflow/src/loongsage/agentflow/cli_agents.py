@@ -3,7 +3,8 @@
 Each episode's working directory (the ``command`` agent's, removed afterwards) is laid out as::
 
     {workdir}/prompt.txt     the task (written by the command agent)
-    {workdir}/home/          HOME and the XDG folders: the program's configuration, caches, state
+    {workdir}/home/          HOME, the XDG folders and TMPDIR: the program's configuration, caches,
+                             state and temporary files
     {workdir}/project/       the program's own working directory (``project_dir``), where its tools run
 
 so nothing of the driver's home (credentials, the user's own agent configuration, earlier
@@ -16,16 +17,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-# environment variables of the program that name folders: all in the episode's home
-_XDG = {"XDG_CONFIG_HOME": ".config", "XDG_DATA_HOME": ".local/share", "XDG_STATE_HOME": ".local/state",
-        "XDG_CACHE_HOME": ".cache"}
+# environment variables of the program that name folders: all in the episode's home (the jail
+# isolates the network only, so without these the programs would write into the driver's)
+_FOLDERS = {"XDG_CONFIG_HOME": ".config", "XDG_DATA_HOME": ".local/share", "XDG_STATE_HOME": ".local/state",
+            "XDG_CACHE_HOME": ".cache", "TMPDIR": "tmp"}
 
 
 def episode_home(workdir: Path, env: dict[str, str]) -> Path:
-    """Create ``{workdir}/home`` with its XDG folders and point ``env`` at it."""
+    """Create ``{workdir}/home`` with its XDG and temporary folders and point ``env`` at them."""
     home = workdir / "home"
     env["HOME"] = str(home)
-    for name, sub in _XDG.items():
+    for name, sub in _FOLDERS.items():
         (home / sub).mkdir(parents=True, exist_ok=True)
         env[name] = str(home / sub)
     return home

@@ -131,7 +131,8 @@ def _avx2() -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loongsage.agentflow.opencode_install",
                                      description="Install the pinned OpenCode CLI for the 'opencode' agent.")
-    parser.add_argument("--dir", help="npm prefix to install into (default: $LOONGSAGE_CACHE/agents/opencode-<version>)")
+    parser.add_argument("--dir", help="npm prefix to install into "
+                                      "(default: $LOONGSAGE_CACHE/agents/opencode-<version>)")
     parser.add_argument("--version", default=VERSION)
     opts = parser.parse_args(argv)
     try:
