@@ -72,3 +72,33 @@ def in_tmp(tmp_path, monkeypatch) -> Path:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def opencode_dir(model_cache) -> Path:
+    """The pinned OpenCode CLI (npm ``opencode-ai``), installed once per machine into the model cache
+    (the set-up step ``python -m loongsage.agentflow.opencode_install``); skips where npm cannot."""
+    from loongsage.agentflow import opencode_install
+
+    try:
+        return opencode_install.install(model_cache / "agents" / f"opencode-{opencode_install.VERSION}")
+    except RuntimeError as exc:
+        pytest.skip(f"OpenCode {opencode_install.VERSION} could not be installed from npm: {exc}")
+
+
+@pytest.fixture(scope="session")
+def mini_program() -> Path:
+    """mini-swe-agent's ``mini`` of this environment, its bytecode and litellm's compiled first:
+    compiling runs none of their code, and a cold import of litellm would otherwise compile
+    thousands of modules inside the first episodes (tens of seconds)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    program = Path(sys.executable).parent / "mini"
+    if not program.is_file():
+        pytest.skip("mini-swe-agent is not installed here (`uv sync` installs it with the dev group)")
+    folders = [p for name in ("litellm", "minisweagent")
+               for p in (importlib.util.find_spec(name).submodule_search_locations or [])]
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], capture_output=True, timeout=600)
+    return program

@@ -78,12 +78,16 @@ def test_rate_limit_answers_429_in_each_protocol_without_reaching_the_model(limi
     assert gw.service.counters["turns"] == turns_before + 2  # the refused ones never reached the model
     # another session has a bucket of its own
     other = _openai(gw.open_session("other"))
-    other.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=2)
+    lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+    other.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=2,
+                                  tools=[lookup])
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     mine = [r for r in rows if r["trajectory"] == "limited"]
     assert [r["status"] for r in mine] == [200, 200, 429, 429]
     assert [r["protocol"] for r in mine] == ["openai"] * 3 + ["anthropic"]
     assert mine[0]["completion_tokens"] >= 1 and mine[2]["error"].startswith("rate limit")
+    assert [(r["messages"], r["tools"], r["stream"]) for r in mine] == [(1, None, False)] * 4
+    assert [(r["tools"], r["status"]) for r in rows if r["trajectory"] == "other"] == [(["lookup"], 200)]
 
 
 def test_request_log_needs_a_path_outside_a_run():

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from loongsage.agentflow import netaudit
 from loongsage.agentflow.chat_agent import gateway_of
 from loongsage.agentflow.jail import bwrap_problem
 from loongsage.agentflow.program import MARKER, Launch, Outcome, run_program
@@ -67,6 +68,8 @@ class CommandAgent:
     workdir_root: str | None = None  # parent of the per-episode working directories (null: the temp dir)
     keep_workdir: bool = False
     reward_file: bool = False  # read the float the program wrote to {workdir}/reward
+    # run the program under strace and report every destination it tried to reach (netaudit.py)
+    audit_network: bool = False
     required_services: ClassVar[tuple[str, ...]] = ("gateway",)  # checked at validation
 
     def __post_init__(self) -> None:
@@ -82,6 +85,8 @@ class CommandAgent:
             raise ValueError(f"grace_s={self.grace_s!r}: must be >= 0")
         if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
             raise ValueError(f"max_concurrency={self.max_concurrency!r}: must be an int >= 1")
+        if self.audit_network and netaudit.strace_problem():
+            raise ValueError(f"audit_network=True: {netaudit.strace_problem()}")
         self.jailed = self._resolve_network()
         self._limit: tuple[Any, asyncio.Semaphore] | None = None  # (event loop, its semaphore)
 
@@ -124,16 +129,22 @@ class CommandAgent:
             info = gateway.open_session(name)
             try:
                 prompt_file = _write_prompt(workdir, record.prompt)
+                env = self._env(info, gateway, record.prompt, prompt_file, workdir, name)
+                argv = [_fill(a, prompt_file, workdir) for a in self.command]
+                argv = self.prepare(workdir, record.prompt, argv, env)
+                trace = os.path.join(control, "connections.strace") if self.audit_network else None
                 launch = Launch(
-                    argv=[_fill(a, prompt_file, workdir) for a in self.command],
-                    env=self._env(info, gateway, record.prompt, prompt_file, workdir, name),
+                    argv=netaudit.traced(argv, trace) if trace else argv, env=env,
                     cwd=str(workdir), control_dir=control, timeout_s=self.timeout_s, grace_s=self.grace_s,
                     max_output_bytes=self.max_output_bytes, jail=self.jailed, gateway=_target(gateway))
                 outcome = await run_program(launch)
+                facts = self.report(workdir)
+                if trace:
+                    facts["network_audit"] = netaudit.report(trace)
             finally:
                 session = await gateway.close_session(name, 0)
                 shutil.rmtree(control, ignore_errors=True)
-            meta = self._metadata(record, name, workdir, outcome, started)  # reads {workdir}/reward
+            meta = self._metadata(record, name, workdir, outcome, started, facts)  # reads {workdir}/reward
         finally:
             if not self.keep_workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
@@ -145,6 +156,16 @@ class CommandAgent:
         why = outcome.error or "the program made no chat request that completed a turn"
         return [_failed(record, group_id, meta, f"{why} (exit code {outcome.exit_code}, signal {outcome.signal}, "
                                                 f"timed out {outcome.timed_out}, {session.refusals} refused)")]
+
+    # ------------------------------------------------------------------ hooks of specialised agents
+    def prepare(self, workdir: Path, prompt: Any, argv: list[str], env: dict[str, str]) -> list[str]:
+        """Before the program starts: write what it needs into ``workdir`` (its configuration), edit
+        ``env`` (it holds the session's URL and key); returns the argv to run."""
+        return argv
+
+    def report(self, workdir: Path) -> dict[str, Any]:
+        """After the program ended, before ``workdir`` is removed: facts for ``metadata["program"]``."""
+        return {}
 
     def _env(self, info: Any, gateway: Any, prompt: Any, prompt_file: str, workdir: Path,
              marker: str) -> dict[str, str]:
@@ -166,7 +187,7 @@ class CommandAgent:
         return env
 
     def _metadata(self, record: DataRecord, name: str, workdir: Path, outcome: Outcome,
-                  started: float) -> dict[str, Any]:
+                  started: float, facts: dict[str, Any]) -> dict[str, Any]:
         program = {
             "exit_code": outcome.exit_code, "signal": outcome.signal, "timed_out": outcome.timed_out,
             "wall_s": round(outcome.wall_s, 3), "episode_s": round(time.monotonic() - started, 3),
@@ -174,7 +195,7 @@ class CommandAgent:
             "stdout_bytes": outcome.stdout.total, "stderr_bytes": outcome.stderr.total,
             "leftover_processes": outcome.leftover + outcome.swept,
             "network": "loopback_only" if self.jailed else "host",
-            "error": outcome.error, "workdir": str(workdir) if self.keep_workdir else None,
+            "error": outcome.error, "workdir": str(workdir) if self.keep_workdir else None, **facts,
         }
         if self.log_dir is not None:
             logs = Path(self.log_dir)
@@ -182,6 +203,8 @@ class CommandAgent:
             for stream, capture in (("stdout", outcome.stdout), ("stderr", outcome.stderr)):
                 (logs / f"{name}.{stream}").write_bytes(bytes(capture.kept))
             program["logs"] = str(logs / name)
+            summary = {k: v for k, v in program.items() if not k.endswith("_tail")}  # the tails are in the files
+            (logs / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str))
         meta: dict[str, Any] = {"record_index": record.index, "program": program}
         if self.reward_file:
             meta["reward_file"], meta["reward_file_error"] = _read_reward(workdir / "reward")

@@ -27,9 +27,9 @@ CallNext = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
 
 @dataclass
 class RequestLog:
-    """One JSON line per chat request: session, protocol, status, wall seconds, the sampled token
-    count, and the error message of a refused request. ``path`` defaults to
-    ``<run_dir>/gateway_requests.jsonl``."""
+    """One JSON line per chat request: session, protocol, what was asked (message count, tool names,
+    streaming), status, wall seconds, the sampled token count, and the error message of a refused
+    request. ``path`` defaults to ``<run_dir>/gateway_requests.jsonl``."""
 
     run_dir: str | None = None  # supplied by the gateway service
     path: str | None = None
@@ -42,18 +42,32 @@ class RequestLog:
 
     async def __call__(self, request: dict[str, Any], call_next: CallNext) -> dict[str, Any]:
         start = time.perf_counter()
+        asked = _shape(request["body"])  # before the chain: a later middleware may rewrite the body
         reply = await call_next(request)
         body = reply.get("body") or {}
         usage = body.get("usage") or {}
         error = body.get("error") or {}
         row = {"time": time.time(), "trajectory": request["trajectory"], "attempt": request["attempt"],
-               "protocol": request["protocol"], "status": reply.get("status"),
+               "protocol": request["protocol"], **asked, "status": reply.get("status"),
                "seconds": round(time.perf_counter() - start, 6),
                "completion_tokens": usage.get("completion_tokens", usage.get("output_tokens")),
                "error": error.get("message")}
         with self.file.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
         return reply
+
+
+def _shape(body: Any) -> dict[str, Any]:
+    """What a request asked for, in either protocol: its message count, tool names, streaming."""
+    if not isinstance(body, dict):
+        return {"messages": None, "tools": None, "stream": None}
+    messages, tools = body.get("messages"), body.get("tools")
+    names = None
+    if isinstance(tools, list):  # OpenAI {"type": "function", "function": {"name"}}, Anthropic {"name"}
+        names = [str((t.get("function") if isinstance(t.get("function"), dict) else t).get("name"))
+                 for t in tools if isinstance(t, dict)]
+    return {"messages": len(messages) if isinstance(messages, list) else None, "tools": names,
+            "stream": bool(body.get("stream"))}
 
 
 @dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 from loongsage.agentflow.blackbox import CommandAgent, FileReward
 from loongsage.agentflow.chat_agent import ChatAgent
 from loongsage.agentflow.middlewares import MIDDLEWARES
+from loongsage.agentflow.mini_swe import MiniSweAgent
+from loongsage.agentflow.opencode import OpenCodeAgent
 from loongsage.agentflow.parsers import Qwen3ChatParser
 from loongsage.agentflow.run_service import GatewayService
 from loongsage.core.hookspecs import Factories, hookimpl
@@ -19,7 +21,8 @@ def loongsage_backends() -> Factories:
 @hookimpl
 def loongsage_agents() -> Factories:
     # chat: one chat completion per group; command: any program, black box (blackbox.py)
-    return {"chat": ChatAgent, "command": CommandAgent}
+    # mini_swe_agent, opencode: those CLIs unmodified, configured for the gateway (mini_swe.py, opencode.py)
+    return {"chat": ChatAgent, "command": CommandAgent, "mini_swe_agent": MiniSweAgent, "opencode": OpenCodeAgent}
 
 
 @hookimpl
