@@ -15,6 +15,7 @@ boundary, so no BPE merge can cross into the model's tokens.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from loongsage.agentflow.errors import bad_request
@@ -35,6 +36,10 @@ class ChatRenderer:
         if not self.template:
             raise ValueError("ChatRenderer: the tokenizer has no chat template and none was given")
         base = self.render(_PRELUDE, None, generation_prompt=False)
+        # the prelude's rendering for the tools seen last (every turn of a run usually offers the
+        # same), keyed by their JSON text: tools that are equal but list their keys in another order
+        # render differently
+        self._prelude: tuple[str, str] = ("null", base)
         if _SENTINEL not in base:
             raise ValueError("ChatRenderer: the chat template does not render assistant content")
         self.closing = base[base.rindex(_SENTINEL) + len(_SENTINEL):]
@@ -61,7 +66,15 @@ class ChatRenderer:
     def continuation(self, messages: list[Message], tools: list | None) -> str | None:
         """The text of ``messages`` and the generation prompt after a closed reply; None when the
         template does not render them append-only (it rewrote the prelude's text)."""
-        base = self.render(_PRELUDE, tools, generation_prompt=False)
+        try:
+            key = json.dumps(tools, ensure_ascii=False)
+        except (TypeError, ValueError):  # not JSON (a caller's own objects): rendered every time
+            key = None
+        seen, base = self._prelude
+        if key is None or key != seen:
+            base = self.render(_PRELUDE, tools, generation_prompt=False)
+            if key is not None:
+                self._prelude = (key, base)
         full = self.render(_PRELUDE + messages, tools, generation_prompt=True)
         return full[len(base):] if full.startswith(base) else None
 

@@ -16,7 +16,7 @@ import json
 import time
 import uuid
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from loongsage.agentflow.engines import EngineClient
@@ -45,7 +45,9 @@ class ChatRequest:
     stop: list[str] = field(default_factory=list)
 
     def key(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        # vars, not asdict: the fields are JSON values already, and asdict deep-copies every message
+        # of the history on every turn
+        blob = json.dumps(vars(self), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
