@@ -173,6 +173,8 @@ class Relay:
     def _accept(self) -> None:
         while True:
             conn, _ = self.listener.accept()
+            # small writes (a reply's last bytes) must not wait for the client's delayed ACK (Nagle)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.connections += 1
             threading.Thread(target=self._bridge, args=(conn,), daemon=True).start()
 
