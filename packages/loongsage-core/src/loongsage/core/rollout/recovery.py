@@ -157,12 +157,6 @@ class EngineRecovery:
                 log.warning("rollout: engine %d replaced (version %d, with the weight update)", index, version)
         self._notify()
 
-    def spares(self) -> list[Any]:
-        """Replacements started but not in the engine list (to release at the end of a run)."""
-        started = [(index, rep.started) for index, rep in self._replacing.items()]
-        return [f.result() for index, f in started if f.done() and not f.cancelled() and f.exception() is None
-                and self.router.engines[index] is not f.result()]
-
     async def close(self) -> None:
         await self._until(lambda: self._loading == 0)  # a push in a worker thread cannot be cancelled
         tasks = [rep.task for rep in self._replacing.values() if rep.task is not None]
