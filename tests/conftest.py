@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
+import signal
 from pathlib import Path
 
 import pytest
+
+from tests._procs import survivors
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,3 +107,15 @@ def mini_program() -> Path:
                for p in (importlib.util.find_spec(name).submodule_search_locations or [])]
     subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], capture_output=True, timeout=600)
     return program
+
+
+@pytest.fixture
+def tag():
+    """A mark for the environment of a test's programs (``LOONGSAGE_TEST_TAG``); whatever still
+    carries it afterwards is killed, so a regression leaves no process behind (the tests assert
+    first that none is left, with :func:`tests._procs.survivors`)."""
+    value = secrets.token_hex(8)
+    yield value
+    for pid in survivors(value):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)

@@ -4,13 +4,10 @@ gateway on loopback over the tiny model; hostile programs; the loopback-only jai
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import json
 import logging
 import os
-import secrets
-import signal
 import socket
 import sys
 import time
@@ -27,6 +24,7 @@ from loongsage.agentflow.service import ChatService
 from loongsage.core.plugins import load_registry
 from loongsage.core.rollout import AgentContext
 from loongsage.core.types import ConfigError, DataRecord, RewardInfraError, SamplingParams, Status
+from tests._procs import survivors
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -82,30 +80,6 @@ def agent(script, *args, **params):
 
 def record(prompt="2+2="):
     return DataRecord(source="bb", index=4, prompt=prompt)
-
-
-@pytest.fixture
-def tag():
-    """A mark for the environment of a test's programs; whatever carries it is killed afterwards,
-    so a regression leaves no process behind (the tests assert first that none is left)."""
-    value = secrets.token_hex(8)
-    yield value
-    for pid in survivors(value):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def survivors(tag: str) -> list[int]:
-    """Processes (anywhere on this machine, jailed or not) whose environment carries ``TAG=tag``."""
-    needle, found = f"TAG={tag}".encode(), []
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(name))
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 # ------------------------------------------------------------------------------ conversation
@@ -167,7 +141,7 @@ def test_hostile_programs_are_killed_at_the_timeout_and_leave_nothing(native, to
     pids, logs = tmp_path / "pids", tmp_path / "logs"
     pids.mkdir()
     hostile = agent(script, network=network, timeout_s=1.5, grace_s=0.5, max_output_bytes=10_000,
-                    log_dir=str(logs), env={"TAG": tag, "PIDS_DIR": str(pids)})
+                    log_dir=str(logs), env={"LOONGSAGE_TEST_TAG": tag, "PIDS_DIR": str(pids)})
     start = time.monotonic()
     (t,), _, _ = run_agent(native, tokenizer, hostile, record())
     elapsed = time.monotonic() - start
@@ -196,7 +170,7 @@ def test_a_program_that_kills_its_supervisor_is_still_ended(native, tokenizer, t
     pids = tmp_path / "pids"
     pids.mkdir()
     hostile = agent("parricide.py", network=network, timeout_s=30, grace_s=0.5,
-                    env={"TAG": tag, "PIDS_DIR": str(pids)})
+                    env={"LOONGSAGE_TEST_TAG": tag, "PIDS_DIR": str(pids)})
     start = time.monotonic()
     (t,), _, _ = run_agent(native, tokenizer, hostile, record())
     assert time.monotonic() - start < 10  # ended with its supervisor, not at the timeout

@@ -12,17 +12,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _conversations import LOOKUP  # noqa: E402
+from _sessions import close as _close  # noqa: E402
+from _sessions import openai_client as _client  # noqa: E402
 
 TOOL = {"type": "function", "name": LOOKUP["function"]["name"], "description": LOOKUP["function"]["description"],
         "parameters": LOOKUP["function"]["parameters"]}
-
-
-def _client(session) -> openai.OpenAI:
-    return openai.OpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0, timeout=60)
-
-
-def _close(gateway, session):
-    return gateway.close_session_threadsafe(session.trajectory, session.attempt)
 
 
 def test_a_response_records_exactly_the_engines_tokens(gateway, session):

@@ -12,17 +12,14 @@ happened, so no episode came near its timeout).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import secrets
-import signal
 from pathlib import Path
 
 import pytest
 
 from loongsage.agentflow import jail, netaudit
 from loongsage.core.cli import main
+from tests._procs import survivors
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -38,29 +35,6 @@ COMMON = ["run.total_steps=2", "data_sources.0.prompts_per_step=1", "data_source
           f"rollout.engine={{name: native, params: {{max_model_len: {CONTEXT}, max_batch_size: 4}}}}",
           f"+services=[{{name: gateway, params: {{max_context_tokens: {CONTEXT}, "
           "middlewares: [{name: request_log}]}}]"]
-
-
-@pytest.fixture
-def tag():
-    """A mark in the programs' environment; whatever still carries it afterwards is killed (the test
-    first asserts that nothing does)."""
-    value = secrets.token_hex(8)
-    yield value
-    for pid in _carrying(value):
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def _carrying(tag: str) -> list[int]:
-    needle, found = f"LOONGSAGE_TEST_TAG={tag}".encode(), []
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(name))
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 def _hydra(value) -> str:
@@ -104,18 +78,19 @@ def _check_run(run_dir: Path, logs: Path, tag: str, tools: list[str], stream: bo
     shapes = {(tuple(r["tools"] or ()), r["stream"], r["protocol"]) for r in requests}
     assert shapes == {(tuple(tools), stream, "openai")}, shapes
     assert all(r["completion_tokens"] > 0 for r in requests)
-    # every episode: the program ended by itself, in the jail, well within its timeout, having
-    # named no destination but the loopback (the gateway's relay)
+    # every episode: the program ended by itself, in the jail, within its timeout, having named no
+    # destination but the loopback (the gateway's relay). No bound on wall time beyond the timeout:
+    # on a loaded machine the programs' start-up alone varies by tens of seconds; a blocked fetch
+    # or install shows in the audit instead.
     episodes = [json.loads(p.read_text()) for p in sorted(logs.glob("*.json"))]
     assert len(episodes) == 4
     for ep in episodes:
         assert ep["network"] == "loopback_only" and not ep["timed_out"] and ep["error"] is None, ep
-        assert ep["wall_s"] < TIMEOUT_S / 3, ep
         audit = ep["network_audit"]
         assert "error" not in audit and audit["outside"] == {} and audit["unix"] == {}, audit
         assert audit["loopback"], audit  # it did reach the gateway
         assert ep["leftover_processes"] == 0
-    assert _carrying(tag) == []  # nothing of any episode survives the run
+    assert survivors(tag) == []  # nothing of any episode survives the run
     return episodes
 
 
