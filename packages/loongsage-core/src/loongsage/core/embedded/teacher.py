@@ -5,7 +5,8 @@ attention and response masks) it returns, per response position, the teacher's l
 token the student sampled and, only when the chosen divergence reads them, the teacher's top-k
 (ids and log-probs) or its full log-softmax. It shares the trainer's forward
 (:func:`~loongsage.core.embedded.trainer.policy_logits`: LM head only from the first response
-position on, fp32 head) and its token-budget micro-batching.
+position on, fp32 head), its token-budget micro-batching and its handling of multi-segment rows
+(each segment scored alone, as the student generated it: :mod:`loongsage.core.segments`).
 """
 
 from __future__ import annotations

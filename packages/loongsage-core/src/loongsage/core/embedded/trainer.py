@@ -13,6 +13,9 @@ gradient (FSDP2's default divide-by-world is switched off). FSDP2's forward and 
 collectives, so every rank runs the same number of micro-batches: ranks with fewer pad with
 zero-weight passes.
 
+A row with several segments (a multi-turn trajectory whose history was rewritten) is split in the
+forward into one sequence per segment, its outputs put back in the row (:mod:`loongsage.core.segments`).
+
 Checkpoints hold full (unsharded) state written by rank 0, so a run can resume under another DP
 size or mode.
 """
