@@ -126,12 +126,14 @@ class SegmentLayout:
         return out.index_put((rows[valid], flat[valid]), values[valid])
 
     def split_batch(self, batch: TrainBatch) -> TrainBatch:
-        """The batch of the sequences: every per-token tensor split, every per-row value repeated for
-        each of its row's sequences (the rows' segments themselves are dropped: each is whole now)."""
+        """The batch of the sequences, what a forward reads: every per-token tensor split, every
+        per-row value repeated for each of its row's sequences (the rows' segments themselves are
+        dropped: each sequence is whole now). The teacher's own log-probs are left out: no forward
+        reads them, and over a full vocabulary they would be a large copy."""
         fields = {}
         for name in TrainBatch.tensor_fields():
             value = getattr(batch, name)
-            if value is None:
+            if value is None or name == "teacher_dist_logprobs":
                 fields[name] = None
             elif value.dim() >= 2:
                 fields[name] = self.split(value)
