@@ -128,8 +128,9 @@ class SegmentLayout:
     def split_batch(self, batch: TrainBatch) -> TrainBatch:
         """The batch of the sequences, what a forward reads: every per-token tensor split, every
         per-row value repeated for each of its row's sequences (the rows' segments themselves are
-        dropped: each sequence is whole now). The teacher's own log-probs are left out: no forward
-        reads them, and over a full vocabulary they would be a large copy."""
+        dropped: each sequence is whole now). Left out, as no forward reads them: the teacher's own
+        log-probs (over a full vocabulary a large copy) and the routed experts (a forward replaying
+        them would split them like the tokens)."""
         fields = {}
         for name in TrainBatch.tensor_fields():
             value = getattr(batch, name)
@@ -139,11 +140,8 @@ class SegmentLayout:
                 fields[name] = self.split(value)
             else:
                 fields[name] = value.index_select(0, self.rows.to(value.device))
-        picked = self.rows.tolist()
-        for name in ("sources", "routed_experts"):
-            value = getattr(batch, name)
-            fields[name] = [value[i] for i in picked] if value else []
-        return TrainBatch(**fields)
+        sources = [batch.sources[i] for i in self.rows.tolist()] if batch.sources else []
+        return TrainBatch(**fields, sources=sources)
 
 
 def segment_layout(batch: TrainBatch) -> SegmentLayout | None:
