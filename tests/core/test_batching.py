@@ -41,6 +41,7 @@ def test_to_batch_carries_what_the_trajectories_have():
     a, b = _traj("s", 3, 0, 3, 2), _traj("t", 5, 1, 2, 4)
     a.versions, b.versions = [4, 5], [5, -1, 5, 6]  # b's second token is a tool token
     b.token_rewards = [0.0, 0.0, 0.5, 1.0]
+    a.loss_mask = [0, 1]  # a segment starts with its prompt
     a.segments = [Segment(0, 3), Segment(3, 5, "compaction")]
     b.routed_experts = {"layer0": [1, 2]}
     batch = to_batch([a, b], pad_id=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from loongsage.core.segments import check_segments
 from loongsage.core.types import AdvantageInput, Status, TrainBatch, Trajectory
 
 
@@ -24,9 +25,16 @@ def to_batch(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
     version of every token (-1 on the prompt and on tokens no engine sampled), its token rewards
     (when any trajectory has them; 0 elsewhere), its group id and sample index, source, segments
     and routed experts (those two only when some trajectory has them).
+
+    A trajectory with several segments stays one row: the trainer's forward scores each segment
+    alone (:mod:`loongsage.core.segments`), so its reward, advantage and loss weight stay one
+    trajectory's. Its segments must tile its tokens, each starting with an untrained prompt token.
     """
     if not trajectories:
         raise ValueError("to_batch: no trajectories")
+    for t in trajectories:
+        check_segments(t.segments, len(t.prompt_ids) + len(t.response_ids), t.loss_mask, len(t.prompt_ids),
+                       f"trajectory {t.group_id}/{t.sample_index}")
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     B, T = len(trajectories), max(lengths)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)

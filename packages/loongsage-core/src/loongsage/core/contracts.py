@@ -255,7 +255,9 @@ class Trainer(Protocol):
 
     def logprobs(self, batch: TrainBatch, token_budget: int) -> tuple[Tensor, Tensor]:
         """Per-token log-probs and entropies ``[B, T]`` under the current weights (no grad); a
-        critic returns its values here (and entropies it ignores)."""
+        critic returns its values here (and entropies it ignores). A row with several segments
+        (``batch.segments``) has each segment scored as a sequence of its own, positions from 0,
+        attending only within it (:mod:`loongsage.core.segments`); ``train_step``'s forward too."""
         ...
 
     def reference_logprobs(self, batch: TrainBatch, token_budget: int) -> Tensor | None:
@@ -351,7 +353,8 @@ class Teacher(Protocol):
 
     def score(self, batch: TrainBatch, topk: int = 0, full_vocab: bool = False) -> dict[str, Tensor | None]:
         """``logprobs`` ``[B, T]`` of the student's tokens, and ``dist_ids`` / ``dist_logprobs``
-        (top-k ``[B, T, k]``, or ids None and the full log-softmax) or both None."""
+        (top-k ``[B, T, k]``, or ids None and the full log-softmax) or both None; each segment of
+        a row scored alone, as for :meth:`Trainer.logprobs`."""
         ...
 
 

@@ -51,7 +51,9 @@ class TorchCritic(TorchTrainer, Critic):
     def _decoder_layers(self) -> list[nn.Module]:
         return list(self.model.backbone.layers)
 
-    def _forward(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, None]:
+    def _forward_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, None]:
+        # the trainer's _forward splits rows with several segments before this: a segment's values
+        # are those of the states its own tokens produced
         values = self.model(mb.input_ids.to(self.device), mb.attention_mask.to(self.device))
         return F.pad(values[:, :-1], (1, 0)), None  # position t: the state that emits token t
 

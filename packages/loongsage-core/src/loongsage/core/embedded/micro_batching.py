@@ -12,6 +12,10 @@ over the distinct lengths), which is how TRL's and verl's dynamic batch sizes av
 :func:`plan_micro_batches` takes the grouping only when it saves at least ``min_saving`` of the
 consecutive plan's cost; otherwise it keeps the consecutive plan, in batch order, so a batch of
 uniform lengths is computed exactly as before (the same rows, the same order, the same sums).
+
+A row may cost several sequences: a trajectory with several segments is scored as one sequence per
+segment (:mod:`loongsage.core.segments`), so its forward is ``widths[i]`` sequences no longer than
+``lengths[i]`` (then its longest segment). Without ``widths`` every row is one sequence.
 """
 
 from __future__ import annotations
@@ -25,34 +29,49 @@ from collections.abc import Sequence
 PASS_OVERHEAD_TOKENS = 128
 
 
-def consecutive(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Rows in order, a new micro-batch whenever ``rows x longest`` would exceed the budget (a row
-    longer than the budget on its own still forms one)."""
+def consecutive(lengths: Sequence[int], token_budget: int, widths: Sequence[int] | None = None) -> list[list[int]]:
+    """Rows in order, a new micro-batch whenever ``sequences x longest`` would exceed the budget (a
+    row over the budget on its own still forms one)."""
+    widths = _widths(widths, len(lengths))
     groups: list[list[int]] = []
     start, n = 0, len(lengths)
     while start < n:
-        end, longest = start, 0
+        end, longest, sequences = start, 0, 0
         while end < n:
-            new_longest = max(longest, int(lengths[end]))
-            if end > start and new_longest * (end - start + 1) > token_budget:
+            new_longest, new_sequences = max(longest, int(lengths[end])), sequences + widths[end]
+            if end > start and new_longest * new_sequences > token_budget:
                 break
-            longest, end = new_longest, end + 1
+            longest, sequences, end = new_longest, new_sequences, end + 1
         groups.append(list(range(start, end)))
         start = end
     return groups
 
 
-def cost(groups: list[list[int]], lengths: Sequence[int]) -> int:
+def cost(groups: list[list[int]], lengths: Sequence[int], widths: Sequence[int] | None = None) -> int:
     """Padded tokens plus the per-pass overhead of a plan."""
-    return sum(len(g) * max(int(lengths[i]) for i in g) + PASS_OVERHEAD_TOKENS for g in groups if g)
+    widths = _widths(widths, len(lengths))
+    return sum(sum(widths[i] for i in g) * max(int(lengths[i]) for i in g) + PASS_OVERHEAD_TOKENS
+               for g in groups if g)
 
 
-def by_length(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+def _widths(widths: Sequence[int] | None, n: int) -> list[int]:
+    if widths is None:
+        return [1] * n
+    if len(widths) != n or any(int(w) < 1 for w in widths):
+        raise ValueError(f"widths: expected {n} counts >= 1 (one per row), got {list(widths)}")
+    return [int(w) for w in widths]
+
+
+def by_length(lengths: Sequence[int], token_budget: int, widths: Sequence[int] | None = None) -> list[list[int]]:
     """Rows sorted by length (stably), cut where the cut pays: the cheapest plan among those that
     split the sorted order only between distinct lengths, each run then split by the budget."""
+    widths = _widths(widths, len(lengths))
     order = sorted(range(len(lengths)), key=lambda i: int(lengths[i]))
     if not order:
         return []
+    before = [0]  # before[pos]: sequences of the sorted rows ahead of position pos
+    for i in order:
+        before.append(before[-1] + widths[i])
     # runs of equal length in the sorted order: (end position, length)
     ends, values = [], []
     for pos, i in enumerate(order):
@@ -62,10 +81,10 @@ def by_length(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
             ends.append(pos + 1), values.append(int(lengths[i]))
     starts = [0] + ends[:-1]
 
-    def span_cost(a: int, b: int) -> int:  # runs a..b (inclusive) as one segment, split by the budget
-        rows, longest = ends[b] - starts[a], values[b]
-        passes = max(1, math.ceil(rows * longest / max(token_budget, longest)))
-        return rows * longest + passes * PASS_OVERHEAD_TOKENS
+    def span_cost(a: int, b: int) -> int:  # runs a..b (inclusive) as one piece, split by the budget
+        sequences, longest = before[ends[b]] - before[starts[a]], values[b]
+        passes = max(1, math.ceil(sequences * longest / max(token_budget, longest)))
+        return sequences * longest + passes * PASS_OVERHEAD_TOKENS
 
     m = len(values)
     best = [0] + [math.inf] * m  # best[k]: cheapest plan of the first k runs
@@ -75,25 +94,26 @@ def by_length(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
             c = best[a] + span_cost(a, b - 1)
             if c < best[b]:
                 best[b], cut[b] = c, a
-    segments = []
+    pieces = []
     b = m
     while b > 0:
-        segments.append((cut[b], b - 1))
+        pieces.append((cut[b], b - 1))
         b = cut[b]
     groups: list[list[int]] = []
-    for a, b in reversed(segments):
+    for a, b in reversed(pieces):
         rows = order[starts[a]:ends[b]]
-        groups += [[rows[j] for j in g] for g in consecutive([lengths[i] for i in rows], token_budget)]
+        groups += [[rows[j] for j in g]
+                   for g in consecutive([lengths[i] for i in rows], token_budget, [widths[i] for i in rows])]
     return groups
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int, *, group_by_length: bool = True,
-                       min_saving: float = 0.1) -> list[list[int]]:
-    """The micro-batches of a batch whose rows have ``lengths`` (real tokens), as lists of row
-    indices: grouped by length when that saves at least ``min_saving`` of the consecutive plan's
-    cost, else consecutive."""
-    plain = consecutive(lengths, token_budget)
+                       min_saving: float = 0.1, widths: Sequence[int] | None = None) -> list[list[int]]:
+    """The micro-batches of a batch whose rows have ``lengths`` (real tokens; with ``widths``, each
+    row's sequence count and ``lengths`` their longest), as lists of row indices: grouped by length
+    when that saves at least ``min_saving`` of the consecutive plan's cost, else consecutive."""
+    plain = consecutive(lengths, token_budget, widths)
     if not group_by_length or len(lengths) < 2:
         return plain
-    grouped = by_length(lengths, token_budget)
-    return grouped if cost(grouped, lengths) <= (1.0 - min_saving) * cost(plain, lengths) else plain
+    grouped = by_length(lengths, token_budget, widths)
+    return grouped if cost(grouped, lengths, widths) <= (1.0 - min_saving) * cost(plain, lengths, widths) else plain

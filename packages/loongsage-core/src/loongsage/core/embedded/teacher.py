@@ -5,7 +5,8 @@ attention and response masks) it returns, per response position, the teacher's l
 token the student sampled and, only when the chosen divergence reads them, the teacher's top-k
 (ids and log-probs) or its full log-softmax. It shares the trainer's forward
 (:func:`~loongsage.core.embedded.trainer.policy_logits`: LM head only from the first response
-position on, fp32 head) and its token-budget micro-batching.
+position on, fp32 head), its token-budget micro-batching and its handling of multi-segment rows
+(each segment scored alone, as the student generated it: :mod:`loongsage.core.segments`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from loongsage.core.contracts import Teacher
 from loongsage.core.embedded.trainer import _DTYPES, micro_batches, policy_logits, response_start
+from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
 
 
@@ -70,18 +73,20 @@ class EmbeddedTeacher(Teacher):
         row = 0
         for mb in micro_batches(batch, self.micro_batch_tokens):
             n, t = mb.input_ids.shape
-            ids = mb.input_ids.to(self.device)
-            first = max(response_start(mb.response_mask), 1)
-            logits = policy_logits(self.model, ids, mb.attention_mask.to(self.device), first,
-                                   fp32_lm_head=self.fp32_lm_head)
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # positions first..t-1
-            out_lp[row:row + n, first:t] = logp.gather(-1, ids[:, first:].unsqueeze(-1)).squeeze(-1).cpu()
-            if topk:
-                values, indices = logp.topk(topk, dim=-1)
-                dist_ids[row:row + n, first:t] = indices.cpu()
-                dist_lp[row:row + n, first:t] = values.cpu()
-            elif full_vocab:
-                dist_lp[row:row + n, first:t] = logp.cpu()
+            layout = segment_layout(mb)
+            if layout is None:
+                lp, first, ids_k, lp_k = self._score_sequences(mb, topk, full_vocab)
+            else:  # each segment scored alone (as the student generated it), put back in its row
+                lp, seq_first, ids_k, lp_k = self._score_sequences(layout.split_batch(mb), topk, full_vocab)
+                first = max(response_start(mb.response_mask), 1)
+                lp = layout.merge(lp, t)
+                ids_k, lp_k = (None if x is None else layout.merge(x, t, first=seq_first, out_first=first)
+                               for x in (ids_k, lp_k))
+            out_lp[row:row + n, :t] = lp.cpu()
+            if ids_k is not None:
+                dist_ids[row:row + n, first:t] = ids_k.cpu()
+            if lp_k is not None:
+                dist_lp[row:row + n, first:t] = lp_k.cpu()
             row += n
         mask = batch.response_mask != 0
         out_lp = torch.where(mask, out_lp, torch.zeros_like(out_lp))
@@ -90,3 +95,19 @@ class EmbeddedTeacher(Teacher):
         if dist_ids is not None:
             dist_ids = torch.where(mask.unsqueeze(-1), dist_ids, torch.zeros_like(dist_ids))
         return {"logprobs": out_lp, "dist_ids": dist_ids, "dist_logprobs": dist_lp}
+
+    def _score_sequences(self, mb: TrainBatch, topk: int,
+                         full_vocab: bool) -> tuple[Tensor, int, Tensor | None, Tensor | None]:
+        """Rows that are whole sequences: the log-prob of every token ``[n, t]`` (0 before the first
+        trained position), that position, and the support's ids and log-probs from it on
+        ``[n, t - first, k]`` (``None`` where not asked for)."""
+        ids = mb.input_ids.to(self.device)
+        first = max(response_start(mb.response_mask), 1)
+        logits = policy_logits(self.model, ids, mb.attention_mask.to(self.device), first,
+                               fp32_lm_head=self.fp32_lm_head)
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # positions first..t-1
+        lp = F.pad(logp.gather(-1, ids[:, first:].unsqueeze(-1)).squeeze(-1), (first, 0))
+        if topk:
+            values, indices = logp.topk(topk, dim=-1)
+            return lp, first, indices, values
+        return lp, first, None, (logp if full_vocab else None)

@@ -13,6 +13,9 @@ gradient (FSDP2's default divide-by-world is switched off). FSDP2's forward and 
 collectives, so every rank runs the same number of micro-batches: ranks with fewer pad with
 zero-weight passes.
 
+A row with several segments (a multi-turn trajectory whose history was rewritten) is split in the
+forward into one sequence per segment, its outputs put back in the row (:mod:`loongsage.core.segments`).
+
 Checkpoints hold full (unsharded) state written by rank 0, so a run can resume under another DP
 size or mode.
 """
@@ -44,6 +47,7 @@ from loongsage.core.embedded.lora import (
 )
 from loongsage.core.embedded.micro_batching import plan_micro_batches
 from loongsage.core.metrics import Metrics
+from loongsage.core.segments import forward_shape, is_split, segment_layout
 from loongsage.core.types import TrainBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -134,9 +138,15 @@ def micro_batches(batch: TrainBatch, token_budget: int) -> Iterator[TrainBatch]:
 def planned_micro_batches(batch: TrainBatch, token_budget: int, *,
                           group_by_length: bool) -> Iterator[tuple[list[int], TrainBatch]]:
     """``(row indices, micro-batch)`` pairs as :func:`~loongsage.core.embedded.micro_batching.plan_micro_batches`
-    plans them, each micro-batch trimmed to its own longest row."""
+    plans them, each micro-batch trimmed to its own longest row.
+
+    A row with several segments is planned at what its forward costs: one sequence per segment, as
+    long as its longest (:func:`~loongsage.core.segments.forward_shape`).
+    """
     lengths = batch.attention_mask.sum(-1).tolist()
-    for rows in plan_micro_batches(lengths, token_budget, group_by_length=group_by_length):
+    planned_lengths, widths = (forward_shape(batch.segments, lengths) if is_split(batch.segments)
+                               else (lengths, None))
+    for rows in plan_micro_batches(planned_lengths, token_budget, group_by_length=group_by_length, widths=widths):
         yield rows, _trim(batch.select(rows), max(int(lengths[i]) for i in rows))
 
 
@@ -268,13 +278,36 @@ class TorchTrainer(Trainer):
         return policy_logits(self.model, input_ids, attention_mask, first, fp32_lm_head=self.fp32_lm_head)
 
     def _forward(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Per-token outputs ``[b, t]`` of a micro-batch, each segment of a row scored as a sequence
+        of its own (:mod:`loongsage.core.segments`); a batch without split rows in one plain pass."""
+        layout = segment_layout(mb)
+        if layout is None:
+            return self._forward_sequences(mb, with_entropy=with_entropy)
+        out, ent = self._forward_sequences(layout.split_batch(mb), with_entropy=with_entropy)
+        t = mb.input_ids.shape[1]
+        return layout.merge(out, t), None if ent is None else layout.merge(ent, t)
+
+    def _forward_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Log-probs (and entropies) of rows that are whole sequences."""
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
         logits = self._logits(ids, mb.attention_mask.to(self.device), first)
         return logprobs_and_entropy(logits, ids, first, with_entropy=with_entropy)
 
     def _forward_distribution(self, mb: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """Log-probs, entropies and the student's log-probs on the teacher's support (MOPD)."""
+        """Log-probs, entropies and the student's log-probs on the teacher's support (MOPD), each
+        segment scored alone as in :meth:`_forward`; the support's log-probs cover positions from
+        the micro-batch's first trained token on."""
+        layout = segment_layout(mb)
+        if layout is None:
+            return self._distribution_sequences(mb)
+        lp, ent, dist = self._distribution_sequences(layout.split_batch(mb))
+        t, width = mb.input_ids.shape[1], layout.width
+        first, out_first = width - dist.shape[1], max(response_start(mb.response_mask), 1)
+        return (layout.merge(lp, t), layout.merge(ent, t),
+                layout.merge(dist, t, first=first, out_first=out_first))
+
+    def _distribution_sequences(self, mb: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
         logits = self._logits(ids, mb.attention_mask.to(self.device), first)
