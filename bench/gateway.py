@@ -19,14 +19,6 @@ tiny Qwen3 (built offline; agentflow's tools template and qwen3 chat parser), in
   before anything is timed), as an agent program's would be.
 * ``gateway_stream`` (``--stream``): as ``gateway`` with ``stream=True``.
 
-Cores (unless ``--no-pin`` or a single core is available): this process (engine, gateway,
-in-process clients, the direct side) is pinned to one core, the client process to the others. The
-engine runs one thread, so every side gets the same single core for the engine and the gateway;
-``gateway_ext``'s clients get cores of their own, as agent programs running beside the rollout do
-(sandboxes, other machines), instead of competing with the engine for its core. ``gateway_ext`` is
-thus the deployment's case and the one the 0.8x goal is judged on; ``gateway`` charges the
-in-process ``openai`` clients' CPU (~3 ms per turn, more than the gateway's own) to the engine's
-core and is reported beside it as the worst case.
 Each side runs once on the full workload to warm up, then the sides take turns ``--repeats``
 times (``--sides`` order, a gateway side first). The engine's retained prefixes are flushed before
 every round, so no side reuses another's cache (within a round, a session's later turns reuse its
@@ -37,15 +29,25 @@ sampled for it (TITO), the gateway counted every later turn as appended (no new 
 tokens each side generated equal those of the first warm-up round, turn by turn.
 
 Reported, per side: turns/s (median and min-max over rounds) and its ratio to ``direct`` (ratio of
-the medians, and per repeat); CPU per turn of this process, split into the engine's steps and the
-rest (HTTP, gateway, in-process clients, the event loop), and of the client process; latency per
-turn (request sent -> response parsed; for a stream, its last chunk), and the latency a turn adds:
-gateway latency minus the direct latency of the same session and turn in the same repeat (median
-and p90), the difference of the median latencies, and the gateway turn's latency outside its
-engine call.
+the medians, and per repeat); the capacity ratio: turns per CPU second of this process (the
+engine's) against ``direct``'s (ratio of the medians, and per repeat); CPU per turn of this
+process, split into the engine's steps and the rest (HTTP, gateway, in-process clients, the event
+loop), and of the client process; latency per turn (request sent -> response parsed; for a stream,
+its last chunk), and the latency a turn adds: gateway latency minus the direct latency of the same
+session and turn in the same repeat (median and p90), the difference of the median latencies, and
+the gateway turn's latency outside its engine call.
+
+The goal (0.8x) is judged on ``gateway_ext``'s capacity ratio. ``gateway_ext`` is the deployed
+case: agents are programs of their own (sandboxes, other machines), so the ``openai`` SDK's CPU
+(~3 ms per turn, more than the gateway's own) is not spent in the engine's process, while
+``gateway`` charges it there (reported beside, as the worst case). Capacity rather than turns/s:
+once the engine's core is the bottleneck its CPU per turn sets the throughput, whereas wall-clock
+turns/s with the client process on the same two cores as the engine, shared with other work,
+mostly measures how soon each process is scheduled after the other answered. Turns/s and their
+ratios stay reported for every side.
 
     python bench/gateway.py [--sessions 64] [--turns 4] [--max-tokens 32] [--repeats 3] [--stream]
-                            [--sides gateway,direct,gateway_ext] [--threads 1] [--no-pin] [--quick]
+                            [--sides gateway,direct,gateway_ext] [--threads 1] [--quick]
                             [--out-dir bench/results] [--suffix NAME]
 
 Writes ``<out-dir>/gateway[.SUFFIX].json`` and ``.md`` (``--quick``: 8 sessions, 2 turns, 1
@@ -74,7 +76,7 @@ from _source import source_state  # noqa: E402
 NAME = "gateway"
 SIDES = {"gateway": "gateway, clients in the engine's process and event loop",
          "direct": "token ids straight to the engine client",
-         "gateway_ext": "gateway, clients in a process of their own (on other cores, as agent programs)",
+         "gateway_ext": "gateway, clients in a process of their own",
          "gateway_stream": "gateway, stream=True, clients in the engine's process"}
 SYSTEM = "You are a careful assistant. Work step by step and use the lookup tool when a number is unknown."
 LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "look a number up",
@@ -174,10 +176,9 @@ def client_worker() -> int:
 class ClientProcess:
     """The parent's end of a :func:`client_worker` (started once, before anything is timed)."""
 
-    async def start(self, cores: list[int]) -> None:
+    async def start(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--client-worker",
                                                          stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-        os.sched_setaffinity(self.proc.pid, cores)
 
     async def converse(self, infos, args, stream: bool) -> dict[str, Any]:
         job = {"infos": infos, "stream": stream,
@@ -305,7 +306,7 @@ async def run(args) -> dict[str, Any]:
     sides = args.sides
     clients = ClientProcess() if "gateway_ext" in sides else None
     if clients:
-        await clients.start(args.client_cores)
+        await clients.start()
     rounds: list[dict[str, Any]] = []
     reference: list[list[list[int]]] | None = None
     replay: list[list[dict[str, Any]]] | None = None
@@ -377,6 +378,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "turns_per_s_ratio_of_medians": s["turns_per_s"]["median"] / direct["turns_per_s"]["median"],
             "turns_per_s_ratio_per_repeat": [rg["turns_per_s"] / rd["turns_per_s"] for rg, rd in pairs],
             "cpu_per_turn_ratio_of_medians": s["cpu_s_per_turn"]["median"] / direct["cpu_s_per_turn"]["median"],
+            "capacity_ratio_of_medians": direct["cpu_s_per_turn"]["median"] / s["cpu_s_per_turn"]["median"],
+            "capacity_ratio_per_repeat": [rd["cpu_s"] / rg["cpu_s"] for rg, rd in pairs],
             "added_cpu_ms_per_turn": 1000 * (s["cpu_s_per_turn"]["median"] - direct["cpu_s_per_turn"]["median"]),
             "added_latency_paired_s": stats(added),
             "added_latency_median_difference_s": s["latency_s"]["median"] - direct["latency_s"]["median"],
@@ -397,23 +400,25 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
              f"{st['sessions']} sessions x {st['turns']} turns, max_tokens {st['max_tokens']}, tools offered: "
              f"{st['tools']}; {st['repeats']} interleaved repeats after one warm-up round per side; "
              f"torch threads {st['threads']}; uvicorn {result['uvicorn_http']}; {result['machine']['affinity']} "
-             f"cores (this process on {_cores(result['pinned']['engine_process'])}, the client process on "
-             f"{_cores(result['pinned']['client_process'])}); load (1 min) "
+             f"cores; load (1 min) "
              f"{result['loadavg_1m_before_after'][0]:.1f} before, {result['loadavg_1m_before_after'][1]:.1f} after", ""]
     lines += [f"- `{side}`: {SIDES[side]}" for side in sides] + [""]
-    lines += ["| side | turns/s median (min-max) | vs direct | CPU ms/turn, engine's process: all = engine steps "
-              "+ rest | CPU ms/turn, client process | latency/turn median (p90) ms | engine steps | tokens generated | "
-              "turns with other tokens |", "|---|---|---:|---|---:|---|---:|---:|---:|"]
+    lines += ["| side | turns/s median (min-max) | vs direct | capacity vs direct (turns per CPU s, engine's process) | "
+              "CPU ms/turn, engine's process: all = engine steps + rest | CPU ms/turn, client process | latency/turn "
+              "median (p90) ms | engine steps | tokens generated | turns with other tokens |",
+              "|---|---|---:|---:|---|---:|---|---:|---:|---:|"]
     for side, s in sides.items():
         tps, lat = s["turns_per_s"], s["latency_s"]
         ratio = s["vs_direct"]["turns_per_s_ratio_of_medians"] if "vs_direct" in s else 1.0
+        capacity = s["vs_direct"]["capacity_ratio_of_medians"] if "vs_direct" in s else 1.0
         cpu = (f"{ms(s['cpu_s_per_turn']['median'])} = {ms(s['engine_step_cpu_s_per_turn']['median'])} + "
                f"{ms(s['other_cpu_s_per_turn']['median'])}")
         client = ms(s["client_process_cpu_s_per_turn"]["median"]) if "client_process_cpu_s_per_turn" in s else "-"
-        lines.append(f"| {side} | {tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | {ratio:.2f}x | {cpu} | "
+        lines.append(f"| {side} | {tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | {ratio:.2f}x | "
+                     f"{capacity:.2f}x | {cpu} | "
                      f"{client} | {ms(lat['median'])} ({ms(lat['p90'])}) | {s['engine_steps']['median']:.0f} | "
                      f"{s['generated_tokens'][0]} | {s['token_mismatched_turns']} |")
-    lines += ["", "| side | ratio per repeat | added CPU ms/turn (engine's process) | added latency/turn, paired: "
+    lines += ["", "| side | ratio per repeat: turns/s; capacity | added CPU ms/turn (engine's process) | added latency/turn, paired: "
               "median (p90) ms | difference of median latencies ms | latency outside the engine call: median (p90) ms "
               "| TITO violations | turns: new segments, appended |", "|---|---|---:|---|---:|---|---:|---|"]
     for side, s in sides.items():
@@ -423,16 +428,13 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         a, o = v["added_latency_paired_s"], v["latency_outside_engine_call_s"]
         cats = ", ".join(f"{k.removeprefix('segments/')} {n}" for k, n in s["gateway_counters"].items()
                          if k.startswith(("segments/", "turns_appended")))
-        lines.append(f"| {side} | {', '.join(f'{x:.2f}' for x in v['turns_per_s_ratio_per_repeat'])} | "
+        lines.append(f"| {side} | {', '.join(f'{x:.2f}' for x in v['turns_per_s_ratio_per_repeat'])}; "
+                     f"{', '.join(f'{x:.2f}' for x in v['capacity_ratio_per_repeat'])} | "
                      f"{v['added_cpu_ms_per_turn']:.1f} | {ms(a['median'])} ({ms(a['p90'])}) | "
                      f"{ms(v['added_latency_median_difference_s'])} | {ms(o['median'])} ({ms(o['p90'])}) | "
                      f"{s['tito_violations']} | {cats} |")
     lines += ["", f"Generated tokens equal on every side and round, turn by turn: **{summ['tokens_match']}**.", ""]
     path.write_text("\n".join(lines))
-
-
-def _cores(cores: list[int]) -> str:
-    return ("core " if len(cores) == 1 else "cores ") + ",".join(map(str, cores))
 
 
 def main() -> int:
@@ -448,7 +450,6 @@ def main() -> int:
     ap.add_argument("--stream", action="store_true", help="add the side gateway_stream")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--no-pin", action="store_true", help="leave both processes on every available core")
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 sessions, 2 turns, 1 repeat, under bench/work/")
     ap.add_argument("--out-dir", type=Path, default=None)
     ap.add_argument("--suffix", default="", help="write gateway.SUFFIX.json/.md (a variant beside the main result)")
@@ -466,13 +467,6 @@ def main() -> int:
     out_dir = args.out_dir or (BENCH / "work" / f"{NAME}_quick" if args.quick else BENCH / "results")
 
     source = source_state()  # the commit measured, taken before anything runs
-    cores = sorted(os.sched_getaffinity(0))
-    machine = {"cpus": os.cpu_count(), "affinity": len(cores), "python": platform.python_version(),
-               "platform": platform.platform()}
-    args.engine_cores, args.client_cores = cores, cores
-    if not args.no_pin and len(cores) >= 2:  # see the module's docstring
-        args.engine_cores, args.client_cores = cores[:1], cores[1:]
-        os.sched_setaffinity(0, args.engine_cores)
     load_start = os.getloadavg()[0]
     result = asyncio.run(run(args))
     import openai
@@ -487,8 +481,8 @@ def main() -> int:
                      "sampling": "temperature 1.0, seed 1000 * session + turn",
                      "model": "tiny Qwen3 (build_tiny_qwen3 defaults), QWEN3_TOOLS_TEMPLATE, qwen3 chat parser"},
         "loadavg_1m_before_after": [load_start, os.getloadavg()[0]],
-        "machine": machine,
-        "pinned": {"engine_process": args.engine_cores, "client_process": args.client_cores},
+        "machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+                    "python": platform.python_version(), "platform": platform.platform()},
         "versions": {"torch": torch.__version__, "openai": openai.__version__, "uvicorn": uvicorn.__version__},
         **result,
     }
