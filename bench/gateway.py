@@ -403,8 +403,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
              f"cores; load (1 min) "
              f"{result['loadavg_1m_before_after'][0]:.1f} before, {result['loadavg_1m_before_after'][1]:.1f} after", ""]
     lines += [f"- `{side}`: {SIDES[side]}" for side in sides] + [""]
-    lines += ["| side | turns/s median (min-max) | vs direct | capacity vs direct (turns per CPU s, engine's process) | "
-              "CPU ms/turn, engine's process: all = engine steps + rest | CPU ms/turn, client process | latency/turn "
+    lines += ["| side | turns/s median (min-max) | vs direct | capacity vs direct (turns per CPU s, engine's "
+              "process) | CPU ms/turn, engine's process: all = engine steps + rest | CPU ms/turn, client process | latency/turn "
               "median (p90) ms | engine steps | tokens generated | turns with other tokens |",
               "|---|---|---:|---:|---|---:|---|---:|---:|---:|"]
     for side, s in sides.items():
@@ -418,8 +418,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
                      f"{capacity:.2f}x | {cpu} | "
                      f"{client} | {ms(lat['median'])} ({ms(lat['p90'])}) | {s['engine_steps']['median']:.0f} | "
                      f"{s['generated_tokens'][0]} | {s['token_mismatched_turns']} |")
-    lines += ["", "| side | ratio per repeat: turns/s; capacity | added CPU ms/turn (engine's process) | added latency/turn, paired: "
-              "median (p90) ms | difference of median latencies ms | latency outside the engine call: median (p90) ms "
+    lines += ["", "| side | ratio per repeat: turns/s; capacity | added CPU ms/turn (engine's process) | "
+              "added latency/turn, paired: median (p90) ms | difference of median latencies ms | latency outside the engine call: median (p90) ms "
               "| TITO violations | turns: new segments, appended |", "|---|---|---:|---|---:|---|---:|---|"]
     for side, s in sides.items():
         if "vs_direct" not in s:

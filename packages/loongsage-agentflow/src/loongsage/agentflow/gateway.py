@@ -21,9 +21,8 @@ callers). Streams are written once the turn is generated: the engine answers who
 turn that fails must still get its 4xx status.
 
 Starting the gateway freezes the objects the process holds at that moment (``gc.freeze``: the
-loaded model and libraries, typically a million objects): the turns' allocations otherwise set off
-full collections that walk them all, pausing the event loop, and the engine stepping on it, for
-hundreds of milliseconds each.
+loaded model and libraries): the turns' allocations otherwise set off full collections that walk
+them all, pausing the event loop, and an engine stepping on it, for hundreds of milliseconds each.
 """
 
 from __future__ import annotations

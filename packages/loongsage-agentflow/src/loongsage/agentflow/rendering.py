@@ -144,8 +144,8 @@ def _message_end_token(tokenizer: Any, closing: str) -> str | None:
     if not candidates:
         return None
     token = max(candidates, key=lambda t: len(t.content))
-    if token.lstrip or token.rstrip or token.single_word or token.normalized:
-        return None
+    if any(getattr(token, flag, True) for flag in ("lstrip", "rstrip", "single_word", "normalized")):
+        return None  # a flag unknown to this tokenizer counts as set
     if any(token.content in t.content and t.content != token.content for t in added):
         return None
     return token.content

@@ -18,9 +18,9 @@ Shape of the engine:
   away and honours ``pause()``. A caller on the same loop (an HTTP gateway, say) needs several
   loop rounds to turn a finished answer into its next request; yielding once would let a step run
   in each of them, every one without that request. Waiting on nothing but ready work adds no
-  latency: with nothing ready the next step starts at once. A step (forward + sampling + bookkeeping) holds
-  ``self._lock``, as does ``update_weights``, so weights only change between steps, even when called
-  from another thread.
+  latency: with nothing ready the next step starts at once. A step (forward + sampling +
+  bookkeeping) holds ``self._lock``, as does ``update_weights``, so weights only change between
+  steps, even when called from another thread.
 
 Lifecycle: ``release_memory()`` frees the KV cache (and, on an accelerator, moves the weights to
 host memory) so a colocated trainer can use the device; ``resume_memory()`` brings both back.
