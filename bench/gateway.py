@@ -29,12 +29,22 @@ sampled for it (TITO), the gateway counted every later turn as appended (no new 
 tokens each side generated equal those of the first warm-up round, turn by turn.
 
 Reported, per side: turns/s (median and min-max over rounds) and its ratio to ``direct`` (ratio of
-the medians, and per repeat); CPU per turn of this process, split into the engine's steps and the
-rest (HTTP, gateway, in-process clients, the event loop), and of the client process; latency per
-turn (request sent -> response parsed; for a stream, its last chunk), and the latency a turn adds:
-gateway latency minus the direct latency of the same session and turn in the same repeat (median
-and p90), the difference of the median latencies, and the gateway turn's latency outside its
-engine call.
+the medians, and per repeat); the capacity ratio: turns per CPU second of this process (the
+engine's) against ``direct``'s (ratio of the medians, and per repeat); CPU per turn of this
+process, split into the engine's steps and the rest (HTTP, gateway, in-process clients, the event
+loop), and of the client process; latency per turn (request sent -> response parsed; for a stream,
+its last chunk), and the latency a turn adds: gateway latency minus the direct latency of the same
+session and turn in the same repeat (median and p90), the difference of the median latencies, and
+the gateway turn's latency outside its engine call.
+
+The goal (0.8x) is judged on ``gateway_ext``'s capacity ratio. ``gateway_ext`` is the deployed
+case: agents are programs of their own (sandboxes, other machines), so the ``openai`` SDK's CPU
+(~3 ms per turn, more than the gateway's own) is not spent in the engine's process, while
+``gateway`` charges it there (reported beside, as the worst case). Capacity rather than turns/s:
+once the engine's core is the bottleneck its CPU per turn sets the throughput, whereas wall-clock
+turns/s with the client process on the same two cores as the engine, shared with other work,
+mostly measures how soon each process is scheduled after the other answered. Turns/s and their
+ratios stay reported for every side.
 
     python bench/gateway.py [--sessions 64] [--turns 4] [--max-tokens 32] [--repeats 3] [--stream]
                             [--sides gateway,direct,gateway_ext] [--threads 1] [--quick]
@@ -368,6 +378,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "turns_per_s_ratio_of_medians": s["turns_per_s"]["median"] / direct["turns_per_s"]["median"],
             "turns_per_s_ratio_per_repeat": [rg["turns_per_s"] / rd["turns_per_s"] for rg, rd in pairs],
             "cpu_per_turn_ratio_of_medians": s["cpu_s_per_turn"]["median"] / direct["cpu_s_per_turn"]["median"],
+            "capacity_ratio_of_medians": direct["cpu_s_per_turn"]["median"] / s["cpu_s_per_turn"]["median"],
+            "capacity_ratio_per_repeat": [rd["cpu_s"] / rg["cpu_s"] for rg, rd in pairs],
             "added_cpu_ms_per_turn": 1000 * (s["cpu_s_per_turn"]["median"] - direct["cpu_s_per_turn"]["median"]),
             "added_latency_paired_s": stats(added),
             "added_latency_median_difference_s": s["latency_s"]["median"] - direct["latency_s"]["median"],
@@ -391,20 +403,23 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
              f"cores; load (1 min) "
              f"{result['loadavg_1m_before_after'][0]:.1f} before, {result['loadavg_1m_before_after'][1]:.1f} after", ""]
     lines += [f"- `{side}`: {SIDES[side]}" for side in sides] + [""]
-    lines += ["| side | turns/s median (min-max) | vs direct | CPU ms/turn, engine's process: all = engine steps "
-              "+ rest | CPU ms/turn, client process | latency/turn median (p90) ms | engine steps | tokens generated | "
-              "turns with other tokens |", "|---|---|---:|---|---:|---|---:|---:|---:|"]
+    lines += ["| side | turns/s median (min-max) | vs direct | capacity vs direct (turns per CPU s, engine's "
+              "process) | CPU ms/turn, engine's process: all = engine steps + rest | CPU ms/turn, client process | latency/turn "
+              "median (p90) ms | engine steps | tokens generated | turns with other tokens |",
+              "|---|---|---:|---:|---|---:|---|---:|---:|---:|"]
     for side, s in sides.items():
         tps, lat = s["turns_per_s"], s["latency_s"]
         ratio = s["vs_direct"]["turns_per_s_ratio_of_medians"] if "vs_direct" in s else 1.0
+        capacity = s["vs_direct"]["capacity_ratio_of_medians"] if "vs_direct" in s else 1.0
         cpu = (f"{ms(s['cpu_s_per_turn']['median'])} = {ms(s['engine_step_cpu_s_per_turn']['median'])} + "
                f"{ms(s['other_cpu_s_per_turn']['median'])}")
         client = ms(s["client_process_cpu_s_per_turn"]["median"]) if "client_process_cpu_s_per_turn" in s else "-"
-        lines.append(f"| {side} | {tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | {ratio:.2f}x | {cpu} | "
+        lines.append(f"| {side} | {tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | {ratio:.2f}x | "
+                     f"{capacity:.2f}x | {cpu} | "
                      f"{client} | {ms(lat['median'])} ({ms(lat['p90'])}) | {s['engine_steps']['median']:.0f} | "
                      f"{s['generated_tokens'][0]} | {s['token_mismatched_turns']} |")
-    lines += ["", "| side | ratio per repeat | added CPU ms/turn (engine's process) | added latency/turn, paired: "
-              "median (p90) ms | difference of median latencies ms | latency outside the engine call: median (p90) ms "
+    lines += ["", "| side | ratio per repeat: turns/s; capacity | added CPU ms/turn (engine's process) | "
+              "added latency/turn, paired: median (p90) ms | difference of median latencies ms | latency outside the engine call: median (p90) ms "
               "| TITO violations | turns: new segments, appended |", "|---|---|---:|---|---:|---|---:|---|"]
     for side, s in sides.items():
         if "vs_direct" not in s:
@@ -413,7 +428,8 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         a, o = v["added_latency_paired_s"], v["latency_outside_engine_call_s"]
         cats = ", ".join(f"{k.removeprefix('segments/')} {n}" for k, n in s["gateway_counters"].items()
                          if k.startswith(("segments/", "turns_appended")))
-        lines.append(f"| {side} | {', '.join(f'{x:.2f}' for x in v['turns_per_s_ratio_per_repeat'])} | "
+        lines.append(f"| {side} | {', '.join(f'{x:.2f}' for x in v['turns_per_s_ratio_per_repeat'])}; "
+                     f"{', '.join(f'{x:.2f}' for x in v['capacity_ratio_per_repeat'])} | "
                      f"{v['added_cpu_ms_per_turn']:.1f} | {ms(a['median'])} ({ms(a['p90'])}) | "
                      f"{ms(v['added_latency_median_difference_s'])} | {ms(o['median'])} ({ms(o['p90'])}) | "
                      f"{s['tito_violations']} | {cats} |")

@@ -329,6 +329,28 @@ def test_a_request_arriving_mid_decode_finishes_without_waiting_for_the_batch(mo
     assert done["steps"] < 100
 
 
+def test_a_caller_whose_next_request_takes_several_loop_rounds_joins_the_next_step(model_dir):
+    """Between steps the scheduler yields while the loop has other callbacks ready, so an answer
+    that goes through several loop rounds before the next request (an HTTP stack's hops) does not
+    cost one step per round while another request keeps decoding."""
+    engine = NativeEngine(model_dir, max_batch_size=8, max_model_len=256, eos_token_ids=[])
+    a, b = prompts(2, seed=24)
+
+    async def main():
+        long = asyncio.create_task(engine.generate(req("long", a, max_new_tokens=80)))
+        await engine.generate(req("first", b, max_new_tokens=3))
+        answered = engine.health()["steps"]
+        for _ in range(12):  # the hops, one loop round each
+            await asyncio.sleep(0)
+        submitted = engine.health()["steps"]
+        (second,) = await engine.generate(req("second", b, max_new_tokens=2))
+        await long
+        return answered, submitted, second
+
+    answered, submitted, second = asyncio.run(main())
+    assert submitted == answered and len(second.output_ids) == 2
+
+
 def test_a_thousand_mixed_requests_run_in_bounded_memory(model_dir):
     engine = NativeEngine(model_dir, max_batch_size=16, max_model_len=64, eos_token_ids=[EOS], prefill_chunk_tokens=32)
     rng = random.Random(23)

@@ -13,10 +13,14 @@ Shape of the engine:
 * Prefix reuse (``prefix_cache``): a finished row's cache stays in its slot until the slot is needed
   (LRU); a request whose ``input_ids`` extend those tokens (the next turn of a session) prefills
   only the new suffix. Only caches computed by the current weight version are reused.
-* Between two steps the scheduler yields to the event loop, then applies aborts, drops requests
-  whose caller went away and honours ``pause()``. A step (forward + sampling + bookkeeping) holds
-  ``self._lock``, as does ``update_weights``, so weights only change between steps, even when called
-  from another thread.
+* Between two steps the scheduler yields to the event loop until the loop has nothing else ready
+  to run (at most ``_MAX_YIELDS`` rounds), then applies aborts, drops requests whose caller went
+  away and honours ``pause()``. A caller on the same loop (an HTTP gateway, say) needs several
+  loop rounds to turn a finished answer into its next request; yielding once would let a step run
+  in each of them, every one without that request. Waiting on nothing but ready work adds no
+  latency: with nothing ready the next step starts at once. A step (forward + sampling +
+  bookkeeping) holds ``self._lock``, as does ``update_weights``, so weights only change between
+  steps, even when called from another thread.
 
 Lifecycle: ``release_memory()`` frees the KV cache (and, on an accelerator, moves the weights to
 host memory) so a colocated trainer can use the device; ``resume_memory()`` brings both back.
@@ -56,6 +60,9 @@ from loongsage.core.embedded.trainer import logprobs_and_entropy, policy_logits
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Loop rounds the scheduler yields at most between two steps while other callbacks are ready: enough
+# for a request's hops through an HTTP stack, few enough that a busy loop cannot stall generation.
+_MAX_YIELDS = 32
 
 
 class _Group:
@@ -452,7 +459,7 @@ class NativeEngine:
                     if not group.future.done():
                         group.future.set_exception(exc)
                 batch.reset()
-            await asyncio.sleep(0)  # let new requests, aborts and weight updates in
+            await _yield_while_busy(self._loop)  # let new requests, aborts and weight updates in
 
     def _apply_aborts(self, batch: SlotBatch) -> None:
         """Answer pending ``abort`` calls for running requests (at a step boundary)."""
@@ -472,6 +479,20 @@ class NativeEngine:
     def _finish(self, group: _Group) -> None:
         self._entries.pop(group.request.request_id, None)
         _resolve(group)
+
+
+async def _yield_while_busy(loop: asyncio.AbstractEventLoop) -> None:
+    """Yield to ``loop`` once, then again while other callbacks are ready (``_MAX_YIELDS`` at most).
+
+    Reads asyncio's ready queue (``_ready``, a private attribute of the standard loops); a loop
+    without one gets a single yield.
+    """
+    await asyncio.sleep(0)
+    ready = getattr(loop, "_ready", None)
+    for _ in range(_MAX_YIELDS - 1):
+        if not ready:
+            return
+        await asyncio.sleep(0)
 
 
 def _check_resumable(prefix: str, request: GenerationRequest, prior: GenerationResult) -> None:
