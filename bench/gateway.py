@@ -37,14 +37,13 @@ its last chunk), and the latency a turn adds: gateway latency minus the direct l
 session and turn in the same repeat (median and p90), the difference of the median latencies, and
 the gateway turn's latency outside its engine call.
 
-The goal (0.8x) is judged on ``gateway_ext``'s capacity ratio. ``gateway_ext`` is the deployed
-case: agents are programs of their own (sandboxes, other machines), so the ``openai`` SDK's CPU
-(~3 ms per turn, more than the gateway's own) is not spent in the engine's process, while
-``gateway`` charges it there (reported beside, as the worst case). Capacity rather than turns/s:
-once the engine's core is the bottleneck its CPU per turn sets the throughput, whereas wall-clock
-turns/s with the client process on the same two cores as the engine, shared with other work,
-mostly measures how soon each process is scheduled after the other answered. Turns/s and their
-ratios stay reported for every side.
+The goal (0.8x the direct turns/s) concerns ``gateway_ext``: agents are programs of their own
+(sandboxes, other machines), so the ``openai`` SDK's CPU (~3 ms per turn, more than the gateway's
+own) is not spent in the engine's process, while ``gateway`` charges it there (reported beside, as
+the worst case). ``gateway_ext`` needs cores the engine's process does not use: on two cores shared
+with other work its turns/s mostly measure how soon each process is scheduled after the other
+answered, so run it on free cores (``taskset``). Capacity (turns per CPU second of the engine's
+process) is reported beside: the throughput once the engine's core is the bottleneck.
 
     python bench/gateway.py [--sessions 64] [--turns 4] [--max-tokens 32] [--repeats 3] [--stream]
                             [--sides gateway,direct,gateway_ext] [--threads 1] [--quick]
