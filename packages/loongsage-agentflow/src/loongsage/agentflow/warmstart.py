@@ -29,15 +29,10 @@ versions with the same ``threads``.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import inspect
 import json
-import math
-import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +45,7 @@ from loongsage.agentflow.rendering import ChatRenderer
 from loongsage.agentflow.templates import QWEN3_TOOLS_TEMPLATE
 from loongsage.agentflow.tool_calc import ToolCalcTask, teacher_messages
 from loongsage.agentflow.tools import schemas
-from loongsage.core.embedded.warmstart import INFO_FILE, default_cache_dir
+from loongsage.core.embedded.warmstart import INFO_FILE, cached_build, run_sft
 
 # Bump whenever the output of build_tool_calc_warm_start changes for the same params.
 BUILDER_VERSION = 2
@@ -243,46 +238,25 @@ def sft_loss(model, examples: list[tuple[list[int], list[int]]], pad_id: int, *,
     return torch.nn.functional.cross_entropy(logits.float(), targets[picked])
 
 
-def _lr_factor(step: int, params: ToolCalcWarmStartParams) -> float:
-    if step < params.warmup_steps:
-        return (step + 1) / params.warmup_steps
-    progress = (step - params.warmup_steps) / max(1, params.steps - params.warmup_steps)
-    return params.min_lr_ratio + (1 - params.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def train_sft(model, tokenizer, params: ToolCalcWarmStartParams, *, log_every: int = 0) -> dict:
     """Fine-tune ``model`` in place on the teacher's transcripts of the train split; returns a summary."""
     torch.manual_seed(params.seed)
     rng = random.Random(f"sft/{params.seed}")
     task = params.task("train", params.steps * params.batch_size, params.seed)
     renderer, tools = ChatRenderer(tokenizer), offered_tools(params.tools)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms: no weight decay
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": params.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=params.lr, betas=(0.9, 0.98))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, params))
-    model.train()
-    start, losses, tool_calls = time.perf_counter(), [], 0
-    for step in range(params.steps):
+    tool_calls = 0
+
+    def step_loss(step: int) -> torch.Tensor:
+        nonlocal tool_calls
         examples = []
         for index in range(step * params.batch_size, (step + 1) * params.batch_size):
             messages = teacher_messages(task[index], drop_prob=params.drop_prob, rng=rng)
             tool_calls += len(messages) > 2
             examples.append(transcript_tokens(renderer, messages, tools, tokenizer.eos_token_id))
-        loss = sft_loss(model, examples, tokenizer.pad_token_id)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-        if log_every and (step + 1) % log_every == 0:
-            recent = sum(losses[-log_every:]) / log_every
-            print(f"sft step {step + 1}/{params.steps} loss {recent:.4f} {time.perf_counter() - start:.1f}s", flush=True)
-    model.eval()
-    tail = losses[-max(1, len(losses) // 20):]
-    return {"final_loss": sum(tail) / len(tail), "sft_seconds": time.perf_counter() - start,
-            "teacher_tool_share": tool_calls / (params.steps * params.batch_size)}
+        return sft_loss(model, examples, tokenizer.pad_token_id)
+
+    summary = run_sft(model, params, step_loss, log_every=log_every)
+    return {**summary, "teacher_tool_share": tool_calls / (params.steps * params.batch_size)}
 
 
 def build_tool_calc_warm_start(out_dir: str | Path, params: ToolCalcWarmStartParams | None = None, *,
@@ -315,26 +289,11 @@ def build_tool_calc_warm_start(out_dir: str | Path, params: ToolCalcWarmStartPar
 
 def cached_tool_calc_warm_start(params: ToolCalcWarmStartParams | None = None, cache_dir: str | Path | None = None,
                                 *, log_every: int = 0) -> Path:
-    """``<cache_dir>/models/<cache key>``, built on first use (in a temporary sibling renamed into
-    place; concurrent builders take turns on a lock file, so the CPU is spent once)."""
+    """``<cache_dir>/models/<cache key>``, built on first use (see
+    :func:`~loongsage.core.embedded.warmstart.cached_build`)."""
     params = params or ToolCalcWarmStartParams()
-    models = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "models"
-    final = models / params.cache_key()
-    if (final / INFO_FILE).is_file():
-        return final
-    models.mkdir(parents=True, exist_ok=True)
-    with open(models / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if (final / INFO_FILE).is_file():  # built while this process waited
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models))
-        try:
-            build_tool_calc_warm_start(tmp, params, log_every=log_every)
-            os.rename(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_build(params.cache_key(),
+                        lambda tmp: build_tool_calc_warm_start(tmp, params, log_every=log_every), cache_dir)
 
 
 @dataclass

@@ -30,6 +30,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -189,12 +190,50 @@ def render_prompt(tokenizer, prompt) -> str:
     return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
 
 
-def _lr_factor(step: int, params: WarmStartParams) -> float:
+def lr_factor(step: int, params: Any) -> float:
+    """Linear warm-up over ``params.warmup_steps``, then cosine decay to ``params.min_lr_ratio`` at
+    ``params.steps`` (any warm-start params with those fields)."""
     if step < params.warmup_steps:
         return (step + 1) / params.warmup_steps
     progress = (step - params.warmup_steps) / max(1, params.steps - params.warmup_steps)
     cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return params.min_lr_ratio + (1 - params.min_lr_ratio) * cosine
+
+
+def sft_optimizer(model, params: Any):
+    """``(optimizer, scheduler)`` of the warm starts: AdamW (no weight decay on norms and other
+    vectors) under :func:`lr_factor`; ``params`` has ``lr``, ``weight_decay`` and the schedule's fields."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms: no weight decay
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=params.lr,
+        betas=(0.9, 0.98),
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, params))
+
+
+def run_sft(model, params: Any, step_loss: Callable[[int], torch.Tensor], *, log_every: int = 0) -> dict:
+    """``params.steps`` optimizer steps of :func:`sft_optimizer` on ``step_loss(step)`` (gradient norm
+    clipped at 1), the model in train mode meanwhile; returns ``final_loss`` (mean of the last 5% of
+    steps) and ``sft_seconds``."""
+    optimizer, scheduler = sft_optimizer(model, params)
+    model.train()
+    start, losses = time.perf_counter(), []
+    for step in range(params.steps):
+        loss = step_loss(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        if log_every and (step + 1) % log_every == 0:
+            recent = sum(losses[-log_every:]) / log_every
+            print(f"sft step {step + 1}/{params.steps} loss {recent:.4f} {time.perf_counter() - start:.1f}s", flush=True)
+    model.eval()
+    tail = losses[-max(1, len(losses) // 20) :]
+    return {"final_loss": sum(tail) / len(tail), "sft_seconds": time.perf_counter() - start}
 
 
 def sft_batch(tokenizer, task: ArithmeticTask, indices: list[int], drop_prob: float, rng: random.Random):
@@ -261,17 +300,8 @@ def train_sft(model, tokenizer, params: WarmStartParams, *, log_every: int = 0) 
         sort_rng = random.Random(f"sft-sort/{params.seed}")
     n_arith = params.batch_size - n_sort
     task = params.task("train", size=params.steps * n_arith, seed=params.seed)
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]  # norms: no weight decay
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=params.lr,
-        betas=(0.9, 0.98),
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _lr_factor(s, params))
-    model.train()
-    start, losses = time.perf_counter(), []
-    for step in range(params.steps):
+
+    def step_loss(step: int) -> torch.Tensor:
         indices = list(range(step * n_arith, (step + 1) * n_arith))
         if sorter is None:
             input_ids, attention, labels = sft_batch(tokenizer, task, indices, params.drop_prob, rng)
@@ -280,19 +310,9 @@ def train_sft(model, tokenizer, params: WarmStartParams, *, log_every: int = 0) 
             more_prompts, more_answers = sort_examples(
                 tokenizer, sorter, list(range(step * n_sort, (step + 1) * n_sort)), sort.drop_prob, sort_rng)
             input_ids, attention, labels = sft_tensors(tokenizer, prompts + more_prompts, answers + more_answers)
-        loss = model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-        if log_every and (step + 1) % log_every == 0:
-            recent = sum(losses[-log_every:]) / log_every
-            print(f"sft step {step + 1}/{params.steps} loss {recent:.4f} {time.perf_counter() - start:.1f}s", flush=True)
-    model.eval()
-    tail = losses[-max(1, len(losses) // 20) :]
-    return {"final_loss": sum(tail) / len(tail), "sft_seconds": time.perf_counter() - start}
+        return model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+
+    return run_sft(model, params, step_loss, log_every=log_every)
 
 
 def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None, *, log_every: int = 0,
@@ -352,19 +372,42 @@ def cached_warm_start(
 ) -> Path:
     """Path of the warm start for ``params``, building it on first use.
 
-    The folder is ``<cache_dir>/models/<name>-<hash of params + builder version>``. It is built in
-    a temporary sibling folder and renamed into place, so a crash never leaves a half-written model
-    behind. Builders of the same folder take turns on a lock file: the first builds, the others wait
-    and then find it (two processes never spend the CPU on the same build).
+    The folder is ``<cache_dir>/models/<name>-<hash of params + builder version>``, built once
+    (:func:`cached_build`: in a temporary sibling renamed into place, concurrent builders taking
+    turns on a lock file).
+    """
+    params = params or WarmStartParams()
+    return cached_build(params.cache_key(), lambda tmp: build_warm_start(tmp, params, log_every=log_every,
+                                                                         cache_dir=cache_dir), cache_dir)
+
+
+def cached_build(key: str, build: Callable[[Path], Any], cache_dir: str | Path | None = None) -> Path:
+    """``<cache_dir>/models/<key>`` (default cache: :func:`default_cache_dir`), made by
+    ``build(folder)`` on first use; a folder counts as built once it holds :data:`INFO_FILE`.
+
+    ``build`` writes into a temporary sibling that is renamed into place, so a crash never leaves
+    a half-written model behind. Builders of the same key take turns on a lock file: the first
+    builds, the others wait and then find it (two processes never spend the CPU on the same build).
     """
     import fcntl
 
-    params = params or WarmStartParams()
-    models = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    models = models / "models"
-    final = models / params.cache_key()
+    models = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "models"
+    final = models / key
     if (final / INFO_FILE).is_file():
         return final
+    models.mkdir(parents=True, exist_ok=True)
+    with open(models / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if (final / INFO_FILE).is_file():  # built while this process waited
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models))
+        try:
+            build(tmp)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
     models.mkdir(parents=True, exist_ok=True)
     with open(models / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
