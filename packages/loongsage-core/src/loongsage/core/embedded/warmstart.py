@@ -408,16 +408,3 @@ def cached_build(key: str, build: Callable[[Path], Any], cache_dir: str | Path |
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return final
-    models.mkdir(parents=True, exist_ok=True)
-    with open(models / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if (final / INFO_FILE).is_file():  # built while this process waited
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models))
-        try:
-            build_warm_start(tmp, params, log_every=log_every, cache_dir=cache_dir)
-            os.rename(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return final
