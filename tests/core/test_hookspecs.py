@@ -163,7 +163,7 @@ CONTRACT_FLAGS = {
     "Correction": {"needs_logprobs": False},
     "DataFilter": {"excludes_from_loss": None},
     "RolloutScheduler": {"asynchronous": False, "max_staleness": 0, "collectable": None},
-    "Sandbox": {"reusable": False, "reset": None},
+    "Sandbox": {"reusable": False, "reset": None, "reap_orphans": None},
     "Trainer": {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None},
     "Engine": {"kind": "engine"},
     "Teacher": {"kind": "teacher"},

@@ -227,6 +227,9 @@ class Sandbox(Protocol):
     reset: ClassVar[Callable[[str, SandboxOwner, float], Awaitable[None]] | None] = None
     """``reset(sandbox_id, owner, deadline)``: kill its processes, empty its work directory, give it
     to ``owner`` until ``deadline`` (required with ``reusable``)."""
+    reap_orphans: ClassVar[Callable[[], Awaitable[int]] | None] = None
+    """``reap_orphans() -> count``: remove the sandboxes whose creating process is gone (a pool
+    calls it when it starts)."""
 
     async def create(self, owner: SandboxOwner, deadline: float) -> str:
         """A new empty sandbox for ``owner``; its id."""
