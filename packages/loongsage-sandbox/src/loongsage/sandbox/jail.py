@@ -76,20 +76,27 @@ def identity_files(folder: Path, uid: int) -> None:
     (folder / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
 
 
-def jail_argv(cmd: str, *, work: Path, etc: Path, uid: int, limits: Limits) -> list[str]:
-    """The full command line of one exec of ``cmd`` (``/bin/sh -c``) in the sandbox."""
-    bwrap = [tool("setpriv"), "--pdeathsig", "KILL", "--", tool("bwrap"),
-             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-             "--hostname", "sandbox", "--die-with-parent", "--new-session",
-             "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
-             *system_binds(),
-             *[arg for name in ("passwd", "group", "hosts") for arg in ("--ro-bind", str(etc / name), f"/etc/{name}")],
-             "--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp",
-             "--bind", str(work), WORK, "--chdir", WORK, "--"]
+def jail_options(*, work: Path, etc: Path, limits: Limits) -> bytes:
+    """bubblewrap's options for a sandbox, NUL-separated: they reach it on a descriptor
+    (``--args FD``), so the init's command line, which the sandbox can read in
+    ``/proc/1/cmdline``, shows no host path."""
+    options = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+               "--hostname", "sandbox", "--die-with-parent", "--new-session",
+               "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+               *system_binds(),
+               *[arg for name in ("passwd", "group", "hosts") for arg in ("--ro-bind", str(etc / name), f"/etc/{name}")],
+               "--proc", "/proc", "--dev", "/dev",
+               "--perms", "1777", "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp",
+               "--bind", str(work), WORK, "--chdir", WORK]
+    return b"".join(os.fsencode(a) + b"\0" for a in options)
+
+
+def jail_argv(cmd: str, *, uid: int, limits: Limits, options_fd: int) -> list[str]:
+    """The command line of one exec of ``cmd`` (``/bin/sh -c``), bubblewrap's options on ``options_fd``."""
     drop = [tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
             "--inh-caps=-all", "--bounding-set=-all", "--"]
-    return [*bwrap, tool("prlimit"), *limits.prlimit_args(), "--", *drop, "/bin/sh", "-c", cmd]
+    return [tool("setpriv"), "--pdeathsig", "KILL", "--", tool("bwrap"), "--args", str(options_fd), "--",
+            tool("prlimit"), *limits.prlimit_args(), "--", *drop, "/bin/sh", "-c", cmd]
 
 
 def jail_env() -> dict[str, str]:

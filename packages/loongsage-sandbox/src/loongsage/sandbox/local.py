@@ -24,7 +24,7 @@ from pathlib import Path
 
 from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
 from loongsage.sandbox import paths
-from loongsage.sandbox.jail import jail_argv, jail_env, jail_problem
+from loongsage.sandbox.jail import jail_argv, jail_env, jail_options, jail_problem
 from loongsage.sandbox.limits import Limits
 from loongsage.sandbox.store import SandboxStore, UidClaim, kill_uid
 
@@ -73,6 +73,7 @@ class _Box:
     execs: int = 0  # execs between their first step and their end (a jail may be starting)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     closing: str | None = None  # "deleted" / "reset": execs still running are ended, and told why
+    options: bytes = b""  # bubblewrap's options (see jail_options), the same for every exec
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -109,7 +110,9 @@ class LocalSandbox(Sandbox):
         except BaseException:
             claim.release()
             raise
-        self._boxes[sandbox_id] = _Box(sandbox_id, claim, self.store.folder(sandbox_id))
+        folder = self.store.folder(sandbox_id)
+        options = jail_options(work=folder / "work", etc=folder / "etc", limits=self.limits)
+        self._boxes[sandbox_id] = _Box(sandbox_id, claim, folder, options=options)
         return sandbox_id
 
     async def delete(self, sandbox_id: str) -> None:
@@ -190,12 +193,18 @@ class LocalSandbox(Sandbox):
                 box.idle.set()
 
     async def _run(self, box: _Box, cmd: str, timeout: float) -> ExecResult:
-        argv = jail_argv(cmd, work=box.work, etc=box.folder / "etc", uid=box.uid, limits=self.limits)
         out, err = Capture(self.limits.output_bytes), Capture(self.limits.output_bytes)
         start = time.monotonic()
-        jail = await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=jail_env(), start_new_session=True)
+        fd = os.memfd_create("bwrap-options", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, box.options)  # far below a pipe's or memfd's limits; read by bwrap from offset 0
+            os.lseek(fd, 0, os.SEEK_SET)
+            argv = jail_argv(cmd, uid=box.uid, limits=self.limits, options_fd=fd)
+            jail = await asyncio.create_subprocess_exec(
+                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE, env=jail_env(), start_new_session=True, pass_fds=(fd,))
+        finally:
+            os.close(fd)
         box.jails.add(jail)
         timed_out = False
         try:

@@ -68,7 +68,7 @@ def _walk(root: str, parts: list[bytes], *, create: bool, uid: int, path: str) -
 def _refuse(path: str, exc: OSError, what: str) -> Exception:
     if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
         return ValueError(f"sandbox path {path!r}: {what} or is a symlink; symlinks are not followed")
-    if exc.errno == errno.ENXIO:  # a FIFO without a reader
+    if exc.errno in (errno.ENXIO, errno.EISDIR):  # a FIFO without a reader, a directory
         return ValueError(f"sandbox path {path!r}: not a regular file; only regular files are written")
     if exc.errno == errno.ENOENT:
         return FileNotFoundError(f"sandbox path {path!r}: no such file in the work directory")
@@ -88,9 +88,10 @@ def write_file(root: str, path: str, data: bytes, *, uid: int, limit: int) -> No
                          FILE_MODE, dir_fd=parent)
         except OSError as exc:
             raise _refuse(path, exc, "the file") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ValueError(f"sandbox path {path!r}: not a regular file; only regular files are written")
         with open(fd, "wb", closefd=True) as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ValueError(f"sandbox path {path!r}: not a regular file; only regular files are written")
             os.ftruncate(fd, 0)
             os.fchown(fd, uid, uid)
             f.write(data)
@@ -104,10 +105,11 @@ def read_file(root: str, path: str, *, limit: int) -> bytes:
             fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent)
         except OSError as exc:
             raise _refuse(path, exc, "the file") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise ValueError(f"sandbox path {path!r}: not a regular file; only regular files are read")
         with open(fd, "rb", closefd=True) as f:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise ValueError(f"sandbox path {path!r}: not a regular file; only regular files are read")
             if info.st_size > limit:
                 raise ValueError(f"sandbox get {path!r}: {info.st_size} bytes is over the limit of {limit}")
             data = f.read(limit + 1)
