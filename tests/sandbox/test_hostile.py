@@ -423,3 +423,24 @@ asyncio.run(main())
         finally:
             await sb.close()
     run(go())
+
+
+def test_cancelled_exec_leaves_no_process(root):
+    async def go():
+        sb = LocalSandbox(SMALL, str(root))
+        try:
+            sid = await sb.create(owner(), deadline())
+            task = asyncio.ensure_future(sb.exec(sid, "setsid sleep 300 & (sleep 301 &); sleep 302", 60))
+            await asyncio.sleep(0.5)
+            assert [p for p, uid in sandbox_processes() if uid == sb.uid_of(sid)]
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            end = time.monotonic() + 3
+            while [p for p, uid in sandbox_processes() if uid == sb.uid_of(sid)] and time.monotonic() < end:
+                await asyncio.sleep(0.02)
+            assert not [p for p, uid in sandbox_processes() if uid == sb.uid_of(sid)]
+            assert (await sb.exec(sid, "echo still usable", 10)).stdout == "still usable\n"
+        finally:
+            await sb.close()
+    run(go())

@@ -8,7 +8,7 @@
   never more than ``max_sandboxes`` at once (further callers wait); the same owner gets the same
   sandbox back while it holds one (a kept sandbox of a resumed trajectory, say);
 * ``release(owner, keep=False)`` ends the lease: the sandbox is emptied and returned to the warm
-  set when the backend is ``reusable`` and ``reuse`` is on, otherwise deleted; ``keep=True`` keeps
+  set when that set is short, the backend is ``reusable`` and ``reuse`` is on, otherwise deleted; ``keep=True`` keeps
   it for the owner (a partial rollout that will resume), still under its deadline;
 * a lease past its deadline is deleted by the pool's reaper; ``close()`` deletes everything.
 
