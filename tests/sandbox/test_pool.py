@@ -2,7 +2,8 @@
 reuse with an emptied work directory, keeping one for a resume, deadlines, the cap, and a soak of
 episodes cancelled at random points that must leave nothing behind.
 
-``LOONGSAGE_SANDBOX_SOAK`` sets the soak's number of episodes (60 by default).
+``LOONGSAGE_SANDBOX_SOAK`` sets the soak's number of episodes (60 by default),
+``LOONGSAGE_SANDBOX_SOAK_SEED`` its random seed (0).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tests.sandbox.conftest import SMALL, leftovers, needs_jail, owner, run, san
 
 pytestmark = needs_jail
 SOAK_EPISODES = int(os.environ.get("LOONGSAGE_SANDBOX_SOAK", "60"))
+SOAK_SEED = int(os.environ.get("LOONGSAGE_SANDBOX_SOAK_SEED", "0"))
 
 
 async def wait_for(predicate, seconds: float = 10.0) -> None:
@@ -91,22 +93,42 @@ async def episode(pool: SandboxPool, sb: LocalSandbox, i: int, rng: random.Rando
                   locks: dict[int, asyncio.Lock]) -> None:
     """One trajectory's use of a sandbox; trajectories repeat, so a kept sandbox is resumed later
     (one episode of a trajectory at a time, as a rollout runs them)."""
-    async with locks.setdefault(i % 7, asyncio.Lock()):
+    lock = locks.setdefault(i % 7, asyncio.Lock())
+    try:
+        await lock.acquire()
+    except asyncio.CancelledError:
+        STAGES["waiting its turn"] = STAGES.get("waiting its turn", 0) + 1
+        raise
+    try:
         await use(pool, sb, owner(f"traj-{i % 7}"), rng)
+    finally:
+        lock.release()
+
+
+STAGES: dict[str, int] = {}  # where the soak's cancellations landed
 
 
 async def use(pool: SandboxPool, sb: LocalSandbox, who, rng: random.Random) -> None:
-    sandbox_id = await pool.acquire(who)
-    cmd = rng.choice(["true", "echo hi > out.txt; cat out.txt", "sleep 0.2", "setsid sleep 30 & sleep 0.1",
-                      "yes | head -c 300000", "f(){ f | f & }; f"])
-    await sb.exec(sandbox_id, cmd, rng.choice([0.2, 1.0]))
-    await sb.put(sandbox_id, "in/data.bin", os.urandom(1024))
-    await sb.get(sandbox_id, "in/data.bin")
-    await pool.release(who, keep=rng.random() < 0.2)
+    stage = "acquire"
+    try:
+        sandbox_id = await pool.acquire(who)
+        stage = "exec"
+        cmd = rng.choice(["true", "echo hi > out.txt; cat out.txt", "sleep 0.2", "setsid sleep 30 & sleep 0.1",
+                          "yes | head -c 300000", "f(){ f | f & }; f"])
+        await sb.exec(sandbox_id, cmd, rng.choice([0.2, 1.0]))
+        stage = "put/get"
+        await sb.put(sandbox_id, "in/data.bin", os.urandom(1024))
+        await sb.get(sandbox_id, "in/data.bin")
+        stage = "release"
+        await pool.release(who, keep=rng.random() < 0.2)
+    except asyncio.CancelledError:
+        STAGES[stage] = STAGES.get(stage, 0) + 1
+        raise
 
 
 async def soak(root, episodes: int, seed: int = 0) -> dict:
     rng = random.Random(seed)
+    STAGES.clear()
     sb = LocalSandbox(SMALL, str(root))
     pool = SandboxPool(sb, run="run-soak", warm=2, max_sandboxes=6)
     await pool.start()
@@ -118,7 +140,8 @@ async def soak(root, episodes: int, seed: int = 0) -> dict:
         task = asyncio.ensure_future(episode(pool, sb, i, rng, locks))
         pending.add(task)
         if rng.random() < 0.6:  # cancel this one at a random point of its life
-            asyncio.get_running_loop().call_later(rng.expovariate(1 / 0.05), task.cancel)  # mostly early
+            when = rng.expovariate(1 / 0.03) if rng.random() < 0.5 else rng.uniform(0, 1.2)  # early, or anywhere
+            asyncio.get_running_loop().call_later(when, task.cancel)
         if len(pending) >= 4:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             tally(done, stats)
@@ -127,7 +150,7 @@ async def soak(root, episodes: int, seed: int = 0) -> dict:
     in_use = {"leases": len(pool.leases), "idle": len(pool.idle)}
     await pool.close()
     await sb.close()
-    stats.update(in_use_before_close=in_use, seconds=round(time.monotonic() - start, 1),
+    stats.update(in_use_before_close=in_use, cancelled_in=dict(STAGES), seconds=round(time.monotonic() - start, 1),
                  pool_after_close={"leases": len(pool.leases), "idle": len(pool.idle), "reserved": pool._reserved},
                  backend_after_close=len(sb.sandbox_ids()))
     return stats
@@ -145,7 +168,7 @@ def tally(done, stats) -> None:
 
 
 def test_cancellation_soak(root):
-    stats = run(soak(root, SOAK_EPISODES))
+    stats = run(soak(root, SOAK_EPISODES, SOAK_SEED))
     print("soak", stats)
     assert stats["failed"] == 0, stats
     assert stats["cancelled"] > 0 and stats["finished"] > 0, stats

@@ -70,10 +70,11 @@ class _Box:
     claim: UidClaim
     folder: Path
     jails: set[asyncio.subprocess.Process] = field(default_factory=set)
-    execs: int = 0  # execs between their first step and their end (a jail may be starting)
+    execs: int = 0  # execs and file transfers under way (a jail may be starting, a thread writing)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     closing: str | None = None  # "deleted" / "reset": execs still running are ended, and told why
     options: bytes = b""  # bubblewrap's options (see jail_options), the same for every exec
+    lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reset or delete at a time
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -150,22 +151,27 @@ class LocalSandbox(Sandbox):
         await asyncio.to_thread(kill_uid, box.uid)  # a backstop: the namespaces took them already
 
     async def _destroy(self, box: _Box) -> None:
-        try:
-            await self._end_processes(box, "deleted")
-        finally:
-            await asyncio.to_thread(self.store.remove, box.id)
-            box.claim.release()
+        async with box.lifecycle:  # a reset under way finishes first: its new mount is then removed too
+            try:
+                await self._end_processes(box, "deleted")
+            finally:
+                await asyncio.to_thread(self.store.remove, box.id)
+                box.claim.release()
 
     async def _renew(self, box: _Box, owner: SandboxOwner, deadline: float) -> None:
-        await self._end_processes(box, "reset")
-        await asyncio.to_thread(self.store.empty_work, box.id, box.uid, self.limits.work_mb)
-        self.store.mark(box.id, owner, deadline, box.uid)
-        box.closing = None
+        async with box.lifecycle:
+            if self._boxes.get(box.id) is not box:
+                raise LookupError(f"sandbox {box.id!r}: deleted before its reset")
+            await self._end_processes(box, "reset")
+            await asyncio.to_thread(self.store.empty_work, box.id, box.uid, self.limits.work_mb)
+            self.store.mark(box.id, owner, deadline, box.uid)
+            box.closing = None
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen by its caller, if any is left
         return task
 
     def _box(self, sandbox_id: str) -> _Box:
@@ -183,28 +189,32 @@ class LocalSandbox(Sandbox):
         box = self._box(sandbox_id)
         if box.closing is not None:
             raise LookupError(f"sandbox {sandbox_id!r}: being {box.closing}; no new commands")
-        box.execs += 1
-        box.idle.clear()
+        _hold(box)
         try:
             return await self._run(box, cmd, float(timeout))
         finally:
-            box.execs -= 1
-            if box.execs == 0:
-                box.idle.set()
+            _let_go(box)
 
     async def _run(self, box: _Box, cmd: str, timeout: float) -> ExecResult:
         out, err = Capture(self.limits.output_bytes), Capture(self.limits.output_bytes)
         start = time.monotonic()
         fd = os.memfd_create("bwrap-options", os.MFD_CLOEXEC)
+        os.write(fd, box.options)  # far below a memfd's limits; bwrap reads it from offset 0
+        os.lseek(fd, 0, os.SEEK_SET)
+        argv = jail_argv(cmd, uid=box.uid, limits=self.limits, options_fd=fd)
+        # shielded: Python 3.11 never finishes a subprocess transport cancelled while its pipes
+        # connect (its exit waiters wait for pipes that never come); a cancelled caller leaves the
+        # spawn to a background task that kills and collects what it makes
+        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
+            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=jail_env(), start_new_session=True, pass_fds=(fd,)))
+        spawn.add_done_callback(lambda _: os.close(fd))
         try:
-            os.write(fd, box.options)  # far below a pipe's or memfd's limits; read by bwrap from offset 0
-            os.lseek(fd, 0, os.SEEK_SET)
-            argv = jail_argv(cmd, uid=box.uid, limits=self.limits, options_fd=fd)
-            jail = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=jail_env(), start_new_session=True, pass_fds=(fd,))
-        finally:
-            os.close(fd)
+            jail = await asyncio.shield(spawn)
+        except BaseException:
+            _hold(box)
+            self._spawn(_abandon(box, spawn))
+            raise
         box.jails.add(jail)
         timed_out = False
         try:
@@ -247,8 +257,19 @@ class LocalSandbox(Sandbox):
                                  limit=self.limits.get_bytes)
 
     async def _files(self, box: _Box, fn, *args, **kwargs):
+        """``fn`` in a thread, counted as work under way: a delete or reset waits for it (a thread
+        goes on when its caller is cancelled, and must not write into a directory being removed)."""
+        if box.closing is not None:
+            raise LookupError(f"sandbox {box.id!r}: being {box.closing}; no file transfers")
+        _hold(box)
+
+        async def transfer():
+            try:
+                return await asyncio.to_thread(fn, *args, **kwargs)
+            finally:
+                _let_go(box)
         try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await asyncio.shield(self._spawn(transfer()))
         except FileNotFoundError:
             if box.id not in self._boxes:
                 raise LookupError(f"sandbox {box.id!r}: deleted during the file transfer") from None
@@ -265,6 +286,30 @@ def _check_owner(owner: SandboxOwner, deadline: float) -> None:
 async def _pump(stream: asyncio.StreamReader, capture: Capture) -> None:
     while data := await stream.read(1 << 16):
         capture.add(data)
+
+
+def _hold(box: _Box) -> None:
+    box.execs += 1
+    box.idle.clear()
+
+
+def _let_go(box: _Box) -> None:
+    box.execs -= 1
+    if box.execs == 0:
+        box.idle.set()
+
+
+async def _abandon(box: _Box, spawn: asyncio.Future) -> None:
+    """The end of a jail whose exec was cancelled while it started: killed once it exists."""
+    try:
+        jail = await spawn
+        _kill_jail(jail.pid)
+        # drained: a pipe left full is never read to its end, and the exit is reported only after
+        await asyncio.gather(_pump(jail.stdout, Capture(1)), _pump(jail.stderr, Capture(1)), jail.wait())
+    except Exception:  # noqa: BLE001 (it never started: nothing to kill)
+        pass
+    finally:
+        _let_go(box)
 
 
 async def _collect(jail: asyncio.subprocess.Process) -> None:
