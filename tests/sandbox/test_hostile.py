@@ -197,20 +197,25 @@ def test_network_egress(root, tmp_path):
 def test_files_outside_the_work_dir(root, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("host secret")
-    probe = (f"cat {secret}; cat /etc/shadow; ls /root /home /var /sys; touch /usr/x /etc/x /x; "
-             f"ls /proc/1/root/ ; cat /proc/1/environ; echo done")
+    probes = {f"cat {secret}": "No such file", "cat /etc/shadow": "No such file", "ls /root": "No such file",
+              "ls /home /var /sys": "No such file", "touch /usr/x": "Read-only file system",
+              "touch /etc/x": "Permission denied", "touch /x": "Permission denied",
+              "ls /proc/1/root/": "Permission denied", "cat /proc/1/environ": "Permission denied",
+              f"ls /proc/1/root{tmp_path}": "Permission denied"}
+    script = "".join(f"echo '== {i}'; {cmd} 2>&1 && echo SUCCEEDED\n" for i, cmd in enumerate(probes))
 
     async def go():
         sb = LocalSandbox(SMALL, str(root))
         try:
-            return await contained(sb, probe, 20)
+            return await contained(sb, script, 20)
         finally:
             await sb.close()
 
     result = run(go())
-    assert "host secret" not in result.stdout and result.stdout.strip() == "done", result
-    for expected in ("No such file", "Read-only file system", "Permission denied"):
-        assert expected in result.stderr, result.stderr
+    outputs = result.stdout.split("== ")[1:]
+    assert len(outputs) == len(probes), result
+    for (cmd, expected), out in zip(probes.items(), outputs):
+        assert expected in out and "SUCCEEDED" not in out and "host secret" not in out, (cmd, out)
     assert not (tmp_path / "x").exists()
 
 
@@ -375,7 +380,8 @@ def test_bad_input_gets_clear_results(root):
             assert listing.stdout == "caf\\xe9.txt\nlatin-1 name"
             assert await sb.get(sid, name) == b"latin-1 name"
             for cmd, timeout, match in (("", 1, "non-empty"), ("true", 0, "timeout"), ("true", float("inf"), "timeout"),
-                                        ("a\0b", 1, "NUL"), (["ls"], 1, "shell command")):
+                                        ("a\0b", 1, "NUL"), (["ls"], 1, "shell command"),
+                                        ("echo " + "x" * 200_000, 1, "put a script")):
                 with pytest.raises(ValueError, match=match):
                     await sb.exec(sid, cmd, timeout)
             with pytest.raises(LookupError, match="no such sandbox"):

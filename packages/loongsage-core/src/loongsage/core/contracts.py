@@ -213,13 +213,13 @@ class Sandbox(Protocol):
     """``loongsage_sandboxes``: isolated execution for agents and rewards (loongsage-sandbox ships
     ``local``, a bubblewrap jail per sandbox).
 
-    Runs in the process that owns the sandbox pool; ``create``/``delete`` once per sandbox (one per
-    trajectory that needs one), ``exec``/``put``/``get`` once per tool call or file transfer, any of
-    them concurrently. Every sandbox has an owner and a deadline (``time.time()`` seconds) after
-    which the backend may remove it; a backend marks what it creates so that the sandboxes of a
-    process that died are found and removed (orphans). An unknown or deleted ``sandbox_id`` raises
-    ``LookupError``; a bad ``path`` (absolute, ``..``, through a symlink, outside the work
-    directory) raises ``ValueError``.
+    Runs in the actor (a sandbox or reward worker) that owns the sandbox pool; ``create``/``delete``
+    once per sandbox (one per trajectory that needs one), ``exec``/``put``/``get`` once per tool call
+    or file transfer, any of them concurrently. Every sandbox has an owner and a deadline
+    (``time.time()`` seconds) after which the backend may remove it; a backend marks what it
+    creates so that the sandboxes of a process that died are found and removed (orphans). An
+    unknown or deleted ``sandbox_id`` raises ``LookupError``; a bad ``path`` (absolute, ``..``,
+    through a symlink, outside the work directory) raises ``ValueError``.
     """
 
     reusable: ClassVar[bool] = False

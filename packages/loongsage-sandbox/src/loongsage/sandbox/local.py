@@ -28,6 +28,7 @@ from loongsage.sandbox.jail import jail_argv, jail_env, jail_options, jail_probl
 from loongsage.sandbox.limits import Limits
 from loongsage.sandbox.store import SandboxStore, UidClaim, kill_uid
 
+MAX_CMD_BYTES = 100_000  # below the kernel's limit on one argument (128 KiB)
 _DRAIN_S = 5.0  # after the jail is gone, how long its output pipes may take to reach end of file
 
 
@@ -184,6 +185,9 @@ class LocalSandbox(Sandbox):
     async def exec(self, sandbox_id: str, cmd: str, timeout: float) -> ExecResult:
         if not isinstance(cmd, str) or "\0" in cmd or not cmd.strip():
             raise ValueError(f"sandbox exec cmd={cmd!r}: must be a non-empty shell command without NUL bytes")
+        if len(os.fsencode(cmd)) > MAX_CMD_BYTES:
+            raise ValueError(f"sandbox exec cmd of {len(os.fsencode(cmd))} bytes: at most {MAX_CMD_BYTES}; "
+                             f"put a script into the sandbox and run that")
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
             raise ValueError(f"sandbox exec timeout={timeout!r}: must be a positive finite number of seconds")
         box = self._box(sandbox_id)
@@ -211,6 +215,8 @@ class LocalSandbox(Sandbox):
         spawn.add_done_callback(lambda _: os.close(fd))
         try:
             jail = await asyncio.shield(spawn)
+        except OSError as exc:  # the jail could not start (out of processes or memory on the host)
+            return ExecResult(None, None, "", "", False, False, time.monotonic() - start, f"could not start: {exc}")
         except BaseException:
             _hold(box)
             self._spawn(_abandon(box, spawn))

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from loongsage.core.contracts import SandboxOwner
+from loongsage.sandbox.jail import identity_files
 
 ROOT_VARIABLE = "LOONGSAGE_SANDBOX_ROOT"
 DEFAULT_ROOT = "/tmp/loongsage-sandboxes"
@@ -78,9 +79,7 @@ class UidClaim:
 
     def __init__(self, locks: Path):
         locks.mkdir(parents=True, exist_ok=True)
-        start = secrets.randbelow(UID_COUNT)  # random start: concurrent claimers rarely collide
-        for i in range(UID_COUNT):
-            uid = UID_BASE + (start + i) % UID_COUNT
+        for uid in range(UID_BASE, UID_BASE + UID_COUNT):  # lowest free first: lock files stay few
             fd = os.open(locks / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -118,8 +117,6 @@ class SandboxStore:
         folder.mkdir(mode=0o700)  # only root on the host reaches a work directory
         try:
             self.mark(sandbox_id, owner, deadline, uid)
-            from loongsage.sandbox.jail import identity_files
-
             identity_files(folder / "etc", uid)
             (folder / "work").mkdir(mode=0o700)
             mount_tmpfs(folder / "work", work_mb, uid)
