@@ -50,18 +50,22 @@ def sandbox_processes() -> list[tuple[int, int]]:
     return found
 
 
-def jail_children() -> list[int]:
-    """bubblewrap/setpriv processes this test process started that are still alive."""
-    me, found = str(os.getpid()), []
+def jail_processes() -> list[int]:
+    """Live processes of this backend's jails on the machine: bubblewrap outside and as the
+    namespace's init (both carry ``--args FD``, which no other bubblewrap user here passes), and
+    ``setpriv``/``prlimit`` before the command replaced them."""
+    found = []
     for name in os.listdir("/proc"):
         try:
             with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+                state = f.read().rsplit(b")", 1)[1].split()[0]
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                argv0 = f.read().split(b"\0")[0]
+                argv = f.read().split(b"\0")
         except (OSError, IndexError):
             continue
-        if fields[1].decode() == me and fields[0] not in (b"Z", b"X") and argv0.endswith((b"bwrap", b"setpriv")):
+        if state in (b"Z", b"X") or not argv[0].endswith((b"bwrap", b"setpriv", b"prlimit")):
+            continue
+        if b"--args" in argv or any(a.startswith(b"--reuid=30") for a in argv):
             found.append(int(name))
     return found
 
@@ -74,7 +78,7 @@ def mounts_under(root: Path) -> list[str]:
 def leftovers(root: Path) -> dict[str, list]:
     """Everything a sandbox could leave behind; all lists empty when clean."""
     dirs = sorted(p.name for p in root.iterdir() if p.name.startswith("sbx-")) if root.exists() else []
-    return {"processes": sandbox_processes(), "jails": jail_children(), "mounts": mounts_under(root), "dirs": dirs}
+    return {"processes": sandbox_processes(), "jails": jail_processes(), "mounts": mounts_under(root), "dirs": dirs}
 
 
 def assert_clean(root: Path) -> None:

@@ -9,8 +9,10 @@ Network tests only ever target listeners this test opened on the host's loopback
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -447,6 +449,25 @@ def test_cancelled_exec_leaves_no_process(root):
                 await asyncio.sleep(0.02)
             assert not [p for p, uid in sandbox_processes() if uid == sb.uid_of(sid)]
             assert (await sb.exec(sid, "echo still usable", 10)).stdout == "still usable\n"
+        finally:
+            await sb.close()
+    run(go())
+
+
+def test_exec_cancelled_or_timed_out_while_its_jail_starts(root):
+    """Killing bubblewrap while it creates its init could leave that init waiting for it forever
+    (it arms its own death signal only later): the jail is stopped before it is killed."""
+    async def go():
+        sb = LocalSandbox(SMALL, str(root))
+        rng = random.Random(1)
+        try:
+            sid = await sb.create(owner(), deadline())
+            for _ in range(300):
+                task = asyncio.ensure_future(sb.exec(sid, "sleep 100", rng.choice([0.0005, 0.002, 0.004, 0.008, 30])))
+                asyncio.get_running_loop().call_later(rng.uniform(0, 0.01), task.cancel)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            assert (await sb.exec(sid, "echo fine", 10)).stdout == "fine\n"
         finally:
             await sb.close()
     run(go())

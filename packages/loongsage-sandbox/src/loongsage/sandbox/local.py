@@ -324,8 +324,22 @@ async def _collect(jail: asyncio.subprocess.Process) -> None:
 
 
 def _kill_jail(bwrap_pid: int) -> None:
-    """SIGKILL the jail's init (the namespace dies with it, and bubblewrap exits only once all of it
-    is gone); before the init exists, bubblewrap itself, whose death kills the init (``--die-with-parent``)."""
+    """SIGKILL the jail's init: the namespace dies with it, and bubblewrap exits only once all of
+    it is gone, so awaiting bubblewrap's exit afterwards awaits the end of every process.
+
+    bubblewrap is stopped first: between reading its children and killing them it cannot create
+    the init. A killed bubblewrap whose init exists but has not yet armed its death signal would
+    leave that init waiting for bubblewrap forever; stopped, it cannot die half-way. With an init
+    killed, bubblewrap is let go on (it collects the namespace and exits); without one, it is killed
+    where it stands, before it creates any.
+    """
+    try:
+        os.kill(bwrap_pid, signal.SIGSTOP)
+    except OSError:
+        return  # gone already
+    end = time.monotonic() + 1.0
+    while _state(bwrap_pid) not in (b"T", b"t", b"Z", b"X", None) and time.monotonic() < end:
+        time.sleep(0.0005)
     try:
         with open(f"/proc/{bwrap_pid}/task/{bwrap_pid}/children") as f:
             children = [int(p) for p in f.read().split()]
@@ -338,9 +352,16 @@ def _kill_jail(bwrap_pid: int) -> None:
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
             finally:
                 os.close(pidfd)
-    if not children:
-        with contextlib.suppress(OSError):
-            os.kill(bwrap_pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.kill(bwrap_pid, signal.SIGCONT if children else signal.SIGKILL)
+
+
+def _state(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _result(code: int | None, timed_out: bool, wall: float, out: Capture, err: Capture,

@@ -190,14 +190,24 @@ def unmount(path: Path) -> None:
 
 
 def uid_pids(uid: int) -> list[int]:
-    """Processes on this host whose owner is ``uid``."""
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.stat(f"/proc/{name}").st_uid == uid and not _zombie(name):
-                    found.append(int(name))
-    return found
+    """Live processes of the sandbox whose uid is ``uid``: those running as ``uid``, and its jails'
+    processes still running as root (bubblewrap outside and as the namespace's init, ``prlimit``,
+    ``setpriv`` before the switch), known by the ``--reuid=<uid>`` in their command line."""
+    return [int(name) for name in os.listdir("/proc") if name.isdigit() and _belongs(name, uid)]
+
+
+def _belongs(pid: str, uid: int) -> bool:
+    try:
+        owner = os.stat(f"/proc/{pid}").st_uid
+        if owner == 0:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f"--reuid={uid}".encode() not in f.read().split(b"\0"):
+                    return False
+        elif owner != uid:
+            return False
+        return not _zombie(pid)
+    except OSError:
+        return False
 
 
 def _zombie(pid: str) -> bool:
@@ -224,7 +234,7 @@ def kill_uid(uid: int, rounds: int = 200) -> int:
             except OSError:
                 continue
             try:
-                if os.stat(f"/proc/{pid}").st_uid == uid:
+                if _belongs(str(pid), uid):
                     signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                     killed.add(pid)
             except OSError:
