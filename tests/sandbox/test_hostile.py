@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import os
 import random
 import signal
@@ -425,9 +426,14 @@ asyncio.run(main())
     async def go():
         sb = LocalSandbox(SMALL, str(root))
         try:
+            dead_uid = json.loads(next(root.glob("sbx-*/owner.json")).read_text())["uid"]
             live = await sb.create(owner("alive"), deadline())  # a live process's sandbox is not an orphan
+            assert sb.uid_of(live) == dead_uid  # the uid was free again: the reaper must not kill by it
+            running = asyncio.ensure_future(sb.exec(live, "sleep 1; echo survived", 20))
+            await asyncio.sleep(0.3)
             assert await sb.reap_orphans() == 1
             assert [p.name for p in root.iterdir() if p.name.startswith("sbx-")] == [live]
+            assert (await running).stdout == "survived\n"
         finally:
             await sb.close()
     run(go())

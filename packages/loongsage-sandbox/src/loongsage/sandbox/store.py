@@ -77,9 +77,11 @@ class Marker:
 class UidClaim:
     """One uid of the range, held by this process until :meth:`release`."""
 
-    def __init__(self, locks: Path):
+    def __init__(self, locks: Path, only: int | None = None):
+        """The lowest free uid (lock files stay few), or ``only`` that one (LookupError if taken)."""
         locks.mkdir(parents=True, exist_ok=True)
-        for uid in range(UID_BASE, UID_BASE + UID_COUNT):  # lowest free first: lock files stay few
+        candidates = range(UID_BASE, UID_BASE + UID_COUNT) if only is None else (only,)
+        for uid in candidates:
             fd = os.open(locks / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -88,6 +90,8 @@ class UidClaim:
                 continue
             self.uid, self._fd = uid, fd
             return
+        if only is not None:
+            raise LookupError(f"sandbox uid {only} is held by a live sandbox")
         raise RuntimeError(f"all {UID_COUNT} sandbox uids from {UID_BASE} are in use")
 
     def release(self) -> None:
@@ -169,7 +173,15 @@ class SandboxStore:
             elif marker.creator_alive():
                 continue
             if marker is not None:
-                kill_uid(marker.uid)
+                # killed only while this process holds the uid: a live sandbox may have it again
+                # (its processes are its own), and the orphan's jails died with their creator
+                try:
+                    claim = UidClaim(self.root / "uids", only=marker.uid)
+                except LookupError:
+                    claim = None
+                if claim is not None:
+                    kill_uid(marker.uid)
+                    claim.release()
             self.remove(sandbox_id)
             count += 1
         return count
