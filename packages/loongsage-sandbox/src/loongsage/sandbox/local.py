@@ -76,6 +76,7 @@ class _Box:
     closing: str | None = None  # "deleted" / "reset": execs still running are ended, and told why
     options: bytes = b""  # bubblewrap's options (see jail_options), the same for every exec
     lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reset or delete at a time
+    ran: bool = False  # a jail was started since the last sweep (else no process can exist)
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -149,7 +150,9 @@ class LocalSandbox(Sandbox):
         for jail in list(box.jails):
             _kill_jail(jail.pid)
         await box.idle.wait()
-        await asyncio.to_thread(kill_uid, box.uid)  # a backstop: the namespaces took them already
+        if box.ran:
+            box.ran = False
+            await asyncio.to_thread(kill_uid, box.uid)  # a backstop: the namespaces took them already
 
     async def _destroy(self, box: _Box) -> None:
         async with box.lifecycle:  # a reset under way finishes first: its new mount is then removed too
@@ -194,6 +197,7 @@ class LocalSandbox(Sandbox):
         if box.closing is not None:
             raise LookupError(f"sandbox {sandbox_id!r}: being {box.closing}; no new commands")
         _hold(box)
+        box.ran = True
         try:
             return await self._run(box, cmd, float(timeout))
         finally:
