@@ -148,7 +148,7 @@ class LocalSandbox(Sandbox):
     async def _end_processes(self, box: _Box, why: str) -> None:
         box.closing = why
         for jail in list(box.jails):
-            _kill_jail(jail.pid)
+            _kill_jail(jail)
         await box.idle.wait()
         if box.ran:
             box.ran = False
@@ -229,13 +229,13 @@ class LocalSandbox(Sandbox):
         timed_out = False
         try:
             if box.closing is not None:  # deleted while the jail was starting
-                _kill_jail(jail.pid)
+                _kill_jail(jail)
             pumps = asyncio.gather(_pump(jail.stdout, out), _pump(jail.stderr, err))
             try:
                 await asyncio.wait_for(jail.wait(), timeout)
             except TimeoutError:
                 timed_out = True
-                _kill_jail(jail.pid)
+                _kill_jail(jail)
                 await jail.wait()
             wall = time.monotonic() - start
             try:
@@ -243,7 +243,7 @@ class LocalSandbox(Sandbox):
             except TimeoutError:
                 pass
         except BaseException:  # cancelled: the command is abandoned, so is every process it started
-            _kill_jail(jail.pid)
+            _kill_jail(jail)
             self._spawn(_collect(jail))
             raise
         finally:
@@ -313,7 +313,7 @@ async def _abandon(box: _Box, spawn: asyncio.Future) -> None:
     """The end of a jail whose exec was cancelled while it started: killed once it exists."""
     try:
         jail = await spawn
-        _kill_jail(jail.pid)
+        _kill_jail(jail)
         # drained: a pipe left full is never read to its end, and the exit is reported only after
         await asyncio.gather(_pump(jail.stdout, Capture(1)), _pump(jail.stderr, Capture(1)), jail.wait())
     except Exception:  # noqa: BLE001 (it never started: nothing to kill)
@@ -327,7 +327,7 @@ async def _collect(jail: asyncio.subprocess.Process) -> None:
         await jail.wait()
 
 
-def _kill_jail(bwrap_pid: int) -> None:
+def _kill_jail(jail: asyncio.subprocess.Process) -> None:
     """SIGKILL the jail's init: the namespace dies with it, and bubblewrap exits only once all of
     it is gone, so awaiting bubblewrap's exit afterwards awaits the end of every process.
 
@@ -335,8 +335,12 @@ def _kill_jail(bwrap_pid: int) -> None:
     the init. A killed bubblewrap whose init exists but has not yet armed its death signal would
     leave that init waiting for bubblewrap forever; stopped, it cannot die half-way. With an init
     killed, bubblewrap is let go on (it collects the namespace and exits); without one, it is killed
-    where it stands, before it creates any.
+    where it stands, before it creates any. A jail already collected is left alone (its pid may
+    name another process by now).
     """
+    if jail.returncode is not None:
+        return
+    bwrap_pid = jail.pid
     try:
         os.kill(bwrap_pid, signal.SIGSTOP)
     except OSError:
