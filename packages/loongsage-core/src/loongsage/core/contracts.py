@@ -177,26 +177,80 @@ class DataFilter(Protocol):
     def __call__(self, group: list[Trajectory]) -> bool: ...
 
 
-class Sandbox(Protocol):
-    """``loongsage_sandboxes`` (no backend ships yet; this is the contract one will meet): isolated
-    execution for agents and rewards.
+@dataclass(frozen=True)
+class SandboxOwner:
+    """Who a sandbox belongs to: the run, the trajectory and its attempt (a retried trajectory gets
+    a fresh sandbox; a resumed one may get its kept sandbox back)."""
 
-    Runs in the actor that owns the sandbox pool; ``create``/``delete`` once per sandbox (one per
-    trajectory that needs one), ``exec``/``put``/``get`` once per tool call or file transfer. Every
-    sandbox has an owner and a deadline; the pool reaps orphans.
+    run: str
+    trajectory: str
+    attempt: int = 0
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """One command's outcome in a sandbox.
+
+    ``exit_code`` is set when the command exited, ``signal`` when a signal ended it (both None when
+    it never ran, see ``error``). ``stdout``/``stderr`` are the captured bytes decoded as UTF-8 with
+    undecodable bytes written ``\\xNN`` (binary output is kept, not lost); a stream beyond the
+    backend's cap keeps its head and tail around a one-line marker and sets ``truncated``.
+    ``timed_out``: the wall-clock timeout ended it (every process it started is then gone).
+    ``error``: why the command could not run or finish normally (sandbox deleted meanwhile, say).
     """
 
-    async def create(self) -> str: ...
+    exit_code: int | None
+    signal: int | None
+    stdout: str
+    stderr: str
+    truncated: bool
+    timed_out: bool
+    wall_s: float
+    error: str | None = None
 
-    async def exec(self, sandbox_id: str, cmd: str, timeout: float) -> tuple[int, str, str]:
-        """``(exit code, stdout, stderr)``."""
+
+class Sandbox(Protocol):
+    """``loongsage_sandboxes``: isolated execution for agents and rewards (loongsage-sandbox ships
+    ``local``, a bubblewrap jail per sandbox).
+
+    Runs in the actor (a sandbox or reward worker) that owns the sandbox pool; ``create``/``delete``
+    once per sandbox (one per trajectory that needs one), ``exec``/``put``/``get`` once per tool call
+    or file transfer, any of them concurrently. Every sandbox has an owner and a deadline
+    (``time.time()`` seconds) after which the backend may remove it; a backend marks what it
+    creates so that the sandboxes of a process that died are found and removed (orphans). An
+    unknown or deleted ``sandbox_id`` raises ``LookupError``; a bad ``path`` (absolute, ``..``,
+    through a symlink, outside the work directory) raises ``ValueError``.
+    """
+
+    reusable: ClassVar[bool] = False
+    """Offers ``reset``: a released sandbox can be emptied and handed to another owner."""
+    reset: ClassVar[Callable[[str, SandboxOwner, float], Awaitable[None]] | None] = None
+    """``reset(sandbox_id, owner, deadline)``: kill its processes, empty its work directory, give it
+    to ``owner`` until ``deadline`` (required with ``reusable``)."""
+    reap_orphans: ClassVar[Callable[[], Awaitable[int]] | None] = None
+    """``reap_orphans() -> count``: remove the sandboxes whose creating process is gone (a pool
+    calls it when it starts)."""
+
+    async def create(self, owner: SandboxOwner, deadline: float) -> str:
+        """A new empty sandbox for ``owner``; its id."""
         ...
 
-    async def put(self, sandbox_id: str, path: str, data: bytes) -> None: ...
+    async def exec(self, sandbox_id: str, cmd: str, timeout: float) -> ExecResult:
+        """Run ``cmd`` with ``/bin/sh -c`` in the work directory; after ``timeout`` seconds every
+        process it started is killed. A failing command is a result, never an exception."""
+        ...
 
-    async def get(self, sandbox_id: str, path: str) -> bytes: ...
+    async def put(self, sandbox_id: str, path: str, data: bytes) -> None:
+        """Write ``data`` to ``path``, relative to the work directory (parents are created)."""
+        ...
 
-    async def delete(self, sandbox_id: str) -> None: ...
+    async def get(self, sandbox_id: str, path: str) -> bytes:
+        """The bytes of the regular file ``path``, relative to the work directory."""
+        ...
+
+    async def delete(self, sandbox_id: str) -> None:
+        """Kill every process of the sandbox and remove everything it had; deleting twice is a no-op."""
+        ...
 
 
 class GatewayMiddleware(Protocol):
@@ -477,6 +531,7 @@ REQUIRED_WHEN: dict[type, dict[str, When]] = {
     AdvantageEstimator: {"returns": When("needs_values")},
     Reward: {"bind": When("nested")},
     KLEstimator: {"k": When("consumes", "topk")},
+    Sandbox: {"reset": When("reusable")},
 }
 """Members required only while a flag asks for them: ``{Protocol: {member: When(flag, value)}}``
 (an optional method must then not be None)."""
@@ -485,5 +540,5 @@ REQUIRED_WHEN: dict[type, dict[str, When]] = {
 __all__ = [
     "AdvantageEstimator", "Agent", "BACKENDS", "ChatParser", "Correction", "Critic", "DataFilter", "DataSource",
     "Engine", "GatewayMiddleware", "HOOKS", "KLEstimator", "LossFunction", "ModelBuilder", "PolicyLoss",
-    "REQUIRED_WHEN", "Reward", "RolloutScheduler", "RunService", "Sandbox", "Teacher", "Tracker", "Trainer", "Transport", "When",
+    "REQUIRED_WHEN", "Reward", "RolloutScheduler", "RunService", "Sandbox", "SandboxOwner", "ExecResult", "Teacher", "Tracker", "Trainer", "Transport", "When",
 ]

@@ -114,7 +114,11 @@ def loongsage_rollout_schedulers() -> Factories:
 def loongsage_sandboxes() -> Factories:
     """Sandbox backends (isolated local process, docker, k8s) for agents and rewards.
 
-    Contract: :class:`loongsage.core.contracts.Sandbox` (``create``, ``exec``, ``put``, ``get``, ``delete``).
+    Contract: :class:`loongsage.core.contracts.Sandbox`: ``create(owner, deadline) -> id``,
+    ``exec(id, cmd, timeout) -> ExecResult`` (exit code or signal, capped output, ``truncated``,
+    ``timed_out``, wall time), ``put``/``get`` of bytes confined to the work directory, ``delete``
+    (every process killed, everything removed); optionally ``reset`` for reuse (``reusable``).
+    loongsage-sandbox ships ``local`` and the pool that keeps sandboxes warm and reaps orphans.
     """
 
 
