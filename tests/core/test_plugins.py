@@ -201,12 +201,16 @@ def test_misspelt_hookimpl_in_plugins_module_is_caught(plugin_module) -> None:
 
 
 # ----------------------------------------------------------------------------- lookups and params
-def test_miss_lists_known_names(registry) -> None:
+def test_miss_lists_known_names(registry, monkeypatch) -> None:
     with pytest.raises(ConfigError) as exc:
         registry.entry("kl", "k4", "algorithm.kl")
     msg = one_line(exc)
     assert msg.startswith("algorithm.kl.name: unknown kl 'k4'; known: ")
     assert all(n in msg for n in ("k1", "k2", "k3", "low_var_kl"))
+    with pytest.raises(ConfigError) as exc:
+        registry.entry("sandbox", "docker", "data_sources[0].sandbox")
+    assert one_line(exc).endswith("unknown sandbox 'docker'; known: local")
+    monkeypatch.setitem(registry.tables, "sandbox", {})  # a category no installed package provides
     with pytest.raises(ConfigError) as exc:
         registry.entry("sandbox", "docker", "data_sources[0].sandbox")
     assert "(none installed)" in one_line(exc)
