@@ -99,6 +99,8 @@ def test_concurrent_scoring_and_bad_records(reward):
         _score(reward, "def f(x): return 1", tests=[])
     with pytest.raises(ValueError, match=r"code_tests.limits: .*allowed: cpu_s"):
         CodeTestsReward(limits={"gpus": 1})
+    with pytest.raises(ValueError, match=r"code_tests.max_concurrency=0: must be a positive integer"):
+        CodeTestsReward(max_concurrency=0)
 
 
 def test_registered_as_a_reward():

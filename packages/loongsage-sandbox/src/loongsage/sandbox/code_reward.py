@@ -22,6 +22,7 @@ can claim. The tests here cover the cheap forgeries.)
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import secrets
@@ -82,10 +83,16 @@ class CodeTestsReward:
     limits: dict[str, Any] = field(default_factory=lambda: {"cpu_s": 10, "memory_mb": 512, "processes": 32,
                                                               "work_mb": 16, "tmp_mb": 16, "output_bytes": 65536})
     python: str = "python3"  # the interpreter inside the sandbox (the host's system Python)
+    # test runs at once (the reward worker scores a whole batch concurrently): thousands of jails
+    # contending for two cores would run every solution past its timeout and score it 0
+    max_concurrency: int = 8
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ValueError(f"code_tests.timeout_s={self.timeout_s!r}: must be a positive number of seconds")
+        if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
+            raise ValueError(f"code_tests.max_concurrency={self.max_concurrency!r}: must be a positive integer")
+        self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
         try:
             self._limits = Limits(**self.limits)
         except TypeError as exc:
@@ -104,8 +111,11 @@ class CodeTestsReward:
         if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
             raise ValueError(f"code_tests: record {record.source}[{record.index}] needs metadata['tests'], "
                              f"a non-empty list of Python statements; got {tests!r:.80}")
-        passed, total = await self.run(extract_code(trajectory.response_text), tests,
-                                       f"{record.source}-{trajectory.group_id}-{trajectory.sample_index}")
+        loop = asyncio.get_running_loop()
+        gate = self._gates.setdefault(loop, asyncio.Semaphore(self.max_concurrency))
+        async with gate:
+            passed, total = await self.run(extract_code(trajectory.response_text), tests,
+                                           f"{record.source}-{trajectory.group_id}-{trajectory.sample_index}")
         trajectory.metadata["code_tests"] = {"passed": passed, "total": total}
         if self.partial:
             return passed / total

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from loongsage.core.hookspecs import Factories, hookimpl
 from loongsage.sandbox.code_reward import CodeTestsReward
+from loongsage.sandbox.code_task import CodeFnTask, TinyCodeFnModel
 from loongsage.sandbox.local import LocalSandbox
 
 
@@ -15,3 +16,13 @@ def loongsage_sandboxes() -> Factories:
 @hookimpl
 def loongsage_rewards() -> Factories:
     return {"code_tests": CodeTestsReward}  # the model's code against the record's tests, in a sandbox
+
+
+@hookimpl
+def loongsage_data_sources() -> Factories:
+    return {"code_fn": CodeFnTask}  # write f(x) = a*x+b; its unit tests for code_tests
+
+
+@hookimpl
+def loongsage_backends() -> Factories:
+    return {"tiny_code_fn": TinyCodeFnModel}  # the code_fn warm start (model_builder)
