@@ -18,3 +18,17 @@ def survivors(tag: str) -> list[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def sandbox_processes() -> int:
+    """Processes on this machine running under a sandbox uid (the local backend's, from ``UID_BASE``)."""
+    from loongsage.sandbox.store import UID_BASE
+
+    count = 0
+    for name in os.listdir("/proc"):
+        try:
+            if name.isdigit() and os.stat(f"/proc/{name}").st_uid >= UID_BASE:
+                count += 1
+        except OSError:
+            continue
+    return count

@@ -8,26 +8,15 @@ sandbox process or directory is left. Whether success rises is the full recipe's
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from loongsage.core.cli import main
 from loongsage.sandbox.jail import jail_problem
+from tests._procs import sandbox_processes
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(jail_problem() is not None, reason=f"no sandbox here: {jail_problem()}")]
-
-
-def _sandbox_processes() -> int:
-    count = 0
-    for name in os.listdir("/proc"):
-        try:
-            if name.isdigit() and os.stat(f"/proc/{name}").st_uid >= 3_000_000:
-                count += 1
-        except OSError:
-            continue
-    return count
 
 
 def test_code_recipe_trains_on_sandboxed_unit_tests(ray_session, in_tmp):
@@ -42,4 +31,4 @@ def test_code_recipe_trains_on_sandboxed_unit_tests(ray_session, in_tmp):
     assert any(0 < r["rollout/reward_mean"] < 1 for r in trained) and any(r["train/grad_norm"] > 0 for r in trained)
     first = next(r for r in rows if "eval/code_fn/accuracy" in r)
     assert first["eval/code_fn/accuracy"] < first["eval/code_fn/pass@4"], first
-    assert _sandbox_processes() == 0
+    assert sandbox_processes() == 0

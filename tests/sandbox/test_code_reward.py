@@ -4,7 +4,6 @@ right, broken and hostile solutions, and what each leaves behind (nothing)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import pytest
@@ -13,6 +12,7 @@ from loongsage.core.plugins import load_registry
 from loongsage.core.types import DataRecord, Trajectory
 from loongsage.sandbox.code_reward import CodeTestsReward, extract_code
 from loongsage.sandbox.jail import jail_problem
+from tests._procs import sandbox_processes
 
 pytestmark = pytest.mark.skipif(jail_problem() is not None, reason=f"no sandbox here: {jail_problem()}")
 
@@ -24,18 +24,6 @@ def _score(reward: CodeTestsReward, response: str, tests=TESTS) -> tuple[float, 
                             loss_mask=[1], rollout_logprobs=[0.0], versions=[0], response_text=response)
     record = DataRecord(source="code", index=0, prompt="Write f(x) = 7x + 3.", metadata={"tests": tests})
     return asyncio.run(reward(trajectory, record)), trajectory
-
-
-def _sandbox_processes() -> int:
-    """Processes on this machine running under a sandbox uid (3,000,000 and up)."""
-    count = 0
-    for name in os.listdir("/proc"):
-        try:
-            if name.isdigit() and os.stat(f"/proc/{name}").st_uid >= 3_000_000:
-                count += 1
-        except OSError:
-            continue
-    return count
 
 
 @pytest.fixture
@@ -82,7 +70,7 @@ def test_hostile_solutions_are_contained_and_leave_nothing(reward):
     assert _score(reward, memory)[0] == 0.0  # MemoryError at import
     orphan = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\ndef f(x): return 7*x+3"
     assert _score(reward, orphan)[0] == 1.0  # the tests pass; the daemon dies with the sandbox
-    assert _sandbox_processes() == 0
+    assert sandbox_processes() == 0
     assert reward._backend is not None and not reward._backend._boxes  # every sandbox deleted
 
 
