@@ -33,7 +33,6 @@ import hashlib
 import inspect
 import json
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from loongsage.agentflow.rendering import ChatRenderer
 from loongsage.agentflow.templates import QWEN3_TOOLS_TEMPLATE
 from loongsage.agentflow.tool_calc import ToolCalcTask, teacher_messages
 from loongsage.agentflow.tools import schemas
-from loongsage.core.embedded.warmstart import INFO_FILE, cached_build, run_sft
+from loongsage.core.embedded.warmstart import cached_build, run_sft, save_warm_start
 
 # Bump whenever the output of build_tool_calc_warm_start changes for the same params.
 BUILDER_VERSION = 2
@@ -263,28 +262,19 @@ def build_tool_calc_warm_start(out_dir: str | Path, params: ToolCalcWarmStartPar
                                log_every: int = 0) -> Path:
     """Tokenizer + tiny Qwen3 + SFT on the teacher's transcripts, saved as an HF folder with
     ``loongsage_warmstart.json`` (params, builder version, final loss, timings); returns ``out_dir``."""
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3, count_parameters, save_model
+    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
 
     params = params or ToolCalcWarmStartParams()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(params.threads)
-    try:
-        with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
-            start = time.perf_counter()
-            tokenizer = build_tokenizer(params)
-            model, tokenizer = build_tiny_qwen3(
-                hidden_size=params.hidden_size, num_layers=params.num_layers, heads=params.heads,
-                kv_heads=params.kv_heads, intermediate_size=params.intermediate_size,
-                max_position_embeddings=params.max_position_embeddings, seed=params.seed, tokenizer=tokenizer)
-            summary = train_sft(model, tokenizer, params, log_every=log_every)
-            out = save_model(model, tokenizer, out_dir)
-            info = {"params": dataclasses.asdict(params), "builder_version": BUILDER_VERSION,
-                    "num_parameters": count_parameters(model), "build_seconds": time.perf_counter() - start,
-                    **summary}
-            (out / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    finally:
-        torch.set_num_threads(threads)
-    return out
+
+    def make():
+        tokenizer = build_tokenizer(params)
+        model, tokenizer = build_tiny_qwen3(
+            hidden_size=params.hidden_size, num_layers=params.num_layers, heads=params.heads,
+            kv_heads=params.kv_heads, intermediate_size=params.intermediate_size,
+            max_position_embeddings=params.max_position_embeddings, seed=params.seed, tokenizer=tokenizer)
+        return model, tokenizer, train_sft(model, tokenizer, params, log_every=log_every)
+
+    return save_warm_start(out_dir, params, BUILDER_VERSION, make)
 
 
 def cached_tool_calc_warm_start(params: ToolCalcWarmStartParams | None = None, cache_dir: str | Path | None = None,

@@ -23,7 +23,6 @@ import dataclasses
 import hashlib
 import json
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -121,37 +120,28 @@ def build_code_fn_warm_start(out_dir: str | Path, params: CodeFnWarmStartParams 
                              log_every: int = 0) -> Path:
     """The embedded tiny Qwen3 fine-tuned on the teacher's code; an HF folder with
     ``loongsage_warmstart.json``."""
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3, count_parameters, save_model
-    from loongsage.core.embedded.warmstart import INFO_FILE, render_prompt, run_sft, sft_tensors
+    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
+    from loongsage.core.embedded.warmstart import render_prompt, run_sft, save_warm_start, sft_tensors
 
     params = params or CodeFnWarmStartParams()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(params.threads)
-    try:
-        with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
-            start = time.perf_counter()
-            torch.manual_seed(params.seed)
-            model, tokenizer = build_tiny_qwen3(seed=params.seed)
-            task = CodeFnTask("train", size=params.steps * params.batch_size, seed=params.seed)
-            rng = random.Random(f"sft/{params.seed}")
 
-            def step_loss(step: int) -> torch.Tensor:
-                records = [task[i] for i in range(step * params.batch_size, (step + 1) * params.batch_size)]
-                prompts = [render_prompt(tokenizer, r.prompt) for r in records]
-                answers = [teacher_code(r.metadata["a"], r.metadata["b"], drop_prob=params.drop_prob, rng=rng)
-                           + tokenizer.eos_token for r in records]
-                input_ids, attention, labels = sft_tensors(tokenizer, prompts, answers)
-                return model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+    def make():
+        torch.manual_seed(params.seed)
+        model, tokenizer = build_tiny_qwen3(seed=params.seed)
+        task = CodeFnTask("train", size=params.steps * params.batch_size, seed=params.seed)
+        rng = random.Random(f"sft/{params.seed}")
 
-            summary = run_sft(model, params, step_loss, log_every=log_every)
-            out = save_model(model, tokenizer, out_dir)
-            info = {"params": dataclasses.asdict(params), "builder_version": BUILDER_VERSION,
-                    "num_parameters": count_parameters(model), "build_seconds": time.perf_counter() - start,
-                    **summary}
-            (out / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    finally:
-        torch.set_num_threads(threads)
-    return out
+        def step_loss(step: int) -> torch.Tensor:
+            records = [task[i] for i in range(step * params.batch_size, (step + 1) * params.batch_size)]
+            prompts = [render_prompt(tokenizer, r.prompt) for r in records]
+            answers = [teacher_code(r.metadata["a"], r.metadata["b"], drop_prob=params.drop_prob, rng=rng)
+                       + tokenizer.eos_token for r in records]
+            input_ids, attention, labels = sft_tensors(tokenizer, prompts, answers)
+            return model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+
+        return model, tokenizer, run_sft(model, params, step_loss, log_every=log_every)
+
+    return save_warm_start(out_dir, params, BUILDER_VERSION, make)
 
 
 @dataclass

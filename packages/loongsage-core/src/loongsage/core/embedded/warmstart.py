@@ -323,35 +323,49 @@ def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None,
     :func:`default_cache_dir`), built there first if missing.
     Also writes ``loongsage_warmstart.json`` (params, builder version, final loss, timings).
     """
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3, count_parameters, save_model
+    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
 
     params = params or WarmStartParams()
+
+    def make():
+        if params.init_from is not None:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            base = cached_warm_start(params.base(), cache_dir, log_every=log_every)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(base)
+        else:
+            model, tokenizer = build_tiny_qwen3(
+                hidden_size=params.hidden_size,
+                num_layers=params.num_layers,
+                heads=params.heads,
+                kv_heads=params.kv_heads,
+                intermediate_size=params.intermediate_size,
+                seed=params.seed,
+                vocab_size=params.vocab_size,
+            )
+        return model, tokenizer, train_sft(model, tokenizer, params, log_every=log_every)
+
+    return save_warm_start(out_dir, params, BUILDER_VERSION, make)
+
+
+def save_warm_start(out_dir: str | Path, params: Any, builder_version: int,
+                    make: Callable[[], tuple[Any, Any, dict]]) -> Path:
+    """Run ``make() -> (model, tokenizer, SFT summary)`` with ``params.threads`` torch threads and
+    the caller's RNG left untouched, then save the HF folder with :data:`INFO_FILE` (the params,
+    ``builder_version``, the parameter count, the build time and the summary); returns ``out_dir``."""
+    from loongsage.core.embedded.tiny_model import count_parameters, save_model
+
     threads = torch.get_num_threads()
     torch.set_num_threads(params.threads)
     try:
         with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
             start = time.perf_counter()
-            if params.init_from is not None:
-                from transformers import AutoModelForCausalLM, AutoTokenizer
-
-                base = cached_warm_start(params.base(), cache_dir, log_every=log_every)
-                model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-                tokenizer = AutoTokenizer.from_pretrained(base)
-            else:
-                model, tokenizer = build_tiny_qwen3(
-                    hidden_size=params.hidden_size,
-                    num_layers=params.num_layers,
-                    heads=params.heads,
-                    kv_heads=params.kv_heads,
-                    intermediate_size=params.intermediate_size,
-                    seed=params.seed,
-                    vocab_size=params.vocab_size,
-                )
-            summary = train_sft(model, tokenizer, params, log_every=log_every)
+            model, tokenizer, summary = make()
             out = save_model(model, tokenizer, out_dir)
             info = {
                 "params": dataclasses.asdict(params),
-                "builder_version": BUILDER_VERSION,
+                "builder_version": builder_version,
                 "num_parameters": count_parameters(model),
                 "build_seconds": time.perf_counter() - start,
                 **summary,
