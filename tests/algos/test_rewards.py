@@ -26,7 +26,9 @@ from loongsage.algos.rewards import (
     overlong_penalty,
     parse_number,
 )
+from loongsage.core.contracts import RewardContext
 from loongsage.core.plugins import load_registry
+from loongsage.core.rewarding import call_reward, takes_context
 from loongsage.core.types import ConfigError, DataRecord, RewardInfraError, Trajectory
 
 
@@ -136,6 +138,23 @@ def test_wrappers_await_an_async_inner_and_pass_infra_errors_through() -> None:
 
     with pytest.raises(RewardInfraError):
         FormatReward().bind(broken)(traj_of(1, r"\boxed{7}"), RECORD)
+
+
+def test_a_reward_taking_ctx_gets_the_context_through_wrappers() -> None:
+    seen: list[object] = []
+
+    async def in_sandbox(trajectory: Trajectory, record: DataRecord, ctx: RewardContext) -> float:
+        seen.append(ctx.services.get("sandboxes"))
+        return 1.0
+
+    ctx = RewardContext(services={"sandboxes": "handle"})
+    wrapped = FormatReward(pattern="7", bonus=0.5).bind(OverlongShaping(max_length=10, buffer=4).bind(in_sandbox))
+    assert takes_context(wrapped) and takes_context(in_sandbox) and not takes_context(ExactMatch())
+    assert asyncio.run(call_reward(wrapped, traj_of(8, "7"), RECORD, ctx)) == pytest.approx(1.0)  # 1 - 0.5 + 0.5
+    assert seen == ["handle"]  # once, through both wrappers
+    # without a context (a reward called outside the reward worker) it gets an empty one
+    assert asyncio.run(call_reward(in_sandbox, traj_of(1), RECORD, None)) == 1.0 and seen[-1] is None
+    assert call_reward(ExactMatch(), traj_of(1, "7"), RECORD, ctx) == 1.0  # two-argument rewards as before
 
 
 def test_format_reward() -> None:

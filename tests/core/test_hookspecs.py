@@ -163,7 +163,8 @@ CONTRACT_FLAGS = {
     "Correction": {"needs_logprobs": False},
     "DataFilter": {"excludes_from_loss": None},
     "RolloutScheduler": {"asynchronous": False, "max_staleness": 0, "collectable": None},
-    "Sandbox": {"reusable": False, "reset": None, "reap_orphans": None},
+    "Sandbox": {"reusable": False, "reset": None, "reap_orphans": None, "put_archive": None, "host_path": None,
+                "adopt": None},
     "Trainer": {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None},
     "Engine": {"kind": "engine"},
     "Teacher": {"kind": "teacher"},
@@ -171,7 +172,7 @@ CONTRACT_FLAGS = {
     "Tracker": {"kind": "tracker", "preflight": None},
     "ChatParser": {"kind": "chat_parser"},
     "ModelBuilder": {"kind": "model_builder"},
-    "RunService": {"kind": "service", "metrics": None},
+    "RunService": {"kind": "service", "metrics": None, "share": None, "finish": None},
 }
 
 

@@ -40,11 +40,11 @@ def test_extract_code_takes_the_last_fenced_block():
 def test_right_wrong_and_partly_right_solutions(reward):
     assert _score(reward, "```python\ndef f(x):\n    return 7 * x + 3\n```")[0] == 1.0
     score, t = _score(reward, "def f(x):\n    return 7 * x")
-    assert score == 0.0 and t.metadata["code_tests"] == {"passed": 0, "total": 3}
+    assert score == 0.0 and t.metadata["code_tests"] == {"passed": 0, "total": 3, "in_own_sandbox": False}
     partly = "def f(x):\n    return 3 if x == 0 else 0"
     assert _score(reward, partly)[0] == 0.0
     score, t = _score(CodeTestsReward(partial=True), partly)
-    assert score == pytest.approx(1 / 3) and t.metadata["code_tests"] == {"passed": 1, "total": 3}
+    assert score == pytest.approx(1 / 3) and t.metadata["code_tests"] == {"passed": 1, "total": 3, "in_own_sandbox": False}
 
 
 @pytest.mark.parametrize("code", [

@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -48,13 +49,16 @@ _LOOPBACK = "127.0.0.1,localhost,::1"
 _ENV_PROMPT_MAX = 100_000  # one environment string is limited to 128 KiB by the kernel
 _TAIL_CHARS = 2000
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]")
+SANDBOXES = "sandboxes"  # the loongsage-sandbox run service that sandbox=True takes its sandboxes from
 
 
 @dataclass
 class CommandAgent:
     """Runs ``command`` once per sample against its own gateway session (agent ``command``)."""
 
-    command: list[str]  # argv; {prompt_file} and {workdir} are replaced in every item (and in env values)
+    # argv; {prompt_file}, {workdir} and {python} (the driver's interpreter) are replaced in every
+    # item (and in env values)
+    command: list[str]
     timeout_s: float = ranged(600.0, gt=0, note="wall clock of one episode's program")
     grace_s: float = ranged(5.0, ge=0, note="between SIGTERM and SIGKILL")
     max_concurrency: int = ranged(8, ge=1, note="programs of this agent running at once")
@@ -70,6 +74,10 @@ class CommandAgent:
     reward_file: bool = False  # read the float the program wrote to {workdir}/reward
     # run the program under strace and report every destination it tried to reach (netaudit.py)
     audit_network: bool = False
+    # each episode's working directory is a sandbox of the run's `sandboxes` service (loongsage-sandbox),
+    # on this machine: what the program leaves there stays in the sandbox for the reward (code_tests
+    # with solution_file runs the task's tests in it), until the rollout is done with the trajectory
+    sandbox: bool = False
     required_services: ClassVar[tuple[str, ...]] = ("gateway",)  # checked at validation
 
     def __post_init__(self) -> None:
@@ -88,6 +96,10 @@ class CommandAgent:
         if self.audit_network and netaudit.strace_problem():
             raise ValueError(f"audit_network=True: {netaudit.strace_problem()}")
         self.jailed = self._resolve_network()
+        if self.sandbox:
+            if self.workdir_root is not None or self.keep_workdir:
+                raise ValueError("sandbox=True: the working directory is the sandbox's; drop workdir_root and keep_workdir")
+            self.required_services = ("gateway", SANDBOXES)
         self._limit: tuple[Any, asyncio.Semaphore] | None = None  # (event loop, its semaphore)
 
     def _resolve_network(self) -> bool:
@@ -103,11 +115,15 @@ class CommandAgent:
     # ------------------------------------------------------------------------------ episodes
     async def run(self, record: DataRecord, ctx: Any) -> list[Trajectory]:
         gateway = gateway_of(ctx, "gateway", "command")
+        sandboxes = ctx.services.get(SANDBOXES) if self.sandbox else None
+        if self.sandbox and sandboxes is None:
+            raise RuntimeError(f"command agent: sandbox=True needs the run service {SANDBOXES!r}; add services: "
+                               f"[{{name: {SANDBOXES}}}] (running: {sorted(ctx.services) or 'none'})")
         loop = asyncio.get_running_loop()
         if self._limit is None or self._limit[0] is not loop:
             self._limit = (loop, asyncio.Semaphore(self.max_concurrency))
         limit = self._limit[1]
-        episodes = await asyncio.gather(*(self._limited(limit, record, ctx, gateway, k)
+        episodes = await asyncio.gather(*(self._limited(limit, record, ctx, gateway, k, sandboxes)
                                           for k in range(ctx.sampling.n)))
         group = [t for episode in episodes for t in episode]
         for index, t in enumerate(group):
@@ -115,21 +131,51 @@ class CommandAgent:
         return group
 
     async def _limited(self, limit: asyncio.Semaphore, record: DataRecord, ctx: Any, gateway: Any,
-                       k: int) -> list[Trajectory]:
+                       k: int, sandboxes: Any) -> list[Trajectory]:
         async with limit:
-            return await self.episode(record, ctx.group_id, k, gateway)
+            if sandboxes is None:
+                return await self.episode(record, ctx.group_id, k, gateway, sampling=ctx.sampling)
+            return await self._in_sandbox(sandboxes, record, ctx.group_id, k, gateway, ctx.sampling)
 
-    async def episode(self, record: DataRecord, group_id: int, k: int, gateway: Any) -> list[Trajectory]:
-        """One program run against one session; its exported trajectories (or one failed)."""
+    async def _in_sandbox(self, sandboxes: Any, record: DataRecord, group_id: int, k: int,
+                          gateway: Any, sampling: Any) -> list[Trajectory]:
+        """An episode whose working directory is a leased sandbox's: the lease goes with its
+        trajectories (ended once they are scored), or ends here when the episode fails or is cancelled."""
+        box = await sandboxes.acquire(_UNSAFE.sub("_", f"cmd-{record.source}-g{group_id}-s{k}")[:120])
+        try:
+            if box.host_path is None:
+                raise ValueError(f"command agent: sandbox=True needs a sandbox backend with a directory on this "
+                                 f"machine (host_path), like 'local'; sandbox {box.sandbox_id!r} has none")
+            trajectories = await self.episode(record, group_id, k, gateway, workdir=Path(box.host_path),
+                                              sampling=sampling)
+            await box.adopt()  # what the program wrote becomes the sandbox's (its uid may change it)
+        except BaseException:
+            await asyncio.shield(box.release())
+            raise
+        for t in trajectories:
+            box.attach(t)
+        return trajectories
+
+    async def episode(self, record: DataRecord, group_id: int, k: int, gateway: Any,
+                      workdir: Path | None = None, sampling: Any = None) -> list[Trajectory]:
+        """One program run against one session; its exported trajectories (or one failed).
+        ``workdir``: the program's working directory (default: a fresh one, removed afterwards);
+        ``sampling``: the source's sampling, told to the program in ``LOONGSAGE_SAMPLING``."""
         started = time.monotonic()
         name = _UNSAFE.sub("_", f"cmd-{record.source}-g{group_id}-s{k}")[:110] + f"-{secrets.token_hex(4)}"
-        workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.workdir_root))
+        own_workdir = workdir is None
+        if workdir is None:
+            workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.workdir_root))
         try:
             control = tempfile.mkdtemp(prefix="lsg-")  # short: it holds the relay's Unix socket
             info = gateway.open_session(name)
             try:
                 prompt_file = _write_prompt(workdir, record.prompt)
                 env = self._env(info, gateway, record.prompt, prompt_file, workdir, name)
+                if sampling is not None:  # a program may follow the run's sampling (greedy in evaluation)
+                    env["LOONGSAGE_SAMPLING"] = json.dumps({
+                        "temperature": 0.0 if sampling.greedy else sampling.temperature, "top_p": sampling.top_p,
+                        "top_k": sampling.top_k, "max_tokens": sampling.max_new_tokens})
                 argv = [_fill(a, prompt_file, workdir) for a in self.command]
                 argv = self.prepare(workdir, record.prompt, argv, env)
                 trace = os.path.join(control, "connections.strace") if self.audit_network else None
@@ -146,7 +192,7 @@ class CommandAgent:
                 shutil.rmtree(control, ignore_errors=True)
             meta = self._metadata(record, name, workdir, outcome, started, facts)  # reads {workdir}/reward
         finally:
-            if not self.keep_workdir:
+            if own_workdir and not self.keep_workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
         trajectories = session.trajectories(source=record.source, group_id=group_id)
         for t in trajectories:
@@ -212,7 +258,8 @@ class CommandAgent:
 
 
 def _fill(text: str, prompt_file: str, workdir: Path) -> str:
-    return text.replace("{prompt_file}", prompt_file).replace("{workdir}", str(workdir))
+    return (text.replace("{prompt_file}", prompt_file).replace("{workdir}", str(workdir))
+            .replace("{python}", sys.executable))
 
 
 def _write_prompt(workdir: Path, prompt: Any) -> str:

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar, Literal
 
-from loongsage.core.contracts import Reward
+from loongsage.core.contracts import Reward, RewardContext
+from loongsage.core.rewarding import call_reward
 from loongsage.core.types import DataRecord, Trajectory
 
 RewardFn = Callable[[Trajectory, DataRecord], "float | Awaitable[float]"]
@@ -111,9 +112,10 @@ class _Wrapper(Reward):
         object.__setattr__(bound, "_inner_reward", inner)
         return bound
 
-    def _base(self, trajectory: Trajectory, record: DataRecord) -> float | Awaitable[float]:
+    def _base(self, trajectory: Trajectory, record: DataRecord,
+              ctx: RewardContext | None = None) -> float | Awaitable[float]:
         if self._inner_reward is not None:
-            return self._inner_reward(trajectory, record)
+            return call_reward(self._inner_reward, trajectory, record, ctx)
         if self.inner is not None:
             raise RuntimeError(
                 f"{self.name}.inner={dict(self.inner)!r}: not built; build it through the registry"
@@ -155,9 +157,10 @@ class OverlongShaping(_Wrapper):
         if not 1 <= self.buffer <= self.max_length:
             raise ValueError(f"overlong_shaping.buffer={self.buffer}: must be in [1, max_length={self.max_length}]")
 
-    def __call__(self, trajectory: Trajectory, record: DataRecord) -> float | Awaitable[float]:
+    def __call__(self, trajectory: Trajectory, record: DataRecord,
+                 ctx: RewardContext | None = None) -> float | Awaitable[float]:
         penalty = overlong_penalty(len(trajectory.response_ids), self.max_length, self.buffer)
-        return _then(self._base(trajectory, record), lambda base: base + penalty)
+        return _then(self._base(trajectory, record, ctx), lambda base: base + penalty)
 
 
 @dataclass(frozen=True)
@@ -190,12 +193,13 @@ class FormatReward(_Wrapper):
         compiled: re.Pattern[str] = self._compiled  # type: ignore[attr-defined]
         return (compiled.fullmatch(text) if self.full_match else compiled.search(text)) is not None
 
-    def __call__(self, trajectory: Trajectory, record: DataRecord) -> float | Awaitable[float]:
+    def __call__(self, trajectory: Trajectory, record: DataRecord,
+                 ctx: RewardContext | None = None) -> float | Awaitable[float]:
         matched = self.matches(trajectory.response_text)
         if self.gate and not matched:
             return self.penalty
         term = self.bonus if matched else self.penalty
-        return _then(self._base(trajectory, record), lambda base: base + term)
+        return _then(self._base(trajectory, record, ctx), lambda base: base + term)
 
 
 # ----------------------------------------------------------------------------------- math

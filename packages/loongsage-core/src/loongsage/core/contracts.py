@@ -75,12 +75,25 @@ class Agent(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class RewardContext:
+    """What a reward whose ``__call__`` takes a ``ctx`` parameter gets besides the trajectory and
+    its record: the shared handles of the run's services (``RunService.share``) by service name,
+    e.g. the sandbox service, through which a reward reaches the sandbox its trajectory worked in."""
+
+    services: Mapping[str, Any]
+
+
 class Reward(Protocol):
     """``loongsage_rewards``: scores one finished trajectory.
 
     Runs in the reward worker actor; called once per trajectory (concurrently when it returns an
     awaitable). Raises :class:`~loongsage.core.types.RewardInfraError` when the scorer itself
     failed: the trajectory is then marked ``failed`` instead of scored 0.
+
+    A reward that declares a third parameter named ``ctx`` is called with a :class:`RewardContext`
+    (``__call__(trajectory, record, ctx)``; see :func:`~loongsage.core.rewarding.call_reward`).
+    Whatever the trajectory held (its sandbox) is kept until every reward of its batch has returned.
     """
 
     nested: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
@@ -230,6 +243,15 @@ class Sandbox(Protocol):
     reap_orphans: ClassVar[Callable[[], Awaitable[int]] | None] = None
     """``reap_orphans() -> count``: remove the sandboxes whose creating process is gone (a pool
     calls it when it starts)."""
+    put_archive: ClassVar[Callable[[str, str, bytes], Awaitable[int]] | None] = None
+    """``put_archive(sandbox_id, path, tar_bytes) -> files``: unpack a tar archive under ``path``;
+    links, devices and names leaving the directory refuse the whole archive."""
+    host_path: ClassVar[Callable[[str], str] | None] = None
+    """``host_path(sandbox_id) -> str``: the work directory as a path on the pool's machine, for a
+    program that runs outside the sandbox but works in its directory (the command agent)."""
+    adopt: ClassVar[Callable[[str], Awaitable[int]] | None] = None
+    """``adopt(sandbox_id) -> count``: hand what such a program wrote there to the sandbox (owner,
+    permissions), before commands inside change it (required with ``host_path``)."""
 
     async def create(self, owner: SandboxOwner, deadline: float) -> str:
         """A new empty sandbox for ``owner``; its id."""
@@ -481,6 +503,12 @@ class RunService(Protocol):
     kind: ClassVar[Literal["service"]] = "service"
     metrics: ClassVar[Callable[[], dict[str, float]] | None] = None
     """Optional method ``metrics()``: the service's counters, added to every step's metrics."""
+    share: ClassVar[Callable[[], Any] | None] = None
+    """Optional method ``share()``, called once after ``start``: a picklable handle for the run's
+    other processes; rewards get it as ``ctx.services[<name>]`` (:class:`RewardContext`)."""
+    finish: ClassVar[Callable[[list[Trajectory]], Awaitable[None]] | None] = None
+    """Optional ``async finish(trajectories)``: the rollout is done with these trajectories (scored,
+    or their scoring failed): free what they held (their sandboxes)."""
 
     async def start(self, ctx: Any) -> Any: ...
 

@@ -375,7 +375,8 @@ class Controller:
         cfg = self.cfg
         self.services = RunServices(cfg.services, self.registry)
         try:
-            self.rollout.services = await self.services.start(ServiceContext(
+            self.rollout.services = self.services
+            await self.services.start(ServiceContext(
                 engine=self.rollout.router, tokenizer=self.tokenizer, model_path=self.model_path,
                 run_dir=self.run_dir, registry=self.registry, seed=cfg.run.seed))
             return await self._steps(start, progress)

@@ -69,6 +69,7 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self._providers: dict[int, str] = {}
         self._tables: dict[str, dict[str, Entry]] | None = None
+        self.extra_modules: tuple[str, ...] = ()  # the config's plugins: another process loads the same
 
     # ----------------------------------------------------------------- loading
     def register_module(self, module: Any, provider: str) -> None:
@@ -93,6 +94,7 @@ class Registry:
             except Exception as exc:
                 raise ConfigError(f"plugins: module {path!r} failed to import: {type(exc).__name__}: {exc}") from exc
             self.register_module(module, f"config plugins: {path}")
+        self.extra_modules += tuple(extra_modules)
         return self
 
     # ----------------------------------------------------------------- tables

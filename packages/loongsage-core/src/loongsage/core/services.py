@@ -7,6 +7,12 @@ gets a :class:`ServiceContext` (the engine router, the tokenizer, the registry, 
 the handle agents see as ``ctx.services[<name>]``. Services stop in reverse order when the run
 ends, also when it fails. A new kind of service needs a plugin, never a change to the controller.
 
+Two optional methods reach beyond agents. ``share()`` gives a picklable handle that the reward
+worker (another process) hands to rewards taking a context (``ctx.services[<name>]``), and
+``finish(trajectories)`` runs once the rollout is done with a batch of trajectories (every reward
+returned): the sandbox service frees the sandboxes they worked in there, after their rewards ran
+tests in them.
+
 Because services share the rollout's event loop, a service may call the engine router directly:
 requests it sends wait while a weight update holds generation and, under an asynchronous
 scheduler, are cut at the update and continued on the new weights like any agent's.
@@ -41,6 +47,7 @@ class RunServices:
         self.entries = [(spec["name"], registry.create("service", spec, f"services.{i}"))
                         for i, spec in enumerate(specs)]
         self.handles: dict[str, Any] = {}
+        self.shared: dict[str, Any] = {}  # share() of the services that have it: for rewards
         self._started: list[tuple[str, Any]] = []
 
     async def start(self, ctx: ServiceContext) -> dict[str, Any]:
@@ -48,8 +55,16 @@ class RunServices:
         for name, service in self.entries:
             self.handles[name] = await service.start(ctx)
             self._started.append((name, service))
+            if service.share is not None:
+                self.shared[name] = service.share()
             log.info("service %s started", name)
         return self.handles
+
+    async def finish(self, trajectories: list[Any]) -> None:
+        """Tell every service with ``finish`` that the rollout is done with ``trajectories``."""
+        for _, service in self._started:
+            if service.finish is not None:
+                await service.finish(trajectories)
 
     async def stop(self) -> None:
         """Stop what was started, newest first; a service that fails to stop is logged, and the
@@ -61,6 +76,7 @@ class RunServices:
             except Exception as exc:  # noqa: BLE001 - the run's own outcome is what propagates
                 log.warning("service %s did not stop cleanly: %s: %s", name, type(exc).__name__, exc)
         self.handles.clear()
+        self.shared.clear()
 
     def metrics(self) -> dict[str, float]:
         """Every started service's counters (a service without ``metrics`` has none)."""

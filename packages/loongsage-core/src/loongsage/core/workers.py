@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 from loongsage.core.config import Config
-from loongsage.core.contracts import Critic
+from loongsage.core.contracts import Critic, RewardContext
 from loongsage.core.loss import LossPipeline
 from loongsage.core.metrics import Metrics
+from loongsage.core.rewarding import call_reward
 from loongsage.core.types import RewardInfraError, Status, TrainBatch, Trajectory, DataRecord
 
 
@@ -223,10 +224,15 @@ class RewardWorker:
         self.rewards = {s.name: registry.create("reward", s.reward, f"data_sources[{i}].reward")
                         for i, s in enumerate(cfg.data_sources)}
 
-    async def score(self, trajectories: list[Trajectory], records: list[DataRecord]) -> list[tuple[float | None, str]]:
+    async def score(self, trajectories: list[Trajectory], records: list[DataRecord],
+                    services: dict[str, Any] | None = None) -> list[tuple[float | None, str]]:
+        """``(reward or None, status)`` per trajectory; ``services``: the run services' shared
+        handles, handed to rewards that take a context."""
+        ctx = RewardContext(services=dict(services or {}))
+
         async def one(t: Trajectory, r: DataRecord) -> tuple[float | None, str]:
             try:
-                value = self.rewards[t.source](t, r)
+                value = call_reward(self.rewards[t.source], t, r, ctx)
                 if inspect.isawaitable(value):
                     value = await value
                 return float(value), t.status.value

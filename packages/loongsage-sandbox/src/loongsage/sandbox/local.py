@@ -266,6 +266,15 @@ class LocalSandbox(Sandbox):
         return await self._files(box, paths.extract_archive, str(box.work), path, archive, uid=box.uid,
                                  limit=self.limits.get_bytes)
 
+    def host_path(self, sandbox_id: str) -> str:
+        """The work directory as a path on this machine (what the command agent runs a program in)."""
+        return str(self._box(sandbox_id).work)
+
+    async def adopt(self, sandbox_id: str) -> int:
+        """Give the files written into the work directory from the host to the sandbox's uid; how many."""
+        box = self._box(sandbox_id)
+        return await self._files(box, paths.give_files, str(box.work), box.uid)
+
     async def _files(self, box: _Box, fn, *args, **kwargs):
         """``fn`` in a thread, counted as work under way: a delete or reset waits for it (a thread
         goes on when its caller is cancelled, and must not write into a directory being removed)."""

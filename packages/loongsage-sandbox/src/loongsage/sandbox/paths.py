@@ -158,3 +158,17 @@ def write_dir(root: str, path: str, *, uid: int) -> None:
     parts = split(path)
     with _walk(root, [*parts, b"."], create=True, uid=uid, path=path):
         pass
+
+
+def give_files(root: str, uid: int) -> int:
+    """Make everything under ``root`` belong to ``uid`` (files a program on the host wrote into a
+    sandbox's work directory, so the sandbox may change them); how many entries changed owner.
+    Walked by descriptor without following a symlink: a link is re-owned itself, never its target."""
+    count = 0
+    for _, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
+        for name in (*dirs, *files):
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid != uid:
+                    os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
+                    count += 1
+    return count

@@ -6,6 +6,7 @@ from loongsage.core.hookspecs import Factories, hookimpl
 from loongsage.sandbox.code_reward import CodeTestsReward
 from loongsage.sandbox.code_task import CodeFnTask, TinyCodeFnModel
 from loongsage.sandbox.local import LocalSandbox
+from loongsage.sandbox.service import SERVICE, SandboxService
 
 
 @hookimpl
@@ -25,4 +26,7 @@ def loongsage_data_sources() -> Factories:
 
 @hookimpl
 def loongsage_backends() -> Factories:
-    return {"tiny_code_fn": TinyCodeFnModel}  # the code_fn warm start (model_builder)
+    return {
+        "tiny_code_fn": TinyCodeFnModel,  # the code_fn warm start (model_builder)
+        SERVICE: SandboxService,  # the run's sandbox pool, shared by agents and rewards (service)
+    }

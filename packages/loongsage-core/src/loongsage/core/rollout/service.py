@@ -57,6 +57,7 @@ from loongsage.core.rollout.recovery import EngineRecovery
 from loongsage.core.rollout.replay import GroupRecorder, RecordedCall
 from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.rollout.router import EngineRouter
+from loongsage.core.services import RunServices
 from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, Trajectory
 
 Groups = list[list[Trajectory]]
@@ -96,7 +97,7 @@ class RolloutService:
             self.recovery = EngineRecovery(router, restart=restart_engine, load=load_engine,
                                            max_restarts=max_engine_restarts, on_error=self._fail)
         self._failover_seen = (0, 0)  # the router's (restarts, redispatched) at the last batch
-        self.services: dict[str, Any] = {}  # the run's services by name, for agents (set once started)
+        self.services: RunServices | None = None  # the run's services (set once started)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
@@ -113,12 +114,17 @@ class RolloutService:
             first, self.next_group_id = self.next_group_id, self.next_group_id + len(records)
             group_ids = list(range(first, self.next_group_id))
         engines = engines or [self.router] * len(records)
-        contexts = [AgentContext(engine, self.tokenizer, self._seeded(sampling[r.source], gid), gid, self.services)
+        handles = self.services.handles if self.services is not None else {}
+        contexts = [AgentContext(engine, self.tokenizer, self._seeded(sampling[r.source], gid), gid, handles)
                     for r, gid, engine in zip(records, group_ids, engines)]
         groups = await gather_groups(agents or self.agents, records, contexts)
         flat = [t for g in groups for t in g]
         recs = [r for r, g in zip(records, groups) for _ in g]
-        scores = await self.reward.score.remote(flat, recs)
+        try:
+            scores = await self.reward.score.remote(flat, recs, self.services.shared if self.services else None)
+        finally:  # what the trajectories held (their sandboxes) outlives their rewards, no longer
+            if self.services is not None:
+                await self.services.finish(flat)
         for t, (value, status) in zip(flat, scores):
             t.reward = value
             if value is None:
