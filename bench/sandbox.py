@@ -1,4 +1,9 @@
-"""The ``local`` sandbox vs a plain subprocess: lifecycles per second and exec latency, one run.
+"""A sandbox backend vs a plain subprocess: lifecycles per second and exec latency, one run.
+
+``--backend local`` (the default) or ``--backend docker --docker-url unix:///...`` (any Docker
+Engine API; Podman's service here). With ``docker`` a third side, ``raw``, does the same through the
+``docker`` client directly (a container made, started and removed with the same options; one
+``exec_run``): what the engine itself costs, so ``sandbox/raw`` is the backend's own overhead.
 
 Workloads, each run sequentially (one operation at a time, so the figures are latencies):
 
@@ -54,21 +59,65 @@ async def plain_exec(cmd: str, cwd: str) -> None:
 
 
 class Sides:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, backend: str, docker_url: str | None):
         from loongsage.core.contracts import SandboxOwner
-        from loongsage.sandbox.local import LocalSandbox
 
         self.owner = SandboxOwner("bench", "t")
-        self.backend = LocalSandbox(root=str(root / "sandboxes"))
+        if backend == "docker":
+            from loongsage.sandbox.docker_backend import DockerSandbox
+
+            self.backend = DockerSandbox(base_url=docker_url)
+            self.names = ("sandbox", "plain", "raw")
+        else:
+            from loongsage.sandbox.local import LocalSandbox
+
+            self.backend = LocalSandbox(root=str(root / "sandboxes"))
+            self.names = ("sandbox", "plain")
         self.scratch = root / "plain"
         self.scratch.mkdir()
         self.sandbox_id: str | None = None
+        self.raw_container = None
 
     async def setup(self) -> None:
         self.sandbox_id = await self.backend.create(self.owner, time.time() + 3600)
+        if "raw" in self.names:
+            self.raw_container = await asyncio.to_thread(self._raw_create)
+
+    def _raw_create(self):
+        """A container as the backend makes one, through the client alone (no set-up exec)."""
+        from docker.types import Ulimit
+
+        from loongsage.sandbox.docker_backend import host_mounts
+
+        lim = self.backend.limits  # a container's limits cost nothing per call; some hosts need them set
+        ulimits = [Ulimit(name="nofile", soft=lim.open_files, hard=lim.open_files),
+                   Ulimit(name="nproc", soft=lim.processes, hard=lim.processes)]
+        container = self.backend.client.containers.create(ulimits=ulimits, pids_limit=lim.processes,
+                                                          mem_limit=lim.memory_mb << 20,
+            image=self.backend.image, command=["/bin/sh", "-c", "sleep infinity"], network_mode="none", read_only=True,
+            volumes=host_mounts(), tmpfs={"/work": "size=16m", "/tmp": "size=16m"}, labels={"loongsage.bench": "1"},
+            **({"runtime": self.backend.runtime} if self.backend.runtime else {}))
+        container.start()
+        return container
+
+    def _raw(self, cmd: str | None, lifecycle: bool) -> None:
+        container = self._raw_create() if lifecycle else self.raw_container
+        if cmd is not None:
+            code, _ = container.exec_run(["/bin/sh", "-c", cmd], workdir="/work", user="1000:1000", demux=True)
+            assert code == 0, code
+        if lifecycle:
+            container.remove(force=True)
+
+    async def close(self) -> None:
+        await self.backend.close()
+        if self.raw_container is not None:
+            await asyncio.to_thread(self.raw_container.remove, force=True)
 
     async def op(self, side: str, workload: str) -> None:
         cmd = WORKLOADS[workload]
+        if side == "raw":
+            await asyncio.to_thread(self._raw, cmd, not workload.startswith("exec"))
+            return
         if side == "sandbox":
             if workload.startswith("exec"):
                 result = await self.backend.exec(self.sandbox_id, cmd, 30)
@@ -108,38 +157,43 @@ def stats(values: list[float]) -> dict[str, float]:
 
 async def run(args) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as tmp:
-        sides = Sides(Path(tmp))
+        sides = Sides(Path(tmp), args.backend, args.docker_url)
         await sides.setup()
         rounds = []
         try:
             for workload in WORKLOADS:
-                for side in ("sandbox", "plain"):  # warm-up, the same number of operations on each side
+                for side in sides.names:  # warm-up, the same number of operations on each side
                     rounds.append({**await sides.round(side, workload, args.warmup), "warmup": True})
             for repeat in range(args.repeats):
                 for workload in WORKLOADS:
-                    for side in ("sandbox", "plain") if repeat % 2 == 0 else ("plain", "sandbox"):
+                    for side in sides.names if repeat % 2 == 0 else reversed(sides.names):
                         r = await sides.round(side, workload, args.ops)
                         rounds.append({**r, "warmup": False, "repeat": repeat})
                         print(f"repeat {repeat} {workload:22s} {side:8s} {r['ops_per_s']:8.1f} ops/s, "
                               f"median {1000 * statistics.median(r['latency_s']):.1f} ms, load {r['loadavg_1m']:.1f}",
                               flush=True)
         finally:
-            await sides.backend.close()
-    return {"rounds": rounds}
+            await sides.close()
+    return {"rounds": rounds, "sides": list(sides.names)}
 
 
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, Any]], sides: list[str]) -> dict[str, Any]:
     timed = [r for r in rounds if not r["warmup"]]
     out: dict[str, Any] = {}
     for workload in WORKLOADS:
-        per = {side: [r for r in timed if r["workload"] == workload and r["side"] == side] for side in ("sandbox", "plain")}
+        per = {side: sorted([r for r in timed if r["workload"] == workload and r["side"] == side],
+                            key=lambda r: r["repeat"]) for side in sides}
         entry = {side: {"ops_per_s": stats([r["ops_per_s"] for r in rs]),
                         "latency_s": stats([x for r in rs for x in r["latency_s"]])} for side, rs in per.items()}
-        pairs = list(zip(sorted(per["sandbox"], key=lambda r: r["repeat"]), sorted(per["plain"], key=lambda r: r["repeat"])))
-        entry["latency_ratio_of_medians"] = entry["sandbox"]["latency_s"]["median"] / entry["plain"]["latency_s"]["median"]
-        entry["latency_ratio_per_repeat"] = [statistics.median(s["latency_s"]) / statistics.median(p["latency_s"])
-                                             for s, p in pairs]
-        entry["added_ms_median"] = 1000 * (entry["sandbox"]["latency_s"]["median"] - entry["plain"]["latency_s"]["median"])
+        for peer in sides[1:]:
+            suffix = "" if peer == "plain" else f"_vs_{peer}"
+            entry[f"latency_ratio_of_medians{suffix}"] = (entry["sandbox"]["latency_s"]["median"]
+                                                         / entry[peer]["latency_s"]["median"])
+            entry[f"latency_ratio_per_repeat{suffix}"] = [
+                statistics.median(s["latency_s"]) / statistics.median(p["latency_s"])
+                for s, p in zip(per["sandbox"], per[peer])]
+            entry[f"added_ms_median{suffix}"] = 1000 * (entry["sandbox"]["latency_s"]["median"]
+                                                        - entry[peer]["latency_s"]["median"])
         out[workload] = entry
     return out
 
@@ -161,8 +215,17 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
                      f"{ms(s['latency_s']['median'])} ({ms(s['latency_s']['p90'])}) | "
                      f"{ms(p['latency_s']['median'])} ({ms(p['latency_s']['p90'])}) | {e['added_ms_median']:.1f} | "
                      f"{e['latency_ratio_of_medians']:.2f}x ({', '.join(f'{x:.2f}' for x in e['latency_ratio_per_repeat'])}) |")
-    lines += ["", "`plain`: `asyncio.create_subprocess_exec('/bin/sh', '-c', cmd)` with the same pipes; for the "
-              "lifecycles a temporary directory made and removed.", ""]
+    if "raw" in result["sides"]:
+        lines += ["", "| workload | raw client ops/s | raw latency median (p90) ms | sandbox/raw latency (per repeat) |",
+                  "|---|---:|---:|---|"]
+        for workload, e in result["summary"].items():
+            r = e["raw"]
+            lines.append(f"| {workload} | {r['ops_per_s']['median']:.1f} | {ms(r['latency_s']['median'])} "
+                         f"({ms(r['latency_s']['p90'])}) | {e['latency_ratio_of_medians_vs_raw']:.2f}x "
+                         f"({', '.join(f'{x:.2f}' for x in e['latency_ratio_per_repeat_vs_raw'])}) |")
+    lines += ["", f"backend `{result['settings']['backend']}`. `plain`: `asyncio.create_subprocess_exec('/bin/sh', "
+              "'-c', cmd)` with the same pipes; for the lifecycles a temporary directory made and removed. `raw` "
+              "(docker): the `docker` client alone, the same container options, `exec_run`.", ""]
     path.write_text("\n".join(lines))
 
 
@@ -172,6 +235,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
+    ap.add_argument("--backend", choices=("local", "docker"), default="local")
+    ap.add_argument("--docker-url", default=None, help="the Docker Engine API (default: DOCKER_HOST)")
     args = ap.parse_args()
     if args.ops < 1 or args.warmup < 0 or args.repeats < 1:
         ap.error("--ops and --repeats must be at least 1, --warmup at least 0")
@@ -182,12 +247,13 @@ def main() -> int:
               "machine": {"platform": platform.platform(), "python": platform.python_version(),
                           "cpus": len(os.sched_getaffinity(0))},
               "loadavg_1m_before_after": [load_start, os.getloadavg()[0]],
-              "summary": summarize(out["rounds"]), "rounds": out["rounds"]}
+              "sides": out["sides"], "summary": summarize(out["rounds"], out["sides"]), "rounds": out["rounds"]}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "sandbox.json").write_text(json.dumps(result, indent=1) + "\n")
-    write_markdown(out_dir / "sandbox.md", result)
-    print((out_dir / "sandbox.md").read_text())
+    name = "sandbox" if args.backend == "local" else f"sandbox.{args.backend}"
+    (out_dir / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_markdown(out_dir / f"{name}.md", result)
+    print((out_dir / f"{name}.md").read_text())
     return 0
 
 

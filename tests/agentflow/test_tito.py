@@ -10,7 +10,6 @@ from pathlib import Path
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from loongsage.agentflow.parsers import Qwen3ChatParser
 from loongsage.agentflow.rendering import ChatRenderer
 from loongsage.agentflow.store import Budget, Sample, Session
 from loongsage.agentflow.tito import cut_at_stop, plan_turn

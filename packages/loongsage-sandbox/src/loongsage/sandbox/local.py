@@ -106,7 +106,7 @@ class LocalSandbox(Sandbox):
 
     # ------------------------------------------------------------------------------- lifecycle
     async def create(self, owner: SandboxOwner, deadline: float) -> str:
-        _check_owner(owner, deadline)
+        check_owner(owner, deadline)
         claim = UidClaim(self.store.root / "uids")
         try:
             sandbox_id = self.store.make(owner, deadline, claim.uid, self.limits.work_mb)
@@ -124,7 +124,7 @@ class LocalSandbox(Sandbox):
             await asyncio.shield(self._spawn(self._destroy(box)))
 
     async def reset(self, sandbox_id: str, owner: SandboxOwner, deadline: float) -> None:
-        _check_owner(owner, deadline)
+        check_owner(owner, deadline)
         box = self._box(sandbox_id)
         await asyncio.shield(self._spawn(self._renew(box, owner, deadline)))
 
@@ -248,7 +248,7 @@ class LocalSandbox(Sandbox):
             raise
         finally:
             box.jails.discard(jail)
-        return _result(jail.returncode, timed_out, wall, out, err, box.closing)
+        return exec_result(jail.returncode, timed_out, wall, out, err, box.closing)
 
     # ----------------------------------------------------------------------------------- files
     async def put(self, sandbox_id: str, path: str, data: bytes) -> None:
@@ -295,7 +295,7 @@ class LocalSandbox(Sandbox):
             raise
 
 
-def _check_owner(owner: SandboxOwner, deadline: float) -> None:
+def check_owner(owner: SandboxOwner, deadline: float) -> None:
     if not isinstance(owner, SandboxOwner):
         raise ValueError(f"sandbox owner={owner!r}: must be a SandboxOwner(run, trajectory, attempt)")
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not math.isfinite(deadline):
@@ -381,7 +381,7 @@ def _state(pid: int) -> bytes | None:
         return None
 
 
-def _result(code: int | None, timed_out: bool, wall: float, out: Capture, err: Capture,
+def exec_result(code: int | None, timed_out: bool, wall: float, out: Capture, err: Capture,
             closing: str | None) -> ExecResult:
     exit_code, sig = code, None
     if timed_out or closing is not None:  # ended by the kill of its jail, whatever bubblewrap reported

@@ -5,13 +5,17 @@ from __future__ import annotations
 from loongsage.core.hookspecs import Factories, hookimpl
 from loongsage.sandbox.code_reward import CodeTestsReward
 from loongsage.sandbox.code_task import CodeFnTask, TinyCodeFnModel
+from loongsage.sandbox.docker_backend import DockerSandbox
 from loongsage.sandbox.local import LocalSandbox
 from loongsage.sandbox.service import SERVICE, SandboxService
 
 
 @hookimpl
 def loongsage_sandboxes() -> Factories:
-    return {"local": LocalSandbox}
+    return {
+        "local": LocalSandbox,  # a bubblewrap jail per exec on this machine (root)
+        "docker": DockerSandbox,  # a container per sandbox on a Docker Engine API (Docker, Podman)
+    }
 
 
 @hookimpl

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from loongsage.core.rollout.router import EngineRouter
-from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.types import DataRecord, FinishReason, SamplingParams, Status, Trajectory
 
 @dataclass

@@ -1,0 +1,428 @@
+"""``docker``: every sandbox a container of a Docker Engine API, through the official ``docker``
+Python client (``pip install 'loongsage-sandbox[docker]'``). Any engine that serves the API works:
+Docker, or Podman's compatible service (``podman system service``), which the tests run.
+
+A container per sandbox, created from ``image`` and kept alive by a sleeping PID 1; every ``exec``
+is a process of it. What it may do:
+
+* network: ``network_mode: none`` (its own namespace, loopback only);
+* files: a read-only root file system, a size-capped tmpfs at ``/work`` (the work directory,
+  owned by the sandbox user) and at ``/tmp``. The default image is a skeleton built here (a few
+  empty directories, the links of a merged ``/usr``, ``passwd``/``group``/``hosts``) with the host's
+  ``/usr`` and the loader's files bound read-only, the same view as the ``local`` jail; a
+  ``image`` of your own (``python:3.12-slim``, a task's repository image) is used as it is;
+* identity: commands run as uid 1000 without capabilities and with ``no-new-privileges``; the
+  container keeps only ``KILL``, for the root process that ends everything at a timeout, which a
+  process of uid 1000 never holds;
+* limits: **the container's** memory (``memory_mb``, a cgroup: all its processes together, no swap),
+  CPU share (``cpus``) and processes (``processes``, the pids cgroup), and per process the CPU
+  seconds, file size and open files of :class:`~loongsage.sandbox.limits.Limits`.
+
+``exec`` runs ``/bin/sh -c cmd`` in ``/work``; at its timeout every process of the sandbox is killed
+(``kill -9 -1`` by the container's root, which PID 1 survives), concurrent commands of the same
+sandbox included: a container has one PID namespace, where the ``local`` backend gives each command
+its own. ``put``/``get`` go through the engine's archive API. A path follows the same rules as in
+``local`` (relative, no ``..``); the engine resolves it inside the container, so a symlink the
+sandbox planted redirects a ``put`` at most elsewhere inside the sandbox, never outside it, and
+``get`` refuses a symlink or anything but a regular file.
+
+Every container carries labels (owner, deadline, and the creating process as host, pid and start
+time): :meth:`DockerSandbox.reap_orphans` removes those whose creator on this host is gone, and
+those of any host more than an hour past their deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import io
+import math
+import os
+import re
+import secrets
+import socket
+import tarfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
+from loongsage.sandbox import paths
+from loongsage.sandbox.jail import ETC_PATHS, SYSTEM_PATHS, WORK, jail_env
+from loongsage.sandbox.limits import MIB, Limits
+from loongsage.sandbox.local import MAX_CMD_BYTES, Capture, check_owner, exec_result
+from loongsage.sandbox.store import process_start
+
+LABEL = "loongsage.sandbox"
+SANDBOX_UID = 1000
+BASE_REPOSITORY = "loongsage-sandbox-base"
+INSTALL_HINT = "pip install 'loongsage-sandbox[docker]'"
+_SYMLINK, _DIR = 1 << 27, 1 << 31  # Go's os.ModeSymlink and os.ModeDir in the archive API's stat
+_ORPHAN_GRACE_S = 3600.0  # a container of another host is an orphan this long after its deadline
+_DRAIN_S = 5.0
+
+
+def _names(path: str) -> list[str]:
+    """The components of ``path`` (the rules of :func:`~loongsage.sandbox.paths.split`), each valid
+    UTF-8: the engine's API carries paths as text."""
+    parts = paths.split(path)
+    try:
+        return [p.decode("utf-8") for p in parts]
+    except UnicodeDecodeError:
+        raise ValueError(f"sandbox path {path!r}: not valid UTF-8; the docker backend's file API carries "
+                         f"UTF-8 names only (a command inside may still create any name)") from None
+
+
+def _client(base_url: str | None, timeout: float):
+    try:
+        import docker
+    except ImportError:
+        raise RuntimeError(f"sandbox 'docker' needs the docker Python client: {INSTALL_HINT}") from None
+    try:
+        client = docker.DockerClient(base_url=base_url, timeout=timeout) if base_url else docker.from_env(timeout=timeout)
+        client.ping()
+    except Exception as exc:  # noqa: BLE001 - one line naming the engine it could not reach
+        where = base_url or os.environ.get("DOCKER_HOST") or "the default socket (/var/run/docker.sock)"
+        raise RuntimeError(f"sandbox 'docker' cannot reach a Docker Engine API at {where}: "
+                           f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    return client
+
+
+def base_image_tar() -> bytes:
+    """The default image's only layer: empty directories, the host's root links, a sandbox user."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        def add(name: str, kind: bytes, mode: int, data: bytes = b"", link: str = "") -> None:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.linkname, info.size = kind, mode, link, len(data)
+            tar.addfile(info, io.BytesIO(data) if data else None)
+
+        for folder in ("etc", "work", "tmp", "proc", "dev", "sys", "run", "usr"):
+            add(folder, tarfile.DIRTYPE, 0o755)
+        for path in SYSTEM_PATHS:
+            if path != "/usr" and os.path.islink(path):
+                add(path.lstrip("/"), tarfile.SYMTYPE, 0o777, link=os.readlink(path))
+            elif path != "/usr" and os.path.isdir(path):
+                add(path.lstrip("/"), tarfile.DIRTYPE, 0o755)
+        add("etc/passwd", tarfile.REGTYPE, 0o644, f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
+            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{WORK}:/bin/sh\n".encode())
+        add("etc/group", tarfile.REGTYPE, 0o644, f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n".encode())
+        add("etc/hosts", tarfile.REGTYPE, 0o644, b"127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
+    return buf.getvalue()
+
+
+def _mount_roots() -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, mode, uid in ((WORK.lstrip("/"), 0o700, SANDBOX_UID), ("tmp", 0o1777, 0)):
+            info = tarfile.TarInfo(name)
+            info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, mode, uid, uid
+            tar.addfile(info)
+    return buf.getvalue()
+
+
+_MOUNT_ROOTS = _mount_roots()
+
+
+def host_mounts() -> dict[str, dict[str, str]]:
+    """The host paths the default image binds read-only (what the ``local`` jail binds)."""
+    mounts = {}
+    for path in (*SYSTEM_PATHS, *ETC_PATHS):
+        if os.path.exists(path) and not os.path.islink(path):
+            mounts[path] = {"bind": path, "mode": "ro"}
+    return mounts
+
+
+class DockerSandbox(Sandbox):
+    """The ``docker`` sandbox backend (see the module docstring)."""
+
+    reusable = False
+
+    def __init__(self, limits: Limits = Limits(), base_url: str | None = None, image: str | None = None,
+                 cpus: float = 1.0, runtime: str | None = None, api_timeout_s: float = 120.0):
+        if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0 < cpus <= 1024:
+            raise ValueError(f"docker sandbox cpus={cpus!r}: must be a positive number of CPUs")
+        self.limits, self.cpus, self.runtime = limits, float(cpus), runtime
+        self.client = _client(base_url, api_timeout_s)
+        self.image = image or self._base_image()
+        self._mounts = host_mounts() if image is None else {}
+        self._boxes: dict[str, str | None] = {}  # sandbox id (the container's name) -> None, or why it is closing
+        self._threads = ThreadPoolExecutor(max_workers=64, thread_name_prefix="docker-sandbox")
+        self._background: set[asyncio.Task] = set()
+        self._host = socket.gethostname()
+        self._creator = f"{self._host}:{os.getpid()}:{process_start(os.getpid()) or 0}"
+
+    def _base_image(self) -> str:
+        """The default image, imported once per engine (content-addressed: the same layer, the same id)."""
+        layer = base_image_tar()
+        tag = hashlib.sha256(layer).hexdigest()[:16]
+        for image in self.client.images.list():
+            if any(t.split("/")[-1] == f"{BASE_REPOSITORY}:{tag}" for t in image.tags):
+                return image.id
+        answer = self.client.api.import_image_from_data(layer, repository=BASE_REPOSITORY, tag=tag)
+        found = re.findall(r"sha256:[0-9a-f]{64}", str(answer))
+        if not found:
+            raise RuntimeError(f"sandbox 'docker': importing the base image gave no image id: {str(answer)[:200]}")
+        image = self.client.images.get(found[-1])
+        image.tag(BASE_REPOSITORY, tag)
+        return image.id
+
+    # ------------------------------------------------------------------------------- lifecycle
+    async def create(self, owner: SandboxOwner, deadline: float) -> str:
+        check_owner(owner, deadline)
+        task = self._spawn(self._make(owner, deadline))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:  # made anyway: removed once it exists
+            self._spawn(self._discard(task))
+            raise
+
+    async def _make(self, owner: SandboxOwner, deadline: float) -> str:
+        from docker.types import Ulimit
+
+        name = f"lsg-{secrets.token_hex(6)}"
+        lim = self.limits
+        labels = {LABEL: "1", f"{LABEL}.run": owner.run, f"{LABEL}.trajectory": owner.trajectory,
+                  f"{LABEL}.attempt": str(owner.attempt), f"{LABEL}.deadline": repr(float(deadline)),
+                  f"{LABEL}.creator": self._creator}
+        options = dict(
+            command=["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"],
+            name=name, labels=labels, network_mode="none", read_only=True, user="0:0", working_dir=WORK,
+            cap_drop=["ALL"], cap_add=["KILL"], security_opt=["no-new-privileges"],
+            mem_limit=lim.memory_mb * MIB, memswap_limit=lim.memory_mb * MIB, pids_limit=lim.processes,
+            nano_cpus=int(self.cpus * 1e9), volumes=self._mounts, environment=jail_env(),
+            tmpfs={WORK: f"size={lim.work_mb}m", "/tmp": f"size={lim.tmp_mb}m"},
+            ulimits=[Ulimit(name="cpu", soft=lim.cpu_s, hard=lim.cpu_s), Ulimit(name="core", soft=0, hard=0),
+                     Ulimit(name="fsize", soft=lim.file_size_mb * MIB, hard=lim.file_size_mb * MIB),
+                     Ulimit(name="nofile", soft=lim.open_files, hard=lim.open_files),
+                     Ulimit(name="nproc", soft=lim.processes, hard=lim.processes)])
+        if self.runtime:
+            options["runtime"] = self.runtime
+        container = await self._call(self.client.containers.create, self.image, **options)
+        self._boxes[name] = None  # from here on a delete removes it
+        try:
+            await self._call(container.start)
+            # the tmpfs roots' owner and mode, set by the engine from an archive of two directory entries
+            await self._call(self.client.api.put_archive, name, "/", _MOUNT_ROOTS)
+        except BaseException:
+            await self.delete(name)
+            raise
+        return name
+
+    async def _discard(self, task: asyncio.Task) -> None:
+        try:
+            name = await task
+        except BaseException:  # noqa: BLE001 - it removed itself
+            return
+        await self.delete(name)
+
+    async def delete(self, sandbox_id: str) -> None:
+        if sandbox_id not in self._boxes:
+            return
+        self._boxes[sandbox_id] = "deleted"
+        await asyncio.shield(self._spawn(self._remove(sandbox_id)))
+
+    async def _remove(self, sandbox_id: str) -> None:
+        import docker
+
+        try:
+            await self._call(self.client.api.remove_container, sandbox_id, force=True, v=True)
+        except docker.errors.NotFound:
+            pass
+        self._boxes.pop(sandbox_id, None)
+
+    async def reap_orphans(self) -> int:
+        """Remove this engine's sandbox containers whose creating process (on this host) is gone,
+        or of any host, an hour past their deadline; how many."""
+        containers = await self._call(self.client.containers.list, all=True, filters={"label": LABEL})
+        count = 0
+        for container in containers:
+            labels = container.labels
+            host, _, rest = labels.get(f"{LABEL}.creator", "").partition(":")
+            pid, _, start = rest.partition(":")
+            try:
+                dead = host == self._host and process_start(int(pid)) != int(start)
+                expired = float(labels.get(f"{LABEL}.deadline", "inf")) + _ORPHAN_GRACE_S < time.time()
+            except ValueError:
+                dead, expired = False, False
+            if (dead or expired) and container.name not in self._boxes:
+                self._boxes[container.name] = "reaped"
+                await self._remove(container.name)
+                count += 1
+        return count
+
+    async def close(self) -> None:
+        """Remove every container of this backend and wait for background work."""
+        for sandbox_id in list(self._boxes):
+            await self.delete(sandbox_id)
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    def sandbox_ids(self) -> list[str]:
+        return [s for s, closing in self._boxes.items() if closing is None]
+
+    # ------------------------------------------------------------------------------------ exec
+    async def exec(self, sandbox_id: str, cmd: str, timeout: float) -> ExecResult:
+        if not isinstance(cmd, str) or "\0" in cmd or not cmd.strip():
+            raise ValueError(f"sandbox exec cmd={cmd!r}: must be a non-empty shell command without NUL bytes")
+        if len(os.fsencode(cmd)) > MAX_CMD_BYTES:
+            raise ValueError(f"sandbox exec cmd of {len(os.fsencode(cmd))} bytes: at most {MAX_CMD_BYTES}; "
+                             f"put a script into the sandbox and run that")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
+            raise ValueError(f"sandbox exec timeout={timeout!r}: must be a positive finite number of seconds")
+        self._open(sandbox_id)
+        return await self._run(sandbox_id, cmd, float(timeout), user=f"{SANDBOX_UID}:{SANDBOX_UID}")
+
+    async def _run(self, sandbox_id: str, cmd: str, timeout: float, user: str) -> ExecResult:
+        import docker
+
+        out, err = Capture(self.limits.output_bytes), Capture(self.limits.output_bytes)
+        start = time.monotonic()
+        try:
+            exec_id = (await self._call(self.client.api.exec_create, sandbox_id, ["/bin/sh", "-c", cmd],
+                                        workdir=WORK, user=user, environment=jail_env()))["Id"]
+        except docker.errors.NotFound:
+            raise LookupError(f"sandbox {sandbox_id!r}: its container is gone") from None
+        except docker.errors.APIError as exc:
+            return ExecResult(None, None, "", "", False, False, time.monotonic() - start,
+                              f"could not start: {exc.explanation or exc}")
+        reader = asyncio.ensure_future(self._call(self._pump, exec_id, out, err))
+        timed_out = False
+        try:
+            await asyncio.wait_for(asyncio.shield(reader), timeout)
+        except TimeoutError:
+            timed_out = True
+            await self._kill_all(sandbox_id)
+        except BaseException:  # cancelled: the command is abandoned, so is every process of the sandbox
+            self._spawn(self._abandon(sandbox_id, reader))
+            raise
+        wall = time.monotonic() - start
+        try:
+            await asyncio.wait_for(asyncio.shield(reader), _DRAIN_S)
+        except TimeoutError:
+            pass
+        code = None
+        try:
+            code = (await self._call(self.client.api.exec_inspect, exec_id)).get("ExitCode")
+        except docker.errors.APIError:
+            pass
+        closing = self._boxes.get(sandbox_id, "deleted")
+        return exec_result(code, timed_out, wall, out, err, closing)
+
+    def _pump(self, exec_id: str, out: Capture, err: Capture) -> None:
+        """Read the command's output to its end (in a thread), keeping what the captures keep."""
+        try:
+            for stdout, stderr in self.client.api.exec_start(exec_id, stream=True, demux=True):
+                if stdout:
+                    out.add(stdout)
+                if stderr:
+                    err.add(stderr)
+        except Exception:  # noqa: BLE001 - the container went away under the stream: what was read stays
+            pass
+
+    async def _kill_all(self, sandbox_id: str) -> None:
+        """SIGKILL every process of the sandbox but its PID 1, as the container's root (CAP_KILL)."""
+        import docker
+
+        try:
+            exec_id = (await self._call(self.client.api.exec_create, sandbox_id, ["/bin/sh", "-c", "kill -9 -1"],
+                                        user="0:0"))["Id"]
+            await self._call(self.client.api.exec_start, exec_id)
+        except docker.errors.APIError:
+            pass  # the container is gone already, and its processes with it
+
+    async def _abandon(self, sandbox_id: str, reader: asyncio.Future) -> None:
+        await self._kill_all(sandbox_id)
+        try:
+            await asyncio.wait_for(reader, _DRAIN_S)
+        except Exception:  # noqa: BLE001
+            pass
+
+    # ----------------------------------------------------------------------------------- files
+    async def put(self, sandbox_id: str, path: str, data: bytes) -> None:
+        import docker
+
+        parts = _names(path)
+        if len(data) > self.limits.get_bytes:
+            raise ValueError(f"sandbox put {path!r}: {len(data)} bytes is over the limit of {self.limits.get_bytes}")
+        self._open(sandbox_id)
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for i in range(1, len(parts)):
+                info = tarfile.TarInfo("/".join(parts[:i]))
+                info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, paths.DIR_MODE, SANDBOX_UID, SANDBOX_UID
+                tar.addfile(info)
+            info = tarfile.TarInfo("/".join(parts))
+            info.size, info.mode, info.uid, info.gid = len(data), paths.FILE_MODE, SANDBOX_UID, SANDBOX_UID
+            info.mtime = int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+        try:
+            await self._call(self.client.api.put_archive, sandbox_id, WORK, buf.getvalue())
+        except docker.errors.NotFound:
+            raise LookupError(f"sandbox {sandbox_id!r}: its container is gone") from None
+        except docker.errors.APIError as exc:
+            raise ValueError(f"sandbox put {path!r}: refused by the engine: {exc.explanation or exc}") from None
+
+    async def get(self, sandbox_id: str, path: str) -> bytes:
+        parts = _names(path)
+        self._open(sandbox_id)
+        return await self._call(self._read, sandbox_id, path, f"{WORK}/{'/'.join(parts)}")
+
+    def _read(self, sandbox_id: str, path: str, where: str) -> bytes:
+        import docker
+
+        limit = self.limits.get_bytes
+        try:
+            stream, stat = self.client.api.get_archive(sandbox_id, where)
+        except docker.errors.NotFound:
+            if sandbox_id not in self._boxes or self._boxes[sandbox_id] is not None:
+                raise LookupError(f"sandbox {sandbox_id!r}: deleted during the file transfer") from None
+            raise FileNotFoundError(f"sandbox path {path!r}: no such file in the work directory") from None
+        if stat.get("mode", 0) & _SYMLINK:
+            raise ValueError(f"sandbox path {path!r}: is a symlink; symlinks are not followed")
+        if stat.get("mode", 0) & _DIR:
+            raise ValueError(f"sandbox path {path!r}: not a regular file; only regular files are read")
+        if stat.get("size", 0) > limit:
+            raise ValueError(f"sandbox get {path!r}: {stat['size']} bytes is over the limit of {limit}")
+        raw = bytearray()
+        for chunk in stream:
+            raw += chunk
+            if len(raw) > limit + (1 << 20):  # the tar's headers and padding, at most
+                raise ValueError(f"sandbox get {path!r}: over the limit of {limit} bytes")
+        with tarfile.open(fileobj=io.BytesIO(bytes(raw)), mode="r:") as tar:
+            member = tar.next()
+            if member is None or not member.isreg():
+                raise ValueError(f"sandbox path {path!r}: not a regular file; only regular files are read")
+            data = tar.extractfile(member).read(limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"sandbox get {path!r}: over the limit of {limit} bytes")
+        return data
+
+    # ------------------------------------------------------------------------------- internals
+    def _open(self, sandbox_id: str) -> None:
+        if sandbox_id not in self._boxes:
+            raise LookupError(f"sandbox {sandbox_id!r}: no such sandbox here (deleted, or never created)")
+        if self._boxes[sandbox_id] is not None:
+            raise LookupError(f"sandbox {sandbox_id!r}: being {self._boxes[sandbox_id]}; no new commands")
+
+    async def _call(self, fn, *args, **kwargs) -> Any:
+        """A blocking client call in this backend's threads (the default pool is a handful)."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, functools.partial(fn, *args, **kwargs))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
+
+def docker_problem(base_url: str | None = None) -> str | None:
+    """Why the docker backend cannot run against ``base_url`` (None: it can), in one line."""
+    try:
+        _client(base_url, 10.0).close()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
