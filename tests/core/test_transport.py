@@ -1,11 +1,11 @@
-"""The CPU weight transport's bucketing: bytes in == bytes out, buckets bounded."""
+"""The bucketing layer every transport shares: bytes in == bytes out, buckets bounded, offsets aligned."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from loongsage.core.embedded.transport import pack_buckets, unpack_bucket
+from loongsage.core.buckets import ALIGN, checksums, pack, plan_buckets, unpack
+from loongsage.core.embedded.transport import CpuReceiver
 
 
 def test_round_trip_across_buckets_and_dtypes():
@@ -18,17 +18,33 @@ def test_round_trip_across_buckets_and_dtypes():
         ("e.scalar", torch.tensor(3.5)),
     ]
     bucket_bytes = 64 * 1024
-    buckets = list(pack_buckets(tensors, bucket_bytes))
+    buckets = [pack(b) for b in plan_buckets(tensors, bucket_bytes)]
     assert len(buckets) >= 3
-    for metas, buffer in buckets:
-        assert buffer.dtype == np.uint8
-        assert buffer.nbytes <= bucket_bytes or len(metas) == 1
+    for metas, flat in buckets:
+        assert flat.dtype == torch.uint8
+        assert flat.numel() <= bucket_bytes or len(metas) == 1
+        assert all(m.offset % ALIGN == 0 for m in metas)
     out = {}
-    for metas, buffer in buckets:
-        view = buffer.copy()
+    receiver = CpuReceiver()
+    for metas, flat in buckets:
+        view = flat.numpy().copy()
         view.setflags(write=False)  # receivers see a read-only shared-memory view
-        out.update(unpack_bucket(metas, view))
+        out.update(receiver.receive(metas, view))
     assert list(out) == [n for n, _ in tensors]
     for name, t in tensors:
         assert out[name].dtype == t.dtype and out[name].shape == t.shape
         assert torch.equal(out[name], t)
+    assert checksums(out.items()) == checksums(tensors)
+    # views share the buffer; copies do not
+    metas, flat = buckets[0]
+    view = dict(unpack(metas, flat, copy=False))["a.weight"]
+    flat.zero_()
+    assert float(view.abs().sum()) == 0.0
+
+
+def test_checksums_see_one_flipped_bit():
+    t = torch.randn(1000, dtype=torch.float32)
+    flipped = t.clone()
+    flipped.view(torch.int32)[123] ^= 1
+    assert checksums([("t", t)]) != checksums([("t", flipped)])
+    assert checksums([("t", t)]) == checksums([("t", t.clone())])

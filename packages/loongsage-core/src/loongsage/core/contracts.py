@@ -388,6 +388,9 @@ class Engine(Protocol):
     """
 
     kind: ClassVar[Literal["engine"]] = "engine"
+    named_weights: ClassVar[Callable[[], Iterable[tuple[str, Tensor]]] | None] = None
+    """Optional ``named_weights()``: the HF-named tensors the engine serves now (the checks that a
+    weight update arrived bit for bit use it)."""
 
     async def generate(self, request: GenerationRequest) -> list[GenerationResult]: ...
 
@@ -435,10 +438,17 @@ class Teacher(Protocol):
 
 
 class Transport(Protocol):
-    """A ``transport`` backend: the sender side of the weight sync.
+    """A ``transport`` backend: how the weights go from trainer rank 0 to every engine.
 
-    Built in trainer rank 0's actor; ``push`` is called once per step with the trainer's exported
-    tensors and the engine worker handles (which receive buckets and commit the last one).
+    Two halves of one object built from ``rollout.transport``: the sender, in trainer rank 0's
+    actor, where ``push`` is called once per weight update with the trainer's exported HF-named
+    tensors and the engine worker handles; and in every engine worker ``receiver()``, called once,
+    whose ``receive`` unpacks what the sender sent. The sender drives the receivers through the
+    engine worker's ``receive_bucket(*parts, first=, commit=)`` (each bucket's tensors are staged;
+    ``commit`` on the last swaps them all in at once, so no generation sees half an update, and a
+    failure drops the staged tensors and keeps the previous version) and, for transports that
+    must set something up first (a process group), ``transport_setup(**kwargs)``. The engine worker
+    imports no transport. The bucketing layer is :mod:`loongsage.core.buckets`.
     """
 
     kind: ClassVar[Literal["transport"]] = "transport"
@@ -446,6 +456,24 @@ class Transport(Protocol):
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], receivers: list[Any]) -> dict[str, float]:
         """Send every tensor to every receiver; returns ``sync/*`` statistics, among them
         ``sync/version``: the receivers' weight version after the push."""
+        ...
+
+    def receiver(self) -> TransportReceiver:
+        """The receiving half, built in an engine worker."""
+        ...
+
+
+class TransportReceiver(Protocol):
+    """A transport's receiving half, in an engine worker (see :class:`Transport`)."""
+
+    setup: ClassVar[Callable[..., Any] | None] = None
+    """Optional ``setup(**kwargs)``: what the sender asks of every receiver before it sends (join a
+    process group); reached through the engine worker's ``transport_setup``."""
+
+    def receive(self, *parts: Any) -> Iterable[tuple[str, Tensor]]:
+        """The HF-named tensors of one message of the sender (a bucket: its parts as the sender
+        passed them to ``receive_bucket``); they must stay valid after the call (copies, not views
+        of a buffer the sender reuses)."""
         ...
 
 

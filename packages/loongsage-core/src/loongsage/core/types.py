@@ -12,6 +12,7 @@ tool/user tokens and padding.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -229,6 +230,13 @@ class TrainBatch:
             value = getattr(self, name)
             out[name] = [value[i] for i in picked] if value else []
         return TrainBatch(**out)
+
+    def to(self, device: Any) -> "TrainBatch":
+        """The batch with every tensor on ``device`` (itself when nothing has to move)."""
+        device = torch.device(device)
+        moved = {name: value.to(device) for name in self.tensor_fields()
+                 if (value := getattr(self, name)) is not None and value.device != device}
+        return dataclasses.replace(self, **moved) if moved else self
 
     @staticmethod
     def tensor_fields() -> tuple[str, ...]:

@@ -144,14 +144,13 @@ class EngineWorker:
 
     def __init__(self, cfg: Config, model_path: str, index: int = 0, threads: int = 0,
                  cores: list[int] | None = None):
-        from loongsage.core.embedded.transport import unpack_bucket
         from loongsage.core.plugins import load_registry
 
         setup_worker(threads, cores)
-        self._unpack = unpack_bucket
         registry = load_registry(cfg.plugins)
         self.engine = registry.create("engine", cfg.rollout.engine, "rollout.engine",
                                       **model_args(cfg, model_path), seed=cfg.run.seed * 1000 + index)
+        self.receiver = registry.create("transport", cfg.rollout.transport, "rollout.transport").receiver()
         self._staging: list[tuple[str, torch.Tensor]] = []
 
     async def generate(self, request):
@@ -172,10 +171,34 @@ class EngineWorker:
         for finished in asyncio.as_completed(tasks):
             yield await finished
 
-    def receive_bucket(self, metas, buffer, commit: bool = False) -> int:
-        """Stage one bucket; with ``commit`` (the last bucket) swap everything in. Returns the version."""
-        self._staging.extend(self._unpack(metas, buffer))
-        return self.commit_weights() if commit else self.engine.version
+    def receive_bucket(self, *parts: Any, first: bool = False, commit: bool = False) -> int:
+        """Stage one message of the transport's sender, its ``parts`` as sent (Ray hands an object
+        ref among them over as its value); ``first``: a new push, whatever an earlier one left
+        staged is dropped; with ``commit`` (the last) swap everything in at once. Returns the
+        version. On any error the staged tensors are dropped and the engine keeps its version."""
+        if first:
+            self._staging = []
+        try:
+            if parts:
+                self._staging.extend(self.receiver.receive(*parts))
+            return self.commit_weights() if commit else self.engine.version
+        except BaseException:
+            self._staging = []
+            raise
+
+    def transport_setup(self, **kwargs: Any) -> Any:
+        """What the transport's sender asks of this receiver before sending (join its group)."""
+        if self.receiver.setup is None:
+            raise RuntimeError(f"transport receiver {type(self.receiver).__name__} has no setup")
+        return self.receiver.setup(**kwargs)
+
+    def weight_checksums(self) -> dict[str, int]:
+        """A checksum per HF-named tensor of the engine's weights (equal to the trainer's after an update)."""
+        from loongsage.core.buckets import checksums
+
+        if self.engine.named_weights is None:
+            raise RuntimeError(f"engine {type(self.engine).__name__} does not expose its weights (named_weights)")
+        return checksums(self.engine.named_weights())
 
     def commit_weights(self) -> int:
         """Swap the staged weights in atomically (between decode steps); returns the new version."""

@@ -49,7 +49,7 @@ import asyncio
 import dataclasses
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -276,12 +276,20 @@ class NativeEngine:
             if tuple(tensor.shape) != tuple(target.shape):
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(target.shape)}")
+            if tensor.dtype != target.dtype:
+                raise ValueError(f"update_weights: {name!r} is {str(tensor.dtype).removeprefix('torch.')}, "
+                                 f"the model holds {str(target.dtype).removeprefix('torch.')}")
         with self._lock, torch.no_grad():
             for name, tensor in items:
                 self._weights[name].copy_(tensor)
             self._runner.refresh_head()
             self._version += 1
             return self._version
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The engine's HF-named tensors as they are now (checks that an update arrived bit for bit)."""
+        with self._lock:
+            yield from ((name, t.detach()) for name, t in self._weights.items())
 
     def release_memory(self) -> None:
         """Free the KV cache and, on an accelerator, move the weights to host memory.

@@ -380,7 +380,7 @@ class TorchTrainer(Trainer):
                 filler = self._filler()
                 (self._logits(filler, torch.ones_like(filler)).sum() * 0.0).backward()
                 continue
-            mb = planned[1]
+            mb = planned[1].to(self.device)  # the loss reads the batch beside the forward's outputs
             if isinstance(loss_fn, LossFunction) and loss_fn.needs_student_distribution:
                 lp, ent, dist = self._forward_distribution(mb)
                 loss, mb_metrics = loss_fn(lp, mb, student_dist=dist)

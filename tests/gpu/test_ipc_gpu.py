@@ -1,0 +1,74 @@
+"""The ``ipc`` transport on one GPU under Ray: a trainer-side actor pushes into a real engine worker on
+the same card, in many buckets. After every update the engine's weights equal the pushed ones bit
+for bit; a bad update is a clear error and the engine keeps its version and keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+ray = pytest.importorskip("ray")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+from _engine_helpers import build_engine_test_model, prompts  # noqa: E402
+
+PLUGINS = "plugins=[loongsage.algos.plugin,loongsage.sync.plugin]"
+
+
+class Sender:
+    def __init__(self, model_path: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
+
+    def push(self, engine, seed: int, bucket_mb: float, extra: dict | None = None) -> tuple[dict, dict]:
+        from loongsage.core.buckets import checksums
+        from loongsage.sync.ipc import IpcTransport
+
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype))
+        weights = dict(self.model.state_dict())
+        weights.update(extra or {})
+        stats = IpcTransport(bucket_mb=bucket_mb).push(weights.items(), [engine])
+        return stats, checksums(self.model.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_ipc_updates_arrive_bit_for_bit_and_a_bad_one_changes_nothing(cluster, tmp_path):
+    from loongsage.core.config import load_config
+    from loongsage.core.rollout import EngineRouter
+    from loongsage.core.types import SamplingParams
+    from loongsage.core.workers import EngineWorker
+
+    model = build_engine_test_model(tmp_path / "m")
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(model).to(torch.bfloat16).save_pretrained(model)
+    cfg, _ = load_config("tiny/grpo_arith_cpu", [PLUGINS, "model.dtype=bfloat16", "rollout.transport={name: ipc}",
+                                                 "rollout.engine={name: native, params: {device: cuda, max_model_len: 256}}"])
+    gpu = {"num_gpus": 0.4, "num_cpus": 0}
+    engine = ray.remote(EngineWorker).options(**gpu, max_concurrency=8).remote(cfg, model, 0, 1)
+    sender = ray.remote(Sender).options(**gpu).remote(model)
+    for version in (1, 2):
+        stats, expected = ray.get(sender.push.remote(engine, version, 0.01))
+        assert stats["sync/version"] == version and stats["sync/buckets"] > 5, stats
+        got = ray.get(engine.weight_checksums.remote())
+        assert {n: got[n] for n in expected} == expected
+    with pytest.raises(Exception, match="has shape"):
+        ray.get(sender.push.remote(engine, 3, 0.01, {"model.norm.weight": torch.zeros(3, dtype=torch.bfloat16)}))
+    assert ray.get(engine.version.remote()) == 2
+    results = asyncio.run(EngineRouter([engine]).generate(prompts(1)[0], SamplingParams(max_new_tokens=4)))
+    assert len(results[0].output_ids) == 4
