@@ -60,8 +60,6 @@ class Trainer:
         start = time.perf_counter()
         stats = transport.push(self.model.state_dict().items(), [engine])
         stats["wall_s"] = time.perf_counter() - start
-        transport.release()
-        torch.cuda.empty_cache()
         return stats
 
     def checksums(self) -> dict:

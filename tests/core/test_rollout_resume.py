@@ -77,7 +77,9 @@ def test_a_restored_rollout_goes_on_exactly_as_the_original(ray_session, in_tmp)
         # the engine runs two groups at a time: once the second pair is done and the third pair is a
         # quarter through, hold decoding (so that the update surely finds it there) and update the
         # weights, as a run does after training a batch
-        while (await engine.health.remote())["generated_tokens"] < 2 * 2 * B * TOKENS + B * TOKENS:
+        # (and the second pair scored into the buffer: on a loaded machine its reward can lag its tokens)
+        while ((await engine.health.remote())["generated_tokens"] < 2 * 2 * B * TOKENS + B * TOKENS
+               or len(rollout.sources["arith"].buffer) < 2):
             await asyncio.sleep(0.002)
         await engine.pause.remote()
         await rollout.begin_update()  # the abort is answered while the engine holds decoding

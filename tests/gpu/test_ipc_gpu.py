@@ -42,6 +42,9 @@ class Sender:
 
 @pytest.fixture(scope="module")
 def cluster():
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Sender travels by value to its actor
     ray.init(num_gpus=1, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

@@ -76,10 +76,13 @@ def pack(bucket: list[tuple[str, Tensor]], out: Tensor | None = None,
         out = torch.empty(size, dtype=torch.uint8, device=device or (bucket[0][1].device if bucket else "cpu"))
     elif out.numel() < size or out.dtype != torch.uint8:
         raise ValueError(f"pack: the buffer holds {out.numel()} bytes of {out.dtype}; the bucket needs {size} of uint8")
+    dests, sources = [], []
     for meta, (_, tensor) in zip(metas, bucket):
         if meta.nbytes:
-            raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-            out[meta.offset:meta.offset + meta.nbytes].copy_(raw, non_blocking=True)
+            dests.append(out[meta.offset:meta.offset + meta.nbytes])
+            sources.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+    if dests:
+        torch._foreach_copy_(dests, sources, non_blocking=True)  # one batched copy, not one call per tensor
     return metas, out[:size]
 
 

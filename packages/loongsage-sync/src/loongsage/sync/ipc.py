@@ -3,11 +3,11 @@
 The sender packs each bucket into a flat CUDA buffer (:mod:`loongsage.core.buckets`), exports it
 with torch's CUDA IPC reduction (:func:`torch.multiprocessing.reductions.reduce_tensor`: a handle
 to the allocation, its offset and size) and sends only that handle and the bucket's metadata. Each
-receiver opens the same memory in its own process and copies the tensors out on the GPU: the bytes
-never leave the card. Two buffers alternate, so the sender packs bucket k+1 while the receivers
-copy bucket k, and a buffer is refilled only after every receiver of its previous bucket answered
-(never before the consumer is done with it). The receiving engine stages the copies; the last
-bucket commits them all at once.
+receiver opens the same memory in its own process and stages views of it: the bytes never leave the
+card and are copied once more, into the model, when the last bucket commits them all at once. The
+sender packs the next bucket while the receivers open the previous one, and keeps every bucket of
+the push until the commit answered (no buffer is reused before its consumer is done with it): a
+push holds one copy of the weights in buckets on the sender's side for its duration.
 
 Both ends must see the same GPU (colocated placement, or processes sharing one card). Across GPUs
 use ``broadcast``.
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loongsage.core.buckets import TensorMeta, bucket_bytes, layout, pack, plan_buckets, unpack
+from loongsage.core.buckets import TensorMeta, bucket_bytes, pack, plan_buckets, unpack
 from loongsage.core.contracts import Transport, TransportReceiver
 
 
@@ -31,10 +31,8 @@ class IpcReceiver(TransportReceiver):
     def receive(self, metas: list[TensorMeta], handle: tuple[Any, tuple]) -> list[tuple[str, Tensor]]:
         rebuild, args = handle
         flat = rebuild(*args)  # the sender's buffer, opened in this process
-        out = unpack(metas, flat, copy=True)
-        torch.cuda.current_stream(flat.device).synchronize()  # copied before the sender may refill it
-        del flat
-        return out
+        # views, no copy: the sender keeps every bucket until the commit has copied them into the model
+        return unpack(metas, flat, copy=False)
 
 
 @dataclass
@@ -47,7 +45,6 @@ class IpcTransport(Transport):
 
     def __post_init__(self) -> None:
         self.bucket_bytes = bucket_bytes("ipc", self.bucket_mb)
-        self._buffers: list[Tensor | None] = [None, None]
 
     def receiver(self) -> IpcReceiver:
         return IpcReceiver()
@@ -59,35 +56,28 @@ class IpcTransport(Transport):
         if not torch.cuda.is_available():
             raise RuntimeError("transport 'ipc' needs CUDA (trainer and engines on one GPU); use 'cpu' or 'broadcast'")
         device = torch.device("cuda", torch.cuda.current_device())
-        in_flight: list[list | None] = [None, None]  # the receivers' answers for what each buffer holds
-        start, total, count, versions = time.perf_counter(), 0, 0, None
+        start, total, count, answers = time.perf_counter(), 0, 0, []
+        held: list[Tensor] = []  # every bucket of this push, until the engines committed it
         buckets = plan_buckets(named_tensors, self.bucket_bytes)
         bucket = next(buckets, None)
-        while bucket is not None:
-            following = next(buckets, None)
-            slot = count % 2
-            if in_flight[slot] is not None:
-                ray.get(in_flight[slot])  # the buffer's previous bucket is copied out everywhere
-            _, size = layout(bucket)
-            if self._buffers[slot] is None or self._buffers[slot].numel() < size:
-                self._buffers[slot] = None
-                self._buffers[slot] = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=device)
-            metas, flat = pack(bucket, out=self._buffers[slot])
-            torch.cuda.current_stream(device).synchronize()  # packed before another process reads it
-            handle = reduce_tensor(flat)
-            in_flight[slot] = [r.receive_bucket.remote(metas, handle, first=count == 0, commit=following is None)
-                               for r in receivers]
-            total, count, bucket = total + size, count + 1, following
-        for answers in in_flight:
-            if answers is not None:
-                versions = ray.get(answers)
-        if versions is None:  # nothing to send still moves every receiver to the next version
-            versions = ray.get([r.receive_bucket.remote(first=True, commit=True) for r in receivers])
-        torch.cuda.ipc_collect()
+        try:
+            while bucket is not None:
+                following = next(buckets, None)
+                metas, flat = pack(bucket, device=device)
+                torch.cuda.current_stream(device).synchronize()  # packed before another process reads it
+                held.append(flat)
+                answers = [r.receive_bucket.remote(metas, reduce_tensor(flat), first=count == 0,
+                                                   commit=following is None) for r in receivers]
+                total, count, bucket = total + flat.numel(), count + 1, following
+            # calls to one actor run in order: the last bucket's answers come after every other's
+            versions = ray.get(answers) if count else ray.get(
+                [r.receive_bucket.remote(first=True, commit=True) for r in receivers])
+        finally:
+            held.clear()
+            torch.cuda.ipc_collect()
         seconds = time.perf_counter() - start
         return {"sync/bytes": float(total), "sync/buckets": float(count), "sync/version": float(max(versions)),
                 "sync/seconds": seconds, "sync/gb_per_s": total / seconds / 1e9 if seconds > 0 else 0.0}
 
     def release(self) -> None:
-        """Free the two bucket buffers (a colocated trainer gives the GPU to the engine)."""
-        self._buffers = [None, None]
+        """Nothing is kept between pushes (the buckets go back to the caching allocator)."""

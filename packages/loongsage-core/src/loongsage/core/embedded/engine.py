@@ -280,8 +280,8 @@ class NativeEngine:
                 raise ValueError(f"update_weights: {name!r} is {str(tensor.dtype).removeprefix('torch.')}, "
                                  f"the model holds {str(target.dtype).removeprefix('torch.')}")
         with self._lock, torch.no_grad():
-            for name, tensor in items:
-                self._weights[name].copy_(tensor)
+            if items:
+                torch._foreach_copy_([self._weights[name] for name, _ in items], [t for _, t in items])
             self._runner.refresh_head()
             self._version += 1
             return self._version
