@@ -127,6 +127,9 @@ CASES: list[tuple[str, list[str], str]] = [
      "max_staleness=-1: must be >= 0"),
     ("async_colocated", train("rollout.scheduler.name=no_window"), "rollout.scheduler.name='no_window' generates while "
      "the trainer trains, so engines and trainers need separate resources: set placement.colocate=false"),
+    ("release_disaggregated", train("colocate=false", "placement.release_engine_memory=true"),
+     "placement.release_engine_memory=true: engines give their memory to a trainer on the same device, which needs "
+     "placement.colocate=true"),
     ("unknown_scheduler", train("rollout.scheduler.name=eager"), "rollout.scheduler.name: unknown rollout_scheduler "
      "'eager'; known: "),
     # plugins and cross-field rules

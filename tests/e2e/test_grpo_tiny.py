@@ -45,7 +45,9 @@ def _trained(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("colocate", ["true", "false"])
 def test_grpo_loop_runs_and_resumes(ray_session, in_tmp, colocate):
-    args = ["train", "tiny/grpo_arith_cpu", *SHORT, f"colocate={colocate}"]
+    # colocated, the engines give their memory (their KV cache, on CPU) to the trainer while it trains
+    release = ["placement.release_engine_memory=true"] if colocate == "true" else []
+    args = ["train", "tiny/grpo_arith_cpu", *SHORT, f"colocate={colocate}", *release]
     assert main(args) == 0
     run_dir = in_tmp / "runs" / "e2e"
     rows = _metrics(run_dir)
@@ -59,6 +61,7 @@ def test_grpo_loop_runs_and_resumes(ray_session, in_tmp, colocate):
         assert r["train/grad_norm"] > 0
         # same fp32 model in trainer and engine: the train-inference mismatch is tiny
         assert 0.0 <= r["train/is_approx_k3_kl"] < 1e-6
+        assert ("timing/engine_memory_s" in r) == bool(release)
     assert any(k.startswith("eval/arith/accuracy") for k in rows[0])
     assert "eval/arith/pass@2" in rows[-1]
     # weights changed: the exported final policy differs from the starting model

@@ -41,12 +41,23 @@ def _aligned(n: int) -> int:
 
 
 def plan_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """The tensors in order, grouped into buckets of at most ``bucket_bytes`` (aligned sizes)."""
+    """The tensors in order, grouped into buckets of at most ``bucket_bytes`` (aligned sizes).
+
+    An alias of a tensor already planned (the same memory under another name: a tied embedding
+    and output layer) is left out: the receiving model ties the same names, so updating one
+    updates both, and sending it would move the same bytes twice.
+    """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
     pending: list[tuple[str, Tensor]] = []
     size = 0
+    seen: set[tuple] = set()
     for name, tensor in named_tensors:
+        key = _memory(tensor)
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
         nbytes = _aligned(tensor.numel() * tensor.element_size())
         if pending and size + nbytes > bucket_bytes:
             yield pending
@@ -55,6 +66,14 @@ def plan_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int)
         size += nbytes
     if pending:
         yield pending
+
+
+def _memory(tensor: Tensor) -> tuple | None:
+    """What identifies the memory a tensor views (None where it has none to compare: meta tensors)."""
+    if tensor.device.type == "meta" or tensor.numel() == 0:
+        return None
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()), tensor.dtype)
 
 
 def layout(bucket: list[tuple[str, Tensor]]) -> tuple[list[TensorMeta], int]:

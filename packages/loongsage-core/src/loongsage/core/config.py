@@ -160,6 +160,9 @@ class PlacementConfig:
     colocate: bool = True
     cpus_per_actor: float = ranged(1.0, gt=0)  # CPUs of one bundle (see placement_bundles)
     gpus_per_actor: float = ranged(0.0, ge=0)
+    # colocated: the engines free their KV cache (and move their weights off the accelerator) while
+    # the trainer trains, and take them back before the weight push; null: when colocated on GPUs
+    release_engine_memory: bool | None = None
     num_cpus: int | None = ranged(None, ge=1)  # Ray's num_cpus when this run starts Ray itself (null = every core)
     # intra-op threads per actor; 0 = every core (sync steps never overlap)
     torch_threads: int = ranged(0, ge=0, note="0 = every core")
@@ -378,6 +381,9 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
         raise ConfigError(f"rollout.scheduler.name={cfg.rollout.scheduler['name']!r} generates while the trainer "
                           "trains, so engines and trainers need separate resources: set placement.colocate=false "
                           "(colocate=false), or use rollout.scheduler.name='sync'")
+    if cfg.placement.release_engine_memory and not cfg.placement.colocate:
+        raise ConfigError("placement.release_engine_memory=true: engines give their memory to a trainer on the same "
+                          "device, which needs placement.colocate=true; drop it for a disaggregated placement")
     registry.create("transport", cfg.rollout.transport, "rollout.transport")
     registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=supplied)
     estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")

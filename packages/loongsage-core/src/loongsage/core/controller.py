@@ -74,13 +74,19 @@ class Controller:
         self.trainer_group = self.engine_group = self.reward_group = self.critic_group = None
         self.teacher_group: WorkerGroup | None = None  # MOPD: one teacher per distinct spec
         self.teacher_sources: list[list[str]] = []  # the sources each teacher serves, by rank
+        p = cfg.placement
+        # colocated (hence synchronous): engines idle while the trainer trains on the same device
+        self.release_engine_memory = bool(p.colocate and (p.release_engine_memory if p.release_engine_memory
+                                                           is not None else p.gpus_per_actor > 0))
 
     # ------------------------------------------------------------------ setup
     def _start_actors(self, model_path: str, teacher_plans: list[TeacherPlan] = ()) -> None:
         cfg = self.cfg
         threads = cfg.placement.torch_threads
-        place = self.placement = Placement(cfg)
         world = cfg.trainer.world_size
+        # the critic rides on trainer bundle 0, the teachers round robin over the trainer bundles
+        riders = ([0] if cfg.trainer.critic is not None else []) + [j % world for j in range(len(teacher_plans))]
+        place = self.placement = Placement(cfg, riders)
         init_method = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
         # generation and training overlap under an asynchronous scheduler: on CPU each actor then
         # gets cores of its own, so the two do not slow each other down
@@ -394,7 +400,15 @@ class Controller:
             groups, metrics = await self.rollout.next_batch(self.version)
             t1 = time.perf_counter()
             # an asynchronous rollout keeps generating (on its own resources) while this trains
+            if self.release_engine_memory:  # colocated: the trainer gets the device while it trains
+                released = time.perf_counter()
+                await asyncio.to_thread(self.engine_group.call, "release_memory")
+                released = time.perf_counter() - released
             metrics.update(await asyncio.to_thread(self._train, groups))
+            if self.release_engine_memory:
+                resumed = time.perf_counter()
+                await asyncio.to_thread(self.engine_group.call, "resume_memory")
+                metrics["timing/engine_memory_s"] = released + time.perf_counter() - resumed
             t2 = time.perf_counter()
             save_now = bool(cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0) \
                 or step + 1 == cfg.run.total_steps

@@ -3,6 +3,11 @@
 Colocated roles share bundle ``i`` (rank ``i`` of every role); disaggregated roles get bundles of
 their own. The bundles themselves are :func:`loongsage.core.config.placement_bundles` (computed from
 the config alone, so that a bad placement is refused before Ray starts).
+
+With ``placement.gpus_per_actor`` every actor in a bundle claims an equal share of the bundle's
+GPUs (``num_gpus``), the roles riding along included (the critic, the teachers): Ray then shows
+each actor exactly its bundle's GPU (``CUDA_VISIBLE_DEVICES``), so colocated trainer rank ``i`` and
+engine ``i`` see the same card and disaggregated roles see cards of their own.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ class Placement:
 
     free_wait_s = 15.0
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, riders: list[int] | None = None):
+        """``riders``: the bundles of the roles that ride along with the trainer ranks (the critic,
+        the teachers), one entry per actor: they take their share of the bundle's GPUs too."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -50,6 +57,10 @@ class Placement:
             self.trainer_bundles = list(range(world))
             self.engine_bundles = list(range(world, world + engines))
             self._share = {i: p.cpus_per_actor for i in range(world + engines)}
+        members = [0] * len(bundles)
+        for i in [*self.trainer_bundles, *self.engine_bundles, *(riders or [])]:
+            members[i] += 1
+        self._gpu_share = {i: p.gpus_per_actor / n for i, n in enumerate(members) if n and p.gpus_per_actor}
         self._check_resources(cfg)
         self.pg = placement_group(bundles, strategy="PACK")
         try:
@@ -100,8 +111,11 @@ class Placement:
         return {b: usable[b * per:(b + 1) * per] for b in range(bundles)}
 
     def options(self, bundle: int) -> dict[str, Any]:
-        return {"num_cpus": self._share[bundle],
-                "scheduling_strategy": self._strategy(placement_group=self.pg, placement_group_bundle_index=bundle)}
+        out = {"num_cpus": self._share[bundle],
+               "scheduling_strategy": self._strategy(placement_group=self.pg, placement_group_bundle_index=bundle)}
+        if bundle in self._gpu_share:
+            out["num_gpus"] = self._gpu_share[bundle]
+        return out
 
     def slot(self, bundle: int, args: tuple, *, num_cpus: float | None = None, **options: Any) -> Slot:
         """A member started in ``bundle`` with constructor ``args``: it takes its share of the bundle's
