@@ -598,3 +598,14 @@ def test_critic_and_value_estimators_go_together() -> None:
     assert msg == "trainer.critic is set but algorithm.advantage 'grpo' does not use values; use gae or drop the critic"
     msg = config_error(["trainer.critic.value_clip=0"], recipe="tiny/ppo_arith_cpu")
     assert msg.startswith("config.trainer.critic.value_clip=0.0: must be > 0")
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], "cpu"),
+    (["placement.gpus_per_actor=1"], "ipc"),  # colocated on GPUs: every engine on its trainer's card
+    (["placement.gpus_per_actor=1", "colocate=false"], "broadcast"),  # cards of their own: NCCL
+    (["placement.gpus_per_actor=1", "rollout.transport={name: cpu}"], "cpu"),  # the config can force one
+])
+def test_the_weight_transport_follows_the_placement(overrides, expected) -> None:
+    cfg, _ = load_config(RECIPE, overrides)
+    assert cfg.rollout.transport == {"name": expected} or cfg.rollout.transport["name"] == expected

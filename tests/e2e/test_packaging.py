@@ -43,6 +43,10 @@ def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache):
     assert str(venv) in probe.stdout
     listing = _run([str(venv / "bin" / "loongsage"), "plugins"], cwd=user, env=env).stdout
     assert "grpo" in listing and "loongsage-algos 0.1.0" in listing
+    # on GPUs the weight transport comes from loongsage-sync, which these two packages do not pull
+    gpus = subprocess.run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "placement.gpus_per_actor=1"],
+                          cwd=user, env=env, capture_output=True, text=True, timeout=300)
+    assert gpus.returncode == 2 and "uses the 'ipc' transport of loongsage-sync, which is not installed" in gpus.stderr
     _run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "run.name=pkg",
           "run.total_steps=2", "data_sources.0.prompts_per_step=2", "data_sources.0.samples_per_prompt=2",
           "evaluation.max_prompts=8", "evaluation.pass_k=0", "tracking.progress=false"], cwd=user, env=env)

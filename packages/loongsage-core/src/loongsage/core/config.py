@@ -65,7 +65,9 @@ class RolloutConfig:
     engine: Spec = field(default_factory=lambda: {"name": "native"})
     num_engines: int = ranged(1, ge=1)
     scheduler: Spec = field(default_factory=lambda: {"name": "sync"})
-    transport: Spec = field(default_factory=lambda: {"name": "cpu"})  # weight push trainer -> engines
+    # the weight push trainer -> engines (docs/weight_sync.md); null: by placement, `cpu` without
+    # GPUs, on GPUs `ipc` colocated and `broadcast` disaggregated (both from loongsage-sync)
+    transport: Spec | None = None
     # extra generation rounds to replace groups that filters dropped
     max_refill_rounds: int = ranged(0, ge=0, note="0 = no refill")
     refill_oversample: float = ranged(1.0, ge=1)  # prompts asked per missing group in a refill round
@@ -235,6 +237,19 @@ def placement_bundles(cfg: Config) -> list[dict[str, float]]:
     return [dict(bundle) for _ in range(count)]
 
 
+def transport_for(placement: PlacementConfig) -> dict[str, Any]:
+    """The weight transport a placement implies: ``cpu`` without GPUs; on GPUs ``ipc`` when every
+    engine shares its trainer's card (colocated), else ``broadcast`` (NCCL)."""
+    if not placement.gpus_per_actor:
+        return {"name": "cpu"}
+    return {"name": "ipc" if placement.colocate else "broadcast"}
+
+
+def weight_transport(cfg: Config) -> dict[str, Any]:
+    """``rollout.transport``, or the one the placement implies when it is null."""
+    return cfg.rollout.transport or transport_for(cfg.placement)
+
+
 def placement_demand(cfg: Config) -> tuple[dict[str, float], dict[str, str]]:
     """The resources all bundles need together (``{"CPU": 2.0}``) and, per resource, how that number
     comes about, for messages: ``2 bundles (disaggregated: ...) x placement.cpus_per_actor=1``."""
@@ -384,6 +399,12 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
     if cfg.placement.release_engine_memory and not cfg.placement.colocate:
         raise ConfigError("placement.release_engine_memory=true: engines give their memory to a trainer on the same "
                           "device, which needs placement.colocate=true; drop it for a disaggregated placement")
+    if cfg.rollout.transport is None:
+        cfg.rollout.transport = transport_for(cfg.placement)
+        if cfg.rollout.transport["name"] not in registry.tables["transport"]:
+            raise ConfigError(f"rollout.transport: placement on GPUs (colocate={cfg.placement.colocate}) uses the "
+                              f"{cfg.rollout.transport['name']!r} transport of loongsage-sync, which is not installed: "
+                              "pip install loongsage-sync, or set rollout.transport={name: cpu}")
     registry.create("transport", cfg.rollout.transport, "rollout.transport")
     registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=supplied)
     estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
