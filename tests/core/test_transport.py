@@ -56,3 +56,46 @@ def test_an_alias_is_sent_once():
                ("copy.weight", embed.clone())]  # equal values in other memory: sent
     names = [n for bucket in plan_buckets(tensors, 1 << 20) for n, _ in bucket]
     assert names == ["model.embed_tokens.weight", "model.norm.weight", "copy.weight"]
+
+
+def test_a_failed_bucket_poisons_the_commit_of_its_push(tmp_path):
+    """A sender that does not wait for each bucket (ipc) learns of a failed one at the commit: the
+    engine worker refuses it, keeps its version, and the next push starts clean."""
+    import sys
+    from pathlib import Path
+
+    from loongsage.core.config import load_config
+    from loongsage.core.workers import EngineWorker
+
+    sys.path.insert(0, str(Path(__file__).parent / "embedded"))
+    from _engine_helpers import build_engine_test_model
+
+    model = build_engine_test_model(tmp_path / "m")
+    cfg, _ = load_config("tiny/grpo_arith_cpu", ["rollout.engine={name: native, params: {max_model_len: 256}}"])
+    worker = EngineWorker(cfg, model, 0, 1)
+    weights = [(n, t.clone()) for n, t in worker.engine.named_weights()]
+    buckets = [pack(b) for b in plan_buckets(weights, 4096)]
+    message = [(metas, flat.numpy()) for metas, flat in buckets]
+    assert len(message) >= 3
+    assert worker.receive_bucket(*message[0], first=True) == 0
+    try:
+        worker.receive_bucket(message[1][0], b"not a buffer")  # this bucket fails
+    except Exception:
+        pass
+    else:
+        raise AssertionError("a broken bucket was accepted")
+    for metas, buffer in message[2:-1]:
+        try:
+            worker.receive_bucket(metas, buffer)
+        except RuntimeError as exc:
+            assert "an earlier bucket of this weight push failed" in str(exc)
+    try:
+        worker.receive_bucket(*message[-1], commit=True)
+    except RuntimeError as exc:
+        assert "nothing was committed, the engine keeps version 0" in str(exc)
+    else:
+        raise AssertionError("the commit of a push with a failed bucket went through")
+    assert worker.engine.version == 0
+    for k, (metas, buffer) in enumerate(message):  # the next push starts clean and lands
+        version = worker.receive_bucket(metas, buffer, first=k == 0, commit=k == len(message) - 1)
+    assert version == 1 and checksums(worker.engine.named_weights()) == checksums(weights)

@@ -152,6 +152,7 @@ class EngineWorker:
                                       **model_args(cfg, model_path), seed=cfg.run.seed * 1000 + index)
         self.receiver = registry.create("transport", weight_transport(cfg), "rollout.transport").receiver()
         self._staging: list[tuple[str, torch.Tensor]] = []
+        self._push_error: str | None = None  # why a bucket of the push under way failed
 
     async def generate(self, request):
         return await self.engine.generate(request)
@@ -177,13 +178,16 @@ class EngineWorker:
         staged is dropped; with ``commit`` (the last) swap everything in at once. Returns the
         version. On any error the staged tensors are dropped and the engine keeps its version."""
         if first:
-            self._staging = []
+            self._staging, self._push_error = [], None
+        if self._push_error is not None:  # a sender that does not wait per bucket learns it at the commit
+            raise RuntimeError(f"an earlier bucket of this weight push failed ({self._push_error}); "
+                               f"nothing was committed, the engine keeps version {self.engine.version}")
         try:
             if parts:
                 self._staging.extend(self.receiver.receive(*parts))
             return self.commit_weights() if commit else self.engine.version
-        except BaseException:
-            self._staging = []
+        except BaseException as exc:
+            self._staging, self._push_error = [], f"{type(exc).__name__}: {exc}"[:300]
             raise
 
     def transport_setup(self, **kwargs: Any) -> Any:

@@ -56,7 +56,7 @@ class IpcTransport(Transport):
         if not torch.cuda.is_available():
             raise RuntimeError("transport 'ipc' needs CUDA (trainer and engines on one GPU); use 'cpu' or 'broadcast'")
         device = torch.device("cuda", torch.cuda.current_device())
-        start, total, count, answers = time.perf_counter(), 0, 0, []
+        start, total, count, answers, earlier = time.perf_counter(), 0, 0, [], []
         held: list[Tensor] = []  # every bucket of this push, until the engines committed it
         buckets = plan_buckets(named_tensors, self.bucket_bytes)
         bucket = next(buckets, None)
@@ -66,10 +66,13 @@ class IpcTransport(Transport):
                 metas, flat = pack(bucket, device=device)
                 torch.cuda.current_stream(device).synchronize()  # packed before another process reads it
                 held.append(flat)
+                earlier += answers
                 answers = [r.receive_bucket.remote(metas, reduce_tensor(flat), first=count == 0,
                                                    commit=following is None) for r in receivers]
                 total, count, bucket = total + flat.numel(), count + 1, following
-            # calls to one actor run in order: the last bucket's answers come after every other's
+            # calls to one actor run in order: the last bucket's answers come after every other's, and
+            # a receiver that failed an earlier bucket refuses the commit; the first error is raised
+            ray.get(earlier)
             versions = ray.get(answers) if count else ray.get(
                 [r.receive_bucket.remote(first=True, commit=True) for r in receivers])
         finally:
