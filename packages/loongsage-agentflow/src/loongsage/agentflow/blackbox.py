@@ -141,7 +141,7 @@ class CommandAgent:
                           gateway: Any, sampling: Any) -> list[Trajectory]:
         """An episode whose working directory is a leased sandbox's: the lease goes with its
         trajectories (ended once they are scored), or ends here when the episode fails or is cancelled."""
-        box = await sandboxes.acquire(_UNSAFE.sub("_", f"cmd-{record.source}-g{group_id}-s{k}")[:120])
+        box = await sandboxes.acquire(_episode_key(record, group_id, k))
         try:
             if box.host_path is None:
                 raise ValueError(f"command agent: sandbox=True needs a sandbox backend with a directory on this "
@@ -162,7 +162,7 @@ class CommandAgent:
         ``workdir``: the program's working directory (default: a fresh one, removed afterwards);
         ``sampling``: the source's sampling, told to the program in ``LOONGSAGE_SAMPLING``."""
         started = time.monotonic()
-        name = _UNSAFE.sub("_", f"cmd-{record.source}-g{group_id}-s{k}")[:110] + f"-{secrets.token_hex(4)}"
+        name = f"{_episode_key(record, group_id, k)}-{secrets.token_hex(4)}"
         own_workdir = workdir is None
         if workdir is None:
             workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.workdir_root))
@@ -255,6 +255,11 @@ class CommandAgent:
         if self.reward_file:
             meta["reward_file"], meta["reward_file_error"] = _read_reward(workdir / "reward")
         return meta
+
+
+def _episode_key(record: DataRecord, group_id: int, k: int) -> str:
+    """``cmd-<source>-g<group>-s<sample>``, safe as a file and session name (at most 110 characters)."""
+    return _UNSAFE.sub("_", f"cmd-{record.source}-g{group_id}-s{k}")[:110]
 
 
 def _fill(text: str, prompt_file: str, workdir: Path) -> str:

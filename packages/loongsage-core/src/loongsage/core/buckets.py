@@ -13,11 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 ALIGN = 64  # bytes: at least every dtype's alignment, and a cache line
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,20 @@ def _memory(tensor: Tensor) -> tuple | None:
         return None
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
             tuple(tensor.stride()), tensor.dtype)
+
+
+_END = object()
+
+
+def flag_last(items: Iterable[T]) -> Iterator[tuple[T, bool]]:
+    """Each item with whether it is the last one (a push commits with its last bucket, known only
+    once the next is found missing: one item of look-ahead)."""
+    it = iter(items)
+    current = next(it, _END)
+    while current is not _END:
+        following = next(it, _END)
+        yield current, following is _END
+        current = following
 
 
 def layout(bucket: list[tuple[str, Tensor]]) -> tuple[list[TensorMeta], int]:

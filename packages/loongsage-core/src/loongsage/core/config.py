@@ -245,11 +245,6 @@ def transport_for(placement: PlacementConfig) -> dict[str, Any]:
     return {"name": "ipc" if placement.colocate else "broadcast"}
 
 
-def weight_transport(cfg: Config) -> dict[str, Any]:
-    """``rollout.transport``, or the one the placement implies when it is null."""
-    return cfg.rollout.transport or transport_for(cfg.placement)
-
-
 def placement_demand(cfg: Config) -> tuple[dict[str, float], dict[str, str]]:
     """The resources all bundles need together (``{"CPU": 2.0}``) and, per resource, how that number
     comes about, for messages: ``2 bundles (disaggregated: ...) x placement.cpus_per_actor=1``."""
@@ -399,6 +394,8 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
     if cfg.placement.release_engine_memory and not cfg.placement.colocate:
         raise ConfigError("placement.release_engine_memory=true: engines give their memory to a trainer on the same "
                           "device, which needs placement.colocate=true; drop it for a disaggregated placement")
+    if cfg.placement.release_engine_memory is None:  # colocated (hence synchronous) on GPUs
+        cfg.placement.release_engine_memory = bool(cfg.placement.colocate and cfg.placement.gpus_per_actor > 0)
     if cfg.rollout.transport is None:
         cfg.rollout.transport = transport_for(cfg.placement)
         if cfg.rollout.transport["name"] not in registry.tables["transport"]:

@@ -74,10 +74,6 @@ class Controller:
         self.trainer_group = self.engine_group = self.reward_group = self.critic_group = None
         self.teacher_group: WorkerGroup | None = None  # MOPD: one teacher per distinct spec
         self.teacher_sources: list[list[str]] = []  # the sources each teacher serves, by rank
-        p = cfg.placement
-        # colocated (hence synchronous): engines idle while the trainer trains on the same device
-        self.release_engine_memory = bool(p.colocate and (p.release_engine_memory if p.release_engine_memory
-                                                           is not None else p.gpus_per_actor > 0))
 
     # ------------------------------------------------------------------ setup
     def _start_actors(self, model_path: str, teacher_plans: list[TeacherPlan] = ()) -> None:
@@ -400,12 +396,13 @@ class Controller:
             groups, metrics = await self.rollout.next_batch(self.version)
             t1 = time.perf_counter()
             # an asynchronous rollout keeps generating (on its own resources) while this trains
-            if self.release_engine_memory:  # colocated: the trainer gets the device while it trains
+            release = cfg.placement.release_engine_memory  # colocated: the trainer gets the device
+            if release:
                 released = time.perf_counter()
                 await asyncio.to_thread(self.engine_group.call, "release_memory")
                 released = time.perf_counter() - released
             metrics.update(await asyncio.to_thread(self._train, groups))
-            if self.release_engine_memory:
+            if release:
                 resumed = time.perf_counter()
                 await asyncio.to_thread(self.engine_group.call, "resume_memory")
                 metrics["timing/engine_memory_s"] = released + time.perf_counter() - resumed

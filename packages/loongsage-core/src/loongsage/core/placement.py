@@ -45,22 +45,19 @@ class Placement:
         self.colocate = p.colocate
         self._cpus_per_actor, self._gpus = p.cpus_per_actor, p.gpus_per_actor
         bundles = placement_bundles(cfg)
-        if p.colocate:
-            # rank i of every role shares bundle i; extra engines take their own bundles
-            self.trainer_bundles = list(range(world))
-            self.engine_bundles = list(range(engines))
-            per_bundle = [0] * len(bundles)
-            for i in self.trainer_bundles + self.engine_bundles:
-                per_bundle[i] += 1
-            self._share = {i: p.cpus_per_actor / n for i, n in enumerate(per_bundle)}
-        else:
-            self.trainer_bundles = list(range(world))
-            self.engine_bundles = list(range(world, world + engines))
-            self._share = {i: p.cpus_per_actor for i in range(world + engines)}
-        members = [0] * len(bundles)
-        for i in [*self.trainer_bundles, *self.engine_bundles, *(riders or [])]:
-            members[i] += 1
-        self._gpu_share = {i: p.gpus_per_actor / n for i, n in enumerate(members) if n and p.gpus_per_actor}
+        # colocated, rank i of every role shares bundle i (extra engines take their own bundles);
+        # disaggregated, every trainer rank and engine has a bundle of its own
+        self.trainer_bundles = list(range(world))
+        self.engine_bundles = list(range(engines)) if p.colocate else list(range(world, world + engines))
+        roles = [0] * len(bundles)  # trainer ranks and engines per bundle: they split its CPUs
+        for i in self.trainer_bundles + self.engine_bundles:
+            roles[i] += 1
+        self._share = {i: p.cpus_per_actor / n for i, n in enumerate(roles)}
+        riding = [0] * len(bundles)  # the riders take no CPUs but a share of the GPUs, as every member
+        for i in riders or []:
+            riding[i] += 1
+        self._gpu_share = ({i: p.gpus_per_actor / (n + r) for i, (n, r) in enumerate(zip(roles, riding))}
+                           if p.gpus_per_actor else {})
         self._check_resources(cfg)
         self.pg = placement_group(bundles, strategy="PACK")
         try:

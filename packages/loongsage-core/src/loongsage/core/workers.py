@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from loongsage.core.config import Config, weight_transport
+from loongsage.core.config import Config
 from loongsage.core.contracts import Critic, RewardContext
 from loongsage.core.loss import LossPipeline
 from loongsage.core.metrics import Metrics
@@ -89,7 +89,7 @@ class TrainerWorker:
         opt = cfg.trainer.optimizer
         self.backend.setup_optimizer(opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.grad_clip, opt.warmup_steps)
         self.pipeline = build_pipeline(cfg, registry)
-        self.transport = registry.create("transport", weight_transport(cfg), "rollout.transport") if rank == 0 else None
+        self.transport = registry.create("transport", cfg.rollout.transport, "rollout.transport") if rank == 0 else None
         self.reference = None
         # A frozen reference for KL: its own model, unless the backend holds the starting policy
         # already (LoRA: the base weights with the adapters switched off).
@@ -150,7 +150,7 @@ class EngineWorker:
         registry = load_registry(cfg.plugins)
         self.engine = registry.create("engine", cfg.rollout.engine, "rollout.engine",
                                       **model_args(cfg, model_path), seed=cfg.run.seed * 1000 + index)
-        self.receiver = registry.create("transport", weight_transport(cfg), "rollout.transport").receiver()
+        self.receiver = registry.create("transport", cfg.rollout.transport, "rollout.transport").receiver()
         self._staging: list[tuple[str, torch.Tensor]] = []
         self._push_error: str | None = None  # why a bucket of the push under way failed
 

@@ -37,7 +37,6 @@ import asyncio
 import functools
 import hashlib
 import io
-import math
 import os
 import re
 import secrets
@@ -51,7 +50,7 @@ from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
 from loongsage.sandbox import paths
 from loongsage.sandbox.jail import ETC_PATHS, SYSTEM_PATHS, WORK, jail_env
 from loongsage.sandbox.limits import MIB, Limits
-from loongsage.sandbox.local import MAX_CMD_BYTES, Capture, check_owner, exec_result
+from loongsage.sandbox.local import Capture, check_exec, check_owner, exec_result
 from loongsage.sandbox.store import process_start
 
 LABEL = "loongsage.sandbox"
@@ -264,24 +263,19 @@ class DockerSandbox(Sandbox):
 
     # ------------------------------------------------------------------------------------ exec
     async def exec(self, sandbox_id: str, cmd: str, timeout: float) -> ExecResult:
-        if not isinstance(cmd, str) or "\0" in cmd or not cmd.strip():
-            raise ValueError(f"sandbox exec cmd={cmd!r}: must be a non-empty shell command without NUL bytes")
-        if len(os.fsencode(cmd)) > MAX_CMD_BYTES:
-            raise ValueError(f"sandbox exec cmd of {len(os.fsencode(cmd))} bytes: at most {MAX_CMD_BYTES}; "
-                             f"put a script into the sandbox and run that")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
-            raise ValueError(f"sandbox exec timeout={timeout!r}: must be a positive finite number of seconds")
+        check_exec(cmd, timeout)
         self._open(sandbox_id)
-        return await self._run(sandbox_id, cmd, float(timeout), user=f"{SANDBOX_UID}:{SANDBOX_UID}")
+        return await self._run(sandbox_id, cmd, float(timeout))
 
-    async def _run(self, sandbox_id: str, cmd: str, timeout: float, user: str) -> ExecResult:
+    async def _run(self, sandbox_id: str, cmd: str, timeout: float) -> ExecResult:
         import docker
 
         out, err = Capture(self.limits.output_bytes), Capture(self.limits.output_bytes)
         start = time.monotonic()
         try:
             exec_id = (await self._call(self.client.api.exec_create, sandbox_id, ["/bin/sh", "-c", cmd],
-                                        workdir=WORK, user=user, environment=jail_env()))["Id"]
+                                        workdir=WORK, user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                                        environment=jail_env()))["Id"]
         except docker.errors.NotFound:
             raise LookupError(f"sandbox {sandbox_id!r}: its container is gone") from None
         except docker.errors.APIError as exc:

@@ -186,13 +186,7 @@ class LocalSandbox(Sandbox):
 
     # ------------------------------------------------------------------------------------ exec
     async def exec(self, sandbox_id: str, cmd: str, timeout: float) -> ExecResult:
-        if not isinstance(cmd, str) or "\0" in cmd or not cmd.strip():
-            raise ValueError(f"sandbox exec cmd={cmd!r}: must be a non-empty shell command without NUL bytes")
-        if len(os.fsencode(cmd)) > MAX_CMD_BYTES:
-            raise ValueError(f"sandbox exec cmd of {len(os.fsencode(cmd))} bytes: at most {MAX_CMD_BYTES}; "
-                             f"put a script into the sandbox and run that")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
-            raise ValueError(f"sandbox exec timeout={timeout!r}: must be a positive finite number of seconds")
+        check_exec(cmd, timeout)
         box = self._box(sandbox_id)
         if box.closing is not None:
             raise LookupError(f"sandbox {sandbox_id!r}: being {box.closing}; no new commands")
@@ -293,6 +287,17 @@ class LocalSandbox(Sandbox):
             if box.id not in self._boxes:
                 raise LookupError(f"sandbox {box.id!r}: deleted during the file transfer") from None
             raise
+
+
+def check_exec(cmd: str, timeout: float) -> None:
+    """One line naming what is wrong with an exec's command or timeout (any backend)."""
+    if not isinstance(cmd, str) or "\0" in cmd or not cmd.strip():
+        raise ValueError(f"sandbox exec cmd={cmd!r}: must be a non-empty shell command without NUL bytes")
+    if len(os.fsencode(cmd)) > MAX_CMD_BYTES:
+        raise ValueError(f"sandbox exec cmd of {len(os.fsencode(cmd))} bytes: at most {MAX_CMD_BYTES}; "
+                         f"put a script into the sandbox and run that")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
+        raise ValueError(f"sandbox exec timeout={timeout!r}: must be a positive finite number of seconds")
 
 
 def check_owner(owner: SandboxOwner, deadline: float) -> None:

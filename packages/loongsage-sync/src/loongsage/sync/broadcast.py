@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loongsage.core.buckets import TensorMeta, bucket_bytes, pack, plan_buckets, unpack
+from loongsage.core.buckets import TensorMeta, bucket_bytes, flag_last, pack, plan_buckets, unpack
+from loongsage.core.embedded.transport import commit_nothing, push_stats
 from loongsage.core.contracts import Transport, TransportReceiver
 
 
@@ -124,19 +125,12 @@ class BroadcastTransport(Transport):
         self._form(receivers)
         device = torch.device("cuda", torch.cuda.current_device()) if self.resolved_backend == "nccl" else "cpu"
         start, total, count, versions = time.perf_counter(), 0, 0, None
-        buckets = plan_buckets(named_tensors, self.bucket_bytes)
-        bucket = next(buckets, None)
-        while bucket is not None:
-            following = next(buckets, None)
+        for count, (bucket, last) in enumerate(flag_last(plan_buckets(named_tensors, self.bucket_bytes)), 1):
             metas, flat = pack(bucket, device=device)
-            answers = [r.receive_bucket.remote(metas, flat.numel(), first=count == 0, commit=following is None)
-                       for r in receivers]
+            answers = [r.receive_bucket.remote(metas, flat.numel(), first=count == 1, commit=last) for r in receivers]
             _broadcast(self._group, flat)
             versions = ray.get(answers)
-            total, count, bucket = total + flat.numel(), count + 1, following
-        if versions is None:
-            versions = ray.get([r.receive_bucket.remote(first=True, commit=True) for r in receivers])
-        seconds = time.perf_counter() - start
-        return {"sync/bytes": float(total), "sync/buckets": float(count), "sync/version": float(max(versions)),
-                "sync/seconds": seconds, "sync/gb_per_s": total / seconds / 1e9 if seconds > 0 else 0.0}
+            total += flat.numel()
+        versions = versions if versions is not None else commit_nothing(receivers)
+        return push_stats(total, count, versions, time.perf_counter() - start)
 

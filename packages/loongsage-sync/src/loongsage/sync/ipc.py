@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from loongsage.core.buckets import TensorMeta, bucket_bytes, pack, plan_buckets, unpack
+from loongsage.core.buckets import TensorMeta, bucket_bytes, flag_last, pack, plan_buckets, unpack
+from loongsage.core.embedded.transport import commit_nothing, push_stats
 from loongsage.core.contracts import Transport, TransportReceiver
 
 
@@ -58,29 +59,23 @@ class IpcTransport(Transport):
         device = torch.device("cuda", torch.cuda.current_device())
         start, total, count, answers, earlier = time.perf_counter(), 0, 0, [], []
         held: list[Tensor] = []  # every bucket of this push, until the engines committed it
-        buckets = plan_buckets(named_tensors, self.bucket_bytes)
-        bucket = next(buckets, None)
         try:
-            while bucket is not None:
-                following = next(buckets, None)
+            for count, (bucket, last) in enumerate(flag_last(plan_buckets(named_tensors, self.bucket_bytes)), 1):
                 metas, flat = pack(bucket, device=device)
                 torch.cuda.current_stream(device).synchronize()  # packed before another process reads it
                 held.append(flat)
                 earlier += answers
-                answers = [r.receive_bucket.remote(metas, reduce_tensor(flat), first=count == 0,
-                                                   commit=following is None) for r in receivers]
-                total, count, bucket = total + flat.numel(), count + 1, following
+                answers = [r.receive_bucket.remote(metas, reduce_tensor(flat), first=count == 1, commit=last)
+                           for r in receivers]
+                total += flat.numel()
             # calls to one actor run in order: the last bucket's answers come after every other's, and
             # a receiver that failed an earlier bucket refuses the commit; the first error is raised
             ray.get(earlier)
-            versions = ray.get(answers) if count else ray.get(
-                [r.receive_bucket.remote(first=True, commit=True) for r in receivers])
+            versions = ray.get(answers) if count else commit_nothing(receivers)
         finally:
             held.clear()
             torch.cuda.ipc_collect()
-        seconds = time.perf_counter() - start
-        return {"sync/bytes": float(total), "sync/buckets": float(count), "sync/version": float(max(versions)),
-                "sync/seconds": seconds, "sync/gb_per_s": total / seconds / 1e9 if seconds > 0 else 0.0}
+        return push_stats(total, count, versions, time.perf_counter() - start)
 
     def release(self) -> None:
         """Nothing is kept between pushes (the buckets go back to the caching allocator)."""

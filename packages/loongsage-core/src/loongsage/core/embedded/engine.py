@@ -49,7 +49,7 @@ import asyncio
 import dataclasses
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -286,10 +286,11 @@ class NativeEngine:
             self._version += 1
             return self._version
 
-    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The engine's HF-named tensors as they are now (checks that an update arrived bit for bit)."""
+    def named_weights(self) -> list[tuple[str, Tensor]]:
+        """The engine's HF-named tensors as they are now (checks that an update arrived bit for bit),
+        listed under the lock: never between the copies of an update."""
         with self._lock:
-            yield from ((name, t.detach()) for name, t in self._weights.items())
+            return [(name, t.detach()) for name, t in self._weights.items()]
 
     def release_memory(self) -> None:
         """Free the KV cache and, on an accelerator, move the weights to host memory.

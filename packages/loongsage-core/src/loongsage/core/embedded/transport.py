@@ -12,13 +12,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from loongsage.core.buckets import TensorMeta, bucket_bytes, pack, plan_buckets, unpack
+from loongsage.core.buckets import TensorMeta, bucket_bytes, flag_last, pack, plan_buckets, unpack
 from loongsage.core.contracts import Transport, TransportReceiver
 
 
@@ -31,22 +30,19 @@ class CpuReceiver(TransportReceiver):
         return unpack(metas, flat, copy=True)
 
 
-def push_in_buckets(buckets: Iterable[Any], receivers: list, send) -> tuple[list[int], int, int]:
-    """Drive a push: ``send(bucket, first, commit) -> versions`` for each bucket, the last one
-    committing (an empty push still commits, so every receiver moves to the next version).
-    Returns the receivers' versions, the bytes and the buckets sent."""
+def commit_nothing(receivers: list) -> list[int]:
+    """The commit of a push with no tensors: every receiver still moves to the next version."""
     import ray
 
-    total, count, pending = 0, 0, None
-    for bucket in buckets:  # one bucket ahead: the last one is known only when the next is not there
-        if pending is not None:
-            send(pending, count == 1, False)
-        pending = bucket
-        count += 1
-        total += int(bucket[1].nbytes)
-    if pending is None:
-        return ray.get([r.receive_bucket.remote(first=True, commit=True) for r in receivers]), 0, 0
-    return send(pending, count == 1, True), total, count
+    return ray.get([r.receive_bucket.remote(first=True, commit=True) for r in receivers])
+
+
+def push_stats(total: int, count: int, versions: list[int], seconds: float | None = None) -> dict[str, float]:
+    """A push's ``sync/*`` statistics (with ``seconds``: its duration and throughput too)."""
+    out = {"sync/bytes": float(total), "sync/buckets": float(count), "sync/version": float(max(versions))}
+    if seconds is not None:
+        out.update({"sync/seconds": seconds, "sync/gb_per_s": total / seconds / 1e9 if seconds > 0 else 0.0})
+    return out
 
 
 @dataclass
@@ -67,12 +63,11 @@ class CpuTransport(Transport):
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], receivers: list) -> dict[str, float]:
         import ray
 
-        def send(bucket, first: bool, commit: bool) -> list[int]:
-            metas, flat = bucket
+        total, count, versions = 0, 0, None
+        buckets = plan_buckets(((n, t.cpu()) for n, t in named_tensors), self.bucket_bytes)
+        for count, (bucket, last) in enumerate(flag_last(buckets), 1):
+            metas, flat = pack(bucket, device="cpu")
             ref = ray.put(flat.numpy())  # one shared-memory copy that every receiver on the node maps
-            return ray.get([r.receive_bucket.remote(metas, ref, first=first, commit=commit) for r in receivers])
-
-        buckets = (pack(b, device="cpu") for b in plan_buckets(((n, t.cpu()) for n, t in named_tensors),
-                                                               self.bucket_bytes))
-        versions, total, count = push_in_buckets(buckets, receivers, send)
-        return {"sync/bytes": float(total), "sync/buckets": float(count), "sync/version": float(max(versions))}
+            versions = ray.get([r.receive_bucket.remote(metas, ref, first=count == 1, commit=last) for r in receivers])
+            total += flat.numel()
+        return push_stats(total, count, versions if versions is not None else commit_nothing(receivers))
