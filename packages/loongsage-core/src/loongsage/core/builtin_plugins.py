@@ -1,6 +1,7 @@
 """What the core itself registers: the embedded default backends (trainer, critic, engine, teacher,
 transport, model builder), the single-turn and sft agents, the sync scheduler, the file reader and
-the tiny arithmetic and digit-sorting tasks (with the sorting task's reward), the trackers."""
+the tiny arithmetic and digit-sorting tasks (with the sorting task's reward), the speed workloads
+(random-weight models of real shapes, fixed-length prompts), the trackers."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from loongsage.core.embedded.arith import ArithmeticTask
 from loongsage.core.embedded.critic import TorchCritic
 from loongsage.core.embedded.digit_sort import DigitSortReward, DigitSortTask
 from loongsage.core.embedded.engine import NativeEngine
+from loongsage.core.embedded.shapes import RandomDigits, RandomInitModel
 from loongsage.core.embedded.teacher import EmbeddedTeacher
 from loongsage.core.embedded.trainer import TorchTrainer
 from loongsage.core.embedded.transport import CpuTransport
@@ -50,7 +52,7 @@ def loongsage_rewards() -> Factories:
 
 @hookimpl
 def loongsage_data_sources() -> Factories:
-    return {"file": FileReader, "arith": ArithmeticTask, "digit_sort": DigitSortTask}
+    return {"file": FileReader, "arith": ArithmeticTask, "digit_sort": DigitSortTask, "random_digits": RandomDigits}
 
 
 @hookimpl
@@ -70,4 +72,5 @@ def loongsage_backends() -> Factories:
         "tensorboard": TensorboardTracker,
         "wandb": WandbTracker,
         "tiny_arith": TinyArithModel,
+        "random_init": RandomInitModel,
     }

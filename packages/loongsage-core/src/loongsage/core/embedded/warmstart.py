@@ -105,6 +105,9 @@ class WarmStartParams:
     # also train the digit-sorting task into the same model (SortWarmStart fields; {} = its
     # defaults); null = arithmetic only
     sort: dict[str, Any] | None = None
+    # where the SFT runs (e.g. cuda: seconds for a model of tens of millions of parameters);
+    # null = the CPU. Left out of the cache key while null, like init_from and sort
+    device: str | None = None
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -171,6 +174,8 @@ class WarmStartParams:
             del params["init_from"]
         else:
             params["init_from"] = self.base().key_params() | {"init_from": None}  # as keyed before
+        if self.device is None:
+            del params["device"]
         if self.sort is None:
             del params["sort"]
         else:
@@ -300,6 +305,7 @@ def train_sft(model, tokenizer, params: WarmStartParams, *, log_every: int = 0) 
         sort_rng = random.Random(f"sft-sort/{params.seed}")
     n_arith = params.batch_size - n_sort
     task = params.task("train", size=params.steps * n_arith, seed=params.seed)
+    device = next(model.parameters()).device
 
     def step_loss(step: int) -> torch.Tensor:
         indices = list(range(step * n_arith, (step + 1) * n_arith))
@@ -310,7 +316,7 @@ def train_sft(model, tokenizer, params: WarmStartParams, *, log_every: int = 0) 
             more_prompts, more_answers = sort_examples(
                 tokenizer, sorter, list(range(step * n_sort, (step + 1) * n_sort)), sort.drop_prob, sort_rng)
             input_ids, attention, labels = sft_tensors(tokenizer, prompts + more_prompts, answers + more_answers)
-        return model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
+        return model(input_ids=input_ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)).loss
 
     return run_sft(model, params, step_loss, log_every=log_every)
 
@@ -344,6 +350,7 @@ def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None,
                 seed=params.seed,
                 vocab_size=params.vocab_size,
             )
+        model.to(params.device or "cpu")  # drawn on the CPU: the same init on any device
         return model, tokenizer, train_sft(model, tokenizer, params, log_every=log_every)
 
     return save_warm_start(out_dir, params, BUILDER_VERSION, make)

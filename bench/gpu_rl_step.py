@@ -1,0 +1,163 @@
+"""One GRPO step on one GPU: LoongSage through its launcher against TRL's ``GRPOTrainer``, same work.
+
+Workload (both sides): a Qwen3-1.7B-shaped model with random bf16 weights (the ``random_init``
+builder; the same folder for both), 16 prompts x 8 samples per step, prompts of exactly 128 tokens,
+exactly 256 sampled tokens per sample (temperature 1, no filter; the model has no end-of-sequence
+token), micro-batches of 32 rows, one optimizer step per step, no KL term, no gradient
+checkpointing, a constant reward.
+
+* ``ours``: ``loongsage train gpu/grpo_qwen3_1p7b_random_h200`` in a subprocess (Ray, the native
+  engine with CUDA graphs, the torch trainer, the ``ipc`` weight push, colocated on the card). Step
+  times and their breakdown (rollout / train / sync) come from the run's ``metrics.jsonl``.
+* ``trl``: ``bench/_trl_gpu_step.py`` in a subprocess (HF ``generate`` inside ``GRPOTrainer``),
+  timed per optimizer step by a callback.
+
+Both sides run ``--steps`` steps; the first ``--warmup`` of each are dropped (compilation, graph
+capture, allocator) and the medians of the rest are compared. The train phase's MFU divides its
+matmul FLOPs (6 x parameters in matmuls x tokens, the LM head included) by the bf16 matmul rate
+measured on the same card in the same run.
+
+    python bench/gpu_rl_step.py [--steps 7] [--warmup 2] [--plugins ...] [--out-dir bench/results]
+
+Needs one CUDA GPU, Ray, TRL (``trl``, ``datasets``) and the loongsage packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from _source import source_state  # noqa: E402
+
+RECIPE = "gpu/grpo_qwen3_1p7b_random_h200"
+PROMPTS, SAMPLES, PROMPT_TOKENS, NEW_TOKENS, MICRO_ROWS = 16, 8, 128, 256, 32
+
+
+def matmul_tflops() -> float:
+    """The card's dense bf16 matmul rate (8192^3, best of a few)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        torch.cuda.synchronize()
+        best = min(best, (time.perf_counter() - start) / 10)
+    return 2 * 8192**3 / best / 1e12
+
+
+def matmul_params(model_path: str) -> int:
+    """Parameters that enter a matmul per token: every weight but the embedding lookup, the LM head
+    counted even when tied to it."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path)
+    attn = c.hidden_size * c.head_dim * (c.num_attention_heads * 2 + c.num_key_value_heads * 2)
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return c.num_hidden_layers * (attn + mlp) + c.vocab_size * c.hidden_size
+
+
+def run(cmd: list[str], log: Path, env: dict) -> None:
+    with log.open("w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
+    if rc:
+        sys.exit(f"{cmd[:4]} failed (rc {rc}); see {log}:\n" + "".join(log.read_text().splitlines(True)[-20:]))
+
+
+def ours(args, work: Path, env: dict) -> dict:
+    cmd = [sys.executable, "-m", "loongsage.core.cli", "train", RECIPE, f"run.total_steps={args.steps}",
+           f"run.output_dir={work / 'runs'}", f"run.log_dir={work / 'log'}", "tracking.progress=false"]
+    if args.plugins:
+        cmd.append(f"plugins=[{args.plugins}]")
+    start = time.perf_counter()
+    run(cmd, work / "ours.log", env)
+    wall = time.perf_counter() - start
+    rows = [json.loads(line) for line in next((work / "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
+    rows = [r for r in rows if "timing/step_s" in r]
+    keep = rows[args.warmup:]
+    pick = {k: [r[f"timing/{k}_s"] for r in keep] for k in ("step", "rollout", "train", "sync")}
+    return {"wall_s": wall, "steps": len(rows), **{f"{k}_s_all": v for k, v in pick.items()},
+            **{f"{k}_s": statistics.median(v) for k, v in pick.items()},
+            "rollout_tokens_per_s": statistics.median(r.get("rollout/tokens_per_s", float("nan")) for r in keep)}
+
+
+def trl(args, work: Path, env: dict, model_path: str, prompts: list[str]) -> dict:
+    spec = {"model": model_path, "prompts": prompts, "prompt_tokens": PROMPT_TOKENS, "prompts_per_step": PROMPTS,
+            "samples_per_prompt": SAMPLES, "new_tokens": NEW_TOKENS, "micro_batch_rows": MICRO_ROWS,
+            "steps": args.steps}
+    (work / "trl_spec.json").write_text(json.dumps(spec))
+    start = time.perf_counter()
+    run([sys.executable, str(BENCH / "_trl_gpu_step.py"), str(work / "trl_spec.json"), str(work / "trl.json")],
+        work / "trl.log", env)
+    out = json.loads((work / "trl.json").read_text())
+    keep = out["step_s"][args.warmup:]
+    return {"wall_s": time.perf_counter() - start, "steps": len(out["step_s"]), "step_s_all": keep,
+            "step_s": statistics.median(keep), "peak_gb": out["peak_gb"],
+            "completion_mean_length": out["completion_mean_length"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--plugins", default="", help="plugin modules to load where entry points are not installed")
+    ap.add_argument("--out-dir", default=str(BENCH / "results"))
+    args = ap.parse_args()
+    if args.steps - args.warmup < 3:
+        sys.exit("--steps - --warmup must leave at least 3 measured steps")
+    source = source_state()  # the commit measured, first
+    from loongsage.core.embedded.shapes import RandomDigits, RandomInitModel
+
+    work = Path(tempfile.mkdtemp(prefix="bench-gpu-rl-step-"))
+    env = dict(os.environ, LOONGSAGE_CACHE=str(work / "cache"), RAY_AUTH_MODE="disabled")
+    os.environ["LOONGSAGE_CACHE"] = env["LOONGSAGE_CACHE"]
+    model_path = str(RandomInitModel(preset="qwen3-1.7b", dtype="bfloat16").build())  # the recipe's builder params
+    peak = matmul_tflops()
+    torch.cuda.empty_cache()
+    digits = RandomDigits(length=PROMPT_TOKENS)
+    prompts = [digits[i].prompt for i in range(PROMPTS * args.steps)]
+    side_ours = ours(args, work, env)
+    side_trl = trl(args, work, env, model_path, prompts)
+    tokens = PROMPTS * SAMPLES * (PROMPT_TOKENS + NEW_TOKENS)
+    train_flops = 6 * matmul_params(model_path) * tokens
+    side_ours["train_mfu"] = train_flops / side_ours["train_s"] / (peak * 1e12)
+    n = PROMPTS * SAMPLES
+    for side in (side_ours, side_trl):
+        side["trajectories_per_s"] = n / side["step_s"]
+    result = {"source": source, "settings": vars(args) | {"prompts": PROMPTS, "samples": SAMPLES,
+              "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "micro_batch_rows": MICRO_ROWS},
+              "device": torch.cuda.get_device_name(0), "matmul_tflops": peak, "ours": side_ours, "trl": side_trl,
+              "speedup": side_trl["step_s"] / side_ours["step_s"]}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_rl_step.json").write_text(json.dumps(result, indent=1) + "\n")
+    o, t = side_ours, side_trl
+    lines = [f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape, random bf16 weights; "
+             f"{PROMPTS} prompts x {SAMPLES} samples, {PROMPT_TOKENS} + exactly {NEW_TOKENS} tokens, micro-batch "
+             f"{MICRO_ROWS} rows, one optimizer step per step; median of {args.steps - args.warmup} steps after "
+             f"{args.warmup} warm-up steps on each side; bf16 matmul rate measured here {peak:.0f} TFLOP/s", "",
+             "| | LoongSage | TRL GRPOTrainer | TRL / LoongSage |", "|---|---:|---:|---:|",
+             f"| seconds per step | {o['step_s']:.2f} | {t['step_s']:.2f} | {result['speedup']:.2f}x |",
+             f"| trajectories / s | {o['trajectories_per_s']:.1f} | {t['trajectories_per_s']:.1f} | |",
+             f"| rollout s | {o['rollout_s']:.2f} | | |", f"| train s (MFU {o['train_mfu']:.0%}) | {o['train_s']:.2f} | | |",
+             f"| weight sync s | {o['sync_s']:.3f} | | |", f"| TRL peak GPU memory | | {t['peak_gb']:.0f} GB | |"]
+    (out / "gpu_rl_step.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
