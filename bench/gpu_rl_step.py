@@ -91,7 +91,7 @@ def ours(args, work: Path, env: dict) -> dict:
     pick = {k: [r[f"timing/{k}_s"] for r in keep] for k in ("step", "rollout", "train", "sync")}
     return {"wall_s": wall, "steps": len(rows), **{f"{k}_s_all": v for k, v in pick.items()},
             **{f"{k}_s": statistics.median(v) for k, v in pick.items()},
-            "rollout_tokens_per_s": statistics.median(r.get("rollout/tokens_per_s", float("nan")) for r in keep)}
+            "response_length_mean": statistics.mean(r["rollout/response_length_mean"] for r in keep)}
 
 
 def trl(args, work: Path, env: dict, model_path: str, prompts: list[str]) -> dict:
@@ -134,6 +134,7 @@ def main() -> int:
     tokens = PROMPTS * SAMPLES * (PROMPT_TOKENS + NEW_TOKENS)
     train_flops = 6 * matmul_params(model_path) * tokens
     side_ours["train_mfu"] = train_flops / side_ours["train_s"] / (peak * 1e12)
+    side_ours["rollout_tokens_per_s"] = PROMPTS * SAMPLES * NEW_TOKENS / side_ours["rollout_s"]
     n = PROMPTS * SAMPLES
     for side in (side_ours, side_trl):
         side["trajectories_per_s"] = n / side["step_s"]
@@ -152,7 +153,7 @@ def main() -> int:
              "| | LoongSage | TRL GRPOTrainer | TRL / LoongSage |", "|---|---:|---:|---:|",
              f"| seconds per step | {o['step_s']:.2f} | {t['step_s']:.2f} | {result['speedup']:.2f}x |",
              f"| trajectories / s | {o['trajectories_per_s']:.1f} | {t['trajectories_per_s']:.1f} | |",
-             f"| rollout s | {o['rollout_s']:.2f} | | |", f"| train s (MFU {o['train_mfu']:.0%}) | {o['train_s']:.2f} | | |",
+             f"| rollout s ({o['rollout_tokens_per_s']:.0f} sampled tokens/s) | {o['rollout_s']:.2f} | | |", f"| train s (MFU {o['train_mfu']:.0%}) | {o['train_s']:.2f} | | |",
              f"| weight sync s | {o['sync_s']:.3f} | | |", f"| TRL peak GPU memory | | {t['peak_gb']:.0f} GB | |"]
     (out / "gpu_rl_step.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -114,8 +114,10 @@ def pack(bucket: list[tuple[str, Tensor]], out: Tensor | None = None,
     dests, sources = [], []
     for meta, (_, tensor) in zip(metas, bucket):
         if meta.nbytes:
-            dests.append(out[meta.offset:meta.offset + meta.nbytes])
-            sources.append(tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+            # typed views (offsets are aligned): a copy of bf16 elements runs about twice as fast on
+            # a GPU as the same bytes copied as uint8
+            dests.append(out[meta.offset:meta.offset + meta.nbytes].view(tensor.dtype))
+            sources.append(tensor.detach().reshape(-1))
     if dests:
         torch._foreach_copy_(dests, sources, non_blocking=True)  # one batched copy, not one call per tensor
     return metas, out[:size]
