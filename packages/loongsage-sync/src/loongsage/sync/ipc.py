@@ -5,7 +5,8 @@ with torch's CUDA IPC reduction (:func:`torch.multiprocessing.reductions.reduce_
 to the allocation, its offset and size) and sends only that handle and the bucket's metadata. Each
 receiver opens the same memory in its own process and stages views of it: the bytes never leave the
 card and are copied once more, into the model, when the last bucket commits them all at once. The
-sender packs the next bucket while the receivers open the previous one, and keeps every bucket of
+sender sends a bucket once the next one is queued for packing behind it (the GPU packs while the
+host waits and sends), and keeps every bucket of
 the push until the commit answered (no buffer is reused before its consumer is done with it): a
 push holds one copy of the weights in buckets on the sender's side for its duration.
 
@@ -59,15 +60,26 @@ class IpcTransport(Transport):
         device = torch.device("cuda", torch.cuda.current_device())
         start, total, count, answers, earlier = time.perf_counter(), 0, 0, [], []
         held: list[Tensor] = []  # every bucket of this push, until the engines committed it
+        packed = None  # the bucket packed last: sent once the next one is queued behind it
+
+        def send(metas: list[TensorMeta], flat: Tensor, ready: torch.cuda.Event, first: bool, last: bool) -> list:
+            ready.synchronize()  # packed before another process reads it
+            return [r.receive_bucket.remote(metas, reduce_tensor(flat), first=first, commit=last) for r in receivers]
+
         try:
             for count, (bucket, last) in enumerate(flag_last(plan_buckets(named_tensors, self.bucket_bytes)), 1):
                 metas, flat = pack(bucket, device=device)
-                torch.cuda.current_stream(device).synchronize()  # packed before another process reads it
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(device))
                 held.append(flat)
-                earlier += answers
-                answers = [r.receive_bucket.remote(metas, reduce_tensor(flat), first=count == 1, commit=last)
-                           for r in receivers]
                 total += flat.numel()
+                if packed is not None:  # the GPU packs this bucket while the previous one is sent
+                    earlier += answers
+                    answers = send(*packed)
+                packed = (metas, flat, ready, count == 1, last)
+            if packed is not None:
+                earlier += answers
+                answers = send(*packed)
             # calls to one actor run in order: the last bucket's answers come after every other's, and
             # a receiver that failed an earlier bucket refuses the commit; the first error is raised
             ray.get(earlier)

@@ -282,6 +282,8 @@ class NativeEngine:
         with self._lock, torch.no_grad():
             if items:
                 torch._foreach_copy_([self._weights[name] for name, _ in items], [t for _, t in items])
+                if self.device.type == "cuda":  # copied before the version says so (and the sources may go)
+                    torch.cuda.current_stream(self.device).synchronize()
             self._runner.refresh_head()
             self._version += 1
             return self._version
