@@ -88,6 +88,3 @@ class IpcTransport(Transport):
             held.clear()
             torch.cuda.ipc_collect()
         return push_stats(total, count, versions, time.perf_counter() - start)
-
-    def release(self) -> None:
-        """Nothing is kept between pushes (the buckets go back to the caching allocator)."""

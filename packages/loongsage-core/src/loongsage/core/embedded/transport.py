@@ -3,8 +3,9 @@
 The sender packs each bucket into a flat byte buffer (:mod:`loongsage.core.buckets`) and ships it
 once with ``ray.put``; every receiver on the node maps the same buffer zero-copy and copies the
 tensors out into its engine's staging area. The last bucket commits: the engine swaps the staged
-weights in atomically between decode steps, so no request sees half an update. A producer buffer
-is never reused: each bucket is a fresh object that lives until every receiver has answered.
+weights in atomically between decode steps, so no request sees half an update. The sender packs
+every bucket into one buffer it keeps (``ray.put`` has copied the bytes out when it returns); each
+bucket in the store is a fresh object that lives until every receiver has answered.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loongsage.core.buckets import TensorMeta, bucket_bytes, flag_last, pack, plan_buckets, unpack
+from loongsage.core.buckets import TensorMeta, bucket_bytes, flag_last, layout, pack, plan_buckets, unpack
 from loongsage.core.contracts import Transport, TransportReceiver
 
 
@@ -56,6 +57,7 @@ class CpuTransport(Transport):
 
     def __post_init__(self) -> None:
         self.bucket_bytes = bucket_bytes("cpu", self.bucket_mb)
+        self._staging: Tensor | None = None  # the sender's pack buffer, kept between pushes
 
     def receiver(self) -> CpuReceiver:
         return CpuReceiver()
@@ -66,7 +68,12 @@ class CpuTransport(Transport):
         total, count, versions = 0, 0, None
         buckets = plan_buckets(((n, t.cpu()) for n, t in named_tensors), self.bucket_bytes)
         for count, (bucket, last) in enumerate(flag_last(buckets), 1):
-            metas, flat = pack(bucket, device="cpu")
+            size = layout(bucket)[1]
+            if self._staging is None or self._staging.numel() < size:
+                self._staging = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8)
+            # one buffer for every bucket of every push: ray.put has copied it when it returns, and
+            # fresh pages would cost more to fault in than the copy itself
+            metas, flat = pack(bucket, out=self._staging)
             ref = ray.put(flat.numpy())  # one shared-memory copy that every receiver on the node maps
             versions = ray.get([r.receive_bucket.remote(metas, ref, first=count == 1, commit=last) for r in receivers])
             total += flat.numel()
