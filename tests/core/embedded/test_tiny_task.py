@@ -153,6 +153,10 @@ def test_cached_warm_start_builds_once(tmp_path, counted_builds):
     assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")] == [first.name]
     other = warmstart.WarmStartParams(**{**params.__dict__, "seed": 1})
     assert other.cache_key() != params.cache_key()
+    # the device enters the key only when named (every key from before it existed stays)
+    assert "device" not in params.key_params()
+    on_gpu = warmstart.WarmStartParams(**{**params.__dict__, "device": "cuda"})
+    assert on_gpu.key_params()["device"] == "cuda" and on_gpu.cache_key() != params.cache_key()
 
 
 def test_concurrent_builders_of_one_warm_start_build_it_once(tmp_path, counted_builds):
