@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loongsage.core.buckets import TensorMeta, bucket_bytes, flag_last, pack, plan_buckets, unpack
+from loongsage.core.buckets import TensorMeta, bucket_bytes, flag_last, layout, pack, plan_buckets, unpack
 from loongsage.core.embedded.transport import commit_nothing, push_stats
 from loongsage.core.contracts import Transport, TransportReceiver
 
@@ -48,6 +48,10 @@ def _broadcast(group: Any, flat: Tensor) -> None:
 class BroadcastReceiver(TransportReceiver):
     def __init__(self) -> None:
         self.group, self.device = None, torch.device("cpu")
+        # on the CPU, bucket i of every push lands in the buffer bucket i used last time: pages
+        # faulted in once (the staged views are copied into the model before the next push starts;
+        # on a GPU the caching allocator reuses its blocks anyway)
+        self._host_buffers: dict[int, Tensor] = {}
 
     def setup(self, *, host: str, port: int, name: str, rank: int, world: int, backend: str,
               timeout_s: float) -> int:
@@ -58,10 +62,15 @@ class BroadcastReceiver(TransportReceiver):
         self.group = _group(backend, store, rank, world, timeout_s)
         return rank
 
-    def receive(self, metas: list[TensorMeta], size: int) -> list[tuple[str, Tensor]]:
+    def receive(self, metas: list[TensorMeta], size: int, index: int = 0) -> list[tuple[str, Tensor]]:
         if self.group is None:
             raise RuntimeError("broadcast receiver: no group (the sender's setup did not reach this engine)")
-        flat = torch.empty(size, dtype=torch.uint8, device=self.device)  # a buffer of its own per bucket
+        flat = self._host_buffers.get(index) if self.device.type == "cpu" else None
+        if flat is None or flat.numel() < size:  # a buffer of its own per bucket of the push
+            flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if self.device.type == "cpu":
+                self._host_buffers[index] = flat
+        flat = flat[:size]
         _broadcast(self.group, flat)
         return unpack(metas, flat, copy=False)
 
@@ -83,6 +92,7 @@ class BroadcastTransport(Transport):
         self._members: tuple[str, ...] = ()
         self._store: Any = None
         self._groups_made = 0
+        self._pack_buffer: Tensor | None = None
 
     def receiver(self) -> BroadcastReceiver:
         return BroadcastReceiver()
@@ -126,8 +136,14 @@ class BroadcastTransport(Transport):
         device = torch.device("cuda", torch.cuda.current_device()) if self.resolved_backend == "nccl" else "cpu"
         start, total, count, versions = time.perf_counter(), 0, 0, None
         for count, (bucket, last) in enumerate(flag_last(plan_buckets(named_tensors, self.bucket_bytes)), 1):
-            metas, flat = pack(bucket, device=device)
-            answers = [r.receive_bucket.remote(metas, flat.numel(), first=count == 1, commit=last) for r in receivers]
+            size = layout(bucket)[1]
+            if self._pack_buffer is None or self._pack_buffer.numel() < size or self._pack_buffer.device != torch.device(device):
+                self._pack_buffer = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=device)
+            # one pack buffer: the broadcast of a bucket is done (gloo) or ordered on the stream (NCCL)
+            # before the next bucket is packed into it
+            metas, flat = pack(bucket, out=self._pack_buffer)
+            answers = [r.receive_bucket.remote(metas, flat.numel(), count - 1, first=count == 1, commit=last)
+                       for r in receivers]
             _broadcast(self._group, flat)
             versions = ray.get(answers)
             total += flat.numel()
