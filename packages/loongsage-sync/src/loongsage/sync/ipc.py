@@ -76,13 +76,16 @@ class IpcTransport(Transport):
                 if packed is not None:  # the GPU packs this bucket while the previous one is sent
                     earlier += answers
                     answers = send(*packed)
+                    if count == 2:
+                        # an engine worker may run calls of one caller concurrently: the first bucket
+                        # (which drops what an earlier push left staged) is staged before any other
+                        ray.get(answers)
                 packed = (metas, flat, ready, count == 1, last)
             if packed is not None:
                 earlier += answers
+                ray.get(earlier)  # ... and every other bucket before the commit
                 answers = send(*packed)
-            # calls to one actor run in order: the last bucket's answers come after every other's, and
             # a receiver that failed an earlier bucket refuses the commit; the first error is raised
-            ray.get(earlier)
             versions = ray.get(answers) if count else commit_nothing(receivers)
         finally:
             held.clear()
