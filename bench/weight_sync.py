@@ -3,14 +3,17 @@ hand-off of the same bytes, in one run.
 
 * ``ours``: a trainer-side actor holding a Qwen3-1.7B-shaped model in bf16 on the GPU pushes its
   HF-named tensors with :class:`~loongsage.sync.ipc.IpcTransport` into a real engine worker (the
-  native engine serving the same shape on the same GPU): buckets packed, handles sent, tensors
-  copied out and staged, all committed at once, and the engine serving the new version. Then the
+  native engine serving the same shape on the same GPU), all committed at once and the engine
+  serving the new version. Two ways: ``in place`` (the engine copies straight from the trainer's
+  tensors, shared once; the default) and ``packed`` per bucket size (buckets packed, handles
+  sent, views staged). Each way keeps one transport across its pushes, as a trainer does. Then the
   engine's weights are checked against the trainer's, a checksum per tensor (bit for bit).
 * ``raw``: the ceiling. One flat buffer of the same total size on the trainer's side, its CUDA IPC
   handle sent to a receiver actor on the same GPU, which opens it and copies it into a buffer of its
   own (no bucketing, no staging, no commit).
 
-Both are warmed the same way, then repeated ``--repeats`` times per bucket size (``--buckets`` MiB).
+Both are warmed the same way, then repeated ``--repeats`` times per way (``--buckets`` MiB: the
+packed sizes).
 Reported: seconds and GB/s per update, and ours/raw. Absolute figures hold on the GPU machine.
 
     python bench/weight_sync.py [--buckets 64 256 512 1024] [--repeats 3] [--out-dir bench/results]
@@ -48,14 +51,17 @@ class Trainer:
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
         self.flat = None
+        self.transports = {}  # one per way, kept across pushes
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
-    def push(self, engine, bucket_mb: float) -> dict:
+    def push(self, engine, bucket_mb: float | None) -> dict:
+        """``bucket_mb`` None: in place; else packed in buckets of that size."""
         from loongsage.sync.ipc import IpcTransport
 
-        transport = IpcTransport(bucket_mb=bucket_mb)
+        transport = self.transports.setdefault(bucket_mb, IpcTransport(bucket_mb=bucket_mb or 512,
+                                                                       in_place=bucket_mb is None))
         torch.cuda.synchronize()
         start = time.perf_counter()
         stats = transport.push(self.model.state_dict().items(), [engine])
@@ -94,9 +100,13 @@ class RawReceiver:
         return int(self.out.numel())
 
 
+def way_name(bucket_mb: float | None) -> str:
+    return "in place" if bucket_mb is None else f"packed {bucket_mb:g} MiB"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--buckets", type=float, nargs="+", default=[64, 256, 512, 1024])
+    ap.add_argument("--buckets", type=float, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     args = ap.parse_args()
@@ -123,27 +133,28 @@ def main() -> int:
         nbytes = ray.get(trainer.bytes.remote())
         ray.get(engine.version.remote())
         rows = []
-        # warm-up, the same on both sides: one push and one raw hand-off per bucket size
-        for mb in args.buckets:
+        ways = [None, *args.buckets]
+        # warm-up, the same on both sides: one push and one raw hand-off per way
+        for mb in ways:
             ray.get(trainer.push.remote(engine, mb))
             ray.get(trainer.raw.remote(receiver, nbytes))
         for repeat in range(args.repeats):
-            for mb in args.buckets:
+            for mb in ways:
                 stats = ray.get(trainer.push.remote(engine, mb))
                 raw_s = ray.get(trainer.raw.remote(receiver, nbytes))
-                rows.append({"repeat": repeat, "bucket_mb": mb, "ours_s": stats["wall_s"], "raw_s": raw_s,
+                rows.append({"repeat": repeat, "way": way_name(mb), "ours_s": stats["wall_s"], "raw_s": raw_s,
                              "buckets": stats["sync/buckets"], "version": stats["sync/version"]})
-                print(f"repeat {repeat} bucket {mb:6.0f} MiB: ours {stats['wall_s'] * 1e3:7.1f} ms "
+                print(f"repeat {repeat} {way_name(mb):>16}: ours {stats['wall_s'] * 1e3:7.1f} ms "
                       f"({nbytes / stats['wall_s'] / 1e9:6.1f} GB/s), raw {raw_s * 1e3:6.1f} ms "
                       f"({nbytes / raw_s / 1e9:6.1f} GB/s)", flush=True)
         equal = ray.get(engine.weight_checksums.remote())
         expected = ray.get(trainer.checksums.remote())
         bit_equal = all(equal.get(n) == v for n, v in expected.items())
     summary = {}
-    for mb in args.buckets:
-        mine = [r for r in rows if r["bucket_mb"] == mb]
+    for way in map(way_name, ways):
+        mine = [r for r in rows if r["way"] == way]
         ours, raw = statistics.median(r["ours_s"] for r in mine), statistics.median(r["raw_s"] for r in mine)
-        summary[str(mb)] = {"ours_s": ours, "raw_s": raw, "ours_gb_per_s": nbytes / ours / 1e9,
+        summary[way] = {"ours_s": ours, "raw_s": raw, "ours_gb_per_s": nbytes / ours / 1e9,
                             "raw_gb_per_s": nbytes / raw / 1e9, "ours_over_raw_throughput": raw / ours,
                             "buckets": mine[0]["buckets"], "ours_s_all": [r["ours_s"] for r in mine],
                             "raw_s_all": [r["raw_s"] for r in mine]}
@@ -156,10 +167,10 @@ def main() -> int:
              f"ipc transport into the native engine (colocated, one GPU) vs the raw CUDA IPC hand-off + copy of the "
              f"same bytes; median of {args.repeats} after a warm-up; engine weights bit-equal to the trainer's: "
              f"{bit_equal}", "",
-             "| bucket MiB | buckets | ours ms | ours GB/s | raw ms | raw GB/s | ours / raw (throughput) |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    for mb, s in summary.items():
-        lines.append(f"| {float(mb):.0f} | {s['buckets']:.0f} | {s['ours_s'] * 1e3:.1f} | {s['ours_gb_per_s']:.1f} | "
+             "| way | messages | ours ms | ours GB/s | raw ms | raw GB/s | ours / raw (throughput) |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for way, s in summary.items():
+        lines.append(f"| {way} | {s['buckets']:.0f} | {s['ours_s'] * 1e3:.1f} | {s['ours_gb_per_s']:.1f} | "
                      f"{s['raw_s'] * 1e3:.1f} | {s['raw_gb_per_s']:.1f} | {s['ours_over_raw_throughput']:.2f} |")
     (out / "weight_sync.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -135,3 +135,17 @@ def test_a_receiver_that_dies_mid_transfer_is_an_error_and_the_others_keep_servi
     weights = weights_like(model, 3)
     assert fresh.push(weights.items(), [survivor])["sync/version"] == 2
     ray.kill(survivor)
+
+
+def test_ipc_messages_an_engine_cannot_serve_are_refused_in_one_line():
+    """An engine asked for "the same tensors as share n" that does not hold share n (a replaced
+    engine, a share it never took) refuses, and commits nothing; the in-place flag is checked."""
+    from loongsage.sync.ipc import IpcReceiver, IpcTransport
+
+    receiver = IpcReceiver()
+    with pytest.raises(RuntimeError, match=r"^ipc: the sender refers to its share 3, this engine holds none; nothing"):
+        receiver.receive("same", 3)
+    with pytest.raises(ValueError, match="unknown message 'views'; allowed: bucket, share, same"):
+        receiver.receive("views", 1)
+    with pytest.raises(ValueError, match=r"ipc.in_place='yes': must be true or false"):
+        IpcTransport(in_place="yes")

@@ -53,13 +53,7 @@ def plan_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int)
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
     pending: list[tuple[str, Tensor]] = []
     size = 0
-    seen: set[tuple] = set()
-    for name, tensor in named_tensors:
-        key = _memory(tensor)
-        if key is not None:
-            if key in seen:
-                continue
-            seen.add(key)
+    for name, tensor in without_aliases(named_tensors):
         nbytes = _aligned(tensor.numel() * tensor.element_size())
         if pending and size + nbytes > bucket_bytes:
             yield pending
@@ -68,6 +62,19 @@ def plan_buckets(named_tensors: Iterable[tuple[str, Tensor]], bucket_bytes: int)
         size += nbytes
     if pending:
         yield pending
+
+
+def without_aliases(named_tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+    """The tensors in order, each alias of one already given (the same memory under another name: a
+    tied embedding and output layer) left out."""
+    seen: set[tuple] = set()
+    for name, tensor in named_tensors:
+        key = _memory(tensor)
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        yield name, tensor
 
 
 def _memory(tensor: Tensor) -> tuple | None:
@@ -111,16 +118,39 @@ def pack(bucket: list[tuple[str, Tensor]], out: Tensor | None = None,
         out = torch.empty(size, dtype=torch.uint8, device=device or (bucket[0][1].device if bucket else "cpu"))
     elif out.numel() < size or out.dtype != torch.uint8:
         raise ValueError(f"pack: the buffer holds {out.numel()} bytes of {out.dtype}; the bucket needs {size} of uint8")
+    return metas, _fill(bucket, metas, out[:size])
+
+
+def _fill(bucket: list[tuple[str, Tensor]], metas: list[TensorMeta], flat: Tensor) -> Tensor:
     dests, sources = [], []
     for meta, (_, tensor) in zip(metas, bucket):
         if meta.nbytes:
             # typed views (offsets are aligned): a copy of bf16 elements runs about twice as fast on
             # a GPU as the same bytes copied as uint8
-            dests.append(out[meta.offset:meta.offset + meta.nbytes].view(tensor.dtype))
+            dests.append(flat[meta.offset:meta.offset + meta.nbytes].view(tensor.dtype))
             sources.append(tensor.detach().reshape(-1))
     if dests:
         torch._foreach_copy_(dests, sources, non_blocking=True)  # one batched copy, not one call per tensor
-    return metas, out[:size]
+    return flat
+
+
+class PackBuffer:
+    """One pack buffer a sender keeps across buckets and pushes, grown when a bucket needs more.
+
+    For senders whose bucket is consumed (copied out, or its broadcast ordered) before the next one
+    is packed; fresh memory for every bucket costs more to fault in than the copy itself.
+    """
+
+    def __init__(self, min_bytes: int):
+        self.min_bytes = min_bytes
+        self.buffer: Tensor | None = None
+
+    def pack(self, bucket: list[tuple[str, Tensor]], device: torch.device | str = "cpu") -> tuple[list[TensorMeta], Tensor]:
+        metas, size = layout(bucket)
+        device = torch.device(device)
+        if self.buffer is None or self.buffer.numel() < size or self.buffer.device != device:
+            self.buffer = torch.empty(max(size, self.min_bytes), dtype=torch.uint8, device=device)
+        return metas, _fill(bucket, metas, self.buffer[:size])
 
 
 def unpack(metas: list[TensorMeta], flat: Tensor, *, copy: bool = True) -> list[tuple[str, Tensor]]:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loongsage.core.buckets import TensorMeta, bucket_bytes, flag_last, layout, pack, plan_buckets, unpack
+from loongsage.core.buckets import PackBuffer, TensorMeta, bucket_bytes, flag_last, plan_buckets, unpack
 from loongsage.core.embedded.transport import commit_nothing, push_stats
 from loongsage.core.contracts import Transport, TransportReceiver
 
@@ -92,7 +92,9 @@ class BroadcastTransport(Transport):
         self._members: tuple[str, ...] = ()
         self._store: Any = None
         self._groups_made = 0
-        self._pack_buffer: Tensor | None = None
+        # one pack buffer: the broadcast of a bucket is done (gloo) or ordered on the stream (NCCL)
+        # before the next bucket is packed into it
+        self._pack_buffer = PackBuffer(self.bucket_bytes)
 
     def receiver(self) -> BroadcastReceiver:
         return BroadcastReceiver()
@@ -136,12 +138,7 @@ class BroadcastTransport(Transport):
         device = torch.device("cuda", torch.cuda.current_device()) if self.resolved_backend == "nccl" else "cpu"
         start, total, count, versions = time.perf_counter(), 0, 0, None
         for count, (bucket, last) in enumerate(flag_last(plan_buckets(named_tensors, self.bucket_bytes)), 1):
-            size = layout(bucket)[1]
-            if self._pack_buffer is None or self._pack_buffer.numel() < size or self._pack_buffer.device != torch.device(device):
-                self._pack_buffer = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=device)
-            # one pack buffer: the broadcast of a bucket is done (gloo) or ordered on the stream (NCCL)
-            # before the next bucket is packed into it
-            metas, flat = pack(bucket, out=self._pack_buffer)
+            metas, flat = self._pack_buffer.pack(bucket, device)
             answers = [r.receive_bucket.remote(metas, flat.numel(), count - 1, first=count == 1, commit=last)
                        for r in receivers]
             _broadcast(self._group, flat)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from loongsage.core.buckets import TensorMeta, bucket_bytes, flag_last, layout, pack, plan_buckets, unpack
+from loongsage.core.buckets import PackBuffer, TensorMeta, bucket_bytes, flag_last, plan_buckets, unpack
 from loongsage.core.contracts import Transport, TransportReceiver
 
 
@@ -57,7 +57,8 @@ class CpuTransport(Transport):
 
     def __post_init__(self) -> None:
         self.bucket_bytes = bucket_bytes("cpu", self.bucket_mb)
-        self._staging: Tensor | None = None  # the sender's pack buffer, kept between pushes
+        # one buffer for every bucket of every push: ray.put has copied it when it returns
+        self._pack_buffer = PackBuffer(self.bucket_bytes)
 
     def receiver(self) -> CpuReceiver:
         return CpuReceiver()
@@ -68,12 +69,7 @@ class CpuTransport(Transport):
         total, count, versions = 0, 0, None
         buckets = plan_buckets(((n, t.cpu()) for n, t in named_tensors), self.bucket_bytes)
         for count, (bucket, last) in enumerate(flag_last(buckets), 1):
-            size = layout(bucket)[1]
-            if self._staging is None or self._staging.numel() < size:
-                self._staging = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8)
-            # one buffer for every bucket of every push: ray.put has copied it when it returns, and
-            # fresh pages would cost more to fault in than the copy itself
-            metas, flat = pack(bucket, out=self._staging)
+            metas, flat = self._pack_buffer.pack(bucket)
             ref = ray.put(flat.numpy())  # one shared-memory copy that every receiver on the node maps
             versions = ray.get([r.receive_bucket.remote(metas, ref, first=count == 1, commit=last) for r in receivers])
             total += flat.numel()
