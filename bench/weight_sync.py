@@ -134,12 +134,12 @@ def main() -> int:
         ray.get(engine.version.remote())
         rows = []
         ways = [None, *args.buckets]
-        # warm-up, the same on both sides: one push and one raw hand-off per way
+        # each way in a block (an engine holds the share of one in-place sender), warmed the same on
+        # both sides: one push and one raw hand-off, then the repeats
         for mb in ways:
             ray.get(trainer.push.remote(engine, mb))
             ray.get(trainer.raw.remote(receiver, nbytes))
-        for repeat in range(args.repeats):
-            for mb in ways:
+            for repeat in range(args.repeats):
                 stats = ray.get(trainer.push.remote(engine, mb))
                 raw_s = ray.get(trainer.raw.remote(receiver, nbytes))
                 rows.append({"repeat": repeat, "way": way_name(mb), "ours_s": stats["wall_s"], "raw_s": raw_s,
