@@ -58,13 +58,14 @@ class Trainer:
 
     def push(self, engine, bucket_mb: float | None) -> dict:
         """``bucket_mb`` None: in place; else packed in buckets of that size."""
+        from loongsage.core.embedded.trainer import state_tensors
         from loongsage.sync.ipc import IpcTransport
 
         transport = self.transports.setdefault(bucket_mb, IpcTransport(bucket_mb=bucket_mb or 512,
                                                                        in_place=bucket_mb is None))
         torch.cuda.synchronize()
         start = time.perf_counter()
-        stats = transport.push(self.model.state_dict().items(), [engine])
+        stats = transport.push(state_tensors(self.model), [engine])  # listed as the torch trainer exports
         stats["wall_s"] = time.perf_counter() - start
         return stats
 

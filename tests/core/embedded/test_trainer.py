@@ -87,3 +87,26 @@ def test_save_load_restores_weights_optimizer_and_step(model_dir, tmp_path):
     b.train_step(prepared, pipeline, 10_000)
     for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
         torch.testing.assert_close(p, q, atol=0, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_exported_weights_are_the_state_dict_in_order_and_in_place(model_dir, tied):
+    """A weight push lists the trainer's tensors without state_dict(): the same names in the same
+    order, a tied output layer under both names, and the live tensors themselves (the in-place
+    transport shares their memory, so a copy here would ship stale weights)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from loongsage.core.embedded.trainer import state_tensors
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                         tie_word_embeddings=tied))
+    expected = model.state_dict()
+    listed = list(state_tensors(model))
+    assert [name for name, _ in listed] == list(expected)
+    assert ("lm_head.weight" in expected) and all(t.data_ptr() == expected[n].data_ptr() for n, t in listed)
+    trainer = TorchTrainer(model_path=model_dir)
+    exported = dict(trainer.export_weights())
+    assert list(exported) == list(trainer.model.state_dict())
+    params = dict(trainer.model.named_parameters())
+    assert all(exported[name] is param for name, param in params.items())
