@@ -54,7 +54,11 @@ class Trainer:
         self.transports = {}  # one per way, kept across pushes
 
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        """What a push moves: every tensor once (a tied output layer is its embedding, sent once)."""
+        from loongsage.core.buckets import without_aliases
+        from loongsage.core.embedded.trainer import state_tensors
+
+        return sum(t.numel() * t.element_size() for _, t in without_aliases(state_tensors(self.model)))
 
     def push(self, engine, bucket_mb: float | None) -> dict:
         """``bucket_mb`` None: in place; else packed in buckets of that size."""
