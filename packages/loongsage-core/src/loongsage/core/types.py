@@ -109,6 +109,21 @@ class GenerationRequest:
     resume_from: GenerationResult | None = None
 
 
+def check_resumable(prefix: str, request: GenerationRequest, prior: GenerationResult) -> None:
+    """One-line errors (``prefix`` first) for a ``resume_from`` that cannot be continued."""
+    if prior.finish_reason is not FinishReason.ABORT:
+        raise ValueError(prefix + f"resume_from has finish_reason={prior.finish_reason.value!r}: "
+                         "only an aborted sample can be resumed")
+    if request.sampling.n != 1:
+        raise ValueError(prefix + f"sampling.n={request.sampling.n}: a resumed request continues one sample (n=1)")
+    lengths = {len(prior.output_ids), len(prior.logprobs), len(prior.versions)}
+    if len(lengths) != 1:
+        raise ValueError(prefix + "resume_from.output_ids, logprobs and versions must have equal lengths")
+    if len(prior.output_ids) >= request.sampling.max_new_tokens:
+        raise ValueError(prefix + f"resume_from already holds {len(prior.output_ids)} tokens: nothing left of "
+                         f"sampling.max_new_tokens={request.sampling.max_new_tokens}")
+
+
 @dataclass
 class DataRecord:
     """One prompt of a data source."""

@@ -57,7 +57,7 @@ from torch import Tensor
 from loongsage.core.embedded.continuous import SlotBatch
 from loongsage.core.embedded.kv_cache import DecoderRunner
 from loongsage.core.embedded.trainer import logprobs_and_entropy, policy_logits
-from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult
+from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, check_resumable
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Loop rounds the scheduler yields at most between two steps while other callbacks are ready: enough
@@ -365,7 +365,7 @@ class NativeEngine:
             raise ValueError(prefix + "input_ids is empty")
         prior = request.resume_from
         if prior is not None:
-            _check_resumable(prefix, request, prior)
+            check_resumable(prefix, request, prior)
             ids = list(ids) + list(prior.output_ids)
         if len(ids) >= self.max_model_len:
             raise ValueError(prefix + f"prompt of {len(ids)} tokens is too long for max_model_len="
@@ -504,21 +504,6 @@ async def _yield_while_busy(loop: asyncio.AbstractEventLoop) -> None:
         if not ready:
             return
         await asyncio.sleep(0)
-
-
-def _check_resumable(prefix: str, request: GenerationRequest, prior: GenerationResult) -> None:
-    """One-line errors for a ``resume_from`` that cannot be continued."""
-    if prior.finish_reason is not FinishReason.ABORT:
-        raise ValueError(prefix + f"resume_from has finish_reason={prior.finish_reason.value!r}: "
-                         "only an aborted sample can be resumed")
-    if request.sampling.n != 1:
-        raise ValueError(prefix + f"sampling.n={request.sampling.n}: a resumed request continues one sample (n=1)")
-    lengths = {len(prior.output_ids), len(prior.logprobs), len(prior.versions)}
-    if len(lengths) != 1:
-        raise ValueError(prefix + "resume_from.output_ids, logprobs and versions must have equal lengths")
-    if len(prior.output_ids) >= request.sampling.max_new_tokens:
-        raise ValueError(prefix + f"resume_from already holds {len(prior.output_ids)} tokens: nothing left of "
-                         f"sampling.max_new_tokens={request.sampling.max_new_tokens}")
 
 
 def _resolve(group: _Group) -> None:

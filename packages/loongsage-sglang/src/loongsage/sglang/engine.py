@@ -1,0 +1,397 @@
+"""``sglang``: an engine replica that is an SGLang server, driven over its HTTP API with token ids.
+
+The engine worker starts the server (:mod:`.server`) with ``--skip-tokenizer-init`` (token ids in,
+token ids out), its weight version at the framework's, the FP32 LM head when the run asks for it,
+and ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so that the log-probs it returns are the raw policy's
+(temperature and filters not folded in), as the engine contract asks. Then:
+
+* ``generate``: one ``POST /generate`` per sample (request id ``<id>#<k>``), with
+  ``return_logprob``; a resumed sample sends its prompt followed by the tokens it already has, for
+  the budget that is left, and its result keeps them in front. Every token of an answer carries the
+  server's weight version (a request never spans an update: partial rollout aborts first).
+* ``abort``: ``POST /abort_request`` per sample (or ``abort_all``), sent again until each request
+  has answered (an abort that reaches the server before its request is dropped there); the aborted
+  requests answer with the tokens they have.
+* ``pause``/``resume``: ``/pause_generation`` (``in_place``: the running batch and its cache are
+  kept) and ``/continue_generation``.
+* ``update_weights``: names, shapes and dtypes are checked against the checkpoint first, so a bad
+  update changes nothing; the tensors are packed into one buffer the engine owns and sent with
+  ``/update_weights_from_tensor`` (torch's multiprocessing pickling: a CUDA IPC handle on a GPU, a
+  shared-memory file name on the CPU), with the new version. While paused with requests held, the
+  server's cache is not flushed (SGLang cannot flush a busy cache).
+* ``release_memory``/``resume_memory``: ``/release_memory_occupation`` and
+  ``/resume_memory_occupation`` with ``release_tags`` (the server runs with
+  ``--enable-memory-saver``, and ``--enable-weights-cpu-backup`` when the weights are released, so
+  they come back), refused while requests run (SGLang asserts an idle server).
+
+The field names and behaviours follow SGLang 0.5.16's HTTP server (docs/sglang.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from loongsage.core.contracts import Engine
+from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, check_resumable
+from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, free_port, server_flags
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+_DTYPES = ("bfloat16", "float16", "float32")
+_TAGS = ("kv_cache", "weights", "cuda_graph")
+_ABORT_RESEND_S = 0.5  # an abort that found no request is sent again this often until it answers
+
+
+class SGLangError(RuntimeError):
+    """The server refused or failed a call (its own message follows)."""
+
+
+@dataclass
+class _Flight:
+    rids: list[str]  # one per sample, as the server knows them
+    task: asyncio.Future  # the samples' answers
+    prior: GenerationResult | None  # what a resumed sample had
+
+
+class SGLangEngine(Engine):
+    """An SGLang server as one engine replica (see the module docstring)."""
+
+    kind = "engine"
+    named_weights: ClassVar[None] = None  # SGLang shows its weights only truncated
+
+    def __init__(self, model_path: str, *, dtype: str = "bfloat16", fp32_lm_head: bool = True, seed: int = 0,
+                 mem_fraction_static: float | None = None, context_length: int | None = None,
+                 max_running_requests: int | None = None, cuda_graphs: bool = True, deterministic: bool = False,
+                 release_tags: list[str] | tuple[str, ...] = _TAGS, server_args: dict[str, Any] | None = None,
+                 launch: list[str] | None = None, startup_timeout_s: float = 900.0, control_timeout_s: float = 300.0):
+        if dtype not in _DTYPES:
+            raise ValueError(f"sglang engine: dtype={dtype!r}: must be one of {', '.join(_DTYPES)}")
+        bad = [t for t in release_tags if t not in _TAGS]
+        if bad:
+            raise ValueError(f"sglang engine: release_tags={list(release_tags)!r}: unknown {bad}; allowed: {', '.join(_TAGS)}")
+        if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
+            raise ValueError(f"sglang engine: mem_fraction_static={mem_fraction_static!r}: must be in (0, 1)")
+        for name, value in (("startup_timeout_s", startup_timeout_s), ("control_timeout_s", control_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"sglang engine: {name}={value!r}: must be > 0")
+        self.model_path, self.dtype, self.deterministic = str(model_path), dtype, bool(deterministic)
+        self.release_tags = list(release_tags)
+        self.control_timeout_s = float(control_timeout_s)
+        self.expected = checkpoint_tensors(self.model_path)  # name -> (shape, dtype) of the checkpoint
+        self._version = 0
+        self._paused = self._released = False
+        self._flights: dict[str, _Flight] = {}
+        self._client: tuple[Any, Any] | None = None  # (event loop, its async client)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        flags = {
+            "model_path": self.model_path, "host": "127.0.0.1", "port": port, "skip_tokenizer_init": True,
+            "dtype": dtype, "random_seed": int(seed), "weight_version": "0", "enable_fp32_lm_head": bool(fp32_lm_head),
+            "mem_fraction_static": mem_fraction_static, "context_length": context_length,
+            "max_running_requests": max_running_requests, "disable_cuda_graph": not cuda_graphs,
+            "enable_deterministic_inference": self.deterministic,
+            "enable_memory_saver": bool(self.release_tags), "enable_weights_cpu_backup": "weights" in self.release_tags,
+            **(server_args or {}),
+        }
+        self.server = ServerProcess(list(launch or SGLANG_LAUNCH), server_flags(flags),
+                                    env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})
+        self.server.start()
+        self.startup_s = self.server.wait_ready(self.url, float(startup_timeout_s))
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, request: GenerationRequest) -> list[GenerationResult]:
+        prefix = f"request {request.request_id!r}: "
+        self._check(request, prefix)
+        rid = request.request_id
+        if rid in self._flights:
+            raise ValueError(prefix + "a request with this id is already in flight")
+        prior = request.resume_from
+        ids = list(request.input_ids) + (list(prior.output_ids) if prior else [])
+        budget = request.sampling.max_new_tokens - (len(prior.output_ids) if prior else 0)
+        rids = [f"{rid}#{k}" for k in range(request.sampling.n)]
+        bodies = [self._body(r, ids, request, budget, k) for k, r in enumerate(rids)]
+        task = asyncio.ensure_future(asyncio.gather(*(self._post_generate(prefix, b) for b in bodies)))
+        self._flights[rid] = _Flight(rids, task, prior)
+        try:
+            answers = await task
+        finally:
+            self._flights.pop(rid, None)
+        return [self._result(rid, answer, prior) for answer in answers]
+
+    def _check(self, request: GenerationRequest, prefix: str) -> None:
+        if self._released:
+            raise RuntimeError(prefix + "the engine's memory is released; call resume_memory() first")
+        try:
+            request.sampling.validate()
+        except ValueError as exc:
+            raise ValueError(prefix + str(exc)) from None
+        if len(request.input_ids) == 0:
+            raise ValueError(prefix + "input_ids is empty")
+        if request.resume_from is not None:
+            check_resumable(prefix, request, request.resume_from)
+
+    def _body(self, rid: str, ids: list[int], request: GenerationRequest, budget: int, k: int) -> dict[str, Any]:
+        s = request.sampling
+        params: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
+                                  "min_p": s.min_p, "max_new_tokens": budget}
+        if s.stop_token_ids:
+            params["stop_token_ids"] = list(s.stop_token_ids)
+        if self.deterministic and s.seed is not None:
+            params["sampling_seed"] = int(s.seed) + k  # only deterministic servers take a seed
+        return {"input_ids": ids, "sampling_params": params, "rid": rid, "return_logprob": True,
+                "logprob_start_len": -1}
+
+    async def _post_generate(self, prefix: str, body: dict[str, Any]) -> dict[str, Any]:
+        import httpx
+
+        try:
+            response = await self._async_client().post("/generate", json=body)
+        except httpx.HTTPError as exc:
+            raise self._lost(f"POST /generate failed ({type(exc).__name__}: {exc})") from None
+        if response.status_code == 400:  # a bad request fails alone
+            raise ValueError(prefix + f"sglang refused it: {_message(response)}")
+        if response.status_code != 200:
+            raise SGLangError(prefix + f"sglang answered {response.status_code}: {_message(response)}")
+        return response.json()
+
+    def _result(self, rid: str, answer: dict[str, Any], prior: GenerationResult | None) -> GenerationResult:
+        meta = answer.get("meta_info") or {}
+        ids = [int(t) for t in answer.get("output_ids") or []]
+        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        if len(logprobs) != len(ids):
+            raise SGLangError(f"request {rid!r}: sglang returned {len(ids)} tokens but {len(logprobs)} log-probs")
+        reason = (meta.get("finish_reason") or {}).get("type")
+        if reason not in _FINISH:
+            raise SGLangError(f"request {rid!r}: unknown finish_reason {meta.get('finish_reason')!r}")
+        version = _version(meta.get("weight_version"), self._version)
+        result = GenerationResult(rid, ids, logprobs, [version] * len(ids), _FINISH[reason])
+        if prior is not None:
+            result = GenerationResult(rid, list(prior.output_ids) + ids, list(prior.logprobs) + logprobs,
+                                      list(prior.versions) + result.versions, result.finish_reason)
+        return result
+
+    async def abort(self, request_ids: list[str] | None = None) -> list[GenerationResult]:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        ids = list(self._flights) if request_ids is None else list(dict.fromkeys(request_ids))
+        unknown = [rid for rid in ids if rid not in self._flights]
+        if unknown:
+            raise ValueError(f"abort: unknown request id(s) {unknown}: not waiting or running")
+        flights = [self._flights[rid] for rid in ids]
+        rids = [r for f in flights for r in f.rids]
+        pending = {f.task for f in flights}
+        while pending:
+            # a request that reaches the server after its abort would run on: abort until it answered
+            await asyncio.gather(*(self._post_async("/abort_request", {"rid": r}) for r in rids))
+            _, pending = await asyncio.wait(pending, timeout=_ABORT_RESEND_S)
+        results: list[GenerationResult] = []
+        for rid, flight in zip(ids, flights):
+            if flight.task.cancelled():  # its caller went away
+                continue
+            if flight.task.exception() is not None:
+                raise flight.task.exception()
+            results.extend(self._result(rid, answer, flight.prior) for answer in flight.task.result())
+        return results
+
+    def _async_client(self) -> Any:
+        """The connection pool of the running event loop (a pool is bound to the loop that made it)."""
+        import httpx
+
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client[0] is not loop:
+            self._client = (loop, httpx.AsyncClient(base_url=self.url, timeout=None, trust_env=False,
+                                                    limits=httpx.Limits(max_connections=None,
+                                                                        max_keepalive_connections=512)))
+        return self._client[1]
+
+    async def _post_async(self, path: str, body: dict[str, Any]) -> None:
+        import httpx
+
+        try:
+            response = await self._async_client().post(path, json=body, timeout=self.control_timeout_s)
+        except httpx.HTTPError as exc:
+            raise self._lost(f"POST {path} failed ({type(exc).__name__}: {exc})") from None
+        if response.status_code != 200:
+            raise SGLangError(f"sglang {path}: {response.status_code} {_message(response)}")
+
+    # ------------------------------------------------------------------ control
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        """A control call; returns the parsed answer (JSON, or the text)."""
+        import httpx
+
+        try:
+            response = httpx.post(self.url + path, json=body or {}, timeout=self.control_timeout_s, trust_env=False)
+        except httpx.HTTPError as exc:
+            raise self._lost(f"POST {path} failed ({type(exc).__name__}: {exc})") from None
+        if response.status_code != 200:
+            raise SGLangError(f"sglang {path}: {response.status_code} {_message(response)}")
+        try:
+            return response.json()
+        except ValueError:
+            return response.text
+
+    def _lost(self, what: str) -> RuntimeError:
+        code = self.server.exit_code()
+        return self.server.failure(f"{what}; the server exited with code {code}" if code is not None else what)
+
+    def pause(self) -> None:
+        """Hold decoding; the running batch and its cache stay (``in_place``)."""
+        self._post("/pause_generation", {"mode": "in_place"})
+        self._paused = True
+
+    def resume(self) -> None:
+        self._post("/continue_generation", {"torch_empty_cache": False})
+        self._paused = False
+
+    def flush_cache(self) -> int:
+        """Drop the server's prefix cache; 1 if it did, 0 if it was busy (SGLang flushes only when idle)."""
+        import httpx
+
+        response = httpx.post(self.url + "/flush_cache", timeout=self.control_timeout_s, trust_env=False)
+        return 1 if response.status_code == 200 else 0
+
+    def update_weights(self, named_tensors) -> int:
+        items = list(named_tensors)
+        self._check_weights(items)
+        version = self._version + 1
+        payload, keep = serialize_named_tensors(items)
+        answer = self._post("/update_weights_from_tensor", {
+            "serialized_named_tensors": [payload], "weight_version": str(version),
+            # a paused server may hold requests; SGLang flushes only an idle cache
+            "flush_cache": not (self._paused and self._flights)})
+        del keep  # the server has copied the weights in
+        if not (isinstance(answer, dict) and answer.get("success")):
+            raise SGLangError(f"sglang refused the weight update: {answer!r}; the engine keeps version {self._version}")
+        self._version = version
+        return version
+
+    def _check_weights(self, items: list[tuple[str, Tensor]]) -> None:
+        """Every name, shape and dtype against the checkpoint, before anything is sent."""
+        for name, tensor in items:
+            if self.expected:
+                want = self.expected.get(name)
+                if want is None:
+                    raise ValueError(f"update_weights: unknown tensor {name!r} for the checkpoint at {self.model_path}")
+                if tuple(tensor.shape) != want[0]:
+                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {want[0]}")
+            if str(tensor.dtype).removeprefix("torch.") != self.dtype:
+                raise ValueError(f"update_weights: {name!r} is {str(tensor.dtype).removeprefix('torch.')}, "
+                                 f"the engine serves {self.dtype}")
+
+    def release_memory(self) -> None:
+        if self._flights:
+            raise RuntimeError(f"release_memory: {len(self._flights)} request(s) still waiting or running; "
+                               "abort them (or let them finish) first")
+        self._post("/release_memory_occupation", {"tags": self.release_tags})
+        self._released = True
+
+    def resume_memory(self) -> None:
+        self._post("/resume_memory_occupation", {"tags": self.release_tags})
+        self._released = False
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._post("/update_weight_version", {"new_version": str(int(version)), "abort_all_requests": False})
+        self._version = int(version)
+
+    def health(self) -> dict[str, Any]:
+        import httpx
+
+        code = self.server.exit_code()
+        if code is not None:
+            raise self.server.failure(f"exited with code {code}")
+        try:
+            status = httpx.get(self.url + "/health", timeout=self.control_timeout_s, trust_env=False).status_code
+        except httpx.HTTPError as exc:
+            raise self._lost(f"GET /health failed ({type(exc).__name__}: {exc})") from None
+        if status != 200:
+            raise self.server.failure(f"GET /health answered {status}")
+        return {"status": "released" if self._released else "paused" if self._paused else "ok",
+                "version": self._version, "requests_in_flight": len(self._flights), "url": self.url,
+                "pid": self.server.pid, "log": str(self.server.log_path), "startup_s": round(self.startup_s, 1)}
+
+    def close(self) -> None:
+        """End the server (an engine worker that dies ends it too: it is killed with its parent)."""
+        self.server.stop()
+
+
+def serialize_named_tensors(items: list[tuple[str, Tensor]]) -> tuple[str, Any]:
+    """``[(name, tensor)]`` as SGLang's ``MultiprocessingSerializer`` writes it (torch's
+    ``ForkingPickler``, base64), and what must stay alive until the server has read it.
+
+    The tensors are first packed into one buffer of this process: the server opens one CUDA IPC
+    handle (or one shared-memory file) for all of them, and tensors this process opened from
+    another one (an ``ipc`` push's views) cannot be shared again.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    from torch import multiprocessing as torch_mp  # registers torch's reductions with ForkingPickler
+
+    from loongsage.core.buckets import pack, unpack
+
+    if not items:
+        return base64.b64encode(_pickled(ForkingPickler, [])).decode(), None
+    device = items[0][1].device
+    if device.type == "cpu":
+        # a file name in shared memory, which any process can open (a descriptor could not be passed)
+        torch_mp.set_sharing_strategy("file_system")
+    metas, flat = pack(items, device=device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # packed before the server reads it
+    views = unpack(metas, flat, copy=False)
+    return base64.b64encode(_pickled(ForkingPickler, views)).decode(), flat
+
+
+def _pickled(pickler: Any, obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    pickler(buffer).dump(obj)
+    return buffer.getvalue()
+
+
+def checkpoint_tensors(model_path: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``name -> (shape, dtype)`` from the safetensors headers of an HF folder (no tensor is read);
+    empty when the folder holds none (SGLang's ``--load-format dummy``)."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in sorted(Path(model_path).glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                out[name] = (tuple(info["shape"]), info["dtype"])
+    return out
+
+
+def _version(value: Any, default: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _message(response: Any) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:300]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])[:300]
+        if "message" in body:
+            return str(body["message"])[:300]
+    return json.dumps(body)[:300]
+

@@ -1,0 +1,283 @@
+"""A stand-in for an SGLang 0.5.16 server, for the contract tests of the ``sglang`` engine on CPU.
+
+It speaks the subset of SGLang's HTTP API that the engine uses, with SGLang's request and answer
+shapes and its sharp edges, written from SGLang's server source (docs/sglang.md):
+
+* the same command-line flags as ``python -m sglang.launch_server`` for what the engine passes
+  (an unknown flag exits with code 2, as argparse does there);
+* ``/health`` answers 503 until start-up is over (``--startup-delay``), then 200;
+* ``/generate`` with ``input_ids``: unknown sampling keys are a 500 (msgspec's ``TypeError``), a
+  prompt plus budget over ``--context-length`` a 400; one token every ``--token-delay`` seconds;
+  ``output_ids`` include a matched stop token; ``meta_info`` carries ``finish_reason``
+  (``stop``/``length``/``abort``), ``output_token_logprobs`` as ``[logprob, id, null]`` and the
+  ``weight_version``; a request arriving while paused waits;
+* ``/abort_request`` ends only a live request whose id matches exactly (or all), which answers
+  with the tokens it has; an abort for an id not seen yet is dropped;
+* ``/pause_generation`` (in place) and ``/continue_generation``;
+* ``/flush_cache`` is plain text: 200 when idle, 400 otherwise;
+* ``/update_weights_from_tensor`` unpickles with an allowlist (torch, builtins, collections,
+  multiprocessing), waits for running requests unless paused, and, as SGLang's asserts do, **kills
+  the server** when asked to flush a busy cache or given a tensor the model does not have;
+* ``/release_memory_occupation`` kills the server unless idle; ``/update_weight_version``.
+
+The "model" is a deterministic rule, not a network: the next token is
+``(7 * last + k + s) % vocab`` with ``s`` derived from the weights' sum, so that a weight update
+shows in the outputs; its log-prob is ``-0.5 - 0.001 * k``. ``GET /_contract/state`` shows the
+server's weight checksum and counters to the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+
+import torch.multiprocessing  # noqa: F401 - torch's reductions, which the pickled tensors name
+import uvicorn
+from safetensors.torch import load_file
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "ignore_eos",
+                 "no_stop_trim", "n", "sampling_seed", "min_new_tokens", "frequency_penalty", "presence_penalty",
+                 "repetition_penalty", "skip_special_tokens", "logit_bias", "custom_params", "stream_interval"}
+ALLOWED_MODULES = ("builtins", "collections", "torch", "multiprocessing.reduction", "multiprocessing.resource_sharer",
+                   "copyreg", "_codecs")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--skip-tokenizer-init", action="store_true")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--random-seed", type=int)
+    ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--enable-fp32-lm-head", action="store_true")
+    ap.add_argument("--mem-fraction-static", type=float)
+    ap.add_argument("--context-length", type=int, default=512)
+    ap.add_argument("--max-running-requests", type=int)
+    ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--enable-deterministic-inference", action="store_true")
+    ap.add_argument("--enable-memory-saver", action="store_true")
+    ap.add_argument("--enable-weights-cpu-backup", action="store_true")
+    # of the stand-in only
+    ap.add_argument("--token-delay", type=float, default=0.002)
+    ap.add_argument("--startup-delay", type=float, default=0.3)
+    return ap.parse_args(argv)
+
+
+class SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if not any(module == m or module.startswith(m + ".") for m in ALLOWED_MODULES):
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+        return super().find_class(module, name)
+
+
+def crash(reason: str) -> None:
+    """What SGLang's scheduler does on a failed assert: the whole server goes."""
+    print(f"Scheduler hit an exception: {reason}", flush=True)
+    os._exit(1)
+
+
+class Model:
+    def __init__(self, model_path: str, vocab: int, eos: list[int]):
+        self.weights = {n: t.clone() for path in sorted(Path(model_path).glob("*.safetensors"))
+                        for n, t in load_file(str(path)).items()}
+        self.vocab, self.eos = vocab, set(eos)
+
+    @property
+    def shift(self) -> int:
+        return int(abs(self.checksum()) * 1000) % 97
+
+    def checksum(self) -> float:
+        return float(sum(t.double().sum() for t in self.weights.values()))
+
+    def next_token(self, last: int, k: int) -> int:
+        return (7 * last + k + self.shift) % self.vocab
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace):
+        config = json.loads((Path(args.model_path) / "config.json").read_text())
+        eos = config.get("eos_token_id")
+        self.model = Model(args.model_path, int(config["vocab_size"]), eos if isinstance(eos, list) else [eos])
+        self.args = args
+        self.version = args.weight_version
+        self.started = time.monotonic()
+        self.running: dict[str, dict] = {}  # rid -> {"abort": bool}
+        self.waiting = 0  # requests held by a pause
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.idle = asyncio.Event()  # no request running
+        self.idle.set()
+        self.released = False
+        self.counters = {"generate": 0, "aborted": 0, "flushes": 0, "updates": 0, "abort_calls": 0}
+
+    # ---------------------------------------------------------------- endpoints
+    async def health(self, request: Request) -> Response:
+        ready = time.monotonic() - self.started >= self.args.startup_delay
+        return Response(status_code=200 if ready else 503)
+
+    async def model_info(self, request: Request) -> Response:
+        return JSONResponse({"model_path": self.args.model_path, "weight_version": self.version, "is_generation": True})
+
+    async def generate(self, request: Request) -> Response:
+        body = await request.json()
+        ids = body.get("input_ids")
+        if not ids:
+            return JSONResponse({"error": {"message": "input_ids cannot be empty."}}, status_code=400)
+        params = dict(body.get("sampling_params") or {})
+        unknown = set(params) - SAMPLING_KEYS
+        if unknown:  # msgspec raises TypeError, which nothing catches
+            return PlainTextResponse("Internal Server Error", status_code=500)
+        budget = int(params.get("max_new_tokens", 128))
+        if len(ids) + budget > self.args.context_length:
+            message = (f"Requested token count exceeds the model's maximum context length of "
+                       f"{self.args.context_length} tokens.")
+            return JSONResponse({"error": {"message": message}}, status_code=400)
+        stops = set(self.model.eos) | set(params.get("stop_token_ids") or [])
+        rid = body.get("rid") or os.urandom(8).hex()
+        self.counters["generate"] += 1
+        if not self.resumed.is_set():  # paused: a new request waits
+            self.waiting += 1
+            await self.resumed.wait()
+            self.waiting -= 1
+        state = {"abort": False}
+        self.running[rid] = state
+        self.idle.clear()
+        out, logprobs, reason = [], [], {"type": "length", "length": budget}
+        try:
+            last = ids[-1]
+            for k in range(budget):
+                await asyncio.sleep(self.args.token_delay)
+                await self.resumed.wait()
+                if state["abort"]:
+                    reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+                    self.counters["aborted"] += 1
+                    break
+                last = self.model.next_token(last, k)
+                out.append(last)
+                logprobs.append([-0.5 - 0.001 * k, last, None])
+                if last in stops:
+                    reason = {"type": "stop", "matched": last}
+                    break
+        finally:
+            del self.running[rid]
+            if not self.running:
+                self.idle.set()
+        meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(ids), "weight_version": self.version,
+                "completion_tokens": len(out), "cached_tokens": 0}
+        if body.get("return_logprob"):
+            meta["output_token_logprobs"] = logprobs
+        return JSONResponse({"output_ids": out, "meta_info": meta})
+
+    async def abort_request(self, request: Request) -> Response:
+        body = await request.json()
+        self.counters["abort_calls"] += 1
+        for rid, state in self.running.items():
+            if body.get("abort_all") or rid == body.get("rid"):
+                state["abort"] = True
+        return Response(status_code=200)
+
+    async def pause_generation(self, request: Request) -> Response:
+        mode = (await request.json()).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return JSONResponse({"error": {"message": f"bad mode {mode}"}}, status_code=400)
+        if mode == "abort":
+            for state in self.running.values():
+                state["abort"] = True
+        self.resumed.clear()
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: Request) -> Response:
+        self.resumed.set()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: Request) -> Response:
+        if self.running or self.waiting:
+            return PlainTextResponse("Flush cache failed.\n", status_code=400)
+        self.counters["flushes"] += 1
+        return PlainTextResponse("Cache flushed.\n")
+
+    async def update_weights_from_tensor(self, request: Request) -> Response:
+        body = await request.json()
+        if self.resumed.is_set():
+            await self.idle.wait()  # the writer lock: running generations finish first
+        try:
+            raw = base64.b64decode(body["serialized_named_tensors"][0], validate=True)
+        except (KeyError, IndexError, ValueError) as exc:
+            return JSONResponse({"error": {"message": f"bad serialized_named_tensors: {exc}"}}, status_code=400)
+        try:
+            named = SafeUnpickler(io.BytesIO(raw)).load()
+        except Exception as exc:  # noqa: BLE001 - deserialized in the TP worker, outside any try
+            crash(f"deserialize: {exc}")
+        for name, tensor in named:
+            if name not in self.model.weights or tuple(tensor.shape) != tuple(self.model.weights[name].shape):
+                crash(f"load_weights: {name} {tuple(tensor.shape)}")
+        for name, tensor in named:
+            self.model.weights[name].copy_(tensor)
+        if body.get("flush_cache", True):
+            if self.running or self.waiting:
+                crash("assert flush_cache_success")
+            self.counters["flushes"] += 1
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        self.counters["updates"] += 1
+        return JSONResponse({"success": True, "message": "Success"})
+
+    async def release_memory(self, request: Request) -> Response:
+        if self.running or self.waiting:
+            crash("assert is_fully_idle()")
+        self.released = True
+        return JSONResponse(None)
+
+    async def resume_memory(self, request: Request) -> Response:
+        self.released = False
+        return JSONResponse(None)
+
+    async def update_weight_version(self, request: Request) -> Response:
+        body = await request.json()
+        self.version = body["new_version"]
+        return JSONResponse({"success": True, "message": f"Weight version updated to {self.version}",
+                             "new_version": self.version})
+
+    async def state(self, request: Request) -> Response:
+        return JSONResponse({"checksum": self.model.checksum(), "version": self.version, "released": self.released,
+                             "running": len(self.running), "paused": not self.resumed.is_set(), **self.counters})
+
+    def app(self) -> Starlette:
+        post = ["POST"]
+        return Starlette(routes=[
+            Route("/health", self.health), Route("/model_info", self.model_info),
+            Route("/generate", self.generate, methods=["POST", "PUT"]),
+            Route("/abort_request", self.abort_request, methods=post),
+            Route("/pause_generation", self.pause_generation, methods=post),
+            Route("/continue_generation", self.continue_generation, methods=post),
+            Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
+            Route("/update_weights_from_tensor", self.update_weights_from_tensor, methods=post),
+            Route("/release_memory_occupation", self.release_memory, methods=["GET", "POST"]),
+            Route("/resume_memory_occupation", self.resume_memory, methods=["GET", "POST"]),
+            Route("/update_weight_version", self.update_weight_version, methods=post),
+            Route("/_contract/state", self.state),
+        ])
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    server = Server(args)
+    uvicorn.run(server.app(), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
