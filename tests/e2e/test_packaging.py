@@ -47,6 +47,11 @@ def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache):
     gpus = subprocess.run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "placement.gpus_per_actor=1"],
                           cwd=user, env=env, capture_output=True, text=True, timeout=300)
     assert gpus.returncode == 2 and "uses the 'ipc' transport of loongsage-sync, which is not installed" in gpus.stderr
+    # and the SGLang engine from loongsage-sglang: the miss names the package
+    sgl = subprocess.run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "rollout.engine.name=sglang"],
+                         cwd=user, env=env, capture_output=True, text=True, timeout=300)
+    assert sgl.returncode == 2 and "unknown engine 'sglang'; known: native (the 'sglang' engine is in loongsage-sglang: " \
+        "pip install loongsage-sglang)" in sgl.stderr, sgl.stderr
     _run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "run.name=pkg",
           "run.total_steps=2", "data_sources.0.prompts_per_step=2", "data_sources.0.samples_per_prompt=2",
           "evaluation.max_prompts=8", "evaluation.pass_k=0", "tracking.progress=false"], cwd=user, env=env)

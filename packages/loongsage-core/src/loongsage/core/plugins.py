@@ -27,6 +27,9 @@ from loongsage.core import contract_check, contracts, hookspecs
 from loongsage.core.schema import check_params, join_error
 from loongsage.core.types import ConfigError
 
+# entries of the project's own optional packages, named when one is asked for but not installed
+PROJECT_PACKAGES = {("engine", "sglang"): "loongsage-sglang", ("transport", "ipc"): "loongsage-sync",
+                    ("transport", "broadcast"): "loongsage-sync"}
 # category (as used in error messages and `loongsage plugins`) -> hook name
 CATEGORIES: dict[str, str] = {
     "agent": "loongsage_agents",
@@ -151,7 +154,9 @@ class Registry:
         if name not in table:
             known = ", ".join(sorted(table)) or "(none installed)"
             where = f"{path}.name" if path else category
-            raise ConfigError(f"{where}: unknown {category} {name!r}; known: {known}")
+            package = PROJECT_PACKAGES.get((category, name))
+            hint = f" (the {name!r} {category} is in {package}: pip install {package})" if package else ""
+            raise ConfigError(f"{where}: unknown {category} {name!r}; known: {known}{hint}")
         return table[name]
 
     def check(self, category: str, spec: dict[str, Any] | None, path: str, *, skip: tuple[str, ...] = (),
