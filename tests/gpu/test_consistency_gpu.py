@@ -7,7 +7,7 @@ Qwen3-shaped with random weights, built in place. The figures and the 1e-5 goal 
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,10 +15,10 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-_spec = importlib.util.spec_from_file_location(
-    "consistency_gpu", Path(__file__).resolve().parents[2] / "bench" / "consistency_gpu.py")
-consistency = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(consistency)
+sys.path.insert(0, str(Path(__file__).parent))
+from _bench import bench_module  # noqa: E402
+
+consistency = bench_module("consistency_gpu")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ kept, memory release and resume with the weights intact, and a killed server rep
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import sys
 import os
 import signal
 from pathlib import Path
@@ -26,10 +26,10 @@ pytest.importorskip("sglang")
 from loongsage.core.types import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
 from loongsage.sglang.engine import SGLangEngine  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location(
-    "consistency_gpu", Path(__file__).resolve().parents[2] / "bench" / "consistency_gpu.py")
-consistency = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(consistency)
+sys.path.insert(0, str(Path(__file__).parent))
+from _bench import bench_module  # noqa: E402
+
+consistency = bench_module("consistency_gpu")
 
 
 @pytest.fixture(scope="module")

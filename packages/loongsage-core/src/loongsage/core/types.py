@@ -109,6 +109,26 @@ class GenerationRequest:
     resume_from: GenerationResult | None = None
 
 
+def check_request(request: GenerationRequest, *, released: bool = False) -> list[int]:
+    """What every engine checks of a request, as one-line errors that name it: its memory not
+    released, valid sampling, a prompt, a ``resume_from`` that can be continued. Returns the ids the
+    engine starts from (the prompt, then the resumed sample's tokens)."""
+    prefix = f"request {request.request_id!r}: "
+    if released:
+        raise RuntimeError(prefix + "the engine's memory is released; call resume_memory() first")
+    try:
+        request.sampling.validate()
+    except ValueError as exc:
+        raise ValueError(prefix + str(exc)) from None
+    if len(request.input_ids) == 0:
+        raise ValueError(prefix + "input_ids is empty")
+    prior = request.resume_from
+    if prior is None:
+        return list(request.input_ids)
+    check_resumable(prefix, request, prior)
+    return list(request.input_ids) + list(prior.output_ids)
+
+
 def check_resumable(prefix: str, request: GenerationRequest, prior: GenerationResult) -> None:
     """One-line errors (``prefix`` first) for a ``resume_from`` that cannot be continued."""
     if prior.finish_reason is not FinishReason.ABORT:

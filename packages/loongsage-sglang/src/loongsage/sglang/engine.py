@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from loongsage.core.contracts import Engine
-from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, check_resumable
+from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, check_request
 from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, free_port, server_flags
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -110,12 +110,11 @@ class SGLangEngine(Engine):
     # ------------------------------------------------------------------ generation
     async def generate(self, request: GenerationRequest) -> list[GenerationResult]:
         prefix = f"request {request.request_id!r}: "
-        self._check(request, prefix)
+        ids = check_request(request, released=self._released)
         rid = request.request_id
         if rid in self._flights:
             raise ValueError(prefix + "a request with this id is already in flight")
         prior = request.resume_from
-        ids = list(request.input_ids) + (list(prior.output_ids) if prior else [])
         budget = request.sampling.max_new_tokens - (len(prior.output_ids) if prior else 0)
         rids = [f"{rid}#{k}" for k in range(request.sampling.n)]
         bodies = [self._body(r, ids, request, budget, k) for k, r in enumerate(rids)]
@@ -126,18 +125,6 @@ class SGLangEngine(Engine):
         finally:
             self._flights.pop(rid, None)
         return [self._result(rid, answer, prior) for answer in answers]
-
-    def _check(self, request: GenerationRequest, prefix: str) -> None:
-        if self._released:
-            raise RuntimeError(prefix + "the engine's memory is released; call resume_memory() first")
-        try:
-            request.sampling.validate()
-        except ValueError as exc:
-            raise ValueError(prefix + str(exc)) from None
-        if len(request.input_ids) == 0:
-            raise ValueError(prefix + "input_ids is empty")
-        if request.resume_from is not None:
-            check_resumable(prefix, request, request.resume_from)
 
     def _body(self, rid: str, ids: list[int], request: GenerationRequest, budget: int, k: int) -> dict[str, Any]:
         s = request.sampling

@@ -57,7 +57,7 @@ from torch import Tensor
 from loongsage.core.embedded.continuous import SlotBatch
 from loongsage.core.embedded.kv_cache import DecoderRunner
 from loongsage.core.embedded.trainer import logprobs_and_entropy, policy_logits
-from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, check_resumable
+from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, check_request
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Loop rounds the scheduler yields at most between two steps while other callbacks are ready: enough
@@ -354,19 +354,7 @@ class NativeEngine:
 
     def _validate(self, request: GenerationRequest) -> None:
         prefix = f"request {request.request_id!r}: "
-        if self._released:
-            raise RuntimeError(prefix + "the engine's memory is released; call resume_memory() first")
-        try:
-            request.sampling.validate()
-        except ValueError as exc:
-            raise ValueError(prefix + str(exc)) from None
-        ids = request.input_ids
-        if len(ids) == 0:
-            raise ValueError(prefix + "input_ids is empty")
-        prior = request.resume_from
-        if prior is not None:
-            check_resumable(prefix, request, prior)
-            ids = list(ids) + list(prior.output_ids)
+        ids = check_request(request, released=self._released)
         if len(ids) >= self.max_model_len:
             raise ValueError(prefix + f"prompt of {len(ids)} tokens is too long for max_model_len="
                              f"{self.max_model_len} (at most {self.max_model_len - 1}, "
