@@ -74,6 +74,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     # of the stand-in only
     ap.add_argument("--token-delay", type=float, default=0.002)
     ap.add_argument("--startup-delay", type=float, default=0.3)
+    # a crash in the middle of a rollout: after this many /generate requests the server dies, once
+    # (the file marks that a server of the run died; the replacement then lives)
+    ap.add_argument("--die-after", type=int, default=0)
+    ap.add_argument("--die-once-file", default="")
     return ap.parse_args(argv)
 
 
@@ -149,6 +153,11 @@ class Server:
         stops = set(self.model.eos) | set(params.get("stop_token_ids") or [])
         rid = body.get("rid") or os.urandom(8).hex()
         self.counters["generate"] += 1
+        if self.args.die_after and self.counters["generate"] == self.args.die_after:
+            marker = Path(self.args.die_once_file)
+            if not marker.exists():
+                marker.write_text(str(os.getpid()))
+                asyncio.get_running_loop().call_later(0.05, os._exit, 1)  # with requests in flight
         if not self.resumed.is_set():  # paused: a new request waits
             self.waiting += 1
             await self.resumed.wait()

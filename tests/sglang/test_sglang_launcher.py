@@ -34,3 +34,25 @@ def test_the_tiny_recipe_steps_with_the_sglang_engine(ray_session, in_tmp):
         # the stand-in's log-probs are not the trainer's: the consistency metric sees it
         assert r["train/is_logprob_abs_diff"] > 0
     assert any("eval/arith/accuracy" in r for r in rows)
+
+
+def test_a_server_that_dies_mid_rollout_is_replaced_and_the_run_finishes(ray_session, in_tmp):
+    """The stand-in dies once, with requests in flight (its 40th request: in the third step, after
+    the 4 of the first evaluation and 16 a step): the engine's calls fail as unavailable, its health
+    probe names the dead server, the run replaces the replica (a new server, loaded with the current
+    weights) and sends the lost requests again."""
+    marker = in_tmp / "died"
+    launch = f"[{sys.executable}, {SERVER}, --token-delay, '0.01', --die-after, '40', --die-once-file, {marker}]"
+    engine = f"rollout.engine={{name: sglang, params: {{launch: {launch}, startup_timeout_s: 120}}}}"
+    args = ["train", "tiny/grpo_arith_cpu", "run.name=sgl_dies", "run.total_steps=4",
+            "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=0",
+            "evaluation.max_prompts=4", "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false", "colocate=false",
+            "rollout.engine_health_timeout_s=10", engine]
+    assert main(args) == 0
+    assert marker.exists(), "the server never died"
+    rows = [json.loads(line) for line in (in_tmp / "runs" / "sgl_dies" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in trained] == [1, 2, 3, 4]
+    assert [r["engine/version"] for r in trained] == [1.0, 2.0, 3.0, 4.0]
+    assert sum(r["rollout/engine_restarts"] for r in trained) == 1
+    assert sum(r["rollout/requests_redispatched"] for r in trained) >= 1

@@ -41,6 +41,12 @@ class RewardInfraError(RuntimeError):
     """Raised by a reward when the scorer itself failed, not the trajectory."""
 
 
+class EngineUnavailable(RuntimeError):
+    """Raised by an engine that cannot serve any request (the server behind it is gone), from
+    ``generate`` and ``health``: the run then replaces the replica and sends its requests again,
+    where an error of one request (a ``ValueError``) fails that request alone."""
+
+
 class ConfigError(ValueError):
     """A configuration problem, reported as one line naming the key and what is allowed."""
 

@@ -21,7 +21,7 @@ from loongsage.core.contracts import Critic, RewardContext
 from loongsage.core.loss import LossPipeline
 from loongsage.core.metrics import Metrics
 from loongsage.core.rewarding import call_reward
-from loongsage.core.types import RewardInfraError, Status, TrainBatch, Trajectory, DataRecord
+from loongsage.core.types import DataRecord, EngineUnavailable, RewardInfraError, Status, TrainBatch, Trajectory
 
 
 def setup_worker(threads: int, cores: list[int] | None = None) -> None:
@@ -163,6 +163,8 @@ class EngineWorker:
         async def one(k: int, request):
             try:
                 return k, await self.engine.generate(request)
+            except EngineUnavailable:
+                raise  # the engine is gone: the whole call fails and the run replaces it
             except Exception as exc:  # noqa: BLE001 - one bad request fails alone
                 return k, exc
 

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from loongsage.core.contracts import Engine
-from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, check_request
+from loongsage.core.types import EngineUnavailable, FinishReason, GenerationRequest, GenerationResult, check_request
 from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, free_port, server_flags
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -226,9 +226,11 @@ class SGLangEngine(Engine):
         except ValueError:
             return response.text
 
-    def _lost(self, what: str) -> RuntimeError:
+    def _lost(self, what: str) -> EngineUnavailable:
+        """The server did not answer: the engine cannot serve (the run replaces the replica)."""
         code = self.server.exit_code()
-        return self.server.failure(f"{what}; the server exited with code {code}" if code is not None else what)
+        failure = self.server.failure(f"{what}; the server exited with code {code}" if code is not None else what)
+        return EngineUnavailable(str(failure))
 
     def pause(self) -> None:
         """Hold decoding; the running batch and its cache stay (``in_place``)."""
@@ -299,13 +301,13 @@ class SGLangEngine(Engine):
 
         code = self.server.exit_code()
         if code is not None:
-            raise self.server.failure(f"exited with code {code}")
+            raise EngineUnavailable(str(self.server.failure(f"exited with code {code}")))
         try:
             status = httpx.get(self.url + "/health", timeout=self.control_timeout_s, trust_env=False).status_code
         except httpx.HTTPError as exc:
             raise self._lost(f"GET /health failed ({type(exc).__name__}: {exc})") from None
         if status != 200:
-            raise self.server.failure(f"GET /health answered {status}")
+            raise EngineUnavailable(str(self.server.failure(f"GET /health answered {status}")))
         return {"status": "released" if self._released else "paused" if self._paused else "ok",
                 "version": self._version, "requests_in_flight": len(self._flights), "url": self.url,
                 "pid": self.server.pid, "log": str(self.server.log_path), "startup_s": round(self.startup_s, 1)}

@@ -10,7 +10,8 @@ sample whose tokens carry the version that produced them; agents never see the u
 
 Failover: an engine is lost when its actor call raises ``RayActorError`` (the actor died), or when a
 call fails or stays silent for ``health_timeout_s`` and a health probe (``engine.health``, bounded by
-the same timeout) does not answer. The router then stops routing to it, tells its owner
+the same timeout) does not answer or raises ``EngineUnavailable`` (the server behind the engine is
+gone). The router then stops routing to it, tells its owner
 (``on_engine_lost(index, handle)``, which starts a replacement), and sends every request that was
 waiting on it again: to another live engine, or to the replacement once the owner calls
 :meth:`EngineRouter.engine_replaced`. A request goes again as it was (same prompt, sampling and seed,
@@ -38,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from loongsage.core.rollout.seeds import request_seed
-from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams
+from loongsage.core.types import EngineUnavailable, FinishReason, GenerationRequest, GenerationResult, SamplingParams
 
 log = logging.getLogger("loongsage")
 
@@ -180,7 +181,7 @@ class EngineRouter:
 
         try:
             await asyncio.wait_for(_awaitable(engine.health.remote()), self.health_timeout_s)
-        except (RayActorError, asyncio.TimeoutError):
+        except (RayActorError, asyncio.TimeoutError, EngineUnavailable):  # dead, silent, or its server gone
             return False
         except Exception:  # noqa: BLE001 - it answered, with an error of its own: alive
             return True
