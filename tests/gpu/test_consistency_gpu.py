@@ -22,10 +22,8 @@ consistency = bench_module("consistency_gpu")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("qwen3_1024") / "m")
-    consistency.build_model(path, **consistency.MODEL)
-    return path
+def model_dir(qwen3_1024_dir):
+    return qwen3_1024_dir
 
 
 def test_fast_path_agrees_with_the_trainer_within_bf16_rounding(model_dir):

@@ -11,7 +11,6 @@ kept, memory release and resume with the weights intact, and a killed server rep
 from __future__ import annotations
 
 import asyncio
-import sys
 import os
 import signal
 from pathlib import Path
@@ -26,17 +25,10 @@ pytest.importorskip("sglang")
 from loongsage.core.types import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
 from loongsage.sglang.engine import SGLangEngine  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from _bench import bench_module  # noqa: E402
-
-consistency = bench_module("consistency_gpu")
-
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("qwen3_1024") / "m")
-    consistency.build_model(path, **consistency.MODEL)
-    return path
+def model_dir(qwen3_1024_dir):
+    return qwen3_1024_dir
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -133,6 +133,20 @@ def check_request(request: GenerationRequest, *, released: bool = False) -> list
         return list(request.input_ids)
     check_resumable(prefix, request, prior)
     return list(request.input_ids) + list(prior.output_ids)
+
+
+def abort_targets(request_ids: list[str] | str | None, in_flight: Iterable[str]) -> list[str]:
+    """The ids an ``abort(request_ids)`` ends: all in flight for ``None``, else the given ones once
+    each, every one of them in flight (else one line naming those that are not)."""
+    live = list(in_flight)
+    if request_ids is None:
+        return live
+    ids = list(dict.fromkeys([request_ids] if isinstance(request_ids, str) else request_ids))
+    known = set(live)
+    unknown = [rid for rid in ids if rid not in known]
+    if unknown:
+        raise ValueError(f"abort: unknown request id(s) {unknown}: not waiting or running")
+    return ids
 
 
 def check_resumable(prefix: str, request: GenerationRequest, prior: GenerationResult) -> None:

@@ -42,7 +42,14 @@ import torch
 from torch import Tensor
 
 from loongsage.core.contracts import Engine
-from loongsage.core.types import EngineUnavailable, FinishReason, GenerationRequest, GenerationResult, check_request
+from loongsage.core.types import (
+    EngineUnavailable,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    abort_targets,
+    check_request,
+)
 from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, free_port, server_flags
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -167,12 +174,7 @@ class SGLangEngine(Engine):
         return result
 
     async def abort(self, request_ids: list[str] | None = None) -> list[GenerationResult]:
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        ids = list(self._flights) if request_ids is None else list(dict.fromkeys(request_ids))
-        unknown = [rid for rid in ids if rid not in self._flights]
-        if unknown:
-            raise ValueError(f"abort: unknown request id(s) {unknown}: not waiting or running")
+        ids = abort_targets(request_ids, self._flights)
         flights = [self._flights[rid] for rid in ids]
         rids = [r for f in flights for r in f.rids]
         pending = {f.task for f in flights}

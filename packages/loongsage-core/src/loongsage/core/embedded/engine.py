@@ -57,7 +57,7 @@ from torch import Tensor
 from loongsage.core.embedded.continuous import SlotBatch
 from loongsage.core.embedded.kv_cache import DecoderRunner
 from loongsage.core.embedded.trainer import logprobs_and_entropy, policy_logits
-from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, check_request
+from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, abort_targets, check_request
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Loop rounds the scheduler yields at most between two steps while other callbacks are ready: enough
@@ -221,12 +221,7 @@ class NativeEngine:
         Samples of an aborted request that had already finished keep their own finish reason.
         """
         loop = self._bind_loop()
-        if isinstance(request_ids, str):
-            request_ids = [request_ids]
-        ids = list(self._entries) if request_ids is None else list(dict.fromkeys(request_ids))
-        unknown = [rid for rid in ids if rid not in self._entries]
-        if unknown:
-            raise ValueError(f"abort: unknown request id(s) {unknown}: not waiting or running")
+        ids = abort_targets(request_ids, self._entries)
         results, running = [], []
         for rid in ids:
             group = self._entries[rid]
