@@ -71,6 +71,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--enable-deterministic-inference", action="store_true")
     ap.add_argument("--enable-memory-saver", action="store_true")
     ap.add_argument("--enable-weights-cpu-backup", action="store_true")
+    ap.add_argument("--sampling-backend", choices=("flashinfer", "pytorch", "ascend"))
     # of the stand-in only
     ap.add_argument("--token-delay", type=float, default=0.002)
     ap.add_argument("--startup-delay", type=float, default=0.3)

@@ -79,7 +79,11 @@ class SGLangEngine(Engine):
                  mem_fraction_static: float | None = None, context_length: int | None = None,
                  max_running_requests: int | None = None, cuda_graphs: bool = True, deterministic: bool = False,
                  release_tags: list[str] | tuple[str, ...] = _TAGS, server_args: dict[str, Any] | None = None,
-                 launch: list[str] | None = None, startup_timeout_s: float = 900.0, control_timeout_s: float = 300.0):
+                 launch: list[str] | None = None, startup_timeout_s: float = 900.0, control_timeout_s: float = 300.0,
+                 sampling_backend: str | None = "pytorch", device: str = "cuda"):
+        if device != "cuda":
+            raise ValueError(f"sglang engine: device={device!r}: SGLang serves on CUDA GPUs only (use 'cuda', "
+                             "or the native engine on the CPU)")
         if dtype not in _DTYPES:
             raise ValueError(f"sglang engine: dtype={dtype!r}: must be one of {', '.join(_DTYPES)}")
         bad = [t for t in release_tags if t not in _TAGS]
@@ -106,6 +110,9 @@ class SGLangEngine(Engine):
             "mem_fraction_static": mem_fraction_static, "context_length": context_length,
             "max_running_requests": max_running_requests, "disable_cuda_graph": not cuda_graphs,
             "enable_deterministic_inference": self.deterministic,
+            # torch sampling: flashinfer's sampling kernels are compiled at first use (minutes, and a
+            # CUDA compiler on the host); None lets SGLang choose
+            "sampling_backend": sampling_backend,
             "enable_memory_saver": bool(self.release_tags), "enable_weights_cpu_backup": "weights" in self.release_tags,
             **(server_args or {}),
         }
