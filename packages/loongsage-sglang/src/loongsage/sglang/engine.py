@@ -55,6 +55,7 @@ from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, free_port, ser
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _DTYPES = ("bfloat16", "float16", "float32")
 _TAGS = ("kv_cache", "weights", "cuda_graph")
+_EXIT_WAIT_S = 2.0  # a control call that lost the server waits this long for its exit code
 _ABORT_RESEND_S = 0.5  # an abort that found no request is sent again this often until it answers
 
 
@@ -227,7 +228,7 @@ class SGLangEngine(Engine):
         try:
             response = httpx.post(self.url + path, json=body or {}, timeout=self.control_timeout_s, trust_env=False)
         except httpx.HTTPError as exc:
-            raise self._lost(f"POST {path} failed ({type(exc).__name__}: {exc})") from None
+            raise self._lost(f"POST {path} failed ({type(exc).__name__}: {exc})", _EXIT_WAIT_S) from None
         if response.status_code != 200:
             raise SGLangError(f"sglang {path}: {response.status_code} {_message(response)}")
         try:
@@ -235,9 +236,11 @@ class SGLangEngine(Engine):
         except ValueError:
             return response.text
 
-    def _lost(self, what: str) -> EngineUnavailable:
-        """The server did not answer: the engine cannot serve (the run replaces the replica)."""
-        code = self.server.exit_code()
+    def _lost(self, what: str, wait_s: float = 0.0) -> EngineUnavailable:
+        """The server did not answer: the engine cannot serve (the run replaces the replica).
+        ``wait_s``: how long to wait for its exit code (a refused connection is often a server
+        dying); only callers off the event loop wait."""
+        code = self.server.exit_code(wait_s=wait_s)
         failure = self.server.failure(f"{what}; the server exited with code {code}" if code is not None else what)
         return EngineUnavailable(str(failure))
 
@@ -314,7 +317,7 @@ class SGLangEngine(Engine):
         try:
             status = httpx.get(self.url + "/health", timeout=self.control_timeout_s, trust_env=False).status_code
         except httpx.HTTPError as exc:
-            raise self._lost(f"GET /health failed ({type(exc).__name__}: {exc})") from None
+            raise self._lost(f"GET /health failed ({type(exc).__name__}: {exc})", _EXIT_WAIT_S) from None
         if status != 200:
             raise EngineUnavailable(str(self.server.failure(f"GET /health answered {status}")))
         return {"status": "released" if self._released else "paused" if self._paused else "ok",

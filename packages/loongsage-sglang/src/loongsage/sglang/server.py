@@ -77,9 +77,14 @@ class ServerProcess:
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
 
-    def exit_code(self) -> int | None:
-        """None while it runs."""
-        return None if self.process is None else self.process.poll()
+    def exit_code(self, wait_s: float = 0.0) -> int | None:
+        """None while it runs; ``wait_s``: how long to wait for an exit that may be under way."""
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(wait_s) if wait_s > 0 else self.process.poll()
+        except subprocess.TimeoutExpired:
+            return None
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -110,7 +115,7 @@ class ServerProcess:
                 if time.monotonic() - start > timeout_s:
                     self.stop()
                     raise self.failure(f"not ready within startup_timeout_s={timeout_s:g}")
-                time.sleep(0.2)
+                time.sleep(0.5)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """End the server and every process of its session."""
