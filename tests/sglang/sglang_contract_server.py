@@ -72,6 +72,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--enable-memory-saver", action="store_true")
     ap.add_argument("--enable-weights-cpu-backup", action="store_true")
     ap.add_argument("--sampling-backend", choices=("flashinfer", "pytorch", "ascend"))
+    ap.add_argument("--cuda-graph-backend-prefill", choices=("full", "breakable", "tc_piecewise", "disabled"))
+    ap.add_argument("--health-timeout", type=float, default=20.0)  # SGLANG_HEALTH_CHECK_TIMEOUT
     # of the stand-in only
     ap.add_argument("--token-delay", type=float, default=0.002)
     ap.add_argument("--startup-delay", type=float, default=0.3)
@@ -96,8 +98,11 @@ def crash(reason: str) -> None:
 
 
 class Model:
-    def __init__(self, model_path: str, vocab: int, eos: list[int]):
-        self.weights = {n: t.clone() for path in sorted(Path(model_path).glob("*.safetensors"))
+    def __init__(self, model_path: str, vocab: int, eos: list[int], dtype: str):
+        if dtype == "float32":  # SGLang's fused kernels take none: its first forward fails
+            crash("rmsnorm: failed to dispatch data type Float")
+        served = None if dtype == "auto" else getattr(torch, dtype)
+        self.weights = {n: t.to(served or t.dtype) for path in sorted(Path(model_path).glob("*.safetensors"))
                         for n, t in load_file(str(path)).items()}
         self.vocab, self.eos = vocab, set(eos)
 
@@ -116,7 +121,8 @@ class Server:
     def __init__(self, args: argparse.Namespace):
         config = json.loads((Path(args.model_path) / "config.json").read_text())
         eos = config.get("eos_token_id")
-        self.model = Model(args.model_path, int(config["vocab_size"]), eos if isinstance(eos, list) else [eos])
+        self.model = Model(args.model_path, int(config["vocab_size"]), eos if isinstance(eos, list) else [eos],
+                           args.dtype)
         self.args = args
         self.version = args.weight_version
         self.started = time.monotonic()
@@ -131,8 +137,18 @@ class Server:
 
     # ---------------------------------------------------------------- endpoints
     async def health(self, request: Request) -> Response:
-        ready = time.monotonic() - self.started >= self.args.startup_delay
-        return Response(status_code=200 if ready else 503)
+        if time.monotonic() - self.started < self.args.startup_delay:
+            return Response(status_code=503)
+        if os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "1").lower() in ("0", "false"):
+            return Response(status_code=200)
+        # SGLang's default: the check generates one token and looks again a second later
+        if self.released:
+            crash("write_cache_indices: Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        if not self.resumed.is_set():  # a paused scheduler answers nothing: 503 after the timeout
+            await asyncio.sleep(self.args.health_timeout)
+            return Response(status_code=503)
+        await asyncio.sleep(1.0)
+        return Response(status_code=200)
 
     async def model_info(self, request: Request) -> Response:
         return JSONResponse({"model_path": self.args.model_path, "weight_version": self.version, "is_generation": True})

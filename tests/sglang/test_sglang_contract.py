@@ -141,6 +141,8 @@ def test_pause_holds_requests_and_an_update_meanwhile_never_flushes_a_busy_cache
         await asyncio.sleep(0.2)
         await asyncio.to_thread(engine.pause)
         held = len((await asyncio.to_thread(state, engine)) and engine._flights)
+        # SGLang's default health check would generate a token: on a paused server it waits 20 s
+        assert (await asyncio.to_thread(engine.health))["status"] == "paused"
         # an update while paused with a request held: SGLang would die flushing its busy cache
         version = await asyncio.to_thread(engine.update_weights, _weights(engine.model_path).items())
         await asyncio.sleep(0.3)
@@ -160,13 +162,14 @@ def test_updates_land_change_the_outputs_and_a_bad_one_changes_nothing(engine):
     weights = _weights(engine.model_path)
     changed = {n: t * 1.5 for n, t in weights.items()}
     assert engine.update_weights(changed.items()) == 1
-    expected = float(sum(t.double().sum() for n, t in changed.items()))
+    # the float32 policy is served in bfloat16
+    expected = float(sum(t.to(torch.bfloat16).double().sum() for n, t in changed.items()))
     assert state(engine)["checksum"] == pytest.approx(expected, rel=1e-9) and state(engine)["version"] == "1"
     after = asyncio.run(engine.generate(request("b", [5, 6], max_new_tokens=8, stop_token_ids=[])))[0]
     assert after.output_ids != before.output_ids and after.versions == [1] * 8
     for bad, match in [({"nope.weight": torch.zeros(2)}, "unknown tensor 'nope.weight'"),
                        ({"model.norm.weight": torch.zeros(3)}, r"'model.norm.weight' has shape \(3,\), the model expects"),
-                       ({"model.norm.weight": torch.zeros(64, dtype=torch.float16)}, "is float16, the engine serves float32")]:
+                       ({"model.norm.weight": torch.zeros(64, dtype=torch.float16)}, "is float16, the engine takes bfloat16 or float32")]:
         with pytest.raises(ValueError, match=match):
             engine.update_weights(bad.items())
     assert engine.version == 1 and state(engine)["updates"] == 1

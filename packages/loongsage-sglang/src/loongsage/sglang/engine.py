@@ -53,7 +53,8 @@ from loongsage.core.types import (
 from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, free_port, server_flags
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-_DTYPES = ("bfloat16", "float16", "float32")
+_SERVED = ("bfloat16", "float16")  # SGLang's fused kernels (RMSNorm, ...) take no float32
+_PREFILL_GRAPH_MIN_POSITIONS = 8192  # prefill CUDA-graph capture runs positions this far
 _TAGS = ("kv_cache", "weights", "cuda_graph")
 _EXIT_WAIT_S = 2.0  # a control call that lost the server waits this long for its exit code
 _ABORT_RESEND_S = 0.5  # an abort that found no request is sent again this often until it answers
@@ -85,8 +86,8 @@ class SGLangEngine(Engine):
         if device != "cuda":
             raise ValueError(f"sglang engine: device={device!r}: SGLang serves on CUDA GPUs only (use 'cuda', "
                              "or the native engine on the CPU)")
-        if dtype not in _DTYPES:
-            raise ValueError(f"sglang engine: dtype={dtype!r}: must be one of {', '.join(_DTYPES)}")
+        if dtype not in (*_SERVED, "float32"):
+            raise ValueError(f"sglang engine: dtype={dtype!r}: must be one of {', '.join((*_SERVED, 'float32'))}")
         bad = [t for t in release_tags if t not in _TAGS]
         if bad:
             raise ValueError(f"sglang engine: release_tags={list(release_tags)!r}: unknown {bad}; allowed: {', '.join(_TAGS)}")
@@ -96,6 +97,9 @@ class SGLangEngine(Engine):
             if not value > 0:
                 raise ValueError(f"sglang engine: {name}={value!r}: must be > 0")
         self.model_path, self.dtype, self.deterministic = str(model_path), dtype, bool(deterministic)
+        # a float32 policy is served in bfloat16 (its pushes are cast); its log-probs then differ by
+        # bf16 rounding, which the run's IS correction weighs
+        self.served_dtype = dtype if dtype in _SERVED else "bfloat16"
         self.release_tags = list(release_tags)
         self.control_timeout_s = float(control_timeout_s)
         self.expected = checkpoint_tensors(self.model_path)  # name -> (shape, dtype) of the checkpoint
@@ -107,9 +111,13 @@ class SGLangEngine(Engine):
         self.url = f"http://127.0.0.1:{port}"
         flags = {
             "model_path": self.model_path, "host": "127.0.0.1", "port": port, "skip_tokenizer_init": True,
-            "dtype": dtype, "random_seed": int(seed), "weight_version": "0", "enable_fp32_lm_head": bool(fp32_lm_head),
+            "dtype": self.served_dtype, "random_seed": int(seed), "weight_version": "0", "enable_fp32_lm_head": bool(fp32_lm_head),
             "mem_fraction_static": mem_fraction_static, "context_length": context_length,
             "max_running_requests": max_running_requests, "disable_cuda_graph": not cuda_graphs,
+            # SGLang captures prefill graphs at positions past a short model's rotary table (an illegal
+            # memory access at start-up): such models keep the decode graphs only
+            "cuda_graph_backend_prefill": "disabled" if cuda_graphs and _max_positions(self.model_path) <
+            _PREFILL_GRAPH_MIN_POSITIONS else None,
             "enable_deterministic_inference": self.deterministic,
             # torch sampling: flashinfer's sampling kernels are compiled at first use (minutes, and a
             # CUDA compiler on the host); None lets SGLang choose
@@ -118,7 +126,11 @@ class SGLangEngine(Engine):
             **(server_args or {}),
         }
         self.server = ServerProcess(list(launch or SGLANG_LAUNCH), server_flags(flags),
-                                    env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})
+                                    env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+                                         # GET /health then answers without generating a token: a
+                                         # generating check crashes a released server, waits 20 s
+                                         # and fails on a paused one, and takes 1 s on an idle one
+                                         "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"})
         self.server.start()
         self.startup_s = self.server.wait_ready(self.url, float(startup_timeout_s))
 
@@ -264,7 +276,8 @@ class SGLangEngine(Engine):
         items = list(named_tensors)
         self._check_weights(items)
         version = self._version + 1
-        payload, keep = serialize_named_tensors(items)
+        served = getattr(torch, self.served_dtype)
+        payload, keep = serialize_named_tensors([(n, t if t.dtype == served else t.to(served)) for n, t in items])
         answer = self._post("/update_weights_from_tensor", {
             "serialized_named_tensors": [payload], "weight_version": str(version),
             # a paused server may hold requests; SGLang flushes only an idle cache
@@ -285,9 +298,9 @@ class SGLangEngine(Engine):
                 if tuple(tensor.shape) != want[0]:
                     raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {want[0]}")
-            if str(tensor.dtype).removeprefix("torch.") != self.dtype:
+            if str(tensor.dtype).removeprefix("torch.") not in (self.dtype, self.served_dtype):
                 raise ValueError(f"update_weights: {name!r} is {str(tensor.dtype).removeprefix('torch.')}, "
-                                 f"the engine serves {self.dtype}")
+                                 f"the engine takes {' or '.join(sorted({self.dtype, self.served_dtype}))}")
 
     def release_memory(self) -> None:
         if self._flights:
@@ -374,6 +387,14 @@ def checkpoint_tensors(model_path: str) -> dict[str, tuple[tuple[int, ...], str]
             if name != "__metadata__":
                 out[name] = (tuple(info["shape"]), info["dtype"])
     return out
+
+
+def _max_positions(model_path: str) -> int:
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 1 << 30  # unknown: SGLang's default
+    return int(config.get("max_position_embeddings") or 1 << 30)
 
 
 def _version(value: Any, default: int) -> int:
