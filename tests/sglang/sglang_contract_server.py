@@ -11,8 +11,15 @@ shapes and its sharp edges, written from SGLang's server source (docs/sglang.md)
   ``output_ids`` include a matched stop token; ``meta_info`` carries ``finish_reason``
   (``stop``/``length``/``abort``), ``output_token_logprobs`` as ``[logprob, id, null]`` and the
   ``weight_version``; a request arriving while paused waits;
-* ``/abort_request`` ends only a live request whose id matches exactly (or all), which answers
-  with the tokens it has; an abort for an id not seen yet is dropped;
+* a batch (lists of ``input_ids``, ``rid`` and ``sampling_params``) streamed: requests checked and
+  started in turn, a bad one ending the stream with an error chunk and aborting the batch; a chunk
+  with the request's ``index`` after its first token (a ``stream_interval`` past its budget) and
+  one, cumulative, when it finishes;
+* ``/abort_request`` for an id the server holds ends every live request whose id **starts with**
+  it (SGLang's scheduler matches prefixes), each answering with the tokens it has; an abort for an
+  id not seen yet is dropped;
+* ``/health`` generates a token unless ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``: then it
+  kills a released server, answers 503 after ``--health-timeout`` when paused, and takes 1 s;
 * ``/pause_generation`` (in place) and ``/continue_generation``;
 * ``/flush_cache`` is plain text: 200 when idle, 400 otherwise;
 * ``/update_weights_from_tensor`` unpickles with an allowlist (torch, builtins, collections,
@@ -44,7 +51,7 @@ import uvicorn
 from safetensors.torch import load_file
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "ignore_eos",
@@ -133,7 +140,7 @@ class Server:
         self.idle = asyncio.Event()  # no request running
         self.idle.set()
         self.released = False
-        self.counters = {"generate": 0, "aborted": 0, "flushes": 0, "updates": 0, "abort_calls": 0}
+        self.counters = {"generate": 0, "posts": 0, "aborted": 0, "flushes": 0, "updates": 0, "abort_calls": 0}
 
     # ---------------------------------------------------------------- endpoints
     async def health(self, request: Request) -> Response:
@@ -155,20 +162,70 @@ class Server:
 
     async def generate(self, request: Request) -> Response:
         body = await request.json()
+        self.counters["posts"] += 1
         ids = body.get("input_ids")
         if not ids:
             return JSONResponse({"error": {"message": "input_ids cannot be empty."}}, status_code=400)
-        params = dict(body.get("sampling_params") or {})
+        if not isinstance(ids[0], list):  # one request
+            params = dict(body.get("sampling_params") or {})
+            problem = self.refusal(ids, params)
+            if problem is not None:
+                return problem
+            rid = body.get("rid") or os.urandom(8).hex()
+            return JSONResponse(await self.sample(rid, ids, params, bool(body.get("return_logprob"))))
+        # a batch: lists of prompts, ids and sampling params; the engine streams them
+        rids, params = body.get("rid"), body.get("sampling_params")
+        if not (isinstance(rids, list) and len(rids) == len(ids) and len(set(rids)) == len(rids)):
+            return JSONResponse({"error": {"message": "The rid should be a list of unique ids, one per request."}},
+                                status_code=400)
+        params = params if isinstance(params, list) else [dict(params or {}) for _ in ids]
+        if not body.get("stream"):
+            return JSONResponse({"error": {"message": "the stand-in serves batches streamed"}}, status_code=400)
+        return StreamingResponse(self.stream(rids, ids, params, bool(body.get("return_logprob"))),
+                                 media_type="text/event-stream")
+
+    def refusal(self, ids: list[int], params: dict) -> Response | None:
         unknown = set(params) - SAMPLING_KEYS
         if unknown:  # msgspec raises TypeError, which nothing catches
             return PlainTextResponse("Internal Server Error", status_code=500)
-        budget = int(params.get("max_new_tokens", 128))
-        if len(ids) + budget > self.args.context_length:
+        if len(ids) + int(params.get("max_new_tokens", 128)) > self.args.context_length:
             message = (f"Requested token count exceeds the model's maximum context length of "
                        f"{self.args.context_length} tokens.")
             return JSONResponse({"error": {"message": message}}, status_code=400)
+        return None
+
+    async def stream(self, rids: list[str], ids: list[list[int]], params: list[dict], logprob: bool):
+        """SGLang's batched stream: the requests are checked and started in turn (a bad one ends the
+        stream with an error chunk, and the batch is aborted); each sends a chunk after its first
+        token when its ``stream_interval`` says so, and one when it finishes, with its ``index``."""
+        chunks: asyncio.Queue = asyncio.Queue()
+        tasks = []
+        for index, (rid, prompt, p) in enumerate(zip(rids, ids, params)):
+            problem = self.refusal(prompt, p)
+            if problem is not None:
+                message = json.loads(problem.body).get("error", {}).get("message", "refused")
+                yield b"data: " + json.dumps({"error": {"message": message, "code": 400}}).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+                for started in rids[:index]:  # SGLang's background abort of the batch
+                    if started in self.running:
+                        self.running[started]["abort"] = True
+                await asyncio.gather(*tasks, return_exceptions=True)
+                return
+            def first(partial: dict, index=index) -> None:
+                chunks.put_nowait({**partial, "index": index})
+
+            tasks.append(asyncio.ensure_future(self.sample(rid, prompt, p, logprob, first)))
+            tasks[-1].add_done_callback(lambda t, index=index: chunks.put_nowait({**t.result(), "index": index}))
+        finished = 0
+        while finished < len(tasks):
+            chunk = await chunks.get()
+            finished += chunk["meta_info"]["finish_reason"] is not None
+            yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    async def sample(self, rid: str, ids: list[int], params: dict, logprob: bool, first=None) -> dict:
+        budget = int(params.get("max_new_tokens", 128))
         stops = set(self.model.eos) | set(params.get("stop_token_ids") or [])
-        rid = body.get("rid") or os.urandom(8).hex()
         self.counters["generate"] += 1
         if self.args.die_after and self.counters["generate"] == self.args.die_after:
             marker = Path(self.args.die_once_file)
@@ -198,21 +255,31 @@ class Server:
                 if last in stops:
                     reason = {"type": "stop", "matched": last}
                     break
+                if first is not None and k == 0 and budget > 1:
+                    first(self.answer(rid, ids, out, logprobs, None, logprob))
         finally:
             del self.running[rid]
             if not self.running:
                 self.idle.set()
+        return self.answer(rid, ids, out, logprobs, reason, logprob)
+
+    def answer(self, rid: str, ids: list[int], out: list[int], logprobs: list, reason: dict | None,
+               logprob: bool) -> dict:
         meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(ids), "weight_version": self.version,
                 "completion_tokens": len(out), "cached_tokens": 0}
-        if body.get("return_logprob"):
-            meta["output_token_logprobs"] = logprobs
-        return JSONResponse({"output_ids": out, "meta_info": meta})
+        if logprob:
+            meta["output_token_logprobs"] = list(logprobs)
+        return {"output_ids": list(out), "meta_info": meta}
 
     async def abort_request(self, request: Request) -> Response:
         body = await request.json()
         self.counters["abort_calls"] += 1
+        named = body.get("rid") or ""
+        if not body.get("abort_all") and named not in self.running:
+            return Response(status_code=200)  # the front end drops an id it does not hold
         for rid, state in self.running.items():
-            if body.get("abort_all") or rid == body.get("rid"):
+            # SGLang's scheduler aborts every request whose id starts with the one named
+            if body.get("abort_all") or rid.startswith(named):
                 state["abort"] = True
         return Response(status_code=200)
 

@@ -81,6 +81,37 @@ def test_a_stop_token_id_ends_the_sample_and_stays_in_it(engine):
     assert r.finish_reason is FinishReason.STOP and r.output_ids == first.output_ids[:3]
 
 
+def test_the_samples_of_one_turn_go_as_one_batch_each_answered_as_it_finishes(slow_engine):
+    engine = slow_engine
+
+    async def run():
+        short = asyncio.ensure_future(engine.generate(request("s", [5], max_new_tokens=3, stop_token_ids=[])))
+        long = asyncio.ensure_future(engine.generate(request("l", [6], max_new_tokens=60, n=3, stop_token_ids=[])))
+        first = await short
+        return first, long.done(), await long
+
+    first, long_done_then, rest = asyncio.run(run())
+    assert len(first[0].output_ids) == 3 and not long_done_then
+    assert [len(r.output_ids) for r in rest] == [60] * 3 and len({tuple(r.logprobs) for r in rest}) == 1
+    assert state(engine)["posts"] == 1 and state(engine)["generate"] == 4
+
+
+def test_aborting_a_request_spares_those_whose_ids_it_prefixes(slow_engine):
+    engine = slow_engine  # SGLang aborts every request whose id starts with the one named
+
+    async def run():
+        tasks = [asyncio.ensure_future(engine.generate(request(rid, [5], max_new_tokens=30, n=n, stop_token_ids=[])))
+                 for rid, n in (("a", 11), ("a#1", 1), ("a1", 1), ("a%", 1))]
+        await asyncio.sleep(0.2)
+        aborted = await engine.abort(["a"])
+        return aborted, await asyncio.gather(*tasks)
+
+    aborted, (a, *others) = asyncio.run(run())
+    assert len(aborted) == 11 and {r.finish_reason for r in a} == {FinishReason.ABORT}
+    assert [(r[0].request_id, r[0].finish_reason, len(r[0].output_ids)) for r in others] == [
+        ("a#1", FinishReason.LENGTH, 30), ("a1", FinishReason.LENGTH, 30), ("a%", FinishReason.LENGTH, 30)]
+
+
 def test_a_bad_request_fails_alone_with_the_servers_reason(engine):
     async def both():
         return await asyncio.gather(engine.generate(request("long", [5] * 400, max_new_tokens=200)),
@@ -89,6 +120,8 @@ def test_a_bad_request_fails_alone_with_the_servers_reason(engine):
     bad, good = asyncio.run(both())
     assert isinstance(bad, ValueError) and "request 'long': sglang refused it: Requested token count exceeds" in str(bad)
     assert len(good[0].output_ids) <= 3
+    # sent together, the bad one ended the batch's stream: each went again alone
+    assert state(engine)["posts"] == 3
     with pytest.raises(ValueError, match=r"request 'x': sampling.top_p=0: must be in \(0, 1\]"):
         asyncio.run(engine.generate(request("x", [5], top_p=0)))
 
@@ -208,7 +241,7 @@ def test_a_dead_server_is_an_error_naming_its_log(slow_engine):
 
     (error,) = asyncio.run(run())
     assert isinstance(error, RuntimeError) and "POST /generate failed" in str(error) and "log " in str(error)
-    with pytest.raises(RuntimeError, match=r"sglang server \(pid \d+\): exited with code -9; log .*loongsage-sglang-"):
+    with pytest.raises(RuntimeError, match=r"sglang server \(pid \d+\): .*exited with code -9; log .*loongsage-sglang-"):
         engine.health()
 
 

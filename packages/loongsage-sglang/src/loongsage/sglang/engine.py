@@ -5,9 +5,11 @@ token ids out), its weight version at the framework's, the FP32 LM head when the
 and ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so that the log-probs it returns are the raw policy's
 (temperature and filters not folded in), as the engine contract asks. Then:
 
-* ``generate``: one ``POST /generate`` per sample (request id ``<id>#<k>``), with
-  ``return_logprob``; a resumed sample sends its prompt followed by the tokens it already has, for
-  the budget that is left, and its result keeps them in front. Every token of an answer carries the
+* ``generate``: each sample a request of its own (``n`` expanded here), with ``return_logprob``;
+  the samples submitted in one turn of the event loop go to the server as one streamed batch
+  (:mod:`.dispatch`: each answered as it finishes, a bad one failing alone). A resumed sample
+  sends its prompt followed by the tokens it already has, for the budget that is left, and its
+  result keeps them in front. Every token of an answer carries the
   server's weight version (a request never spans an update: partial rollout aborts first).
 * ``abort``: ``POST /abort_request`` per sample (or ``abort_all``), sent again until each request
   has answered (an abort that reaches the server before its request is dropped there); the aborted
@@ -50,6 +52,7 @@ from loongsage.core.types import (
     abort_targets,
     check_request,
 )
+from loongsage.sglang.dispatch import Dispatcher, Sample, SGLangError, message, request_id_base
 from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, free_port, server_flags
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -60,14 +63,10 @@ _EXIT_WAIT_S = 2.0  # a control call that lost the server waits this long for it
 _ABORT_RESEND_S = 0.5  # an abort that found no request is sent again this often until it answers
 
 
-class SGLangError(RuntimeError):
-    """The server refused or failed a call (its own message follows)."""
-
-
 @dataclass
 class _Flight:
-    rids: list[str]  # one per sample, as the server knows them
-    task: asyncio.Future  # the samples' answers
+    samples: list[Sample]  # one per sample asked for
+    task: asyncio.Future  # their answers
     prior: GenerationResult | None  # what a resumed sample had
 
 
@@ -107,6 +106,8 @@ class SGLangEngine(Engine):
         self._paused = self._released = False
         self._flights: dict[str, _Flight] = {}
         self._client: tuple[Any, Any] | None = None  # (event loop, its async client)
+        self._dispatch: tuple[Any, Dispatcher] | None = None  # (event loop, its dispatcher)
+        self._background: set[asyncio.Task] = set()
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         flags = {
@@ -143,17 +144,20 @@ class SGLangEngine(Engine):
             raise ValueError(prefix + "a request with this id is already in flight")
         prior = request.resume_from
         budget = request.sampling.max_new_tokens - (len(prior.output_ids) if prior else 0)
-        rids = [f"{rid}#{k}" for k in range(request.sampling.n)]
-        bodies = [self._body(r, ids, request, budget, k) for k, r in enumerate(rids)]
-        task = asyncio.ensure_future(asyncio.gather(*(self._post_generate(prefix, b) for b in bodies)))
-        self._flights[rid] = _Flight(rids, task, prior)
+        samples = [Sample(request_id_base(rid, k), self._body(ids, request, budget, k), prefix)
+                   for k in range(request.sampling.n)]
+        task = asyncio.ensure_future(asyncio.gather(*(self._dispatcher().submit(s) for s in samples)))
+        self._flights[rid] = _Flight(samples, task, prior)
         try:
             answers = await task
+        except asyncio.CancelledError:  # its caller went away: so do its samples on the server
+            self._abort_quietly([s.rid for s in samples if "rid" in s.body])
+            raise
         finally:
             self._flights.pop(rid, None)
         return [self._result(rid, answer, prior) for answer in answers]
 
-    def _body(self, rid: str, ids: list[int], request: GenerationRequest, budget: int, k: int) -> dict[str, Any]:
+    def _body(self, ids: list[int], request: GenerationRequest, budget: int, k: int) -> dict[str, Any]:
         s = request.sampling
         params: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
                                   "min_p": s.min_p, "max_new_tokens": budget}
@@ -161,21 +165,14 @@ class SGLangEngine(Engine):
             params["stop_token_ids"] = list(s.stop_token_ids)
         if self.deterministic and s.seed is not None:
             params["sampling_seed"] = int(s.seed) + k  # only deterministic servers take a seed
-        return {"input_ids": ids, "sampling_params": params, "rid": rid, "return_logprob": True,
-                "logprob_start_len": -1}
+        return {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
 
-    async def _post_generate(self, prefix: str, body: dict[str, Any]) -> dict[str, Any]:
-        import httpx
-
-        try:
-            response = await self._async_client().post("/generate", json=body)
-        except httpx.HTTPError as exc:
-            raise self._lost(f"POST /generate failed ({type(exc).__name__}: {exc})") from None
-        if response.status_code == 400:  # a bad request fails alone
-            raise ValueError(prefix + f"sglang refused it: {_message(response)}")
-        if response.status_code != 200:
-            raise SGLangError(prefix + f"sglang answered {response.status_code}: {_message(response)}")
-        return response.json()
+    def _dispatcher(self) -> Dispatcher:
+        """The running event loop's (its batches are flushed by that loop)."""
+        loop = asyncio.get_running_loop()
+        if self._dispatch is None or self._dispatch[0] is not loop:
+            self._dispatch = (loop, Dispatcher(self._async_client, self._lost))
+        return self._dispatch[1]
 
     def _result(self, rid: str, answer: dict[str, Any], prior: GenerationResult | None) -> GenerationResult:
         meta = answer.get("meta_info") or {}
@@ -196,10 +193,11 @@ class SGLangEngine(Engine):
     async def abort(self, request_ids: list[str] | None = None) -> list[GenerationResult]:
         ids = abort_targets(request_ids, self._flights)
         flights = [self._flights[rid] for rid in ids]
-        rids = [r for f in flights for r in f.rids]
         pending = {f.task for f in flights}
         while pending:
             # a request that reaches the server after its abort would run on: abort until it answered
+            # (named anew each time: a sample sent again alone has a new id)
+            rids = [s.rid for f in flights for s in f.samples if "rid" in s.body and not s.answer.done()]
             await asyncio.gather(*(self._post_async("/abort_request", {"rid": r}) for r in rids))
             _, pending = await asyncio.wait(pending, timeout=_ABORT_RESEND_S)
         results: list[GenerationResult] = []
@@ -222,6 +220,18 @@ class SGLangEngine(Engine):
                                                                         max_keepalive_connections=512)))
         return self._client[1]
 
+    def _abort_quietly(self, rids: list[str]) -> None:
+        async def abort() -> None:
+            for rid in rids:
+                try:
+                    await self._post_async("/abort_request", {"rid": rid})
+                except Exception:  # noqa: BLE001 - best effort: the server may be gone
+                    return
+
+        task = asyncio.ensure_future(abort())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _post_async(self, path: str, body: dict[str, Any]) -> None:
         import httpx
 
@@ -230,7 +240,7 @@ class SGLangEngine(Engine):
         except httpx.HTTPError as exc:
             raise self._lost(f"POST {path} failed ({type(exc).__name__}: {exc})") from None
         if response.status_code != 200:
-            raise SGLangError(f"sglang {path}: {response.status_code} {_message(response)}")
+            raise SGLangError(f"sglang {path}: {response.status_code} {message(response)}")
 
     # ------------------------------------------------------------------ control
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -242,7 +252,7 @@ class SGLangEngine(Engine):
         except httpx.HTTPError as exc:
             raise self._lost(f"POST {path} failed ({type(exc).__name__}: {exc})", _EXIT_WAIT_S) from None
         if response.status_code != 200:
-            raise SGLangError(f"sglang {path}: {response.status_code} {_message(response)}")
+            raise SGLangError(f"sglang {path}: {response.status_code} {message(response)}")
         try:
             return response.json()
         except ValueError:
@@ -402,18 +412,3 @@ def _version(value: Any, default: int) -> int:
         return int(value)
     except (TypeError, ValueError):
         return default
-
-
-def _message(response: Any) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip()[:300]
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])[:300]
-        if "message" in body:
-            return str(body["message"])[:300]
-    return json.dumps(body)[:300]
-
