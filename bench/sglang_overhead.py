@@ -100,11 +100,10 @@ def raw_update(url: str, named: list[tuple[str, torch.Tensor]], version: str) ->
     return seconds
 
 
-def k3_against_trainer(model_path: str, prompts: list[list[int]], results: list) -> dict[str, float]:
-    from loongsage.core.embedded.trainer import TorchTrainer
+def k3_against(trainer, prompts: list[list[int]], results: list) -> dict[str, float]:
+    """The k3 KL (and |delta|) between the engine's log-probs of its samples and ``trainer``'s."""
     from loongsage.core.types import TrainBatch
 
-    trainer = TorchTrainer(model_path, dtype="bfloat16", device="cuda", fp32_lm_head=True)
     n, p = len(prompts), len(prompts[0])
     ids = torch.tensor([q + r.output_ids for q, r in zip(prompts, results)])
     mask = torch.zeros(ids.shape)
@@ -114,8 +113,6 @@ def k3_against_trainer(model_path: str, prompts: list[list[int]], results: list)
                        rewards=torch.zeros(n), group_ids=torch.arange(n))
     lp, _ = trainer.logprobs(batch, token_budget=16 * ids.shape[1])
     delta = (lp[:, p:] - torch.tensor([r.logprobs for r in results])).double()
-    del trainer
-    torch.cuda.empty_cache()
     return {"k3_kl": (torch.exp(delta) - delta - 1).mean().item(), "mean_abs_logprob_diff": delta.abs().mean().item(),
             "max_abs_logprob_diff": delta.abs().max().item(), "tokens": float(delta.numel())}
 
@@ -155,7 +152,12 @@ def main() -> int:
                 raw_s = raw_rollout(engine.url, prompts, args.new_tokens)
                 rows.append({"repeat": repeat, "ours_s": ours_s, "raw_s": raw_s})
                 print(f"rollout {repeat}: ours {tokens / ours_s:8.0f} tok/s, raw {tokens / raw_s:8.0f} tok/s", flush=True)
-            consistency = k3_against_trainer(str(path), prompts[:32], results[:32])
+            from loongsage.core.embedded.trainer import TorchTrainer
+
+            trainer = TorchTrainer(str(path), dtype="bfloat16", device="cuda", fp32_lm_head=True)
+            consistency = k3_against(trainer, prompts[:32], results[:32])
+            del trainer
+            torch.cuda.empty_cache()
             named = [(n, t.cuda()) for p in sorted(path.glob("*.safetensors")) for n, t in load_file(str(p)).items()]
             nbytes = sum(t.numel() * t.element_size() for _, t in named)
             engine.update_weights(named)  # warm-up, the same on both sides

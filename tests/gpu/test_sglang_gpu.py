@@ -22,6 +22,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 pytest.importorskip("sglang")
 
+from _bench import bench_module  # noqa: E402
 from loongsage.core.buckets import without_aliases  # noqa: E402
 from loongsage.core.types import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
 from loongsage.sglang.engine import SGLangEngine  # noqa: E402
@@ -60,18 +61,8 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 def k3_against(trainer, prompts: list[list[int]], results: list) -> tuple[float, float]:
     """k3 KL and mean |delta| between the engine's log-probs of its samples and the trainer's."""
-    from loongsage.core.types import TrainBatch
-
-    p = len(prompts[0])
-    ids = torch.tensor([q + r.output_ids for q, r in zip(prompts, results)])
-    mask = torch.zeros(ids.shape)
-    mask[:, p:] = 1
-    batch = TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
-                       rollout_logprobs=torch.zeros(ids.shape), advantages=torch.zeros(ids.shape),
-                       rewards=torch.zeros(len(prompts)), group_ids=torch.arange(len(prompts)))
-    lp, _ = trainer.logprobs(batch, token_budget=len(prompts) * ids.shape[1])
-    delta = (lp[:, p:] - torch.tensor([r.logprobs for r in results])).double()
-    return (torch.exp(delta) - delta - 1).mean().item(), delta.abs().mean().item()
+    measured = bench_module("sglang_overhead").k3_against(trainer, prompts, results)
+    return measured["k3_kl"], measured["mean_abs_logprob_diff"]
 
 
 @pytest.fixture(scope="module")
