@@ -5,7 +5,7 @@ its budget) is served by one SGLang server that the engine starts. On that same 
 
 * **rollout**: ``--batch`` prompts of ``--prompt`` random tokens, exactly ``--new-tokens`` sampled
   tokens each (temperature 1, log-probs returned). Ours: the engine's ``generate``, one call per
-  prompt, all concurrent (what the engine router does). Raw: one batched ``POST /generate`` of the
+  prompt, all concurrent (what the engine router does; the engine batches them). Raw: one batched ``POST /generate`` of the
   same prompts and parameters straight to the server. Tokens per second, ours / raw (goal >= 0.95).
 * **weight update** of all 3.44 GB: ours, ``update_weights`` (names and shapes checked, packed into
   one buffer, ``/update_weights_from_tensor``, the new version); raw, SGLang's own
@@ -17,6 +17,7 @@ its budget) is served by one SGLang server that the engine starts. On that same 
 Both sides of each measure are warmed the same way, then interleaved ``--repeats`` (>= 3) times.
 
     python bench/sglang_overhead.py [--batch 64] [--prompt 128] [--new-tokens 256] [--repeats 3]
+        [--server-arg rl_on_policy_target=fsdp --name sglang_overhead_on_policy]
 
 Needs one CUDA GPU and SGLang (0.5.16 for torch 2.11). Writes ``bench/results/sglang_overhead.json``
 and ``.md`` (or under ``--out-dir``).
@@ -124,8 +125,18 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mem-fraction", type=float, default=0.5)
+    ap.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an SGLang server flag for the run, e.g. rl_on_policy_target=fsdp (SGLang's kernels "
+                         "made to compute as an HF/FSDP trainer does: the KL line with it)")
+    ap.add_argument("--name", default="sglang_overhead", help="the results' file name")
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     args = ap.parse_args()
+    server_args = {}
+    for item in args.server_arg:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            ap.error(f"--server-arg {item!r}: expected KEY=VALUE")
+        server_args[key] = value
     source = source_state()  # the commit measured, first
     from safetensors.torch import load_file
 
@@ -137,7 +148,7 @@ def main() -> int:
         del del_model
         torch.cuda.empty_cache()
         without_eos(path)
-        engine = SGLangEngine(str(path), dtype="bfloat16", fp32_lm_head=True, seed=1,
+        engine = SGLangEngine(str(path), dtype="bfloat16", fp32_lm_head=True, seed=1, server_args=server_args,
                               mem_fraction_static=args.mem_fraction, release_tags=[])
         try:
             g = torch.Generator().manual_seed(0)
@@ -185,11 +196,12 @@ def main() -> int:
               "goals": GOALS, "summary": summary, "rollout": rows, "updates": updates}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sglang_overhead.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     s = summary
     lines = [f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape, random bf16 weights; one SGLang "
              f"server; {args.batch} prompts x {args.prompt} tokens, exactly {args.new_tokens} sampled; median of "
-             f"{args.repeats} after a warm-up on each side", "",
+             f"{args.repeats} after a warm-up on each side"
+             + (f"; server flags {server_args}" if server_args else ""), "",
              "| measure | ours (the `sglang` engine) | raw (the same server) | ratio | goal |", "|---|---:|---:|---:|---|",
              f"| rollout tokens/s | {s['rollout_ours_tok_s']:.0f} | {s['rollout_raw_tok_s']:.0f} | "
              f"{s['rollout_ratio']:.3f} | >= {GOALS['rollout_ratio']} |",
@@ -197,7 +209,7 @@ def main() -> int:
              f"{s['update_raw_s'] * 1e3:.1f} ms (SGLang's own, {s['update_raw_gb_s']:.0f} GB/s) | "
              f"{s['update_raw_s'] / s['update_ours_s']:.2f} | |",
              f"| k3 KL vs the trainer (bf16, FP32 head) | {s['k3_kl']:.2e} | | | <= {GOALS['k3_kl']:g} |"]
-    (out / "sglang_overhead.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 
