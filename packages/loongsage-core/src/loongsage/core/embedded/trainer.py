@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loongsage.core.contracts import LossFunction, Trainer
-from loongsage.core.embedded.kv_cache import HalfGemmFp32Out, half_gemm_applies
+from loongsage.core.embedded.kv_cache import fp32_head
 from loongsage.core.embedded.lora import (
     LoraConfig,
     adapter_state,
@@ -117,8 +117,8 @@ def policy_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Ten
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     if keep:
         hidden = hidden[:, -keep:]
-    if half_gemm_applies(hidden, head.weight) and type(head.weight) is torch.nn.Parameter:  # not a sharded DTensor
-        return HalfGemmFp32Out.apply(hidden, head.weight)  # tensor cores, as the engine's head
+    if type(head.weight) is torch.nn.Parameter:  # the engine's head (a sharded DTensor takes the upcast)
+        return fp32_head(hidden, head.weight)
     return F.linear(hidden.float(), head.weight.float())
 
 
