@@ -9,6 +9,8 @@ checkpointing, a constant reward.
 * ``ours``: ``loongsage train gpu/grpo_qwen3_1p7b_random_h200`` in a subprocess (Ray, the native
   engine with CUDA graphs, the torch trainer, the ``ipc`` weight push, colocated on the card). Step
   times and their breakdown (rollout / train / sync) come from the run's ``metrics.jsonl``.
+  With ``--engine sglang``, the same recipe with ``rollout.engine.name=sglang`` and nothing else
+  changed (results ``gpu_rl_step_sglang``).
 * ``trl``: ``bench/_trl_gpu_step.py`` in a subprocess (HF ``generate`` inside ``GRPOTrainer``),
   timed per optimizer step by a callback.
 
@@ -17,7 +19,7 @@ capture, allocator) and the medians of the rest are compared. The train phase's 
 matmul FLOPs (6 x parameters in matmuls x tokens, the LM head included) by the bf16 matmul rate
 measured on the same card in the same run.
 
-    python bench/gpu_rl_step.py [--steps 7] [--warmup 2] [--plugins ...] [--out-dir bench/results]
+    python bench/gpu_rl_step.py [--steps 7] [--warmup 2] [--engine native|sglang] [--plugins ...]
 
 Needs one CUDA GPU, Ray, TRL (``trl``, ``datasets``) and the loongsage packages.
 """
@@ -82,6 +84,8 @@ def ours(args, work: Path, env: dict) -> dict:
            f"run.output_dir={work / 'runs'}", f"run.log_dir={work / 'log'}", "tracking.progress=false"]
     if args.plugins:
         cmd.append(f"plugins=[{args.plugins}]")
+    if args.engine != "native":
+        cmd.append(f"rollout.engine.name={args.engine}")
     start = time.perf_counter()
     run(cmd, work / "ours.log", env)
     wall = time.perf_counter() - start
@@ -114,8 +118,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--plugins", default="", help="plugin modules to load where entry points are not installed")
+    ap.add_argument("--engine", default="native",
+                    help="our rollout engine: the recipe's (native) or another by name (sglang), nothing else changed")
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     args = ap.parse_args()
+    name = "gpu_rl_step" if args.engine == "native" else f"gpu_rl_step_{args.engine}"
     if args.steps - args.warmup < 3:
         sys.exit("--steps - --warmup must leave at least 3 measured steps")
     source = source_state()  # the commit measured, first
@@ -144,9 +151,10 @@ def main() -> int:
               "speedup": side_trl["step_s"] / side_ours["step_s"]}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_rl_step.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     o, t = side_ours, side_trl
-    lines = [f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape, random bf16 weights; "
+    lines = [f"commit `{source['commit'][:10]}`; {result['device']}; rollout engine `{args.engine}`; "
+             f"Qwen3-1.7B shape, random bf16 weights; "
              f"{PROMPTS} prompts x {SAMPLES} samples, {PROMPT_TOKENS} + exactly {NEW_TOKENS} tokens, micro-batch "
              f"{MICRO_ROWS} rows, one optimizer step per step; median of {args.steps - args.warmup} steps after "
              f"{args.warmup} warm-up steps on each side; bf16 matmul rate measured here {peak:.0f} TFLOP/s", "",
@@ -155,7 +163,7 @@ def main() -> int:
              f"| trajectories / s | {o['trajectories_per_s']:.1f} | {t['trajectories_per_s']:.1f} | |",
              f"| rollout s ({o['rollout_tokens_per_s']:.0f} sampled tokens/s) | {o['rollout_s']:.2f} | | |", f"| train s (MFU {o['train_mfu']:.0%}) | {o['train_s']:.2f} | | |",
              f"| weight sync s | {o['sync_s']:.3f} | | |", f"| TRL peak GPU memory | | {t['peak_gb']:.0f} GB | |"]
-    (out / "gpu_rl_step.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

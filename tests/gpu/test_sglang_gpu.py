@@ -36,7 +36,7 @@ def model_dir(qwen3_1024_dir):
 @pytest.fixture(scope="module")
 def engine(model_dir):
     eng = SGLangEngine(model_dir, dtype="bfloat16", fp32_lm_head=True, seed=1, mem_fraction_static=0.3,
-                       cuda_graphs=False, context_length=1024)
+                       cuda_graphs=False, max_model_len=1024)
     yield eng
     eng.close()
 

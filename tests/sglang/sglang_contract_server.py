@@ -74,6 +74,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--mem-fraction-static", type=float)
     ap.add_argument("--context-length", type=int, default=512)
     ap.add_argument("--max-running-requests", type=int)
+    ap.add_argument("--max-total-tokens", type=int)
     ap.add_argument("--disable-cuda-graph", action="store_true")
     ap.add_argument("--enable-deterministic-inference", action="store_true")
     ap.add_argument("--enable-memory-saver", action="store_true")
@@ -346,7 +347,9 @@ class Server:
                              "new_version": self.version})
 
     async def state(self, request: Request) -> Response:
+        sizing = {k: getattr(self.args, k) for k in ("context_length", "max_running_requests", "max_total_tokens")}
         return JSONResponse({"checksum": self.model.checksum(), "version": self.version, "released": self.released,
+                             "sizing": sizing,
                              "running": len(self.running), "paused": not self.resumed.is_set(), **self.counters})
 
     def app(self) -> Starlette:

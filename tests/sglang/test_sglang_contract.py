@@ -245,6 +245,16 @@ def test_a_dead_server_is_an_error_naming_its_log(slow_engine):
         engine.health()
 
 
+def test_the_native_engines_sizing_carries_over(model):
+    engine = engine_for(model, max_model_len=256, max_batch_size=8, device="cuda")
+    try:  # no memory fraction: the KV pool holds max_batch_size full-length requests
+        assert state(engine)["sizing"] == {"context_length": 256, "max_running_requests": 8, "max_total_tokens": 2048}
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match=r"sglang engine: device='cpu': SGLang serves on CUDA GPUs only"):
+        engine_for(model, device="cpu")
+
+
 def test_a_server_that_will_not_start_names_the_exit_and_its_last_lines(model):
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 before it was ready.*unrecognized arguments: --bogus"):
         engine_for(model, server_args={"bogus": 1})

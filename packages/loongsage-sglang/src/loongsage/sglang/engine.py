@@ -77,8 +77,8 @@ class SGLangEngine(Engine):
     named_weights: ClassVar[None] = None  # SGLang shows its weights only truncated
 
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", fp32_lm_head: bool = True, seed: int = 0,
-                 mem_fraction_static: float | None = None, context_length: int | None = None,
-                 max_running_requests: int | None = None, cuda_graphs: bool = True, deterministic: bool = False,
+                 mem_fraction_static: float | None = None, max_model_len: int | None = None,
+                 max_batch_size: int | None = None, cuda_graphs: bool = True, deterministic: bool = False,
                  release_tags: list[str] | tuple[str, ...] = _TAGS, server_args: dict[str, Any] | None = None,
                  launch: list[str] | None = None, startup_timeout_s: float = 900.0, control_timeout_s: float = 300.0,
                  sampling_backend: str | None = "pytorch", device: str = "cuda"):
@@ -92,9 +92,14 @@ class SGLangEngine(Engine):
             raise ValueError(f"sglang engine: release_tags={list(release_tags)!r}: unknown {bad}; allowed: {', '.join(_TAGS)}")
         if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
             raise ValueError(f"sglang engine: mem_fraction_static={mem_fraction_static!r}: must be in (0, 1)")
-        for name, value in (("startup_timeout_s", startup_timeout_s), ("control_timeout_s", control_timeout_s)):
+        for name, value in (("startup_timeout_s", startup_timeout_s), ("control_timeout_s", control_timeout_s),
+                            ("max_model_len", max_model_len or 1), ("max_batch_size", max_batch_size or 1)):
             if not value > 0:
                 raise ValueError(f"sglang engine: {name}={value!r}: must be > 0")
+        # the native engine's sizing, in SGLang's terms: without a memory fraction the KV pool holds
+        # max_batch_size full-length requests (SGLang's default fraction would take most of the card)
+        pool = max_batch_size * max_model_len if max_batch_size and max_model_len and mem_fraction_static is None \
+            else None
         self.model_path, self.dtype, self.deterministic = str(model_path), dtype, bool(deterministic)
         # a float32 policy is served in bfloat16 (its pushes are cast); its log-probs then differ by
         # bf16 rounding, which the run's IS correction weighs
@@ -113,8 +118,8 @@ class SGLangEngine(Engine):
         flags = {
             "model_path": self.model_path, "host": "127.0.0.1", "port": port, "skip_tokenizer_init": True,
             "dtype": self.served_dtype, "random_seed": int(seed), "weight_version": "0", "enable_fp32_lm_head": bool(fp32_lm_head),
-            "mem_fraction_static": mem_fraction_static, "context_length": context_length,
-            "max_running_requests": max_running_requests, "disable_cuda_graph": not cuda_graphs,
+            "mem_fraction_static": mem_fraction_static, "context_length": max_model_len,
+            "max_running_requests": max_batch_size, "max_total_tokens": pool, "disable_cuda_graph": not cuda_graphs,
             # SGLang captures prefill graphs at positions past a short model's rotary table (an illegal
             # memory access at start-up): such models keep the decode graphs only
             "cuda_graph_backend_prefill": "disabled" if cuda_graphs and _max_positions(self.model_path) <
