@@ -126,7 +126,6 @@ def test_replace_starts_the_member_again_from_its_slot(ray_session) -> None:
 
 
 def test_a_replacement_that_does_not_start_in_time_is_killed(ray_session, tmp_path) -> None:
-    ray = ray_session
     marker = tmp_path / "slow"
     group = _start(1, marker=str(marker))
     try:
