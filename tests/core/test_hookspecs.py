@@ -166,7 +166,7 @@ CONTRACT_FLAGS = {
     "Sandbox": {"reusable": False, "reset": None, "reap_orphans": None, "put_archive": None, "host_path": None,
                 "adopt": None},
     "Trainer": {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None},
-    "Engine": {"kind": "engine", "named_weights": None},
+    "Engine": {"kind": "engine", "named_weights": None, "weight_receiver": None},
     "Teacher": {"kind": "teacher"},
     "Transport": {"kind": "transport"},
     "Tracker": {"kind": "tracker", "preflight": None},

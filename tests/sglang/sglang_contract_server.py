@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import datetime
 import io
 import json
 import os
@@ -82,6 +83,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sampling-backend", choices=("flashinfer", "pytorch", "ascend"))
     ap.add_argument("--cuda-graph-backend-prefill", choices=("full", "breakable", "tc_piecewise", "disabled"))
     ap.add_argument("--health-timeout", type=float, default=20.0)  # SGLANG_HEALTH_CHECK_TIMEOUT
+    ap.add_argument("--record", default="")  # a JSON line per weight call, for tests that cannot reach the server
     # of the stand-in only
     ap.add_argument("--token-delay", type=float, default=0.002)
     ap.add_argument("--startup-delay", type=float, default=0.3)
@@ -141,7 +143,9 @@ class Server:
         self.idle = asyncio.Event()  # no request running
         self.idle.set()
         self.released = False
-        self.counters = {"generate": 0, "posts": 0, "aborted": 0, "flushes": 0, "updates": 0, "abort_calls": 0}
+        self.counters = {"generate": 0, "posts": 0, "aborted": 0, "flushes": 0, "updates": 0, "abort_calls": 0,
+                         "distributed_updates": 0}
+        self.groups: dict[str, object] = {}  # weight groups joined, by name
 
     # ---------------------------------------------------------------- endpoints
     async def health(self, request: Request) -> Response:
@@ -328,7 +332,65 @@ class Server:
         if body.get("weight_version") is not None:
             self.version = body["weight_version"]
         self.counters["updates"] += 1
+        self.record("update_weights_from_tensor")
         return JSONResponse({"success": True, "message": "Success"})
+
+    async def init_weights_update_group(self, request: Request) -> Response:
+        """SGLang's ``init_custom_process_group``: a tcp rendezvous at the master's store, the store
+        prefixed with the group's name, torch's group helper (blocks until every rank joined)."""
+        body = await request.json()
+
+        def join():
+            from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                            rendezvous)
+
+            timeout = datetime.timedelta(seconds=60)
+            store, rank, world = next(rendezvous(f"tcp://{body['master_address']}:{body['master_port']}",
+                                                 int(body["rank_offset"]), int(body["world_size"]), timeout=timeout))
+            store.set_timeout(timeout)
+            name = body.get("group_name", "weight_update_group")
+            group, _ = _new_process_group_helper(world, rank, [], Backend(body.get("backend", "nccl")),
+                                                 PrefixStore(name, store), group_name=name, backend_options=None,
+                                                 timeout=timeout)
+            _world.pg_group_ranks[group] = {i: i for i in range(world)}
+            self.groups[name] = group
+
+        try:
+            await asyncio.to_thread(join)
+        except Exception as exc:  # noqa: BLE001 - SGLang answers the failure
+            return JSONResponse({"success": False, "message": f"Failed to initialize custom process group: {exc}."})
+        return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def update_weights_from_distributed(self, request: Request) -> Response:
+        """A flattened bucket from rank 0 of the group: dense, the tensors back to back."""
+        body = await request.json()
+        group = self.groups.get(body.get("group_name", "weight_update_group"))
+        if group is None:  # SGLang asserts it: the scheduler dies
+            crash("assert group_name in self._model_update_group")
+        if body.get("load_format") != "flattened_bucket":
+            return JSONResponse({"error": {"message": "the stand-in takes flattened buckets"}}, status_code=400)
+        if self.resumed.is_set():
+            await self.idle.wait()  # the writer lock
+        specs = [(n, getattr(torch, d), tuple(shape)) for n, d, shape in zip(body["names"], body["dtypes"],
+                                                                              body["shapes"])]
+        sizes = [torch.Size(shape).numel() * torch.empty(0, dtype=d).element_size() for _, d, shape in specs]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        await asyncio.to_thread(torch.distributed.broadcast, flat, 0, group)
+        offset, received = 0, 0.0
+        for (name, dtype, shape), size in zip(specs, sizes):
+            if name not in self.model.weights or tuple(self.model.weights[name].shape) != shape:
+                crash(f"load_weights: {name} {shape}")
+            tensor = flat[offset:offset + size].view(dtype).reshape(shape)
+            received += float(tensor.double().sum())
+            self.model.weights[name].copy_(tensor)
+            offset += size
+        if body.get("flush_cache", True) and (self.running or self.waiting):
+            crash("assert flush_cache_success")
+        if body.get("weight_version") is not None:
+            self.version = body["weight_version"]
+        self.counters["distributed_updates"] += 1
+        self.record("update_weights_from_distributed", names=[n for n, _, _ in specs], received=received)
+        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
     async def release_memory(self, request: Request) -> Response:
         if self.running or self.waiting:
@@ -343,8 +405,15 @@ class Server:
     async def update_weight_version(self, request: Request) -> Response:
         body = await request.json()
         self.version = body["new_version"]
+        self.record("update_weight_version")
         return JSONResponse({"success": True, "message": f"Weight version updated to {self.version}",
                              "new_version": self.version})
+
+    def record(self, call: str, **details) -> None:
+        if self.args.record:
+            with open(self.args.record, "a") as f:
+                f.write(json.dumps({"call": call, "version": self.version, "checksum": self.model.checksum(),
+                                    **details}) + "\n")
 
     async def state(self, request: Request) -> Response:
         sizing = {k: getattr(self.args, k) for k in ("context_length", "max_running_requests", "max_total_tokens")}
@@ -365,6 +434,8 @@ class Server:
             Route("/release_memory_occupation", self.release_memory, methods=["GET", "POST"]),
             Route("/resume_memory_occupation", self.resume_memory, methods=["GET", "POST"]),
             Route("/update_weight_version", self.update_weight_version, methods=post),
+            Route("/init_weights_update_group", self.init_weights_update_group, methods=post),
+            Route("/update_weights_from_distributed", self.update_weights_from_distributed, methods=post),
             Route("/_contract/state", self.state),
         ])
 

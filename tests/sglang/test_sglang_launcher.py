@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from loongsage.core.cli import main
 
@@ -56,3 +57,32 @@ def test_a_server_that_dies_mid_rollout_is_replaced_and_the_run_finishes(ray_ses
     assert [r["engine/version"] for r in trained] == [1.0, 2.0, 3.0, 4.0]
     assert sum(r["rollout/engine_restarts"] for r in trained) == 1
     assert sum(r["rollout/requests_redispatched"] for r in trained) >= 1
+
+
+def test_with_broadcast_the_server_takes_the_weights_from_the_trainers_group(ray_session, in_tmp):
+    """``rollout.transport=broadcast`` (gloo here, NCCL between GPUs): the stand-in joins the
+    trainer's group as SGLang does and takes every bucket itself; the engine worker stages nothing
+    and each commit moves the version."""
+    record = in_tmp / "calls.jsonl"
+    launch = f"[{sys.executable}, {SERVER}, --record, {record}]"
+    engine = f"rollout.engine={{name: sglang, params: {{launch: {launch}, startup_timeout_s: 120}}}}"
+    args = ["train", "tiny/grpo_arith_cpu", "run.name=sgl_group", "run.total_steps=3", "data_sources.0.prompts_per_step=4",
+            "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=0", "evaluation.max_prompts=4",
+            "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false", "colocate=false",
+            "rollout.transport={name: broadcast, params: {backend: gloo, bucket_mb: 0.05, timeout_s: 60}}", engine]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in (in_tmp / "runs" / "sgl_group" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/loss" in r]
+    assert [r["engine/version"] for r in trained] == [1.0, 2.0, 3.0]
+    assert all(r["sync/buckets"] > 1 for r in trained)  # several buckets a push, each broadcast to the server
+    calls = [json.loads(line) for line in record.read_text().splitlines()]
+    assert {c["call"] for c in calls} == {"update_weights_from_distributed", "update_weight_version"}
+    commits = [i for i, c in enumerate(calls) if c["call"] == "update_weight_version"]
+    assert [calls[i]["version"] for i in commits] == ["1", "2", "3"]
+    # the last push's tensors arrived as the trainer had them at the end (its checkpoint), bit for bit
+    last = calls[commits[1] + 1:commits[2]]
+    names = [n for c in last for n in c["names"]]
+    state = torch.load(in_tmp / "runs" / "sgl_group" / "checkpoints" / "step_000003" / "trainer.pt")["model"]
+    assert len(names) == len(set(names)) and set(names) <= set(state)
+    assert sum(c["received"] for c in last) == pytest.approx(sum(float(state[n].double().sum()) for n in names),
+                                                             rel=1e-12)

@@ -391,6 +391,11 @@ class Engine(Protocol):
     named_weights: ClassVar[Callable[[], Iterable[tuple[str, Tensor]]] | None] = None
     """Optional ``named_weights()``: the HF-named tensors the engine serves now (the checks that a
     weight update arrived bit for bit use it)."""
+    weight_receiver: ClassVar[Callable[[str], TransportReceiver | None] | None] = None
+    """Optional ``weight_receiver(transport)``: a receiver of the engine's own for the transport
+    named, or None to take the transport's (an engine whose server joins the ``broadcast`` group
+    itself takes the weights straight from the trainer; its ``receive`` stages nothing, and the
+    commit's ``update_weights([])`` only moves the version)."""
 
     async def generate(self, request: GenerationRequest) -> list[GenerationResult]: ...
 

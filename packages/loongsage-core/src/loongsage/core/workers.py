@@ -150,7 +150,9 @@ class EngineWorker:
         registry = load_registry(cfg.plugins)
         self.engine = registry.create("engine", cfg.rollout.engine, "rollout.engine",
                                       **model_args(cfg, model_path), seed=cfg.run.seed * 1000 + index)
-        self.receiver = registry.create("transport", cfg.rollout.transport, "rollout.transport").receiver()
+        offered = getattr(self.engine, "weight_receiver", None)
+        own = offered(cfg.rollout.transport["name"]) if offered else None
+        self.receiver = own or registry.create("transport", cfg.rollout.transport, "rollout.transport").receiver()
         self._staging: list[tuple[str, torch.Tensor]] = []
         self._push_error: str | None = None  # why a bucket of the push under way failed
 

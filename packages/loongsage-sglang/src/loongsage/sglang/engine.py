@@ -53,6 +53,7 @@ from loongsage.core.types import (
     check_request,
 )
 from loongsage.sglang.dispatch import Dispatcher, Sample, SGLangError, message, request_id_base
+from loongsage.sglang.group_receiver import ServerJoinsTheGroup
 from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, free_port, server_flags
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
@@ -248,12 +249,13 @@ class SGLangEngine(Engine):
             raise SGLangError(f"sglang {path}: {response.status_code} {message(response)}")
 
     # ------------------------------------------------------------------ control
-    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
-        """A control call; returns the parsed answer (JSON, or the text)."""
+    def control(self, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
+        """A control call (``POST``); returns the parsed answer (JSON, or the text)."""
         import httpx
 
         try:
-            response = httpx.post(self.url + path, json=body or {}, timeout=self.control_timeout_s, trust_env=False)
+            response = httpx.post(self.url + path, json=body or {}, timeout=timeout_s or self.control_timeout_s,
+                                  trust_env=False)
         except httpx.HTTPError as exc:
             raise self._lost(f"POST {path} failed ({type(exc).__name__}: {exc})", _EXIT_WAIT_S) from None
         if response.status_code != 200:
@@ -273,11 +275,11 @@ class SGLangEngine(Engine):
 
     def pause(self) -> None:
         """Hold decoding; the running batch and its cache stay (``in_place``)."""
-        self._post("/pause_generation", {"mode": "in_place"})
+        self.control("/pause_generation", {"mode": "in_place"})
         self._paused = True
 
     def resume(self) -> None:
-        self._post("/continue_generation", {"torch_empty_cache": False})
+        self.control("/continue_generation", {"torch_empty_cache": False})
         self._paused = False
 
     def flush_cache(self) -> int:
@@ -287,13 +289,23 @@ class SGLangEngine(Engine):
         response = httpx.post(self.url + "/flush_cache", timeout=self.control_timeout_s, trust_env=False)
         return 1 if response.status_code == 200 else 0
 
+    def weight_receiver(self, transport: str) -> ServerJoinsTheGroup | None:
+        """With ``broadcast`` the server joins the trainer's group and takes the weights itself."""
+        return ServerJoinsTheGroup(self) if transport == "broadcast" else None
+
     def update_weights(self, named_tensors) -> int:
         items = list(named_tensors)
         self._check_weights(items)
         version = self._version + 1
+        if not items:  # the server took this push's tensors itself (its weight group): the version moves
+            self.control("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+            if not (self._paused and self._flights):
+                self.flush_cache()
+            self._version = version
+            return version
         served = getattr(torch, self.served_dtype)
         payload, keep = serialize_named_tensors([(n, t if t.dtype == served else t.to(served)) for n, t in items])
-        answer = self._post("/update_weights_from_tensor", {
+        answer = self.control("/update_weights_from_tensor", {
             "serialized_named_tensors": [payload], "weight_version": str(version),
             # a paused server may hold requests; SGLang flushes only an idle cache
             "flush_cache": not (self._paused and self._flights)})
@@ -321,11 +333,11 @@ class SGLangEngine(Engine):
         if self._flights:
             raise RuntimeError(f"release_memory: {len(self._flights)} request(s) still waiting or running; "
                                "abort them (or let them finish) first")
-        self._post("/release_memory_occupation", {"tags": self.release_tags})
+        self.control("/release_memory_occupation", {"tags": self.release_tags})
         self._released = True
 
     def resume_memory(self) -> None:
-        self._post("/resume_memory_occupation", {"tags": self.release_tags})
+        self.control("/resume_memory_occupation", {"tags": self.release_tags})
         self._released = False
 
     @property
@@ -333,7 +345,7 @@ class SGLangEngine(Engine):
         return self._version
 
     def set_version(self, version: int) -> None:
-        self._post("/update_weight_version", {"new_version": str(int(version)), "abort_all_requests": False})
+        self.control("/update_weight_version", {"new_version": str(int(version)), "abort_all_requests": False})
         self._version = int(version)
 
     def health(self) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """``broadcast``: each bucket broadcast from trainer rank 0 to every engine over a private group.
 
-The group is the sender (rank 0) and one rank per receiving engine, made on first use with a
-``TCPStore`` on the sender's node and torch's process-group classes directly (NCCL between GPUs,
-gloo on CPU): it is not the default group, so a trainer's own data-parallel group is untouched.
-It is made again when the set of engines changes (an engine replaced after a failure).
+The group is the sender (rank 0) and one rank per receiving engine (:mod:`.group`: formed as
+SGLang's servers form theirs, so an engine whose server joins the group itself, SGLang's, takes
+its weights straight from the trainer), made on first use; NCCL between GPUs, gloo on CPU. It is
+made again when the set of engines changes (an engine replaced after a failure).
 
 Per bucket the sender first tells every receiver the bucket's metadata and size
 (``receive_bucket``, answered once its copy is complete), then broadcasts the flat buffer; each
@@ -15,34 +15,19 @@ sequencing of this path.
 
 from __future__ import annotations
 
-import datetime
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from loongsage.core.buckets import PackBuffer, TensorMeta, bucket_bytes, flag_last, plan_buckets, unpack
-from loongsage.core.embedded.transport import commit_nothing, push_stats
 from loongsage.core.contracts import Transport, TransportReceiver
-
-
-def _group(backend: str, store: Any, rank: int, world: int, timeout_s: float) -> Any:
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world, options)
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
-
-
-def _broadcast(group: Any, flat: Tensor) -> None:
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    group.broadcast([flat], options).wait()
+from loongsage.core.embedded.transport import commit_nothing, push_stats
+from loongsage.sync.group import broadcast_from_sender, cuda_device, free_port, leave, weight_group
 
 
 class BroadcastReceiver(TransportReceiver):
@@ -55,11 +40,13 @@ class BroadcastReceiver(TransportReceiver):
 
     def setup(self, *, host: str, port: int, name: str, rank: int, world: int, backend: str,
               timeout_s: float) -> int:
-        """Join the sender's group ``name`` as ``rank`` of ``world``."""
+        """Join the sender's group ``name`` as ``rank`` of ``world`` (leaving the one before)."""
+        if self.group is not None:
+            leave(self.group)
         self.group = None
-        store = dist.PrefixStore(name, dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout_s)))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.group = _group(backend, store, rank, world, timeout_s)
+        self.device = cuda_device() if backend == "nccl" else torch.device("cpu")
+        self.group = weight_group(host=host, port=port, name=name, rank=rank, world=world, backend=backend,
+                                  timeout_s=timeout_s)
         return rank
 
     def receive(self, metas: list[TensorMeta], size: int, index: int = 0) -> list[tuple[str, Tensor]]:
@@ -71,7 +58,7 @@ class BroadcastReceiver(TransportReceiver):
             if self.device.type == "cpu":
                 self._host_buffers[index] = flat
         flat = flat[:size]
-        _broadcast(self.group, flat)
+        broadcast_from_sender(self.group, flat)
         return unpack(metas, flat, copy=False)
 
 
@@ -90,7 +77,6 @@ class BroadcastTransport(Transport):
         self.bucket_bytes = bucket_bytes("broadcast", self.bucket_mb)
         self._group: Any = None
         self._members: tuple[str, ...] = ()
-        self._store: Any = None
         self._groups_made = 0
         # one pack buffer: the broadcast of a bucket is done (gloo) or ordered on the stream (NCCL)
         # before the next bucket is packed into it
@@ -112,36 +98,34 @@ class BroadcastTransport(Transport):
         members = tuple(r._actor_id.hex() for r in receivers)
         if self._group is not None and members == self._members:
             return
+        if self._group is not None:
+            leave(self._group)
         self._group, self._members = None, ()
         ray.get([r.version.remote() for r in receivers])  # all started: joining is then a matter of seconds
         host = ray.util.get_node_ip_address()
-        if self._store is None:
-            self._store = dist.TCPStore(host, 0, None, True, timeout=datetime.timedelta(seconds=self.timeout_s),
-                                        wait_for_workers=False)
         self._groups_made += 1
-        name, world, backend = f"loongsage-sync-{self._groups_made}", len(receivers) + 1, self.resolved_backend
-        joined = [r.transport_setup.remote(host=host, port=self._store.port, name=name, rank=i + 1, world=world,
+        # unique in every process that ever joins one (torch keeps group names per process)
+        name = f"loongsage-sync-{uuid.uuid4().hex[:8]}-{self._groups_made}"
+        world, backend, port = len(receivers) + 1, self.resolved_backend, free_port(host)
+        joined = [r.transport_setup.remote(host=host, port=port, name=name, rank=i + 1, world=world,
                                            backend=backend, timeout_s=self.timeout_s)
                   for i, r in enumerate(receivers)]
-        group = _group(backend, dist.PrefixStore(name, self._store), 0, world, self.timeout_s)
+        group = weight_group(host=host, port=port, name=name, rank=0, world=world, backend=backend,
+                             timeout_s=self.timeout_s)
         ray.get(joined)
-        if backend == "nccl":  # the communicator exists once a first collective ran on every rank
-            answers = [r.receive_bucket.remote([], 1) for r in receivers]
-            _broadcast(group, torch.zeros(1, dtype=torch.uint8, device="cuda"))
-            ray.get(answers)
         self._group, self._members = group, members
 
     def push(self, named_tensors: Iterable[tuple[str, Tensor]], receivers: list) -> dict[str, float]:
         import ray
 
         self._form(receivers)
-        device = torch.device("cuda", torch.cuda.current_device()) if self.resolved_backend == "nccl" else "cpu"
+        device = cuda_device() if self.resolved_backend == "nccl" else "cpu"
         start, total, count, versions = time.perf_counter(), 0, 0, None
         for count, (bucket, last) in enumerate(flag_last(plan_buckets(named_tensors, self.bucket_bytes)), 1):
             metas, flat = self._pack_buffer.pack(bucket, device)
             answers = [r.receive_bucket.remote(metas, flat.numel(), count - 1, first=count == 1, commit=last)
                        for r in receivers]
-            _broadcast(self._group, flat)
+            broadcast_from_sender(self._group, flat)
             versions = ray.get(answers)
             total += flat.numel()
         versions = versions if versions is not None else commit_nothing(receivers)
