@@ -32,7 +32,6 @@ import datetime
 import hashlib
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -45,6 +44,8 @@ import torch.distributed as dist
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from _source import source_state  # noqa: E402
+
+from loongsage.core.placement import free_port  # noqa: E402
 
 SIDES = ("ours_cpu", "ours_broadcast_gloo", "raw_broadcast")
 
@@ -108,12 +109,6 @@ class RawRank:
 
     def digest(self) -> str:
         return hashlib.sha256(self.buf.numpy()).hexdigest()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:

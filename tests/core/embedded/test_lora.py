@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from loongsage.core.embedded.lora import LoraConfig, require_peft
 from loongsage.core.embedded.tiny_model import build_tiny_qwen3
 from loongsage.core.embedded.trainer import TorchTrainer
 from loongsage.core.loss import LossPipeline
+from loongsage.core.placement import free_port
 from loongsage.core.plugins import load_registry
 from loongsage.core.types import ConfigError, GenerationRequest, SamplingParams, TrainBatch
 
@@ -204,15 +204,9 @@ def test_launcher_refuses_a_bad_target_before_any_actor_starts(model_cache, in_t
     assert not ray.is_initialized()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_replicated_dp2_equals_dp1_and_fsdp2_is_refused(model_dir, tmp_path):
     """Two replicas (different seeds, uneven rows) end where one process on all rows ends."""
-    port, prefix = str(_free_port()), str(tmp_path / "dp")
+    port, prefix = str(free_port()), str(tmp_path / "dp")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, model_dir, prefix],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]

@@ -32,7 +32,7 @@ from loongsage.core.distill import TeacherPlan, distill_metrics, fill_teacher_te
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.loss import consistency_metrics
 from loongsage.core.metrics import Metrics
-from loongsage.core.placement import Placement
+from loongsage.core.placement import Placement, free_port
 from loongsage.core.planning import StepPlan, plan_step
 from loongsage.core.rollout import EngineRouter, RolloutService
 from loongsage.core.services import RunServices, ServiceContext
@@ -83,7 +83,7 @@ class Controller:
         # the critic rides on trainer bundle 0, the teachers round robin over the trainer bundles
         riders = ([0] if cfg.trainer.critic is not None else []) + [j % world for j in range(len(teacher_plans))]
         place = self.placement = Placement(cfg, riders)
-        init_method = f"tcp://127.0.0.1:{_free_port()}" if world > 1 else None
+        init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
         # generation and training overlap under an asynchronous scheduler: on CPU each actor then
         # gets cores of its own, so the two do not slow each other down
         cores = place.cores() if self._rollout_parts["scheduler"].asynchronous else {}
@@ -458,9 +458,3 @@ def init_ray_environment() -> None:
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -13,6 +13,7 @@ engine ``i`` see the same card and disaggregated roles see cards of their own.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -121,3 +122,10 @@ class Placement:
         if num_cpus is not None:
             placed["num_cpus"] = num_cpus
         return Slot(bundle, {**placed, **options}, args)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now (for a process group's store, a server's listener)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from loongsage.core.contracts import Engine
+from loongsage.core.placement import free_port
 from loongsage.core.types import (
     EngineUnavailable,
     FinishReason,
@@ -54,7 +55,7 @@ from loongsage.core.types import (
 )
 from loongsage.sglang.dispatch import Dispatcher, Sample, SGLangError, message, request_id_base
 from loongsage.sglang.group_receiver import ServerJoinsTheGroup
-from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, free_port, server_flags
+from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, server_flags
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _SERVED = ("bfloat16", "float16")  # SGLang's fused kernels (RMSNorm, ...) take no float32
@@ -298,10 +299,9 @@ class SGLangEngine(Engine):
         self._check_weights(items)
         version = self._version + 1
         if not items:  # the server took this push's tensors itself (its weight group): the version moves
-            self.control("/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+            self.set_version(version)
             if not (self._paused and self._flights):
                 self.flush_cache()
-            self._version = version
             return version
         served = getattr(torch, self.served_dtype)
         payload, keep = serialize_named_tensors([(n, t if t.dtype == served else t.to(served)) for n, t in items])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,12 +21,6 @@ from pathlib import Path
 from typing import Any
 
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def server_flags(args: Mapping[str, Any]) -> list[str]:

@@ -27,7 +27,8 @@ from torch import Tensor
 from loongsage.core.buckets import PackBuffer, TensorMeta, bucket_bytes, flag_last, plan_buckets, unpack
 from loongsage.core.contracts import Transport, TransportReceiver
 from loongsage.core.embedded.transport import commit_nothing, push_stats
-from loongsage.sync.group import broadcast_from_sender, cuda_device, free_port, leave, weight_group
+from loongsage.core.placement import free_port
+from loongsage.sync.group import broadcast_from_sender, cuda_device, leave, weight_group
 
 
 class BroadcastReceiver(TransportReceiver):

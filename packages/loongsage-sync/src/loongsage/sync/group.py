@@ -12,19 +12,11 @@ engine process can hold several over its life (one per set of engines).
 from __future__ import annotations
 
 import datetime
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now, for the group's store."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def weight_group(*, host: str, port: int, name: str, rank: int, world: int, backend: str, timeout_s: float) -> Any:
