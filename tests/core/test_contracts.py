@@ -1,4 +1,4 @@
-"""The contracts (core/contracts.py) as the registry enforces them (core/contract_check.py): every entry against its Protocol.
+"""The contracts (core/contracts/) as the registry enforces them (core/contract_check.py): every entry against its Protocol.
 
 A plugin that misses a member, whose method cannot take the contract's call or whose capability
 flag has the wrong type is refused in one line naming the entry, its provider and the member;

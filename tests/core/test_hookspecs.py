@@ -124,7 +124,7 @@ def test_every_installed_hookimpl_matches_a_spec() -> None:
 
 # ----------------------------------------------------------------------------- the contracts behind the hooks
 # What the framework calls on each hook's product and each backend, pinned: the parameters of every
-# method of every Protocol in core/contracts.py (slime pins its hooks' call signatures the same way).
+# method of every Protocol in core/contracts/ (slime pins its hooks' call signatures the same way).
 # A contract changes deliberately: this table, the Protocol and every implementation in one commit.
 CONTRACT_CALLS = {
     "Agent": {"run": ("record", "ctx")},

@@ -1,0 +1,81 @@
+"""The contracts: what every plugin's product and every backend must provide.
+
+One :class:`typing.Protocol` per extension point (what a hook's factory returns) and per backend
+kind. Each says in which process its implementation runs and how often the framework calls it,
+and declares its *capability flags*: attributes with a default that tell the framework what an
+entry needs or offers (an advantage estimator's ``needs_values``, a KL estimator's ``consumes``).
+The framework reads them directly, never probing with ``getattr``; the registry
+(:mod:`loongsage.core.plugins`) makes that safe by checking every entry against its Protocol when
+it loads and when it builds it (:mod:`loongsage.core.contract_check`), and refuses a problem in one
+line naming the entry, its provider and the member::
+
+    advantage 'my_adv' (from config plugins: my_pkg.plugin): missing __call__(inp) of AdvantageEstimator
+
+Kinds of member, as written in the Protocols:
+
+* ``def name(...)``: a method, required (called with the Protocol's required parameters);
+* ``name: ClassVar[T] = default``: a flag, fixed per implementation;
+* ``name: T = default``: a flag that may depend on the entry's params (a property, or a field);
+* ``name: ClassVar[Callable[[A], R] | None] = None``: an optional method (``None``: not offered;
+  a method when it is, called with the listed arguments);
+* ``name: T`` without a default, or a property: an attribute the built object must have.
+
+Some members are required only when a flag asks for them (:data:`REQUIRED_WHEN`): an advantage
+estimator that ``needs_values`` also gives the critic its targets (``returns``), say.
+
+An implementation may subclass its Protocol to inherit the defaults (the built-ins do) or not;
+either way it is checked structurally. The data source and rollout scheduler Protocols live in
+:mod:`loongsage.core.types` beside the records they exchange and are re-exported here.
+
+The Protocols are split by concern; import them from here, where every name is re-exported:
+
+* :mod:`~loongsage.core.contracts.rollout`: agents, rewards (:class:`RewardContext`), sandboxes
+  (:class:`SandboxOwner`, :class:`ExecResult`), the chat gateway's middlewares and parsers;
+* :mod:`~loongsage.core.contracts.algorithms`: advantage estimators, policy losses, KL estimators,
+  corrections, data filters and the loss closure a trainer is handed (:class:`LossFunction`);
+* :mod:`~loongsage.core.contracts.models`: trainers (:class:`Critic`), engines, teachers, weight
+  transports (:class:`TransportReceiver`) and model builders;
+* :mod:`~loongsage.core.contracts.run`: trackers and run services;
+* :mod:`~loongsage.core.contracts.tables`: the registry's index (:data:`HOOKS`, :data:`BACKENDS`,
+  :data:`REQUIRED_WHEN`, :class:`When`).
+"""
+
+from __future__ import annotations
+
+from loongsage.core.contracts.algorithms import (
+    AdvantageEstimator,
+    Correction,
+    DataFilter,
+    KLEstimator,
+    LossFunction,
+    PolicyLoss,
+)
+from loongsage.core.contracts.models import (
+    Critic,
+    Engine,
+    ModelBuilder,
+    Teacher,
+    Trainer,
+    Transport,
+    TransportReceiver,
+)
+from loongsage.core.contracts.rollout import (
+    Agent,
+    ChatParser,
+    ExecResult,
+    GatewayMiddleware,
+    Reward,
+    RewardContext,
+    Sandbox,
+    SandboxOwner,
+)
+from loongsage.core.contracts.run import RunService, Tracker
+from loongsage.core.contracts.tables import BACKENDS, HOOKS, REQUIRED_WHEN, When
+from loongsage.core.types import DataSource, RolloutScheduler
+
+__all__ = [
+    "AdvantageEstimator", "Agent", "BACKENDS", "ChatParser", "Correction", "Critic", "DataFilter", "DataSource",
+    "Engine", "ExecResult", "GatewayMiddleware", "HOOKS", "KLEstimator", "LossFunction", "ModelBuilder",
+    "PolicyLoss", "REQUIRED_WHEN", "Reward", "RewardContext", "RolloutScheduler", "RunService", "Sandbox",
+    "SandboxOwner", "Teacher", "Tracker", "Trainer", "Transport", "TransportReceiver", "When",
+]
