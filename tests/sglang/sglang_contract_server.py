@@ -23,8 +23,10 @@ shapes and its sharp edges, written from SGLang's server source (docs/sglang.md)
 * ``/pause_generation`` (in place) and ``/continue_generation``;
 * ``/flush_cache`` is plain text: 200 when idle, 400 otherwise;
 * ``/update_weights_from_tensor`` unpickles with an allowlist (torch, builtins, collections,
-  multiprocessing), waits for running requests unless paused, and, as SGLang's asserts do, **kills
-  the server** when asked to flush a busy cache or given a tensor the model does not have;
+  multiprocessing), waits for running requests unless paused, loads through the model's
+  ``load_weights`` or a ``--custom-weight-loader`` named by ``load_format``, and, as SGLang's
+  asserts do, **kills the server** when asked to flush a busy cache, given a tensor the model does
+  not have, or when the loader raises;
 * ``/release_memory_occupation`` kills the server unless idle; ``/update_weight_version``.
 
 The "model" is a deterministic rule, not a network: the next token is
@@ -39,6 +41,7 @@ import argparse
 import asyncio
 import base64
 import datetime
+import importlib
 import io
 import json
 import os
@@ -80,6 +83,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--enable-deterministic-inference", action="store_true")
     ap.add_argument("--enable-memory-saver", action="store_true")
     ap.add_argument("--enable-weights-cpu-backup", action="store_true")
+    ap.add_argument("--custom-weight-loader", nargs="*")
     ap.add_argument("--sampling-backend", choices=("flashinfer", "pytorch", "ascend"))
     ap.add_argument("--cuda-graph-backend-prefill", choices=("full", "breakable", "tc_piecewise", "disabled"))
     ap.add_argument("--health-timeout", type=float, default=20.0)  # SGLANG_HEALTH_CHECK_TIMEOUT
@@ -107,32 +111,83 @@ def crash(reason: str) -> None:
     os._exit(1)
 
 
+# SGLang's merged parameters of the Llama family (its models' stacked_params_mapping)
+STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+           ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+
 class Model:
+    """The served model as far as weights go: the checkpoint held in SGLang's parameters (q/k/v and
+    gate/up rows merged), loaded by ``load_weights`` as SGLang's Llama-family models load them. A
+    server makes it a class named after the checkpoint's architecture, as SGLang's model is."""
+
     def __init__(self, model_path: str, vocab: int, eos: list[int], dtype: str):
         if dtype == "float32":  # SGLang's fused kernels take none: its first forward fails
             crash("rmsnorm: failed to dispatch data type Float")
         served = None if dtype == "auto" else getattr(torch, dtype)
-        self.weights = {n: t.to(served or t.dtype) for path in sorted(Path(model_path).glob("*.safetensors"))
-                        for n, t in load_file(str(path)).items()}
+        checkpoint = {n: t.to(served or t.dtype) for path in sorted(Path(model_path).glob("*.safetensors"))
+                      for n, t in load_file(str(path)).items()}
+        self.params: dict[str, torch.Tensor] = {}
+        self.shards: dict[tuple[str, object], tuple[int, int]] = {}  # (merged name, shard) -> (first row, rows)
+        for name, tensor in checkpoint.items():
+            merged = _merged(name)
+            if merged is None:
+                self.params[name] = tensor
+            elif merged[0] not in self.params:  # the first part seen: all parts, in SGLang's order
+                target = merged[0]
+                parts = [(shard, checkpoint[target.replace(f".{param}.", f".{part}.")])
+                         for param, part, shard in STACKED if f".{param}." in target]
+                self.params[target] = torch.cat([t for _, t in parts])
+                start = 0
+                for shard, t in parts:
+                    self.shards[(target, shard)] = (start, t.shape[0])
+                    start += t.shape[0]
         self.vocab, self.eos = vocab, set(eos)
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def load_weights(self, named_tensors) -> None:
+        for name, tensor in named_tensors:
+            merged = _merged(name)
+            if merged is not None:
+                target, shard = merged
+                if (target, shard) not in self.shards:
+                    crash(f"load_weights: KeyError {target!r}")
+                start, rows = self.shards[(target, shard)]
+                dest = self.params[target].narrow(0, start, rows)
+            else:
+                dest = self.params.get(name)
+            if dest is None or tuple(dest.shape) != tuple(tensor.shape):
+                crash(f"load_weights: {name} {tuple(tensor.shape)}")
+            dest.copy_(tensor)
 
     @property
     def shift(self) -> int:
         return int(abs(self.checksum()) * 1000) % 97
 
     def checksum(self) -> float:
-        return float(sum(t.double().sum() for t in self.weights.values()))
+        return float(sum(t.double().sum() for t in self.params.values()))
 
     def next_token(self, last: int, k: int) -> int:
         return (7 * last + k + self.shift) % self.vocab
+
+
+def _merged(name: str) -> tuple[str, object] | None:
+    """``(merged parameter, shard)`` for a checkpoint tensor that is part of one."""
+    for param, part, shard in STACKED:
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{param}."), shard
+    return None
 
 
 class Server:
     def __init__(self, args: argparse.Namespace):
         config = json.loads((Path(args.model_path) / "config.json").read_text())
         eos = config.get("eos_token_id")
-        self.model = Model(args.model_path, int(config["vocab_size"]), eos if isinstance(eos, list) else [eos],
-                           args.dtype)
+        model_class = type(str(config.get("architectures", ["Model"])[0]), (Model,), {})
+        self.model = model_class(args.model_path, int(config["vocab_size"]), eos if isinstance(eos, list) else [eos],
+                                 args.dtype)
         self.args = args
         self.version = args.weight_version
         self.started = time.monotonic()
@@ -144,7 +199,7 @@ class Server:
         self.idle.set()
         self.released = False
         self.counters = {"generate": 0, "posts": 0, "aborted": 0, "flushes": 0, "updates": 0, "abort_calls": 0,
-                         "distributed_updates": 0}
+                         "distributed_updates": 0, "custom_loads": 0}
         self.groups: dict[str, object] = {}  # weight groups joined, by name
 
     # ---------------------------------------------------------------- endpoints
@@ -320,11 +375,18 @@ class Server:
             named = SafeUnpickler(io.BytesIO(raw)).load()
         except Exception as exc:  # noqa: BLE001 - deserialized in the TP worker, outside any try
             crash(f"deserialize: {exc}")
-        for name, tensor in named:
-            if name not in self.model.weights or tuple(tensor.shape) != tuple(self.model.weights[name].shape):
-                crash(f"load_weights: {name} {tuple(tensor.shape)}")
-        for name, tensor in named:
-            self.model.weights[name].copy_(tensor)
+        load_format = body.get("load_format")
+        if load_format is None:
+            self.model.load_weights(named)
+        elif load_format in (self.args.custom_weight_loader or []):  # "module.function", given the model
+            module, _, function = load_format.rpartition(".")
+            try:
+                getattr(importlib.import_module(module), function)(self.model, named)
+                self.counters["custom_loads"] += 1
+            except Exception as exc:  # noqa: BLE001 - raised in the TP worker, outside any try
+                crash(f"{load_format}: {type(exc).__name__}: {exc}")
+        else:
+            crash(f"NotImplementedError: Unknown load_format={load_format}")
         if body.get("flush_cache", True):
             if self.running or self.waiting:
                 crash("assert flush_cache_success")
@@ -376,14 +438,13 @@ class Server:
         sizes = [torch.Size(shape).numel() * torch.empty(0, dtype=d).element_size() for _, d, shape in specs]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         await asyncio.to_thread(torch.distributed.broadcast, flat, 0, group)
-        offset, received = 0, 0.0
+        offset, received, named = 0, 0.0, []
         for (name, dtype, shape), size in zip(specs, sizes):
-            if name not in self.model.weights or tuple(self.model.weights[name].shape) != shape:
-                crash(f"load_weights: {name} {shape}")
             tensor = flat[offset:offset + size].view(dtype).reshape(shape)
             received += float(tensor.double().sum())
-            self.model.weights[name].copy_(tensor)
+            named.append((name, tensor))
             offset += size
+        self.model.load_weights(named)
         if body.get("flush_cache", True) and (self.running or self.waiting):
             crash("assert flush_cache_success")
         if body.get("weight_version") is not None:

@@ -190,7 +190,15 @@ def test_pause_holds_requests_and_an_update_meanwhile_never_flushes_a_busy_cache
     assert engine.health()["status"] == "ok" and state(engine)["paused"] is False
 
 
-def test_updates_land_change_the_outputs_and_a_bad_one_changes_nothing(engine):
+@pytest.fixture(params=[True, False], ids=["load_flat", "sglang_load_weights"])
+def either_loader(model, request):
+    eng = engine_for(model, fast_weight_load=request.param)
+    yield eng
+    eng.close()
+
+
+def test_updates_land_change_the_outputs_and_a_bad_one_changes_nothing(either_loader):
+    engine = either_loader
     before = asyncio.run(engine.generate(request("a", [5, 6], max_new_tokens=8, stop_token_ids=[])))[0]
     weights = _weights(engine.model_path)
     changed = {n: t * 1.5 for n, t in weights.items()}
@@ -198,6 +206,7 @@ def test_updates_land_change_the_outputs_and_a_bad_one_changes_nothing(engine):
     # the float32 policy is served in bfloat16
     expected = float(sum(t.to(torch.bfloat16).double().sum() for n, t in changed.items()))
     assert state(engine)["checksum"] == pytest.approx(expected, rel=1e-9) and state(engine)["version"] == "1"
+    assert state(engine)["custom_loads"] == (1 if engine.load_format else 0)
     after = asyncio.run(engine.generate(request("b", [5, 6], max_new_tokens=8, stop_token_ids=[])))[0]
     assert after.output_ids != before.output_ids and after.versions == [1] * 8
     for bad, match in [({"nope.weight": torch.zeros(2)}, "unknown tensor 'nope.weight'"),

@@ -19,7 +19,8 @@ and ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` so that the log-probs it returns are th
 * ``update_weights``: names, shapes and dtypes are checked against the checkpoint first, so a bad
   update changes nothing; the tensors are packed into one buffer the engine owns and sent with
   ``/update_weights_from_tensor`` (torch's multiprocessing pickling: a CUDA IPC handle on a GPU, a
-  shared-memory file name on the CPU), with the new version. While paused with requests held, the
+  shared-memory file name on the CPU), with the new version, loaded by :mod:`.weight_loader` (one
+  batched copy into the parameters) unless ``fast_weight_load=False``. While paused with requests held, the
   server's cache is not flushed (SGLang cannot flush a busy cache).
 * ``release_memory``/``resume_memory``: ``/release_memory_occupation`` and
   ``/resume_memory_occupation`` with ``release_tags`` (the server runs with
@@ -56,6 +57,7 @@ from loongsage.core.types import (
 from loongsage.sglang.dispatch import Dispatcher, Sample, SGLangError, message, request_id_base
 from loongsage.sglang.group_receiver import ServerJoinsTheGroup
 from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, server_flags
+from loongsage.sglang.weight_loader import LOAD_FLAT, layout_name
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _SERVED = ("bfloat16", "float16")  # SGLang's fused kernels (RMSNorm, ...) take no float32
@@ -83,7 +85,7 @@ class SGLangEngine(Engine):
                  max_batch_size: int | None = None, cuda_graphs: bool = True, deterministic: bool = False,
                  release_tags: list[str] | tuple[str, ...] = _TAGS, server_args: dict[str, Any] | None = None,
                  launch: list[str] | None = None, startup_timeout_s: float = 900.0, control_timeout_s: float = 300.0,
-                 sampling_backend: str | None = "pytorch", device: str = "cuda"):
+                 sampling_backend: str | None = "pytorch", device: str = "cuda", fast_weight_load: bool = True):
         if device != "cuda":
             raise ValueError(f"sglang engine: device={device!r}: SGLang serves on CUDA GPUs only (use 'cuda', "
                              "or the native engine on the CPU)")
@@ -108,6 +110,9 @@ class SGLangEngine(Engine):
         self.served_dtype = dtype if dtype in _SERVED else "bfloat16"
         self.release_tags = list(release_tags)
         self.control_timeout_s = float(control_timeout_s)
+        # pushes load through weight_loader.load_flat (one batched copy into the parameters), not
+        # the model's per-tensor load_weights
+        self.load_format = LOAD_FLAT if fast_weight_load else None
         self.expected = checkpoint_tensors(self.model_path)  # name -> (shape, dtype) of the checkpoint
         self._version = 0
         self._paused = self._released = False
@@ -131,6 +136,7 @@ class SGLangEngine(Engine):
             # CUDA compiler on the host); None lets SGLang choose
             "sampling_backend": sampling_backend,
             "enable_memory_saver": bool(self.release_tags), "enable_weights_cpu_backup": "weights" in self.release_tags,
+            "custom_weight_loader": [LOAD_FLAT] if fast_weight_load else None,
             **(server_args or {}),
         }
         self.server = ServerProcess(list(launch or SGLANG_LAUNCH), server_flags(flags),
@@ -304,9 +310,10 @@ class SGLangEngine(Engine):
                 self.flush_cache()
             return version
         served = getattr(torch, self.served_dtype)
-        payload, keep = serialize_named_tensors([(n, t if t.dtype == served else t.to(served)) for n, t in items])
+        payload, keep = serialize_named_tensors([(n, t if t.dtype == served else t.to(served)) for n, t in items],
+                                                flat=self.load_format is not None)
         answer = self.control("/update_weights_from_tensor", {
-            "serialized_named_tensors": [payload], "weight_version": str(version),
+            "serialized_named_tensors": [payload], "weight_version": str(version), "load_format": self.load_format,
             # a paused server may hold requests; SGLang flushes only an idle cache
             "flush_cache": not (self._paused and self._flights)})
         del keep  # the server has copied the weights in
@@ -369,13 +376,15 @@ class SGLangEngine(Engine):
         self.server.stop()
 
 
-def serialize_named_tensors(items: list[tuple[str, Tensor]]) -> tuple[str, Any]:
+def serialize_named_tensors(items: list[tuple[str, Tensor]], *, flat: bool = False) -> tuple[str, Any]:
     """``[(name, tensor)]`` as SGLang's ``MultiprocessingSerializer`` writes it (torch's
     ``ForkingPickler``, base64), and what must stay alive until the server has read it.
 
     The tensors are first packed into one buffer of this process: the server opens one CUDA IPC
     handle (or one shared-memory file) for all of them, and tensors this process opened from
-    another one (an ``ipc`` push's views) cannot be shared again.
+    another one (an ``ipc`` push's views) cannot be shared again. ``flat``: the payload is that
+    buffer as one entry named by its layout (:func:`.weight_loader.layout_name`), for
+    :func:`.weight_loader.load_flat`; otherwise a view per tensor, for the model's ``load_weights``.
     """
     from multiprocessing.reduction import ForkingPickler
 
@@ -389,11 +398,11 @@ def serialize_named_tensors(items: list[tuple[str, Tensor]]) -> tuple[str, Any]:
     if device.type == "cpu":
         # a file name in shared memory, which any process can open (a descriptor could not be passed)
         torch_mp.set_sharing_strategy("file_system")
-    metas, flat = pack(items, device=device)
+    metas, buffer = pack(items, device=device)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # packed before the server reads it
-    views = unpack(metas, flat, copy=False)
-    return base64.b64encode(_pickled(ForkingPickler, views)).decode(), flat
+    entries = [(layout_name(metas), buffer)] if flat else unpack(metas, buffer, copy=False)
+    return base64.b64encode(_pickled(ForkingPickler, entries)).decode(), buffer
 
 
 def _pickled(pickler: Any, obj: Any) -> bytes:
