@@ -85,7 +85,12 @@ def ours(args, work: Path, env: dict) -> dict:
     if args.plugins:
         cmd.append(f"plugins=[{args.plugins}]")
     if args.engine != "native":
-        cmd.append(f"rollout.engine.name={args.engine}")
+        # a new engine name on the command line starts from empty params: the recipe's go with it
+        import yaml
+
+        recipe = yaml.safe_load((BENCH.parent / "recipes" / f"{RECIPE}.yaml").read_text())
+        params = ", ".join(f"{k}: {v}" for k, v in (recipe["rollout"]["engine"].get("params") or {}).items())
+        cmd.append(f"rollout.engine={{name: {args.engine}, params: {{{params}}}}}")
     start = time.perf_counter()
     run(cmd, work / "ours.log", env)
     wall = time.perf_counter() - start
