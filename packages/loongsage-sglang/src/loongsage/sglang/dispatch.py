@@ -64,11 +64,11 @@ class Sample:
 class Dispatcher:
     """Sends submitted samples, batching those of one event-loop turn.
 
-    ``client()``: the running loop's ``httpx.AsyncClient`` on the server; ``lost(what)``: the
-    error for a server that did not answer.
+    ``client``: an ``httpx.AsyncClient`` on the server, of the loop the dispatcher runs on;
+    ``lost(what)``: the error for a server that did not answer.
     """
 
-    def __init__(self, client: Callable[[], Any], lost: Callable[[str], BaseException]):
+    def __init__(self, client: Any, lost: Callable[[str], BaseException]):
         self._client, self._lost = client, lost
         self._queue: list[Sample] = []
         self._flush_scheduled = False
@@ -99,7 +99,7 @@ class Dispatcher:
 
         self._name(sample)
         try:
-            response = await self._client().post("/generate", json=sample.body)
+            response = await self._client.post("/generate", json=sample.body)
         except httpx.HTTPError as exc:
             return sample.settle(error=self._lost(f"POST /generate failed ({type(exc).__name__}: {exc})"))
         if response.status_code == 400:  # a bad request fails alone
@@ -118,7 +118,7 @@ class Dispatcher:
                 "sampling_params": [{**s.body["sampling_params"], "stream_interval": _ONLY_AT_THE_END} for s in samples],
                 "return_logprob": True, "logprob_start_len": -1, "stream": True}
         try:
-            async with self._client().stream("POST", "/generate", json=body) as response:
+            async with self._client.stream("POST", "/generate", json=body) as response:
                 if response.status_code == 200:
                     async for line in response.aiter_lines():
                         if not line.startswith("data:"):

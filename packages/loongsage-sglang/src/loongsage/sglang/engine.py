@@ -117,8 +117,7 @@ class SGLangEngine(Engine):
         self._version = 0
         self._paused = self._released = False
         self._flights: dict[str, _Flight] = {}
-        self._client: tuple[Any, Any] | None = None  # (event loop, its async client)
-        self._dispatch: tuple[Any, Dispatcher] | None = None  # (event loop, its dispatcher)
+        self._per_loop: tuple[Any, Any, Dispatcher] | None = None  # (event loop, its async client, its dispatcher)
         self._background: set[asyncio.Task] = set()
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -159,7 +158,7 @@ class SGLangEngine(Engine):
         budget = request.sampling.max_new_tokens - (len(prior.output_ids) if prior else 0)
         samples = [Sample(request_id_base(rid, k), self._body(ids, request, budget, k), prefix)
                    for k in range(request.sampling.n)]
-        task = asyncio.ensure_future(asyncio.gather(*(self._dispatcher().submit(s) for s in samples)))
+        task = asyncio.ensure_future(asyncio.gather(*(self._on_loop()[1].submit(s) for s in samples)))
         self._flights[rid] = _Flight(samples, task, prior)
         try:
             answers = await task
@@ -179,13 +178,6 @@ class SGLangEngine(Engine):
         if self.deterministic and s.seed is not None:
             params["sampling_seed"] = int(s.seed) + k  # only deterministic servers take a seed
         return {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
-
-    def _dispatcher(self) -> Dispatcher:
-        """The running event loop's (its batches are flushed by that loop)."""
-        loop = asyncio.get_running_loop()
-        if self._dispatch is None or self._dispatch[0] is not loop:
-            self._dispatch = (loop, Dispatcher(self._async_client, self._lost))
-        return self._dispatch[1]
 
     def _result(self, rid: str, answer: dict[str, Any], prior: GenerationResult | None) -> GenerationResult:
         meta = answer.get("meta_info") or {}
@@ -222,16 +214,17 @@ class SGLangEngine(Engine):
             results.extend(self._result(rid, answer, flight.prior) for answer in flight.task.result())
         return results
 
-    def _async_client(self) -> Any:
-        """The connection pool of the running event loop (a pool is bound to the loop that made it)."""
+    def _on_loop(self) -> tuple[Any, Dispatcher]:
+        """The running event loop's connection pool and dispatcher: a pool is bound to the loop
+        that made it, and the dispatcher's batches are flushed by that loop."""
         import httpx
 
         loop = asyncio.get_running_loop()
-        if self._client is None or self._client[0] is not loop:
-            self._client = (loop, httpx.AsyncClient(base_url=self.url, timeout=None, trust_env=False,
-                                                    limits=httpx.Limits(max_connections=None,
-                                                                        max_keepalive_connections=512)))
-        return self._client[1]
+        if self._per_loop is None or self._per_loop[0] is not loop:
+            client = httpx.AsyncClient(base_url=self.url, timeout=None, trust_env=False,
+                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+            self._per_loop = (loop, client, Dispatcher(client, self._lost))
+        return self._per_loop[1], self._per_loop[2]
 
     def _abort_quietly(self, rids: list[str]) -> None:
         async def abort() -> None:
@@ -249,7 +242,7 @@ class SGLangEngine(Engine):
         import httpx
 
         try:
-            response = await self._async_client().post(path, json=body, timeout=self.control_timeout_s)
+            response = await self._on_loop()[0].post(path, json=body, timeout=self.control_timeout_s)
         except httpx.HTTPError as exc:
             raise self._lost(f"POST {path} failed ({type(exc).__name__}: {exc})") from None
         if response.status_code != 200:
