@@ -185,9 +185,19 @@ def test_config_errors_are_one_line(model_dir, monkeypatch):
         require_peft()
 
 
-def test_launcher_refuses_a_bad_target_before_any_actor_starts(model_cache, in_tmp, capsys):
-    """Checks that need the model's layer names run in the driver: one line, exit code 2, no Ray."""
+def test_launcher_refuses_a_bad_target_before_any_actor_starts(model_cache, in_tmp, capsys, monkeypatch):
+    """Checks that need the model's layer names run in the driver: one line, exit code 2, no actor."""
+    import ray
+
     from loongsage.core.cli import main
+    from loongsage.core.controller import Controller
+
+    ray_was_up = ray.is_initialized()  # an earlier test of this process may have started Ray
+
+    def started(*args, **kwargs):
+        raise AssertionError("the launcher started actors before refusing the recipe")
+
+    monkeypatch.setattr(Controller, "_start_actors", started)
 
     code = main(["train", "tiny/grpo_lora_cpu", "trainer.backend.params.lora.target_modules=[qproj]",
                  "tracking.progress=false"])
@@ -199,9 +209,7 @@ def test_launcher_refuses_a_bad_target_before_any_actor_starts(model_cache, in_t
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and err.startswith("loongsage: error: trainer.backend.params.lora: dp_mode='fsdp2' is not "
                                         "supported with LoRA")
-    import ray
-
-    assert not ray.is_initialized()
+    assert ray.is_initialized() == ray_was_up
 
 
 def test_replicated_dp2_equals_dp1_and_fsdp2_is_refused(model_dir, tmp_path):
