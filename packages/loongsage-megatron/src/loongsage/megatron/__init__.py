@@ -1,0 +1,1 @@
+"""LoongSage on Megatron-Core (see docs/megatron.md)."""

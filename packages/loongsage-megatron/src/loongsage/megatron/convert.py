@@ -1,0 +1,151 @@
+"""HF <-> Megatron-Core weights for the Llama family (Qwen3, Qwen2, Llama), one tensor-parallel
+rank at a time, as pure functions over tensors.
+
+Megatron-Core's GPT layer (the local, Transformer-Engine-free spec) names and lays out the same
+weights differently from HF:
+
+* ``linear_qkv`` holds q, k and v **interleaved by query group**: for each of the ``g`` key/value
+  groups, its ``heads / g`` query heads, then its key head, then its value head (``head_dim`` rows
+  each). A contiguous slice of it is whole groups, which is how tensor parallelism splits it.
+* ``linear_fc1`` is gate and up stacked; each rank holds its slice of gate over its slice of up.
+* Column-parallel layers (``linear_qkv``, ``linear_fc1``, the embedding and output layer over the
+  vocabulary) split rows; row-parallel ones (``linear_proj``, ``linear_fc2``) split columns;
+  norms are whole on every rank.
+
+``hf_to_mcore`` gives a rank its shard; ``mcore_to_hf`` gathers all ranks' shards back into
+HF-named tensors, in HF's layout, which is what an engine loads. Both are exact (no arithmetic).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the conversion needs of an HF config."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @classmethod
+    def of(cls, config: Mapping) -> Shape:
+        """From an HF ``config.json`` (a dict)."""
+        heads = int(config["num_attention_heads"])
+        return cls(layers=int(config["num_hidden_layers"]), heads=heads,
+                   kv_heads=int(config.get("num_key_value_heads") or heads),
+                   head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+                   vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)))
+
+    def padded_vocab(self, tp: int) -> int:
+        """The embedding's rows in Megatron: the vocabulary padded to a multiple of ``tp``."""
+        return -(-self.vocab // tp) * tp
+
+    def check_tp(self, tp: int) -> None:
+        """One line naming what ``tp`` does not divide."""
+        for what, n in (("num_key_value_heads", self.kv_heads), ("num_attention_heads", self.heads)):
+            if n % tp:
+                raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}; allowed: a divisor of {n}")
+
+
+# HF per-layer name -> (Megatron per-layer name, how it splits over tensor-parallel ranks)
+_LAYER = {
+    "input_layernorm.weight": ("input_layernorm.weight", None),
+    "self_attn.q_norm.weight": ("self_attention.q_layernorm.weight", None),
+    "self_attn.k_norm.weight": ("self_attention.k_layernorm.weight", None),
+    "self_attn.o_proj.weight": ("self_attention.linear_proj.weight", 1),
+    "post_attention_layernorm.weight": ("pre_mlp_layernorm.weight", None),
+    "mlp.down_proj.weight": ("mlp.linear_fc2.weight", 1),
+}
+_QKV = ("q_proj", "k_proj", "v_proj")
+_FC1 = ("gate_proj", "up_proj")
+_GLOBAL = {"model.embed_tokens.weight": ("embedding.word_embeddings.weight", 0),
+           "model.norm.weight": ("decoder.final_layernorm.weight", None),
+           "lm_head.weight": ("output_layer.weight", 0)}
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _split(tensor: Tensor, dim: int | None, rank: int, tp: int) -> Tensor:
+    return tensor if dim is None or tp == 1 else tensor.chunk(tp, dim)[rank]
+
+
+def _gather(parts: list[Tensor], dim: int | None) -> Tensor:
+    return parts[0] if dim is None or len(parts) == 1 else torch.cat(parts, dim)
+
+
+def qkv_interleave(q: Tensor, k: Tensor, v: Tensor, shape: Shape) -> Tensor:
+    """HF's q, k, v (weights or biases) as Megatron's ``linear_qkv`` rows."""
+    g, per, d = shape.kv_heads, shape.heads // shape.kv_heads, shape.head_dim
+    rest = q.shape[1:]
+    grouped = torch.cat([q.reshape(g, per * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1)
+    return grouped.reshape(g * (per + 2) * d, *rest)
+
+
+def qkv_split(qkv: Tensor, shape: Shape) -> tuple[Tensor, Tensor, Tensor]:
+    """Megatron's ``linear_qkv`` rows (whole, or one rank's groups) as HF's q, k, v."""
+    per, d = shape.heads // shape.kv_heads, shape.head_dim
+    rest = qkv.shape[1:]
+    g = qkv.shape[0] // ((per + 2) * d)
+    grouped = qkv.reshape(g, (per + 2) * d, *rest)
+    q, k, v = grouped.split([per * d, d, d], dim=1)
+    return q.reshape(g * per * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
+
+
+def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int = 1) -> dict[str, Tensor]:
+    """Rank ``rank`` of ``tp``'s Megatron state from an HF state dict (``lm_head`` ignored when tied)."""
+    shape.check_tp(tp)
+    out: dict[str, Tensor] = {}
+    for name, (target, dim) in _GLOBAL.items():
+        if name in hf and not (name == "lm_head.weight" and shape.tied):
+            tensor = hf[name]
+            if name in _VOCAB and tensor.shape[0] < shape.padded_vocab(tp):  # rows no token uses
+                tensor = torch.cat([tensor, tensor.new_zeros(shape.padded_vocab(tp) - tensor.shape[0], *tensor.shape[1:])])
+            out[target] = _split(tensor, dim, rank, tp)
+    if not shape.tied and "output_layer.weight" not in out and "embedding.word_embeddings.weight" in out:
+        raise ValueError("hf_to_mcore: the config does not tie the embeddings, and the checkpoint has no lm_head.weight")
+    for layer in range(shape.layers):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+        for name, (target, dim) in _LAYER.items():
+            if src + name in hf:
+                out[dst + target] = _split(hf[src + name], dim, rank, tp)
+        for kind in ("weight", "bias"):
+            parts = [hf.get(f"{src}self_attn.{p}.{kind}") for p in _QKV]
+            if all(p is not None for p in parts):
+                out[f"{dst}self_attention.linear_qkv.{kind}"] = _split(qkv_interleave(*parts, shape), 0, rank, tp)
+        gate, up = (hf.get(f"{src}mlp.{p}.weight") for p in _FC1)
+        if gate is not None and up is not None:
+            out[f"{dst}mlp.linear_fc1.weight"] = torch.cat([_split(gate, 0, rank, tp), _split(up, 0, rank, tp)])
+    return out
+
+
+def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape) -> Iterator[tuple[str, Tensor]]:
+    """HF-named tensors gathered from every rank's Megatron state (rank order), layer by layer."""
+    first = shards[0]
+    for name, (target, dim) in _GLOBAL.items():
+        if target in first and name != "model.norm.weight":
+            yield name, _gather([s[target] for s in shards], dim)[:shape.vocab]
+    for layer in range(shape.layers):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+        for kind in ("weight", "bias"):
+            key = f"{dst}self_attention.linear_qkv.{kind}"
+            if key in first:
+                q, k, v = (torch.cat(p) for p in zip(*(qkv_split(s[key], shape) for s in shards)))
+                yield from ((f"{src}self_attn.{p}.{kind}", t) for p, t in zip(_QKV, (q, k, v)))
+        for name, (target, dim) in _LAYER.items():
+            if dst + target in first:
+                yield src + name, _gather([s[dst + target] for s in shards], dim)
+        key = f"{dst}mlp.linear_fc1.weight"
+        if key in first:
+            halves = [s[key].chunk(2) for s in shards]
+            yield f"{src}mlp.gate_proj.weight", torch.cat([h[0] for h in halves])
+            yield f"{src}mlp.up_proj.weight", torch.cat([h[1] for h in halves])
+    if "decoder.final_layernorm.weight" in first:
+        yield "model.norm.weight", first["decoder.final_layernorm.weight"]

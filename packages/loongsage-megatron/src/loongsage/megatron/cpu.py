@@ -1,0 +1,49 @@
+"""Megatron-Core on a machine without CUDA (tests, laptops): three places where it assumes a GPU.
+
+* It passes ``torch.cuda.current_device()`` as the device of buffers it makes (rotary frequencies,
+  the attention buffer, tensor-parallel gathers): the CPU is returned instead.
+* Its RNG tracker saves and restores CUDA generator states (attention forks it even without
+  dropout): the CPU generator stands in.
+* Its default causal mask is made on ``"cuda"``: it is made on the CPU.
+
+These patch ``torch.cuda`` for the whole process, so they are applied only in a process of
+Megatron's own (a trainer worker, a test's subprocess) and only when CUDA is absent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_applied = False
+
+
+def apply_cpu_shims() -> bool:
+    """Patch once; False (nothing done) when CUDA is available."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    import megatron.core.tensor_parallel.random as megatron_random
+    import megatron.core.transformer.utils as transformer_utils
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.manual_seed = torch.manual_seed
+    torch.cuda.get_rng_state = lambda device=None: torch.get_rng_state()
+    torch.cuda.random.get_rng_state = lambda device=None: torch.get_rng_state()
+    megatron_random._get_cuda_rng_state = lambda device=None, clone=False, graph_safe=False: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+    def causal_mask(length: int) -> torch.Tensor:  # True where masked, as Megatron's
+        return torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
+
+    transformer_utils.get_default_causal_mask = causal_mask
+    try:
+        import megatron.core.fusions.fused_softmax as fused_softmax
+
+        if hasattr(fused_softmax, "get_default_causal_mask"):
+            fused_softmax.get_default_causal_mask = causal_mask
+    except ImportError:
+        pass
+    _applied = True
+    return True
