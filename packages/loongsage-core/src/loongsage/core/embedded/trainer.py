@@ -483,7 +483,7 @@ class TorchTrainer(Trainer):
             if self.optimizer is not None and state["optimizer"] is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
         else:
-            self.model.load_state_dict(state["model"])
+            self._load_model_state(state["model"])
             if self.optimizer is not None and state["optimizer"] is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state["scheduler"] is not None:
@@ -493,13 +493,20 @@ class TorchTrainer(Trainer):
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=False))
 
+    def _load_model_state(self, state: dict[str, Tensor]) -> None:
+        """The model's weights from the HF-named tensors that :meth:`save` wrote."""
+        self.model.load_state_dict(state)
+
     def export_hf(self, path: str | Path, tokenizer: Any = None) -> None:
         """Write an HF folder (rank 0). Call on every rank: gathering shards is a collective."""
         state = merged_state(self.model) if self.lora is not None else self._full_model_state()
         if self.rank == 0:
-            self.model.save_pretrained(path, state_dict=state)
+            self._write_hf(Path(path), state)
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
+
+    def _write_hf(self, path: Path, state: dict[str, Tensor]) -> None:
+        self.model.save_pretrained(path, state_dict=state)
 
     def param_checksum(self) -> float:
         """Sum of |w| over this rank's parameters (its shards under FSDP2)."""
