@@ -1,0 +1,69 @@
+"""Run by test_megatron_trainer.py in a process of its own (Megatron's CPU shims patch torch.cuda):
+``python _trainer_worker.py MODEL_DIR WORK_DIR``; writes ``WORK_DIR/result.json``. The torch and
+megatron trainers side by side on the same checkpoint and batch (rows padded on either side)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from loongsage.core.embedded.trainer import TorchTrainer
+from loongsage.core.metrics import Metrics
+from loongsage.core.types import TrainBatch
+from loongsage.megatron.trainer import MegatronTrainer
+
+
+def batch() -> TrainBatch:
+    ids = torch.randint(2, 100, (3, 20), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones_like(ids)
+    attention[1, 15:] = 0  # padded on the right
+    attention[2, :4] = 0  # and on the left
+    response = torch.zeros(ids.shape)
+    response[:, 8:] = 1
+    response *= attention
+    return TrainBatch(input_ids=ids, attention_mask=attention, response_mask=response,
+                      rollout_logprobs=torch.zeros(ids.shape), advantages=torch.ones(ids.shape) * 0.5,
+                      rewards=torch.zeros(3), group_ids=torch.arange(3))
+
+
+def loss_fn(lp: torch.Tensor, mb: TrainBatch) -> tuple[torch.Tensor, Metrics]:
+    return -(lp * mb.advantages * mb.response_mask).sum() / 100, Metrics()
+
+
+def main(model_dir: str, work: str) -> None:
+    b, mask = batch(), batch().response_mask.bool()
+    ref, ours = TorchTrainer(model_dir), MegatronTrainer(model_dir)
+    out: dict[str, float | bool] = {}
+    (lp_ref, ent_ref), (lp, ent) = ref.logprobs(b, 4096), ours.logprobs(b, 4096)
+    out["logprob_diff"] = (lp_ref - lp)[mask].abs().max().item()
+    out["entropy_diff"] = (ent_ref - ent)[mask].abs().max().item()
+    exported, hf = dict(ours.export_weights()), ref.model.state_dict()
+    out["export_names_equal"] = exported.keys() == hf.keys()
+    out["export_exact"] = all(torch.equal(exported[n], hf[n]) for n in hf)
+    for trainer in (ref, ours):
+        trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    g_ref, g = (t.train_step(b, loss_fn, 4096).gauges["train/grad_norm"] for t in (ref, ours))
+    out["grad_norm_rel_diff"] = abs(g_ref - g) / g_ref
+    after_ref, after = ref.logprobs(b, 4096)[0], ours.logprobs(b, 4096)[0]
+    out["logprob_diff_after_step"] = (after_ref - after)[mask].abs().max().item()
+    ours.save(Path(work) / "checkpoint")
+    resumed = MegatronTrainer(model_dir)
+    resumed.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    resumed.load(Path(work) / "checkpoint")
+    out["resumed_exact"] = torch.equal(resumed.logprobs(b, 4096)[0], after)
+    g1, g2 = (t.train_step(b, loss_fn, 4096).gauges["train/grad_norm"] for t in (ours, resumed))
+    out["resumed_step_exact"] = g1 == g2  # the optimizer state came back too
+    ours.export_hf(Path(work) / "hf")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(Path(work) / "hf"), dtype=torch.float32).state_dict()
+    live = dict(ours.export_weights())
+    out["export_hf_exact"] = loaded.keys() == live.keys() and all(torch.equal(loaded[n], live[n]) for n in live)
+    (Path(work) / "result.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
