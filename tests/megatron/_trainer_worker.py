@@ -62,6 +62,11 @@ def main(model_dir: str, work: str) -> None:
     loaded = AutoModelForCausalLM.from_pretrained(str(Path(work) / "hf"), dtype=torch.float32).state_dict()
     live = dict(ours.export_weights())
     out["export_hf_exact"] = loaded.keys() == live.keys() and all(torch.equal(loaded[n], live[n]) for n in live)
+    # bfloat16 with the FP32 head on both sides: the same rounding up to kernel order
+    half_ref = TorchTrainer(model_dir, dtype="bfloat16")
+    half = MegatronTrainer(model_dir, dtype="bfloat16")
+    out["bf16_head_float32"] = half._logits(b.input_ids, b.attention_mask).dtype == torch.float32
+    out["bf16_logprob_mean_diff"] = (half_ref.logprobs(b, 4096)[0] - half.logprobs(b, 4096)[0])[mask].abs().mean().item()
     (Path(work) / "result.json").write_text(json.dumps(out))
 
 

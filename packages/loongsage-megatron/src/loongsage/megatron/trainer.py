@@ -72,6 +72,8 @@ class MegatronTrainer(TorchTrainer):
         model = build_gpt(self.config, dtype=_DTYPES[self.dtype])
         hf = {n: t for p in sorted(Path(self.model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
         load_hf_weights(model, hf, self.config)
+        if self.fp32_lm_head and self.dtype != "float32":
+            fp32_output_layer(model.output_layer)
         return model
 
     def _decoder_layers(self) -> list[torch.nn.Module]:
@@ -119,6 +121,18 @@ class MegatronTrainer(TorchTrainer):
                 shutil.copyfile(Path(self.model_path) / name, path / name)
         tensors = {n: t.contiguous() for n, t in state.items() if not (self.shape.tied and n == "lm_head.weight")}
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def fp32_output_layer(layer: torch.nn.Module) -> None:
+    """The output layer's GEMM with float32 logits (the engine's FP32 head: the same kernel), for a
+    replica holding the whole vocabulary. A tied model hands the embedding in as ``weight``."""
+    from loongsage.core.embedded.kv_cache import fp32_head
+
+    def forward(input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None,
+                **_: Any) -> tuple[Tensor, None]:
+        return fp32_head(input_, layer.weight if weight is None else weight), None
+
+    layer.forward = forward
 
 
 def start_model_parallel(device: str) -> None:
