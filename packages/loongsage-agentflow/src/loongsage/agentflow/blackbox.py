@@ -150,7 +150,14 @@ class CommandAgent:
                                               sampling=sampling)
             await box.adopt()  # what the program wrote becomes the sandbox's (its uid may change it)
         except BaseException:
-            await asyncio.shield(box.release())
+            # the lease is back before the episode ends, even when a second cancellation (its
+            # group's, say) arrives while the release is under way
+            release = asyncio.ensure_future(box.release())
+            while not release.done():
+                try:
+                    await asyncio.shield(release)
+                except asyncio.CancelledError:
+                    continue
             raise
         for t in trajectories:
             box.attach(t)
