@@ -78,6 +78,7 @@ def _split(tensor: Tensor, dim: int | None, rank: int, tp: int) -> Tensor:
 
 
 def _gather(parts: list[Tensor], dim: int | None) -> Tensor:
+    """One tensor from the ranks' parts (one rank's part as it is: a view, no copy)."""
     return parts[0] if dim is None or len(parts) == 1 else torch.cat(parts, dim)
 
 
@@ -137,7 +138,7 @@ def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape) -> Iterator[tu
         for kind in ("weight", "bias"):
             key = f"{dst}self_attention.linear_qkv.{kind}"
             if key in first:
-                q, k, v = (torch.cat(p) for p in zip(*(qkv_split(s[key], shape) for s in shards)))
+                q, k, v = (_gather(list(p), 0) for p in zip(*(qkv_split(s[key], shape) for s in shards)))
                 yield from ((f"{src}self_attn.{p}.{kind}", t) for p, t in zip(_QKV, (q, k, v)))
         for name, (target, dim) in _LAYER.items():
             if dst + target in first:
@@ -145,7 +146,7 @@ def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape) -> Iterator[tu
         key = f"{dst}mlp.linear_fc1.weight"
         if key in first:
             halves = [s[key].chunk(2) for s in shards]
-            yield f"{src}mlp.gate_proj.weight", torch.cat([h[0] for h in halves])
-            yield f"{src}mlp.up_proj.weight", torch.cat([h[1] for h in halves])
+            yield f"{src}mlp.gate_proj.weight", _gather([h[0] for h in halves], 0)
+            yield f"{src}mlp.up_proj.weight", _gather([h[1] for h in halves], 0)
     if "decoder.final_layernorm.weight" in first:
         yield "model.norm.weight", first["decoder.final_layernorm.weight"]
