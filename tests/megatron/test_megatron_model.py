@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from loongsage.core.placement import free_port
-from loongsage.megatron.model import architecture, rope_base
+from loongsage.megatron.model import architecture, layer_spec, rope_base
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
 from _engine_helpers import build_engine_test_model  # noqa: E402
@@ -58,3 +58,5 @@ def test_unsupported_models_are_refused_in_one_line():
         rope_base({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}})
     assert rope_base({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == 1e6
     assert rope_base({"rope_theta": 5e5}) == 5e5
+    with pytest.raises(ValueError, match="attention='flash'; allowed: sdpa, local"):
+        layer_spec({"architectures": ["Qwen3ForCausalLM"]}, "flash")

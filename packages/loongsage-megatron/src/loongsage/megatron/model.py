@@ -53,21 +53,29 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1) -> A
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype)
 
 
-def layer_spec(config: Mapping) -> Any:
-    """The local (TE-free) GPT layer with torch's fused attention as its core attention."""
+ATTENTION = ("sdpa", "local")  # torch's fused kernels; Megatron's local spec as it is (unfused)
+
+
+def layer_spec(config: Mapping, attention: str = "sdpa") -> Any:
+    """The local (TE-free) GPT layer, with torch's fused attention as its core attention (``sdpa``)
+    or the local spec's own unfused one (``local``, for comparison)."""
+    if attention not in ATTENTION:
+        raise ValueError(f"megatron trainer: attention={attention!r}; allowed: {', '.join(ATTENTION)}")
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=architecture(config)["qk_layernorm"], normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     return spec
 
 
-def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab: int | None = None) -> Any:
+def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab: int | None = None,
+              attention: str = "sdpa") -> Any:
     """A ``GPTModel`` (this rank's shard) shaped as ``config``; its weights are to be loaded."""
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
-        config=transformer_config(config, dtype=dtype, tp=tp), transformer_layer_spec=layer_spec(config),
+        config=transformer_config(config, dtype=dtype, tp=tp), transformer_layer_spec=layer_spec(config, attention),
         vocab_size=padded_vocab or int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
         pre_process=True, post_process=True, parallel_output=True,

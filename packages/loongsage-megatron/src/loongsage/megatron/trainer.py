@@ -28,7 +28,7 @@ from torch import Tensor
 
 from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer
 from loongsage.megatron.convert import Shape, mcore_to_hf
-from loongsage.megatron.model import architecture, build_gpt, load_hf_weights, rope_base
+from loongsage.megatron.model import ATTENTION, architecture, build_gpt, load_hf_weights, rope_base
 
 
 def read_config(model_path: str) -> dict[str, Any]:
@@ -45,9 +45,12 @@ class MegatronTrainer(TorchTrainer):
     kind = "trainer"
 
     dp_mode: Literal["replicate"] = "replicate"
+    attention: str = "sdpa"  # torch's fused kernels; "local": Megatron's unfused attention
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ValueError(f"megatron trainer: attention={self.attention!r}; allowed: {', '.join(ATTENTION)}")
         if self.dp_mode != "replicate":
             raise ValueError(f"megatron trainer: dp_mode={self.dp_mode!r}; allowed: replicate")
         if self.gradient_checkpointing:
@@ -59,6 +62,8 @@ class MegatronTrainer(TorchTrainer):
         """The architecture and the parameters, checked in the driver before any actor starts."""
         if params.get("lora") is not None:
             raise ValueError("lora: MegatronTrainer does not support LoRA; leave lora unset")
+        if params.get("attention", "sdpa") not in ATTENTION:
+            raise ValueError(f"megatron trainer: attention={params['attention']!r}; allowed: {', '.join(ATTENTION)}")
         config = read_config(model_path)
         architecture(config)
         rope_base(config)
@@ -69,7 +74,7 @@ class MegatronTrainer(TorchTrainer):
         self.config = read_config(self.model_path)
         self.shape = Shape.of(self.config)
         start_model_parallel(self.device)
-        model = build_gpt(self.config, dtype=_DTYPES[self.dtype])
+        model = build_gpt(self.config, dtype=_DTYPES[self.dtype], attention=self.attention)
         hf = {n: t for p in sorted(Path(self.model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
         load_hf_weights(model, hf, self.config)
         if self.fp32_lm_head and self.dtype != "float32":
