@@ -56,11 +56,16 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1) -> A
 ATTENTION = ("sdpa", "local")  # torch's fused kernels; Megatron's local spec as it is (unfused)
 
 
+def check_attention(attention: str) -> None:
+    """One line naming an unknown core attention and the known ones."""
+    if attention not in ATTENTION:
+        raise ValueError(f"megatron trainer: attention={attention!r}; allowed: {', '.join(ATTENTION)}")
+
+
 def layer_spec(config: Mapping, attention: str = "sdpa") -> Any:
     """The local (TE-free) GPT layer, with torch's fused attention as its core attention (``sdpa``)
     or the local spec's own unfused one (``local``, for comparison)."""
-    if attention not in ATTENTION:
-        raise ValueError(f"megatron trainer: attention={attention!r}; allowed: {', '.join(ATTENTION)}")
+    check_attention(attention)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=architecture(config)["qk_layernorm"], normalization="RMSNorm")

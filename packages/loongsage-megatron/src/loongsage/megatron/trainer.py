@@ -28,7 +28,7 @@ from torch import Tensor
 
 from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer
 from loongsage.megatron.convert import Shape, mcore_to_hf
-from loongsage.megatron.model import ATTENTION, architecture, build_gpt, load_hf_weights, rope_base
+from loongsage.megatron.model import architecture, build_gpt, check_attention, load_hf_weights, rope_base
 
 
 def read_config(model_path: str) -> dict[str, Any]:
@@ -49,8 +49,7 @@ class MegatronTrainer(TorchTrainer):
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION:
-            raise ValueError(f"megatron trainer: attention={self.attention!r}; allowed: {', '.join(ATTENTION)}")
+        check_attention(self.attention)  # before Megatron's process groups start
         if self.dp_mode != "replicate":
             raise ValueError(f"megatron trainer: dp_mode={self.dp_mode!r}; allowed: replicate")
         if self.gradient_checkpointing:
@@ -62,8 +61,7 @@ class MegatronTrainer(TorchTrainer):
         """The architecture and the parameters, checked in the driver before any actor starts."""
         if params.get("lora") is not None:
             raise ValueError("lora: MegatronTrainer does not support LoRA; leave lora unset")
-        if params.get("attention", "sdpa") not in ATTENTION:
-            raise ValueError(f"megatron trainer: attention={params['attention']!r}; allowed: {', '.join(ATTENTION)}")
+        check_attention(params.get("attention", "sdpa"))
         config = read_config(model_path)
         architecture(config)
         rope_base(config)
