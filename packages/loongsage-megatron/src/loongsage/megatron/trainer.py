@@ -86,16 +86,27 @@ class MegatronTrainer(TorchTrainer):
         """Logits at positions ``first-1..T-1``, float32, over the real vocabulary.
 
         Positions run 0..T-1 whatever the padding, as the HF model numbers them without
-        ``position_ids``; a padded key is masked, and every position attends at least to itself
-        (a padding row's output is never used, but a row attending to nothing would be NaN).
+        ``position_ids``. Rows padded on the right only (as rollouts are) need no mask beyond the
+        causal one: a real token never attends to a later pad, and the attention runs as plain
+        causal (the flash kernel on a GPU). Otherwise a padded key is masked, and every position
+        attends at least to itself (a padding row's output is never used, but a row attending to
+        nothing would be NaN). The output layer runs only on the positions kept.
         """
         b, t = input_ids.shape
         device = input_ids.device
         positions = torch.arange(t, device=device).expand(b, t)
-        causal = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
-        masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(t, dtype=torch.bool, device=device)
-        logits = self.model(input_ids, positions, masked[:, None])
-        return logits[:, first - 1:, :self.shape.vocab].float()
+        masked = None
+        if not bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+            causal = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+            masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(t, dtype=torch.bool, device=device)
+            masked = masked[:, None]
+        # the decoder's output is [s, b, hidden]: the head sees the kept positions only
+        keep = self.model.decoder.register_forward_hook(lambda _m, _a, hidden: hidden[first - 1:])
+        try:
+            logits = self.model(input_ids, positions, masked)
+        finally:
+            keep.remove()
+        return logits[..., :self.shape.vocab].float()
 
     # ------------------------------------------------------------------ weights and state
     def _full_model_state(self) -> dict[str, Tensor]:
