@@ -91,6 +91,8 @@ def main() -> int:
     if args.side:
         Path(args.result).write_text(json.dumps(side(args.side, args.model, args.rows, args.seq, args.warmup,
                                                      args.repeats)))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         return 0
     source = source_state()  # the commit measured, first
     peak = matmul_tflops()
@@ -110,7 +112,8 @@ def main() -> int:
                                   str(out), "--rows", str(args.rows), "--seq", str(args.seq), "--warmup",
                                   str(args.warmup), "--repeats", str(args.repeats)], capture_output=True, text=True)
             if run.returncode != 0:
-                tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
+                lines = (run.stderr or run.stdout).strip().splitlines()
+                tail = [line for line in lines if "Error" in line][-1:] or lines[-1:] or ["no output"]
                 results[name] = {"error": tail[0][:300]}
                 print(f"{name}: failed: {tail[0][:300]}", flush=True)
                 continue

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -100,12 +101,14 @@ class MegatronTrainer(TorchTrainer):
             causal = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
             masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(t, dtype=torch.bool, device=device)
             masked = masked[:, None]
-        # the decoder's output is [s, b, hidden]: the head sees the kept positions only
-        keep = self.model.decoder.register_forward_hook(lambda _m, _a, hidden: hidden[first - 1:])
-        try:
-            logits = self.model(input_ids, positions, masked)
-        finally:
-            keep.remove()
+        with hidden_states_only(self.model):
+            hidden = self.model(input_ids, positions, masked)  # [s, b, hidden], after the final norm
+        # the head on batch-first rows: Megatron's own post-process returns [b, s, vocab] by a
+        # contiguous copy of the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied
+        # again in the backward), and runs on every position
+        hidden = hidden[first - 1:].transpose(0, 1)
+        tied = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights else None
+        logits, _ = self.model.output_layer(hidden, weight=tied)
         return logits[..., :self.shape.vocab].float()
 
     # ------------------------------------------------------------------ weights and state
@@ -135,6 +138,16 @@ class MegatronTrainer(TorchTrainer):
                 shutil.copyfile(Path(self.model_path) / name, path / name)
         tensors = {n: t.contiguous() for n, t in state.items() if not (self.shape.tied and n == "lm_head.weight")}
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@contextmanager
+def hidden_states_only(model: torch.nn.Module) -> Iterator[None]:
+    """``GPTModel.forward`` returning the decoder's output (its ``post_process`` off for the call)."""
+    model.post_process = False
+    try:
+        yield
+    finally:
+        model.post_process = True
 
 
 def fp32_output_layer(layer: torch.nn.Module) -> None:
