@@ -67,6 +67,18 @@ def main(model_dir: str, work: str) -> None:
     half = MegatronTrainer(model_dir, dtype="bfloat16")
     out["bf16_head_float32"] = half._logits(b.input_ids, b.attention_mask).dtype == torch.float32
     out["bf16_logprob_mean_diff"] = (half_ref.logprobs(b, 4096)[0] - half.logprobs(b, 4096)[0])[mask].abs().mean().item()
+    # the teachers: the megatron one scores as the embedded one (log-probs, top-k, full log-softmax)
+    from loongsage.core.embedded.teacher import EmbeddedTeacher
+    from loongsage.megatron.teacher import MegatronTeacher
+
+    t_ref, t = EmbeddedTeacher(model_dir), MegatronTeacher(model_dir)
+    k_ref, k = t_ref.score(b, topk=3), t.score(b, topk=3)
+    full_ref, full = t_ref.score(b, full_vocab=True), t.score(b, full_vocab=True)
+    out["teacher_logprob_diff"] = (k_ref["logprobs"] - k["logprobs"]).abs().max().item()
+    out["teacher_topk_ids_equal"] = torch.equal(k_ref["dist_ids"], k["dist_ids"])
+    out["teacher_topk_diff"] = (k_ref["dist_logprobs"] - k["dist_logprobs"]).abs().max().item()
+    out["teacher_full_diff"] = (full_ref["dist_logprobs"] - full["dist_logprobs"]).abs().max().item()
+    out["teacher_frozen"] = not any(p.requires_grad for p in t.model.parameters())
     (Path(work) / "result.json").write_text(json.dumps(out))
 
 

@@ -1,7 +1,6 @@
-"""The ``megatron`` trainer backend through the real launcher and Ray: the tiny GRPO recipe with
-nothing changed but the backend. Its first step is the torch backend's first step (the same
-rollouts, the same fp32 arithmetic up to rounding), the engine takes its weights every step, and
-the run ends with an HF folder that transformers loads."""
+"""The ``megatron`` trainer and teacher backends through the real launcher and Ray: the tiny MOPD
+recipe (two sources, a teacher each, GRPO's PG branch and the GKD branch) with the trainer and one
+teacher on Megatron, against the torch trainer and the embedded teacher."""
 
 from __future__ import annotations
 
@@ -14,23 +13,36 @@ import torch
 from loongsage.core.cli import main
 
 
-def _run(name: str, steps: int, *extra: str) -> list[dict]:
-    args = ["train", "tiny/grpo_arith_cpu", f"run.name={name}", f"run.total_steps={steps}",
-            "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=0",
-            "tracking.progress=false", "checkpoint.every_steps=0", *extra]
+SUB_TEACHER = ('{name: %s, params: {builder: {name: tiny_arith, params: {name: tiny-arith-teacher-sub, operations: "-",'
+               ' drop_prob: 0.0, steps: 20, batch_size: 64, warmup_steps: 10, init_from: {}}}}}')
+
+
+def _mopd(name: str, steps: int, trainer: str, teacher: str, *extra: str) -> list[dict]:
+    """tiny/mopd_two_teachers_cpu, shortened, the `sub` source's teacher on ``teacher``."""
+    args = ["train", "tiny/mopd_two_teachers_cpu", f"run.name={name}", f"run.total_steps={steps}",
+            "evaluation.every_steps=0", "tracking.progress=false", "checkpoint.every_steps=0",
+            "model.builder.params.steps=20", "data_sources.0.teacher.params.builder.params.steps=20",
+            *(f"data_sources.{i}.{k}=4" for i in (0, 1) for k in ("prompts_per_step", "samples_per_prompt")),
+            f"trainer.backend={{name: {trainer}}}", f"data_sources.1.teacher={SUB_TEACHER % teacher}", *extra]
     assert main(args) == 0
     rows = [json.loads(line) for line in (Path("runs") / name / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "train/loss" in r]
 
 
 @pytest.mark.timeout(600)
-def test_the_tiny_recipe_trains_on_megatron_as_on_torch(ray_session, in_tmp):
-    ours = _run("mcore", 3, "trainer.backend={name: megatron}", "checkpoint.export_hf=true")
-    assert [r["step"] for r in ours] == [1, 2, 3]
-    assert [r["engine/version"] for r in ours] == [1.0, 2.0, 3.0]  # every push reached the engine
-    torch_rows = _run("torch", 1, "checkpoint.export_hf=false")
-    for key in ("train/loss", "train/grad_norm"):
-        assert ours[0][key] == pytest.approx(torch_rows[0][key], rel=1e-4, abs=1e-6), key
+def test_mopd_on_the_megatron_trainer_and_teacher_runs_as_on_torch(ray_session, in_tmp):
+    """The same seed and student give the same rollouts, so the first step is the torch trainer's
+    with the embedded teacher: the megatron teacher's log-probs of the student's tokens, the
+    divergences, the loss and the gradient norm. The engine takes every push, and the run ends with
+    an HF folder that transformers loads."""
+    ours = _mopd("mcore", 2, "megatron", "megatron", "checkpoint.export_hf=true")
+    assert [r["step"] for r in ours] == [1, 2]
+    assert [r["engine/version"] for r in ours] == [1.0, 2.0]  # every push reached the engine
+    ref = _mopd("torch", 1, "torch", "embedded", "checkpoint.export_hf=false")
+    for key in ("train_per_ds/sub/mopd_teacher_logprob", "train_per_ds/sub/gkd", "train_per_ds/add/gkd",
+                "train/loss", "train/grad_norm"):
+        assert ours[0][key] == pytest.approx(ref[0][key], rel=1e-4, abs=1e-6), key
+    assert ours[0]["train_per_ds/sub/mopd_teacher_logprob"] < 0
     from transformers import AutoModelForCausalLM
 
     start = json.loads((in_tmp / "runs" / "mcore" / "run_info.json").read_text())["model_path"]
@@ -38,7 +50,7 @@ def test_the_tiny_recipe_trains_on_megatron_as_on_torch(ray_session, in_tmp):
     initial = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
     trained, before = final.state_dict(), initial.state_dict()
     assert trained.keys() == before.keys()
-    assert any(not torch.equal(trained[n], before[n]) for n in before)  # three steps moved the weights
+    assert any(not torch.equal(trained[n], before[n]) for n in before)  # the steps moved the weights
 
 
 def test_the_launcher_refuses_lora_and_unknown_architectures_before_any_actor(in_tmp, capsys, model_cache):
@@ -46,3 +58,4 @@ def test_the_launcher_refuses_lora_and_unknown_architectures_before_any_actor(in
                  "tracking.progress=false"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and "lora: MegatronTrainer does not support LoRA; leave lora unset" in err
+

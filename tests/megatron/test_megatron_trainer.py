@@ -1,7 +1,7 @@
 """The ``megatron`` trainer against the torch trainer on the same checkpoint and batch (fp32, rows
 padded on either side): the same log-probs and entropies, the same exported HF tensors, the same
 first gradient; a checkpoint resumes exactly (weights and optimizer); the HF export loads in
-transformers as the tensors it pushes. Megatron runs in a process of its own (its CPU shims)."""
+transformers as the tensors it pushes; the megatron teacher scores as the embedded one. Megatron runs in a process of its own (its CPU shims)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,6 @@ def test_the_megatron_trainer_computes_as_the_torch_trainer(tmp_path):
     assert r["logprob_diff_after_step"] < 1e-4, r  # measured 2.4e-6: AdamW over merged tensors rounds apart
     assert r["resumed_exact"] and r["resumed_step_exact"] and r["export_hf_exact"], r
     assert r["bf16_head_float32"] and r["bf16_logprob_mean_diff"] < 1e-3, r  # measured 0.0 on CPU
+    # the megatron teacher (MOPD) scores the student's tokens as the embedded teacher does
+    assert r["teacher_logprob_diff"] < 1e-5 and r["teacher_topk_diff"] < 1e-5 and r["teacher_full_diff"] < 1e-5, r
+    assert r["teacher_topk_ids_equal"] and r["teacher_frozen"], r

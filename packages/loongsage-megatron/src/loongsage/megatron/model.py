@@ -89,6 +89,40 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab:
     return model.to(dtype)  # the norms too, as the HF model holds them (Megatron makes them float32)
 
 
+def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *, vocab: int) -> torch.Tensor:
+    """Float32 logits ``[b, T - first + 1, vocab]`` at positions ``first-1..T-1`` of a whole-vocabulary
+    ``GPTModel`` (the trainer's and the teacher's forward).
+
+    Positions run 0..T-1 whatever the padding, as the HF model numbers them without
+    ``position_ids``. Rows padded on the right only (as rollouts are) need no mask beyond the
+    causal one: a real token never attends to a later pad, and the attention runs as plain causal
+    (the flash kernel on a GPU). Otherwise a padded key is masked, and every position attends at
+    least to itself (a padding row's output is never used, but a row attending to nothing would
+    be NaN).
+
+    The output layer runs here, on batch-first hidden states of the kept positions: Megatron's own
+    post-process runs it on every position and returns ``[b, s, vocab]`` by a contiguous copy of
+    the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied again in the backward).
+    """
+    b, t = input_ids.shape
+    device = input_ids.device
+    positions = torch.arange(t, device=device).expand(b, t)
+    masked = None
+    if not bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+        causal = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
+        masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(t, dtype=torch.bool, device=device)
+        masked = masked[:, None]
+    model.post_process = False  # GPTModel.forward then returns the decoder's output, [s, b, hidden]
+    try:
+        hidden = model(input_ids, positions, masked)
+    finally:
+        model.post_process = True
+    hidden = hidden[first - 1:].transpose(0, 1)
+    tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden, weight=tied)
+    return logits[..., :vocab].float()
+
+
 def rope_base(config: Mapping) -> float:
     """The rotary base (``rope_theta``: top level before transformers 5, in ``rope_parameters``
     since); scaled rotary variants are refused in one line."""

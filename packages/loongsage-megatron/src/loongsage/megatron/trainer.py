@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -29,7 +28,7 @@ from torch import Tensor
 
 from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer
 from loongsage.megatron.convert import Shape, mcore_to_hf
-from loongsage.megatron.model import architecture, build_gpt, check_attention, load_hf_weights, rope_base
+from loongsage.megatron.model import architecture, build_gpt, check_attention, gpt_logits, load_hf_weights, rope_base
 
 
 def read_config(model_path: str) -> dict[str, Any]:
@@ -68,48 +67,16 @@ class MegatronTrainer(TorchTrainer):
         rope_base(config)
 
     def _load_model(self) -> torch.nn.Module:
-        from safetensors.torch import load_file
-
         self.config = read_config(self.model_path)
         self.shape = Shape.of(self.config)
-        start_model_parallel(self.device)
-        model = build_gpt(self.config, dtype=_DTYPES[self.dtype], attention=self.attention)
-        hf = {n: t for p in sorted(Path(self.model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
-        load_hf_weights(model, hf, self.config)
-        if self.fp32_lm_head and self.dtype != "float32":
-            fp32_output_layer(model.output_layer)
-        return model
+        return load_gpt(self.model_path, self.config, dtype=self.dtype, device=self.device, attention=self.attention,
+                        fp32_lm_head=self.fp32_lm_head)
 
     def _decoder_layers(self) -> list[torch.nn.Module]:
         return list(self.model.decoder.layers)
 
     def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int = 1) -> Tensor:
-        """Logits at positions ``first-1..T-1``, float32, over the real vocabulary.
-
-        Positions run 0..T-1 whatever the padding, as the HF model numbers them without
-        ``position_ids``. Rows padded on the right only (as rollouts are) need no mask beyond the
-        causal one: a real token never attends to a later pad, and the attention runs as plain
-        causal (the flash kernel on a GPU). Otherwise a padded key is masked, and every position
-        attends at least to itself (a padding row's output is never used, but a row attending to
-        nothing would be NaN). The output layer runs only on the positions kept.
-        """
-        b, t = input_ids.shape
-        device = input_ids.device
-        positions = torch.arange(t, device=device).expand(b, t)
-        masked = None
-        if not bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
-            causal = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
-            masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(t, dtype=torch.bool, device=device)
-            masked = masked[:, None]
-        with hidden_states_only(self.model):
-            hidden = self.model(input_ids, positions, masked)  # [s, b, hidden], after the final norm
-        # the head on batch-first rows: Megatron's own post-process returns [b, s, vocab] by a
-        # contiguous copy of the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied
-        # again in the backward), and runs on every position
-        hidden = hidden[first - 1:].transpose(0, 1)
-        tied = self.model.shared_embedding_or_output_weight() if self.model.share_embeddings_and_output_weights else None
-        logits, _ = self.model.output_layer(hidden, weight=tied)
-        return logits[..., :self.shape.vocab].float()
+        return gpt_logits(self.model, input_ids, attention_mask, first, vocab=self.shape.vocab)
 
     # ------------------------------------------------------------------ weights and state
     def _full_model_state(self) -> dict[str, Tensor]:
@@ -140,14 +107,19 @@ class MegatronTrainer(TorchTrainer):
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
-@contextmanager
-def hidden_states_only(model: torch.nn.Module) -> Iterator[None]:
-    """``GPTModel.forward`` returning the decoder's output (its ``post_process`` off for the call)."""
-    model.post_process = False
-    try:
-        yield
-    finally:
-        model.post_process = True
+def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, attention: str = "sdpa",
+             fp32_lm_head: bool = True) -> torch.nn.Module:
+    """A Megatron GPT model with the HF checkpoint's weights (Megatron's process groups started
+    first), the output layer giving float32 logits where asked."""
+    from safetensors.torch import load_file
+
+    start_model_parallel(device)
+    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention)
+    hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
+    load_hf_weights(model, hf, config)
+    if fp32_lm_head and dtype != "float32":
+        fp32_output_layer(model.output_layer)
+    return model
 
 
 def fp32_output_layer(layer: torch.nn.Module) -> None:

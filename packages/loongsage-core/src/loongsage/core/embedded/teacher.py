@@ -43,12 +43,19 @@ class EmbeddedTeacher(Teacher):
             raise ValueError(f"dtype={self.dtype!r}; allowed: {', '.join(_DTYPES)}")
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens}: must be >= 1")
+        self.model, self.vocab_size = self._load_model()
+        self.model.eval().requires_grad_(False)
+
+    def _load_model(self) -> tuple[torch.nn.Module, int]:
+        """The frozen model on its device, and the size of the vocabulary it scores."""
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[self.dtype])
-        self.model.to(self.device).eval()
-        self.model.requires_grad_(False)
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_DTYPES[self.dtype]).to(self.device)
+        return model, int(model.get_output_embeddings().weight.shape[0])
+
+    def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int) -> Tensor:
+        """Logits at positions ``first-1..T-1`` (the trainer's forward)."""
+        return policy_logits(self.model, input_ids, attention_mask, first, fp32_lm_head=self.fp32_lm_head)
 
     @torch.no_grad()
     def score(self, batch: TrainBatch, topk: int = 0, full_vocab: bool = False) -> dict[str, Tensor | None]:
@@ -103,8 +110,7 @@ class EmbeddedTeacher(Teacher):
         ``[n, t - first, k]`` (``None`` where not asked for)."""
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
-        logits = policy_logits(self.model, ids, mb.attention_mask.to(self.device), first,
-                               fp32_lm_head=self.fp32_lm_head)
+        logits = self._logits(ids, mb.attention_mask.to(self.device), first)
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # positions first..t-1
         lp = F.pad(logp.gather(-1, ids[:, first:].unsqueeze(-1)).squeeze(-1), (first, 0))
         if topk:
