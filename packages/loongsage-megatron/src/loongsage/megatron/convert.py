@@ -8,6 +8,12 @@ weights differently from HF:
   groups, its ``heads / g`` query heads, then its key head, then its value head (``head_dim`` rows
   each). A contiguous slice of it is whole groups, which is how tensor parallelism splits it.
 * ``linear_fc1`` is gate and up stacked; each rank holds its slice of gate over its slice of up.
+* A mixture-of-experts layer (Qwen3-MoE) holds ``router.weight`` (HF's ``mlp.gate``) and one
+  ``linear_fc1``/``linear_fc2`` pair per expert (``experts.local_experts.E``). HF keeps the experts
+  fused in memory (``mlp.experts.gate_up_proj`` ``[E, 2 x ffn, hidden]``, gate rows over up rows,
+  and ``mlp.experts.down_proj``), which is what the torch trainer and the engines name; checkpoint
+  files name them per expert (``mlp.experts.E.gate_proj.weight``). Both are read; the fused names
+  are written.
 * Column-parallel layers (``linear_qkv``, ``linear_fc1``, the embedding and output layer over the
   vocabulary) split rows; row-parallel ones (``linear_proj``, ``linear_fc2``) split columns;
   norms are whole on every rank.
@@ -35,6 +41,7 @@ class Shape:
     head_dim: int
     vocab: int
     tied: bool
+    experts: int = 0  # routed experts per layer (0: a dense model)
 
     @classmethod
     def of(cls, config: Mapping) -> Shape:
@@ -43,7 +50,8 @@ class Shape:
         return cls(layers=int(config["num_hidden_layers"]), heads=heads,
                    kv_heads=int(config.get("num_key_value_heads") or heads),
                    head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-                   vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)))
+                   vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
+                   experts=num_experts(config))
 
     def padded_vocab(self, tp: int) -> int:
         """The embedding's rows in Megatron: the vocabulary padded to a multiple of ``tp``."""
@@ -54,6 +62,12 @@ class Shape:
         for what, n in (("num_key_value_heads", self.kv_heads), ("num_attention_heads", self.heads)):
             if n % tp:
                 raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}; allowed: a divisor of {n}")
+
+
+def num_experts(config: Mapping) -> int:
+    """Routed experts per layer of an HF config, 0 for a dense model (transformers 5 writes Qwen3-MoE's
+    ``num_experts`` as ``num_local_experts``)."""
+    return int(config.get("num_experts") or config.get("num_local_experts") or 0)
 
 
 # HF per-layer name -> (Megatron per-layer name, how it splits over tensor-parallel ranks)
@@ -124,7 +138,26 @@ def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int =
         gate, up = (hf.get(f"{src}mlp.{p}.weight") for p in _FC1)
         if gate is not None and up is not None:
             out[f"{dst}mlp.linear_fc1.weight"] = torch.cat([_split(gate, 0, rank, tp), _split(up, 0, rank, tp)])
+        if f"{src}mlp.gate.weight" in hf:
+            out[f"{dst}mlp.router.weight"] = hf[f"{src}mlp.gate.weight"]
+        for e, gate, up, down in _hf_experts(hf, src, shape.experts):
+            expert = f"{dst}mlp.experts.local_experts.{e}."
+            out[expert + "linear_fc1.weight"] = torch.cat([_split(gate, 0, rank, tp), _split(up, 0, rank, tp)])
+            out[expert + "linear_fc2.weight"] = _split(down, 1, rank, tp)
     return out
+
+
+def _hf_experts(hf: Mapping[str, Tensor], src: str, experts: int) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
+    """``(expert, gate, up, down)`` of one HF layer, fused or per expert (nothing for a dense one)."""
+    fused, down = hf.get(f"{src}mlp.experts.gate_up_proj"), hf.get(f"{src}mlp.experts.down_proj")
+    for e in range(experts):
+        if fused is not None and down is not None:
+            gate, up = fused[e].chunk(2)
+            yield e, gate, up, down[e]
+        else:
+            parts = [hf.get(f"{src}mlp.experts.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")]
+            if all(p is not None for p in parts):
+                yield e, *parts
 
 
 def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape) -> Iterator[tuple[str, Tensor]]:
@@ -148,5 +181,13 @@ def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape) -> Iterator[tu
             halves = [s[key].chunk(2) for s in shards]
             yield f"{src}mlp.gate_proj.weight", _gather([h[0] for h in halves], 0)
             yield f"{src}mlp.up_proj.weight", _gather([h[1] for h in halves], 0)
+        if f"{dst}mlp.router.weight" in first:
+            yield f"{src}mlp.gate.weight", first[f"{dst}mlp.router.weight"]
+            fc1, fc2 = ([[s[f"{dst}mlp.experts.local_experts.{e}.linear_{n}.weight"] for s in shards]
+                         for e in range(shape.experts)] for n in ("fc1", "fc2"))
+            gate_up = [torch.cat([_gather([p.chunk(2)[0] for p in parts], 0), _gather([p.chunk(2)[1] for p in parts], 0)])
+                       for parts in fc1]
+            yield f"{src}mlp.experts.gate_up_proj", torch.stack(gate_up)
+            yield f"{src}mlp.experts.down_proj", torch.stack([_gather(parts, 1) for parts in fc2])
     if "decoder.final_layernorm.weight" in first:
         yield "model.norm.weight", first["decoder.final_layernorm.weight"]

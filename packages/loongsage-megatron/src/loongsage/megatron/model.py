@@ -8,16 +8,21 @@ Megatron-Core is imported here only; :mod:`loongsage.megatron.convert` needs tor
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from loongsage.megatron.convert import num_experts
+
 # the HF architectures whose layers this spec reproduces (RMSNorm, SwiGLU, rotary, GQA)
-ARCHITECTURES = {"Qwen3ForCausalLM": {"qk_layernorm": True, "qkv_bias": False},
-                 "Qwen2ForCausalLM": {"qk_layernorm": False, "qkv_bias": True},
-                 "LlamaForCausalLM": {"qk_layernorm": False, "qkv_bias": False}}
+# (and, for Qwen3-MoE, a mixture of experts in every layer's MLP)
+ARCHITECTURES = {"Qwen3ForCausalLM": {"qk_layernorm": True, "qkv_bias": False, "moe": False},
+                 "Qwen3MoeForCausalLM": {"qk_layernorm": True, "qkv_bias": False, "moe": True},
+                 "Qwen2ForCausalLM": {"qk_layernorm": False, "qkv_bias": True, "moe": False},
+                 "LlamaForCausalLM": {"qk_layernorm": False, "qkv_bias": False, "moe": False}}
 
 
 def architecture(config: Mapping) -> dict[str, bool]:
@@ -25,9 +30,41 @@ def architecture(config: Mapping) -> dict[str, bool]:
     names = list(config.get("architectures") or [])
     for name in names:
         if name in ARCHITECTURES:
+            if ARCHITECTURES[name]["moe"]:
+                check_moe(config)
             return ARCHITECTURES[name]
     raise ValueError(f"megatron trainer: architecture {names or 'unknown'} is not supported; "
                      f"allowed: {', '.join(ARCHITECTURES)}")
+
+
+def check_moe(config: Mapping) -> None:
+    """One line naming a mixture-of-experts layout the spec does not reproduce: every layer must
+    route (no dense ``mlp_only_layers``, ``decoder_sparse_step`` 1), with no shared expert."""
+    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
+        raise ValueError(f"megatron trainer: mlp_only_layers={config.get('mlp_only_layers')} and decoder_sparse_step="
+                         f"{config.get('decoder_sparse_step')}: dense layers between MoE layers are not supported yet; "
+                         "allowed: every layer a mixture of experts")
+    if config.get("shared_expert_intermediate_size"):
+        raise ValueError("megatron trainer: shared experts are not supported yet; allowed: routed experts only")
+
+
+def moe_fields(config: Mapping) -> dict[str, Any]:
+    """``TransformerConfig`` fields of a Qwen3-MoE config (none for a dense model).
+
+    HF's router takes the softmax over every expert, then the top k, renormalised when
+    ``norm_topk_prob``: the softmax over the top-k logits is exactly that, Megatron without
+    ``moe_router_pre_softmax``; without renormalisation it is Megatron's pre-softmax. No auxiliary
+    loss (an RL step trains on the policy loss alone); tokens are dispatched by all-gather, which
+    needs no CUDA streams (expert parallelism 1). Routing replay is on: the trainer hands a
+    micro-batch's recorded routes to the routers (R3, :func:`replayed_routes`).
+    """
+    if not architecture(config)["moe"]:
+        return {}
+    return {"num_moe_experts": num_experts(config), "moe_router_topk": int(config["num_experts_per_tok"]),
+            "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+            "moe_router_pre_softmax": not bool(config.get("norm_topk_prob", True)),
+            "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_grouped_gemm": False,
+            "moe_token_dispatcher_type": "allgather", "moe_enable_routing_replay": True}
 
 
 def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1) -> Any:
@@ -50,7 +87,7 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1) -> A
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=True, perform_initialization=False,  # the weights come from the checkpoint
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype)
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype, **moe_fields(config))
 
 
 ATTENTION = ("sdpa", "local")  # torch's fused kernels; Megatron's local spec as it is (unfused)
@@ -68,10 +105,24 @@ def layer_spec(config: Mapping, attention: str = "sdpa") -> Any:
     check_attention(attention)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=architecture(config)["qk_layernorm"], normalization="RMSNorm")
+    arch = architecture(config)
+    experts = num_experts(config) if arch["moe"] else None
+    if experts:
+        _megatron_without_te()
+    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch["qk_layernorm"],
+                                    normalization="RMSNorm")
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     return spec
+
+
+def _megatron_without_te() -> None:
+    """Megatron-Core 0.16's router GEMM reads ``te_general_gemm``, which it defines only when
+    Transformer Engine imports (0.19 defines it as None)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab: int | None = None,
@@ -89,7 +140,34 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab:
     return model.to(dtype)  # the norms too, as the HF model holds them (Megatron makes them float32)
 
 
-def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *, vocab: int) -> torch.Tensor:
+@contextmanager
+def replayed_routes(model: Any, routes: torch.Tensor | None) -> Iterator[None]:
+    """R3 routing replay for the forwards inside: every MoE layer routes each token to the experts
+    in ``routes`` ``[b, s, layers, topk]`` (the engine's choices) instead of its own top k; the
+    gates are still the router's scores at those experts, so their gradient flows. The backward
+    reuses the forward's routing (no recomputation). Nothing happens when ``routes`` is None."""
+    if routes is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
+    if routes.dim() != 4 or routes.shape[2] != len(replays):
+        raise ValueError(f"routed_experts: {list(routes.shape)} per micro-batch; expected [rows, tokens, "
+                         f"{len(replays)} MoE layers, top-k]")
+    for layer, replay in enumerate(replays):  # Megatron's router sees tokens sequence-major: [s * b, topk]
+        replay.set_target_indices(routes[:, :, layer].transpose(0, 1).reshape(-1, routes.shape[-1]))
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for replay in replays:
+            replay.clear_indices()
+            replay.clear_router_replay_action()
+
+
+def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *, vocab: int,
+               routes: torch.Tensor | None = None) -> torch.Tensor:
     """Float32 logits ``[b, T - first + 1, vocab]`` at positions ``first-1..T-1`` of a whole-vocabulary
     ``GPTModel`` (the trainer's and the teacher's forward).
 
@@ -114,7 +192,8 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
         masked = masked[:, None]
     model.post_process = False  # GPTModel.forward then returns the decoder's output, [s, b, hidden]
     try:
-        hidden = model(input_ids, positions, masked)
+        with replayed_routes(model, routes):
+            hidden = model(input_ids, positions, masked)
     finally:
         model.post_process = True
     hidden = hidden[first - 1:].transpose(0, 1)

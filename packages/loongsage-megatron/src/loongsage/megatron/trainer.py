@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer
+from loongsage.core.segments import segment_layout
+from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf
 from loongsage.megatron.model import architecture, build_gpt, check_attention, gpt_logits, load_hf_weights, rope_base
 
@@ -46,10 +49,12 @@ class MegatronTrainer(TorchTrainer):
 
     dp_mode: Literal["replicate"] = "replicate"
     attention: str = "sdpa"  # torch's fused kernels; "local": Megatron's unfused attention
+    routing_replay: bool = True  # R3 on an MoE model: replay the engine's routed experts when rows carry them
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)  # before Megatron's process groups start
+        self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
         if self.dp_mode != "replicate":
             raise ValueError(f"megatron trainer: dp_mode={self.dp_mode!r}; allowed: replicate")
         if self.gradient_checkpointing:
@@ -76,7 +81,25 @@ class MegatronTrainer(TorchTrainer):
         return list(self.model.decoder.layers)
 
     def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int = 1) -> Tensor:
-        return gpt_logits(self.model, input_ids, attention_mask, first, vocab=self.shape.vocab)
+        routes = None if self._routes is None else self._routes.to(input_ids.device)
+        return gpt_logits(self.model, input_ids, attention_mask, first, vocab=self.shape.vocab, routes=routes)
+
+    # R3: a micro-batch whose rows carry the engine's routed experts is replayed on them
+    def _forward(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        with self._replaying(mb):
+            return super()._forward(mb, with_entropy=with_entropy)
+
+    def _forward_distribution(self, mb: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
+        with self._replaying(mb):
+            return super()._forward_distribution(mb)
+
+    @contextmanager
+    def _replaying(self, mb: TrainBatch) -> Iterator[None]:
+        self._routes = micro_batch_routes(mb, self.shape) if self.routing_replay else None
+        try:
+            yield
+        finally:
+            self._routes = None
 
     # ------------------------------------------------------------------ weights and state
     def _full_model_state(self) -> dict[str, Tensor]:
@@ -105,6 +128,42 @@ class MegatronTrainer(TorchTrainer):
                 shutil.copyfile(Path(self.model_path) / name, path / name)
         tensors = {n: t.contiguous() for n, t in state.items() if not (self.shape.tied and n == "lm_head.weight")}
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
+    """The rows' recorded routes as one ``[rows, tokens, layers, topk]`` tensor, or None when no row
+    carries any (a dense model, or an engine that records none).
+
+    A row's record covers its tokens from the first (the prompt's, as the engine prefilled them);
+    its last token was never fed to the engine, and padding never was: those positions get experts
+    ``0..topk-1``, which change no trained log-prob (the last token's output predicts nothing, and
+    right-padding comes after every real token).
+    """
+    records = mb.routed_experts
+    if not records or all(r is None for r in records):
+        return None
+    if shape.experts == 0:
+        raise ValueError("routed_experts: the batch carries routed experts but the model has no experts")
+    if segment_layout(mb) is not None:
+        raise ValueError("routed_experts: routing replay of rows with several segments is not supported yet")
+    b, t = mb.input_ids.shape
+    first = next(torch.as_tensor(r) for r in records if r is not None)
+    layers, topk = first.shape[1:]
+    routes = torch.arange(topk).expand(b, t, layers, topk).clone()
+    lengths = mb.attention_mask.sum(1)
+    for row, record in enumerate(records):
+        if record is None:
+            raise ValueError(f"routed_experts: row {row} has no routes while others do; replay needs every row's")
+        record = torch.as_tensor(record, dtype=torch.long)
+        if record.shape[1:] != (layers, topk) or len(record) < int(lengths[row]) - 1:
+            raise ValueError(f"routed_experts: row {row} holds {list(record.shape)}; expected at least "
+                             f"[{int(lengths[row]) - 1}, {layers}, {topk}] (the row's tokens but the last)")
+        if int(record.min()) < 0 or int(record.max()) >= shape.experts:
+            raise ValueError(f"routed_experts: row {row} names experts outside 0..{shape.experts - 1}")
+        start = int(mb.attention_mask[row].argmax())  # the row's first token (after any left padding)
+        n = min(len(record), t - start)
+        routes[row, start:start + n] = record[:n]
+    return routes
 
 
 def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, attention: str = "sdpa",

@@ -1,0 +1,108 @@
+"""Run by test_megatron_moe.py in a process of its own (Megatron's CPU shims patch torch.cuda):
+``python _moe_worker.py WORK_DIR``; writes ``WORK_DIR/result.json``. A tiny Qwen3-MoE checkpoint
+(per-expert files, as transformers saves it) on the torch and megatron trainers side by side, and
+R3: the routes HF's routers chose, replayed on the Megatron model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from loongsage.core.embedded.trainer import TorchTrainer
+from loongsage.core.metrics import Metrics
+from loongsage.core.types import TrainBatch
+from loongsage.megatron.trainer import MegatronTrainer
+
+EXPERTS, TOPK, LAYERS = 8, 2, 2
+
+
+def build(path: Path) -> str:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=200, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_experts=EXPERTS, num_experts_per_tok=TOPK, norm_topk_prob=True, decoder_sparse_step=1,
+                            mlp_only_layers=[], tie_word_embeddings=False, initializer_range=0.2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        Qwen3MoeForCausalLM(config).save_pretrained(str(path))
+    return str(path)
+
+
+def batch() -> TrainBatch:
+    ids = torch.randint(2, 200, (3, 20), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones_like(ids)
+    attention[1, 15:] = 0  # padded on the right
+    attention[2, :4] = 0  # and on the left
+    response = torch.zeros(ids.shape)
+    response[:, 8:] = 1
+    response *= attention
+    return TrainBatch(input_ids=ids, attention_mask=attention, response_mask=response,
+                      rollout_logprobs=torch.zeros(ids.shape), advantages=torch.ones(ids.shape) * 0.5,
+                      rewards=torch.zeros(3), group_ids=torch.arange(3))
+
+
+def loss_fn(lp: torch.Tensor, mb: TrainBatch) -> tuple[torch.Tensor, Metrics]:
+    return -(lp * mb.advantages * mb.response_mask).sum() / 100, Metrics()
+
+
+def hf_routes(model: torch.nn.Module, b: TrainBatch) -> list[torch.Tensor]:
+    """Per row, the experts HF's routers chose for each of its real tokens: ``[tokens, layers, topk]``."""
+    chosen: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=b.input_ids, attention_mask=b.attention_mask)
+    for hook in hooks:
+        hook.remove()
+    rows, t = b.input_ids.shape
+    per = torch.stack(chosen, 1).view(rows, t, LAYERS, TOPK)
+    return [per[r][b.attention_mask[r].bool()] for r in range(rows)]
+
+
+def main(work: str) -> None:
+    model_dir = build(Path(work) / "moe")
+    b, mask = batch(), batch().response_mask.bool()
+    ref, ours = TorchTrainer(model_dir), MegatronTrainer(model_dir)
+    out: dict[str, float | bool] = {}
+    (lp_ref, ent_ref), (lp, ent) = ref.logprobs(b, 4096), ours.logprobs(b, 4096)
+    out["logprob_diff"] = (lp_ref - lp)[mask].abs().max().item()
+    out["entropy_diff"] = (ent_ref - ent)[mask].abs().max().item()
+    exported, hf = dict(ours.export_weights()), ref.model.state_dict()
+    out["export_names_equal"] = exported.keys() == hf.keys()
+    out["export_exact"] = out["export_names_equal"] and all(torch.equal(exported[n], hf[n]) for n in hf)
+    # R3: HF's own routes replayed give Megatron's own forward; other routes change it
+    routes = hf_routes(ref.model, b)
+    replayed = ours.logprobs(dataclasses.replace(b, routed_experts=routes), 4096)[0]
+    out["replay_own_routes_diff"] = (replayed - lp)[mask].abs().max().item()
+    shifted = [(r + 1) % EXPERTS for r in routes]
+    other = ours.logprobs(dataclasses.replace(b, routed_experts=shifted), 4096)[0]
+    out["replay_other_routes_diff"] = (other - lp)[mask].abs().max().item()
+    out["after_replay_plain_diff"] = (ours.logprobs(b, 4096)[0] - lp)[mask].abs().max().item()  # replay state cleared
+    try:
+        ours.logprobs(dataclasses.replace(b, routed_experts=[r[:, :1] for r in routes]), 4096)
+        out["bad_routes_error"] = ""
+    except ValueError as exc:
+        out["bad_routes_error"] = str(exc)
+    for trainer in (ref, ours):
+        trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    g_ref, g = (t.train_step(b, loss_fn, 4096).gauges["train/grad_norm"] for t in (ref, ours))
+    out["grad_norm_rel_diff"] = abs(g_ref - g) / g_ref
+    # a step on replayed routes trains the gates at those experts (their gradient flows)
+    g_replayed = ours.train_step(dataclasses.replace(b, routed_experts=shifted), loss_fn, 4096).gauges
+    out["replayed_step_grad_norm"] = g_replayed["train/grad_norm"]
+    ours.export_hf(Path(work) / "hf")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(Path(work) / "hf"), dtype=torch.float32).state_dict()
+    live = dict(ours.export_weights())
+    out["export_hf_exact"] = loaded.keys() == live.keys() and all(torch.equal(loaded[n], live[n]) for n in live)
+    (Path(work) / "result.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

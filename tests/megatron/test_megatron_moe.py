@@ -1,0 +1,32 @@
+"""Qwen3-MoE on the ``megatron`` trainer: the conversion (per-expert checkpoint files in, HF's fused
+expert tensors out), the same log-probs, gradient and exports as the torch trainer, and R3 routing
+replay (the routes HF's routers chose replay to the same forward; other routes change it; the
+replay state does not outlive its forward; malformed routes are refused in one line). Megatron
+runs in a process of its own (its CPU shims)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("_moe_worker.py")
+
+
+@pytest.mark.timeout(300)
+def test_qwen3_moe_trains_on_megatron_as_on_torch_and_replays_routes(tmp_path):
+    run = subprocess.run([sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=280,
+                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    r = json.loads((tmp_path / "result.json").read_text())
+    assert r["logprob_diff"] < 1e-5 and r["entropy_diff"] < 1e-5, r
+    assert r["export_names_equal"] and r["export_exact"] and r["export_hf_exact"], r
+    assert r["grad_norm_rel_diff"] < 1e-4, r
+    assert r["replay_own_routes_diff"] < 1e-5 and r["after_replay_plain_diff"] == 0.0, r
+    assert r["replay_other_routes_diff"] > 1e-3, r
+    assert r["replayed_step_grad_norm"] > 0, r
+    assert r["bad_routes_error"].startswith("routed_experts: [3, 20, 1, 2] per micro-batch; expected"), r
