@@ -129,3 +129,43 @@ def test_the_1p7b_random_recipe_runs_on_megatron(tmp_path):
     keep = rows[1:]
     timing = {k: sorted(r[f"timing/{k}_s"] for r in keep)[len(keep) // 2] for k in ("step", "rollout", "train", "sync")}
     print("\n1.7B random on megatron, median of steps 2-4: " + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items()))
+
+
+def test_moe_logprobs_match_the_torch_backend_with_and_without_routing_replay(tmp_path):
+    """A Qwen3-MoE shape (random bf16 weights, 16 experts, top 4): Megatron against the torch trainer,
+    routing on its own and replaying the routes the HF model chose (R3)."""
+    import dataclasses
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from loongsage.core.embedded.trainer import TorchTrainer
+    from loongsage.megatron.trainer import MegatronTrainer
+
+    layers, topk = 4, 4
+    config = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+                            num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                            num_experts=16, num_experts_per_tok=topk, norm_topk_prob=True, decoder_sparse_step=1,
+                            mlp_only_layers=[], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(str(tmp_path / "moe"))
+    batch = _batch(32000)
+    mask = batch.response_mask.bool()
+    ref = TorchTrainer(str(tmp_path / "moe"), dtype="bfloat16", device="cuda")
+    lp_ref = ref.logprobs(batch, 4096)[0]
+    chosen: list[torch.Tensor] = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
+             for layer in ref.model.model.layers]
+    with torch.no_grad():
+        ref.model(input_ids=batch.input_ids.cuda(), attention_mask=batch.attention_mask.cuda())
+    for hook in hooks:
+        hook.remove()
+    rows, t = batch.input_ids.shape
+    per = torch.stack(chosen, 1).view(rows, t, layers, topk).cpu()
+    routes = [per[r][batch.attention_mask[r].bool()] for r in range(rows)]
+    del ref
+    ours = MegatronTrainer(str(tmp_path / "moe"), dtype="bfloat16", device="cuda")
+    own = (lp_ref - ours.logprobs(batch, 4096)[0])[mask].abs()
+    replayed = (lp_ref - ours.logprobs(dataclasses.replace(batch, routed_experts=routes), 4096)[0])[mask].abs()
+    print(f"\nMoE megatron vs torch log-probs, bf16: own routing max |d| {own.max():.3e} mean {own.mean():.3e}; "
+          f"replaying HF's routes (R3) max |d| {replayed.max():.3e} mean {replayed.mean():.3e}")
+    assert replayed.mean() < 0.05 and replayed.max() <= own.max() + 1e-6, (own, replayed)
