@@ -97,6 +97,9 @@ class GenerationResult:
     logprobs: list[float]  # log-prob of each sampled token under the policy distribution
     versions: list[int]  # weight version that produced each token
     finish_reason: FinishReason
+    # with an engine recording routes (mixture of experts, R3): the experts each MoE layer chose for
+    # every token fed to the model (the prompt's and the output's but the last), [tokens, layers, topk]
+    routed_experts: Any = None
 
 
 @dataclass

@@ -64,7 +64,9 @@ class SlotBatch:
         self.max_slots, self.L = int(max_slots), int(max_model_len)
         self.chunk, self.prefix_cache = max(1, int(prefill_chunk_tokens)), prefix_cache
         self.device = runner.device
-        self.graphs = DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" else None
+        # recording routes (R3) reads each forward's router choices on the host side: no graph replay
+        self.recording = runner.recording
+        self.graphs = DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" and not self.recording else None
         self.cap, self.stop_width = 0, 1
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
@@ -107,6 +109,8 @@ class SlotBatch:
                 "uniforms": ((self.L,), torch.float32, 0), "stops": ((self.stop_width,), torch.long, -1),
                 "inv_t": ((), torch.float32, 1), "greedy": ((), torch.bool, True), "top_k": ((), torch.long, 0),
                 "top_p": ((), torch.float32, 1), "min_p": ((), torch.float32, 0)}
+        if self.recording:  # per slot and column, as the keys: the experts each MoE layer chose
+            spec["routes"] = ((self.L, len(r.moe_gates), r.topk), torch.int16, 0)
         self.t = {name: grown(t.get(name), tail, dtype, fill) for name, (tail, dtype, fill) in spec.items()}
         if self.graphs is not None:  # the captured buffers are gone
             self.graphs.clear()
@@ -252,6 +256,8 @@ class SlotBatch:
             out = self.runner.forward_slots(x, positions, [k[s:s + 1] for k in self.keys],
                                             [v[s:s + 1] for v in self.values], end, mask)
             self.stats["prefill_forwards"] += 1
+            if self.recording:
+                self.t["routes"][s, start:end] = self.runner.last_routes[0]
             e.pos, budget = end, budget - take
             self.t["lens"][s] = end  # the decode forward's throw-away write for this row lands past it
             self.stats["prefill_tokens"] += take
@@ -261,6 +267,8 @@ class SlotBatch:
             for sib in e.siblings:  # n samples share the prompt's cache
                 for buf in self.keys + self.values:
                     buf[sib, :, :end] = buf[s, :, :end]
+                if self.recording:
+                    self.t["routes"][sib, :end] = self.t["routes"][s, :end]
             group_rows = [s, *e.siblings]
             self.t["lens"][torch.tensor(group_rows, device=dev)] = end
             rows += group_rows
@@ -333,6 +341,10 @@ class SlotBatch:
                 src_b += [b] * n
                 src_c += src
             self.t["lens"][torch.tensor(group_rows, device=dev)] = n
+            if self.recording:  # the slot holds its reused prefix's routes; the rest were computed here
+                self.t["routes"][e.slot, pre[b]:n] = self.runner.last_routes[b, S - rest[b]:]
+                for sib in e.siblings:
+                    self.t["routes"][sib, :n] = self.t["routes"][e.slot, :n]
             e.pos = n
             self.stats["prefill_tokens"] += rest[b]
             rows += group_rows
@@ -419,9 +431,13 @@ class SlotBatch:
         t = self.t
         lens = t["lens"][:rows]
         mask = (torch.arange(end, device=self.device)[None, :] <= lens[:, None])[:, None, None, :]
-        return self.runner.forward_slots(t["last"][:rows].unsqueeze(1), lens.unsqueeze(1),
-                                         [k[:rows] for k in self.keys], [v[:rows] for v in self.values],
-                                         end, mask, cols=lens.clamp(max=self.L - 1))
+        cols = lens.clamp(max=self.L - 1)
+        out = self.runner.forward_slots(t["last"][:rows].unsqueeze(1), lens.unsqueeze(1),
+                                        [k[:rows] for k in self.keys], [v[:rows] for v in self.values],
+                                        end, mask, cols=cols)
+        if self.recording:  # where each row wrote its key
+            t["routes"][torch.arange(rows, device=self.device), cols] = self.runner.last_routes[:, 0].to(torch.int16)
+        return out
 
     def _emit(self, slots: list[int], reasons: list[FinishReason], version: int | None) -> list:
         """Results of ``slots`` (tokens so far); their slots are retained (``version`` given) or freed."""
@@ -436,6 +452,8 @@ class SlotBatch:
         for k, s in enumerate(slots):
             g, n = self.slot_group[s], gens[k]
             result = GenerationResult(g.request.request_id, tokens[k][:n], logprobs[k][:n], versions[k][:n], reasons[k])
+            if self.recording:  # every token fed to the model: the prompt's and the output's but the last
+                result.routed_experts = t["routes"][s, :lens[k]].cpu().clone()
             keep = (version is not None and self.prefix_cache and n > 0 and self.slot_version[s] == version
                     and versions[k][0] == version)
             if keep:

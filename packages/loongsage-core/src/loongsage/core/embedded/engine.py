@@ -89,8 +89,10 @@ class _Group:
         """Record one sample's result; True when the request is complete."""
         if self.prior is not None:
             p = self.prior
+            # the routes cover the whole input of this run: the prompt with the prior tokens in it
             result = GenerationResult(result.request_id, p.output_ids + result.output_ids, p.logprobs + result.logprobs,
-                                      p.versions + result.versions, result.finish_reason)
+                                      p.versions + result.versions, result.finish_reason,
+                                      p.routed_experts if result.routed_experts is None else result.routed_experts)
         self.results[sample] = result
         self.pending -= 1
         return self.pending == 0
@@ -111,7 +113,10 @@ class NativeEngine:
     (``[]`` disables them, for benchmarks that must run to ``max_new_tokens``). ``max_batch_size``
     bounds the live sample rows (KV slots); ``prefill_chunk_tokens`` the prompt tokens prefilled per
     step; ``prefix_cache`` turns prefix reuse across requests on or off; ``cuda_graphs`` replays the
-    decode step from captured CUDA graphs on a CUDA device (see :mod:`loongsage.core.embedded.cuda_graphs`). ``generate`` and
+    decode step from captured CUDA graphs on a CUDA device (see :mod:`loongsage.core.embedded.cuda_graphs`).
+    ``return_routed_experts`` (a mixture-of-experts model) records the experts every MoE layer chose
+    for every token and returns them with each sample (R3 routing replay; decode then runs without
+    CUDA graphs). ``generate`` and
     ``abort`` must be awaited on one event loop at a time; ``generate_batch`` is synchronous, runs
     its requests to completion and does not observe ``pause``/``abort``; for it a bad request raises
     before anything runs.
@@ -122,7 +127,8 @@ class NativeEngine:
     def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
                  max_batch_size: int = 256, max_model_len: int = 512, fp32_lm_head: bool = True, seed: int = 0,
                  eos_token_ids: Iterable[int] | None = None, prefill_chunk_tokens: int = 2048,
-                 prefix_cache: bool = True, deterministic: bool = False, cuda_graphs: bool = True):
+                 prefix_cache: bool = True, deterministic: bool = False, cuda_graphs: bool = True,
+                 return_routed_experts: bool = False):
         from transformers import AutoModelForCausalLM
 
         torch_dtype = _DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
@@ -136,6 +142,8 @@ class NativeEngine:
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
         self._runner = DecoderRunner(self.model, fp32_lm_head=fp32_lm_head)
+        if return_routed_experts:
+            self._runner.record_routes()
         self.eos_token_ids = set(_model_eos(self.model) if eos_token_ids is None else eos_token_ids)
         self.deterministic = bool(deterministic)
         self._released = False

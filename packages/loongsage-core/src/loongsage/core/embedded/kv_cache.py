@@ -93,6 +93,30 @@ class DecoderRunner:
         self.fp32_lm_head = fp32_lm_head
         self.device = self.inner.embed_tokens.weight.device
         self.refresh_head()
+        # mixture-of-experts layers (an HF MoE block: a ``gate`` router and ``experts``)
+        self.moe_gates = [layer.mlp.gate for layer in self.layers
+                          if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+        self.topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
+        self.last_routes: Tensor | None = None  # [B, T, MoE layers, topk] of the last forward, when recording
+        self._chosen: list[Tensor] | None = None
+
+    @property
+    def recording(self) -> bool:
+        return self._chosen is not None
+
+    def record_routes(self) -> None:
+        """From now on every forward leaves the experts its MoE layers chose in ``last_routes`` (R3)."""
+        if not self.moe_gates or self.topk < 1:
+            raise ValueError("native engine: return_routed_experts: the model has no mixture-of-experts layers")
+
+        def keep(_module: nn.Module, _args: tuple, out: Tensor | tuple) -> None:
+            if self._chosen is not None:  # HF's router returns (logits, weights, indices); older ones the logits
+                chosen = out[2] if isinstance(out, tuple) else out.float().softmax(-1).topk(self.topk, -1).indices
+                self._chosen.append(chosen)
+
+        for gate in self.moe_gates:
+            gate.register_forward_hook(keep)
+        self._chosen = []
 
     def refresh_head(self) -> None:
         """Re-derive the LM-head weight used for logits (call after the weights changed)."""
@@ -130,6 +154,8 @@ class DecoderRunner:
         """The decoder layers; ``write(i, k, v)`` stores layer ``i``'s new keys/values and returns the
         keys/values to attend over."""
         bsz, seq = input_ids.shape
+        if self._chosen is not None:
+            self._chosen.clear()
         hidden = self.inner.embed_tokens(input_ids)
         cos, sin = self.inner.rotary_emb(hidden, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -159,6 +185,8 @@ class DecoderRunner:
             mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
             # Mixture-of-experts blocks of some versions return (hidden, router_logits).
             hidden = hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
+        if self._chosen is not None:
+            self.last_routes = torch.stack(self._chosen, 1).view(bsz, seq, len(self._chosen), self.topk)
         last = self.inner.norm(hidden[:, -1])
         if self.fp32_lm_head:
             return fp32_head(last, self._head)

@@ -57,7 +57,7 @@ class SingleTurnAgent:
                 response_ids=list(r.output_ids), loss_mask=[1] * len(r.output_ids),
                 rollout_logprobs=list(r.logprobs), versions=list(r.versions), status=_STATUS[r.finish_reason],
                 response_text=ctx.tokenizer.decode(r.output_ids, skip_special_tokens=True),
-                metadata={"record_index": record.index},
+                routed_experts=r.routed_experts, metadata={"record_index": record.index},
             )
             for k, r in enumerate(results)
         ]
