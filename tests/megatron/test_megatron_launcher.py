@@ -1,6 +1,7 @@
 """The ``megatron`` trainer and teacher backends through the real launcher and Ray: the tiny MOPD
 recipe (two sources, a teacher each, GRPO's PG branch and the GKD branch) with the trainer and one
-teacher on Megatron, against the torch trainer and the embedded teacher."""
+teacher on Megatron, against the torch trainer and the embedded teacher; and R3 routing replay on a
+tiny Qwen3-MoE, the native engine recording the routes."""
 
 from __future__ import annotations
 
@@ -51,6 +52,21 @@ def test_mopd_on_the_megatron_trainer_and_teacher_runs_as_on_torch(ray_session, 
     trained, before = final.state_dict(), initial.state_dict()
     assert trained.keys() == before.keys()
     assert any(not torch.equal(trained[n], before[n]) for n in before)  # the steps moved the weights
+
+
+@pytest.mark.timeout(600)
+def test_r3_replays_every_route_the_engine_recorded(ray_session, in_tmp):
+    """tiny/grpo_moe_r3_cpu: the native engine records the experts of every token it fed the tiny
+    Qwen3-MoE; the megatron trainer replays them: each trained token's routes exactly once (16
+    samples of 8 prompt + 8 sampled tokens a step), and the trainer's log-probs are the engine's."""
+    assert main(["train", "tiny/grpo_moe_r3_cpu", "run.total_steps=2", "tracking.progress=false",
+                 "checkpoint.every_steps=0"]) == 0
+    rows = [json.loads(line) for line in (in_tmp / "runs" / "grpo_moe_r3_cpu" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "train/loss" in r]
+    assert [r["engine/version"] for r in trained] == [1.0, 2.0]
+    for r in trained:
+        assert r["rollout/trajectories"] == 16 and r["train/r3_replayed_tokens"] == 16 * 16, r
+        assert r["train/is_logprob_abs_diff"] < 1e-5, r  # measured 1e-7 (fp32)
 
 
 def test_the_launcher_refuses_lora_and_unknown_architectures_before_any_actor(in_tmp, capsys, model_cache):

@@ -55,6 +55,7 @@ class MegatronTrainer(TorchTrainer):
     def __post_init__(self) -> None:
         check_attention(self.attention)  # before Megatron's process groups start
         self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
+        self._replayed_tokens = 0
         if self.dp_mode != "replicate":
             raise ValueError(f"megatron trainer: dp_mode={self.dp_mode!r}; allowed: replicate")
         if self.gradient_checkpointing:
@@ -93,9 +94,18 @@ class MegatronTrainer(TorchTrainer):
         with self._replaying(mb):
             return super()._forward_distribution(mb)
 
+    def train_step(self, mini_batch: TrainBatch, loss_fn: Any, token_budget: int) -> Any:
+        """The torch trainer's step; with R3, ``train/r3_replayed_tokens`` counts the tokens whose
+        recorded routes its forwards replayed (each row's real tokens, once)."""
+        self._replayed_tokens = 0
+        metrics = super().train_step(mini_batch, loss_fn, token_budget)
+        return metrics.total("train/r3_replayed_tokens", self._replayed_tokens) if self._replayed_tokens else metrics
+
     @contextmanager
     def _replaying(self, mb: TrainBatch) -> Iterator[None]:
         self._routes = micro_batch_routes(mb, self.shape) if self.routing_replay else None
+        if self._routes is not None:
+            self._replayed_tokens += int(mb.attention_mask.sum())
         try:
             yield
         finally:
