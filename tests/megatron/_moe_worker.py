@@ -95,6 +95,15 @@ def main(work: str) -> None:
     # a step on replayed routes trains the gates at those experts (their gradient flows)
     g_replayed = ours.train_step(dataclasses.replace(b, routed_experts=shifted), loss_fn, 4096).gauges
     out["replayed_step_grad_norm"] = g_replayed["train/grad_norm"]
+    # with full-layer recomputation the backward routes again: replayed there too, the same gradients
+    plain, recomputed = MegatronTrainer(model_dir), MegatronTrainer(model_dir, gradient_checkpointing=True)
+    for trainer in (plain, recomputed):
+        trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    shifted_batch = dataclasses.replace(b, routed_experts=shifted)
+    g_plain, g_recomputed = (t.train_step(shifted_batch, loss_fn, 4096).gauges["train/grad_norm"]
+                             for t in (plain, recomputed))
+    out["recompute_grad_norm_rel_diff"] = abs(g_plain - g_recomputed) / g_plain
+    out["recompute_logprob_diff"] = (plain.logprobs(b, 4096)[0] - recomputed.logprobs(b, 4096)[0]).abs().max().item()
     ours.export_hf(Path(work) / "hf")
     from transformers import AutoModelForCausalLM
 

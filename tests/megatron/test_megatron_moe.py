@@ -1,7 +1,8 @@
 """Qwen3-MoE on the ``megatron`` trainer: the conversion (per-expert checkpoint files in, HF's fused
 expert tensors out), the same log-probs, gradient and exports as the torch trainer, and R3 routing
 replay (the routes HF's routers chose replay to the same forward; other routes change it; the
-replay state does not outlive its forward; malformed routes are refused in one line). Megatron
+replay state does not outlive its forward; with gradient checkpointing the recomputed layers replay
+them again in the backward; malformed routes are refused in one line). Megatron
 runs in a process of its own (its CPU shims)."""
 
 from __future__ import annotations
@@ -29,4 +30,5 @@ def test_qwen3_moe_trains_on_megatron_as_on_torch_and_replays_routes(tmp_path):
     assert r["replay_own_routes_diff"] < 1e-5 and r["after_replay_plain_diff"] == 0.0, r
     assert r["replay_other_routes_diff"] > 1e-3, r
     assert r["replayed_step_grad_norm"] > 0, r
+    assert r["recompute_grad_norm_rel_diff"] < 1e-6 and r["recompute_logprob_diff"] < 1e-6, r
     assert r["bad_routes_error"].startswith("routed_experts: [3, 20, 1, 2] per micro-batch; expected"), r

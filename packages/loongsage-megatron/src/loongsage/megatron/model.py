@@ -67,8 +67,9 @@ def moe_fields(config: Mapping) -> dict[str, Any]:
             "moe_token_dispatcher_type": "allgather", "moe_enable_routing_replay": True}
 
 
-def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1) -> Any:
-    """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict)."""
+def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, recompute: bool = False) -> Any:
+    """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict); ``recompute``: every
+    layer's activations are recomputed in the backward (full, one layer at a time)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch = architecture(config)
@@ -87,7 +88,9 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1) -> A
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=True, perform_initialization=False,  # the weights come from the checkpoint
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype, **moe_fields(config))
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype, **moe_fields(config),
+        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+           if recompute else {}))
 
 
 ATTENTION = ("sdpa", "local")  # torch's fused kernels; Megatron's local spec as it is (unfused)
@@ -126,12 +129,12 @@ def _megatron_without_te() -> None:
 
 
 def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab: int | None = None,
-              attention: str = "sdpa") -> Any:
+              attention: str = "sdpa", recompute: bool = False) -> Any:
     """A ``GPTModel`` (this rank's shard) shaped as ``config``; its weights are to be loaded."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
-        config=transformer_config(config, dtype=dtype, tp=tp), transformer_layer_spec=layer_spec(config, attention),
+        config=transformer_config(config, dtype=dtype, tp=tp, recompute=recompute), transformer_layer_spec=layer_spec(config, attention),
         vocab_size=padded_vocab or int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
         pre_process=True, post_process=True, parallel_output=True,
@@ -140,18 +143,32 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab:
     return model.to(dtype)  # the norms too, as the HF model holds them (Megatron makes them float32)
 
 
+def _router_replays(model: Any) -> list[Any]:
+    return [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
+
+
+def clear_routes(model: Any) -> None:
+    """Drop every router's replay state (targets kept for a backward recomputation included)."""
+    for replay in _router_replays(model):
+        replay.clear_indices()
+        replay.clear_router_replay_action()
+
+
 @contextmanager
-def replayed_routes(model: Any, routes: torch.Tensor | None) -> Iterator[None]:
+def replayed_routes(model: Any, routes: torch.Tensor | None, *, for_backward: bool = False) -> Iterator[None]:
     """R3 routing replay for the forwards inside: every MoE layer routes each token to the experts
     in ``routes`` ``[b, s, layers, topk]`` (the engine's choices) instead of its own top k; the
-    gates are still the router's scores at those experts, so their gradient flows. The backward
-    reuses the forward's routing (no recomputation). Nothing happens when ``routes`` is None."""
+    gates are still the router's scores at those experts, so their gradient flows. Without
+    recomputation the backward reuses the forward's routing; with it (``for_backward``) the routes
+    stay with the routers, which replay them again when the backward recomputes each layer, until
+    :func:`clear_routes`. Nothing happens when ``routes`` is None."""
+    clear_routes(model)
     if routes is None:
         yield
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    replays = [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
+    replays = _router_replays(model)
     if routes.dim() != 4 or routes.shape[2] != len(replays):
         raise ValueError(f"routed_experts: {list(routes.shape)} per micro-batch; expected [rows, tokens, "
                          f"{len(replays)} MoE layers, top-k]")
@@ -161,13 +178,15 @@ def replayed_routes(model: Any, routes: torch.Tensor | None) -> Iterator[None]:
     try:
         yield
     finally:
-        for replay in replays:
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+        if for_backward:
+            for replay in replays:
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        else:
+            clear_routes(model)
 
 
 def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *, vocab: int,
-               routes: torch.Tensor | None = None) -> torch.Tensor:
+               routes: torch.Tensor | None = None, replay_in_backward: bool = False) -> torch.Tensor:
     """Float32 logits ``[b, T - first + 1, vocab]`` at positions ``first-1..T-1`` of a whole-vocabulary
     ``GPTModel`` (the trainer's and the teacher's forward).
 
@@ -192,7 +211,7 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
         masked = masked[:, None]
     model.post_process = False  # GPTModel.forward then returns the decoder's output, [s, b, hidden]
     try:
-        with replayed_routes(model, routes):
+        with replayed_routes(model, routes, for_backward=replay_in_backward):
             hidden = model(input_ids, positions, masked)
     finally:
         model.post_process = True

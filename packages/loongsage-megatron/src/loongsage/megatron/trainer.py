@@ -31,7 +31,8 @@ from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf
-from loongsage.megatron.model import architecture, build_gpt, check_attention, gpt_logits, load_hf_weights, rope_base
+from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_logits, load_hf_weights,
+                                      rope_base)
 
 
 def read_config(model_path: str) -> dict[str, Any]:
@@ -58,8 +59,6 @@ class MegatronTrainer(TorchTrainer):
         self._replayed_tokens = 0
         if self.dp_mode != "replicate":
             raise ValueError(f"megatron trainer: dp_mode={self.dp_mode!r}; allowed: replicate")
-        if self.gradient_checkpointing:
-            raise ValueError("megatron trainer: gradient_checkpointing is not supported yet; allowed: false")
         super().__post_init__()
 
     @classmethod
@@ -76,14 +75,20 @@ class MegatronTrainer(TorchTrainer):
         self.config = read_config(self.model_path)
         self.shape = Shape.of(self.config)
         return load_gpt(self.model_path, self.config, dtype=self.dtype, device=self.device, attention=self.attention,
-                        fp32_lm_head=self.fp32_lm_head)
+                        fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing)
+
+    def _enable_gradient_checkpointing(self) -> None:
+        """Nothing to do: Megatron's full-layer recomputation is part of the model's config."""
 
     def _decoder_layers(self) -> list[torch.nn.Module]:
         return list(self.model.decoder.layers)
 
     def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int = 1) -> Tensor:
         routes = None if self._routes is None else self._routes.to(input_ids.device)
-        return gpt_logits(self.model, input_ids, attention_mask, first, vocab=self.shape.vocab, routes=routes)
+        # a recomputed layer routes again in the backward: the routes must be replayed there too
+        backward = self.gradient_checkpointing and torch.is_grad_enabled()
+        return gpt_logits(self.model, input_ids, attention_mask, first, vocab=self.shape.vocab, routes=routes,
+                          replay_in_backward=backward)
 
     # R3: a micro-batch whose rows carry the engine's routed experts is replayed on them
     def _forward(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
@@ -98,7 +103,10 @@ class MegatronTrainer(TorchTrainer):
         """The torch trainer's step; with R3, ``train/r3_replayed_tokens`` counts the tokens whose
         recorded routes its forwards replayed (each row's real tokens, once)."""
         self._replayed_tokens = 0
-        metrics = super().train_step(mini_batch, loss_fn, token_budget)
+        try:
+            metrics = super().train_step(mini_batch, loss_fn, token_budget)
+        finally:
+            clear_routes(self.model)  # the last micro-batch's, kept for its backward
         return metrics.total("train/r3_replayed_tokens", self._replayed_tokens) if self._replayed_tokens else metrics
 
     @contextmanager
@@ -177,13 +185,13 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
 
 
 def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, attention: str = "sdpa",
-             fp32_lm_head: bool = True) -> torch.nn.Module:
+             fp32_lm_head: bool = True, recompute: bool = False) -> torch.nn.Module:
     """A Megatron GPT model with the HF checkpoint's weights (Megatron's process groups started
     first), the output layer giving float32 logits where asked."""
     from safetensors.torch import load_file
 
     start_model_parallel(device)
-    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention)
+    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute)
     hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
     load_hf_weights(model, hf, config)
     if fp32_lm_head and dtype != "float32":

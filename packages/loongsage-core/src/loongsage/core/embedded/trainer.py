@@ -188,7 +188,7 @@ class TorchTrainer(Trainer):
             self._add_lora()
         self.model.to(self.device)
         if self.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            self._enable_gradient_checkpointing()
         self.rank = dist.get_rank() if self.world_size > 1 else 0
         self.sharded = self.world_size > 1 and self.dp_mode == "fsdp2"
         if self.sharded:
@@ -241,6 +241,9 @@ class TorchTrainer(Trainer):
             for p in self.model.parameters():
                 if p.requires_grad:
                     dist.broadcast(p.data, src=0)
+
+    def _enable_gradient_checkpointing(self) -> None:
+        self.model.gradient_checkpointing_enable()
 
     def _decoder_layers(self) -> list[torch.nn.Module]:
         return list(self.model.model.layers)
