@@ -107,6 +107,12 @@ class Controller:
             for j, plan in enumerate(teacher_plans)])
         self.teacher_sources = [plan.sources for plan in teacher_plans]
         wait_ready(self.groups)
+        # rows are dealt to data-parallel ranks; the trainer ranks of one (a model-parallel group)
+        # all get its rows, and its leader's answers are the ones read
+        layout = self.trainer_group.call("data_layout")
+        self.dp_size = int(layout[0][1])
+        self.dp_of = [int(d) for d, _, _ in layout]
+        self.dp_leader = {int(d): r for r, (d, _, lead) in enumerate(layout) if lead}
         rc = cfg.rollout
         engines = self.engine_group.actors  # the router swaps a ready replacement into this very list
         self.rollout = RolloutService(router=EngineRouter(engines, health_timeout_s=rc.engine_health_timeout_s),
@@ -202,7 +208,7 @@ class Controller:
         partly_sampled = bool(consistency_mask.any()) and not torch.equal(consistency_mask, trained)
         if self.teacher_group:
             self._score_with_teachers(batch)
-        plan = plan_step(groups, cfg.trainer.world_size, cfg.trainer.mini_batches_per_step,
+        plan = plan_step(groups, self.dp_size, cfg.trainer.mini_batches_per_step,
                          quotas={s.name: s.prompts_per_step for s in cfg.data_sources})
         if cfg.tracking.batches:
             self._audit(plan, trajs)
@@ -237,8 +243,8 @@ class Controller:
             # corrections and loss weights over the whole mini-batch (global denominators)
             prepared, corrections = self.pipeline.prepare(mini_batch)
             metrics.merge(corrections)
-            calls = self.trainer_group.call_async("train_step", per_rank([prepared.select(rows)
-                                                                          for rows in plan.positions(m)]))
+            shards = [prepared.select(rows) for rows in plan.positions(m)]
+            calls = self.trainer_group.call_async("train_step", per_rank([shards[d] for d in self.dp_of]))
             if self.critic_group:  # the value model steps beside the policy, in its own actor
                 mini_batch.loss_weights = self.pipeline.aggregation_weights(mini_batch.response_mask)
                 calls += self.critic_group.call_async("train_step", mini_batch)
@@ -280,9 +286,11 @@ class Controller:
                        consistency_mask: torch.Tensor | None = None) -> Metrics:
         """Old (and reference) log-probs, each trainer rank computing its own rows; with old ones also
         the consistency metrics over ``consistency_mask`` (default: the response mask)."""
-        rank_rows = [plan.rank_rows(r) for r in range(plan.world_size)]
+        rank_rows = [plan.rank_rows(r) for r in range(plan.world_size)]  # per data-parallel rank
         # every rank is called, even with no rows: FSDP2 forward and backward are collectives
-        outs = self.trainer_group.call("logprobs", per_rank([batch.select(rr) for rr in rank_rows]))
+        shards = [batch.select(rr) for rr in rank_rows]
+        answers = self.trainer_group.call("logprobs", per_rank([shards[d] for d in self.dp_of]))
+        outs = [answers[self.dp_leader[d]] for d in range(plan.world_size)]
         B, T = batch.input_ids.shape
         batch.old_logprobs = torch.zeros(B, T) if old else None
         batch.ref_logprobs = torch.zeros(B, T) if self.pipeline.needs_ref_logprobs else None

@@ -107,8 +107,15 @@ class TrainerWorker:
             out["ref_logprobs"] = self.backend.reference_logprobs(batch, self.token_budget)
         return out
 
+    def data_layout(self) -> tuple[int, int, bool]:
+        """``(data-parallel rank, data-parallel size, leader)``. The ranks of one data-parallel rank
+        (a model-parallel group) get the same rows; its leader answers for them."""
+        return getattr(self.backend, "data_parallel", None) or (self.rank, self.world_size, True)
+
     def train_step(self, mini_batch: TrainBatch) -> Metrics:
         metrics = self.backend.train_step(mini_batch, self.pipeline, self.token_budget)
+        if not self.data_layout()[2]:
+            return Metrics()  # the same rows as its leader: its sums would count them twice
         # the gradient norm and learning rate are the model's, the same on every rank: rank 0
         # reports them, the others their shares of the sums
         return metrics if self.rank == 0 else metrics.without_gauges()

@@ -140,7 +140,29 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab:
         pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=rope_base(config))
+    mark_tensor_parallel(model)
     return model.to(dtype)  # the norms too, as the HF model holds them (Megatron makes them float32)
+
+
+def mark_tensor_parallel(model: Any) -> None:
+    """Mark the sharded parameters as Megatron's initialisation would (``tensor_model_parallel``,
+    the split dimension): with the weights coming from a checkpoint it does not run, and the
+    gradient norm must tell a shard from a replicated norm."""
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    layouts = ((ColumnParallelLinear, {"weight": 0, "bias": 0}), (VocabParallelEmbedding, {"weight": 0}),
+               (RowParallelLinear, {"weight": 1}))  # a row-parallel bias is whole on every rank
+    for module in model.modules():
+        split = next((dims for kind, dims in layouts if isinstance(module, kind)), {})
+        for name, dim in split.items():
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter) and not hasattr(param, "tensor_model_parallel"):
+                set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
 
 
 def _router_replays(model: Any) -> list[Any]:
@@ -187,8 +209,9 @@ def replayed_routes(model: Any, routes: torch.Tensor | None, *, for_backward: bo
 
 def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *, vocab: int,
                routes: torch.Tensor | None = None, replay_in_backward: bool = False) -> torch.Tensor:
-    """Float32 logits ``[b, T - first + 1, vocab]`` at positions ``first-1..T-1`` of a whole-vocabulary
-    ``GPTModel`` (the trainer's and the teacher's forward).
+    """Float32 logits ``[b, T - first + 1, vocab]`` at positions ``first-1..T-1`` of a ``GPTModel``
+    (the trainer's and the teacher's forward); under tensor parallelism this rank's vocabulary
+    rows (``vocab`` slices only a whole vocabulary).
 
     Positions run 0..T-1 whatever the padding, as the HF model numbers them without
     ``position_ids``. Rows padded on the right only (as rollouts are) need no mask beyond the

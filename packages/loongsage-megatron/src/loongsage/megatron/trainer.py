@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer
+from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer, response_start
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf
 from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_logits, load_hf_weights,
                                       rope_base)
+from loongsage.megatron.parallel import clip_grad_norm, gathered_state, sum_head_norm_grads, vocab_parallel_logprobs
 
 
 def read_config(model_path: str) -> dict[str, Any]:
@@ -51,10 +52,13 @@ class MegatronTrainer(TorchTrainer):
     dp_mode: Literal["replicate"] = "replicate"
     attention: str = "sdpa"  # torch's fused kernels; "local": Megatron's unfused attention
     routing_replay: bool = True  # R3 on an MoE model: replay the engine's routed experts when rows carry them
+    tensor_parallel: int = 1  # ranks one replica is split over (trainer.world_size: a multiple of it)
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)  # before Megatron's process groups start
+        if not (isinstance(self.tensor_parallel, int) and self.tensor_parallel >= 1):
+            raise ValueError(f"megatron trainer: tensor_parallel={self.tensor_parallel!r}; allowed: an integer >= 1")
         self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
         self._replayed_tokens = 0
         if self.dp_mode != "replicate":
@@ -70,12 +74,70 @@ class MegatronTrainer(TorchTrainer):
         config = read_config(model_path)
         architecture(config)
         rope_base(config)
+        check_layout(config, int(params.get("tensor_parallel", 1)), world_size)
 
     def _load_model(self) -> torch.nn.Module:
         self.config = read_config(self.model_path)
         self.shape = Shape.of(self.config)
         return load_gpt(self.model_path, self.config, dtype=self.dtype, device=self.device, attention=self.attention,
-                        fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing)
+                        fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing, tp=self.tensor_parallel)
+
+    # ------------------------------------------------------------------ tensor parallelism
+    @property
+    def data_parallel(self) -> tuple[int, int, bool]:
+        from megatron.core import parallel_state as ps
+
+        return (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                ps.get_tensor_model_parallel_rank() == 0)
+
+    @property
+    def _tp_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_rank()
+
+    def _forward_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        if self.tensor_parallel == 1:
+            return super()._forward_sequences(mb, with_entropy=with_entropy)
+        ids = mb.input_ids.to(self.device)
+        first = max(response_start(mb.response_mask), 1)
+        logits = self._logits(ids, mb.attention_mask.to(self.device), first)  # this rank's vocabulary rows
+        return vocab_parallel_logprobs(logits, ids, first, vocab_start=self._tp_rank * logits.shape[-1],
+                                       vocab=self.shape.vocab, with_entropy=with_entropy)
+
+    def _distribution_sequences(self, mb: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
+        if self.tensor_parallel > 1:
+            raise ValueError("megatron trainer: a divergence on the student's distribution (MOPD's GKD branch) is "
+                             "not supported with tensor_parallel > 1 yet; allowed: tensor_parallel: 1")
+        return super()._distribution_sequences(mb)
+
+    def _all_reduce_grads(self, group: Any = None) -> None:
+        """Over the data-parallel group: the ranks of one replica hold different shards. First, in
+        a replica, the q/k norms' gradients are summed: each rank normalised its own heads only."""
+        from megatron.core import parallel_state
+
+        if self.tensor_parallel > 1:
+            sum_head_norm_grads(self.model)
+        if parallel_state.get_data_parallel_world_size() > 1:
+            super()._all_reduce_grads(group=parallel_state.get_data_parallel_group())
+
+    def _clip_grad_norm(self) -> Tensor:
+        if self.tensor_parallel == 1:
+            return super()._clip_grad_norm()
+        return clip_grad_norm(list(self.model.parameters()), self.grad_clip)
+
+    def save(self, path: str | Path) -> None:
+        """The torch trainer's checkpoint (HF-named tensors gathered from the shards); with tensor
+        parallelism each shard's optimizer state beside it."""
+        super().save(path)
+        if self.tensor_parallel > 1 and self.optimizer is not None and self.data_parallel[0] == 0:
+            torch.save(self.optimizer.state_dict(), Path(path) / f"optimizer_tp{self._tp_rank}.pt")
+
+    def load(self, path: str | Path) -> None:
+        super().load(path)
+        if self.tensor_parallel > 1 and self.optimizer is not None:
+            state = torch.load(Path(path) / f"optimizer_tp{self._tp_rank}.pt", map_location="cpu", weights_only=False)
+            self.optimizer.load_state_dict(state)
 
     def _enable_gradient_checkpointing(self) -> None:
         """Nothing to do: Megatron's full-layer recomputation is part of the model's config."""
@@ -124,8 +186,13 @@ class MegatronTrainer(TorchTrainer):
         return dict(self._hf_tensors())
 
     def _hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """HF-named tensors: one rank's own as views; with tensor parallelism the shards gathered
+        on the replica's first rank (a collective of its ranks; the others yield nothing)."""
         own = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if isinstance(v, Tensor)}
-        for name, tensor in mcore_to_hf([own], self.shape):
+        shards = [own] if self.tensor_parallel == 1 else gathered_state(own)
+        if shards is None:
+            return
+        for name, tensor in mcore_to_hf(shards, self.shape):
             yield name, tensor.detach()
             if name == "model.embed_tokens.weight" and self.shape.tied:
                 yield "lm_head.weight", tensor.detach()  # as the HF model lists its tied head
@@ -135,7 +202,7 @@ class MegatronTrainer(TorchTrainer):
         yield from self._hf_tensors()
 
     def _load_model_state(self, state: dict[str, Tensor]) -> None:
-        load_hf_weights(self.model, state, self.config)
+        load_hf_weights(self.model, state, self.config, rank=self._tp_rank, tp=self.tensor_parallel)
 
     def _write_hf(self, path: Path, state: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
@@ -184,36 +251,59 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
     return routes
 
 
+def check_layout(config: dict[str, Any], tp: int, world_size: int) -> None:
+    """One line naming what a tensor-parallel size does not divide: the trainer's ranks, or the
+    model's heads, key/value groups or feed-forward widths."""
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"tensor_parallel={tp} does not divide trainer.world_size={world_size}; allowed: a divisor "
+                         f"of {world_size}")
+    Shape.of(config).check_tp(tp)
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        if config.get(name) and int(config[name]) % tp:
+            raise ValueError(f"tensor_parallel={tp} does not divide {name}={config[name]}; allowed: a divisor of it")
+
+
 def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, attention: str = "sdpa",
-             fp32_lm_head: bool = True, recompute: bool = False) -> torch.nn.Module:
-    """A Megatron GPT model with the HF checkpoint's weights (Megatron's process groups started
-    first), the output layer giving float32 logits where asked."""
+             fp32_lm_head: bool = True, recompute: bool = False, tp: int = 1) -> torch.nn.Module:
+    """This rank's shard of a Megatron GPT model with the HF checkpoint's weights (Megatron's
+    process groups started first, ``tp`` ranks a replica), the output layer giving float32 logits
+    where asked."""
+    from megatron.core import parallel_state
     from safetensors.torch import load_file
 
-    start_model_parallel(device)
-    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute)
+    start_model_parallel(device, tp)
+    shape = Shape.of(config)
+    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute, tp=tp,
+                      padded_vocab=shape.padded_vocab(tp))
     hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
-    load_hf_weights(model, hf, config)
+    load_hf_weights(model, hf, config, rank=parallel_state.get_tensor_model_parallel_rank(), tp=tp)
     if fp32_lm_head and dtype != "float32":
         fp32_output_layer(model.output_layer)
     return model
 
 
 def fp32_output_layer(layer: torch.nn.Module) -> None:
-    """The output layer's GEMM with float32 logits (the engine's FP32 head: the same kernel), for a
-    replica holding the whole vocabulary. A tied model hands the embedding in as ``weight``."""
+    """The output layer's GEMM with float32 logits (the engine's FP32 head: the same kernel) over
+    this rank's vocabulary rows. A tied model hands the embedding in as ``weight``. Under tensor
+    parallelism the input enters as Megatron's column-parallel layer takes it (identity forward,
+    its gradient summed over the ranks' vocabulary shards)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
     from loongsage.core.embedded.kv_cache import fp32_head
 
     def forward(input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None,
                 **_: Any) -> tuple[Tensor, None]:
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            input_ = copy_to_tensor_model_parallel_region(input_)
         return fp32_head(input_, layer.weight if weight is None else weight), None
 
     layer.forward = forward
 
 
-def start_model_parallel(device: str) -> None:
-    """Megatron's process groups over the run's data-parallel world (one process: a group of
-    one of its own); tensor and pipeline parallelism 1. CPU shims when CUDA is absent."""
+def start_model_parallel(device: str, tp: int = 1) -> None:
+    """Megatron's process groups over the run's trainer ranks (one process: a group of one of its
+    own): replicas of ``tp`` ranks, pipeline parallelism 1. CPU shims when CUDA is absent."""
     from megatron.core import parallel_state, tensor_parallel
 
     from loongsage.core.placement import free_port
@@ -224,7 +314,11 @@ def start_model_parallel(device: str) -> None:
     if not dist.is_initialized():
         backend = "nccl" if str(device).startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() != tp:
+            raise ValueError(f"megatron: this process runs tensor_parallel="
+                             f"{parallel_state.get_tensor_model_parallel_world_size()}; a model asked for {tp}")
+    else:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
         tensor_parallel.model_parallel_cuda_manual_seed(int(torch.initial_seed()) % (2**31))

@@ -37,6 +37,11 @@ class Trainer(Protocol):
     preflight: ClassVar[Callable[..., None] | None] = None
     """Optional classmethod ``preflight(params, model_path, *, world_size)``, run in the driver
     before any actor starts; raises ``ValueError`` naming the param (a LoRA target, say)."""
+    data_parallel: tuple[int, int, bool] | None = None
+    """Optional: ``(data-parallel rank, data-parallel size, leader)`` of this rank (None: every rank
+    is a data-parallel rank of its own). With model parallelism (the ``megatron`` trainer's
+    tensor parallelism) the ranks of one model-parallel group share a data-parallel rank: they all
+    get its rows, and its leader's log-probs and metrics are the ones read."""
 
     def setup_optimizer(self, lr: float, betas: list[float], eps: float, weight_decay: float,
                         grad_clip: float, warmup_steps: int) -> None: ...

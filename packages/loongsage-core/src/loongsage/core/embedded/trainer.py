@@ -276,6 +276,12 @@ class TorchTrainer(Trainer):
         return self.lora is not None
 
     @property
+    def data_parallel(self) -> tuple[int, int, bool]:
+        """``(data-parallel rank, data-parallel size, leader)``: every rank is a data-parallel rank of
+        its own here (a backend with model parallelism groups ranks that see the same rows)."""
+        return self.rank, self.world_size, True
+
+    @property
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -401,7 +407,7 @@ class TorchTrainer(Trainer):
                 metrics.add("train/entropy", float((ent * mask).sum()), float(mask.sum()))
         if self.world_size > 1 and not self.sharded:
             self._all_reduce_grads()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        grad_norm = self._clip_grad_norm()
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
@@ -411,13 +417,18 @@ class TorchTrainer(Trainer):
         return (metrics.total("train/loss", total).gauge("train/grad_norm", float(grad_norm))
                 .gauge("train/lr", self.optimizer.param_groups[0]["lr"]))
 
-    def _all_reduce_grads(self) -> None:
+    def _clip_grad_norm(self) -> Tensor:
+        """Clip the gradients to ``grad_clip`` by their global norm; returns the norm before."""
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+
+    def _all_reduce_grads(self, group: Any = None) -> None:
+        """Sum the gradients over the data-parallel ranks (``group``: all ranks when None)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # a rank whose batch never touched this parameter still joins the sum
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         offset = 0
         for p in params:
             p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))

@@ -1,0 +1,107 @@
+"""Tensor parallelism inside a trainer replica: what changes when each rank holds a shard.
+
+* **Log-probs and entropy over a vocabulary split across ranks**, in float32, without gathering
+  the logits: each rank holds ``[b, t, vocab / tp]``; the maximum, the sum of exponentials and the
+  sampled token's logit are reduced over the tensor-parallel group. The reductions are Megatron's
+  ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward): every rank
+  computes the same loss, and each one's gradient flows into its own shard of the logits.
+* **The q/k norms' gradients** (Qwen3's per-head RMSNorm) summed over the group: every rank holds
+  the whole norm but applies it to its own heads only.
+* **The gradient norm** for clipping: squares of the sharded parameters' gradients summed over the
+  group, those of the replicated ones (norms) counted once.
+* **The full state** for exports and checkpoints: every rank's shard gathered to the group's
+  first rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+_MASKED = -1e30  # a padded vocabulary row's shifted logit: exp() is 0, and 0 x it is 0 (no NaN)
+
+
+def vocab_parallel_logprobs(logits: Tensor, input_ids: Tensor, first: int, *, vocab_start: int, vocab: int,
+                            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """:func:`loongsage.core.embedded.trainer.logprobs_and_entropy` over this rank's vocabulary
+    shard ``logits`` ``[B, T - first + 1, shard]`` (rows ``vocab_start..``; rows at or past
+    ``vocab`` are padding); results ``[B, T]``, zeros before ``first``, the same on every rank."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
+
+    pred = logits[:, :-1].float()
+    shard = pred.shape[-1]
+    peak = pred.detach().max(-1).values  # any shift keeps the softmax; the global maximum avoids overflow
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
+    shifted = pred - peak.unsqueeze(-1)
+    padding = torch.arange(vocab_start, vocab_start + shard, device=pred.device) >= vocab
+    if bool(padding.any()):
+        shifted = shifted.masked_fill(padding, _MASKED)
+    exp = shifted.exp()
+    sum_exp = reduce_sum(exp.sum(-1))
+    target = input_ids[:, first:] - vocab_start
+    here = (target >= 0) & (target < shard)
+    picked = shifted.gather(-1, target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * here
+    lp = F.pad(reduce_sum(picked) - sum_exp.log(), (first, 0))
+    ent = None
+    if with_entropy:
+        with torch.no_grad():
+            ent = F.pad(sum_exp.log() - reduce_sum((exp * shifted).sum(-1)) / sum_exp, (first, 0))
+    return lp, ent
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over a tensor-parallel model: the global L2 norm counts a
+    sharded parameter's gradient over every rank and a replicated one's once."""
+    from megatron.core import parallel_state
+
+    grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in params if p.grad is not None]
+    device = grads[0][0].device if grads else torch.device("cpu")
+    sharded = torch.zeros((), device=device)
+    replicated = torch.zeros((), device=device)
+    for grad, split in grads:
+        square = grad.detach().float().pow(2).sum()
+        if split:
+            sharded += square
+        else:
+            replicated += square
+    dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+    total = (sharded + replicated).sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grad, _ in grads:
+        grad.mul_(scale.to(grad.dtype))
+    return total
+
+
+def gathered_state(own: dict[str, Tensor]) -> list[dict[str, Tensor]] | None:
+    """Every tensor-parallel rank's state (rank order) on the group's first rank, None elsewhere.
+    A collective of the group: every rank of it calls."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    shards: list[dict[str, Tensor]] = [{} for _ in range(tp)]
+    for name in sorted(own):
+        parts = [torch.empty_like(own[name]) for _ in range(tp)]
+        dist.all_gather(parts, own[name].detach().contiguous(), group=group)
+        for r, part in enumerate(parts):
+            shards[r][name] = part
+    return shards if rank == 0 else None
+
+
+def sum_head_norm_grads(model: torch.nn.Module) -> None:
+    """Sum the q/k layernorms' gradients over the tensor-parallel group (as Megatron's
+    ``finalize_model_grads`` does)."""
+    from megatron.core import parallel_state
+
+    grads = [p.grad for n, p in model.named_parameters()
+             if p.grad is not None and ("q_layernorm" in n or "k_layernorm" in n)]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

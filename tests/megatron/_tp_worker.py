@@ -1,0 +1,59 @@
+"""Run by test_megatron_tp.py: ``python _tp_worker.py MODEL_DIR WORK_DIR TP``. ``TP`` gloo processes
+(Megatron's CPU shims in each) run one ``megatron`` trainer replica split ``TP`` ways on the
+trainer worker's batch: log-probs, a step, the exported weights, a checkpoint and its resume. Rank
+0 writes ``WORK_DIR/tp{TP}.pt``."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def run(rank: int, tp: int, model_dir: str, work: str, port: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=tp)  # as the trainer worker does
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _trainer_worker import batch, loss_fn
+
+    from loongsage.megatron.trainer import MegatronTrainer
+
+    b = batch()
+    trainer = MegatronTrainer(model_dir, tensor_parallel=tp)
+    out: dict = {"layout": trainer.data_parallel}
+    out["logprobs"], out["entropy"] = trainer.logprobs(b, 4096)
+    trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    out["grad_norm"] = trainer.train_step(b, loss_fn, 4096).gauges["train/grad_norm"]
+    out["after"] = trainer.logprobs(b, 4096)[0]
+    out["exported"] = {n: t.clone() for n, t in trainer.export_weights()}
+    trainer.save(Path(work) / f"ckpt{tp}")
+    dist.barrier()  # the controller waits for every rank's save before anything loads
+    resumed = MegatronTrainer(model_dir, tensor_parallel=tp)
+    resumed.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    resumed.load(Path(work) / f"ckpt{tp}")
+    out["resumed_exact"] = torch.equal(resumed.logprobs(b, 4096)[0], out["after"])
+    g1, g2 = (t.train_step(b, loss_fn, 4096).gauges["train/grad_norm"] for t in (trainer, resumed))
+    out["resumed_step_exact"] = g1 == g2
+    layouts = [None] * tp
+    dist.all_gather_object(layouts, out["layout"])
+    if rank == 0:
+        out["layouts"] = layouts
+        torch.save(out, Path(work) / f"tp{tp}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from loongsage.megatron.cpu import apply_cpu_shims
+
+    apply_cpu_shims()
+    model_dir, work, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    from loongsage.core.placement import free_port
+
+    port = str(free_port())
+    torch.multiprocessing.spawn(run, args=(tp, model_dir, work, port), nprocs=tp)

@@ -1,0 +1,61 @@
+"""Tensor parallelism inside a ``megatron`` trainer replica (CPU, gloo): split two ways, a replica
+computes what the unsplit one computes. Log-probs and entropies come from the vocabulary shards
+without gathering the logits; the gradient norm counts the shards over the ranks and the
+replicated norms once; the exported HF tensors are gathered on the replica's first rank; a
+checkpoint resumes exactly, every shard's optimizer state included. A layout that does not divide
+is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+from _engine_helpers import build_engine_test_model  # noqa: E402
+
+WORKER = Path(__file__).with_name("_tp_worker.py")
+
+
+def _run(model_dir: str, work: Path, tp: int) -> dict:
+    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(work), str(tp)], capture_output=True, text=True,
+                         timeout=280, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return torch.load(work / f"tp{tp}.pt", weights_only=False)
+
+
+@pytest.mark.timeout(600)
+def test_a_replica_split_two_ways_computes_as_one(tmp_path):
+    model_dir = build_engine_test_model(tmp_path / "m")  # Qwen3 (q/k norms), tied embeddings
+    one, two = _run(model_dir, tmp_path, 1), _run(model_dir, tmp_path, 2)
+    assert two["layouts"] == [(0, 1, True), (0, 1, False)]  # one data-parallel rank; rank 0 answers
+    mask = torch.ones_like(one["logprobs"], dtype=torch.bool)
+    mask[:, :8] = False
+    for key in ("logprobs", "entropy"):
+        assert (one[key] - two[key])[mask].abs().max() < 1e-5, key
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    # after one AdamW step (lr 1e-3): its first update is about lr x sign(gradient), so gradients that
+    # round apart move weights apart by up to 2e-3 where they are near zero
+    assert (one["after"] - two["after"])[mask].abs().max() < 1e-3
+    assert one["exported"].keys() == two["exported"].keys()
+    diffs = {n: (t - two["exported"][n]).abs().max().item() for n, t in one["exported"].items()}
+    assert max(diffs.values()) <= 2.5e-3, diffs
+    assert two["resumed_exact"] and two["resumed_step_exact"]
+
+
+def test_a_layout_that_does_not_divide_is_refused_in_one_line(tmp_path):
+    from loongsage.megatron.trainer import MegatronTrainer
+
+    model_dir = build_engine_test_model(tmp_path / "m")  # 4 heads, 2 key/value groups, ffn 128
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    for tp, world, message in ((2, 3, "tensor_parallel=2 does not divide trainer.world_size=3; allowed: a divisor of 3"),
+                               (4, 4, "tensor_parallel=4 does not divide num_key_value_heads=2; allowed: a divisor of 2")):
+        with pytest.raises(ValueError) as err:
+            MegatronTrainer.preflight({"tensor_parallel": tp}, model_dir, world_size=world)
+        assert str(err.value) == message and "\n" not in str(err.value)
+    assert config["num_key_value_heads"] == 2
