@@ -74,6 +74,15 @@ class Controller:
         self.trainer_group = self.engine_group = self.reward_group = self.critic_group = None
         self.teacher_group: WorkerGroup | None = None  # MOPD: one teacher per distinct spec
         self.teacher_sources: list[list[str]] = []  # the sources each teacher serves, by rank
+        # the trainer ranks' data-parallel layout (each rank its own until the trainers say otherwise)
+        self._set_data_layout([(r, cfg.trainer.world_size, True) for r in range(cfg.trainer.world_size)])
+
+    def _set_data_layout(self, layout: list[tuple[int, int, bool]]) -> None:
+        """Rows are dealt to data-parallel ranks; the trainer ranks of one (a model-parallel group)
+        all get its rows, and its leader's answers are the ones read."""
+        self.dp_size = int(layout[0][1])
+        self.dp_of = [int(d) for d, _, _ in layout]
+        self.dp_leader = {int(d): r for r, (d, _, lead) in enumerate(layout) if lead}
 
     # ------------------------------------------------------------------ setup
     def _start_actors(self, model_path: str, teacher_plans: list[TeacherPlan] = ()) -> None:
@@ -107,12 +116,7 @@ class Controller:
             for j, plan in enumerate(teacher_plans)])
         self.teacher_sources = [plan.sources for plan in teacher_plans]
         wait_ready(self.groups)
-        # rows are dealt to data-parallel ranks; the trainer ranks of one (a model-parallel group)
-        # all get its rows, and its leader's answers are the ones read
-        layout = self.trainer_group.call("data_layout")
-        self.dp_size = int(layout[0][1])
-        self.dp_of = [int(d) for d, _, _ in layout]
-        self.dp_leader = {int(d): r for r, (d, _, lead) in enumerate(layout) if lead}
+        self._set_data_layout(self.trainer_group.call("data_layout"))
         rc = cfg.rollout
         engines = self.engine_group.actors  # the router swaps a ready replacement into this very list
         self.rollout = RolloutService(router=EngineRouter(engines, health_timeout_s=rc.engine_health_timeout_s),
