@@ -169,3 +169,25 @@ def test_moe_logprobs_match_the_torch_backend_with_and_without_routing_replay(tm
     print(f"\nMoE megatron vs torch log-probs, bf16: own routing max |d| {own.max():.3e} mean {own.mean():.3e}; "
           f"replaying HF's routes (R3) max |d| {replayed.max():.3e} mean {replayed.mean():.3e}")
     assert replayed.mean() < 0.05 and replayed.max() <= own.max() + 1e-6, (own, replayed)
+
+
+@pytest.mark.timeout(1500)
+def test_r3_through_the_launcher_lowers_the_train_inference_mismatch(tmp_path):
+    """tiny/grpo_moe_r3_cpu on the card with a 4-layer Qwen3-30B-A3B shape (random bf16 weights):
+    the native engine records its routes; the megatron trainer replays them or routes on its own."""
+    k3 = {}
+    for replay in ("true", "false"):
+        rows = _launch("tiny/grpo_moe_r3_cpu", tmp_path / f"r3_{replay}", "run.total_steps=3", "checkpoint.every_steps=0",
+                       "model.builder={name: random_init, params: {preset: qwen3-30b-a3b, num_layers: 4, dtype: "
+                       "bfloat16, device: cuda, max_position_embeddings: 4096}}", "model.dtype=bfloat16",
+                       "data_sources.0.prompts_per_step=16", "data_sources.0.samples_per_prompt=4",
+                       "data_sources.0.reader.params.length=64", "data_sources.0.sampling.max_new_tokens=64",
+                       "rollout.engine={name: native, params: {device: cuda, return_routed_experts: true, "
+                       "max_model_len: 256}}",
+                       f"trainer.backend={{name: megatron, params: {{device: cuda, routing_replay: {replay}}}}}",
+                       "placement.colocate=true", "placement.gpus_per_actor=1")
+        k3[replay] = sorted(r["train/is_approx_k3_kl"] for r in rows)[len(rows) // 2]
+        if replay == "true":
+            assert all(r["train/r3_replayed_tokens"] == 64 * 128 for r in rows)
+    print(f"\nR3 through the launcher, median train/is_approx_k3_kl: with {k3['true']:.3e}, without {k3['false']:.3e}")
+    assert k3["true"] < k3["false"]
