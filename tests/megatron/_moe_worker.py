@@ -12,10 +12,11 @@ from pathlib import Path
 
 import torch
 
-from loongsage.core.embedded.trainer import TorchTrainer
-from loongsage.core.metrics import Metrics
 from loongsage.core.types import TrainBatch
 from loongsage.megatron.trainer import MegatronTrainer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _trainer_worker import loss_fn, side_by_side  # noqa: E402  (the same rows, padded on either side)
 
 EXPERTS, TOPK, LAYERS = 8, 2, 2
 
@@ -31,23 +32,6 @@ def build(path: Path) -> str:
         torch.manual_seed(0)
         Qwen3MoeForCausalLM(config).save_pretrained(str(path))
     return str(path)
-
-
-def batch() -> TrainBatch:
-    ids = torch.randint(2, 200, (3, 20), generator=torch.Generator().manual_seed(0))
-    attention = torch.ones_like(ids)
-    attention[1, 15:] = 0  # padded on the right
-    attention[2, :4] = 0  # and on the left
-    response = torch.zeros(ids.shape)
-    response[:, 8:] = 1
-    response *= attention
-    return TrainBatch(input_ids=ids, attention_mask=attention, response_mask=response,
-                      rollout_logprobs=torch.zeros(ids.shape), advantages=torch.ones(ids.shape) * 0.5,
-                      rewards=torch.zeros(3), group_ids=torch.arange(3))
-
-
-def loss_fn(lp: torch.Tensor, mb: TrainBatch) -> tuple[torch.Tensor, Metrics]:
-    return -(lp * mb.advantages * mb.response_mask).sum() / 100, Metrics()
 
 
 def hf_routes(model: torch.nn.Module, b: TrainBatch) -> list[torch.Tensor]:
@@ -66,15 +50,7 @@ def hf_routes(model: torch.nn.Module, b: TrainBatch) -> list[torch.Tensor]:
 
 def main(work: str) -> None:
     model_dir = build(Path(work) / "moe")
-    b, mask = batch(), batch().response_mask.bool()
-    ref, ours = TorchTrainer(model_dir), MegatronTrainer(model_dir)
-    out: dict[str, float | bool] = {}
-    (lp_ref, ent_ref), (lp, ent) = ref.logprobs(b, 4096), ours.logprobs(b, 4096)
-    out["logprob_diff"] = (lp_ref - lp)[mask].abs().max().item()
-    out["entropy_diff"] = (ent_ref - ent)[mask].abs().max().item()
-    exported, hf = dict(ours.export_weights()), ref.model.state_dict()
-    out["export_names_equal"] = exported.keys() == hf.keys()
-    out["export_exact"] = out["export_names_equal"] and all(torch.equal(exported[n], hf[n]) for n in hf)
+    b, mask, ref, ours, lp, out = side_by_side(model_dir)
     # R3: HF's own routes replayed give Megatron's own forward; other routes change it
     routes = hf_routes(ref.model, b)
     replayed = ours.logprobs(dataclasses.replace(b, routed_experts=routes), 4096)[0]

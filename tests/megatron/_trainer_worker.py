@@ -33,7 +33,9 @@ def loss_fn(lp: torch.Tensor, mb: TrainBatch) -> tuple[torch.Tensor, Metrics]:
     return -(lp * mb.advantages * mb.response_mask).sum() / 100, Metrics()
 
 
-def main(model_dir: str, work: str) -> None:
+def side_by_side(model_dir: str) -> tuple[TrainBatch, torch.Tensor, TorchTrainer, MegatronTrainer, torch.Tensor, dict]:
+    """Both trainers on one checkpoint and :func:`batch`: the batch, its trained positions, the two
+    trainers, Megatron's log-probs, and the comparison of log-probs, entropies and exports."""
     b, mask = batch(), batch().response_mask.bool()
     ref, ours = TorchTrainer(model_dir), MegatronTrainer(model_dir)
     out: dict[str, float | bool] = {}
@@ -42,7 +44,12 @@ def main(model_dir: str, work: str) -> None:
     out["entropy_diff"] = (ent_ref - ent)[mask].abs().max().item()
     exported, hf = dict(ours.export_weights()), ref.model.state_dict()
     out["export_names_equal"] = exported.keys() == hf.keys()
-    out["export_exact"] = all(torch.equal(exported[n], hf[n]) for n in hf)
+    out["export_exact"] = out["export_names_equal"] and all(torch.equal(exported[n], hf[n]) for n in hf)
+    return b, mask, ref, ours, lp, out
+
+
+def main(model_dir: str, work: str) -> None:
+    b, mask, ref, ours, _, out = side_by_side(model_dir)
     for trainer in (ref, ours):
         trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     g_ref, g = (t.train_step(b, loss_fn, 4096).gauges["train/grad_norm"] for t in (ref, ours))
