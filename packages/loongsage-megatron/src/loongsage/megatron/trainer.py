@@ -232,8 +232,7 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
     if segment_layout(mb) is not None:
         raise ValueError("routed_experts: routing replay of rows with several segments is not supported yet")
     b, t = mb.input_ids.shape
-    first = next(torch.as_tensor(r) for r in records if r is not None)
-    layers, topk = first.shape[1:]
+    layers, topk = next(torch.as_tensor(r) for r in records if r is not None).shape[1:]
     routes = torch.arange(topk).expand(b, t, layers, topk).clone()
     lengths = mb.attention_mask.sum(1)
     for row, record in enumerate(records):
