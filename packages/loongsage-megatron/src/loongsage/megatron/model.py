@@ -134,7 +134,8 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab:
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
-        config=transformer_config(config, dtype=dtype, tp=tp, recompute=recompute), transformer_layer_spec=layer_spec(config, attention),
+        config=transformer_config(config, dtype=dtype, tp=tp, recompute=recompute),
+        transformer_layer_spec=layer_spec(config, attention),
         vocab_size=padded_vocab or int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
         pre_process=True, post_process=True, parallel_output=True,

@@ -96,12 +96,9 @@ def sum_head_norm_grads(model: torch.nn.Module) -> None:
     ``finalize_model_grads`` does)."""
     from megatron.core import parallel_state
 
+    from loongsage.core.embedded.trainer import sum_in_place
+
     grads = [p.grad for n, p in model.named_parameters()
              if p.grad is not None and ("q_layernorm" in n or "k_layernorm" in n)]
     if grads:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        sum_in_place(grads, parallel_state.get_tensor_model_parallel_group())

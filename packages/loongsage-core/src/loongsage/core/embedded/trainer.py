@@ -427,12 +427,7 @@ class TorchTrainer(Trainer):
         for p in params:
             if p.grad is None:  # a rank whose batch never touched this parameter still joins the sum
                 p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        sum_in_place([p.grad for p in params], group)
 
     # ------------------------------------------------------------------ weights and state
     def _full_model_state(self) -> dict[str, Tensor]:
@@ -531,6 +526,16 @@ class TorchTrainer(Trainer):
 
     def onload(self) -> None:
         """Counterpart of :meth:`offload`."""
+
+
+def sum_in_place(tensors: list[Tensor], group: Any = None) -> None:
+    """Sum ``tensors`` over the ranks of ``group`` (all when None), in place, in one all-reduce."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def state_tensors(model: torch.nn.Module) -> Iterator[tuple[str, Tensor]]:
