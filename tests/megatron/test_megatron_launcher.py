@@ -1,7 +1,8 @@
 """The ``megatron`` trainer and teacher backends through the real launcher and Ray: the tiny MOPD
 recipe (two sources, a teacher each, GRPO's PG branch and the GKD branch) with the trainer and one
-teacher on Megatron, against the torch trainer and the embedded teacher; and R3 routing replay on a
-tiny Qwen3-MoE, the native engine recording the routes."""
+teacher on Megatron, against the torch trainer and the embedded teacher; R3 routing replay on a
+tiny Qwen3-MoE, the native engine recording the routes, its experts split over two ranks; a
+replica split over two tensor-parallel ranks; the refusals."""
 
 from __future__ import annotations
 
@@ -55,12 +56,15 @@ def test_mopd_on_the_megatron_trainer_and_teacher_runs_as_on_torch(ray_session, 
 
 
 @pytest.mark.timeout(600)
-def test_r3_replays_every_route_the_engine_recorded(ray_session, in_tmp):
-    """tiny/grpo_moe_r3_cpu: the native engine records the experts of every token it fed the tiny
-    Qwen3-MoE; the megatron trainer replays them: each trained token's routes exactly once (16
-    samples of 8 prompt + 8 sampled tokens a step), and the trainer's log-probs are the engine's."""
+def test_r3_replays_every_route_the_engine_recorded_on_experts_split_over_two_ranks(ray_session, in_tmp):
+    """tiny/grpo_moe_r3_cpu on two trainer ranks, the experts split between them (each rank trains
+    on half the rows): the native engine records the experts of every token it fed the tiny
+    Qwen3-MoE; the megatron trainer replays them: each trained token's routes exactly once over the
+    ranks (16 samples of 8 prompt + 8 sampled tokens a step), and the trainer's log-probs are the
+    engine's."""
     assert main(["train", "tiny/grpo_moe_r3_cpu", "run.total_steps=2", "tracking.progress=false",
-                 "checkpoint.every_steps=0"]) == 0
+                 "checkpoint.every_steps=0", "trainer.world_size=2",
+                 "trainer.backend={name: megatron, params: {expert_parallel: 2}}"]) == 0
     rows = [json.loads(line) for line in (in_tmp / "runs" / "grpo_moe_r3_cpu" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]
     assert [r["engine/version"] for r in trained] == [1.0, 2.0]

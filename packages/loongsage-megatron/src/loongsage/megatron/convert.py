@@ -18,12 +18,15 @@ weights differently from HF:
   vocabulary) split rows; row-parallel ones (``linear_proj``, ``linear_fc2``) split columns;
   norms are whole on every rank.
 
+Under expert parallelism a rank holds a contiguous block of the experts, numbered from 0 in it.
+
 ``hf_to_mcore`` gives a rank its shard; ``mcore_to_hf`` gathers all ranks' shards back into
 HF-named tensors, in HF's layout, which is what an engine loads. Both are exact (no arithmetic).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -62,6 +65,14 @@ class Shape:
         for what, n in (("num_key_value_heads", self.kv_heads), ("num_attention_heads", self.heads)):
             if n % tp:
                 raise ValueError(f"tensor_parallel={tp} does not divide {what}={n}; allowed: a divisor of {n}")
+
+    def check_ep(self, ep: int) -> None:
+        """One line naming why ``ep`` cannot split the experts: a dense model, or a count it does not divide."""
+        if ep > 1 and not self.experts:
+            raise ValueError(f"expert_parallel={ep} needs a mixture-of-experts model; allowed: 1 for a dense model")
+        if self.experts % ep:
+            raise ValueError(f"expert_parallel={ep} does not divide num_experts={self.experts}; allowed: a divisor "
+                             f"of {self.experts}")
 
 
 def num_experts(config: Mapping) -> int:
@@ -114,9 +125,14 @@ def qkv_split(qkv: Tensor, shape: Shape) -> tuple[Tensor, Tensor, Tensor]:
     return q.reshape(g * per * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
 
 
-def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int = 1) -> dict[str, Tensor]:
-    """Rank ``rank`` of ``tp``'s Megatron state from an HF state dict (``lm_head`` ignored when tied)."""
+def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int = 1, *, ep_rank: int = 0,
+                ep: int = 1) -> dict[str, Tensor]:
+    """Rank ``rank`` of ``tp``'s Megatron state from an HF state dict (``lm_head`` ignored when tied);
+    under expert parallelism only expert-parallel rank ``ep_rank`` of ``ep``'s experts, numbered
+    from 0 as its ``local_experts``."""
     shape.check_tp(tp)
+    shape.check_ep(ep)
+    local = range(ep_rank * (shape.experts // ep), (ep_rank + 1) * (shape.experts // ep)) if shape.experts else range(0)
     out: dict[str, Tensor] = {}
     for name, (target, dim) in _GLOBAL.items():
         if name in hf and not (name == "lm_head.weight" and shape.tied):
@@ -140,17 +156,17 @@ def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int =
             out[f"{dst}mlp.linear_fc1.weight"] = torch.cat([_split(gate, 0, rank, tp), _split(up, 0, rank, tp)])
         if f"{src}mlp.gate.weight" in hf:
             out[f"{dst}mlp.router.weight"] = hf[f"{src}mlp.gate.weight"]
-        for e, gate, up, down in _hf_experts(hf, src, shape.experts):
-            expert = f"{dst}mlp.experts.local_experts.{e}."
+        for e, gate, up, down in _hf_experts(hf, src, local):
+            expert = f"{dst}mlp.experts.local_experts.{e - local.start}."
             out[expert + "linear_fc1.weight"] = torch.cat([_split(gate, 0, rank, tp), _split(up, 0, rank, tp)])
             out[expert + "linear_fc2.weight"] = _split(down, 1, rank, tp)
     return out
 
 
-def _hf_experts(hf: Mapping[str, Tensor], src: str, experts: int) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
-    """``(expert, gate, up, down)`` of one HF layer, fused or per expert (nothing for a dense one)."""
+def _hf_experts(hf: Mapping[str, Tensor], src: str, experts: range) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
+    """``(expert, gate, up, down)`` of one HF layer's ``experts``, fused or per expert (nothing for a dense one)."""
     fused, down = hf.get(f"{src}mlp.experts.gate_up_proj"), hf.get(f"{src}mlp.experts.down_proj")
-    for e in range(experts):
+    for e in experts:
         if fused is not None and down is not None:
             gate, up = fused[e].chunk(2)
             yield e, gate, up, down[e]
@@ -158,6 +174,24 @@ def _hf_experts(hf: Mapping[str, Tensor], src: str, experts: int) -> Iterator[tu
             parts = [hf.get(f"{src}mlp.experts.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")]
             if all(p is not None for p in parts):
                 yield e, *parts
+
+
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def merge_expert_shards(states: list[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """One state from the expert-parallel ranks' states (rank order): every rank's experts,
+    renumbered from its block's start; every other tensor (replicated) from the first."""
+    merged: dict[str, Tensor] = {}
+    for ep_rank, state in enumerate(states):
+        local = {int(m.group(2)) for m in map(_LOCAL_EXPERT.match, state) if m}
+        for name, tensor in state.items():
+            m = _LOCAL_EXPERT.match(name)
+            if m:
+                merged[f"{m.group(1)}{ep_rank * len(local) + int(m.group(2))}{m.group(3)}"] = tensor
+            elif ep_rank == 0:
+                merged[name] = tensor
+    return merged
 
 
 def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape) -> Iterator[tuple[str, Tensor]]:

@@ -54,8 +54,8 @@ def moe_fields(config: Mapping) -> dict[str, Any]:
     HF's router takes the softmax over every expert, then the top k, renormalised when
     ``norm_topk_prob``: the softmax over the top-k logits is exactly that, Megatron without
     ``moe_router_pre_softmax``; without renormalisation it is Megatron's pre-softmax. No auxiliary
-    loss (an RL step trains on the policy loss alone); tokens are dispatched by all-gather, which
-    needs no CUDA streams (expert parallelism 1). Routing replay is on: the trainer hands a
+    loss (an RL step trains on the policy loss alone); tokens are dispatched by all-gather over the
+    expert-parallel ranks, which needs no CUDA streams. Routing replay is on: the trainer hands a
     micro-batch's recorded routes to the routers (R3, :func:`replayed_routes`).
     """
     if not architecture(config)["moe"]:
@@ -67,9 +67,11 @@ def moe_fields(config: Mapping) -> dict[str, Any]:
             "moe_token_dispatcher_type": "allgather", "moe_enable_routing_replay": True}
 
 
-def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, recompute: bool = False) -> Any:
-    """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict); ``recompute``: every
-    layer's activations are recomputed in the backward (full, one layer at a time)."""
+def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1,
+                       recompute: bool = False) -> Any:
+    """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict), split ``tp`` ways and its
+    experts ``ep`` ways; ``recompute``: every layer's activations are recomputed in the backward
+    (full, one layer at a time)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch = architecture(config)
@@ -87,7 +89,8 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, reco
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=True, perform_initialization=False,  # the weights come from the checkpoint
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, params_dtype=dtype,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=1,
+        params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype, **moe_fields(config),
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if recompute else {}))
@@ -128,13 +131,13 @@ def _megatron_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, padded_vocab: int | None = None,
+def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1, padded_vocab: int | None = None,
               attention: str = "sdpa", recompute: bool = False) -> Any:
     """A ``GPTModel`` (this rank's shard) shaped as ``config``; its weights are to be loaded."""
     from megatron.core.models.gpt import GPTModel
 
     model = GPTModel(
-        config=transformer_config(config, dtype=dtype, tp=tp, recompute=recompute),
+        config=transformer_config(config, dtype=dtype, tp=tp, ep=ep, recompute=recompute),
         transformer_layer_spec=layer_spec(config, attention),
         vocab_size=padded_vocab or int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
@@ -226,12 +229,13 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied again in the backward).
     """
     b, t = input_ids.shape
-    device = input_ids.device
-    positions = torch.arange(t, device=device).expand(b, t)
+    input_ids, attention_mask, routes = _expert_parallel_shape(model, input_ids, attention_mask, routes)
+    device, length = input_ids.device, input_ids.shape[1]
+    positions = torch.arange(length, device=device).expand(*input_ids.shape)
     masked = None
     if not bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
-        causal = torch.ones(t, t, dtype=torch.bool, device=device).triu(1)
-        masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(t, dtype=torch.bool, device=device)
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+        masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(length, dtype=torch.bool, device=device)
         masked = masked[:, None]
     model.post_process = False  # GPTModel.forward then returns the decoder's output, [s, b, hidden]
     try:
@@ -239,10 +243,37 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
             hidden = model(input_ids, positions, masked)
     finally:
         model.post_process = True
-    hidden = hidden[first - 1:].transpose(0, 1)
+    hidden = hidden[first - 1:t, :b].transpose(0, 1)
     tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden, weight=tied)
     return logits[..., :vocab].float()
+
+
+def _expert_parallel_shape(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           routes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The micro-batch padded to the largest ``[rows, tokens]`` over the expert-parallel ranks:
+    Megatron's all-gather dispatcher exchanges equal token counts. Padding is masked tokens on
+    the right and masked rows below (routed to experts ``0..topk-1`` under R3), whose outputs are
+    cut off again."""
+    if model.config.expert_model_parallel_size == 1:
+        return input_ids, attention_mask, routes
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    b, t = input_ids.shape
+    shape = torch.tensor([b, t])
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_tensor_and_model_parallel_group())
+    rows, length = int(shape[0]) - b, int(shape[1]) - t
+    if rows == 0 and length == 0:
+        return input_ids, attention_mask, routes
+    input_ids = F.pad(input_ids, (0, length, 0, rows))
+    attention_mask = F.pad(attention_mask, (0, length, 0, rows))
+    if routes is not None:
+        topk = routes.shape[-1]
+        padded = torch.arange(topk, device=routes.device).expand(b + rows, t + length, routes.shape[2], topk).clone()
+        padded[:b, :t] = routes
+        routes = padded
+    return input_ids, attention_mask, routes
 
 
 def rope_base(config: Mapping) -> float:
@@ -255,12 +286,14 @@ def rope_base(config: Mapping) -> float:
     return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
 
 
-def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping, *, rank: int = 0, tp: int = 1) -> None:
-    """Fill ``model`` (rank ``rank`` of ``tp``) from HF-named tensors; every weight must be given."""
+def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping, *, rank: int = 0, tp: int = 1,
+                    ep_rank: int = 0, ep: int = 1) -> None:
+    """Fill ``model`` (rank ``rank`` of ``tp``, expert-parallel rank ``ep_rank`` of ``ep``) from
+    HF-named tensors; every weight must be given."""
     from loongsage.megatron.convert import Shape, hf_to_mcore
 
     own = model.state_dict()
-    state = hf_to_mcore(hf, Shape.of(config), rank, tp)
+    state = hf_to_mcore(hf, Shape.of(config), rank, tp, ep_rank=ep_rank, ep=ep)
     missing = sorted(k for k in own if k not in state and not k.endswith("_extra_state"))
     unknown = sorted(k for k in state if k not in own)
     if missing or unknown:

@@ -1,4 +1,4 @@
-"""Tensor parallelism inside a trainer replica: what changes when each rank holds a shard.
+"""Model parallelism inside a trainer replica: what changes when each rank holds a shard.
 
 * **Log-probs and entropy over a vocabulary split across ranks**, in float32, without gathering
   the logits: each rank holds ``[b, t, vocab / tp]``; the maximum, the sum of exponentials and the
@@ -8,9 +8,10 @@
 * **The q/k norms' gradients** (Qwen3's per-head RMSNorm) summed over the group: every rank holds
   the whole norm but applies it to its own heads only.
 * **The gradient norm** for clipping: squares of the sharded parameters' gradients summed over the
-  group, those of the replicated ones (norms) counted once.
+  group, those of the experts over the expert-parallel group, those of the replicated ones (norms)
+  counted once.
 * **The full state** for exports and checkpoints: every rank's shard gathered to the group's
-  first rank.
+  first rank (the experts first, over the expert-parallel group).
 """
 
 from __future__ import annotations
@@ -53,34 +54,35 @@ def vocab_parallel_logprobs(logits: Tensor, input_ids: Tensor, first: int, *, vo
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over a tensor-parallel model: the global L2 norm counts a
-    sharded parameter's gradient over every rank and a replicated one's once."""
+    """``torch.nn.utils.clip_grad_norm_`` over a split model: the global L2 norm counts a sharded
+    parameter's gradient over every rank holding a part of it (an expert's over the expert-parallel
+    ranks, Megatron's ``allreduce=False``) and a replicated one's once."""
     from megatron.core import parallel_state
 
-    grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in params if p.grad is not None]
+    groups = (parallel_state.get_expert_tensor_and_model_parallel_group(),
+              parallel_state.get_tensor_model_parallel_group(), None)
+    grads = [(p.grad, 0 if not getattr(p, "allreduce", True) else 1 if getattr(p, "tensor_model_parallel", False)
+              else 2) for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
-    sharded = torch.zeros((), device=device)
-    replicated = torch.zeros((), device=device)
-    for grad, split in grads:
-        square = grad.detach().float().pow(2).sum()
-        if split:
-            sharded += square
-        else:
-            replicated += square
-    dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-    total = (sharded + replicated).sqrt()
+    squares = [torch.zeros((), device=device) for _ in groups]
+    for grad, kind in grads:
+        squares[kind] += grad.detach().float().pow(2).sum()
+    for square, group in zip(squares[:2], groups[:2]):
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(square, group=group)
+    total = sum(squares).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grad, _ in grads:
         grad.mul_(scale.to(grad.dtype))
     return total
 
 
-def gathered_state(own: dict[str, Tensor]) -> list[dict[str, Tensor]] | None:
-    """Every tensor-parallel rank's state (rank order) on the group's first rank, None elsewhere.
-    A collective of the group: every rank of it calls."""
+def gathered_state(own: dict[str, Tensor], group: dist.ProcessGroup | None = None) -> list[dict[str, Tensor]] | None:
+    """Every rank's state (rank order) on the first rank of ``group`` (the tensor-parallel group
+    when None), None elsewhere. A collective of the group: every rank of it calls."""
     from megatron.core import parallel_state
 
-    group = parallel_state.get_tensor_model_parallel_group()
+    group = group or parallel_state.get_tensor_model_parallel_group()
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     shards: list[dict[str, Tensor]] = [{} for _ in range(tp)]
     for name in sorted(own):

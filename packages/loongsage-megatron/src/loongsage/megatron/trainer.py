@@ -8,8 +8,11 @@ of HF-named tensors (so a checkpoint moves between the two backends), exports to
 an HF folder. What differs is the forward: Megatron's ``[batch, seq]`` interface with explicit
 positions and a boolean mask, and the conversion at every boundary.
 
-Tensor parallelism inside a trainer replica and Megatron's distributed optimizer are not wired yet
-(docs/megatron.md); a replica is one process holding the whole model.
+A replica may be split over ranks (:mod:`.parallel`): ``tensor_parallel`` ranks each hold a slice
+of every layer and see the same rows; under ``expert_parallel`` each rank holds a block of every
+MoE layer's experts and trains on rows of its own (the experts' ranks are data-parallel ranks for
+everything else). Pipeline parallelism and Megatron's distributed optimizer are not wired yet
+(docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -27,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer, response_start
+from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer, response_start, sum_in_place
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
-from loongsage.megatron.convert import Shape, mcore_to_hf
+from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards
 from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_logits, load_hf_weights,
                                       rope_base)
 from loongsage.megatron.parallel import clip_grad_norm, gathered_state, sum_head_norm_grads, vocab_parallel_logprobs
@@ -53,12 +56,15 @@ class MegatronTrainer(TorchTrainer):
     attention: str = "sdpa"  # torch's fused kernels; "local": Megatron's unfused attention
     routing_replay: bool = True  # R3 on an MoE model: replay the engine's routed experts when rows carry them
     tensor_parallel: int = 1  # ranks one replica is split over (trainer.world_size: a multiple of it)
+    expert_parallel: int = 1  # ranks an MoE layer's experts are split over (each trains on rows of its own)
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)  # before Megatron's process groups start
-        if not (isinstance(self.tensor_parallel, int) and self.tensor_parallel >= 1):
-            raise ValueError(f"megatron trainer: tensor_parallel={self.tensor_parallel!r}; allowed: an integer >= 1")
+        for name in ("tensor_parallel", "expert_parallel"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"megatron trainer: {name}={value!r}; allowed: an integer >= 1")
         self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
         self._replayed_tokens = 0
         if self.dp_mode != "replicate":
@@ -74,13 +80,14 @@ class MegatronTrainer(TorchTrainer):
         config = read_config(model_path)
         architecture(config)
         rope_base(config)
-        check_layout(config, int(params.get("tensor_parallel", 1)), world_size)
+        check_layout(config, int(params.get("tensor_parallel", 1)), world_size, int(params.get("expert_parallel", 1)))
 
     def _load_model(self) -> torch.nn.Module:
         self.config = read_config(self.model_path)
         self.shape = Shape.of(self.config)
         return load_gpt(self.model_path, self.config, dtype=self.dtype, device=self.device, attention=self.attention,
-                        fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing, tp=self.tensor_parallel)
+                        fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing, tp=self.tensor_parallel,
+                        ep=self.expert_parallel)
 
     # ------------------------------------------------------------------ tensor parallelism
     @property
@@ -95,6 +102,16 @@ class MegatronTrainer(TorchTrainer):
         from megatron.core import parallel_state
 
         return parallel_state.get_tensor_model_parallel_rank()
+
+    @property
+    def _ep_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_expert_model_parallel_rank()
+
+    @property
+    def _split(self) -> bool:
+        return self.tensor_parallel > 1 or self.expert_parallel > 1
 
     def _forward_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         if self.tensor_parallel == 1:
@@ -113,31 +130,46 @@ class MegatronTrainer(TorchTrainer):
 
     def _all_reduce_grads(self, group: Any = None) -> None:
         """Over the data-parallel group: the ranks of one replica hold different shards. First, in
-        a replica, the q/k norms' gradients are summed: each rank normalised its own heads only."""
-        from megatron.core import parallel_state
+        a replica, the q/k norms' gradients are summed: each rank normalised its own heads only.
+        An expert's gradient holds every expert-parallel rank's tokens already (they were gathered
+        to it): it is summed over the ranks holding the same expert only."""
+        from megatron.core import parallel_state as ps
 
         if self.tensor_parallel > 1:
             sum_head_norm_grads(self.model)
-        if parallel_state.get_data_parallel_world_size() > 1:
-            super()._all_reduce_grads(group=parallel_state.get_data_parallel_group())
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a rank whose batch never touched this parameter still joins the sum
+                p.grad = torch.zeros_like(p)
+        for group, members in ((ps.get_data_parallel_group(), [p for p in params if getattr(p, "allreduce", True)]),
+                               (ps.get_expert_data_parallel_group(),
+                                [p for p in params if not getattr(p, "allreduce", True)])):
+            if members and dist.get_world_size(group) > 1:
+                sum_in_place([p.grad for p in members], group)
 
     def _clip_grad_norm(self) -> Tensor:
-        if self.tensor_parallel == 1:
+        if not self._split:
             return super()._clip_grad_norm()
         return clip_grad_norm(list(self.model.parameters()), self.grad_clip)
 
     def save(self, path: str | Path) -> None:
-        """The torch trainer's checkpoint (HF-named tensors gathered from the shards); with tensor
-        parallelism each shard's optimizer state beside it."""
+        """The torch trainer's checkpoint (HF-named tensors gathered from the shards); with the
+        replica split, each shard's optimizer state beside it (written by the shard's first holder)."""
+        from megatron.core import parallel_state
+
         super().save(path)
-        if self.tensor_parallel > 1 and self.optimizer is not None and self.data_parallel[0] == 0:
-            torch.save(self.optimizer.state_dict(), Path(path) / f"optimizer_tp{self._tp_rank}.pt")
+        if self._split and self.optimizer is not None and parallel_state.get_expert_data_parallel_rank() == 0:
+            torch.save(self.optimizer.state_dict(), Path(path) / self._optimizer_file)
 
     def load(self, path: str | Path) -> None:
         super().load(path)
-        if self.tensor_parallel > 1 and self.optimizer is not None:
-            state = torch.load(Path(path) / f"optimizer_tp{self._tp_rank}.pt", map_location="cpu", weights_only=False)
+        if self._split and self.optimizer is not None:
+            state = torch.load(Path(path) / self._optimizer_file, map_location="cpu", weights_only=False)
             self.optimizer.load_state_dict(state)
+
+    @property
+    def _optimizer_file(self) -> str:
+        return f"optimizer_tp{self._tp_rank}" + (f"_ep{self._ep_rank}" if self.expert_parallel > 1 else "") + ".pt"
 
     def _enable_gradient_checkpointing(self) -> None:
         """Nothing to do: Megatron's full-layer recomputation is part of the model's config."""
@@ -186,9 +218,18 @@ class MegatronTrainer(TorchTrainer):
         return dict(self._hf_tensors())
 
     def _hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
-        """HF-named tensors: one rank's own as views; with tensor parallelism the shards gathered
-        on the replica's first rank (a collective of its ranks; the others yield nothing)."""
+        """HF-named tensors: one rank's own as views; with the replica split, the experts gathered
+        on the first expert-parallel rank and the tensor-parallel shards on the replica's first
+        rank (collectives of their groups; the other ranks yield nothing)."""
+        from megatron.core import parallel_state
+
         own = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if isinstance(v, Tensor)}
+        if self.expert_parallel > 1:
+            experts = gathered_state({k: v for k, v in own.items() if not getattr(v, "allreduce", True)},
+                                     parallel_state.get_expert_model_parallel_group())
+            if experts is None:
+                return
+            own = merge_expert_shards([{**own, **experts[0]}, *experts[1:]])
         shards = [own] if self.tensor_parallel == 1 else gathered_state(own)
         if shards is None:
             return
@@ -202,7 +243,8 @@ class MegatronTrainer(TorchTrainer):
         yield from self._hf_tensors()
 
     def _load_model_state(self, state: dict[str, Tensor]) -> None:
-        load_hf_weights(self.model, state, self.config, rank=self._tp_rank, tp=self.tensor_parallel)
+        load_hf_weights(self.model, state, self.config, rank=self._tp_rank, tp=self.tensor_parallel,
+                        ep_rank=self._ep_rank, ep=self.expert_parallel)
 
     def _write_hf(self, path: Path, state: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
@@ -250,32 +292,38 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
     return routes
 
 
-def check_layout(config: dict[str, Any], tp: int, world_size: int) -> None:
-    """One line naming what a tensor-parallel size does not divide: the trainer's ranks, or the
-    model's heads, key/value groups or feed-forward widths."""
-    if tp < 1 or world_size % tp:
-        raise ValueError(f"tensor_parallel={tp} does not divide trainer.world_size={world_size}; allowed: a divisor "
-                         f"of {world_size}")
+def check_layout(config: dict[str, Any], tp: int, world_size: int, ep: int = 1) -> None:
+    """One line naming what a tensor- or expert-parallel size does not divide: the trainer's
+    ranks, or the model's heads, key/value groups, feed-forward widths or experts."""
+    for name, size in (("tensor_parallel", tp), ("expert_parallel", ep)):
+        if size < 1 or world_size % size:
+            raise ValueError(f"{name}={size} does not divide trainer.world_size={world_size}; allowed: a divisor "
+                             f"of {world_size}")
+    if tp > 1 and ep > 1:
+        raise ValueError(f"tensor_parallel={tp} with expert_parallel={ep}: splitting both needs sequence parallelism, "
+                         "not built yet; allowed: one of them 1")
     Shape.of(config).check_tp(tp)
+    Shape.of(config).check_ep(ep)
     for name in ("intermediate_size", "moe_intermediate_size"):
         if config.get(name) and int(config[name]) % tp:
             raise ValueError(f"tensor_parallel={tp} does not divide {name}={config[name]}; allowed: a divisor of it")
 
 
 def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, attention: str = "sdpa",
-             fp32_lm_head: bool = True, recompute: bool = False, tp: int = 1) -> torch.nn.Module:
+             fp32_lm_head: bool = True, recompute: bool = False, tp: int = 1, ep: int = 1) -> torch.nn.Module:
     """This rank's shard of a Megatron GPT model with the HF checkpoint's weights (Megatron's
-    process groups started first, ``tp`` ranks a replica), the output layer giving float32 logits
-    where asked."""
+    process groups started first: ``tp`` ranks a replica, experts over ``ep`` ranks), the output
+    layer giving float32 logits where asked."""
     from megatron.core import parallel_state
     from safetensors.torch import load_file
 
-    start_model_parallel(device, tp)
+    start_model_parallel(device, tp, ep)
     shape = Shape.of(config)
-    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute, tp=tp,
+    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute, tp=tp, ep=ep,
                       padded_vocab=shape.padded_vocab(tp))
     hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
-    load_hf_weights(model, hf, config, rank=parallel_state.get_tensor_model_parallel_rank(), tp=tp)
+    load_hf_weights(model, hf, config, rank=parallel_state.get_tensor_model_parallel_rank(), tp=tp,
+                    ep_rank=parallel_state.get_expert_model_parallel_rank(), ep=ep)
     if fp32_lm_head and dtype != "float32":
         fp32_output_layer(model.output_layer)
     return model
@@ -300,9 +348,10 @@ def fp32_output_layer(layer: torch.nn.Module) -> None:
     layer.forward = forward
 
 
-def start_model_parallel(device: str, tp: int = 1) -> None:
+def start_model_parallel(device: str, tp: int = 1, ep: int = 1) -> None:
     """Megatron's process groups over the run's trainer ranks (one process: a group of one of its
-    own): replicas of ``tp`` ranks, pipeline parallelism 1. CPU shims when CUDA is absent."""
+    own): replicas of ``tp`` ranks, experts over ``ep`` ranks, pipeline parallelism 1. CPU shims
+    when CUDA is absent."""
     from megatron.core import parallel_state, tensor_parallel
 
     from loongsage.core.placement import free_port
@@ -314,10 +363,13 @@ def start_model_parallel(device: str, tp: int = 1) -> None:
         backend = "nccl" if str(device).startswith("cuda") else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() != tp:
-            raise ValueError(f"megatron: this process runs tensor_parallel="
-                             f"{parallel_state.get_tensor_model_parallel_world_size()}; a model asked for {tp}")
+        running = (parallel_state.get_tensor_model_parallel_world_size(),
+                   parallel_state.get_expert_model_parallel_world_size())
+        if running != (tp, ep):
+            raise ValueError(f"megatron: this process runs tensor_parallel={running[0]}, expert_parallel={running[1]}; "
+                             f"a model asked for {tp}, {ep}")
     else:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                                                 expert_model_parallel_size=ep)
         tensor_parallel.model_parallel_cuda_manual_seed(int(torch.initial_seed()) % (2**31))

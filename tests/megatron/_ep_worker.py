@@ -1,0 +1,80 @@
+"""Run by test_megatron_ep.py: ``python _ep_worker.py MODEL_DIR WORK_DIR EP``. Two gloo processes
+(Megatron's CPU shims in each), two data-parallel ranks of a ``megatron`` trainer on a tiny
+Qwen3-MoE, its experts split ``EP`` ways. The ranks hold rows of different counts and lengths,
+and a small token budget gives them different numbers of micro-batches: log-probs (with and
+without replayed routes), a step, the exported weights, a checkpoint and its resume. Rank 0
+writes ``WORK_DIR/ep{EP}.pt`` with both ranks' results."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+BUDGET = 48  # tokens per micro-batch: rank 0's rows take two, rank 1's one
+
+
+def rows_of(rank: int):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _moe_worker import EXPERTS, LAYERS, TOPK
+    from _trainer_worker import batch
+
+    b = batch()
+    if rank == 1:  # fewer and shorter rows than rank 0
+        b = b.select([0, 1])
+        for name in ("input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantages"):
+            setattr(b, name, getattr(b, name)[:, :14].contiguous())
+    g = torch.Generator().manual_seed(rank)
+    routes = [torch.randint(0, EXPERTS, (int(m.sum()), LAYERS, TOPK), generator=g) for m in b.attention_mask]
+    return b, routes
+
+
+def run(rank: int, ep: int, model_dir: str, work: str, port: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)  # as the trainer worker does
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _trainer_worker import loss_fn
+
+    from loongsage.megatron.trainer import MegatronTrainer
+
+    b, routes = rows_of(rank)
+    trainer = MegatronTrainer(model_dir, expert_parallel=ep)
+    out: dict = {"layout": trainer.data_parallel}
+    out["logprobs"], out["entropy"] = trainer.logprobs(b, BUDGET)
+    out["replayed"] = trainer.logprobs(dataclasses.replace(b, routed_experts=routes), BUDGET)[0]
+    trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    out["grad_norm"] = trainer.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
+    out["after"] = trainer.logprobs(b, BUDGET)[0]
+    out["exported"] = {n: t.clone() for n, t in trainer.export_weights()}
+    trainer.save(Path(work) / f"ckpt{ep}")
+    dist.barrier()  # the controller waits for every rank's save before anything loads
+    resumed = MegatronTrainer(model_dir, expert_parallel=ep)
+    resumed.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    resumed.load(Path(work) / f"ckpt{ep}")
+    out["resumed_exact"] = torch.equal(resumed.logprobs(b, BUDGET)[0], out["after"])
+    g1, g2 = (t.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"] for t in (trainer, resumed))
+    out["resumed_step_exact"] = g1 == g2  # every rank's experts' optimizer state came back
+    out["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if "local_experts" in n and "fc1" in n)
+    results = [None, None]
+    dist.all_gather_object(results, out)
+    if rank == 0:
+        torch.save(results, Path(work) / f"ep{ep}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from loongsage.megatron.cpu import apply_cpu_shims
+
+    apply_cpu_shims()
+    model_dir, work, ep = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    from loongsage.core.placement import free_port
+
+    port = str(free_port())
+    torch.multiprocessing.spawn(run, args=(ep, model_dir, work, port), nprocs=2)
