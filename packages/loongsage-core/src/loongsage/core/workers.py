@@ -81,7 +81,9 @@ class TrainerWorker:
         torch.manual_seed(cfg.run.seed + rank)
         self.cfg, self.rank, self.world_size, self.model_path = cfg, rank, world_size, model_path
         if world_size > 1:
-            torch.distributed.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+            # an actor on a GPU sends CUDA tensors (gradients, shards) by NCCL, CPU ones by gloo
+            backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+            torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                                                  timeout=timedelta(minutes=10))
         registry = load_registry(cfg.plugins)
         supplied = model_args(cfg, model_path)
