@@ -39,6 +39,11 @@ def run(rank: int, tp: int, model_dir: str, work: str, port: str) -> None:
     out["resumed_exact"] = torch.equal(resumed.logprobs(b, 4096)[0], out["after"])
     g1, g2 = (t.train_step(b, loss_fn, 4096).gauges["train/grad_norm"] for t in (trainer, resumed))
     out["resumed_step_exact"] = g1 == g2
+    # bfloat16 on float32 masters: they carry the shards' marks, so the norm counts every shard
+    half = MegatronTrainer(model_dir, tensor_parallel=tp, dtype="bfloat16")
+    half.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    out["bf16_grad_norm"] = half.train_step(b, loss_fn, 4096).gauges["train/grad_norm"]
+    out["bf16_masters"] = half.masters is not None and all(m.dtype == torch.float32 for m in half.masters.masters)
     layouts = [None] * tp
     dist.all_gather_object(layouts, out["layout"])
     if rank == 0:

@@ -93,14 +93,14 @@ def gathered_state(own: dict[str, Tensor], group: dist.ProcessGroup | None = Non
     return shards if rank == 0 else None
 
 
-def sum_head_norm_grads(model: torch.nn.Module) -> None:
+def sum_head_norm_grads(named: list[tuple[str, Tensor]]) -> None:
     """Sum the q/k layernorms' gradients over the tensor-parallel group (as Megatron's
-    ``finalize_model_grads`` does)."""
+    ``finalize_model_grads`` does); ``named``: each parameter's name and the tensor holding its
+    gradient (itself, or its float32 master)."""
     from megatron.core import parallel_state
 
     from loongsage.core.embedded.trainer import sum_in_place
 
-    grads = [p.grad for n, p in model.named_parameters()
-             if p.grad is not None and ("q_layernorm" in n or "k_layernorm" in n)]
+    grads = [p.grad for n, p in named if p.grad is not None and ("q_layernorm" in n or "k_layernorm" in n)]
     if grads:
         sum_in_place(grads, parallel_state.get_tensor_model_parallel_group())

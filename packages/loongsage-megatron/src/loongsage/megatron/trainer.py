@@ -136,8 +136,8 @@ class MegatronTrainer(TorchTrainer):
         from megatron.core import parallel_state as ps
 
         if self.tensor_parallel > 1:
-            sum_head_norm_grads(self.model)
-        params = [p for p in self.model.parameters() if p.requires_grad]
+            sum_head_norm_grads([(n, self._holder(p)) for n, p in self.model.named_parameters()])
+        params = self._trained()  # the float32 masters carry the parameters' marks
         for p in params:
             if p.grad is None:  # a rank whose batch never touched this parameter still joins the sum
                 p.grad = torch.zeros_like(p)
@@ -150,7 +150,7 @@ class MegatronTrainer(TorchTrainer):
     def _clip_grad_norm(self) -> Tensor:
         if not self._split:
             return super()._clip_grad_norm()
-        return clip_grad_norm(list(self.model.parameters()), self.grad_clip)
+        return clip_grad_norm(self._trained(), self.grad_clip)
 
     def save(self, path: str | Path) -> None:
         """The torch trainer's checkpoint (HF-named tensors gathered from the shards); with the
@@ -159,13 +159,17 @@ class MegatronTrainer(TorchTrainer):
 
         super().save(path)
         if self._split and self.optimizer is not None and parallel_state.get_expert_data_parallel_rank() == 0:
-            torch.save(self.optimizer.state_dict(), Path(path) / self._optimizer_file)
+            torch.save({"optimizer": self.optimizer.state_dict(),
+                        "master_weights": self.masters.state() if self.masters is not None else None},
+                       Path(path) / self._optimizer_file)
 
     def load(self, path: str | Path) -> None:
         super().load(path)
         if self._split and self.optimizer is not None:
             state = torch.load(Path(path) / self._optimizer_file, map_location="cpu", weights_only=False)
-            self.optimizer.load_state_dict(state)
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.masters is not None:
+                self.masters.load(state["master_weights"])
 
     @property
     def _optimizer_file(self) -> str:

@@ -16,6 +16,9 @@ zero-weight passes.
 A row with several segments (a multi-turn trajectory whose history was rewritten) is split in the
 forward into one sequence per segment, its outputs put back in the row (:mod:`loongsage.core.segments`).
 
+A bfloat16 or float16 model trains on float32 master weights (:mod:`.master_weights`): the
+optimizer steps float32 copies, and the micro-batches' gradients are summed in float32.
+
 Checkpoints hold full (unsharded) state written by rank 0, so a run can resume under another DP
 size or mode.
 """
@@ -46,6 +49,7 @@ from loongsage.core.embedded.lora import (
     merged_state,
     merged_weights,
 )
+from loongsage.core.embedded.master_weights import MasterWeights
 from loongsage.core.embedded.micro_batching import plan_micro_batches
 from loongsage.core.metrics import Metrics
 from loongsage.core.segments import forward_shape, is_split, segment_layout
@@ -173,6 +177,9 @@ class TorchTrainer(Trainer):
     device: str = "cpu"
     fp32_lm_head: bool = True
     gradient_checkpointing: bool = False
+    # a bfloat16/float16 model: the optimizer steps float32 copies, gradients sum in float32
+    # (master_weights.py); not under FSDP2, whose shards stay in the model's dtype
+    master_weights: bool = True
     dp_mode: Literal["fsdp2", "replicate"] = "fsdp2"
     lora: LoraConfig | None = None  # None: full fine-tuning
     # micro-batches of rows of similar length when that saves padding (see micro_batching.py)
@@ -196,6 +203,7 @@ class TorchTrainer(Trainer):
         self.model.train()
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+        self.masters: MasterWeights | None = None
         self.grad_clip = 1.0
         self.steps = 0
 
@@ -264,6 +272,9 @@ class TorchTrainer(Trainer):
     def setup_optimizer(self, lr: float, betas: list[float], eps: float, weight_decay: float,
                         grad_clip: float, warmup_steps: int = 0) -> None:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapters only, under LoRA
+        if self.master_weights and not self.sharded and any(p.dtype != torch.float32 for p in trainable):
+            self.masters = MasterWeights(trainable)
+            trainable = self.masters.masters
         self.optimizer = torch.optim.AdamW(trainable, lr=lr, betas=tuple(betas), eps=eps,
                                            weight_decay=weight_decay)
         warm = max(1, warmup_steps)
@@ -411,19 +422,30 @@ class TorchTrainer(Trainer):
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
+        if self.masters is not None:
+            self.masters.to_model()
         if self.scheduler is not None:
             self.scheduler.step()
         self.steps += 1
         return (metrics.total("train/loss", total).gauge("train/grad_norm", float(grad_norm))
                 .gauge("train/lr", self.optimizer.param_groups[0]["lr"]))
 
+    def _trained(self) -> list[Tensor]:
+        """What the optimizer steps, holding the step's gradients: the trainable parameters, or
+        their float32 masters."""
+        return list(self.optimizer.param_groups[0]["params"]) if self.optimizer is not None else []
+
+    def _holder(self, param: torch.nn.Parameter) -> Tensor:
+        """The tensor holding ``param``'s gradient: its master, or itself."""
+        return param if self.masters is None else self.masters.holder().get(param, param)
+
     def _clip_grad_norm(self) -> Tensor:
         """Clip the gradients to ``grad_clip`` by their global norm; returns the norm before."""
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        return torch.nn.utils.clip_grad_norm_(self._trained(), self.grad_clip)
 
     def _all_reduce_grads(self, group: Any = None) -> None:
         """Sum the gradients over the data-parallel ranks (``group``: all ranks when None)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self._trained()
         for p in params:
             if p.grad is None:  # a rank whose batch never touched this parameter still joins the sum
                 p.grad = torch.zeros_like(p)
@@ -469,6 +491,7 @@ class TorchTrainer(Trainer):
         if self.rank == 0:
             torch.save({
                 "model": model_state, "optimizer": optim_state,
+                "master_weights": self.masters.state() if self.masters is not None else None,
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None, "steps": self.steps,
             }, path / "trainer.pt")
         torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
@@ -495,6 +518,8 @@ class TorchTrainer(Trainer):
             self._load_model_state(state["model"])
             if self.optimizer is not None and state["optimizer"] is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
+        if self.masters is not None:  # a checkpoint without them: the loaded weights
+            self.masters.load(state.get("master_weights"))
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.steps = state["steps"]
