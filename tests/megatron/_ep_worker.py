@@ -60,6 +60,18 @@ def run(rank: int, ep: int, model_dir: str, work: str, port: str) -> None:
     out["resumed_exact"] = torch.equal(resumed.logprobs(b, BUDGET)[0], out["after"])
     g1, g2 = (t.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"] for t in (trainer, resumed))
     out["resumed_step_exact"] = g1 == g2  # every rank's experts' optimizer state came back
+    # the distributed optimizer: the same step from split masters and moments (experts in a bucket of their own)
+    split = MegatronTrainer(model_dir, expert_parallel=ep, distributed_optimizer=True)
+    split.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    out["split_grad_norm"] = split.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
+    out["split_after"] = split.logprobs(b, BUDGET)[0]
+    split.save(Path(work) / f"ckpt_split{ep}")
+    dist.barrier()
+    again = MegatronTrainer(model_dir, expert_parallel=ep, distributed_optimizer=True)
+    again.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    again.load(Path(work) / f"ckpt_split{ep}")
+    g1, g2 = (t.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"] for t in (split, again))
+    out["split_resumed_step_exact"] = g1 == g2
     out["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if "local_experts" in n and "fc1" in n)
     results = [None, None]
     dist.all_gather_object(results, out)

@@ -43,6 +43,9 @@ def run(rank: int, tp: int, model_dir: str, work: str, port: str) -> None:
     half = MegatronTrainer(model_dir, tensor_parallel=tp, dtype="bfloat16")
     half.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     out["bf16_grad_norm"] = half.train_step(b, loss_fn, 4096).gauges["train/grad_norm"]
+    split = MegatronTrainer(model_dir, tensor_parallel=tp, dtype="bfloat16", distributed_optimizer=True)
+    split.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    out["bf16_split_grad_norm"] = split.train_step(b, loss_fn, 4096).gauges["train/grad_norm"]
     out["bf16_masters"] = half.masters is not None and all(m.dtype == torch.float32 for m in half.masters.masters)
     layouts = [None] * tp
     dist.all_gather_object(layouts, out["layout"])

@@ -4,7 +4,9 @@ ranks. The ranks' micro-batches differ in count and shape (the all-gather dispat
 token counts: the forward pads to the group's largest); an expert's gradient is summed over the
 ranks that hold it, a dense one over all; the gradient norm counts each expert once; the exports
 gather every expert on rank 0 in HF's fused layout; a checkpoint resumes exactly, each rank's
-experts' optimizer state included. Layouts that cannot split the experts are refused in one line."""
+experts' optimizer state included; the distributed optimizer (the experts in a bucket of their
+own) steps as the whole one and resumes exactly. Layouts that cannot split the experts are
+refused in one line."""
 
 from __future__ import annotations
 
@@ -45,6 +47,10 @@ def test_experts_split_over_two_ranks_train_as_replicated_ones(tmp_path):
         assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
         assert (one["after"] - two["after"])[mask].abs().max() < 1e-3  # AdamW's first step: lr x sign(g)
         assert two["resumed_exact"] and two["resumed_step_exact"], rank
+        for r in (one, two):  # the distributed optimizer steps as the whole one
+            assert r["split_grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6)
+            assert (r["split_after"] - r["after"])[mask].abs().max() < 1e-5
+            assert r["split_resumed_step_exact"]
     assert whole[0]["grad_norm"] == whole[1]["grad_norm"]  # the same gradients after the sum
     exported, reference = split[0]["exported"], whole[0]["exported"]
     assert split[1]["exported"] == {}  # rank 0 gathers the experts; the other rank yields nothing

@@ -47,6 +47,7 @@ def test_a_replica_split_two_ways_computes_as_one(tmp_path):
     assert max(diffs.values()) <= 2.5e-3, diffs
     assert two["resumed_exact"] and two["resumed_step_exact"]
     assert two["bf16_masters"] and two["bf16_grad_norm"] == pytest.approx(one["bf16_grad_norm"], rel=2e-2)
+    assert two["bf16_split_grad_norm"] == pytest.approx(two["bf16_grad_norm"], rel=1e-5)  # the distributed optimizer
 
 
 def test_a_layout_that_does_not_divide_is_refused_in_one_line(tmp_path):

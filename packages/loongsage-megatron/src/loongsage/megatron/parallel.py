@@ -16,6 +16,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -53,22 +56,39 @@ def vocab_parallel_logprobs(logits: Tensor, input_ids: Tensor, first: int, *, vo
     return lp, ent
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over a split model: the global L2 norm counts a sharded
-    parameter's gradient over every rank holding a part of it (an expert's over the expert-parallel
-    ranks, Megatron's ``allreduce=False``) and a replicated one's once."""
+@dataclass(frozen=True)
+class ParameterKinds:
+    """How a gradient norm counts each parameter: an expert's square over the expert-parallel
+    ranks (Megatron's ``allreduce=False``), a tensor-parallel shard's over the tensor-parallel
+    ranks, a replicated one's once (``groups[kind]``; False: over nothing)."""
+
+    groups: tuple[Any, ...]
+
+    @staticmethod
+    def kind_of(param: torch.nn.Parameter) -> int:
+        if not getattr(param, "allreduce", True):
+            return 0
+        return 1 if getattr(param, "tensor_model_parallel", False) else 2
+
+
+def parameter_kinds() -> ParameterKinds:
     from megatron.core import parallel_state
 
-    groups = (parallel_state.get_expert_tensor_and_model_parallel_group(),
-              parallel_state.get_tensor_model_parallel_group(), None)
-    grads = [(p.grad, 0 if not getattr(p, "allreduce", True) else 1 if getattr(p, "tensor_model_parallel", False)
-              else 2) for p in params if p.grad is not None]
+    return ParameterKinds((parallel_state.get_expert_tensor_and_model_parallel_group(),
+                           parallel_state.get_tensor_model_parallel_group(), False))
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over a split model: the global L2 norm counts each
+    parameter's gradient as :class:`ParameterKinds` says."""
+    kinds = parameter_kinds()
+    grads = [(p.grad, kinds.kind_of(p)) for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
-    squares = [torch.zeros((), device=device) for _ in groups]
+    squares = [torch.zeros((), device=device) for _ in kinds.groups]
     for grad, kind in grads:
         squares[kind] += grad.detach().float().pow(2).sum()
-    for square, group in zip(squares[:2], groups[:2]):
-        if dist.get_world_size(group) > 1:
+    for square, group in zip(squares, kinds.groups):
+        if group is not False and dist.get_world_size(group) > 1:
             dist.all_reduce(square, group=group)
     total = sum(squares).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
@@ -93,14 +113,13 @@ def gathered_state(own: dict[str, Tensor], group: dist.ProcessGroup | None = Non
     return shards if rank == 0 else None
 
 
-def sum_head_norm_grads(named: list[tuple[str, Tensor]]) -> None:
+def sum_head_norm_grads(named: list[tuple[str, Tensor | None]]) -> None:
     """Sum the q/k layernorms' gradients over the tensor-parallel group (as Megatron's
-    ``finalize_model_grads`` does); ``named``: each parameter's name and the tensor holding its
-    gradient (itself, or its float32 master)."""
+    ``finalize_model_grads`` does); ``named``: each parameter's name and its gradient so far."""
     from megatron.core import parallel_state
 
     from loongsage.core.embedded.trainer import sum_in_place
 
-    grads = [p.grad for n, p in named if p.grad is not None and ("q_layernorm" in n or "k_layernorm" in n)]
+    grads = [g for n, g in named if g is not None and ("q_layernorm" in n or "k_layernorm" in n)]
     if grads:
         sum_in_place(grads, parallel_state.get_tensor_model_parallel_group())

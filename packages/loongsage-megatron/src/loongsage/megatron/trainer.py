@@ -11,8 +11,9 @@ positions and a boolean mask, and the conversion at every boundary.
 A replica may be split over ranks (:mod:`.parallel`): ``tensor_parallel`` ranks each hold a slice
 of every layer and see the same rows; under ``expert_parallel`` each rank holds a block of every
 MoE layer's experts and trains on rows of its own (the experts' ranks are data-parallel ranks for
-everything else). Pipeline parallelism and Megatron's distributed optimizer are not wired yet
-(docs/megatron.md).
+everything else). ``distributed_optimizer`` splits the float32 masters and AdamW state over the
+data-parallel ranks, the experts' over the ranks holding them. Pipeline parallelism is not wired
+yet (docs/megatron.md).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards
 from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_logits, load_hf_weights,
                                       rope_base)
-from loongsage.megatron.parallel import clip_grad_norm, gathered_state, sum_head_norm_grads, vocab_parallel_logprobs
+from loongsage.megatron.parallel import (clip_grad_norm, gathered_state, parameter_kinds, sum_head_norm_grads,
+                                        vocab_parallel_logprobs)
 
 
 def read_config(model_path: str) -> dict[str, Any]:
@@ -135,8 +137,7 @@ class MegatronTrainer(TorchTrainer):
         to it): it is summed over the ranks holding the same expert only."""
         from megatron.core import parallel_state as ps
 
-        if self.tensor_parallel > 1:
-            sum_head_norm_grads([(n, self._holder(p)) for n, p in self.model.named_parameters()])
+        self._sum_head_norm_grads()
         params = self._trained()  # the float32 masters carry the parameters' marks
         for p in params:
             if p.grad is None:  # a rank whose batch never touched this parameter still joins the sum
@@ -147,7 +148,26 @@ class MegatronTrainer(TorchTrainer):
             if members and dist.get_world_size(group) > 1:
                 sum_in_place([p.grad for p in members], group)
 
+    def _sum_head_norm_grads(self) -> None:
+        if self.tensor_parallel > 1:
+            sum_head_norm_grads([(n, self._grad(p)) for n, p in self.model.named_parameters()])
+
+    def _optimizer_buckets(self, params: list[torch.nn.Parameter]) -> list[tuple[list[torch.nn.Parameter], Any]]:
+        """The distributed optimizer's buckets: the experts split over the ranks holding the same
+        experts, everything else over the data-parallel group."""
+        from megatron.core import parallel_state as ps
+
+        return [([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group()),
+                ([p for p in params if not getattr(p, "allreduce", True)], ps.get_expert_data_parallel_group())]
+
+    def _reduce_scatter_grads(self) -> None:
+        self._sum_head_norm_grads()
+        super()._reduce_scatter_grads()
+
     def _clip_grad_norm(self) -> Tensor:
+        if self.dist_opt is not None:
+            kinds = parameter_kinds()
+            return self.dist_opt.clip_grad_norm(self.grad_clip, kind_of=kinds.kind_of, kind_groups=kinds.groups)
         if not self._split:
             return super()._clip_grad_norm()
         return clip_grad_norm(self._trained(), self.grad_clip)
@@ -158,16 +178,17 @@ class MegatronTrainer(TorchTrainer):
         from megatron.core import parallel_state
 
         super().save(path)
-        if self._split and self.optimizer is not None and parallel_state.get_expert_data_parallel_rank() == 0:
-            torch.save({"optimizer": self.optimizer.state_dict(),
-                        "master_weights": self.masters.state() if self.masters is not None else None},
-                       Path(path) / self._optimizer_file)
+        if self._split and self.optimizer is not None:
+            state = {"optimizer": self._optimizer_state(),  # a collective under the distributed optimizer
+                     "master_weights": self.masters.state() if self.masters is not None else None}
+            if parallel_state.get_expert_data_parallel_rank() == 0:
+                torch.save(state, Path(path) / self._optimizer_file)
 
     def load(self, path: str | Path) -> None:
         super().load(path)
         if self._split and self.optimizer is not None:
             state = torch.load(Path(path) / self._optimizer_file, map_location="cpu", weights_only=False)
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._load_optimizer_state(state["optimizer"])
             if self.masters is not None:
                 self.masters.load(state["master_weights"])
 

@@ -49,6 +49,7 @@ from loongsage.core.embedded.lora import (
     merged_state,
     merged_weights,
 )
+from loongsage.core.embedded.distributed_optimizer import DistributedOptimizer
 from loongsage.core.embedded.master_weights import MasterWeights
 from loongsage.core.embedded.micro_batching import plan_micro_batches
 from loongsage.core.metrics import Metrics
@@ -180,6 +181,9 @@ class TorchTrainer(Trainer):
     # a bfloat16/float16 model: the optimizer steps float32 copies, gradients sum in float32
     # (master_weights.py); not under FSDP2, whose shards stay in the model's dtype
     master_weights: bool = True
+    # AdamW's float32 masters and moments split over the data-parallel ranks (ZeRO-1; with
+    # dp_mode: replicate): distributed_optimizer.py
+    distributed_optimizer: bool = False
     dp_mode: Literal["fsdp2", "replicate"] = "fsdp2"
     lora: LoraConfig | None = None  # None: full fine-tuning
     # micro-batches of rows of similar length when that saves padding (see micro_batching.py)
@@ -198,12 +202,16 @@ class TorchTrainer(Trainer):
             self._enable_gradient_checkpointing()
         self.rank = dist.get_rank() if self.world_size > 1 else 0
         self.sharded = self.world_size > 1 and self.dp_mode == "fsdp2"
+        if self.sharded and self.distributed_optimizer:
+            raise ValueError("distributed_optimizer: FSDP2 shards the optimizer state already; set dp_mode: replicate "
+                             "to split it over the ranks this way, or leave distributed_optimizer false")
         if self.sharded:
             self._shard()
         self.model.train()
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
         self.masters: MasterWeights | None = None
+        self.dist_opt: DistributedOptimizer | None = None
         self.grad_clip = 1.0
         self.steps = 0
 
@@ -272,14 +280,22 @@ class TorchTrainer(Trainer):
     def setup_optimizer(self, lr: float, betas: list[float], eps: float, weight_decay: float,
                         grad_clip: float, warmup_steps: int = 0) -> None:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapters only, under LoRA
-        if self.master_weights and not self.sharded and any(p.dtype != torch.float32 for p in trainable):
+        if self.distributed_optimizer:
+            self.dist_opt = DistributedOptimizer(self._optimizer_buckets(trainable), lr=lr, betas=tuple(betas), eps=eps,
+                                                 weight_decay=weight_decay)
+            self.optimizer = self.dist_opt.optimizer
+        elif self.master_weights and not self.sharded and any(p.dtype != torch.float32 for p in trainable):
             self.masters = MasterWeights(trainable)
             trainable = self.masters.masters
-        self.optimizer = torch.optim.AdamW(trainable, lr=lr, betas=tuple(betas), eps=eps,
-                                           weight_decay=weight_decay)
+        if self.dist_opt is None:
+            self.optimizer = torch.optim.AdamW(trainable, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
         self.grad_clip = grad_clip
+
+    def _optimizer_buckets(self, params: list[torch.nn.Parameter]) -> list[tuple[list[torch.nn.Parameter], Any]]:
+        """The distributed optimizer's buckets: parameters and the group of ranks holding them alike."""
+        return [(params, None)]
 
     @property
     def holds_reference(self) -> bool:
@@ -396,6 +412,8 @@ class TorchTrainer(Trainer):
         """
         assert self.optimizer is not None, "setup_optimizer() first"
         self.optimizer.zero_grad(set_to_none=True)
+        if self.dist_opt is not None:
+            self.dist_opt.zero_grad()
         metrics = Metrics()
         total = 0.0
         for planned in self._aligned(mini_batch, token_budget):
@@ -416,12 +434,17 @@ class TorchTrainer(Trainer):
             if ent is not None:
                 mask = mb.response_mask.to(ent.device)
                 metrics.add("train/entropy", float((ent * mask).sum()), float(mask.sum()))
-        if self.world_size > 1 and not self.sharded:
+        if self.dist_opt is not None:
+            self._reduce_scatter_grads()
+        elif self.world_size > 1 and not self.sharded:
             self._all_reduce_grads()
         grad_norm = self._clip_grad_norm()
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        if self.dist_opt is not None:
+            self.dist_opt.step()
+        else:
+            self.optimizer.step()
         if self.masters is not None:
             self.masters.to_model()
         if self.scheduler is not None:
@@ -435,13 +458,33 @@ class TorchTrainer(Trainer):
         their float32 masters."""
         return list(self.optimizer.param_groups[0]["params"]) if self.optimizer is not None else []
 
-    def _holder(self, param: torch.nn.Parameter) -> Tensor:
-        """The tensor holding ``param``'s gradient: its master, or itself."""
-        return param if self.masters is None else self.masters.holder().get(param, param)
+    def _grad(self, param: torch.nn.Parameter) -> Tensor | None:
+        """``param``'s gradient of the step so far, wherever it is held: in the distributed
+        optimizer's flat vector (before its reduction), on its float32 master, or on itself."""
+        if self.dist_opt is not None:
+            return self.dist_opt.grad_view(param)
+        return (param if self.masters is None else self.masters.holder().get(param, param)).grad
 
     def _clip_grad_norm(self) -> Tensor:
         """Clip the gradients to ``grad_clip`` by their global norm; returns the norm before."""
+        if self.dist_opt is not None:
+            return self.dist_opt.clip_grad_norm(self.grad_clip)
         return torch.nn.utils.clip_grad_norm_(self._trained(), self.grad_clip)
+
+    def _reduce_scatter_grads(self) -> None:
+        """The distributed optimizer's reduction: each rank keeps the summed gradient of its slice."""
+        self.dist_opt.reduce_scatter()
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state for a checkpoint (with the distributed optimizer a collective:
+        every rank calls)."""
+        return self.dist_opt.state_dict() if self.dist_opt is not None else self.optimizer.state_dict()
+
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        if self.dist_opt is not None:
+            self.dist_opt.load_state_dict(state)
+        else:
+            self.optimizer.load_state_dict(state)
 
     def _all_reduce_grads(self, group: Any = None) -> None:
         """Sum the gradients over the data-parallel ranks (``group``: all ranks when None)."""
@@ -482,7 +525,7 @@ class TorchTrainer(Trainer):
         model_state = adapter_state(self.model) if self.lora is not None else self._full_model_state()
         optim_state = None
         if self.optimizer is not None:
-            optim_state = self.optimizer.state_dict()
+            optim_state = self._optimizer_state()
             if self.sharded:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -513,11 +556,11 @@ class TorchTrainer(Trainer):
         elif self.lora is not None:
             load_adapter_state(self.model, state["model"])
             if self.optimizer is not None and state["optimizer"] is not None:
-                self.optimizer.load_state_dict(state["optimizer"])
+                self._load_optimizer_state(state["optimizer"])
         else:
             self._load_model_state(state["model"])
             if self.optimizer is not None and state["optimizer"] is not None:
-                self.optimizer.load_state_dict(state["optimizer"])
+                self._load_optimizer_state(state["optimizer"])
         if self.masters is not None:  # a checkpoint without them: the loaded weights
             self.masters.load(state.get("master_weights"))
         if self.scheduler is not None and state["scheduler"] is not None:
