@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loongsage.core.embedded.kv_cache import HalfGemmFp32Out, fp32_head
-from loongsage.core.embedded.trainer import policy_logits
+from loongsage.core.embedded.logprobs import policy_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

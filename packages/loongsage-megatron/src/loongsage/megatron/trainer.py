@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer, response_start, sum_in_place
+from loongsage.core.embedded.logprobs import response_start
+from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer, sum_in_place
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards

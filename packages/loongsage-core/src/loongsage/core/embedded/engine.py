@@ -56,7 +56,7 @@ from torch import Tensor
 
 from loongsage.core.embedded.continuous import SlotBatch
 from loongsage.core.embedded.kv_cache import DecoderRunner
-from loongsage.core.embedded.trainer import logprobs_and_entropy, policy_logits
+from loongsage.core.embedded.logprobs import logprobs_and_entropy, policy_logits
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, abort_targets, check_request
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
