@@ -47,8 +47,10 @@ class Bucket:
         self.params, self.group = params, group
         self.size, self.rank = _group_size(group), _group_rank(group)
         self.offsets, total = [], 0
-        for p in params:
+        self.index = {}  # id(parameter) -> its place in params
+        for i, p in enumerate(params):
             self.offsets.append(total)
+            self.index[id(p)] = i
             total += p.numel()
         self.numel = total
         self.shard = -(-total // self.size)
@@ -74,8 +76,8 @@ class Bucket:
 
     def grad_view(self, param: torch.nn.Parameter) -> Tensor:
         """``param``'s slot in the full gradient vector (before :meth:`reduce_scatter`)."""
-        i = next(i for i, p in enumerate(self.params) if p is param)
-        return self.grad[self.offsets[i]:self.offsets[i] + param.numel()].view_as(param)
+        offset = self.offsets[self.index[id(param)]]
+        return self.grad[offset:offset + param.numel()].view_as(param)
 
     def reduce_scatter(self) -> None:
         """Every rank's gradients summed; this rank keeps its slice, as its master's gradient."""
@@ -142,7 +144,7 @@ class DistributedOptimizer:
     def grad_view(self, param: torch.nn.Parameter) -> Tensor | None:
         """``param``'s accumulated gradient, before the reduction (None: not trained here)."""
         for b in self.buckets:
-            if any(p is param for p in b.params):
+            if id(param) in b.index:
                 return b.grad_view(param)
         return None
 

@@ -24,6 +24,7 @@ class MasterWeights:
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
         self.masters = [p if p.dtype == torch.float32 else self._master(p) for p in params]
+        self._holders = dict(zip(params, self.masters))
         for param, master in zip(params, self.masters):
             if master is not param:
                 param.register_post_accumulate_grad_hook(self._hook(master))
@@ -49,9 +50,10 @@ class MasterWeights:
 
         return accumulate
 
-    def holder(self) -> dict[torch.nn.Parameter, torch.nn.Parameter]:
-        """Parameter -> the tensor holding its gradient and the optimizer's view of it."""
-        return dict(zip(self.params, self.masters))
+    def holder(self, param: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The tensor holding ``param``'s gradient and stepped by the optimizer (``param`` itself
+        when it is not trained here)."""
+        return self._holders.get(param, param)
 
     @torch.no_grad()
     def to_model(self) -> None:

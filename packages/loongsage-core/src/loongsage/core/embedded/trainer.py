@@ -399,7 +399,7 @@ class TorchTrainer(Trainer):
         optimizer's flat vector (before its reduction), on its float32 master, or on itself."""
         if self.dist_opt is not None:
             return self.dist_opt.grad_view(param)
-        return (param if self.masters is None else self.masters.holder().get(param, param)).grad
+        return (param if self.masters is None else self.masters.holder(param)).grad
 
     def _clip_grad_norm(self) -> Tensor:
         """Clip the gradients to ``grad_clip`` by their global norm; returns the norm before."""
