@@ -1,0 +1,57 @@
+"""The GPU recipes of published models (recipes/qwen3_*/): each composes and validates with stand-ins
+for its model folder (a config.json of the model's shape, the embedded tokenizer) and its data file,
+its parallel layout passes the trainer's checks against that shape, it asks for exactly the cards
+of its node, and its step's rows split evenly over the data-parallel ranks and mini-batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loongsage.core.config import load_config, placement_demand
+from loongsage.core.workers import model_args
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+# recipe -> (the shape's preset, its architecture, the cards of its node)
+SEED = {"qwen3_4b/dapo_h800_1node": ("qwen3-4b", "Qwen3ForCausalLM", 8)}
+
+
+def test_every_recipe_of_a_published_model_is_checked_here():
+    found = sorted(str(p.relative_to(RECIPES).with_suffix("")) for p in RECIPES.glob("qwen3_*/*.yaml"))
+    assert found == sorted(SEED)
+
+
+def _stand_ins(tmp_path: Path, preset: str, arch: str) -> tuple[Path, Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import Qwen3Config
+
+    from loongsage.core.embedded.shapes import PRESETS
+    from loongsage.core.embedded.tokenizer import build_tokenizer
+
+    model = tmp_path / "model"
+    Qwen3Config(**PRESETS[preset], architectures=[arch]).save_pretrained(model)
+    build_tokenizer().save_pretrained(model)
+    data = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1?", "2+2?"], "label": ["2", "4"]}), data)
+    return model, data
+
+
+@pytest.mark.parametrize("name", sorted(SEED))
+def test_a_seed_recipe_fits_its_model_and_its_node(name, tmp_path):
+    preset, arch, cards = SEED[name]
+    model, data = _stand_ins(tmp_path, preset, arch)
+    overrides = [f"model.path={model}", f"data_sources.0.reader.params.path={data}"]
+    cfg, registry = load_config(name, overrides, config_dir=str(RECIPES))
+    spec = cfg.trainer.backend
+    params = registry.check("trainer", spec, "trainer.backend", skip=tuple(model_args(cfg, str(model))))
+    preflight = registry.entry("trainer", spec["name"], "trainer.backend").preflight
+    preflight(params, str(model), world_size=cfg.trainer.world_size)  # the layout against the shape
+    assert placement_demand(cfg)[0]["GPU"] == cards
+    dp = cfg.trainer.world_size // int(params.get("tensor_parallel", 1))
+    rows = sum(s.prompts_per_step * s.samples_per_prompt for s in cfg.data_sources)
+    assert rows % (dp * cfg.trainer.mini_batches_per_step) == 0
+    # a layout the shape does not allow is refused in one line
+    with pytest.raises(ValueError, match=r"^tensor_parallel=3 does not divide trainer.world_size=8"):
+        preflight({**params, "tensor_parallel": 3}, str(model), world_size=cfg.trainer.world_size)
