@@ -70,5 +70,6 @@ def test_a_layout_that_cannot_split_the_experts_is_refused_in_one_line(tmp_path)
         with pytest.raises(ValueError) as err:
             MegatronTrainer.preflight({"expert_parallel": ep}, model_dir, world_size=world)
         assert str(err.value) == message
-    with pytest.raises(ValueError, match=r"^tensor_parallel=2 with expert_parallel=2: splitting both needs sequence "):
-        MegatronTrainer.preflight({"expert_parallel": 2, "tensor_parallel": 2}, model_dir, world_size=4)
+    for params in ({"tensor_parallel": 2}, {"expert_parallel": 2, "tensor_parallel": 2}):
+        with pytest.raises(ValueError, match=r"^tensor_parallel=2 on a mixture of experts needs sequence parallelism"):
+            MegatronTrainer.preflight(params, model_dir, world_size=4)
