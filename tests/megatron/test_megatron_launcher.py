@@ -74,6 +74,20 @@ def test_r3_replays_every_route_the_engine_recorded_on_experts_split_over_two_ra
 
 
 @pytest.mark.timeout(600)
+def test_r3_replays_the_routes_of_trajectories_made_through_the_gateway(ray_session, in_tmp):
+    """The same recipe with the chat agent: the model answers through the gateway's OpenAI
+    endpoint, and each trajectory carries its line's routes (16 rows of a 16-token chat prompt and
+    8 sampled tokens), all replayed."""
+    assert main(["train", "tiny/grpo_moe_r3_cpu", "run.name=r3_gateway", "run.total_steps=1",
+                 "tracking.progress=false", "checkpoint.every_steps=0", "data_sources.0.agent={name: chat}",
+                 "services=[{name: gateway, params: {chat_template: tokenizer, max_context_tokens: 256}}]"]) == 0
+    rows = [json.loads(line) for line in (in_tmp / "runs" / "r3_gateway" / "metrics.jsonl").read_text().splitlines()]
+    (r,) = [r for r in rows if "train/loss" in r]
+    assert r["rollout/trajectories"] == 16 and r["train/r3_replayed_tokens"] == 16 * 24, r
+    assert r["train/is_logprob_abs_diff"] < 1e-5, r
+
+
+@pytest.mark.timeout(600)
 def test_a_replica_split_over_two_trainer_ranks_trains_as_one(ray_session, in_tmp):
     """tiny/grpo_arith_cpu on two trainer ranks holding one tensor-parallel replica: both ranks get
     the same rows, the first answers, and the first step is the one-rank torch trainer's."""

@@ -121,7 +121,7 @@ class ChatService:
                                       min_p=request.min_p, max_new_tokens=min(wanted, room), n=request.n,
                                       seed=request.seed)
             results = await self._generate(plan.prompt, sampling, session)
-            choices, samples = zip(*(self._choice(k, r, request) for k, r in enumerate(results)))
+            choices, samples = zip(*(self._choice(k, r, request, len(plan.prompt)) for k, r in enumerate(results)))
             budget_cut = [wanted > room and s.finish_reason == "length" for s in samples]
             session.commit(plan, request.messages, request.tools, list(samples), budget_cut)
             self._count(plan.category, len(plan.appended), samples, budget_cut)
@@ -143,7 +143,8 @@ class ChatService:
             self.counters["engine_errors"] += 1
             raise APIError(503, f"the engine failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}") from None
 
-    def _choice(self, index: int, result: GenerationResult, request: ChatRequest) -> tuple[Choice, Sample]:
+    def _choice(self, index: int, result: GenerationResult, request: ChatRequest,
+                prompt_tokens: int) -> tuple[Choice, Sample]:
         ids, stop = list(result.output_ids), None
         sampled_stop = ids[-1] if result.finish_reason is FinishReason.STOP and ids else None
         kept, text = len(ids), None
@@ -159,8 +160,9 @@ class ChatService:
         message = self._message(text, request)
         ended = ("abort" if result.finish_reason is FinishReason.ABORT
                  else "length" if result.finish_reason is FinishReason.LENGTH and stop is None else "stop")
+        routes = None if result.routed_experts is None else result.routed_experts[:prompt_tokens + kept]
         sample = Sample(ids[:kept], list(result.logprobs[:kept]), list(result.versions[:kept]), ended, message,
-                        self.renderer.tail(sampled_stop))
+                        self.renderer.tail(sampled_stop), routes)
         # complete calls are the client's to run, even from a reply the length limit ended
         finish = "tool_calls" if message.get("tool_calls") and ended != "abort" else ended
         return Choice(index, message, finish, sample.ids, sample.logprobs, stop), sample

@@ -55,6 +55,9 @@ class Sample:
     finish_reason: str  # how the engine ended it: stop (a stop token or string) | length | abort
     message: Message  # the reply as returned to the client
     tail: str  # closing text still to write before the next turn's tokens
+    # the experts every MoE layer chose for each token fed to the engine: the prompt, then the
+    # kept tokens but the last ([tokens, layers, topk]; None: the engine records none)
+    routes: Any = None
 
 
 @dataclass
@@ -70,6 +73,7 @@ class Line:
     tail: str = ""
     generated: int = 0
     truncated: bool = False
+    routes: Any = None  # the latest turn's record, covering the whole line (one segment only; R3)
 
     @property
     def segment_start(self) -> int:
@@ -78,7 +82,7 @@ class Line:
     def copy(self) -> Line:
         return Line(list(self.tokens), list(self.mask), list(self.logprobs), list(self.versions),
                     [list(s) for s in self.segments], [dict(t) for t in self.turns], list(self.messages),
-                    self.tools, self.tail, self.generated, self.truncated)
+                    self.tools, self.tail, self.generated, self.truncated, self.routes)
 
     def add(self, plan: TurnPlan, messages: list[Message], tools: list | None, sample: Sample) -> None:
         prompt_start = len(self.tokens)
@@ -92,6 +96,10 @@ class Line:
                            "response_end": len(self.tokens), "finish_reason": sample.finish_reason})
         self.messages, self.tools, self.tail = [*messages, sample.message], tools, sample.tail
         self.generated += len(sample.ids)
+        # a turn's prompt is its segment rendered whole, so with one segment the engine was fed the
+        # line from its first token: its record covers every earlier turn's tokens too. A line of
+        # several segments has no routes (replay refuses such rows).
+        self.routes = sample.routes if len(self.segments) == 1 else None
 
     def _extend(self, ids: list[int], mask: int, logprobs: list[float], versions: list[int]) -> None:
         self.tokens.extend(ids)
@@ -106,7 +114,7 @@ class Line:
         return Trajectory(
             source=source, group_id=group_id, sample_index=sample_index, prompt_ids=self.tokens[:cut],
             response_ids=self.tokens[cut:], loss_mask=self.mask[cut:], rollout_logprobs=self.logprobs[cut:],
-            versions=self.versions[cut:],
+            versions=self.versions[cut:], routed_experts=self.routes,
             status=Status.TRUNCATED if self.truncated else Status.ABORTED if aborted else Status.OK,
             response_text=self.messages[-1].get("content", ""),
             segments=[Segment(s, e, _KIND.get(c, "rewritten")) for s, e, c in self.segments],

@@ -1,0 +1,67 @@
+"""R3 through the gateway: a multi-turn conversation with a tiny Qwen3-MoE (the native engine
+recording routed experts), driven by the official ``openai`` client. Each line's trajectory carries
+the experts every MoE layer chose for each of its tokens but the last, from its latest turn (whose
+prompt was the whole line so far): exactly what a plain HF forward over the line chooses. Sibling
+samples (``n=2``) carry their own."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _sessions import close, openai_client  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def moe_gateway(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from loongsage.agentflow.engines import DirectEngine
+    from loongsage.agentflow.gateway import Gateway
+    from loongsage.agentflow.service import ChatService
+    from loongsage.core.embedded.engine import NativeEngine
+    from loongsage.core.embedded.shapes import RandomInitModel
+
+    path = str(RandomInitModel(preset="qwen3-moe-tiny", dtype="float32", device="cpu", max_position_embeddings=512)
+               .build_into(tmp_path_factory.mktemp("moe") / "m"))
+    engine = NativeEngine(path, return_routed_experts=True, max_model_len=512, max_batch_size=8)
+    gw = Gateway(ChatService(DirectEngine(engine), AutoTokenizer.from_pretrained(path)), max_body_bytes=1 << 20)
+    gw.start_background()
+    yield gw, path
+    gw.stop_background()
+
+
+def _hf_routes(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    chosen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    return torch.stack(chosen, 1)  # [tokens, layers, topk]
+
+
+def test_a_multi_turn_line_carries_the_routes_of_all_its_tokens(moe_gateway):
+    from transformers import AutoModelForCausalLM
+
+    gateway, path = moe_gateway
+    session = gateway.open_session("r3-chat")
+    client = openai_client(session)
+    history = [{"role": "user", "content": "12+30="}]
+    first = client.chat.completions.create(model="m", messages=history, max_tokens=6, n=2, temperature=1.0, seed=1)
+    history += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                {"role": "user", "content": "and 7?"}]
+    client.chat.completions.create(model="m", messages=history, max_tokens=6, temperature=1.0, seed=2)
+    lines = close(gateway, session).trajectories()
+    assert len(lines) == 2 and len(lines[0].metadata["turns"]) == 2 and len(lines[1].metadata["turns"]) == 1
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for line in lines:
+        tokens = line.prompt_ids + line.response_ids
+        routes = torch.as_tensor(line.routed_experts).long()
+        assert routes.shape == (len(tokens) - 1, 2, 2), routes.shape
+        assert torch.equal(routes, _hf_routes(reference, tokens[:-1]))
