@@ -1,9 +1,10 @@
-"""Run by test_megatron_ep.py: ``python _ep_worker.py MODEL_DIR WORK_DIR EP``. Two gloo processes
-(Megatron's CPU shims in each), two data-parallel ranks of a ``megatron`` trainer on a tiny
-Qwen3-MoE, its experts split ``EP`` ways. The ranks hold rows of different counts and lengths,
-and a small token budget gives them different numbers of micro-batches: log-probs (with and
-without replayed routes), a step, the exported weights, a checkpoint and its resume. Rank 0
-writes ``WORK_DIR/ep{EP}.pt`` with both ranks' results."""
+"""Run by test_megatron_ep.py: ``python _ep_worker.py MODEL_DIR WORK_DIR TP EP WORLD``. ``WORLD``
+gloo processes (Megatron's CPU shims in each) of a ``megatron`` trainer on a tiny Qwen3-MoE, each
+replica split ``TP`` ways, the experts ``EP`` ways. Data-parallel rank ``r`` holds the rows of
+:func:`rows_of` ``(r)``, of different counts and lengths, and a small token budget gives the ranks
+different numbers of micro-batches: log-probs (with and without replayed routes), a step, the
+exported weights, a checkpoint and its resume, and the same with the distributed optimizer. Rank 0
+writes every rank's results to ``WORK_DIR/tp{TP}_ep{EP}.pt``."""
 
 from __future__ import annotations
 
@@ -32,51 +33,55 @@ def rows_of(rank: int):
     return b, routes
 
 
-def run(rank: int, ep: int, model_dir: str, work: str, port: str) -> None:
+def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=2)  # as the trainer worker does
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # as the trainer worker does
     sys.path.insert(0, str(Path(__file__).parent))
     from _trainer_worker import loss_fn
 
     from loongsage.megatron.trainer import MegatronTrainer
 
-    b, routes = rows_of(rank)
-    trainer = MegatronTrainer(model_dir, expert_parallel=ep)
+    def trainer_(**extra):
+        return MegatronTrainer(model_dir, tensor_parallel=tp, expert_parallel=ep, **extra)
+
+    trainer = trainer_()
     out: dict = {"layout": trainer.data_parallel}
+    b, routes = rows_of(out["layout"][0])
     out["logprobs"], out["entropy"] = trainer.logprobs(b, BUDGET)
     out["replayed"] = trainer.logprobs(dataclasses.replace(b, routed_experts=routes), BUDGET)[0]
     trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     out["grad_norm"] = trainer.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
     out["after"] = trainer.logprobs(b, BUDGET)[0]
     out["exported"] = {n: t.clone() for n, t in trainer.export_weights()}
-    trainer.save(Path(work) / f"ckpt{ep}")
+    name = f"tp{tp}_ep{ep}"
+    trainer.save(Path(work) / f"ckpt_{name}")
     dist.barrier()  # the controller waits for every rank's save before anything loads
-    resumed = MegatronTrainer(model_dir, expert_parallel=ep)
+    resumed = trainer_()
     resumed.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
-    resumed.load(Path(work) / f"ckpt{ep}")
+    resumed.load(Path(work) / f"ckpt_{name}")
     out["resumed_exact"] = torch.equal(resumed.logprobs(b, BUDGET)[0], out["after"])
     g1, g2 = (t.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"] for t in (trainer, resumed))
     out["resumed_step_exact"] = g1 == g2  # every rank's experts' optimizer state came back
     # the distributed optimizer: the same step from split masters and moments (experts in a bucket of their own)
-    split = MegatronTrainer(model_dir, expert_parallel=ep, distributed_optimizer=True)
+    split = trainer_(distributed_optimizer=True)
     split.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     out["split_grad_norm"] = split.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
     out["split_after"] = split.logprobs(b, BUDGET)[0]
-    split.save(Path(work) / f"ckpt_split{ep}")
+    split.save(Path(work) / f"ckpt_split_{name}")
     dist.barrier()
-    again = MegatronTrainer(model_dir, expert_parallel=ep, distributed_optimizer=True)
+    again = trainer_(distributed_optimizer=True)
     again.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
-    again.load(Path(work) / f"ckpt_split{ep}")
+    again.load(Path(work) / f"ckpt_split_{name}")
     g1, g2 = (t.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"] for t in (split, again))
     out["split_resumed_step_exact"] = g1 == g2
     out["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if "local_experts" in n and "fc1" in n)
-    results = [None, None]
+    results = [None] * world
     dist.all_gather_object(results, out)
     if rank == 0:
-        torch.save(results, Path(work) / f"ep{ep}.pt")
+        torch.save(results, Path(work) / f"{name}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -85,8 +90,8 @@ if __name__ == "__main__":
     from loongsage.megatron.cpu import apply_cpu_shims
 
     apply_cpu_shims()
-    model_dir, work, ep = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model_dir, work, tp, ep, world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     from loongsage.core.placement import free_port
 
     port = str(free_port())
-    torch.multiprocessing.spawn(run, args=(ep, model_dir, work, port), nprocs=2)
+    torch.multiprocessing.spawn(run, args=(tp, ep, world, model_dir, work, port), nprocs=world)

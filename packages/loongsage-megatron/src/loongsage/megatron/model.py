@@ -71,7 +71,9 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: 
                        recompute: bool = False) -> Any:
     """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict), split ``tp`` ways and its
     experts ``ep`` ways; ``recompute``: every layer's activations are recomputed in the backward
-    (full, one layer at a time)."""
+    (full, one layer at a time). With ``tp > 1`` sequence parallelism is on: between the layers'
+    tensor-parallel regions each rank holds ``1 / tp`` of the tokens (Megatron's MoE layer trains
+    under tensor parallelism only so)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch = architecture(config)
@@ -90,7 +92,7 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: 
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=True, perform_initialization=False,  # the weights come from the checkpoint
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=1,
-        params_dtype=dtype,
+        sequence_parallel=tp > 1, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype, **moe_fields(config),
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if recompute else {}))
@@ -119,6 +121,11 @@ def layer_spec(config: Mapping, attention: str = "sdpa") -> Any:
                                     normalization="RMSNorm")
     if attention == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+    norm = rms_norm_class()
+    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = norm
+    if arch["qk_layernorm"]:
+        attn.q_layernorm = attn.k_layernorm = norm
     return spec
 
 
@@ -136,15 +143,21 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1, 
     """A ``GPTModel`` (this rank's shard) shaped as ``config``; its weights are to be loaded."""
     from megatron.core.models.gpt import GPTModel
 
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    blocks = TransformerBlockSubmodules(layer_specs=[layer_spec(config, attention)] * int(config["num_hidden_layers"]),
+                                        layer_norm=rms_norm_class())
     model = GPTModel(
         config=transformer_config(config, dtype=dtype, tp=tp, ep=ep, recompute=recompute),
-        transformer_layer_spec=layer_spec(config, attention),
+        transformer_layer_spec=blocks,
         vocab_size=padded_vocab or int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
         pre_process=True, post_process=True, parallel_output=True,
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=rope_base(config))
     mark_tensor_parallel(model)
+    # the head's input is gathered whole first (gpt_logits): the layer must not gather it again
+    model.output_layer.sequence_parallel = False
     return model.to(dtype)  # the norms too, as the HF model holds them (Megatron makes them float32)
 
 
@@ -198,6 +211,12 @@ def replayed_routes(model: Any, routes: torch.Tensor | None, *, for_backward: bo
     if routes.dim() != 4 or routes.shape[2] != len(replays):
         raise ValueError(f"routed_experts: {list(routes.shape)} per micro-batch; expected [rows, tokens, "
                          f"{len(replays)} MoE layers, top-k]")
+    if model.config.sequence_parallel:  # a router sees this rank's share of the sequence
+        from megatron.core import parallel_state
+
+        share = routes.shape[1] // parallel_state.get_tensor_model_parallel_world_size()
+        start = parallel_state.get_tensor_model_parallel_rank() * share
+        routes = routes[:, start:start + share]
     for layer, replay in enumerate(replays):  # Megatron's router sees tokens sequence-major: [s * b, topk]
         replay.set_target_indices(routes[:, :, layer].transpose(0, 1).reshape(-1, routes.shape[-1]))
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -229,7 +248,7 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied again in the backward).
     """
     b, t = input_ids.shape
-    input_ids, attention_mask, routes = _expert_parallel_shape(model, input_ids, attention_mask, routes)
+    input_ids, attention_mask, routes = _common_shape(model, input_ids, attention_mask, routes)
     device, length = input_ids.device, input_ids.shape[1]
     positions = torch.arange(length, device=device).expand(*input_ids.shape)
     masked = None
@@ -243,27 +262,35 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
             hidden = model(input_ids, positions, masked)
     finally:
         model.post_process = True
+    if model.config.sequence_parallel:  # each rank's tokens: the whole sequence (its gradient split back)
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
     hidden = hidden[first - 1:t, :b].transpose(0, 1)
     tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden, weight=tied)
     return logits[..., :vocab].float()
 
 
-def _expert_parallel_shape(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           routes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The micro-batch padded to the largest ``[rows, tokens]`` over the expert-parallel ranks:
-    Megatron's all-gather dispatcher exchanges equal token counts. Padding is masked tokens on
+def _common_shape(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  routes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The micro-batch padded to the largest ``[rows, tokens]`` over the expert-parallel ranks
+    (Megatron's all-gather dispatcher exchanges equal token counts), its length to a multiple of
+    the tensor-parallel size (sequence parallelism splits it evenly). Padding is masked tokens on
     the right and masked rows below (routed to experts ``0..topk-1`` under R3), whose outputs are
     cut off again."""
-    if model.config.expert_model_parallel_size == 1:
+    cfg = model.config
+    if cfg.expert_model_parallel_size == 1 and not cfg.sequence_parallel:
         return input_ids, attention_mask, routes
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
     b, t = input_ids.shape
     shape = torch.tensor([b, t])
-    dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_tensor_and_model_parallel_group())
-    rows, length = int(shape[0]) - b, int(shape[1]) - t
+    if cfg.expert_model_parallel_size > 1:
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_tensor_and_model_parallel_group())
+    tp = cfg.tensor_model_parallel_size
+    rows, length = int(shape[0]) - b, -(-int(shape[1]) // tp) * tp - t
     if rows == 0 and length == 0:
         return input_ids, attention_mask, routes
     input_ids = F.pad(input_ids, (0, length, 0, rows))
@@ -305,6 +332,25 @@ def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping,
                              f"{tuple(own[key].shape)} in the model")
     # Megatron's per-layer extra state (None without Transformer Engine) stays the model's own
     model.load_state_dict({**own, **{k: t.to(own[k].dtype) for k, t in state.items()}}, strict=True)
+
+
+def rms_norm_class() -> type:
+    """torch's RMSNorm as Megatron builds its norms, allowed under sequence parallelism (Megatron's
+    torch-norm wrapper refuses it). Its weight is marked ``sequence_parallel``, as Megatron marks a
+    norm whose input is a share of the tokens: its gradient is summed over the tensor-parallel
+    ranks (:func:`loongsage.megatron.parallel.sum_replicated_grads`)."""
+    global _NORM
+    if _NORM is None:
+        class RMSNorm(torch.nn.RMSNorm):
+            def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any):
+                super().__init__(hidden_size, eps=eps)
+                self.weight.sequence_parallel = config.sequence_parallel
+
+        _NORM = RMSNorm
+    return _NORM
+
+
+_NORM: type | None = None
 
 
 def sdpa_attention_class() -> type:

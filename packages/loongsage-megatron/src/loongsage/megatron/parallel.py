@@ -5,8 +5,11 @@
   sampled token's logit are reduced over the tensor-parallel group. The reductions are Megatron's
   ``reduce_from_tensor_model_parallel_region`` (all-reduce forward, identity backward): every rank
   computes the same loss, and each one's gradient flows into its own shard of the logits.
-* **The q/k norms' gradients** (Qwen3's per-head RMSNorm) summed over the group: every rank holds
-  the whole norm but applies it to its own heads only.
+* **Sequence parallelism** between the tensor-parallel regions: each rank holds ``1 / tp`` of the
+  tokens (the norms, the residual stream, the routers), which is how Megatron's MoE layer trains
+  under tensor parallelism; the head's input is gathered whole first.
+* **The q/k norms', norms' and routers' gradients** summed over the group: every rank holds them
+  whole but applies them to its own heads, or (sequence parallelism) its own tokens, only.
 * **The gradient norm** for clipping: squares of the sharded parameters' gradients summed over the
   group, those of the experts over the expert-parallel group, those of the replicated ones (norms)
   counted once.
@@ -113,13 +116,17 @@ def gathered_state(own: dict[str, Tensor], group: dist.ProcessGroup | None = Non
     return shards if rank == 0 else None
 
 
-def sum_head_norm_grads(named: list[tuple[str, Tensor | None]]) -> None:
-    """Sum the q/k layernorms' gradients over the tensor-parallel group (as Megatron's
-    ``finalize_model_grads`` does); ``named``: each parameter's name and its gradient so far."""
+def sum_replicated_grads(named: list[tuple[str, torch.nn.Parameter, Tensor | None]]) -> None:
+    """Sum over the tensor-parallel group the gradients of the parameters every rank holds whole
+    but applies to a part of the work (as Megatron's ``finalize_model_grads`` does): the q/k norms
+    (each rank normalises its own heads) and, under sequence parallelism, those marked
+    ``sequence_parallel`` (the norms and routers, each rank seeing its share of the tokens).
+    ``named``: each parameter's name, the parameter, and its gradient so far."""
     from megatron.core import parallel_state
 
     from loongsage.core.embedded.trainer import sum_in_place
 
-    grads = [g for n, g in named if g is not None and ("q_layernorm" in n or "k_layernorm" in n)]
+    grads = [g for n, p, g in named if g is not None and (
+        "q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))]
     if grads:
         sum_in_place(grads, parallel_state.get_tensor_model_parallel_group())

@@ -38,7 +38,7 @@ from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards
 from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_logits, load_hf_weights,
                                       rope_base)
-from loongsage.megatron.parallel import (clip_grad_norm, gathered_state, parameter_kinds, sum_head_norm_grads,
+from loongsage.megatron.parallel import (clip_grad_norm, gathered_state, parameter_kinds, sum_replicated_grads,
                                         vocab_parallel_logprobs)
 
 
@@ -133,12 +133,13 @@ class MegatronTrainer(TorchTrainer):
 
     def _all_reduce_grads(self, group: Any = None) -> None:
         """Over the data-parallel group: the ranks of one replica hold different shards. First, in
-        a replica, the q/k norms' gradients are summed: each rank normalised its own heads only.
+        a replica, the gradients of what every rank holds whole but applied to its own heads or
+        tokens only are summed (the q/k norms; under sequence parallelism the norms and routers).
         An expert's gradient holds every expert-parallel rank's tokens already (they were gathered
         to it): it is summed over the ranks holding the same expert only."""
         from megatron.core import parallel_state as ps
 
-        self._sum_head_norm_grads()
+        self._sum_replicated_grads()
         params = self._trained()  # the float32 masters carry the parameters' marks
         for p in params:
             if p.grad is None:  # a rank whose batch never touched this parameter still joins the sum
@@ -149,9 +150,9 @@ class MegatronTrainer(TorchTrainer):
             if members and dist.get_world_size(group) > 1:
                 sum_in_place([p.grad for p in members], group)
 
-    def _sum_head_norm_grads(self) -> None:
+    def _sum_replicated_grads(self) -> None:
         if self.tensor_parallel > 1:
-            sum_head_norm_grads([(n, self._grad(p)) for n, p in self.model.named_parameters()])
+            sum_replicated_grads([(n, p, self._grad(p)) for n, p in self.model.named_parameters()])
 
     def _optimizer_buckets(self, params: list[torch.nn.Parameter]) -> list[tuple[list[torch.nn.Parameter], Any]]:
         """The distributed optimizer's buckets: the experts split over the ranks holding the same
@@ -162,7 +163,7 @@ class MegatronTrainer(TorchTrainer):
                 ([p for p in params if not getattr(p, "allreduce", True)], ps.get_expert_data_parallel_group())]
 
     def _reduce_scatter_grads(self) -> None:
-        self._sum_head_norm_grads()
+        self._sum_replicated_grads()
         super()._reduce_scatter_grads()
 
     def _clip_grad_norm(self) -> Tensor:
@@ -319,17 +320,16 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
 
 
 def check_layout(config: dict[str, Any], tp: int, world_size: int, ep: int = 1) -> None:
-    """One line naming what a tensor- or expert-parallel size does not divide (the trainer's
-    ranks, or the model's heads, key/value groups, feed-forward widths or experts), or a layout
-    not built (tensor parallelism of a mixture of experts)."""
+    """One line naming what a tensor- or expert-parallel size does not divide: the trainer's
+    ranks, or the model's heads, key/value groups, feed-forward widths or experts."""
     for name, size in (("tensor_parallel", tp), ("expert_parallel", ep)):
         if size < 1 or world_size % size:
             raise ValueError(f"{name}={size} does not divide trainer.world_size={world_size}; allowed: a divisor "
                              f"of {world_size}")
+    if world_size % (tp * ep):
+        raise ValueError(f"tensor_parallel={tp} x expert_parallel={ep} does not divide trainer.world_size={world_size}; "
+                         "allowed: a product that divides it (the experts are split over both)")
     shape = Shape.of(config)
-    if tp > 1 and shape.experts:  # Megatron's MoE layer refuses to train so; sequence parallelism is not built
-        raise ValueError(f"tensor_parallel={tp} on a mixture of experts needs sequence parallelism, not built yet; "
-                         "allowed: tensor_parallel: 1, the experts split by expert_parallel")
     shape.check_tp(tp)
     shape.check_ep(ep)
     for name in ("intermediate_size", "moe_intermediate_size"):
