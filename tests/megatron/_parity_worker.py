@@ -25,7 +25,7 @@ def run(rank: int, world: int, model_dir: str, out: str, port: str) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     from loongsage.megatron.convert import Shape, mcore_to_hf
-    from loongsage.megatron.model import build_gpt, load_hf_weights
+    from loongsage.megatron.model import build_gpt, gpt_logits, load_hf_weights
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -36,10 +36,8 @@ def run(rank: int, world: int, model_dir: str, out: str, port: str) -> None:
     load_hf_weights(model, hf, config, rank=rank, tp=world)
     model.eval()
     tokens = torch.randint(0, shape.vocab, (2, 24), generator=torch.Generator().manual_seed(0))
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    causal = torch.triu(torch.ones(1, 1, tokens.shape[1], tokens.shape[1], dtype=torch.bool), diagonal=1)
-    with torch.no_grad():
-        local = model(tokens, positions, causal)  # [b, s, this rank's vocabulary rows]
+    with torch.no_grad():  # the trainer's forward: [b, s, this rank's vocabulary rows]
+        local = gpt_logits(model, tokens, torch.ones_like(tokens), 1, vocab=shape.padded_vocab(world))
         logits = tensor_parallel.gather_from_tensor_model_parallel_region(local)[..., :shape.vocab]
     shards = [None] * world
     dist.all_gather_object(shards, {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)})
