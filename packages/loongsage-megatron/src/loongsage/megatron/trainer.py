@@ -137,16 +137,12 @@ class MegatronTrainer(TorchTrainer):
         tokens only are summed (the q/k norms; under sequence parallelism the norms and routers).
         An expert's gradient holds every expert-parallel rank's tokens already (they were gathered
         to it): it is summed over the ranks holding the same expert only."""
-        from megatron.core import parallel_state as ps
-
         self._sum_replicated_grads()
         params = self._trained()  # the float32 masters carry the parameters' marks
         for p in params:
             if p.grad is None:  # a rank whose batch never touched this parameter still joins the sum
                 p.grad = torch.zeros_like(p)
-        for group, members in ((ps.get_data_parallel_group(), [p for p in params if getattr(p, "allreduce", True)]),
-                               (ps.get_expert_data_parallel_group(),
-                                [p for p in params if not getattr(p, "allreduce", True)])):
+        for members, group in self._optimizer_buckets(params):
             if members and dist.get_world_size(group) > 1:
                 sum_in_place([p.grad for p in members], group)
 
@@ -155,8 +151,9 @@ class MegatronTrainer(TorchTrainer):
             sum_replicated_grads([(n, p, self._grad(p)) for n, p in self.model.named_parameters()])
 
     def _optimizer_buckets(self, params: list[torch.nn.Parameter]) -> list[tuple[list[torch.nn.Parameter], Any]]:
-        """The distributed optimizer's buckets: the experts split over the ranks holding the same
-        experts, everything else over the data-parallel group."""
+        """Parameters and the ranks holding them alike (the gradient sums, the distributed
+        optimizer's buckets): the experts over the ranks holding the same experts, everything else
+        over the data-parallel group."""
         from megatron.core import parallel_state as ps
 
         return [([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group()),
