@@ -13,6 +13,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+from _engine_helpers import hf_routes  # noqa: E402
 from _sessions import close, openai_client  # noqa: E402
 
 
@@ -35,17 +37,6 @@ def moe_gateway(tmp_path_factory):
     gw.stop_background()
 
 
-def _hf_routes(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    chosen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
-             for layer in model.model.layers]
-    with torch.no_grad():
-        model(input_ids=torch.tensor([ids]))
-    for hook in hooks:
-        hook.remove()
-    return torch.stack(chosen, 1)  # [tokens, layers, topk]
-
-
 def test_a_multi_turn_line_carries_the_routes_of_all_its_tokens(moe_gateway):
     from transformers import AutoModelForCausalLM
 
@@ -64,4 +55,4 @@ def test_a_multi_turn_line_carries_the_routes_of_all_its_tokens(moe_gateway):
         tokens = line.prompt_ids + line.response_ids
         routes = torch.as_tensor(line.routed_experts).long()
         assert routes.shape == (len(tokens) - 1, 2, 2), routes.shape
-        assert torch.equal(routes, _hf_routes(reference, tokens[:-1]))
+        assert torch.equal(routes, hf_routes(reference, tokens[:-1]))

@@ -1,5 +1,6 @@
 """Shared pieces of the native-engine tests: a tiny Qwen3 with peaked logits,
-prompts, requests and the reference log-probs of a plain full-sequence forward."""
+prompts, requests, the reference log-probs of a plain full-sequence forward, and the experts an
+HF mixture-of-experts forward chooses (R3's reference)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,14 @@ def full_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
     logp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
     return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
 
+
+def hf_routes(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """The experts each MoE layer of an HF Qwen3-MoE chooses for each of ``ids``: ``[tokens, layers, topk]``."""
+    chosen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    return torch.stack(chosen, 1)

@@ -7,6 +7,8 @@ and a reused prefix."""
 from __future__ import annotations
 
 import asyncio
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,22 +17,14 @@ from loongsage.core.embedded.engine import NativeEngine
 from loongsage.core.embedded.shapes import RandomInitModel
 from loongsage.core.types import GenerationRequest, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _engine_helpers import hf_routes  # noqa: E402
+
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> str:
     return str(RandomInitModel(preset="qwen3-moe-tiny", dtype="float32", device="cpu").build_into(
         tmp_path_factory.mktemp("moe") / "m"))
-
-
-def hf_routes(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    chosen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
-             for layer in model.model.layers]
-    with torch.no_grad():
-        model(input_ids=torch.tensor([ids]))
-    for hook in hooks:
-        hook.remove()
-    return torch.stack(chosen, 1)  # [tokens, layers, topk]
 
 
 def test_routes_are_those_of_a_plain_forward_over_the_same_tokens(moe_dir):
