@@ -142,7 +142,7 @@ CONTRACT_CALLS = {
     "Trainer": {"setup_optimizer": ("lr", "betas", "eps", "weight_decay", "grad_clip", "warmup_steps"),
                 "logprobs": ("batch", "token_budget"), "reference_logprobs": ("batch", "token_budget"),
                 "train_step": ("mini_batch", "loss_fn", "token_budget"), "export_weights": (), "save": ("path",),
-                "load": ("path",), "export_hf": ("path", "tokenizer"), "offload": (), "onload": (),
+                "load": ("path",), "export_hf": ("path", "tokenizer"), "offload": ("weights",), "onload": (),
                 "param_checksum": ()},
     "Engine": {"generate": ("request",), "abort": ("request_ids",), "pause": (), "resume": (), "flush_cache": (),
                "update_weights": ("named_tensors",), "release_memory": (), "resume_memory": (),

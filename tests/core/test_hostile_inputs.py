@@ -130,6 +130,9 @@ CASES: list[tuple[str, list[str], str]] = [
     ("release_disaggregated", train("colocate=false", "placement.release_engine_memory=true"),
      "placement.release_engine_memory=true: engines give their memory to a trainer on the same device, which needs "
      "placement.colocate=true"),
+    ("offload_disaggregated", train("colocate=false", "placement.offload_trainer=true"),
+     "placement.offload_trainer=true: the trainer gives its memory to engines on the same device, which needs "
+     "placement.colocate=true"),
     ("unknown_scheduler", train("rollout.scheduler.name=eager"), "rollout.scheduler.name: unknown rollout_scheduler "
      "'eager'; known: "),
     # plugins and cross-field rules

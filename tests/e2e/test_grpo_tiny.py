@@ -45,8 +45,9 @@ def _trained(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.parametrize("colocate", ["true", "false"])
 def test_grpo_loop_runs_and_resumes(ray_session, in_tmp, colocate):
-    # colocated, the engines give their memory (their KV cache, on CPU) to the trainer while it trains
-    release = ["placement.release_engine_memory=true"] if colocate == "true" else []
+    # colocated, the engines give their memory (their KV cache, on CPU) to the trainer while it trains,
+    # and the trainer its own to the engines while they generate (on CPU nothing moves)
+    release = ["placement.release_engine_memory=true", "placement.offload_trainer=true"] if colocate == "true" else []
     args = ["train", "tiny/grpo_arith_cpu", *SHORT, f"colocate={colocate}", *release]
     assert main(args) == 0
     run_dir = in_tmp / "runs" / "e2e"
@@ -62,6 +63,7 @@ def test_grpo_loop_runs_and_resumes(ray_session, in_tmp, colocate):
         # same fp32 model in trainer and engine: the train-inference mismatch is tiny
         assert 0.0 <= r["train/is_approx_k3_kl"] < 1e-6
         assert ("timing/engine_memory_s" in r) == bool(release)
+        assert ("timing/trainer_offload_s" in r) == bool(release)
     assert any(k.startswith("eval/arith/accuracy") for k in rows[0])
     assert "eval/arith/pass@2" in rows[-1]
     # weights changed: the exported final policy differs from the starting model

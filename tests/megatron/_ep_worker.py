@@ -1,10 +1,12 @@
-"""Run by test_megatron_ep.py: ``python _ep_worker.py MODEL_DIR WORK_DIR TP EP WORLD``. ``WORLD``
-gloo processes (Megatron's CPU shims in each) of a ``megatron`` trainer on a tiny Qwen3-MoE, each
-replica split ``TP`` ways, the experts ``EP`` ways. Data-parallel rank ``r`` holds the rows of
+"""Run by test_megatron_ep.py and test_megatron_pp.py: ``python _ep_worker.py MODEL_DIR WORK_DIR TP
+EP WORLD [PP]``. ``WORLD`` gloo processes (Megatron's CPU shims in each) of a ``megatron`` trainer on
+a tiny Qwen3-MoE, each replica split ``TP`` ways and into ``PP`` pipeline stages, the experts ``EP``
+ways. Data-parallel rank ``r`` holds the rows of
 :func:`rows_of` ``(r)``, of different counts and lengths, and a small token budget gives the ranks
 different numbers of micro-batches: log-probs (with and without replayed routes), a step, the
-exported weights, a checkpoint and its resume, and the same with the distributed optimizer. Rank 0
-writes every rank's results to ``WORK_DIR/tp{TP}_ep{EP}.pt``."""
+exported weights, a checkpoint and its resume, and the same with the distributed optimizer; a step
+replaying routes with every layer recomputed in the backward. Rank 0 writes every rank's results
+to ``WORK_DIR/tp{TP}_ep{EP}[_pp{PP}].pt``."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def rows_of(rank: int):
     return b, routes
 
 
-def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port: str) -> None:
+def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port: str, pp: int = 1) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -45,7 +47,7 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     from loongsage.megatron.trainer import MegatronTrainer
 
     def trainer_(**extra):
-        return MegatronTrainer(model_dir, tensor_parallel=tp, expert_parallel=ep, **extra)
+        return MegatronTrainer(model_dir, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, **extra)
 
     trainer = trainer_()
     out: dict = {"layout": trainer.data_parallel}
@@ -56,7 +58,7 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     out["grad_norm"] = trainer.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
     out["after"] = trainer.logprobs(b, BUDGET)[0]
     out["exported"] = {n: t.clone() for n, t in trainer.export_weights()}
-    name = f"tp{tp}_ep{ep}"
+    name = f"tp{tp}_ep{ep}" + (f"_pp{pp}" if pp > 1 else "")
     trainer.save(Path(work) / f"ckpt_{name}")
     dist.barrier()  # the controller waits for every rank's save before anything loads
     resumed = trainer_()
@@ -77,6 +79,11 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     again.load(Path(work) / f"ckpt_split_{name}")
     g1, g2 = (t.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"] for t in (split, again))
     out["split_resumed_step_exact"] = g1 == g2
+    # R3 with recomputation: each layer's backward recomputes it on the micro-batch's own routes
+    recomputed = trainer_(gradient_checkpointing=True)
+    recomputed.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    replayed = dataclasses.replace(b, routed_experts=routes)
+    out["replayed_grad_norm"] = recomputed.train_step(replayed, loss_fn, BUDGET).gauges["train/grad_norm"]
     out["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if "local_experts" in n and "fc1" in n)
     results = [None] * world
     dist.all_gather_object(results, out)
@@ -91,7 +98,8 @@ if __name__ == "__main__":
 
     apply_cpu_shims()
     model_dir, work, tp, ep, world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    pp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     from loongsage.core.placement import free_port
 
     port = str(free_port())
-    torch.multiprocessing.spawn(run, args=(tp, ep, world, model_dir, work, port), nprocs=world)
+    torch.multiprocessing.spawn(run, args=(tp, ep, world, model_dir, work, port, pp), nprocs=world)

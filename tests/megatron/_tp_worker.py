@@ -1,7 +1,8 @@
-"""Run by test_megatron_tp.py: ``python _tp_worker.py MODEL_DIR WORK_DIR TP``. ``TP`` gloo processes
-(Megatron's CPU shims in each) run one ``megatron`` trainer replica split ``TP`` ways on the
-trainer worker's batch: log-probs, a step, the exported weights, a checkpoint and its resume. Rank
-0 writes ``WORK_DIR/tp{TP}.pt``."""
+"""Run by test_megatron_tp.py and test_megatron_pp.py: ``python _tp_worker.py MODEL_DIR WORK_DIR TP
+[PP]``. ``TP x PP`` gloo processes (Megatron's CPU shims in each) run one ``megatron`` trainer
+replica split ``TP`` ways and into ``PP`` pipeline stages on the trainer worker's batch, one row
+per micro-batch: log-probs, a step, the exported weights, a checkpoint and its resume. Rank 0
+writes ``WORK_DIR/tp{TP}[_pp{PP}].pt``."""
 
 from __future__ import annotations
 
@@ -12,46 +13,51 @@ from pathlib import Path
 import torch
 
 
-def run(rank: int, tp: int, model_dir: str, work: str, port: str) -> None:
+BUDGET = 24  # tokens per micro-batch: one row each, three micro-batches in the pipeline
+
+
+def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", rank=rank, world_size=tp)  # as the trainer worker does
+    dist.init_process_group("gloo", rank=rank, world_size=tp * pp)  # as the trainer worker does
     sys.path.insert(0, str(Path(__file__).parent))
     from _trainer_worker import batch, loss_fn
 
     from loongsage.megatron.trainer import MegatronTrainer
 
     b = batch()
-    trainer = MegatronTrainer(model_dir, tensor_parallel=tp)
+    trainer = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp)
     out: dict = {"layout": trainer.data_parallel}
-    out["logprobs"], out["entropy"] = trainer.logprobs(b, 4096)
+    out["logprobs"], out["entropy"] = trainer.logprobs(b, BUDGET)
     trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
-    out["grad_norm"] = trainer.train_step(b, loss_fn, 4096).gauges["train/grad_norm"]
-    out["after"] = trainer.logprobs(b, 4096)[0]
+    out["grad_norm"] = trainer.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
+    out["after"] = trainer.logprobs(b, BUDGET)[0]
     out["exported"] = {n: t.clone() for n, t in trainer.export_weights()}
-    trainer.save(Path(work) / f"ckpt{tp}")
+    name = f"tp{tp}" + (f"_pp{pp}" if pp > 1 else "")
+    trainer.save(Path(work) / f"ckpt_{name}")
     dist.barrier()  # the controller waits for every rank's save before anything loads
-    resumed = MegatronTrainer(model_dir, tensor_parallel=tp)
+    resumed = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp)
     resumed.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
-    resumed.load(Path(work) / f"ckpt{tp}")
-    out["resumed_exact"] = torch.equal(resumed.logprobs(b, 4096)[0], out["after"])
-    g1, g2 = (t.train_step(b, loss_fn, 4096).gauges["train/grad_norm"] for t in (trainer, resumed))
+    resumed.load(Path(work) / f"ckpt_{name}")
+    out["resumed_exact"] = torch.equal(resumed.logprobs(b, BUDGET)[0], out["after"])
+    g1, g2 = (t.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"] for t in (trainer, resumed))
     out["resumed_step_exact"] = g1 == g2
     # bfloat16 on float32 masters: they carry the shards' marks, so the norm counts every shard
-    half = MegatronTrainer(model_dir, tensor_parallel=tp, dtype="bfloat16")
+    half = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp, dtype="bfloat16")
     half.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
-    out["bf16_grad_norm"] = half.train_step(b, loss_fn, 4096).gauges["train/grad_norm"]
-    split = MegatronTrainer(model_dir, tensor_parallel=tp, dtype="bfloat16", distributed_optimizer=True)
+    out["bf16_grad_norm"] = half.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
+    split = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp, dtype="bfloat16", distributed_optimizer=True)
     split.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
-    out["bf16_split_grad_norm"] = split.train_step(b, loss_fn, 4096).gauges["train/grad_norm"]
+    out["bf16_split_grad_norm"] = split.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
     out["bf16_masters"] = half.masters is not None and all(m.dtype == torch.float32 for m in half.masters.masters)
-    layouts = [None] * tp
-    dist.all_gather_object(layouts, out["layout"])
-    if rank == 0:
-        out["layouts"] = layouts
-        torch.save(out, Path(work) / f"tp{tp}.pt")
+    outs = [None] * (tp * pp)
+    dist.all_gather_object(outs, out)
+    if rank == 0:  # the leader's answers (the last stage computes them); rank 0's exports
+        leader = next(o for o in outs if o["layout"][2])
+        torch.save({**leader, "exported": out["exported"], "layouts": [o["layout"] for o in outs],
+                    "others_exported": [o["exported"] for o in outs[1:]]}, Path(work) / f"{name}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -61,7 +67,8 @@ if __name__ == "__main__":
 
     apply_cpu_shims()
     model_dir, work, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    pp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     from loongsage.core.placement import free_port
 
     port = str(free_port())
-    torch.multiprocessing.spawn(run, args=(tp, model_dir, work, port), nprocs=tp)
+    torch.multiprocessing.spawn(run, args=(tp, pp, model_dir, work, port), nprocs=tp * pp)

@@ -6,8 +6,8 @@ ranks that hold it, a dense one over all; the gradient norm counts each expert o
 gather every expert on rank 0 in HF's fused layout; a checkpoint resumes exactly, each rank's
 experts' optimizer state included; the distributed optimizer (the experts in a bucket of their
 own) steps as the whole one and resumes exactly. The same on four ranks with tensor parallelism
-(and sequence parallelism) as well. Layouts that cannot split the experts are refused in one
-line."""
+(and sequence parallelism) as well, and on four ranks in two pipeline stages, replaying routes
+through recomputed layers. Layouts that cannot split the experts are refused in one line."""
 
 from __future__ import annotations
 
@@ -25,11 +25,11 @@ from _moe_worker import EXPERTS, build  # noqa: E402
 WORKER = Path(__file__).with_name("_ep_worker.py")
 
 
-def _run(model_dir: str, work: Path, tp: int, ep: int, world: int) -> list[dict]:
-    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(work), str(tp), str(ep), str(world)],
+def _run(model_dir: str, work: Path, tp: int, ep: int, world: int, pp: int = 1) -> list[dict]:
+    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(work), str(tp), str(ep), str(world), str(pp)],
                          capture_output=True, text=True, timeout=500, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return torch.load(work / f"tp{tp}_ep{ep}.pt", weights_only=False)
+    return torch.load(work / (f"tp{tp}_ep{ep}" + (f"_pp{pp}" if pp > 1 else "") + ".pt"), weights_only=False)
 
 
 def _same_step(one: dict, two: dict, what: str) -> None:
@@ -42,6 +42,9 @@ def _same_step(one: dict, two: dict, what: str) -> None:
     assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5), what
     assert (one["after"] - two["after"])[mask].abs().max() < 1e-3, what  # AdamW's first step: lr x sign(g)
     assert two["resumed_exact"] and two["resumed_step_exact"], what
+    # replayed routes, every layer recomputed in the backward on its micro-batch's own routes
+    assert two["replayed_grad_norm"] == pytest.approx(one["replayed_grad_norm"], rel=1e-5), what
+    assert abs(one["replayed_grad_norm"] - one["grad_norm"]) > 1e-2, what
     for r in (one, two):  # the distributed optimizer steps as the whole one
         assert r["split_grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6), what
         assert (r["split_after"] - r["after"])[mask].abs().max() < 1e-5, what
@@ -92,6 +95,23 @@ def test_a_replica_split_by_tensor_and_expert_parallelism_trains_as_a_whole_one(
     _exports_agree(whole[0]["exported"], split[0]["exported"])
 
 
+@pytest.mark.timeout(900)
+def test_experts_split_in_two_pipeline_stages_train_as_replicated_ones(moe):
+    """Four ranks: two data-parallel replicas in two pipeline stages (a layer each), the experts
+    of each stage's layer split over the stage's two ranks. Rank 0's rows take two micro-batches,
+    rank 1's one and a padding pass: in the one-forward-one-backward order two micro-batches are
+    in flight on the first stage, and a recomputed layer must take the routes of the right one."""
+    model_dir, work, whole = moe
+    split = _run(model_dir, work, 1, 2, 4, pp=2)
+    assert [r["layout"] for r in split] == [(0, 2, False), (1, 2, False), (0, 2, True), (1, 2, True)]
+    assert [r["local_experts"] for r in split] == [EXPERTS // 2] * 4  # one layer per stage, half its experts
+    leaders = {r["layout"][0]: r for r in split if r["layout"][2]}
+    for rank in (0, 1):
+        _same_step(whole[rank], leaders[rank], f"ep2 pp2 data-parallel rank {rank}")
+    assert all(r["exported"] == {} for r in split[1:])  # every stage's tensors reach rank 0
+    _exports_agree(whole[0]["exported"], split[0]["exported"])
+
+
 def test_a_layout_that_cannot_split_the_experts_is_refused_in_one_line(tmp_path):
     from loongsage.megatron.trainer import MegatronTrainer
 
@@ -102,5 +122,5 @@ def test_a_layout_that_cannot_split_the_experts_is_refused_in_one_line(tmp_path)
         with pytest.raises(ValueError) as err:
             MegatronTrainer.preflight({"expert_parallel": ep}, model_dir, world_size=world)
         assert str(err.value) == message
-    with pytest.raises(ValueError, match=r"^tensor_parallel=2 x expert_parallel=2 does not divide trainer.world_size=2;"):
+    with pytest.raises(ValueError, match=r"^tensor_parallel=2 x expert_parallel=2 x pipeline_parallel=1 does not divide trainer.world_size=2;"):
         MegatronTrainer.preflight({"expert_parallel": 2, "tensor_parallel": 2}, model_dir, world_size=2)

@@ -89,19 +89,23 @@ def test_r3_replays_the_routes_of_trajectories_made_through_the_gateway(ray_sess
 
 @pytest.mark.timeout(600)
 def test_a_replica_split_over_two_trainer_ranks_trains_as_one(ray_session, in_tmp):
-    """tiny/grpo_arith_cpu on two trainer ranks holding one tensor-parallel replica: both ranks get
-    the same rows, the first answers, and the first step is the one-rank torch trainer's."""
+    """tiny/grpo_arith_cpu on two trainer ranks holding one replica, split by tensor parallelism or
+    into two pipeline stages: both ranks get the same rows, the one computing the losses answers,
+    and the first step is the one-rank torch trainer's."""
     common = ["train", "tiny/grpo_arith_cpu", "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4",
               "evaluation.every_steps=0", "tracking.progress=false", "checkpoint.every_steps=0",
               "checkpoint.export_hf=false"]
     assert main([*common, "run.name=tp2", "run.total_steps=2", "trainer.world_size=2",
                  "trainer.backend={name: megatron, params: {tensor_parallel: 2}}"]) == 0
+    assert main([*common, "run.name=pp2", "run.total_steps=2", "trainer.world_size=2",
+                 "trainer.backend={name: megatron, params: {pipeline_parallel: 2}}"]) == 0
     assert main([*common, "run.name=one", "run.total_steps=1"]) == 0
     rows = {name: [r for r in map(json.loads, (in_tmp / "runs" / name / "metrics.jsonl").read_text().splitlines())
-                   if "train/loss" in r] for name in ("tp2", "one")}
-    assert [r["engine/version"] for r in rows["tp2"]] == [1.0, 2.0]
-    for key in ("train/loss", "train/grad_norm", "rollout/trajectories"):
-        assert rows["tp2"][0][key] == pytest.approx(rows["one"][0][key], rel=1e-4, abs=1e-6), key
+                   if "train/loss" in r] for name in ("tp2", "pp2", "one")}
+    for split in ("tp2", "pp2"):
+        assert [r["engine/version"] for r in rows[split]] == [1.0, 2.0]
+        for key in ("train/loss", "train/grad_norm", "rollout/trajectories"):
+            assert rows[split][0][key] == pytest.approx(rows["one"][0][key], rel=1e-4, abs=1e-6), (split, key)
 
 
 def test_the_launcher_refuses_lora_and_a_layout_that_does_not_divide_before_any_actor(in_tmp, capsys, model_cache):

@@ -165,6 +165,10 @@ class PlacementConfig:
     # colocated: the engines free their KV cache (and move their weights off the accelerator) while
     # the trainer trains, and take them back before the weight push; null: when colocated on GPUs
     release_engine_memory: bool | None = None
+    # colocated: the trainer moves its optimizer state, float32 masters and weights to host memory while
+    # the engines generate, and takes them back to train (for models whose trainer state and engine do
+    # not fit on a card together)
+    offload_trainer: bool = False
     num_cpus: int | None = ranged(None, ge=1)  # Ray's num_cpus when this run starts Ray itself (null = every core)
     # intra-op threads per actor; 0 = every core (sync steps never overlap)
     torch_threads: int = ranged(0, ge=0, note="0 = every core")
@@ -393,6 +397,9 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
                           "(colocate=false), or use rollout.scheduler.name='sync'")
     if cfg.placement.release_engine_memory and not cfg.placement.colocate:
         raise ConfigError("placement.release_engine_memory=true: engines give their memory to a trainer on the same "
+                          "device, which needs placement.colocate=true; drop it for a disaggregated placement")
+    if cfg.placement.offload_trainer and not cfg.placement.colocate:
+        raise ConfigError("placement.offload_trainer=true: the trainer gives its memory to engines on the same "
                           "device, which needs placement.colocate=true; drop it for a disaggregated placement")
     if cfg.placement.release_engine_memory is None:  # colocated (hence synchronous) on GPUs
         cfg.placement.release_engine_memory = bool(cfg.placement.colocate and cfg.placement.gpus_per_actor > 0)

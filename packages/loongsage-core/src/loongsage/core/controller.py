@@ -401,6 +401,10 @@ class Controller:
         cfg = self.cfg
         ev = cfg.evaluation
         history: list[dict[str, float]] = []
+        offload = cfg.placement.offload_trainer  # colocated: the engines get the device while they generate
+        carried = 0.0  # the time of the last offload, reported with the next step
+        if offload:
+            carried = await asyncio.to_thread(self._move_trainers, "offload")
         if start == 0:
             self._log(0, await self.evaluator.run(self.rollout, self.step))
         for step in range(start, cfg.run.total_steps):
@@ -413,7 +417,12 @@ class Controller:
                 released = time.perf_counter()
                 await asyncio.to_thread(self.engine_group.call, "release_memory")
                 released = time.perf_counter() - released
+            if offload:
+                carried += await asyncio.to_thread(self._move_trainers, "onload")
             metrics.update(await asyncio.to_thread(self._train, groups))
+            if offload:  # the weights stay for the push
+                metrics["timing/trainer_offload_s"] = carried + await asyncio.to_thread(
+                    self._move_trainers, "offload", weights=False)
             if release:
                 resumed = time.perf_counter()
                 await asyncio.to_thread(self.engine_group.call, "resume_memory")
@@ -445,12 +454,22 @@ class Controller:
                 async with self.rollout.trainer_in_use():  # no lost engine's replacement loads meanwhile
                     await asyncio.to_thread(ckpt.save, self.run_dir, self.step, state, self.trainer_group.actors,
                                             self.critic_group.only(), cfg.checkpoint.keep_last, rollout=rollout_data)
+            if offload:  # after the push and the checkpoint, which read the weights on the device
+                carried = await asyncio.to_thread(self._move_trainers, "offload")
         progress.close()
         await self.rollout.close()
         if cfg.checkpoint.export_hf:
             await asyncio.to_thread(ckpt.export_final, self.run_dir, self.trainer_group.actors)
         return {"steps": self.step, "version": self.version, "run_dir": str(self.run_dir),
                 "last_metrics": history[-1] if history else {}}
+
+    def _move_trainers(self, method: str, **kwargs: Any) -> float:
+        """``offload`` or ``onload`` on every trainer and critic rank; returns the seconds it took."""
+        start = time.perf_counter()
+        for group in (self.trainer_group, self.critic_group):
+            if group:
+                group.call(method, **kwargs)
+        return time.perf_counter() - start
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if not metrics:

@@ -116,11 +116,12 @@ class TrainerWorker:
 
     def train_step(self, mini_batch: TrainBatch) -> Metrics:
         metrics = self.backend.train_step(mini_batch, self.pipeline, self.token_budget)
-        if not self.data_layout()[2]:
+        dp_rank, _, leader = self.data_layout()
+        if not leader:
             return Metrics()  # the same rows as its leader: its sums would count them twice
-        # the gradient norm and learning rate are the model's, the same on every rank: rank 0
-        # reports them, the others their shares of the sums
-        return metrics if self.rank == 0 else metrics.without_gauges()
+        # the gradient norm and learning rate are the model's, the same on every rank: the first
+        # data-parallel rank's leader reports them, the others their shares of the sums
+        return metrics if dp_rank == 0 else metrics.without_gauges()
 
     def push_weights(self, engines: list[Any]) -> PushResult | None:
         """Every rank calls (gathering shards is a collective); rank 0 sends to the engines and
@@ -135,6 +136,17 @@ class TrainerWorker:
 
     def param_checksum(self) -> float:
         return self.backend.param_checksum()
+
+    def offload(self, weights: bool = True) -> None:
+        """Free the device for a colocated engine (the reference model's weights too)."""
+        self.backend.offload(weights=weights)
+        if self.reference is not None:
+            self.reference.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+        if self.reference is not None:
+            self.reference.onload()
 
     def save(self, path: str) -> None:
         self.backend.save(path)
@@ -319,6 +331,12 @@ class CriticWorker:
 
     def train_step(self, mini_batch: TrainBatch) -> Metrics:
         return self.backend.train_step(mini_batch, self.loss, self.token_budget).renamed("train/", "critic/")
+
+    def offload(self, weights: bool = True) -> None:
+        self.backend.offload(weights=weights)
+
+    def onload(self) -> None:
+        self.backend.onload()
 
     def save(self, path: str) -> None:
         self.backend.save(path)

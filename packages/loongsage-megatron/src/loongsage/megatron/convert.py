@@ -126,24 +126,29 @@ def qkv_split(qkv: Tensor, shape: Shape) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int = 1, *, ep_rank: int = 0,
-                ep: int = 1) -> dict[str, Tensor]:
+                ep: int = 1, layers: range | None = None, first: bool = True, last: bool = True) -> dict[str, Tensor]:
     """Rank ``rank`` of ``tp``'s Megatron state from an HF state dict (``lm_head`` ignored when tied);
     under expert parallelism only expert-parallel rank ``ep_rank`` of ``ep``'s experts, numbered
-    from 0 as its ``local_experts``."""
+    from 0 as its ``local_experts``. A pipeline stage holds ``layers`` (numbered from 0 in it),
+    the embedding when ``first``, the final norm and output layer when ``last`` (a tied model's
+    last stage without the first: a copy of the embedding as its output layer)."""
     shape.check_tp(tp)
     shape.check_ep(ep)
     local = range(ep_rank * (shape.experts // ep), (ep_rank + 1) * (shape.experts // ep)) if shape.experts else range(0)
+    layers = range(shape.layers) if layers is None else layers
+    held = {"model.embed_tokens.weight": first, "model.norm.weight": last, "lm_head.weight": last}
     out: dict[str, Tensor] = {}
     for name, (target, dim) in _GLOBAL.items():
-        if name in hf and not (name == "lm_head.weight" and shape.tied):
-            tensor = hf[name]
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" and shape.tied else name
+        if source in hf and held[name] and not (shape.tied and name == "lm_head.weight" and first):
+            tensor = hf[source]
             if name in _VOCAB and tensor.shape[0] < shape.padded_vocab(tp):  # rows no token uses
                 tensor = torch.cat([tensor, tensor.new_zeros(shape.padded_vocab(tp) - tensor.shape[0], *tensor.shape[1:])])
             out[target] = _split(tensor, dim, rank, tp)
-    if not shape.tied and "output_layer.weight" not in out and "embedding.word_embeddings.weight" in out:
+    if not shape.tied and last and "lm_head.weight" not in hf and "model.embed_tokens.weight" in hf:
         raise ValueError("hf_to_mcore: the config does not tie the embeddings, and the checkpoint has no lm_head.weight")
-    for layer in range(shape.layers):
-        src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer}."
+    for layer in layers:
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer - layers.start}."
         for name, (target, dim) in _LAYER.items():
             if src + name in hf:
                 out[dst + target] = _split(hf[src + name], dim, rank, tp)
@@ -192,6 +197,14 @@ def merge_expert_shards(states: list[Mapping[str, Tensor]]) -> dict[str, Tensor]
             elif ep_rank == 0:
                 merged[name] = tensor
     return merged
+
+
+def numbered_from(state: Mapping[str, Tensor], start: int) -> dict[str, Tensor]:
+    """A pipeline stage's state with its layers numbered globally (the stage's first is ``start``)."""
+    if not start:
+        return dict(state)
+    pattern = re.compile(r"^decoder\.layers\.(\d+)\.")
+    return {pattern.sub(lambda m: f"decoder.layers.{int(m.group(1)) + start}.", name): t for name, t in state.items()}
 
 
 def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape) -> Iterator[tuple[str, Tensor]]:

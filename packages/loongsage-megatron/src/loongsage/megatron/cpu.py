@@ -1,10 +1,12 @@
-"""Megatron-Core on a machine without CUDA (tests, laptops): three places where it assumes a GPU.
+"""Megatron-Core on a machine without CUDA (tests, laptops): four places where it assumes a GPU.
 
 * It passes ``torch.cuda.current_device()`` as the device of buffers it makes (rotary frequencies,
   the attention buffer, tensor-parallel gathers): the CPU is returned instead.
 * Its RNG tracker saves and restores CUDA generator states (attention forks it even without
   dropout): the CPU generator stands in.
 * Its default causal mask is made on ``"cuda"``: it is made on the CPU.
+* Under pipeline parallelism it moves the last stage's copy of a tied embedding with ``.cuda()``
+  before summing it with the first stage's: ``Tensor.cuda`` leaves a tensor where it is.
 
 These patch ``torch.cuda`` for the whole process, so they are applied only in a process of
 Megatron's own (a trainer worker, a test's subprocess) and only when CUDA is absent.
@@ -38,6 +40,7 @@ def apply_cpu_shims() -> bool:
         return torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)
 
     transformer_utils.get_default_causal_mask = causal_mask
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
     try:
         import megatron.core.fusions.fused_softmax as fused_softmax
 

@@ -67,10 +67,10 @@ def moe_fields(config: Mapping) -> dict[str, Any]:
             "moe_token_dispatcher_type": "allgather", "moe_enable_routing_replay": True}
 
 
-def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1,
+def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1, pp: int = 1,
                        recompute: bool = False) -> Any:
-    """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict), split ``tp`` ways and its
-    experts ``ep`` ways; ``recompute``: every layer's activations are recomputed in the backward
+    """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict), split ``tp`` ways, its
+    experts ``ep`` ways and its layers into ``pp`` pipeline stages; ``recompute``: every layer's activations are recomputed in the backward
     (full, one layer at a time). With ``tp > 1`` sequence parallelism is on: between the layers'
     tensor-parallel regions each rank holds ``1 / tp`` of the tokens (Megatron's MoE layer trains
     under tensor parallelism only so)."""
@@ -91,7 +91,7 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: 
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=True, perform_initialization=False,  # the weights come from the checkpoint
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
         sequence_parallel=tp > 1, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype, **moe_fields(config),
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -138,26 +138,30 @@ def _megatron_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1, padded_vocab: int | None = None,
-              attention: str = "sdpa", recompute: bool = False) -> Any:
-    """A ``GPTModel`` (this rank's shard) shaped as ``config``; its weights are to be loaded."""
+def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1, pp: int = 1,
+              padded_vocab: int | None = None, attention: str = "sdpa", recompute: bool = False) -> Any:
+    """A ``GPTModel`` (this rank's shard: under pipeline parallelism its stage's layers, the
+    embedding on the first stage, the final norm and output layer on the last) shaped as
+    ``config``; its weights are to be loaded."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    blocks = TransformerBlockSubmodules(layer_specs=[layer_spec(config, attention)] * int(config["num_hidden_layers"]),
+    layers = stage_layers(int(config["num_hidden_layers"]))
+    blocks = TransformerBlockSubmodules(layer_specs=[layer_spec(config, attention)] * len(layers),
                                         layer_norm=rms_norm_class())
     model = GPTModel(
-        config=transformer_config(config, dtype=dtype, tp=tp, ep=ep, recompute=recompute),
+        config=transformer_config(config, dtype=dtype, tp=tp, ep=ep, pp=pp, recompute=recompute),
         transformer_layer_spec=blocks,
         vocab_size=padded_vocab or int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
-        pre_process=True, post_process=True, parallel_output=True,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        parallel_output=True,
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=rope_base(config))
     mark_tensor_parallel(model)
-    # the head's input is gathered whole first (gpt_logits): the layer must not gather it again
-    model.output_layer.sequence_parallel = False
+    if model.post_process:  # the head's input is gathered whole first (gpt_logits): the layer must not gather it again
+        model.output_layer.sequence_parallel = False
     return model.to(dtype)  # the norms too, as the HF model holds them (Megatron makes them float32)
 
 
@@ -182,6 +186,15 @@ def mark_tensor_parallel(model: Any) -> None:
                 set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
 
 
+def stage_layers(layers: int) -> range:
+    """The decoder layers (global numbers from 0) this rank's pipeline stage holds: an equal share."""
+    from megatron.core import parallel_state
+
+    stages, stage = (parallel_state.get_pipeline_model_parallel_world_size(),
+                     parallel_state.get_pipeline_model_parallel_rank())
+    return range(stage * layers // stages, (stage + 1) * layers // stages)
+
+
 def _router_replays(model: Any) -> list[Any]:
     return [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
 
@@ -196,21 +209,27 @@ def clear_routes(model: Any) -> None:
 @contextmanager
 def replayed_routes(model: Any, routes: torch.Tensor | None, *, for_backward: bool = False) -> Iterator[None]:
     """R3 routing replay for the forwards inside: every MoE layer routes each token to the experts
-    in ``routes`` ``[b, s, layers, topk]`` (the engine's choices) instead of its own top k; the
-    gates are still the router's scores at those experts, so their gradient flows. Without
-    recomputation the backward reuses the forward's routing; with it (``for_backward``) the routes
-    stay with the routers, which replay them again when the backward recomputes each layer, until
-    :func:`clear_routes`. Nothing happens when ``routes`` is None."""
-    clear_routes(model)
+    in ``routes`` ``[b, s, layers, topk]`` (the engine's choices; under pipeline parallelism this
+    stage's layers are picked) instead of its own top k; the gates are still the router's scores
+    at those experts, so their gradient flows. Without recomputation the backward reuses the
+    forward's routing and the routes are dropped after the forward. With it (``for_backward``)
+    each router queues them: the backward's recomputation of a layer takes the oldest queued
+    routes, which is the right micro-batch's whenever backwards run in the order of their forwards
+    (the pipeline's schedule does), until :func:`clear_routes`. ``routes`` None: the routers route
+    on their own for these forwards."""
+    replays = _router_replays(model)
     if routes is None:
+        for replay in replays:
+            replay.clear_router_replay_action()
         yield
         return
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-    replays = _router_replays(model)
-    if routes.dim() != 4 or routes.shape[2] != len(replays):
+    first = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0  # the stage's first layer
+    if routes.dim() != 4 or routes.shape[2] < first + len(replays):
         raise ValueError(f"routed_experts: {list(routes.shape)} per micro-batch; expected [rows, tokens, "
-                         f"{len(replays)} MoE layers, top-k]")
+                         f"{model.config.num_layers} MoE layers, top-k]")
+    routes = routes[:, :, first:first + len(replays)]
     if model.config.sequence_parallel:  # a router sees this rank's share of the sequence
         from megatron.core import parallel_state
 
@@ -230,24 +249,20 @@ def replayed_routes(model: Any, routes: torch.Tensor | None, *, for_backward: bo
             clear_routes(model)
 
 
-def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *, vocab: int,
-               routes: torch.Tensor | None = None, replay_in_backward: bool = False) -> torch.Tensor:
-    """Float32 logits ``[b, T - first + 1, vocab]`` at positions ``first-1..T-1`` of a ``GPTModel``
-    (the trainer's and the teacher's forward); under tensor parallelism this rank's vocabulary
-    rows (``vocab`` slices only a whole vocabulary).
+def gpt_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+               routes: torch.Tensor | None = None, replay_in_backward: bool = False,
+               input_tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder's output ``[s, b, hidden]`` for a micro-batch (padded as :func:`_common_shape`
+    says; under sequence parallelism this rank's share of ``s``): after the final norm on the
+    last pipeline stage, the stage's last layer's output on another, ``input_tensor`` being the
+    previous stage's output (None on the first stage).
 
     Positions run 0..T-1 whatever the padding, as the HF model numbers them without
     ``position_ids``. Rows padded on the right only (as rollouts are) need no mask beyond the
     causal one: a real token never attends to a later pad, and the attention runs as plain causal
     (the flash kernel on a GPU). Otherwise a padded key is masked, and every position attends at
     least to itself (a padding row's output is never used, but a row attending to nothing would
-    be NaN).
-
-    The output layer runs here, on batch-first hidden states of the kept positions: Megatron's own
-    post-process runs it on every position and returns ``[b, s, vocab]`` by a contiguous copy of
-    the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied again in the backward).
-    """
-    b, t = input_ids.shape
+    be NaN)."""
     input_ids, attention_mask, routes = _common_shape(model, input_ids, attention_mask, routes)
     device, length = input_ids.device, input_ids.shape[1]
     positions = torch.arange(length, device=device).expand(*input_ids.shape)
@@ -256,12 +271,31 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
         causal = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
         masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(length, dtype=torch.bool, device=device)
         masked = masked[:, None]
-    model.post_process = False  # GPTModel.forward then returns the decoder's output, [s, b, hidden]
+    if not model.pre_process:
+        model.set_input_tensor(input_tensor)
+    post_process, model.post_process = model.post_process, False  # GPTModel.forward returns the decoder's output
     try:
         with replayed_routes(model, routes, for_backward=replay_in_backward):
-            hidden = model(input_ids, positions, masked)
+            return model(input_ids, positions, masked)
     finally:
-        model.post_process = True
+        model.post_process = post_process
+
+
+def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *, vocab: int,
+               routes: torch.Tensor | None = None, replay_in_backward: bool = False,
+               input_tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 logits ``[b, T - first + 1, vocab]`` at positions ``first-1..T-1`` of a ``GPTModel``
+    (the trainer's and the teacher's forward; on the last pipeline stage, from the previous
+    stage's ``input_tensor``); under tensor parallelism this rank's vocabulary rows (``vocab``
+    slices only a whole vocabulary).
+
+    The output layer runs here, on batch-first hidden states of the kept positions: Megatron's own
+    post-process runs it on every position and returns ``[b, s, vocab]`` by a contiguous copy of
+    the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied again in the backward).
+    """
+    b, t = input_ids.shape
+    hidden = gpt_hidden(model, input_ids, attention_mask, routes=routes, replay_in_backward=replay_in_backward,
+                        input_tensor=input_tensor)
     if model.config.sequence_parallel:  # each rank's tokens: the whole sequence (its gradient split back)
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
@@ -315,12 +349,14 @@ def rope_base(config: Mapping) -> float:
 
 def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping, *, rank: int = 0, tp: int = 1,
                     ep_rank: int = 0, ep: int = 1) -> None:
-    """Fill ``model`` (rank ``rank`` of ``tp``, expert-parallel rank ``ep_rank`` of ``ep``) from
-    HF-named tensors; every weight must be given."""
+    """Fill ``model`` (rank ``rank`` of ``tp``, expert-parallel rank ``ep_rank`` of ``ep``, its
+    pipeline stage's layers) from HF-named tensors; every weight must be given."""
     from loongsage.megatron.convert import Shape, hf_to_mcore
 
     own = model.state_dict()
-    state = hf_to_mcore(hf, Shape.of(config), rank, tp, ep_rank=ep_rank, ep=ep)
+    state = hf_to_mcore(hf, Shape.of(config), rank, tp, ep_rank=ep_rank, ep=ep,
+                        layers=stage_layers(int(config["num_hidden_layers"])), first=model.pre_process,
+                        last=model.post_process)
     missing = sorted(k for k in own if k not in state and not k.endswith("_extra_state"))
     unknown = sorted(k for k in state if k not in own)
     if missing or unknown:

@@ -63,12 +63,17 @@ def vocab_parallel_logprobs(logits: Tensor, input_ids: Tensor, first: int, *, vo
 class ParameterKinds:
     """How a gradient norm counts each parameter: an expert's square over the expert-parallel
     ranks (Megatron's ``allreduce=False``), a tensor-parallel shard's over the tensor-parallel
-    ranks, a replicated one's once (``groups[kind]``; False: over nothing)."""
+    ranks, a replicated one's once, the last pipeline stage's copy of a tied embedding not at all
+    (the first stage counts it): ``groups[kind]`` (False: over nothing; None: not counted). The
+    total then sums over the pipeline stages (``across``)."""
 
     groups: tuple[Any, ...]
+    across: Any = None
 
     @staticmethod
     def kind_of(param: torch.nn.Parameter) -> int:
+        if getattr(param, "shared", False):  # Megatron's mark on the last stage's copy of the embedding
+            return 3
         if not getattr(param, "allreduce", True):
             return 0
         return 1 if getattr(param, "tensor_model_parallel", False) else 2
@@ -78,7 +83,8 @@ def parameter_kinds() -> ParameterKinds:
     from megatron.core import parallel_state
 
     return ParameterKinds((parallel_state.get_expert_tensor_and_model_parallel_group(),
-                           parallel_state.get_tensor_model_parallel_group(), False))
+                           parallel_state.get_tensor_model_parallel_group(), False, None),
+                          parallel_state.get_pipeline_model_parallel_group())
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
@@ -91,9 +97,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
     for grad, kind in grads:
         squares[kind] += grad.detach().float().pow(2).sum()
     for square, group in zip(squares, kinds.groups):
-        if group is not False and dist.get_world_size(group) > 1:
+        if group is None:
+            square.zero_()
+        elif group is not False and dist.get_world_size(group) > 1:
             dist.all_reduce(square, group=group)
-    total = sum(squares).sqrt()
+    total = sum(squares)
+    if dist.get_world_size(kinds.across) > 1:
+        dist.all_reduce(total, group=kinds.across)
+    total = total.sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grad, _ in grads:
         grad.mul_(scale.to(grad.dtype))

@@ -11,9 +11,10 @@ positions and a boolean mask, and the conversion at every boundary.
 A replica may be split over ranks (:mod:`.parallel`): ``tensor_parallel`` ranks each hold a slice
 of every layer and see the same rows; under ``expert_parallel`` each rank holds a block of every
 MoE layer's experts and trains on rows of its own (the experts' ranks are data-parallel ranks for
-everything else). ``distributed_optimizer`` splits the float32 masters and AdamW state over the
-data-parallel ranks, the experts' over the ranks holding them. Pipeline parallelism is not wired
-yet (docs/megatron.md).
+everything else); under ``pipeline_parallel`` each rank holds a stage of consecutive layers, and
+the micro-batches run through the stages in Megatron's one-forward-one-backward order
+(:mod:`.pipeline`). ``distributed_optimizer`` splits the float32 masters and AdamW state over the
+data-parallel ranks, the experts' over the ranks holding them.
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ from loongsage.core.embedded.logprobs import response_start
 from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer, sum_in_place
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
-from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards
-from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_logits, load_hf_weights,
-                                      rope_base)
+from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards, numbered_from
+from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_hidden, gpt_logits,
+                                      load_hf_weights, rope_base, stage_layers)
+from loongsage.megatron.pipeline import Stage, forward_only, one_forward_one_backward, to_first_stage
 from loongsage.megatron.parallel import (clip_grad_norm, gathered_state, parameter_kinds, sum_replicated_grads,
                                         vocab_parallel_logprobs)
 
@@ -60,16 +62,18 @@ class MegatronTrainer(TorchTrainer):
     routing_replay: bool = True  # R3 on an MoE model: replay the engine's routed experts when rows carry them
     tensor_parallel: int = 1  # ranks one replica is split over (trainer.world_size: a multiple of it)
     expert_parallel: int = 1  # ranks an MoE layer's experts are split over (each trains on rows of its own)
+    pipeline_parallel: int = 1  # consecutive stages of layers one replica is split into
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)  # before Megatron's process groups start
-        for name in ("tensor_parallel", "expert_parallel"):
+        for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"megatron trainer: {name}={value!r}; allowed: an integer >= 1")
         self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
         self._replayed_tokens = 0
+        self._stage_input: Tensor | None = None  # the previous pipeline stage's output, in the forward
         if self.dp_mode != "replicate":
             raise ValueError(f"megatron trainer: dp_mode={self.dp_mode!r}; allowed: replicate")
         super().__post_init__()
@@ -83,22 +87,29 @@ class MegatronTrainer(TorchTrainer):
         config = read_config(model_path)
         architecture(config)
         rope_base(config)
-        check_layout(config, int(params.get("tensor_parallel", 1)), world_size, int(params.get("expert_parallel", 1)))
+        check_layout(config, int(params.get("tensor_parallel", 1)), world_size, int(params.get("expert_parallel", 1)),
+                     int(params.get("pipeline_parallel", 1)))
 
     def _load_model(self) -> torch.nn.Module:
         self.config = read_config(self.model_path)
         self.shape = Shape.of(self.config)
         return load_gpt(self.model_path, self.config, dtype=self.dtype, device=self.device, attention=self.attention,
                         fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing, tp=self.tensor_parallel,
-                        ep=self.expert_parallel)
+                        ep=self.expert_parallel, pp=self.pipeline_parallel)
 
-    # ------------------------------------------------------------------ tensor parallelism
+    # ------------------------------------------------------------------ model parallelism
     @property
     def data_parallel(self) -> tuple[int, int, bool]:
+        """A replica's ranks get the same rows; its last pipeline stage's first tensor-parallel
+        rank answers for it (the log-probs and losses are computed there)."""
         from megatron.core import parallel_state as ps
 
         return (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                ps.get_tensor_model_parallel_rank() == 0)
+                ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage())
+
+    @property
+    def stage(self) -> Stage:
+        return Stage.current()
 
     @property
     def _tp_rank(self) -> int:
@@ -114,7 +125,7 @@ class MegatronTrainer(TorchTrainer):
 
     @property
     def _split(self) -> bool:
-        return self.tensor_parallel > 1 or self.expert_parallel > 1
+        return self.tensor_parallel > 1 or self.expert_parallel > 1 or self.pipeline_parallel > 1
 
     def _forward_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         if self.tensor_parallel == 1:
@@ -147,8 +158,15 @@ class MegatronTrainer(TorchTrainer):
                 sum_in_place([p.grad for p in members], group)
 
     def _sum_replicated_grads(self) -> None:
+        """Within a replica: the tensor-parallel ranks' shares of what each holds whole, and the
+        two pipeline stages' gradients of a tied embedding (the first stage's embedding, the
+        last's copy as its output layer), so that both copies take the same step."""
+        from megatron.core import parallel_state as ps
+
         if self.tensor_parallel > 1:
             sum_replicated_grads([(n, p, self._grad(p)) for n, p in self.model.named_parameters()])
+        if self.pipeline_parallel > 1 and self.shape.tied and ps.is_rank_in_embedding_group():
+            dist.all_reduce(self._grad(self.model.shared_embedding_or_output_weight()), group=ps.get_embedding_group())
 
     def _optimizer_buckets(self, params: list[torch.nn.Parameter]) -> list[tuple[list[torch.nn.Parameter], Any]]:
         """Parameters and the ranks holding them alike (the gradient sums, the distributed
@@ -166,7 +184,8 @@ class MegatronTrainer(TorchTrainer):
     def _clip_grad_norm(self) -> Tensor:
         if self.dist_opt is not None:
             kinds = parameter_kinds()
-            return self.dist_opt.clip_grad_norm(self.grad_clip, kind_of=kinds.kind_of, kind_groups=kinds.groups)
+            return self.dist_opt.clip_grad_norm(self.grad_clip, kind_of=kinds.kind_of, kind_groups=kinds.groups,
+                                                across=kinds.across)
         if not self._split:
             return super()._clip_grad_norm()
         return clip_grad_norm(self._trained(), self.grad_clip)
@@ -192,8 +211,13 @@ class MegatronTrainer(TorchTrainer):
                 self.masters.load(state["master_weights"])
 
     @property
+    def _optimizer_in_trainer_file(self) -> bool:
+        return not self._split
+
+    @property
     def _optimizer_file(self) -> str:
-        return f"optimizer_tp{self._tp_rank}" + (f"_ep{self._ep_rank}" if self.expert_parallel > 1 else "") + ".pt"
+        return (f"optimizer_tp{self._tp_rank}" + (f"_ep{self._ep_rank}" if self.expert_parallel > 1 else "")
+                + (f"_pp{self.stage.index}" if self.pipeline_parallel > 1 else "") + ".pt")
 
     def _enable_gradient_checkpointing(self) -> None:
         """Nothing to do: Megatron's full-layer recomputation is part of the model's config."""
@@ -202,11 +226,66 @@ class MegatronTrainer(TorchTrainer):
         return list(self.model.decoder.layers)
 
     def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int = 1) -> Tensor:
-        routes = None if self._routes is None else self._routes.to(input_ids.device)
+        return gpt_logits(self.model, input_ids, attention_mask, first, vocab=self.shape.vocab,
+                          input_tensor=self._stage_input, **self._replay(input_ids.device))
+
+    def _replay(self, device: torch.device) -> dict[str, Any]:
         # a recomputed layer routes again in the backward: the routes must be replayed there too
-        backward = self.gradient_checkpointing and torch.is_grad_enabled()
-        return gpt_logits(self.model, input_ids, attention_mask, first, vocab=self.shape.vocab, routes=routes,
-                          replay_in_backward=backward)
+        return {"routes": None if self._routes is None else self._routes.to(device),
+                "replay_in_backward": self.gradient_checkpointing and torch.is_grad_enabled()}
+
+    # ------------------------------------------------------------------ pipeline parallelism
+    def _run_micro_batches(self, plans: list[tuple[list[int], TrainBatch] | None], step: Any, *,
+                           backward: bool) -> None:
+        """Under pipeline parallelism the stages run the micro-batches in Megatron's
+        one-forward-one-backward order: the last stage runs ``step`` (the head and the loss) on
+        the hidden states it receives, every other stage its layers."""
+        if self.pipeline_parallel == 1:
+            return super()._run_micro_batches(plans, step, backward=backward)
+        stage = self.stage
+        padding_routes = self._padding_routes(plans) if backward else None
+
+        def forward(i: int, received: Tensor | None) -> Tensor | None:
+            planned = plans[i]
+            self._routes = padding_routes if planned is None else None
+            try:
+                if not stage.last:
+                    return self._stage_hidden(planned, received)
+                self._stage_input = received
+                return step(planned)
+            finally:
+                self._stage_input = self._routes = None
+
+        schedule = one_forward_one_backward if backward else forward_only
+        schedule(stage, len(plans), forward, dtype=_DTYPES[self.dtype], device=self.device)
+
+    def _stage_hidden(self, planned: tuple[list[int], TrainBatch] | None, received: Tensor | None) -> Tensor:
+        """A stage before the last: its layers' output for a micro-batch (its rows split into
+        segments as the last stage scores them)."""
+        if planned is None:
+            filler = self._filler()
+            return gpt_hidden(self.model, filler, torch.ones_like(filler), input_tensor=received,
+                              **self._replay(filler.device))
+        mb = planned[1]
+        layout = segment_layout(mb)
+        rows = mb if layout is None else layout.split_batch(mb)
+        with self._replaying(mb):
+            return gpt_hidden(self.model, rows.input_ids.to(self.device), rows.attention_mask.to(self.device),
+                              input_tensor=received, **self._replay(self.device))
+
+    def _padding_routes(self, plans: list[tuple[list[int], TrainBatch] | None]) -> Tensor | None:
+        """Routes for a zero-weight padding pass when some rank's micro-batches are replayed with
+        recomputation: every forward must then queue routes, or a recomputation would take
+        another micro-batch's (experts ``0..k-1`` for the two padding tokens)."""
+        if not (self.routing_replay and self.gradient_checkpointing and self.shape.experts):
+            return None
+        replays = torch.tensor([int(any(p is not None and p[1].routed_experts and any(
+            r is not None for r in p[1].routed_experts) for p in plans))])
+        dist.all_reduce(replays, op=dist.ReduceOp.MAX)
+        if not int(replays):
+            return None
+        topk = int(self.config["num_experts_per_tok"])
+        return torch.arange(topk).expand(1, 2, self.shape.layers, topk)
 
     # R3: a micro-batch whose rows carry the engine's routed experts is replayed on them
     def _forward(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
@@ -221,6 +300,7 @@ class MegatronTrainer(TorchTrainer):
         """The torch trainer's step; with R3, ``train/r3_replayed_tokens`` counts the tokens whose
         recorded routes its forwards replayed (each row's real tokens, once)."""
         self._replayed_tokens = 0
+        clear_routes(self.model)
         try:
             metrics = super().train_step(mini_batch, loss_fn, token_budget)
         finally:
@@ -243,11 +323,14 @@ class MegatronTrainer(TorchTrainer):
 
     def _hf_tensors(self) -> Iterator[tuple[str, Tensor]]:
         """HF-named tensors: one rank's own as views; with the replica split, the experts gathered
-        on the first expert-parallel rank and the tensor-parallel shards on the replica's first
-        rank (collectives of their groups; the other ranks yield nothing)."""
+        on the first expert-parallel rank, the tensor-parallel shards on the stage's first rank,
+        and the pipeline stages' tensors on the first stage (collectives of their groups; the
+        other ranks yield nothing)."""
         from megatron.core import parallel_state
 
         own = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if isinstance(v, Tensor)}
+        if self.shape.tied and not self.model.pre_process:
+            own.pop("output_layer.weight", None)  # the last stage's copy of the embedding
         if self.expert_parallel > 1:
             experts = gathered_state({k: v for k, v in own.items() if not getattr(v, "allreduce", True)},
                                      parallel_state.get_expert_model_parallel_group())
@@ -257,10 +340,18 @@ class MegatronTrainer(TorchTrainer):
         shards = [own] if self.tensor_parallel == 1 else gathered_state(own)
         if shards is None:
             return
-        for name, tensor in mcore_to_hf(shards, self.shape):
-            yield name, tensor.detach()
-            if name == "model.embed_tokens.weight" and self.shape.tied:
-                yield "lm_head.weight", tensor.detach()  # as the HF model lists its tied head
+        start = stage_layers(self.shape.layers).start
+
+        def stage_tensors() -> Iterator[tuple[str, Tensor]]:
+            for name, tensor in mcore_to_hf([numbered_from(s, start) for s in shards], self.shape):
+                yield name, tensor.detach()
+                if name == "model.embed_tokens.weight" and self.shape.tied:
+                    yield "lm_head.weight", tensor.detach()  # as the HF model lists its tied head
+
+        if self.pipeline_parallel == 1:
+            yield from stage_tensors()
+        elif parallel_state.get_data_parallel_rank() == 0:  # one replica's stages send theirs to its first
+            yield from to_first_stage(self.stage, stage_tensors, self.device)
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """HF-named tensors of the current policy (q/k/v and gate/up split out of Megatron's merged ones)."""
@@ -316,16 +407,25 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
     return routes
 
 
-def check_layout(config: dict[str, Any], tp: int, world_size: int, ep: int = 1) -> None:
-    """One line naming what a tensor- or expert-parallel size does not divide: the trainer's
-    ranks, or the model's heads, key/value groups, feed-forward widths or experts."""
-    for name, size in (("tensor_parallel", tp), ("expert_parallel", ep)):
+def check_layout(config: dict[str, Any], tp: int, world_size: int, ep: int = 1, pp: int = 1) -> None:
+    """One line naming what a tensor-, expert- or pipeline-parallel size does not divide: the
+    trainer's ranks, or the model's heads, key/value groups, feed-forward widths, experts or
+    layers."""
+    for name, size in (("tensor_parallel", tp), ("expert_parallel", ep), ("pipeline_parallel", pp)):
         if size < 1 or world_size % size:
             raise ValueError(f"{name}={size} does not divide trainer.world_size={world_size}; allowed: a divisor "
                              f"of {world_size}")
-    if world_size % (tp * ep):
-        raise ValueError(f"tensor_parallel={tp} x expert_parallel={ep} does not divide trainer.world_size={world_size}; "
-                         "allowed: a product that divides it (the experts are split over both)")
+    if world_size % (tp * pp):
+        raise ValueError(f"tensor_parallel={tp} x pipeline_parallel={pp} does not divide trainer.world_size="
+                         f"{world_size}; allowed: a product that divides it (the ranks of one replica)")
+    if world_size % (tp * ep * pp):
+        raise ValueError(f"tensor_parallel={tp} x expert_parallel={ep} x pipeline_parallel={pp} does not divide "
+                         f"trainer.world_size={world_size}; allowed: a product that divides it (the experts are split "
+                         "over tensor- and expert-parallel ranks in every stage)")
+    layers = int(config["num_hidden_layers"])
+    if layers % pp:
+        raise ValueError(f"pipeline_parallel={pp} does not divide num_hidden_layers={layers}; allowed: a divisor of "
+                         f"{layers} (equal stages)")
     shape = Shape.of(config)
     shape.check_tp(tp)
     shape.check_ep(ep)
@@ -335,21 +435,22 @@ def check_layout(config: dict[str, Any], tp: int, world_size: int, ep: int = 1) 
 
 
 def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, attention: str = "sdpa",
-             fp32_lm_head: bool = True, recompute: bool = False, tp: int = 1, ep: int = 1) -> torch.nn.Module:
+             fp32_lm_head: bool = True, recompute: bool = False, tp: int = 1, ep: int = 1,
+             pp: int = 1) -> torch.nn.Module:
     """This rank's shard of a Megatron GPT model with the HF checkpoint's weights (Megatron's
-    process groups started first: ``tp`` ranks a replica, experts over ``ep`` ranks), the output
-    layer giving float32 logits where asked."""
+    process groups started first: ``tp`` ranks a stage, ``pp`` stages a replica, experts over
+    ``ep`` ranks), the output layer giving float32 logits where asked."""
     from megatron.core import parallel_state
     from safetensors.torch import load_file
 
-    start_model_parallel(device, tp, ep)
+    start_model_parallel(device, tp, ep, pp)
     shape = Shape.of(config)
-    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute, tp=tp, ep=ep,
+    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute, tp=tp, ep=ep, pp=pp,
                       padded_vocab=shape.padded_vocab(tp))
     hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
     load_hf_weights(model, hf, config, rank=parallel_state.get_tensor_model_parallel_rank(), tp=tp,
                     ep_rank=parallel_state.get_expert_model_parallel_rank(), ep=ep)
-    if fp32_lm_head and dtype != "float32":
+    if fp32_lm_head and dtype != "float32" and model.post_process:
         fp32_output_layer(model.output_layer)
     return model
 
@@ -373,9 +474,9 @@ def fp32_output_layer(layer: torch.nn.Module) -> None:
     layer.forward = forward
 
 
-def start_model_parallel(device: str, tp: int = 1, ep: int = 1) -> None:
+def start_model_parallel(device: str, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
     """Megatron's process groups over the run's trainer ranks (one process: a group of one of its
-    own): replicas of ``tp`` ranks, experts over ``ep`` ranks, pipeline parallelism 1. CPU shims
+    own): stages of ``tp`` ranks, replicas of ``pp`` stages, experts over ``ep`` ranks. CPU shims
     when CUDA is absent."""
     from megatron.core import parallel_state, tensor_parallel
 
@@ -389,12 +490,13 @@ def start_model_parallel(device: str, tp: int = 1, ep: int = 1) -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         running = (parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_expert_model_parallel_world_size())
-        if running != (tp, ep):
-            raise ValueError(f"megatron: this process runs tensor_parallel={running[0]}, expert_parallel={running[1]}; "
-                             f"a model asked for {tp}, {ep}")
+                   parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_pipeline_model_parallel_world_size())
+        if running != (tp, ep, pp):
+            raise ValueError(f"megatron: this process runs tensor_parallel={running[0]}, expert_parallel={running[1]}, "
+                             f"pipeline_parallel={running[2]}; a model asked for {tp}, {ep}, {pp}")
     else:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  expert_model_parallel_size=ep)
         tensor_parallel.model_parallel_cuda_manual_seed(int(torch.initial_seed()) % (2**31))

@@ -73,11 +73,14 @@ class Trainer(Protocol):
 
     def export_hf(self, path: str, tokenizer: Any) -> None: ...
 
-    def offload(self) -> None:
-        """Free the device for a colocated engine (parameters and optimizer state to host)."""
+    def offload(self, weights: bool = True) -> None:
+        """Free the device for a colocated engine: optimizer state (and, unless ``weights`` is
+        False, the weights: a weight push still reads them) to host memory."""
         ...
 
-    def onload(self) -> None: ...
+    def onload(self) -> None:
+        """Back on the device what :meth:`offload` moved."""
+        ...
 
     def param_checksum(self) -> float:
         """A number that changes with the weights (sum of |w|); the first call is the readiness check."""

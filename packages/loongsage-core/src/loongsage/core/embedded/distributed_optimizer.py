@@ -153,10 +153,11 @@ class DistributedOptimizer:
             b.reduce_scatter()
 
     def clip_grad_norm(self, max_norm: float, kind_of: Callable[[torch.nn.Parameter], int] = lambda p: 0,
-                       kind_groups: tuple[Any, ...] = (False,)) -> Tensor:
+                       kind_groups: tuple[Any, ...] = (False,), across: Any = None) -> Tensor:
         """Scale the slices' gradients to a global L2 norm of at most ``max_norm``; returns the
         norm before. A parameter's square counts over its bucket's group, then over
-        ``kind_groups[kind_of(param)]`` (False: over nothing more)."""
+        ``kind_groups[kind_of(param)]`` (False: over nothing more; None: not at all, a copy counted
+        elsewhere), then the total over ``across`` (ranks holding other parameters: pipeline stages)."""
         kinds = len(kind_groups)
         device = self.buckets[0].grad.device if self.buckets else torch.device("cpu")
         squares = torch.zeros(kinds, dtype=torch.float32, device=device)
@@ -166,15 +167,28 @@ class DistributedOptimizer:
                 dist.all_reduce(part, group=b.group)
             squares += part
         for kind, group in enumerate(kind_groups):
-            if group is not False and _group_size(group) > 1:
+            if group is None:
+                squares[kind] = 0.0
+            elif group is not False and _group_size(group) > 1:
                 total = squares[kind].clone()
                 dist.all_reduce(total, group=group)
                 squares[kind] = total
-        norm = squares.sum().sqrt()
+        total = squares.sum()
+        if across is not None and _group_size(across) > 1:
+            dist.all_reduce(total, group=across)
+        norm = total.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for b in self.buckets:
             b.master.grad.mul_(scale)
         return norm
+
+    def to(self, device: str | torch.device) -> None:
+        """Move the slices of masters and the gradient vectors (AdamW's moments move with the
+        optimizer's state)."""
+        for b in self.buckets:
+            b.master.grad = None  # a view of the vector being moved
+            b.master.data = b.master.data.to(device)
+            b.grad = b.grad.to(device)
 
     def step(self) -> None:
         self.optimizer.step()

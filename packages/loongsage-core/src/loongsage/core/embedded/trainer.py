@@ -303,6 +303,17 @@ class TorchTrainer(Trainer):
         """A two-token input for a rank's zero-weight padding pass."""
         return torch.zeros(1, 2, dtype=torch.long, device=self.device)
 
+    def _run_micro_batches(self, plans: list[tuple[list[int], TrainBatch] | None],
+                           step: Callable[[tuple[list[int], TrainBatch] | None], Tensor | None], *,
+                           backward: bool) -> None:
+        """Run ``step`` on each planned micro-batch in order (``None``: a zero-weight padding pass),
+        with ``backward`` from the loss it returns. A backend that splits the model into pipeline
+        stages runs them in its own schedule instead."""
+        for planned in plans:
+            out = step(planned)
+            if backward:
+                out.backward()
+
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, token_budget: int) -> tuple[Tensor, Tensor]:
         """Per-token log-probs and entropies of ``batch`` under the current weights (no grad)."""
@@ -310,11 +321,12 @@ class TorchTrainer(Trainer):
         B, T = batch.input_ids.shape
         out_lp = torch.zeros(B, T)
         out_ent = torch.zeros(B, T)
-        for planned in self._aligned(batch, token_budget):
+
+        def score(planned: tuple[list[int], TrainBatch] | None) -> None:
             if planned is None:
                 filler = self._filler()
                 self._logits(filler, torch.ones_like(filler))
-                continue
+                return
             rows, mb = planned
             lp, ent = self._forward(mb, with_entropy=True)
             t = lp.shape[1]
@@ -322,6 +334,8 @@ class TorchTrainer(Trainer):
             out_lp[index, :t] = lp.cpu()
             if ent is not None:
                 out_ent[index, :t] = ent.cpu()
+
+        self._run_micro_batches(self._aligned(batch, token_budget), score, backward=False)
         self.model.train()
         return out_lp, out_ent
 
@@ -350,26 +364,9 @@ class TorchTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         if self.dist_opt is not None:
             self.dist_opt.zero_grad()
-        metrics = Metrics()
-        total = 0.0
-        for planned in self._aligned(mini_batch, token_budget):
-            if planned is None:
-                filler = self._filler()
-                (self._logits(filler, torch.ones_like(filler)).sum() * 0.0).backward()
-                continue
-            mb = planned[1].to(self.device)  # the loss reads the batch beside the forward's outputs
-            if isinstance(loss_fn, LossFunction) and loss_fn.needs_student_distribution:
-                lp, ent, dist = self._forward_distribution(mb)
-                loss, mb_metrics = loss_fn(lp, mb, student_dist=dist)
-            else:
-                lp, ent = self._forward(mb, with_entropy=True)
-                loss, mb_metrics = loss_fn(lp, mb)
-            loss.backward()
-            total += float(loss.detach())
-            metrics.merge(mb_metrics)
-            if ent is not None:
-                mask = mb.response_mask.to(ent.device)
-                metrics.add("train/entropy", float((ent * mask).sum()), float(mask.sum()))
+        metrics = Metrics().total("train/loss", 0.0)
+        self._run_micro_batches(self._aligned(mini_batch, token_budget),
+                                lambda planned: self._micro_batch_loss(planned, loss_fn, metrics), backward=True)
         if self.dist_opt is not None:
             self._reduce_scatter_grads()
         elif self.world_size > 1 and not self.sharded:
@@ -386,8 +383,27 @@ class TorchTrainer(Trainer):
         if self.scheduler is not None:
             self.scheduler.step()
         self.steps += 1
-        return (metrics.total("train/loss", total).gauge("train/grad_norm", float(grad_norm))
-                .gauge("train/lr", self.optimizer.param_groups[0]["lr"]))
+        return metrics.gauge("train/grad_norm", float(grad_norm)).gauge("train/lr", self.optimizer.param_groups[0]["lr"])
+
+    def _micro_batch_loss(self, planned: tuple[list[int], TrainBatch] | None, loss_fn: LossFn,
+                          metrics: Metrics) -> Tensor:
+        """One micro-batch's loss (a padding pass: zero times a forward), its metrics, entropy and
+        ``train/loss`` added to ``metrics``."""
+        if planned is None:
+            filler = self._filler()
+            return self._logits(filler, torch.ones_like(filler)).sum() * 0.0
+        mb = planned[1].to(self.device)  # the loss reads the batch beside the forward's outputs
+        if isinstance(loss_fn, LossFunction) and loss_fn.needs_student_distribution:
+            lp, ent, dist = self._forward_distribution(mb)
+            loss, mb_metrics = loss_fn(lp, mb, student_dist=dist)
+        else:
+            lp, ent = self._forward(mb, with_entropy=True)
+            loss, mb_metrics = loss_fn(lp, mb)
+        metrics.merge(mb_metrics).total("train/loss", float(loss.detach()))
+        if ent is not None:
+            mask = mb.response_mask.to(ent.device)
+            metrics.add("train/entropy", float((ent * mask).sum()), float(mask.sum()))
+        return loss
 
     def _trained(self) -> list[Tensor]:
         """What the optimizer steps, holding the step's gradients: the trainable parameters, or
@@ -460,7 +476,7 @@ class TorchTrainer(Trainer):
         # under LoRA the base weights are the model_path checkpoint's: only the adapters are state
         model_state = adapter_state(self.model) if self.lora is not None else self._full_model_state()
         optim_state = None
-        if self.optimizer is not None:
+        if self.optimizer is not None and self._optimizer_in_trainer_file:
             optim_state = self._optimizer_state()
             if self.sharded:
                 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -470,10 +486,17 @@ class TorchTrainer(Trainer):
         if self.rank == 0:
             torch.save({
                 "model": model_state, "optimizer": optim_state,
-                "master_weights": self.masters.state() if self.masters is not None else None,
+                "master_weights": self.masters.state() if optim_state is not None and self.masters is not None else None,
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None, "steps": self.steps,
             }, path / "trainer.pt")
         torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
+
+    @property
+    def _optimizer_in_trainer_file(self) -> bool:
+        """Whether ``trainer.pt`` holds the optimizer's state and the float32 masters (every rank
+        holds the same parameters); a backend whose ranks hold different shards saves each
+        shard's beside it instead."""
+        return True
 
     def load(self, path: str | Path) -> None:
         path = Path(path)
@@ -525,11 +548,38 @@ class TorchTrainer(Trainer):
         """Sum of |w| over this rank's parameters (its shards under FSDP2)."""
         return float(sum(p.detach().double().abs().sum() for p in self.model.parameters()))
 
-    def offload(self) -> None:
-        """Nothing to free on CPU; a GPU placement moves parameters and optimizer state to host."""
+    def offload(self, weights: bool = True) -> None:
+        """Free the device for a colocated engine: AdamW's moments, the float32 masters and
+        (unless ``weights`` is False: a weight push still reads them) the model's weights move to
+        host memory, and the last step's gradients are dropped (a step starts from none). Nothing
+        moves when the trainer runs on the CPU."""
+        self._place("cpu", weights=weights)
 
     def onload(self) -> None:
-        """Counterpart of :meth:`offload`."""
+        """Everything :meth:`offload` moved, back on the trainer's device."""
+        self._place(self.device, weights=True)
+
+    def _place(self, device: str, *, weights: bool) -> None:
+        if not str(self.device).startswith("cuda"):
+            return
+        if self.sharded:
+            raise ValueError("offload: an FSDP2-sharded trainer cannot move its shards to host memory yet; allowed: "
+                             "placement.offload_trainer=false, or dp_mode: replicate")
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if weights:
+            self.model.to(device)  # in place: parameters keep their identity (the optimizer's, the hooks')
+        held = [] if self.masters is None else [m for m, p in zip(self.masters.masters, self.masters.params) if m is not p]
+        if self.dist_opt is not None:
+            self.dist_opt.to(device)
+        for master in held:
+            master.data = master.data.to(device)
+        for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
+            for key, value in state.items():
+                if isinstance(value, Tensor) and value.dim() > 0:  # AdamW keeps its step count on the CPU
+                    state[key] = value.to(device)
+        if device == "cpu":
+            torch.cuda.empty_cache()
 
 
 def sum_in_place(tensors: list[Tensor], group: Any = None) -> None:
