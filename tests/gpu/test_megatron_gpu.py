@@ -108,8 +108,11 @@ MEGATRON_CUDA = "trainer.backend={name: megatron, params: {device: cuda}}"
 
 @pytest.mark.timeout(1500)
 def test_the_arith4_recipe_trains_checkpoints_and_resumes_on_megatron(tmp_path):
+    """With the trainer offloaded to host memory while the engine generates (its state back on the
+    card for each step, its checkpoint and its resume)."""
     work = tmp_path / "arith4"
-    common = ("gpu/grpo_arith4_h200", work, MEGATRON_CUDA, "evaluation.every_steps=0", "checkpoint.every_steps=2")
+    common = ("gpu/grpo_arith4_h200", work, MEGATRON_CUDA, "evaluation.every_steps=0", "checkpoint.every_steps=2",
+              "placement.offload_trainer=true")
     first = _launch(*common, "run.total_steps=4")
     assert [r["step"] for r in first] == [1, 2, 3, 4]
     assert [r["engine/version"] for r in first] == [1.0, 2.0, 3.0, 4.0]  # every step's weights reached the engine
@@ -118,8 +121,10 @@ def test_the_arith4_recipe_trains_checkpoints_and_resumes_on_megatron(tmp_path):
     assert steps[-2:] == [5, 6] and resumed[-1]["engine/version"] == 6.0, steps
     for r in first + resumed:
         assert all(torch.isfinite(torch.tensor(r[k])) for k in ("train/loss", "train/grad_norm")), r
+        assert r["timing/trainer_offload_s"] > 0, r
     print(f"\narith4 on megatron: reward {[round(r['rollout/reward_mean'], 3) for r in first + resumed[-2:]]}, "
-          f"step s {[round(r['timing/step_s'], 2) for r in first + resumed[-2:]]}")
+          f"step s {[round(r['timing/step_s'], 2) for r in first + resumed[-2:]]}, "
+          f"offload s {[round(r['timing/trainer_offload_s'], 2) for r in first + resumed[-2:]]}")
 
 
 @pytest.mark.timeout(1500)
