@@ -182,13 +182,13 @@ class DistributedOptimizer:
             b.master.grad.mul_(scale)
         return norm
 
-    def to(self, device: str | torch.device) -> None:
-        """Move the slices of masters and the gradient vectors (AdamW's moments move with the
-        optimizer's state)."""
+    def to(self, move: Callable[[Tensor], Tensor]) -> None:
+        """Move the slices of masters and the gradient vectors by ``move`` (AdamW's moments move
+        with the optimizer's state)."""
         for b in self.buckets:
             b.master.grad = None  # a view of the vector being moved
-            b.master.data = b.master.data.to(device)
-            b.grad = b.grad.to(device)
+            b.master.data = move(b.master.data)
+            b.grad = move(b.grad)
 
     def step(self) -> None:
         self.optimizer.step()

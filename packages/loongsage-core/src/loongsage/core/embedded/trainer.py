@@ -567,19 +567,35 @@ class TorchTrainer(Trainer):
                              "placement.offload_trainer=false, or dp_mode: replicate")
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        if weights:
-            self.model.to(device)  # in place: parameters keep their identity (the optimizer's, the hooks')
+        if weights:  # in place: parameters keep their identity (the optimizer's, the hooks')
+            for module in self.model.modules():
+                for group in (module._parameters, module._buffers):
+                    for tensor in group.values():
+                        if tensor is not None:
+                            tensor.data = moved(tensor.data, device)
         held = [] if self.masters is None else [m for m, p in zip(self.masters.masters, self.masters.params) if m is not p]
-        if self.dist_opt is not None:
-            self.dist_opt.to(device)
         for master in held:
-            master.data = master.data.to(device)
+            master.data = moved(master.data, device)
+        if self.dist_opt is not None:
+            self.dist_opt.to(lambda t: moved(t, device))
         for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
             for key, value in state.items():
                 if isinstance(value, Tensor) and value.dim() > 0:  # AdamW keeps its step count on the CPU
-                    state[key] = value.to(device)
+                    state[key] = moved(value, device)
+        torch.cuda.synchronize()  # the copies ran asynchronously
         if device == "cpu":
             torch.cuda.empty_cache()
+
+
+def moved(tensor: Tensor, device: str | torch.device) -> Tensor:
+    """``tensor`` on ``device``, copied asynchronously; to the host into pinned memory (the
+    transfer runs at the bus's speed, and the allocator keeps the pinned blocks for the next time).
+    The caller synchronizes."""
+    if tensor.device == torch.device(device):
+        return tensor
+    if torch.device(device).type == "cpu":
+        return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor, non_blocking=True)
+    return tensor.to(device, non_blocking=True)
 
 
 def sum_in_place(tensors: list[Tensor], group: Any = None) -> None:
