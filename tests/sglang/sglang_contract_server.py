@@ -27,11 +27,15 @@ shapes and its sharp edges, written from SGLang's server source (docs/sglang.md)
   ``load_weights`` or a ``--custom-weight-loader`` named by ``load_format``, and, as SGLang's
   asserts do, **kills the server** when asked to flush a busy cache, given a tensor the model does
   not have, or when the loader raises;
-* ``/release_memory_occupation`` kills the server unless idle; ``/update_weight_version``.
+* ``/release_memory_occupation`` kills the server unless idle; ``/update_weight_version``;
+* with ``--enable-return-routed-experts``, a request asking ``return_routed_experts`` gets
+  ``meta_info["routed_experts"]``: base64 of int32 ``[tokens, layers, top-k]`` for every token fed
+  to the model (its input's and its output's but the last), as SGLang's capturer encodes them.
 
 The "model" is a deterministic rule, not a network: the next token is
 ``(7 * last + k + s) % vocab`` with ``s`` derived from the weights' sum, so that a weight update
-shows in the outputs; its log-prob is ``-0.5 - 0.001 * k``. ``GET /_contract/state`` shows the
+shows in the outputs; its log-prob is ``-0.5 - 0.001 * k``; token ``t``'s experts at layer ``l``
+are ``(3 * t + l + j) % experts`` for ``j`` in ``0..top-k-1`` (:func:`routes_of`). ``GET /_contract/state`` shows the
 server's weight checksum and counters to the tests.
 """
 
@@ -86,6 +90,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--custom-weight-loader", nargs="*")
     ap.add_argument("--sampling-backend", choices=("flashinfer", "pytorch", "ascend"))
     ap.add_argument("--cuda-graph-backend-prefill", choices=("full", "breakable", "tc_piecewise", "disabled"))
+    ap.add_argument("--enable-return-routed-experts", action="store_true")
     ap.add_argument("--health-timeout", type=float, default=20.0)  # SGLANG_HEALTH_CHECK_TIMEOUT
     ap.add_argument("--record", default="")  # a JSON line per weight call, for tests that cannot reach the server
     # of the stand-in only
@@ -173,6 +178,11 @@ class Model:
         return (7 * last + k + self.shift) % self.vocab
 
 
+def routes_of(tokens: list[int], layers: int, topk: int, experts: int) -> list[list[list[int]]]:
+    """The stand-in's routing: each token's experts per layer, ``[tokens, layers, topk]``."""
+    return [[[(3 * t + layer + j) % experts for j in range(topk)] for layer in range(layers)] for t in tokens]
+
+
 def _merged(name: str) -> tuple[str, object] | None:
     """``(merged parameter, shard)`` for a checkpoint tensor that is part of one."""
     for param, part, shard in STACKED:
@@ -189,6 +199,9 @@ class Server:
         self.model = model_class(args.model_path, int(config["vocab_size"]), eos if isinstance(eos, list) else [eos],
                                  args.dtype)
         self.args = args
+        experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        self.moe = (int(config["num_hidden_layers"]), int(config.get("num_experts_per_tok") or 0), experts) \
+            if experts else None
         self.version = args.weight_version
         self.started = time.monotonic()
         self.running: dict[str, dict] = {}  # rid -> {"abort": bool}
@@ -232,7 +245,7 @@ class Server:
             if problem is not None:
                 return problem
             rid = body.get("rid") or os.urandom(8).hex()
-            return JSONResponse(await self.sample(rid, ids, params, bool(body.get("return_logprob"))))
+            return JSONResponse(await self.sample(rid, ids, params, self.asked(body)))
         # a batch: lists of prompts, ids and sampling params; the engine streams them
         rids, params = body.get("rid"), body.get("sampling_params")
         if not (isinstance(rids, list) and len(rids) == len(ids) and len(set(rids)) == len(rids)):
@@ -241,8 +254,15 @@ class Server:
         params = params if isinstance(params, list) else [dict(params or {}) for _ in ids]
         if not body.get("stream"):
             return JSONResponse({"error": {"message": "the stand-in serves batches streamed"}}, status_code=400)
-        return StreamingResponse(self.stream(rids, ids, params, bool(body.get("return_logprob"))),
+        return StreamingResponse(self.stream(rids, ids, params, self.asked(body)),
                                  media_type="text/event-stream")
+
+    def asked(self, body: dict) -> dict:
+        """What a request asks to be returned beside the tokens (routes only from a server started
+        to capture them, over an MoE model)."""
+        return {"logprob": bool(body.get("return_logprob")),
+                "routes": bool(body.get("return_routed_experts")) and self.args.enable_return_routed_experts
+                and self.moe is not None}
 
     def refusal(self, ids: list[int], params: dict) -> Response | None:
         unknown = set(params) - SAMPLING_KEYS
@@ -254,7 +274,7 @@ class Server:
             return JSONResponse({"error": {"message": message}}, status_code=400)
         return None
 
-    async def stream(self, rids: list[str], ids: list[list[int]], params: list[dict], logprob: bool):
+    async def stream(self, rids: list[str], ids: list[list[int]], params: list[dict], logprob: dict):
         """SGLang's batched stream: the requests are checked and started in turn (a bad one ends the
         stream with an error chunk, and the batch is aborted); each sends a chunk after its first
         token when its ``stream_interval`` says so, and one when it finishes, with its ``index``."""
@@ -283,7 +303,7 @@ class Server:
             yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
         yield b"data: [DONE]\n\n"
 
-    async def sample(self, rid: str, ids: list[int], params: dict, logprob: bool, first=None) -> dict:
+    async def sample(self, rid: str, ids: list[int], params: dict, logprob: dict, first=None) -> dict:
         budget = int(params.get("max_new_tokens", 128))
         stops = set(self.model.eos) | set(params.get("stop_token_ids") or [])
         self.counters["generate"] += 1
@@ -324,11 +344,14 @@ class Server:
         return self.answer(rid, ids, out, logprobs, reason, logprob)
 
     def answer(self, rid: str, ids: list[int], out: list[int], logprobs: list, reason: dict | None,
-               logprob: bool) -> dict:
+               asked: dict) -> dict:
         meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(ids), "weight_version": self.version,
                 "completion_tokens": len(out), "cached_tokens": 0}
-        if logprob:
+        if asked["logprob"]:
             meta["output_token_logprobs"] = list(logprobs)
+        if asked["routes"] and out:
+            routes = torch.tensor(routes_of((list(ids) + list(out))[:-1], *self.moe), dtype=torch.int32)
+            meta["routed_experts"] = base64.b64encode(routes.numpy().tobytes()).decode()
         return {"output_ids": list(out), "meta_info": meta}
 
     async def abort_request(self, request: Request) -> Response:

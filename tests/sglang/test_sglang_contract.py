@@ -273,3 +273,28 @@ def _weights(model_path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return {n: t for path in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(path)).items()}
+
+
+def test_routed_experts_come_back_for_every_token_fed_to_the_model(tmp_path, model):
+    """R3 on SGLang: ``return_routed_experts`` starts the server capturing them and asks for them;
+    each sample's come back as ``[tokens, layers, top-k]`` over its prompt and its output but the
+    last token, alone or in a batch. A dense model is refused in one line."""
+    sys.path[:0] = [str(Path(__file__).parents[1] / "megatron"), str(Path(__file__).parent)]
+    from _moe_worker import EXPERTS, LAYERS, TOPK, build
+    from sglang_contract_server import routes_of
+
+    moe = build(tmp_path / "moe")
+    eng = engine_for(moe, return_routed_experts=True)
+    try:
+        prompt = [5, 9, 11, 40]
+        for n in (1, 2):
+            for r in asyncio.run(eng.generate(request(f"r{n}", prompt, n=n, max_new_tokens=6))):
+                assert r.output_ids
+                fed = prompt + r.output_ids[:-1]
+                assert r.routed_experts.shape == (len(fed), LAYERS, TOPK)
+                assert r.routed_experts.tolist() == routes_of(fed, LAYERS, TOPK, EXPERTS)
+    finally:
+        eng.close()
+    with pytest.raises(ValueError, match=r"^sglang engine: return_routed_experts=true needs a mixture-of-experts "
+                                         r"model; .* \(Qwen3ForCausalLM\) has no experts$"):
+        engine_for(model, return_routed_experts=True)

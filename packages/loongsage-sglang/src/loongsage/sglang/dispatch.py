@@ -116,7 +116,8 @@ class Dispatcher:
             self._name(sample)
         body = {"input_ids": [s.body["input_ids"] for s in samples], "rid": [s.rid for s in samples],
                 "sampling_params": [{**s.body["sampling_params"], "stream_interval": _ONLY_AT_THE_END} for s in samples],
-                "return_logprob": True, "logprob_start_len": -1, "stream": True}
+                "return_logprob": True, "logprob_start_len": -1, "stream": True,
+                **({"return_routed_experts": True} if samples[0].body.get("return_routed_experts") else {})}
         try:
             async with self._client.stream("POST", "/generate", json=body) as response:
                 if response.status_code == 200:

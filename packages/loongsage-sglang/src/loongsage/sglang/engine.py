@@ -85,7 +85,8 @@ class SGLangEngine(Engine):
                  max_batch_size: int | None = None, cuda_graphs: bool = True, deterministic: bool = False,
                  release_tags: list[str] | tuple[str, ...] = _TAGS, server_args: dict[str, Any] | None = None,
                  launch: list[str] | None = None, startup_timeout_s: float = 900.0, control_timeout_s: float = 300.0,
-                 sampling_backend: str | None = "pytorch", device: str = "cuda", fast_weight_load: bool = True):
+                 sampling_backend: str | None = "pytorch", device: str = "cuda", fast_weight_load: bool = True,
+                 return_routed_experts: bool = False):
         if device != "cuda":
             raise ValueError(f"sglang engine: device={device!r}: SGLang serves on CUDA GPUs only (use 'cuda', "
                              "or the native engine on the CPU)")
@@ -105,6 +106,8 @@ class SGLangEngine(Engine):
         pool = max_batch_size * max_model_len if max_batch_size and max_model_len and mem_fraction_static is None \
             else None
         self.model_path, self.dtype, self.deterministic = str(model_path), dtype, bool(deterministic)
+        # R3: SGLang records the experts every MoE layer chose for each token it fed the model
+        self.route_shape = _route_shape(self.model_path) if return_routed_experts else None
         # a float32 policy is served in bfloat16 (its pushes are cast); its log-probs then differ by
         # bf16 rounding, which the run's IS correction weighs
         self.served_dtype = dtype if dtype in _SERVED else "bfloat16"
@@ -136,6 +139,7 @@ class SGLangEngine(Engine):
             "sampling_backend": sampling_backend,
             "enable_memory_saver": bool(self.release_tags), "enable_weights_cpu_backup": "weights" in self.release_tags,
             "custom_weight_loader": [LOAD_FLAT] if fast_weight_load else None,
+            "enable_return_routed_experts": self.route_shape is not None,
             **(server_args or {}),
         }
         self.server = ServerProcess(list(launch or SGLANG_LAUNCH), server_flags(flags),
@@ -177,7 +181,10 @@ class SGLangEngine(Engine):
             params["stop_token_ids"] = list(s.stop_token_ids)
         if self.deterministic and s.seed is not None:
             params["sampling_seed"] = int(s.seed) + k  # only deterministic servers take a seed
-        return {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
+        body = {"input_ids": ids, "sampling_params": params, "return_logprob": True, "logprob_start_len": -1}
+        if self.route_shape is not None:
+            body["return_routed_experts"] = True
+        return body
 
     def _result(self, rid: str, answer: dict[str, Any], prior: GenerationResult | None) -> GenerationResult:
         meta = answer.get("meta_info") or {}
@@ -189,11 +196,32 @@ class SGLangEngine(Engine):
         if reason not in _FINISH:
             raise SGLangError(f"request {rid!r}: unknown finish_reason {meta.get('finish_reason')!r}")
         version = _version(meta.get("weight_version"), self._version)
-        result = GenerationResult(rid, ids, logprobs, [version] * len(ids), _FINISH[reason])
-        if prior is not None:
+        routes = self._routes(rid, meta, len(ids))
+        result = GenerationResult(rid, ids, logprobs, [version] * len(ids), _FINISH[reason], routes)
+        if prior is not None:  # the routes cover this run's whole input: the prompt with the prior tokens in it
             result = GenerationResult(rid, list(prior.output_ids) + ids, list(prior.logprobs) + logprobs,
-                                      list(prior.versions) + result.versions, result.finish_reason)
+                                      list(prior.versions) + result.versions, result.finish_reason,
+                                      prior.routed_experts if routes is None else routes)
         return result
+
+    def _routes(self, rid: str, meta: dict[str, Any], new_tokens: int) -> Tensor | None:
+        """The routed experts SGLang returned (base64 of int32 ``[tokens, layers, top-k]``, for
+        every token it fed the model: the input's and the output's but the last), or None when
+        not asked for (or an abort before any token)."""
+        if self.route_shape is None:
+            return None
+        encoded = meta.get("routed_experts")
+        expected = int(meta.get("prompt_tokens") or 0) + new_tokens - 1
+        if encoded is None:
+            if new_tokens == 0:
+                return None
+            raise SGLangError(f"request {rid!r}: return_routed_experts is on but sglang returned no routed experts")
+        flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
+        layers, topk = self.route_shape
+        if flat.numel() != expected * layers * topk:
+            raise SGLangError(f"request {rid!r}: sglang returned {flat.numel()} routed experts; expected {expected} "
+                              f"tokens x {layers} layers x {topk}")
+        return flat.view(expected, layers, topk).long()
 
     async def abort(self, request_ids: list[str] | None = None) -> list[GenerationResult]:
         ids = abort_targets(request_ids, self._flights)
@@ -424,6 +452,15 @@ def _max_positions(model_path: str) -> int:
     except (OSError, ValueError):
         return 1 << 30  # unknown: SGLang's default
     return int(config.get("max_position_embeddings") or 1 << 30)
+
+
+def _route_shape(model_path: str) -> tuple[int, int]:
+    """``(MoE layers, experts per token)`` of the served model, or one line saying it routes none."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if not (config.get("num_experts") or config.get("num_local_experts")) or not config.get("num_experts_per_tok"):
+        raise ValueError(f"sglang engine: return_routed_experts=true needs a mixture-of-experts model; {model_path} "
+                         f"({(config.get('architectures') or ['?'])[0]}) has no experts")
+    return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
 
 
 def _version(value: Any, default: int) -> int:
