@@ -1,5 +1,6 @@
 """The GPU recipes of published models (recipes/qwen3_*/): each composes and validates with stand-ins
-for its model folder (a config.json of the model's shape, the embedded tokenizer) and its data file,
+for its model folder (a config.json of the model's shape, dense or a mixture of experts, the
+embedded tokenizer) and its data file,
 its parallel layout passes the trainer's checks against that shape, it asks for exactly the cards
 of its node, and its step's rows split evenly over the data-parallel ranks and mini-batches."""
 
@@ -14,7 +15,9 @@ from loongsage.core.workers import model_args
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # recipe -> (the shape's preset, its architecture, the cards of its node)
-SEED = {"qwen3_4b/dapo_h800_1node": ("qwen3-4b", "Qwen3ForCausalLM", 8)}
+SEED = {"qwen3_4b/dapo_h800_1node": ("qwen3-4b", "Qwen3ForCausalLM", 8),
+        "qwen3_30b_a3b/dapo_h20_1node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 8),
+        "qwen3_coder_30b_a3b/opencode_h20_4node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 32)}
 
 
 def test_every_recipe_of_a_published_model_is_checked_here():
@@ -25,13 +28,14 @@ def test_every_recipe_of_a_published_model_is_checked_here():
 def _stand_ins(tmp_path: Path, preset: str, arch: str) -> tuple[Path, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
     from loongsage.core.embedded.shapes import PRESETS
     from loongsage.core.embedded.tokenizer import build_tokenizer
 
     model = tmp_path / "model"
-    Qwen3Config(**PRESETS[preset], architectures=[arch]).save_pretrained(model)
+    kind = Qwen3MoeConfig if "Moe" in arch else Qwen3Config
+    kind(**PRESETS[preset], architectures=[arch]).save_pretrained(model)
     build_tokenizer().save_pretrained(model)
     data = tmp_path / "data.parquet"
     pq.write_table(pa.table({"prompt": ["1+1?", "2+2?"], "label": ["2", "4"]}), data)
@@ -49,9 +53,9 @@ def test_a_seed_recipe_fits_its_model_and_its_node(name, tmp_path):
     preflight = registry.entry("trainer", spec["name"], "trainer.backend").preflight
     preflight(params, str(model), world_size=cfg.trainer.world_size)  # the layout against the shape
     assert placement_demand(cfg)[0]["GPU"] == cards
-    dp = cfg.trainer.world_size // int(params.get("tensor_parallel", 1))
+    dp = cfg.trainer.world_size // (int(params.get("tensor_parallel", 1)) * int(params.get("pipeline_parallel", 1)))
     rows = sum(s.prompts_per_step * s.samples_per_prompt for s in cfg.data_sources)
     assert rows % (dp * cfg.trainer.mini_batches_per_step) == 0
     # a layout the shape does not allow is refused in one line
-    with pytest.raises(ValueError, match=r"^tensor_parallel=3 does not divide trainer.world_size=8"):
+    with pytest.raises(ValueError, match=rf"^tensor_parallel=3 does not divide trainer.world_size={cfg.trainer.world_size}"):
         preflight({**params, "tensor_parallel": 3}, str(model), world_size=cfg.trainer.world_size)
