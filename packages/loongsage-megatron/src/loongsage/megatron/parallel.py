@@ -90,21 +90,15 @@ def parameter_kinds() -> ParameterKinds:
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over a split model: the global L2 norm counts each
     parameter's gradient as :class:`ParameterKinds` says."""
+    from loongsage.core.embedded.distributed_optimizer import global_norm
+
     kinds = parameter_kinds()
     grads = [(p.grad, kinds.kind_of(p)) for p in params if p.grad is not None]
     device = grads[0][0].device if grads else torch.device("cpu")
-    squares = [torch.zeros((), device=device) for _ in kinds.groups]
+    squares = torch.zeros(len(kinds.groups), device=device)
     for grad, kind in grads:
         squares[kind] += grad.detach().float().pow(2).sum()
-    for square, group in zip(squares, kinds.groups):
-        if group is None:
-            square.zero_()
-        elif group is not False and dist.get_world_size(group) > 1:
-            dist.all_reduce(square, group=group)
-    total = sum(squares)
-    if dist.get_world_size(kinds.across) > 1:
-        dist.all_reduce(total, group=kinds.across)
-    total = total.sqrt()
+    total = global_norm(squares, kinds.groups, kinds.across)
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for grad, _ in grads:
         grad.mul_(scale.to(grad.dtype))

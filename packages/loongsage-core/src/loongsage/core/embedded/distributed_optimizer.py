@@ -40,6 +40,24 @@ def _group_rank(group: Any) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
+def global_norm(squares: Tensor, kind_groups: tuple[Any, ...], across: Any = None) -> Tensor:
+    """The L2 norm from each kind's sum of squares on this rank (``squares[kind]``): a kind's sum
+    taken over ``kind_groups[kind]`` (False: over nothing more; None: not counted, a copy counted
+    elsewhere), the total over ``across`` (ranks holding other parameters: pipeline stages)."""
+    squares = squares.clone()
+    for kind, group in enumerate(kind_groups):
+        if group is None:
+            squares[kind] = 0.0
+        elif group is not False and _group_size(group) > 1:
+            total = squares[kind].clone()
+            dist.all_reduce(total, group=group)
+            squares[kind] = total
+    total = squares.sum()
+    if across is not None and _group_size(across) > 1:
+        dist.all_reduce(total, group=across)
+    return total.sqrt()
+
+
 class Bucket:
     """Parameters held alike by the ranks of ``group``, flat, each rank owning one slice."""
 
@@ -166,17 +184,7 @@ class DistributedOptimizer:
             if b.size > 1:
                 dist.all_reduce(part, group=b.group)
             squares += part
-        for kind, group in enumerate(kind_groups):
-            if group is None:
-                squares[kind] = 0.0
-            elif group is not False and _group_size(group) > 1:
-                total = squares[kind].clone()
-                dist.all_reduce(total, group=group)
-                squares[kind] = total
-        total = squares.sum()
-        if across is not None and _group_size(across) > 1:
-            dist.all_reduce(total, group=across)
-        norm = total.sqrt()
+        norm = global_norm(squares, kind_groups, across)
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for b in self.buckets:
             b.master.grad.mul_(scale)

@@ -55,23 +55,25 @@ class MasterWeights:
         when it is not trained here)."""
         return self._holders.get(param, param)
 
+    def copies(self) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        """``(parameter, master)`` of the low-precision parameters (a float32 one is its own master)."""
+        return [(p, m) for p, m in zip(self.params, self.masters) if m is not p]
+
     @torch.no_grad()
     def to_model(self) -> None:
         """The stepped masters, rounded into the model's weights."""
-        for param, master in zip(self.params, self.masters):
-            if master is not param:
-                param.copy_(master)
+        for param, master in self.copies():
+            param.copy_(master)
 
     @torch.no_grad()
     def from_model(self) -> None:
         """Masters reset to the model's weights (after they were loaded from elsewhere)."""
-        for param, master in zip(self.params, self.masters):
-            if master is not param:
-                master.copy_(param)
+        for param, master in self.copies():
+            master.copy_(param)
 
     def state(self) -> list[Tensor]:
         """The low-precision weights' masters, for a checkpoint."""
-        return [m.detach() for p, m in zip(self.params, self.masters) if m is not p]
+        return [m.detach() for _, m in self.copies()]
 
     @torch.no_grad()
     def load(self, state: list[Tensor] | None) -> None:
@@ -79,7 +81,7 @@ class MasterWeights:
         if state is None:
             self.from_model()
             return
-        owned = [m for p, m in zip(self.params, self.masters) if m is not p]
+        owned = [m for _, m in self.copies()]
         if len(state) != len(owned):
             raise ValueError(f"checkpoint: {len(state)} master weights for {len(owned)} low-precision parameters")
         for master, saved in zip(owned, state):

@@ -573,8 +573,7 @@ class TorchTrainer(Trainer):
                     for tensor in group.values():
                         if tensor is not None:
                             tensor.data = moved(tensor.data, device)
-        held = [] if self.masters is None else [m for m, p in zip(self.masters.masters, self.masters.params) if m is not p]
-        for master in held:
+        for _, master in self.masters.copies() if self.masters is not None else ():
             master.data = moved(master.data, device)
         if self.dist_opt is not None:
             self.dist_opt.to(lambda t: moved(t, device))
