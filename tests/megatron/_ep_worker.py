@@ -1,12 +1,12 @@
-"""Run by test_megatron_ep.py and test_megatron_pp.py: ``python _ep_worker.py MODEL_DIR WORK_DIR TP
-EP WORLD [PP]``. ``WORLD`` gloo processes (Megatron's CPU shims in each) of a ``megatron`` trainer on
-a tiny Qwen3-MoE, each replica split ``TP`` ways and into ``PP`` pipeline stages, the experts ``EP``
-ways. Data-parallel rank ``r`` holds the rows of
+"""Run by test_megatron_ep.py: ``python _ep_worker.py MODEL_DIR WORK_DIR TP EP WORLD [PP [ETP]]``.
+``WORLD`` gloo processes (Megatron's CPU shims in each) of a ``megatron`` trainer on a tiny
+Qwen3-MoE, each replica split ``TP`` ways and into ``PP`` pipeline stages, the experts ``EP`` ways
+(each expert split ``ETP`` ways: by default ``TP``). Data-parallel rank ``r`` holds the rows of
 :func:`rows_of` ``(r)``, of different counts and lengths, and a small token budget gives the ranks
 different numbers of micro-batches: log-probs (with and without replayed routes), a step, the
 exported weights, a checkpoint and its resume, and the same with the distributed optimizer; a step
 replaying routes with every layer recomputed in the backward. Rank 0 writes every rank's results
-to ``WORK_DIR/tp{TP}_ep{EP}[_pp{PP}].pt``."""
+to ``WORK_DIR/tp{TP}_ep{EP}[_pp{PP}][_etp{ETP}].pt``."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def rows_of(rank: int):
     return b, routes
 
 
-def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port: str, pp: int = 1) -> None:
+def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port: str, pp: int = 1,
+        etp: int | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -47,7 +48,8 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     from loongsage.megatron.trainer import MegatronTrainer
 
     def trainer_(**extra):
-        return MegatronTrainer(model_dir, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, **extra)
+        return MegatronTrainer(model_dir, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp,
+                               expert_tensor_parallel=etp, **extra)
 
     trainer = trainer_()
     out: dict = {"layout": trainer.data_parallel}
@@ -58,7 +60,7 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     out["grad_norm"] = trainer.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
     out["after"] = trainer.logprobs(b, BUDGET)[0]
     out["exported"] = {n: t.clone() for n, t in trainer.export_weights()}
-    name = f"tp{tp}_ep{ep}" + (f"_pp{pp}" if pp > 1 else "")
+    name = f"tp{tp}_ep{ep}" + (f"_pp{pp}" if pp > 1 else "") + (f"_etp{etp}" if etp is not None else "")
     trainer.save(Path(work) / f"ckpt_{name}")
     dist.barrier()  # the controller waits for every rank's save before anything loads
     resumed = trainer_()
@@ -84,6 +86,8 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     recomputed.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     replayed = dataclasses.replace(b, routed_experts=routes)
     out["replayed_grad_norm"] = recomputed.train_step(replayed, loss_fn, BUDGET).gauges["train/grad_norm"]
+    out["expert_rows"] = next(p.shape[0] for n, p in trainer.model.named_parameters() if "local_experts" in n
+                              and "fc1" in n)  # gate and up: 2 x moe_intermediate_size, or this rank's slice
     out["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if "local_experts" in n and "fc1" in n)
     results = [None] * world
     dist.all_gather_object(results, out)
@@ -99,7 +103,8 @@ if __name__ == "__main__":
     apply_cpu_shims()
     model_dir, work, tp, ep, world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     pp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
+    etp = int(sys.argv[7]) if len(sys.argv) > 7 else None
     from loongsage.core.placement import free_port
 
     port = str(free_port())
-    torch.multiprocessing.spawn(run, args=(tp, ep, world, model_dir, work, port, pp), nprocs=world)
+    torch.multiprocessing.spawn(run, args=(tp, ep, world, model_dir, work, port, pp, etp), nprocs=world)

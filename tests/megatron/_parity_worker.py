@@ -25,6 +25,7 @@ def run(rank: int, world: int, model_dir: str, out: str, port: str) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     from loongsage.megatron.convert import Shape, mcore_to_hf
+    from loongsage.megatron.layout import Layout
     from loongsage.megatron.model import build_gpt, gpt_logits, load_hf_weights
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
@@ -32,8 +33,9 @@ def run(rank: int, world: int, model_dir: str, out: str, port: str) -> None:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     hf = {n: t for p in sorted(Path(model_dir).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
     shape = Shape.of(config)
-    model = build_gpt(config, dtype=torch.float32, tp=world, padded_vocab=shape.padded_vocab(world))
-    load_hf_weights(model, hf, config, rank=rank, tp=world)
+    layout = Layout(tp=world)
+    model = build_gpt(config, dtype=torch.float32, layout=layout, padded_vocab=shape.padded_vocab(world))
+    load_hf_weights(model, hf, config, layout)
     model.eval()
     tokens = torch.randint(0, shape.vocab, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the trainer's forward: [b, s, this rank's vocabulary rows]

@@ -25,11 +25,13 @@ from _moe_worker import EXPERTS, build  # noqa: E402
 WORKER = Path(__file__).with_name("_ep_worker.py")
 
 
-def _run(model_dir: str, work: Path, tp: int, ep: int, world: int, pp: int = 1) -> list[dict]:
-    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(work), str(tp), str(ep), str(world), str(pp)],
+def _run(model_dir: str, work: Path, tp: int, ep: int, world: int, pp: int = 1, etp: int | None = None) -> list[dict]:
+    args = [str(tp), str(ep), str(world), str(pp)] + ([str(etp)] if etp is not None else [])
+    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(work), *args],
                          capture_output=True, text=True, timeout=500, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return torch.load(work / (f"tp{tp}_ep{ep}" + (f"_pp{pp}" if pp > 1 else "") + ".pt"), weights_only=False)
+    name = f"tp{tp}_ep{ep}" + (f"_pp{pp}" if pp > 1 else "") + (f"_etp{etp}" if etp is not None else "")
+    return torch.load(work / f"{name}.pt", weights_only=False)
 
 
 def _same_step(one: dict, two: dict, what: str) -> None:
@@ -112,6 +114,23 @@ def test_experts_split_in_two_pipeline_stages_train_as_replicated_ones(moe):
     _exports_agree(whole[0]["exported"], split[0]["exported"])
 
 
+@pytest.mark.timeout(900)
+def test_whole_experts_over_the_tensor_parallel_ranks_train_as_replicated_ones(moe):
+    """Four ranks: two replicas of two tensor-parallel ranks, each expert whole on its rank
+    (``expert_tensor_parallel: 1``): the two tensor-parallel ranks of a replica hold different
+    experts, as in Megatron's TP4 PP2 EP4 layouts."""
+    model_dir, work, whole = moe
+    split = _run(model_dir, work, 2, 2, 4, etp=1)
+    assert [r["layout"] for r in split] == [(0, 2, True), (0, 2, False), (1, 2, True), (1, 2, False)]
+    assert [r["local_experts"] for r in split] == [EXPERTS] * 4  # half of each layer's, two layers
+    assert {r["expert_rows"] for r in split} == {2 * 32}  # gate and up whole (moe_intermediate_size 32)
+    leaders = {r["layout"][0]: r for r in split if r["layout"][2]}
+    for rank in (0, 1):
+        _same_step(whole[rank], leaders[rank], f"tp2 ep2 etp1 data-parallel rank {rank}")
+    assert all(r["exported"] == {} for r in split[1:])
+    _exports_agree(whole[0]["exported"], split[0]["exported"])
+
+
 def test_a_layout_that_cannot_split_the_experts_is_refused_in_one_line(tmp_path):
     from loongsage.megatron.trainer import MegatronTrainer
 
@@ -122,5 +141,9 @@ def test_a_layout_that_cannot_split_the_experts_is_refused_in_one_line(tmp_path)
         with pytest.raises(ValueError) as err:
             MegatronTrainer.preflight({"expert_parallel": ep}, model_dir, world_size=world)
         assert str(err.value) == message
-    with pytest.raises(ValueError, match=r"^tensor_parallel=2 x expert_parallel=2 x pipeline_parallel=1 does not divide trainer.world_size=2;"):
+    with pytest.raises(ValueError, match=r"^tensor_parallel=2 x expert_parallel=2 x pipeline_parallel=1 does not "
+                                         r"divide trainer.world_size=2;"):
         MegatronTrainer.preflight({"expert_parallel": 2, "tensor_parallel": 2}, model_dir, world_size=2)
+    with pytest.raises(ValueError, match=r"^expert_tensor_parallel=2; allowed: 1 \(each expert whole on its rank\) "
+                                         r"or tensor_parallel=4$"):
+        MegatronTrainer.preflight({"tensor_parallel": 4, "expert_tensor_parallel": 2}, model_dir, world_size=4)

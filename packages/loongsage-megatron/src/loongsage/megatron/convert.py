@@ -126,15 +126,18 @@ def qkv_split(qkv: Tensor, shape: Shape) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int = 1, *, ep_rank: int = 0,
-                ep: int = 1, layers: range | None = None, first: bool = True, last: bool = True) -> dict[str, Tensor]:
+                ep: int = 1, expert_rank: int | None = None, expert_tp: int | None = None,
+                layers: range | None = None, first: bool = True, last: bool = True) -> dict[str, Tensor]:
     """Rank ``rank`` of ``tp``'s Megatron state from an HF state dict (``lm_head`` ignored when tied);
     under expert parallelism only expert-parallel rank ``ep_rank`` of ``ep``'s experts, numbered
-    from 0 as its ``local_experts``. A pipeline stage holds ``layers`` (numbered from 0 in it),
+    from 0 as its ``local_experts``, each split over ``expert_tp`` ranks (rank ``expert_rank``;
+    the tensor parallelism when None). A pipeline stage holds ``layers`` (numbered from 0 in it),
     the embedding when ``first``, the final norm and output layer when ``last`` (a tied model's
     last stage without the first: a copy of the embedding as its output layer)."""
     shape.check_tp(tp)
     shape.check_ep(ep)
     local = range(ep_rank * (shape.experts // ep), (ep_rank + 1) * (shape.experts // ep)) if shape.experts else range(0)
+    erank, etp = (rank, tp) if expert_tp is None else (expert_rank or 0, expert_tp)
     layers = range(shape.layers) if layers is None else layers
     held = {"model.embed_tokens.weight": first, "model.norm.weight": last, "lm_head.weight": last}
     out: dict[str, Tensor] = {}
@@ -163,8 +166,8 @@ def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int =
             out[f"{dst}mlp.router.weight"] = hf[f"{src}mlp.gate.weight"]
         for e, gate, up, down in _hf_experts(hf, src, local):
             expert = f"{dst}mlp.experts.local_experts.{e - local.start}."
-            out[expert + "linear_fc1.weight"] = torch.cat([_split(gate, 0, rank, tp), _split(up, 0, rank, tp)])
-            out[expert + "linear_fc2.weight"] = _split(down, 1, rank, tp)
+            out[expert + "linear_fc1.weight"] = torch.cat([_split(gate, 0, erank, etp), _split(up, 0, erank, etp)])
+            out[expert + "linear_fc2.weight"] = _split(down, 1, erank, etp)
     return out
 
 
@@ -207,9 +210,13 @@ def numbered_from(state: Mapping[str, Tensor], start: int) -> dict[str, Tensor]:
     return {pattern.sub(lambda m: f"decoder.layers.{int(m.group(1)) + start}.", name): t for name, t in state.items()}
 
 
-def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape) -> Iterator[tuple[str, Tensor]]:
-    """HF-named tensors gathered from every rank's Megatron state (rank order), layer by layer."""
+def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape, *,
+                experts_split: bool = True) -> Iterator[tuple[str, Tensor]]:
+    """HF-named tensors gathered from every tensor-parallel rank's Megatron state (rank order),
+    layer by layer; the experts from the first rank's alone when they are not split over the
+    ranks (``experts_split`` False: expert tensor parallelism 1)."""
     first = shards[0]
+    expert_shards = shards if experts_split else shards[:1]
     for name, (target, dim) in _GLOBAL.items():
         if target in first and name != "model.norm.weight":
             yield name, _gather([s[target] for s in shards], dim)[:shape.vocab]
@@ -230,7 +237,7 @@ def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape) -> Iterator[tu
             yield f"{src}mlp.up_proj.weight", _gather([h[1] for h in halves], 0)
         if f"{dst}mlp.router.weight" in first:
             yield f"{src}mlp.gate.weight", first[f"{dst}mlp.router.weight"]
-            fc1, fc2 = ([[s[f"{dst}mlp.experts.local_experts.{e}.linear_{n}.weight"] for s in shards]
+            fc1, fc2 = ([[s[f"{dst}mlp.experts.local_experts.{e}.linear_{n}.weight"] for s in expert_shards]
                          for e in range(shape.experts)] for n in ("fc1", "fc2"))
             gate_up = [torch.cat([_gather([p.chunk(2)[0] for p in parts], 0), _gather([p.chunk(2)[1] for p in parts], 0)])
                        for parts in fc1]

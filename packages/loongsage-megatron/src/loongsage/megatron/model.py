@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from loongsage.megatron.convert import num_experts
+from loongsage.megatron.layout import Layout
 
 # the HF architectures whose layers this spec reproduces (RMSNorm, SwiGLU, rotary, GQA)
 # (and, for Qwen3-MoE, a mixture of experts in every layer's MLP)
@@ -67,13 +68,13 @@ def moe_fields(config: Mapping) -> dict[str, Any]:
             "moe_token_dispatcher_type": "allgather", "moe_enable_routing_replay": True}
 
 
-def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1, pp: int = 1,
+def transformer_config(config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(),
                        recompute: bool = False) -> Any:
-    """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict), split ``tp`` ways, its
-    experts ``ep`` ways and its layers into ``pp`` pipeline stages; ``recompute``: every layer's activations are recomputed in the backward
-    (full, one layer at a time). With ``tp > 1`` sequence parallelism is on: between the layers'
-    tensor-parallel regions each rank holds ``1 / tp`` of the tokens (Megatron's MoE layer trains
-    under tensor parallelism only so)."""
+    """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict), split as ``layout``
+    says; ``recompute``: every layer's activations are recomputed in the backward
+    (full, one layer at a time). With tensor parallelism sequence parallelism is on: between the
+    layers' tensor-parallel regions each rank holds its share of the tokens (Megatron's MoE layer
+    trains under tensor parallelism only so)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch = architecture(config)
@@ -91,8 +92,9 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: 
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         use_cpu_initialization=True, perform_initialization=False,  # the weights come from the checkpoint
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, pipeline_model_parallel_size=pp,
-        sequence_parallel=tp > 1, params_dtype=dtype,
+        tensor_model_parallel_size=layout.tp, expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp, pipeline_model_parallel_size=layout.pp,
+        sequence_parallel=layout.tp > 1, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype, **moe_fields(config),
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if recompute else {}))
@@ -138,8 +140,8 @@ def _megatron_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1, pp: int = 1,
-              padded_vocab: int | None = None, attention: str = "sdpa", recompute: bool = False) -> Any:
+def build_gpt(config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(), padded_vocab: int | None = None,
+              attention: str = "sdpa", recompute: bool = False) -> Any:
     """A ``GPTModel`` (this rank's shard: under pipeline parallelism its stage's layers, the
     embedding on the first stage, the final norm and output layer on the last) shaped as
     ``config``; its weights are to be loaded."""
@@ -151,7 +153,7 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, tp: int = 1, ep: int = 1, 
     blocks = TransformerBlockSubmodules(layer_specs=[layer_spec(config, attention)] * len(layers),
                                         layer_norm=rms_norm_class())
     model = GPTModel(
-        config=transformer_config(config, dtype=dtype, tp=tp, ep=ep, pp=pp, recompute=recompute),
+        config=transformer_config(config, dtype=dtype, layout=layout, recompute=recompute),
         transformer_layer_spec=blocks,
         vocab_size=padded_vocab or int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
@@ -347,14 +349,18 @@ def rope_base(config: Mapping) -> float:
     return float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
 
 
-def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping, *, rank: int = 0, tp: int = 1,
-                    ep_rank: int = 0, ep: int = 1) -> None:
-    """Fill ``model`` (rank ``rank`` of ``tp``, expert-parallel rank ``ep_rank`` of ``ep``, its
-    pipeline stage's layers) from HF-named tensors; every weight must be given."""
+def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping, layout: Layout = Layout()) -> None:
+    """Fill ``model`` (this rank's shard of ``layout``, its ranks read from Megatron's process
+    groups: its tensor-parallel slice, its block of experts and their slice, its pipeline
+    stage's layers) from HF-named tensors; every weight must be given."""
+    from megatron.core import parallel_state as ps
+
     from loongsage.megatron.convert import Shape, hf_to_mcore
 
     own = model.state_dict()
-    state = hf_to_mcore(hf, Shape.of(config), rank, tp, ep_rank=ep_rank, ep=ep,
+    state = hf_to_mcore(hf, Shape.of(config), ps.get_tensor_model_parallel_rank(), layout.tp,
+                        ep_rank=ps.get_expert_model_parallel_rank(), ep=layout.ep,
+                        expert_rank=ps.get_expert_tensor_parallel_rank(), expert_tp=layout.expert_tp,
                         layers=stage_layers(int(config["num_hidden_layers"])), first=model.pre_process,
                         last=model.post_process)
     missing = sorted(k for k in own if k not in state and not k.endswith("_extra_state"))

@@ -20,7 +20,6 @@ data-parallel ranks, the experts' over the ranks holding them.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer, sum_in_place
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards, numbered_from
+from loongsage.megatron.layout import Layout
 from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_hidden, gpt_logits,
                                       load_hf_weights, rope_base, stage_layers)
 from loongsage.megatron.pipeline import Stage, forward_only, one_forward_one_backward, to_first_stage
@@ -63,14 +63,13 @@ class MegatronTrainer(TorchTrainer):
     tensor_parallel: int = 1  # ranks one replica is split over (trainer.world_size: a multiple of it)
     expert_parallel: int = 1  # ranks an MoE layer's experts are split over (each trains on rows of its own)
     pipeline_parallel: int = 1  # consecutive stages of layers one replica is split into
+    expert_tensor_parallel: int | None = None  # ranks one expert is split over (None: tensor_parallel; or 1)
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)  # before Megatron's process groups start
-        for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"megatron trainer: {name}={value!r}; allowed: an integer >= 1")
+        self.layout = Layout.of({name: getattr(self, name) for name in (
+            "tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel")})
         self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
         self._replayed_tokens = 0
         self._stage_input: Tensor | None = None  # the previous pipeline stage's output, in the forward
@@ -87,15 +86,13 @@ class MegatronTrainer(TorchTrainer):
         config = read_config(model_path)
         architecture(config)
         rope_base(config)
-        check_layout(config, int(params.get("tensor_parallel", 1)), world_size, int(params.get("expert_parallel", 1)),
-                     int(params.get("pipeline_parallel", 1)))
+        Layout.of(params).check(config, world_size)
 
     def _load_model(self) -> torch.nn.Module:
         self.config = read_config(self.model_path)
         self.shape = Shape.of(self.config)
         return load_gpt(self.model_path, self.config, dtype=self.dtype, device=self.device, attention=self.attention,
-                        fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing, tp=self.tensor_parallel,
-                        ep=self.expert_parallel, pp=self.pipeline_parallel)
+                        fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing, layout=self.layout)
 
     # ------------------------------------------------------------------ model parallelism
     @property
@@ -125,7 +122,7 @@ class MegatronTrainer(TorchTrainer):
 
     @property
     def _split(self) -> bool:
-        return self.tensor_parallel > 1 or self.expert_parallel > 1 or self.pipeline_parallel > 1
+        return self.layout.split
 
     def _forward_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         if self.tensor_parallel == 1:
@@ -326,40 +323,58 @@ class MegatronTrainer(TorchTrainer):
         on the first expert-parallel rank, the tensor-parallel shards on the stage's first rank,
         and the pipeline stages' tensors on the first stage (collectives of their groups; the
         other ranks yield nothing)."""
-        from megatron.core import parallel_state
-
         own = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if isinstance(v, Tensor)}
         if self.shape.tied and not self.model.pre_process:
             own.pop("output_layer.weight", None)  # the last stage's copy of the embedding
-        if self.expert_parallel > 1:
-            experts = gathered_state({k: v for k, v in own.items() if not getattr(v, "allreduce", True)},
-                                     parallel_state.get_expert_model_parallel_group())
-            if experts is None:
-                return
-            own = merge_expert_shards([{**own, **experts[0]}, *experts[1:]])
-        shards = [own] if self.tensor_parallel == 1 else gathered_state(own)
+        shards = self._gathered(own)
         if shards is None:
             return
         start = stage_layers(self.shape.layers).start
 
         def stage_tensors() -> Iterator[tuple[str, Tensor]]:
-            for name, tensor in mcore_to_hf([numbered_from(s, start) for s in shards], self.shape):
+            for name, tensor in mcore_to_hf([numbered_from(s, start) for s in shards], self.shape,
+                                            experts_split=self.layout.expert_tp > 1):
                 yield name, tensor.detach()
                 if name == "model.embed_tokens.weight" and self.shape.tied:
                     yield "lm_head.weight", tensor.detach()  # as the HF model lists its tied head
 
         if self.pipeline_parallel == 1:
             yield from stage_tensors()
-        elif parallel_state.get_data_parallel_rank() == 0:  # one replica's stages send theirs to its first
+        else:  # one replica's stages send theirs to its first
             yield from to_first_stage(self.stage, stage_tensors, self.device)
+
+    def _gathered(self, own: dict[str, Tensor]) -> list[dict[str, Tensor]] | None:
+        """A stage's whole state as its tensor-parallel ranks' shards, on the first rank of the first
+        data-parallel replica (None elsewhere): the experts gathered over the expert-parallel ranks
+        (each block renumbered), then the shards over the tensor-parallel ranks. Experts that are
+        whole on each rank (expert tensor parallelism 1) go with the first shard only."""
+        from megatron.core import parallel_state as ps
+
+        layout = self.layout
+        whole_experts = layout.expert_tp == 1 and layout.tp > 1
+        experts = {k: v for k, v in own.items() if not getattr(v, "allreduce", True)}
+        if whole_experts:
+            own = {k: v for k, v in own.items() if k not in experts}
+        if layout.ep > 1:
+            blocks = gathered_state(experts, ps.get_expert_model_parallel_group())
+            experts = merge_expert_shards(blocks) if blocks is not None else None
+            if experts is None and not whole_experts:
+                return None  # the experts' first rank holds its tensor-parallel group's whole state
+            if not whole_experts:
+                own = {**own, **experts}
+        shards = [own] if layout.tp == 1 else gathered_state(own)
+        if shards is None or ps.get_data_parallel_rank() != 0:
+            return None
+        if whole_experts:  # on the first tensor-parallel rank, which is the experts' first rank
+            shards[0] = {**shards[0], **experts}
+        return shards
 
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """HF-named tensors of the current policy (q/k/v and gate/up split out of Megatron's merged ones)."""
         yield from self._hf_tensors()
 
     def _load_model_state(self, state: dict[str, Tensor]) -> None:
-        load_hf_weights(self.model, state, self.config, rank=self._tp_rank, tp=self.tensor_parallel,
-                        ep_rank=self._ep_rank, ep=self.expert_parallel)
+        load_hf_weights(self.model, state, self.config, self.layout)
 
     def _write_hf(self, path: Path, state: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file
@@ -407,49 +422,19 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
     return routes
 
 
-def check_layout(config: dict[str, Any], tp: int, world_size: int, ep: int = 1, pp: int = 1) -> None:
-    """One line naming what a tensor-, expert- or pipeline-parallel size does not divide: the
-    trainer's ranks, or the model's heads, key/value groups, feed-forward widths, experts or
-    layers."""
-    for name, size in (("tensor_parallel", tp), ("expert_parallel", ep), ("pipeline_parallel", pp)):
-        if size < 1 or world_size % size:
-            raise ValueError(f"{name}={size} does not divide trainer.world_size={world_size}; allowed: a divisor "
-                             f"of {world_size}")
-    if world_size % (tp * pp):
-        raise ValueError(f"tensor_parallel={tp} x pipeline_parallel={pp} does not divide trainer.world_size="
-                         f"{world_size}; allowed: a product that divides it (the ranks of one replica)")
-    if world_size % (tp * ep * pp):
-        raise ValueError(f"tensor_parallel={tp} x expert_parallel={ep} x pipeline_parallel={pp} does not divide "
-                         f"trainer.world_size={world_size}; allowed: a product that divides it (the experts are split "
-                         "over tensor- and expert-parallel ranks in every stage)")
-    layers = int(config["num_hidden_layers"])
-    if layers % pp:
-        raise ValueError(f"pipeline_parallel={pp} does not divide num_hidden_layers={layers}; allowed: a divisor of "
-                         f"{layers} (equal stages)")
-    shape = Shape.of(config)
-    shape.check_tp(tp)
-    shape.check_ep(ep)
-    for name in ("intermediate_size", "moe_intermediate_size"):
-        if config.get(name) and int(config[name]) % tp:
-            raise ValueError(f"tensor_parallel={tp} does not divide {name}={config[name]}; allowed: a divisor of it")
-
-
 def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, attention: str = "sdpa",
-             fp32_lm_head: bool = True, recompute: bool = False, tp: int = 1, ep: int = 1,
-             pp: int = 1) -> torch.nn.Module:
+             fp32_lm_head: bool = True, recompute: bool = False, layout: Layout = Layout()) -> torch.nn.Module:
     """This rank's shard of a Megatron GPT model with the HF checkpoint's weights (Megatron's
-    process groups started first: ``tp`` ranks a stage, ``pp`` stages a replica, experts over
-    ``ep`` ranks), the output layer giving float32 logits where asked."""
-    from megatron.core import parallel_state
+    process groups started first, as ``layout`` says), the output layer giving float32 logits
+    where asked."""
     from safetensors.torch import load_file
 
-    start_model_parallel(device, tp, ep, pp)
+    layout.start(device)
     shape = Shape.of(config)
-    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute, tp=tp, ep=ep, pp=pp,
-                      padded_vocab=shape.padded_vocab(tp))
+    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute, layout=layout,
+                      padded_vocab=shape.padded_vocab(layout.tp))
     hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
-    load_hf_weights(model, hf, config, rank=parallel_state.get_tensor_model_parallel_rank(), tp=tp,
-                    ep_rank=parallel_state.get_expert_model_parallel_rank(), ep=ep)
+    load_hf_weights(model, hf, config, layout)
     if fp32_lm_head and dtype != "float32" and model.post_process:
         fp32_output_layer(model.output_layer)
     return model
@@ -472,31 +457,3 @@ def fp32_output_layer(layer: torch.nn.Module) -> None:
         return fp32_head(input_, layer.weight if weight is None else weight), None
 
     layer.forward = forward
-
-
-def start_model_parallel(device: str, tp: int = 1, ep: int = 1, pp: int = 1) -> None:
-    """Megatron's process groups over the run's trainer ranks (one process: a group of one of its
-    own): stages of ``tp`` ranks, replicas of ``pp`` stages, experts over ``ep`` ranks. CPU shims
-    when CUDA is absent."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    from loongsage.core.placement import free_port
-    from loongsage.megatron.cpu import apply_cpu_shims
-
-    if not str(device).startswith("cuda"):
-        apply_cpu_shims()
-    if not dist.is_initialized():
-        backend = "nccl" if str(device).startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    if parallel_state.model_parallel_is_initialized():
-        running = (parallel_state.get_tensor_model_parallel_world_size(),
-                   parallel_state.get_expert_model_parallel_world_size(),
-                   parallel_state.get_pipeline_model_parallel_world_size())
-        if running != (tp, ep, pp):
-            raise ValueError(f"megatron: this process runs tensor_parallel={running[0]}, expert_parallel={running[1]}, "
-                             f"pipeline_parallel={running[2]}; a model asked for {tp}, {ep}, {pp}")
-    else:
-        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 expert_model_parallel_size=ep)
-        tensor_parallel.model_parallel_cuda_manual_seed(int(torch.initial_seed()) % (2**31))
