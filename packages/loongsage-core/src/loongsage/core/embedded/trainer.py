@@ -56,6 +56,7 @@ from loongsage.core.embedded.lora import (
 from loongsage.core.embedded.distributed_optimizer import DistributedOptimizer
 from loongsage.core.embedded.master_weights import MasterWeights
 from loongsage.core.embedded.micro_batching import plan_micro_batches
+from loongsage.core.embedded.offload import place_trainer_state
 from loongsage.core.metrics import Metrics
 from loongsage.core.segments import forward_shape, is_split, segment_layout
 from loongsage.core.types import TrainBatch
@@ -565,36 +566,7 @@ class TorchTrainer(Trainer):
         if self.sharded:
             raise ValueError("offload: an FSDP2-sharded trainer cannot move its shards to host memory yet; allowed: "
                              "placement.offload_trainer=false, or dp_mode: replicate")
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        if weights:  # in place: parameters keep their identity (the optimizer's, the hooks')
-            for module in self.model.modules():
-                for group in (module._parameters, module._buffers):
-                    for tensor in group.values():
-                        if tensor is not None:
-                            tensor.data = moved(tensor.data, device)
-        for _, master in self.masters.copies() if self.masters is not None else ():
-            master.data = moved(master.data, device)
-        if self.dist_opt is not None:
-            self.dist_opt.to(lambda t: moved(t, device))
-        for state in (self.optimizer.state.values() if self.optimizer is not None else ()):
-            for key, value in state.items():
-                if isinstance(value, Tensor) and value.dim() > 0:  # AdamW keeps its step count on the CPU
-                    state[key] = moved(value, device)
-        torch.cuda.synchronize()  # the copies ran asynchronously
-        if device == "cpu":
-            torch.cuda.empty_cache()
-
-
-def moved(tensor: Tensor, device: str | torch.device) -> Tensor:
-    """``tensor`` on ``device``, copied asynchronously; to the host into pinned memory (the
-    transfer runs at the bus's speed, and the allocator keeps the pinned blocks for the next time).
-    The caller synchronizes."""
-    if tensor.device == torch.device(device):
-        return tensor
-    if torch.device(device).type == "cpu":
-        return torch.empty_like(tensor, device="cpu", pin_memory=True).copy_(tensor, non_blocking=True)
-    return tensor.to(device, non_blocking=True)
+        place_trainer_state(self.model, self.optimizer, self.masters, self.dist_opt, device, weights=weights)
 
 
 def sum_in_place(tensors: list[Tensor], group: Any = None) -> None:
