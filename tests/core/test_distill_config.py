@@ -90,6 +90,10 @@ def test_bad_distill_values(overrides, expected) -> None:
     (["data_sources.1.teacher.params.builder.params.init_from={hidden_size: 32}"],
      "hidden_size=64: must equal the init_from model's (32)"),
     (["data_sources.1.teacher.params.builder.params.init_from={depth: 3}"], "init_from.depth: unknown key"),
+    (["data_sources.0.teacher={name: trainer, params: {builder: {name: tiny_arith}, dtype: float32}}"],
+     "data_sources[0].teacher.params.dtype: a teacher held by the trainer is built like the policy"),
+    (["data_sources.0.teacher={name: trainer, params: {builder: {name: tiny_arith}}}"],
+     "data_sources: some teachers are held by the trainer (name: trainer) and some run in teacher workers"),
 ])
 def test_bad_teacher_specs(overrides, expected) -> None:
     assert expected in config_error(overrides)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from loongsage.core.cli import main
 from loongsage.core.embedded.warmstart import WarmStartParams, cached_warm_start
@@ -83,11 +84,46 @@ def test_self_distillation_starts_at_zero(ray_session, in_tmp, model_cache):
     assert second["train/gkd"] > 1e-7 and abs(second["train/mopd_kl"]) > 1e-5
 
 
-def test_mopd_under_two_trainer_ranks_resumes(ray_session, in_tmp):
-    """MOPD with DP 2 (each rank gets both sources' rows) and a resume: teachers hold no state, so the
-    resumed run just goes on scoring with the same teachers."""
-    args = _short_run(MOPD, "mopd_dp2", 2, *SECOND_SOURCE, *CHEAP_MODELS, "trainer.world_size=2",
-                      "checkpoint.every_steps=2")
+def _hydra(value) -> str:
+    """A value in Hydra's override syntax."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_hydra(v)}" for k, v in value.items()) + "}"
+    return json.dumps(value)
+
+
+def _held_teachers() -> list[str]:
+    """Both sources' teachers held by the trainer's ranks (``name: trainer``), built as in the recipe (a
+    new name replaces a spec's params, so the builder is given again)."""
+    recipe = yaml.safe_load((Path(__file__).parents[2] / "recipes" / f"{MOPD}.yaml").read_text())
+    return [f"data_sources.{i}.teacher={_hydra({'name': 'trainer', 'params': src['teacher']['params']})}"
+            for i, src in enumerate(recipe["data_sources"])]
+
+
+HELD = _held_teachers()
+
+
+def test_teachers_held_by_the_trainer_score_as_teacher_workers(ray_session, in_tmp):
+    """``teacher: {name: trainer}``: the trainer ranks hold the teachers and compute their full-vocabulary
+    distribution inside the train step. Same seed, same rollouts: the first step's teacher log-probs,
+    divergences, loss and gradient norm equal those of the run with teacher workers."""
+    steps = {}
+    for name, extra in (("workers", []), ("held", HELD)):
+        assert main(_short_run(MOPD, f"mopd_{name}", 1, *SECOND_SOURCE, *extra, *CHEAP_MODELS)) == 0
+        steps[name] = _trained(_metrics(in_tmp / "runs" / f"mopd_{name}"))[0]
+    workers, held = steps["workers"], steps["held"]
+    assert workers["rollout/trajectories"] == held["rollout/trajectories"] == 32
+    for key in ("train_per_ds/add/mopd_teacher_logprob", "train_per_ds/sub/mopd_teacher_logprob",
+                "train_per_ds/add/gkd", "train_per_ds/sub/gkd", "train/loss", "train/grad_norm"):
+        assert held[key] == pytest.approx(workers[key], rel=1e-5, abs=1e-7), key
+    assert held["train_per_ds/sub/gkd"] > 0
+
+
+def test_held_teachers_under_two_sharded_trainer_ranks_resume(ray_session, in_tmp):
+    """MOPD with DP 2 under FSDP2 (each rank gets both sources' rows), the teachers held by the trainer
+    ranks and sharded as the policy is, the top-k divergence, and a resume: teachers hold no state, so
+    the resumed run just goes on scoring with the same teachers."""
+    args = _short_run(MOPD, "mopd_dp2", 2, *SECOND_SOURCE, *HELD, *CHEAP_MODELS, *_divergence("topk_kl", k=4),
+                      "trainer.world_size=2", "checkpoint.every_steps=2")
     assert main(args) == 0
     assert main([*args, "run.total_steps=3", "resume=true"]) == 0
     trained = _trained(_metrics(in_tmp / "runs" / "mopd_dp2"))

@@ -89,6 +89,17 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     out["expert_rows"] = next(p.shape[0] for n, p in trainer.model.named_parameters() if "local_experts" in n
                               and "fc1" in n)  # gate and up: 2 x moe_intermediate_size, or this rank's slice
     out["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if "local_experts" in n and "fc1" in n)
+    # two MOPD teachers held by the trainer (split as it is), rank 1 without rows of the second: its
+    # teacher runs a filler there, as Megatron's expert dispatch needs every rank's forward
+    from _tp_worker import distill_loss
+
+    student = trainer_()
+    for source in ("a", "b"):
+        student.add_teacher([source], str(Path(work) / "teacher"))
+    student.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    taught = dataclasses.replace(b, sources=["a", "b", "a"][:len(b)] if out["layout"][0] == 0 else ["a"] * len(b))
+    out["teacher_logprobs"] = student.teacher_logprobs(taught, BUDGET)
+    out["distill_grad_norm"] = student.train_step(taught, distill_loss(0), BUDGET).gauges["train/grad_norm"]
     results = [None] * world
     dist.all_gather_object(results, out)
     if rank == 0:
@@ -106,5 +117,8 @@ if __name__ == "__main__":
     etp = int(sys.argv[7]) if len(sys.argv) > 7 else None
     from loongsage.core.placement import free_port
 
+    from _tp_worker import perturbed_copy
+
+    perturbed_copy(model_dir, Path(work) / "teacher")
     port = str(free_port())
     torch.multiprocessing.spawn(run, args=(tp, ep, world, model_dir, work, port, pp, etp), nprocs=world)

@@ -8,12 +8,51 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 
 BUDGET = 24  # tokens per micro-batch: one row each, three micro-batches in the pipeline
+
+
+def distill_loss(topk: int):
+    """MOPD's GKD branch in small: KL(teacher || student) per trained position over the held teacher's
+    full distribution (``topk`` 0) or its top-k, plus the worker's policy-gradient loss."""
+    from _trainer_worker import loss_fn
+
+    from loongsage.core.contracts import LossFunction
+    from loongsage.core.metrics import Metrics
+
+    class Distill(LossFunction):
+        needs_student_distribution = True
+
+        def teacher_request(self) -> tuple[int, bool]:
+            return topk, not topk
+
+        def __call__(self, lp, mb, student_dist=None):
+            t = student_dist.shape[1]
+            teacher = mb.teacher_dist_logprobs[:, -t:]
+            kl = (teacher.exp() * (teacher - student_dist)).sum(-1)
+            mask = mb.response_mask[:, -t:].to(kl.device)
+            return (kl * mask).sum() / 100 + loss_fn(lp, mb)[0], Metrics()
+
+    return Distill()
+
+
+def perturbed_copy(model_dir: str, out: Path) -> str:
+    """A teacher: the model with seeded noise on every weight (the same vocabulary, other outputs)."""
+    if not out.exists():
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=gen) * 0.05)
+        model.save_pretrained(out)
+    return str(out)
 
 
 def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> None:
@@ -52,6 +91,15 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
     split.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     out["bf16_split_grad_norm"] = split.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
     out["bf16_masters"] = half.masters is not None and all(m.dtype == torch.float32 for m in half.masters.masters)
+    # MOPD with a teacher held by the trainer, split as the policy: its log-probs, then a step on its
+    # full distribution and one on its top-k (the vocabulary shards gathered for the divergence)
+    student = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp)
+    student.add_teacher(["s"], str(Path(work) / "teacher"))
+    student.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    taught = replace(b, sources=["s"] * len(b))
+    out["teacher_logprobs"] = student.teacher_logprobs(taught, BUDGET)
+    out["distill_grad_norms"] = [student.train_step(taught, distill_loss(k), BUDGET).gauges["train/grad_norm"]
+                                 for k in (0, 5)]
     outs = [None] * (tp * pp)
     dist.all_gather_object(outs, out)
     if rank == 0:  # the leader's answers (the last stage computes them); rank 0's exports
@@ -70,5 +118,6 @@ if __name__ == "__main__":
     pp = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     from loongsage.core.placement import free_port
 
+    perturbed_copy(model_dir, Path(work) / "teacher")
     port = str(free_port())
     torch.multiprocessing.spawn(run, args=(tp, pp, model_dir, work, port), nprocs=tp * pp)

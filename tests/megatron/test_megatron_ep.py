@@ -47,6 +47,10 @@ def _same_step(one: dict, two: dict, what: str) -> None:
     # replayed routes, every layer recomputed in the backward on its micro-batch's own routes
     assert two["replayed_grad_norm"] == pytest.approx(one["replayed_grad_norm"], rel=1e-5), what
     assert abs(one["replayed_grad_norm"] - one["grad_norm"]) > 1e-2, what
+    # two held MOPD teachers split as the student (one without rows on a rank: a filler forward there)
+    assert (one["teacher_logprobs"] - two["teacher_logprobs"])[mask].abs().max() < 1e-5, what
+    assert two["distill_grad_norm"] == pytest.approx(one["distill_grad_norm"], rel=1e-5), what
+    assert abs(one["distill_grad_norm"] - one["grad_norm"]) > 1e-3, what
     for r in (one, two):  # the distributed optimizer steps as the whole one
         assert r["split_grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6), what
         assert (r["split_after"] - r["after"])[mask].abs().max() < 1e-5, what

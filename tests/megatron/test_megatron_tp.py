@@ -72,6 +72,10 @@ def _same(one: dict, two: dict) -> None:
     assert two["resumed_exact"] and two["resumed_step_exact"]
     assert two["bf16_masters"] and two["bf16_grad_norm"] == pytest.approx(one["bf16_grad_norm"], rel=2e-2)
     assert two["bf16_split_grad_norm"] == pytest.approx(two["bf16_grad_norm"], rel=1e-5)  # the distributed optimizer
+    # a held MOPD teacher, split as the student: its log-probs, and steps on its full and top-k distributions
+    assert (one["teacher_logprobs"] - two["teacher_logprobs"])[mask].abs().max() < 1e-5
+    assert not torch.equal(one["teacher_logprobs"][mask], one["logprobs"][mask])  # another model than the student
+    assert two["distill_grad_norms"] == pytest.approx(one["distill_grad_norms"], rel=1e-4)
 
 
 def test_a_layout_that_does_not_divide_is_refused_in_one_line(tmp_path):

@@ -18,7 +18,8 @@ from loongsage.core.batching import to_batch
 from loongsage.core.embedded.critic import TorchCritic
 from loongsage.core.embedded.engine import NativeEngine
 from loongsage.core.embedded.teacher import EmbeddedTeacher
-from loongsage.core.embedded.trainer import TorchTrainer, planned_micro_batches
+from loongsage.core.embedded.micro_batching import planned_micro_batches
+from loongsage.core.embedded.trainer import TorchTrainer
 from loongsage.core.loss import LossPipeline
 from loongsage.core.types import Segment, Trajectory
 

@@ -12,7 +12,8 @@ from loongsage.algos.policy_losses import PPOClip
 from loongsage.core.distill import fill_teacher_tensors
 from loongsage.core.embedded.teacher import EmbeddedTeacher
 from loongsage.core.embedded.tiny_model import build_tiny_qwen3
-from loongsage.core.embedded.trainer import TorchTrainer, micro_batches
+from loongsage.core.embedded.micro_batching import micro_batches
+from loongsage.core.embedded.trainer import TorchTrainer
 from loongsage.core.loss import LossPipeline
 from loongsage.core.types import TrainBatch
 

@@ -27,7 +27,7 @@ import torch
 
 from loongsage.core.aggregation import AGGREGATION_MODES
 from loongsage.core.embedded.tiny_model import build_tiny_qwen3
-from loongsage.core.embedded.trainer import micro_batches
+from loongsage.core.embedded.micro_batching import micro_batches
 
 WORKER = Path(__file__).with_name("_dp_worker.py")
 sys.path.insert(0, str(WORKER.parent))

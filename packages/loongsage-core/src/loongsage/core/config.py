@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from loongsage.core.aggregation import AGGREGATION_MODES
 from loongsage.core.compose import compose
-from loongsage.core.distill import check_teacher
+from loongsage.core.distill import check_teacher, held_by_trainer
 from loongsage.core.contracts import Critic
 from loongsage.core.schema import build_dataclass, ranged
 from loongsage.core.types import ConfigError, SamplingParams
@@ -365,7 +365,7 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
                                   f"services: [{{name: {missing[0]}}}] (services now: {sorted(services) or 'none'})")
         registry.create("reward", src.reward, f"{path}.reward")
         if src.teacher is not None:
-            check_teacher(registry, src.teacher, f"{path}.teacher")
+            check_teacher(registry, src.teacher, f"{path}.teacher", cfg.trainer.backend)
             if cfg.algorithm.distill is None:
                 # refused rather than ignored: a teacher costs a model's memory and a forward per step
                 raise ConfigError(f"{path}.teacher is set but algorithm.distill is null, so the teacher would never "
@@ -388,6 +388,10 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
                 f"trainer.mini_batches_per_step = {dp_mb} so every rank and mini-batch gets exact proportions"
             )
 
+    held = {held_by_trainer(src.teacher) for src in cfg.data_sources if src.teacher is not None}
+    if len(held) > 1:
+        raise ConfigError("data_sources: some teachers are held by the trainer (name: trainer) and some run in teacher "
+                          "workers; one run uses one placement for all its teachers")
     supplied = ("model_path", "dtype", "fp32_lm_head")
     registry.check("engine", cfg.rollout.engine, "rollout.engine", skip=(*supplied, "seed"))
     scheduler = registry.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")

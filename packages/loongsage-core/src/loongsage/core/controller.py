@@ -74,6 +74,7 @@ class Controller:
         self.trainer_group = self.engine_group = self.reward_group = self.critic_group = None
         self.teacher_group: WorkerGroup | None = None  # MOPD: one teacher per distinct spec
         self.teacher_sources: list[list[str]] = []  # the sources each teacher serves, by rank
+        self.distilling = False  # MOPD: teachers in workers or held by the trainer ranks
         # the trainer ranks' data-parallel layout (each rank its own until the trainers say otherwise)
         self._set_data_layout([(r, cfg.trainer.world_size, True) for r in range(cfg.trainer.world_size)])
 
@@ -90,6 +91,8 @@ class Controller:
         threads = cfg.placement.torch_threads
         world = cfg.trainer.world_size
         # the critic rides on trainer bundle 0, the teachers round robin over the trainer bundles
+        held = [(plan.sources, plan.model_path) for plan in teacher_plans if plan.held_by_trainer]
+        teacher_plans = [plan for plan in teacher_plans if not plan.held_by_trainer]
         riders = ([0] if cfg.trainer.critic is not None else []) + [j % world for j in range(len(teacher_plans))]
         place = self.placement = Placement(cfg, riders)
         init_method = f"tcp://127.0.0.1:{free_port()}" if world > 1 else None
@@ -97,7 +100,7 @@ class Controller:
         # gets cores of its own, so the two do not slow each other down
         cores = place.cores() if self._rollout_parts["scheduler"].asynchronous else {}
         self.trainer_group = self._start_group("trainer", TrainerWorker, [
-            place.slot(b, (cfg, model_path, r, world, init_method, threads, cores.get(b)))
+            place.slot(b, (cfg, model_path, r, world, init_method, threads, cores.get(b), held))
             for r, b in enumerate(place.trainer_bundles)], ready="param_checksum")
         # a lost engine's replacement starts from its slot: same bundle, same constructor arguments
         self.engine_group = self._start_group("engine", EngineWorker, [
@@ -115,6 +118,7 @@ class Controller:
             place.slot(bundles[j % len(bundles)], (cfg, plan.spec, plan.model_path, threads), num_cpus=0)
             for j, plan in enumerate(teacher_plans)])
         self.teacher_sources = [plan.sources for plan in teacher_plans]
+        self.distilling = bool(held or teacher_plans)
         wait_ready(self.groups)
         self._set_data_layout(self.trainer_group.call("data_layout"))
         rc = cfg.rollout
@@ -210,10 +214,10 @@ class Controller:
         trained = batch.response_mask * (~excluded).to(batch.response_mask.dtype)[:, None]
         consistency_mask = trained * engine_sampled(batch)
         partly_sampled = bool(consistency_mask.any()) and not torch.equal(consistency_mask, trained)
-        if self.teacher_group:
-            self._score_with_teachers(batch)
         plan = plan_step(groups, self.dp_size, cfg.trainer.mini_batches_per_step,
                          quotas={s.name: s.prompts_per_step for s in cfg.data_sources})
+        if self.distilling:
+            self._score_with_teachers(batch, plan)
         if cfg.tracking.batches:
             self._audit(plan, trajs)
         metrics = Metrics()
@@ -235,7 +239,7 @@ class Controller:
         if any(f.excludes_from_loss is not None for f in self.filters):
             exclude_rows(batch, excluded)
             metrics.add("train/loss_excluded_frac", float(excluded.sum()), float(len(trajs)))
-        if self.teacher_group:
+        if self.distilling:
             metrics.merge(distill_metrics(batch))
             if self.pipeline.pg_coef:
                 batch.advantages = self.pipeline.shape_advantages(batch)
@@ -276,8 +280,14 @@ class Controller:
         with open(self.run_dir / "batches.jsonl", "a") as fh:
             fh.write(json.dumps({"step": self.step + 1, "version": self.version, "groups": groups}) + "\n")
 
-    def _score_with_teachers(self, batch: TrainBatch) -> None:
-        """Every row's teacher scores the student's tokens (teachers run concurrently)."""
+    def _score_with_teachers(self, batch: TrainBatch, plan: StepPlan) -> None:
+        """Every row's teacher scores the student's tokens: teacher workers concurrently (with the
+        distribution the divergence reads), or the trainer ranks their own rows, with the teachers
+        they hold (the log-probs only: the distribution is computed in the train step)."""
+        if not self.teacher_group:
+            fill_teacher_tensors(batch, [(rows, {"logprobs": lp})
+                                         for rows, lp in self._per_dp_rank("teacher_logprobs", batch, plan)])
+            return
         topk, full_vocab = self.pipeline.teacher_request()
         rows_of = {j: [i for i, s in enumerate(batch.sources) if s in sources]
                    for j, sources in enumerate(self.teacher_sources)}
@@ -286,21 +296,22 @@ class Controller:
                                          topk, full_vocab, ranks=list(rows_of))
         fill_teacher_tensors(batch, list(zip(rows_of.values(), scores)))
 
+    def _per_dp_rank(self, method: str, batch: TrainBatch, plan: StepPlan) -> list[tuple[list[int], Any]]:
+        """``(rows, answer)`` of each data-parallel rank with rows, every trainer rank asked to run
+        ``method`` on its rank's rows (even none: a split model's forward is a collective) and its
+        leader's answer kept."""
+        rank_rows = [plan.rank_rows(r) for r in range(plan.world_size)]
+        answers = self.trainer_group.call(method, per_rank([batch.select(rank_rows[d]) for d in self.dp_of]))
+        return [(rows, answers[self.dp_leader[d]]) for d, rows in enumerate(rank_rows) if rows]
+
     def _fill_logprobs(self, batch: TrainBatch, plan: StepPlan, *, old: bool,
                        consistency_mask: torch.Tensor | None = None) -> Metrics:
         """Old (and reference) log-probs, each trainer rank computing its own rows; with old ones also
         the consistency metrics over ``consistency_mask`` (default: the response mask)."""
-        rank_rows = [plan.rank_rows(r) for r in range(plan.world_size)]  # per data-parallel rank
-        # every rank is called, even with no rows: FSDP2 forward and backward are collectives
-        shards = [batch.select(rr) for rr in rank_rows]
-        answers = self.trainer_group.call("logprobs", per_rank([shards[d] for d in self.dp_of]))
-        outs = [answers[self.dp_leader[d]] for d in range(plan.world_size)]
         B, T = batch.input_ids.shape
         batch.old_logprobs = torch.zeros(B, T) if old else None
         batch.ref_logprobs = torch.zeros(B, T) if self.pipeline.needs_ref_logprobs else None
-        for rr, out in zip(rank_rows, outs):
-            if not rr:
-                continue
+        for rr, out in self._per_dp_rank("logprobs", batch, plan):
             idx = torch.tensor(rr)
             t = out["old_logprobs"].shape[1]
             if batch.old_logprobs is not None:

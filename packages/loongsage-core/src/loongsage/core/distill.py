@@ -11,7 +11,13 @@ A data source names its teacher like the policy names its model::
 
 ``path`` / ``builder`` are the framework's (resolved in the driver, before any actor, and handed to
 the backend as ``model_path``); everything else is the backend's and is validated against its
-signature. Sources with the same spec share one teacher actor. Token-level distillation compares
+signature. Sources with the same spec share one teacher actor.
+
+``name: trainer`` is not a teacher backend: the trainer's ranks hold the teacher themselves, built
+by the trainer backend like the policy (its dtype, head and model-parallel layout, so a teacher as
+large as the student is split as the student is). Its distribution (top-k or full vocabulary) is
+computed beside the student's in each micro-batch of the train step and never leaves the device;
+only the log-probs of the sampled tokens travel back for the PG branch. Token-level distillation compares
 the two models' next-token distributions, so a teacher must share the student's vocabulary: that is
 checked once the models exist.
 """
@@ -32,6 +38,12 @@ if TYPE_CHECKING:
     from loongsage.core.config import Config
 
 SOURCE_KEYS = ("path", "builder")  # where the teacher's weights come from: the framework's keys
+HELD_BY_TRAINER = "trainer"  # the teacher name that puts the teacher on the trainer's ranks
+
+
+def held_by_trainer(spec: Any) -> bool:
+    """Whether a source's ``teacher`` spec asks the trainer's ranks to hold the teacher."""
+    return isinstance(spec, dict) and spec.get("name") == HELD_BY_TRAINER
 
 
 def split_teacher_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -42,10 +54,22 @@ def split_teacher_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, 
     return source, backend
 
 
-def check_teacher(registry: Any, spec: dict[str, Any], path: str) -> None:
-    """Validate a source's ``teacher`` spec without loading anything (ConfigError, one line)."""
+def check_teacher(registry: Any, spec: dict[str, Any], path: str, trainer: dict[str, Any]) -> None:
+    """Validate a source's ``teacher`` spec without loading anything (ConfigError, one line);
+    ``trainer``: the trainer backend's spec (which holds a ``name: trainer`` teacher)."""
     source, backend = split_teacher_spec(spec)
-    registry.check("teacher", backend, path, skip=("model_path",))
+    if held_by_trainer(spec):
+        for key in sorted(set(spec) - {"name", "params"}):
+            raise ConfigError(f"{path}.{key}: unknown key; allowed: name, params")
+        for key in sorted(backend["params"]):
+            raise ConfigError(f"{path}.params.{key}: a teacher held by the trainer is built like the policy (the "
+                              "trainer's dtype, head and layout); allowed: path, builder")
+        factory = registry.entry("trainer", trainer["name"], "trainer.backend").factory
+        if getattr(factory, "add_teacher", None) is None:
+            raise ConfigError(f"{path}.name={HELD_BY_TRAINER!r}: the {trainer['name']!r} trainer cannot hold teachers; "
+                              f"use a teacher backend ({', '.join(registry.names('teacher'))})")
+    else:
+        registry.check("teacher", backend, path, skip=("model_path",))
     given = [k for k in SOURCE_KEYS if source.get(k) is not None]
     if len(given) != 1:
         raise ConfigError(f"{path}.params: set exactly one of path (an HF folder) or builder (a model_builder "
@@ -63,6 +87,10 @@ class TeacherPlan:
     spec: dict[str, Any]  # backend {name, params} (without path / builder)
     model_path: str
     sources: list[str] = field(default_factory=list)
+
+    @property
+    def held_by_trainer(self) -> bool:
+        return held_by_trainer(self.spec)
 
 
 def plan_teachers(cfg: "Config", registry: Any, student_path: str) -> list[TeacherPlan]:
@@ -105,9 +133,9 @@ def fill_teacher_tensors(batch: TrainBatch, outputs: list[tuple[list[int], dict[
     batch.teacher_dist_ids = batch.teacher_dist_logprobs = None
     for rows, out in outputs:
         idx = torch.tensor(rows, dtype=torch.long)
-        batch.teacher_logprobs[idx] = out["logprobs"]
+        batch.teacher_logprobs[idx, :out["logprobs"].shape[1]] = out["logprobs"]
         for name, key in (("teacher_dist_ids", "dist_ids"), ("teacher_dist_logprobs", "dist_logprobs")):
-            value = out[key]
+            value = out.get(key)
             if value is None:
                 continue
             if getattr(batch, name) is None:

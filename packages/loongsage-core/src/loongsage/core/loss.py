@@ -221,7 +221,10 @@ class LossPipeline(LossFunction):
                 raise ValueError(f"distill divergence consumes {self.divergence_consumes!r}: the trainer must pass "
                                  "student_dist and the batch must carry the teacher's distribution")
             T, t = logprobs.shape[1], student_dist.shape[1]
-            teacher = mb.teacher_dist_logprobs[:, T - t:].to(student_dist.device)
+            # the teacher's distribution ends where the micro-batch ends: its last t positions are the
+            # student's (a batch's is T wide, a held teacher's covers the trained positions only)
+            teacher = mb.teacher_dist_logprobs
+            teacher = teacher[:, teacher.shape[1] - t:].to(student_dist.device)
             div = F.pad(self.divergence(student_dist, teacher), (T - t, 0))
         return torch.where(mb.response_mask != 0, div, torch.zeros_like(div))
 

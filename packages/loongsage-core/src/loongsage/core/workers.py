@@ -74,7 +74,8 @@ class TrainerWorker:
     """One data-parallel rank of the policy trainer (plus a frozen reference when KL needs it)."""
 
     def __init__(self, cfg: Config, model_path: str, rank: int = 0, world_size: int = 1,
-                 init_method: str | None = None, threads: int = 0, cores: list[int] | None = None):
+                 init_method: str | None = None, threads: int = 0, cores: list[int] | None = None,
+                 teachers: list[tuple[list[str], str]] = ()):
         from loongsage.core.plugins import load_registry
 
         setup_worker(threads, cores)
@@ -97,6 +98,8 @@ class TrainerWorker:
         # already (LoRA: the base weights with the adapters switched off).
         if self.pipeline.needs_ref_logprobs and not self.backend.holds_reference:
             self.reference = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
+        for sources, teacher_path in teachers:  # MOPD teachers held by the trainer (name: trainer)
+            self.backend.add_teacher(sources, teacher_path)
         self.token_budget = cfg.trainer.micro_batch_tokens
 
     def logprobs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -108,6 +111,10 @@ class TrainerWorker:
         elif self.pipeline.needs_ref_logprobs:
             out["ref_logprobs"] = self.backend.reference_logprobs(batch, self.token_budget)
         return out
+
+    def teacher_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The held teachers' log-probs of the student's tokens (each row by its source's teacher)."""
+        return self.backend.teacher_logprobs(batch, self.token_budget)
 
     def data_layout(self) -> tuple[int, int, bool]:
         """``(data-parallel rank, data-parallel size, leader)``. The ranks of one data-parallel rank

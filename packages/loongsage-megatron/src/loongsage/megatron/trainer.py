@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from loongsage.core.embedded.logprobs import response_start
+from loongsage.core.embedded.logprobs import logprobs_entropy_and_distribution, response_start
 from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer, sum_in_place
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
@@ -73,6 +74,7 @@ class MegatronTrainer(TorchTrainer):
         self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
         self._replayed_tokens = 0
         self._stage_input: Tensor | None = None  # the previous pipeline stage's output, in the forward
+        self._queued_inputs: deque[Tensor | None] = deque()  # a held teacher's, received ahead of the step
         if self.dp_mode != "replicate":
             raise ValueError(f"megatron trainer: dp_mode={self.dp_mode!r}; allowed: replicate")
         super().__post_init__()
@@ -134,10 +136,17 @@ class MegatronTrainer(TorchTrainer):
                                        vocab=self.shape.vocab, with_entropy=with_entropy)
 
     def _distribution_sequences(self, mb: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
-        if self.tensor_parallel > 1:
-            raise ValueError("megatron trainer: a divergence on the student's distribution (MOPD's GKD branch) is "
-                             "not supported with tensor_parallel > 1 yet; allowed: tensor_parallel: 1")
-        return super()._distribution_sequences(mb)
+        """Under tensor parallelism the ranks' vocabulary rows are gathered first (the gradient
+        goes back to each rank's own rows): a divergence over a teacher's support reads tokens of
+        every rank, and a full-vocabulary one the whole log-softmax, as without the split."""
+        if self.tensor_parallel == 1:
+            return super()._distribution_sequences(mb)
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        ids = mb.input_ids.to(self.device)
+        first = max(response_start(mb.response_mask), 1)
+        logits = gather_from_tensor_model_parallel_region(self._logits(ids, mb.attention_mask.to(self.device), first))
+        return logprobs_entropy_and_distribution(logits[..., :self.shape.vocab], ids, first, mb.teacher_dist_ids)
 
     def _all_reduce_grads(self, group: Any = None) -> None:
         """Over the data-parallel group: the ranks of one replica hold different shards. First, in
@@ -269,6 +278,43 @@ class MegatronTrainer(TorchTrainer):
         with self._replaying(mb):
             return gpt_hidden(self.model, rows.input_ids.to(self.device), rows.attention_mask.to(self.device),
                               input_tensor=received, **self._replay(self.device))
+
+    # ------------------------------------------------------------------ held teachers (MOPD)
+    def _teacher_overrides(self) -> dict[str, Any]:
+        """A held teacher routes its own tokens: the student's recorded routes are not its."""
+        return {**super()._teacher_overrides(), "routing_replay": False}
+
+    def _teachers_ahead(self, plans: list[tuple[list[int], TrainBatch] | None]) -> None:
+        """Under pipeline parallelism each held teacher's stages before the last run their layers
+        on the step's micro-batches first (its rows of each, a filler where it has none); its last
+        stage keeps what it receives, and finishes each micro-batch (its layers, head and
+        distribution) beside the student's loss, in the same order."""
+        if self.pipeline_parallel == 1:
+            return
+        for sources, teacher in self.teachers.held:
+            teacher._queued_inputs.clear()
+            with torch.no_grad():
+                teacher._run_micro_batches(self.teachers.planned(plans, sources),
+                                           lambda _: teacher._queued_inputs.append(teacher._stage_input),
+                                           backward=False)
+
+    def teacher_distribution(self, mb: TrainBatch) -> Tensor:
+        with self._queued_input():
+            return super().teacher_distribution(mb)
+
+    def teacher_filler(self) -> None:
+        with self._queued_input():
+            super().teacher_filler()
+
+    @contextmanager
+    def _queued_input(self) -> Iterator[None]:
+        """On a last pipeline stage, the next micro-batch's input received ahead of the step."""
+        if self.pipeline_parallel > 1 and self.stage.last:
+            self._stage_input = self._queued_inputs.popleft()
+        try:
+            yield
+        finally:
+            self._stage_input = None
 
     def _padding_routes(self, plans: list[tuple[list[int], TrainBatch] | None]) -> Tensor | None:
         """Routes for a zero-weight padding pass when some rank's micro-batches are replayed with

@@ -21,7 +21,10 @@ segment (:mod:`loongsage.core.segments`), so its forward is ``widths[i]`` sequen
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+
+from loongsage.core.segments import forward_shape, is_split
+from loongsage.core.types import TrainBatch
 
 # A pass over a micro-batch costs about this many padded tokens beyond its rows x longest (the
 # per-layer launches and Python of a forward and backward; measured on the tiny CPU model, where a
@@ -117,3 +120,36 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int, *, group_by_le
         return plain
     grouped = by_length(lengths, token_budget, widths)
     return grouped if cost(grouped, lengths, widths) <= (1.0 - min_saving) * cost(plain, lengths, widths) else plain
+
+
+def micro_batches(batch: TrainBatch, token_budget: int) -> Iterator[TrainBatch]:
+    """Split rows into consecutive micro-batches whose padded size (rows x max length) fits the budget.
+
+    Rows are trimmed to the micro-batch's own longest sequence, so short rows do not pay for long
+    ones elsewhere in the batch. A single row longer than the budget still forms its own micro-batch.
+    """
+    for _, mb in planned_micro_batches(batch, token_budget, group_by_length=False):
+        yield mb
+
+
+def planned_micro_batches(batch: TrainBatch, token_budget: int, *,
+                          group_by_length: bool) -> Iterator[tuple[list[int], TrainBatch]]:
+    """``(row indices, micro-batch)`` pairs as :func:`~loongsage.core.embedded.micro_batching.plan_micro_batches`
+    plans them, each micro-batch trimmed to its own longest row.
+
+    A row with several segments is planned at what its forward costs: one sequence per segment, as
+    long as its longest (:func:`~loongsage.core.segments.forward_shape`).
+    """
+    lengths = batch.attention_mask.sum(-1).tolist()
+    planned_lengths, widths = (forward_shape(batch.segments, lengths) if is_split(batch.segments)
+                               else (lengths, None))
+    for rows in plan_micro_batches(planned_lengths, token_budget, group_by_length=group_by_length, widths=widths):
+        yield rows, _trim(batch.select(rows), max(int(lengths[i]) for i in rows))
+
+
+def _trim(batch: TrainBatch, length: int) -> TrainBatch:
+    for name in TrainBatch.tensor_fields():
+        value = getattr(batch, name)
+        if value is not None and value.dim() >= 2:  # [B, T] and [B, T, K] (teacher distributions)
+            setattr(batch, name, value[:, :length].contiguous())
+    return batch

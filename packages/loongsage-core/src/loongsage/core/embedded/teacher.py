@@ -19,7 +19,8 @@ from torch import Tensor
 
 from loongsage.core.contracts import Teacher
 from loongsage.core.embedded.logprobs import policy_logits, response_start
-from loongsage.core.embedded.trainer import _DTYPES, micro_batches
+from loongsage.core.embedded.micro_batching import micro_batches
+from loongsage.core.embedded.trainer import _DTYPES
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -55,10 +55,11 @@ from loongsage.core.embedded.lora import (
 )
 from loongsage.core.embedded.distributed_optimizer import DistributedOptimizer
 from loongsage.core.embedded.master_weights import MasterWeights
-from loongsage.core.embedded.micro_batching import plan_micro_batches
+from loongsage.core.embedded.held_teachers import HeldTeachers
+from loongsage.core.embedded.micro_batching import planned_micro_batches
 from loongsage.core.embedded.offload import place_trainer_state
 from loongsage.core.metrics import Metrics
-from loongsage.core.segments import forward_shape, is_split, segment_layout
+from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -68,39 +69,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # divergences) is called with the keyword ``student_dist`` as well: see
 # :func:`logprobs_entropy_and_distribution`.
 LossFn = LossFunction | Callable[..., tuple[Tensor, Metrics]]
-
-
-def micro_batches(batch: TrainBatch, token_budget: int) -> Iterator[TrainBatch]:
-    """Split rows into consecutive micro-batches whose padded size (rows x max length) fits the budget.
-
-    Rows are trimmed to the micro-batch's own longest sequence, so short rows do not pay for long
-    ones elsewhere in the batch. A single row longer than the budget still forms its own micro-batch.
-    """
-    for _, mb in planned_micro_batches(batch, token_budget, group_by_length=False):
-        yield mb
-
-
-def planned_micro_batches(batch: TrainBatch, token_budget: int, *,
-                          group_by_length: bool) -> Iterator[tuple[list[int], TrainBatch]]:
-    """``(row indices, micro-batch)`` pairs as :func:`~loongsage.core.embedded.micro_batching.plan_micro_batches`
-    plans them, each micro-batch trimmed to its own longest row.
-
-    A row with several segments is planned at what its forward costs: one sequence per segment, as
-    long as its longest (:func:`~loongsage.core.segments.forward_shape`).
-    """
-    lengths = batch.attention_mask.sum(-1).tolist()
-    planned_lengths, widths = (forward_shape(batch.segments, lengths) if is_split(batch.segments)
-                               else (lengths, None))
-    for rows in plan_micro_batches(planned_lengths, token_budget, group_by_length=group_by_length, widths=widths):
-        yield rows, _trim(batch.select(rows), max(int(lengths[i]) for i in rows))
-
-
-def _trim(batch: TrainBatch, length: int) -> TrainBatch:
-    for name in TrainBatch.tensor_fields():
-        value = getattr(batch, name)
-        if value is not None and value.dim() >= 2:  # [B, T] and [B, T, K] (teacher distributions)
-            setattr(batch, name, value[:, :length].contiguous())
-    return batch
 
 
 @dataclass
@@ -151,6 +119,7 @@ class TorchTrainer(Trainer):
         self.dist_opt: DistributedOptimizer | None = None
         self.grad_clip = 1.0
         self.steps = 0
+        self.teachers = HeldTeachers()
 
     @classmethod
     def preflight(cls, params: dict[str, Any], model_path: str, *, world_size: int = 1) -> None:
@@ -351,6 +320,46 @@ class TorchTrainer(Trainer):
         with adapters_disabled(self.model):
             return self.logprobs(batch, token_budget)[0]
 
+    # ------------------------------------------------------------------ held teachers (MOPD)
+    def add_teacher(self, sources: list[str], model_path: str) -> None:
+        """Hold the MOPD teacher of ``sources`` (``teacher: {name: trainer}``): a frozen copy of this
+        backend built from ``model_path``, split over the ranks as the policy is (see
+        :mod:`.held_teachers`). Every rank calls, in the same order."""
+        teacher = replace(self, model_path=model_path, **self._teacher_overrides())
+        teacher.model.eval().requires_grad_(False)
+        self.teachers.add(sources, teacher)
+
+    def _teacher_overrides(self) -> dict[str, Any]:
+        """What a held teacher does not take from the policy: adapters, recomputation."""
+        return {"lora": None, "gradient_checkpointing": False}
+
+    def teacher_logprobs(self, batch: TrainBatch, token_budget: int) -> Tensor:
+        """The held teachers' log-probs of ``batch``'s tokens, each row by its source's teacher."""
+        return self.teachers.logprobs(batch, token_budget)
+
+    def _teacher_support(self, loss_fn: LossFn) -> int | None:
+        """``k`` (0: the full vocabulary) when held teachers must give this loss their distribution
+        in the train step, else None."""
+        if not self.teachers or not (isinstance(loss_fn, LossFunction) and loss_fn.needs_student_distribution):
+            return None
+        return loss_fn.teacher_request()[0]
+
+    def _teachers_ahead(self, plans: list[tuple[list[int], TrainBatch] | None]) -> None:
+        """Work the held teachers do on the step's micro-batches before the student's pass (none
+        here; pipeline stages run theirs ahead)."""
+
+    def teacher_distribution(self, mb: TrainBatch) -> Tensor:
+        """As a held teacher: the log-softmax of a micro-batch's rows from its first trained position
+        on, ``[n, t - first, V]`` (no gradient)."""
+        with torch.no_grad():
+            return self._forward_distribution(mb)[2]
+
+    def teacher_filler(self) -> None:
+        """As a held teacher: a filler forward, for a micro-batch without rows of its sources."""
+        with torch.no_grad():
+            filler = self._filler()
+            self._logits(filler, torch.ones_like(filler))
+
     # ------------------------------------------------------------------ training
     def train_step(self, mini_batch: TrainBatch, loss_fn: LossFn, token_budget: int) -> Metrics:
         """One optimizer step over ``mini_batch``; ``loss_fn`` returns the weighted loss *sum*.
@@ -366,8 +375,10 @@ class TorchTrainer(Trainer):
         if self.dist_opt is not None:
             self.dist_opt.zero_grad()
         metrics = Metrics().total("train/loss", 0.0)
-        self._run_micro_batches(self._aligned(mini_batch, token_budget),
-                                lambda planned: self._micro_batch_loss(planned, loss_fn, metrics), backward=True)
+        plans = self._aligned(mini_batch, token_budget)
+        if self._teacher_support(loss_fn) is not None:
+            self._teachers_ahead(plans)
+        self._run_micro_batches(plans, lambda planned: self._micro_batch_loss(planned, loss_fn, metrics), backward=True)
         if self.dist_opt is not None:
             self._reduce_scatter_grads()
         elif self.world_size > 1 and not self.sharded:
@@ -390,10 +401,16 @@ class TorchTrainer(Trainer):
                           metrics: Metrics) -> Tensor:
         """One micro-batch's loss (a padding pass: zero times a forward), its metrics, entropy and
         ``train/loss`` added to ``metrics``."""
+        topk = self._teacher_support(loss_fn)
         if planned is None:
+            if topk is not None:
+                self.teachers.support(None, topk, self.device, collective=self.world_size > 1)
             filler = self._filler()
             return self._logits(filler, torch.ones_like(filler)).sum() * 0.0
         mb = planned[1].to(self.device)  # the loss reads the batch beside the forward's outputs
+        if topk is not None:  # this micro-batch's teacher distribution, computed here (held teachers)
+            ids, dist = self.teachers.support(planned[1], topk, self.device, collective=self.world_size > 1)
+            mb = replace(mb, teacher_dist_ids=ids, teacher_dist_logprobs=dist)
         if isinstance(loss_fn, LossFunction) and loss_fn.needs_student_distribution:
             lp, ent, dist = self._forward_distribution(mb)
             loss, mb_metrics = loss_fn(lp, mb, student_dist=dist)
@@ -567,6 +584,8 @@ class TorchTrainer(Trainer):
             raise ValueError("offload: an FSDP2-sharded trainer cannot move its shards to host memory yet; allowed: "
                              "placement.offload_trainer=false, or dp_mode: replicate")
         place_trainer_state(self.model, self.optimizer, self.masters, self.dist_opt, device, weights=weights)
+        for teacher in self.teachers.models():  # no step reads them before the next train phase
+            teacher._place(device, weights=True)
 
 
 def sum_in_place(tensors: list[Tensor], group: Any = None) -> None:
