@@ -405,7 +405,7 @@ def test_members_are_read_from_the_protocols() -> None:
     roles = {m.name: m.role for m in contract_check.members(contracts.KLEstimator)}
     assert roles == {"consumes": "flag", "needs_old_logprobs": "flag", "k": "attribute", "__call__": "method"}
     flags = contract_check.flags(contracts.Trainer)
-    assert flags == {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None,
+    assert flags == {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None, "add_teacher": None,
                      "data_parallel": None}
     critic = {m.name for m in contract_check.members(Critic)}
     assert critic == {m.name for m in contract_check.members(contracts.Trainer)} | {"values"}

@@ -165,7 +165,7 @@ CONTRACT_FLAGS = {
     "RolloutScheduler": {"asynchronous": False, "max_staleness": 0, "collectable": None},
     "Sandbox": {"reusable": False, "reset": None, "reap_orphans": None, "put_archive": None, "host_path": None,
                 "adopt": None},
-    "Trainer": {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None,
+    "Trainer": {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None, "add_teacher": None,
                 "data_parallel": None},
     "Engine": {"kind": "engine", "named_weights": None, "weight_receiver": None},
     "Teacher": {"kind": "teacher"},

@@ -121,6 +121,8 @@ class LossFunction(Protocol):
     """
 
     needs_student_distribution: bool = False
-    """Pass ``student_dist=``: the policy's log-probs on the teacher's support (MOPD's GKD term)."""
+    """Pass ``student_dist=``: the policy's log-probs on the teacher's support (MOPD's GKD term).
+    Such a loss also answers ``teacher_request() -> (k, full_vocab)``: the support it reads (a
+    teacher's top ``k`` tokens, or the full vocabulary), which teachers held by the trainer give."""
 
     def __call__(self, logprobs: Tensor, mb: TrainBatch) -> tuple[Tensor, Metrics]: ...

@@ -37,6 +37,12 @@ class Trainer(Protocol):
     preflight: ClassVar[Callable[..., None] | None] = None
     """Optional classmethod ``preflight(params, model_path, *, world_size)``, run in the driver
     before any actor starts; raises ``ValueError`` naming the param (a LoRA target, say)."""
+    add_teacher: ClassVar[Callable[..., None] | None] = None
+    """Optional ``add_teacher(sources, model_path)``, with ``teacher_logprobs(batch, token_budget)``:
+    hold the MOPD teacher of these data sources (``teacher: {name: trainer}``), a frozen model
+    built and split like the policy. ``teacher_logprobs`` gives each row's teacher's log-probs of
+    its tokens; in ``train_step`` a loss that reads a distribution gets the teachers' own,
+    computed in each micro-batch. Every rank calls both, rows or not."""
     data_parallel: tuple[int, int, bool] | None = None
     """Optional: ``(data-parallel rank, data-parallel size, leader)`` of this rank (None: every rank
     is a data-parallel rank of its own). With model parallelism (the ``megatron`` trainer's
