@@ -17,6 +17,7 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # recipe -> (the shape's preset, its architecture, the cards of its node)
 SEED = {"qwen3_4b/dapo_h800_1node": ("qwen3-4b", "Qwen3ForCausalLM", 8),
         "qwen3_30b_a3b/dapo_h20_1node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 8),
+        "qwen3_30b_a3b/mopd_h20_1node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 8),
         "qwen3_coder_30b_a3b/opencode_h20_4node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 32)}
 
 
@@ -46,7 +47,15 @@ def _stand_ins(tmp_path: Path, preset: str, arch: str) -> tuple[Path, Path]:
 def test_a_seed_recipe_fits_its_model_and_its_node(name, tmp_path):
     preset, arch, cards = SEED[name]
     model, data = _stand_ins(tmp_path, preset, arch)
-    overrides = [f"model.path={model}", f"data_sources.0.reader.params.path={data}"]
+    import yaml
+
+    # every source reads the stand-in data; a teacher held by the trainer is the stand-in model
+    raw = yaml.safe_load((RECIPES / f"{name}.yaml").read_text())
+    overrides = [f"model.path={model}"]
+    for i, source in enumerate(raw["data_sources"]):
+        overrides.append(f"data_sources.{i}.reader.params.path={data}")
+        if (source.get("teacher") or {}).get("name") == "trainer":
+            overrides.append(f"data_sources.{i}.teacher.params.path={model}")
     cfg, registry = load_config(name, overrides, config_dir=str(RECIPES))
     spec = cfg.trainer.backend
     params = registry.check("trainer", spec, "trainer.backend", skip=tuple(model_args(cfg, str(model))))
