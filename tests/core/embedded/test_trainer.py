@@ -98,7 +98,7 @@ def test_exported_weights_are_the_state_dict_in_order_and_in_place(model_dir, ti
     transport shares their memory, so a copy here would ship stale weights)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from loongsage.core.embedded.trainer import state_tensors
+    from loongsage.core.embedded.state import state_tensors
 
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=8,

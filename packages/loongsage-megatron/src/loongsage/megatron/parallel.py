@@ -129,7 +129,7 @@ def sum_replicated_grads(named: list[tuple[str, torch.nn.Parameter, Tensor | Non
     ``named``: each parameter's name, the parameter, and its gradient so far."""
     from megatron.core import parallel_state
 
-    from loongsage.core.embedded.trainer import sum_in_place
+    from loongsage.core.embedded.state import sum_in_place
 
     grads = [g for n, p, g in named if g is not None and (
         "q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))]

@@ -33,7 +33,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from loongsage.core.embedded.logprobs import logprobs_entropy_and_distribution, response_start
-from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer, sum_in_place
+from loongsage.core.embedded.state import sum_in_place
+from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards, numbered_from
