@@ -54,6 +54,9 @@ def test_megatron_logits_match_hf_and_the_weights_convert_back(tmp_path, tp, tie
 def test_unsupported_models_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"architecture \['GemmaForCausalLM'\] is not supported; allowed: Qwen3ForCausalLM"):
         architecture({"architectures": ["GemmaForCausalLM"]})
+    with pytest.raises(ValueError, match=r"architecture \['DeepseekV4ForCausalLM'\] is not supported \(its "
+                                         r"hyper-connections \(mHC\), compressed sparse attention"):
+        architecture({"architectures": ["DeepseekV4ForCausalLM"]})
     with pytest.raises(ValueError, match="rope_type='yarn' is not supported yet; allowed: default"):
         rope_base({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}})
     assert rope_base({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == 1e6

@@ -24,6 +24,13 @@ ARCHITECTURES = {"Qwen3ForCausalLM": {"qk_layernorm": True, "qkv_bias": False, "
                  "Qwen3MoeForCausalLM": {"qk_layernorm": True, "qkv_bias": False, "moe": True},
                  "Qwen2ForCausalLM": {"qk_layernorm": False, "qkv_bias": True, "moe": False},
                  "LlamaForCausalLM": {"qk_layernorm": False, "qkv_bias": False, "moe": False}}
+# why an architecture users ask for is not built here
+NOT_BUILT = {
+    "DeepseekV4ForCausalLM": "its hyper-connections (mHC), compressed sparse attention (CSA/HCA) and "
+                             "hash-routed first layers are not in Megatron-Core 0.19",
+    "DeepseekV3ForCausalLM": "Megatron-Core has its multi-latent attention and shared experts, but the HF "
+                             "conversion and the spec for them are not written here",
+}
 
 
 def architecture(config: Mapping) -> dict[str, bool]:
@@ -34,7 +41,8 @@ def architecture(config: Mapping) -> dict[str, bool]:
             if ARCHITECTURES[name]["moe"]:
                 check_moe(config)
             return ARCHITECTURES[name]
-    raise ValueError(f"megatron trainer: architecture {names or 'unknown'} is not supported; "
+    why = next((f" ({NOT_BUILT[n]})" for n in names if n in NOT_BUILT), "")
+    raise ValueError(f"megatron trainer: architecture {names or 'unknown'} is not supported{why}; "
                      f"allowed: {', '.join(ARCHITECTURES)}")
 
 
