@@ -85,6 +85,23 @@ def test_topk_over_the_whole_vocabulary_is_the_full_kl() -> None:
     torch.testing.assert_close(jsd(student.gather(-1, ids), vals, renormalise=True), jsd(student, teacher))
 
 
+@settings(deadline=None, max_examples=50)
+@given(a=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=14, max_size=14),
+       b=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=14, max_size=14),
+       cut=st.integers(1, 6), beta=st.floats(0.05, 0.95))
+def test_parts_of_the_vocabulary_add_up_to_the_divergence(a, b, cut, beta) -> None:
+    """A vocabulary split over tensor-parallel ranks: each rank's ``partial`` over its shard of the
+    log-softmax, summed, is the divergence (a shard's sum may be negative: it is not clamped)."""
+    q = torch.log_softmax(torch.tensor(a, dtype=torch.float64).view(2, 7), -1)
+    p = torch.log_softmax(torch.tensor(b, dtype=torch.float64).view(2, 7), -1)
+    for entry in (FullVocabKL(), JSD(beta=beta)):
+        parts = entry.partial(q[:, :cut], p[:, :cut]) + entry.partial(q[:, cut:], p[:, cut:])
+        torch.testing.assert_close(parts.clamp(min=0.0), entry(q, p), rtol=1e-9, atol=1e-12)
+    assert TopKKL.__dict__.get("partial") is None  # renormalised over the top-k: no parts
+    with pytest.raises(ValueError, match="part=True sums a part"):
+        jsd(q, p, renormalise=True, part=True)
+
+
 # ----------------------------------------------------------------------------- properties
 _logits = st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=12, max_size=12)
 

@@ -403,10 +403,11 @@ def test_loss_functions() -> None:
 
 def test_members_are_read_from_the_protocols() -> None:
     roles = {m.name: m.role for m in contract_check.members(contracts.KLEstimator)}
-    assert roles == {"consumes": "flag", "needs_old_logprobs": "flag", "k": "attribute", "__call__": "method"}
+    assert roles == {"consumes": "flag", "needs_old_logprobs": "flag", "k": "attribute", "partial": "flag",
+                     "__call__": "method"}
     flags = contract_check.flags(contracts.Trainer)
-    assert flags == {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None, "add_teacher": None,
-                     "data_parallel": None}
+    assert flags == {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None,
+                     "add_teacher": None, "data_parallel": None}
     critic = {m.name for m in contract_check.members(Critic)}
     assert critic == {m.name for m in contract_check.members(contracts.Trainer)} | {"values"}
     for protocol in (*HOOKS.values(), *BACKENDS.values(), Critic, LossFunction):

@@ -18,23 +18,31 @@ BUDGET = 24  # tokens per micro-batch: one row each, three micro-batches in the 
 
 
 def distill_loss(topk: int):
-    """MOPD's GKD branch in small: KL(teacher || student) per trained position over the held teacher's
-    full distribution (``topk`` 0) or its top-k, plus the worker's policy-gradient loss."""
+    """MOPD's GKD branch in small, plus the worker's policy-gradient loss: per trained position the
+    reverse KL over the teacher's full distribution (``topk`` 0; under tensor parallelism summed over
+    the vocabulary's shards, by ``full_vocab_kl``'s parts) or over its top-k."""
     from _trainer_worker import loss_fn
 
+    from loongsage.algos.divergences import FullVocabKL, TopKKL
     from loongsage.core.contracts import LossFunction
     from loongsage.core.metrics import Metrics
 
+    divergence = TopKKL(k=topk) if topk else FullVocabKL()
+
     class Distill(LossFunction):
         needs_student_distribution = True
+        reads_vocab_shards = not topk
 
         def teacher_request(self) -> tuple[int, bool]:
             return topk, not topk
 
-        def __call__(self, lp, mb, student_dist=None):
+        def __call__(self, lp, mb, student_dist=None, vocab_sum=None):
             t = student_dist.shape[1]
-            teacher = mb.teacher_dist_logprobs[:, -t:]
-            kl = (teacher.exp() * (teacher - student_dist)).sum(-1)
+            teacher = mb.teacher_dist_logprobs[:, -t:].to(student_dist.device)
+            if vocab_sum is None:
+                kl = divergence(student_dist, teacher)
+            else:
+                kl = vocab_sum(divergence.partial(student_dist, teacher)).clamp(min=0.0)
             mask = mb.response_mask[:, -t:].to(kl.device)
             return (kl * mask).sum() / 100 + loss_fn(lp, mb)[0], Metrics()
 
@@ -100,6 +108,15 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
     out["teacher_logprobs"] = student.teacher_logprobs(taught, BUDGET)
     out["distill_grad_norms"] = [student.train_step(taught, distill_loss(k), BUDGET).gauges["train/grad_norm"]
                                  for k in (0, 5)]
+    # the same first step on a teacher worker's whole distribution, shipped in the batch (each
+    # tensor-parallel rank takes its shard of it)
+    from loongsage.core.embedded.teacher import EmbeddedTeacher
+
+    scored = EmbeddedTeacher(str(Path(work) / "teacher")).score(taught, full_vocab=True)
+    shipped = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp)
+    shipped.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+    out["shipped_grad_norm"] = shipped.train_step(replace(taught, teacher_dist_logprobs=scored["dist_logprobs"]),
+                                                  distill_loss(0), BUDGET).gauges["train/grad_norm"]
     outs = [None] * (tp * pp)
     dist.all_gather_object(outs, out)
     if rank == 0:  # the leader's answers (the last stage computes them); rank 0's exports

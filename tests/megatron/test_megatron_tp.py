@@ -76,6 +76,9 @@ def _same(one: dict, two: dict) -> None:
     assert (one["teacher_logprobs"] - two["teacher_logprobs"])[mask].abs().max() < 1e-5
     assert not torch.equal(one["teacher_logprobs"][mask], one["logprobs"][mask])  # another model than the student
     assert two["distill_grad_norms"] == pytest.approx(one["distill_grad_norms"], rel=1e-4)
+    # a teacher worker's whole distribution in the batch: the held teacher's first step
+    assert two["shipped_grad_norm"] == pytest.approx(one["distill_grad_norms"][0], rel=1e-4)
+    assert one["shipped_grad_norm"] == pytest.approx(one["distill_grad_norms"][0], rel=1e-4)
 
 
 def test_a_layout_that_does_not_divide_is_refused_in_one_line(tmp_path):

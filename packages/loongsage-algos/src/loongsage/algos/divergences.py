@@ -65,29 +65,37 @@ def topk_kl(student_logprobs: Tensor, teacher_logprobs: Tensor) -> Tensor:
     return _kl(q, p).clamp(min=0.0)  # >= 0 exactly; rounding could leave -1e-9
 
 
-def full_vocab_kl(student_logprobs: Tensor, teacher_logprobs: Tensor) -> Tensor:
+def full_vocab_kl(student_logprobs: Tensor, teacher_logprobs: Tensor, *, part: bool = False) -> Tensor:
     """KL(Q || P) = ``sum_v Q_v (log Q_v - log P_v)`` over the whole vocabulary.
 
-    Inputs are log-softmax outputs ``[..., V]`` (not renormalised here); returns ``[...]``.
+    Inputs are log-softmax outputs ``[..., V]`` (not renormalised here); returns ``[...]``. With
+    ``part`` the inputs are a part of the vocabulary (a tensor-parallel rank's shard) and the sum
+    of its terms is returned unclamped: a single term may be negative, the parts' sum is not.
     """
     q, p = _prepare(student_logprobs, teacher_logprobs, renormalise=False)
-    return _kl(q, p).clamp(min=0.0)
+    return _kl(q, p) if part else _kl(q, p).clamp(min=0.0)
 
 
 def jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, *, beta: float = 0.5,
-        renormalise: bool = False) -> Tensor:
+        renormalise: bool = False, part: bool = False) -> Tensor:
     """Generalised Jensen-Shannon divergence ``beta KL(P || M) + (1 - beta) KL(Q || M)``.
 
     ``M = beta P + (1 - beta) Q``, formed in log space (``logsumexp`` of ``log beta + log P`` and
     ``log(1 - beta) + log Q``) so tiny probabilities keep their digits. Bounded by the binary
     entropy ``H(beta) <= log 2``; ``beta`` in (0, 1). With ``renormalise`` both are first
-    renormalised over the given support (the top-k form). Shapes ``[..., K]`` -> ``[...]``.
+    renormalised over the given support (the top-k form). Shapes ``[..., K]`` -> ``[...]``. With
+    ``part`` (not with ``renormalise``) the inputs are a part of the vocabulary and the sum of its
+    terms is returned unclamped (``M`` is formed token by token, so the parts add up).
     """
     if not 0.0 < beta < 1.0:
         raise ValueError(f"beta={beta}: must be in (0, 1)")
+    if part and renormalise:
+        raise ValueError("part=True sums a part of the vocabulary's terms; renormalising over that part would "
+                         "change them")
     q, p = _prepare(student_logprobs, teacher_logprobs, renormalise=renormalise)
     log_m = torch.logsumexp(torch.stack([p + math.log(beta), q + math.log1p(-beta)]), dim=0)
-    return (beta * _kl(p, log_m) + (1.0 - beta) * _kl(q, log_m)).clamp(min=0.0)
+    out = beta * _kl(p, log_m) + (1.0 - beta) * _kl(q, log_m)
+    return out if part else out.clamp(min=0.0)
 
 
 def _check_k(name: str, k: int) -> None:
@@ -128,6 +136,9 @@ class FullVocabKL(KLEstimator):
     def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
         return full_vocab_kl(logprobs, ref_logprobs)
 
+    def partial(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        return full_vocab_kl(logprobs, ref_logprobs, part=True)
+
 
 @dataclass(frozen=True)
 class JSD(KLEstimator):
@@ -144,6 +155,9 @@ class JSD(KLEstimator):
 
     def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
         return jsd(logprobs, ref_logprobs, beta=self.beta)
+
+    def partial(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+        return jsd(logprobs, ref_logprobs, beta=self.beta, part=True)
 
 
 @dataclass(frozen=True)

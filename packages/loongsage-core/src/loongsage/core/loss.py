@@ -14,6 +14,7 @@ global weights. The reference-KL term keeps its own coefficient outside that mix
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -95,6 +96,12 @@ class LossPipeline(LossFunction):
         """Tells the trainer to pass ``student_dist`` (its log-softmax on the teacher's support)."""
         return self.divergence_consumes in ("topk", "full_vocab")
 
+    @property
+    def reads_vocab_shards(self) -> bool:
+        """Whether the GKD divergence can be summed over shards of the vocabulary (its ``partial``):
+        a trainer splitting the vocabulary then passes its shard and ``vocab_sum``."""
+        return self.divergence_consumes == "full_vocab" and getattr(self.divergence, "partial", None) is not None
+
     def teacher_request(self) -> tuple[int, bool]:
         """``(k, full_vocab)``: what teachers return besides the sampled tokens' log-probs."""
         consumes = self.divergence_consumes
@@ -169,11 +176,14 @@ class LossPipeline(LossFunction):
         weights = self.aggregation_weights(mask) * token_weights
         return replace(mini_batch, response_mask=mask, loss_weights=weights), sums
 
-    def __call__(self, logprobs: Tensor, mb: TrainBatch, student_dist: Tensor | None = None) -> tuple[Tensor, Metrics]:
+    def __call__(self, logprobs: Tensor, mb: TrainBatch, student_dist: Tensor | None = None,
+                 vocab_sum: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Metrics]:
         """Weighted loss sum of one micro-batch and its metrics.
 
         ``student_dist`` (only when :attr:`needs_student_distribution`): the student's log-probs on
-        the teacher's support, ``[B, t, K]`` for the last ``t`` positions of the micro-batch.
+        the teacher's support, ``[B, t, K]`` for the last ``t`` positions of the micro-batch; with
+        ``vocab_sum`` (only when :attr:`reads_vocab_shards`) it and the teacher's are this rank's
+        shard of the vocabulary, and ``vocab_sum`` adds the shards' per-position sums.
         """
         mask = mb.response_mask
         metrics = Metrics()
@@ -197,7 +207,7 @@ class LossPipeline(LossFunction):
             for key, value in corr.metrics.items():
                 metrics.add(f"train/{key}", float((value * mask).sum()), count)
         if self.divergence_consumes is not None:
-            gkd = self._gkd(logprobs, old, mb, student_dist)
+            gkd = self._gkd(logprobs, old, mb, student_dist, vocab_sum)
             per_token = (1.0 - self.gkd_coef) * per_token + self.gkd_coef * gkd
             metrics.merge(per_source_sums("gkd", gkd.detach(), mask, mb.sources))
         if self.kl_in_loss:
@@ -211,7 +221,8 @@ class LossPipeline(LossFunction):
             metrics.add(f"train/{key}", float((value.detach() * mask).sum()), count)
         return loss, metrics
 
-    def _gkd(self, logprobs: Tensor, old: Tensor, mb: TrainBatch, student_dist: Tensor | None) -> Tensor:
+    def _gkd(self, logprobs: Tensor, old: Tensor, mb: TrainBatch, student_dist: Tensor | None,
+             vocab_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """The divergence to each row's teacher per token ``[B, T]``, zero outside the mask."""
         if self.divergence_consumes == "logprobs":  # sampled-token forms (k2, k3): the teacher's log-prob of our token
             extra = {"old_logprobs": old} if self.divergence.needs_old_logprobs else {}
@@ -225,7 +236,11 @@ class LossPipeline(LossFunction):
             # student's (a batch's is T wide, a held teacher's covers the trained positions only)
             teacher = mb.teacher_dist_logprobs
             teacher = teacher[:, teacher.shape[1] - t:].to(student_dist.device)
-            div = F.pad(self.divergence(student_dist, teacher), (T - t, 0))
+            if vocab_sum is None:
+                div = self.divergence(student_dist, teacher)
+            else:  # this rank's shard of the vocabulary: its terms, then the sum over the shards
+                div = vocab_sum(self.divergence.partial(student_dist, teacher)).clamp(min=0.0)
+            div = F.pad(div, (T - t, 0))
         return torch.where(mb.response_mask != 0, div, torch.zeros_like(div))
 
 

@@ -35,8 +35,48 @@ def vocab_parallel_logprobs(logits: Tensor, input_ids: Tensor, first: int, *, vo
     """:func:`loongsage.core.embedded.trainer.logprobs_and_entropy` over this rank's vocabulary
     shard ``logits`` ``[B, T - first + 1, shard]`` (rows ``vocab_start..``; rows at or past
     ``vocab`` are padding); results ``[B, T]``, zeros before ``first``, the same on every rank."""
+    shifted, exp, sum_exp = _shifted(logits, vocab_start, vocab)
+    lp = _picked(shifted, input_ids, first, vocab_start) - sum_exp.log()
+    return F.pad(lp, (first, 0)), _entropy(shifted, exp, sum_exp, first) if with_entropy else None
+
+
+def vocab_parallel_distribution(logits: Tensor, input_ids: Tensor, first: int, *, vocab_start: int,
+                                vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`vocab_parallel_logprobs` (with entropies) and this rank's shard of the log-softmax
+    ``[B, T - first, shard]`` (padding rows about -1e30: probability 0), for a divergence summed
+    over the shards (MOPD's GKD branch) without gathering the vocabulary."""
+    shifted, exp, sum_exp = _shifted(logits, vocab_start, vocab)
+    lp = F.pad(_picked(shifted, input_ids, first, vocab_start) - sum_exp.log(), (first, 0))
+    # the shard's log-softmax feeds a per-shard sum: every shard's terms depend on this rank's
+    # logits through the normaliser, so its gradient is summed over the ranks (the log-probs' is
+    # already whole on each)
+    log_z = _SummedBothWays.apply(exp.sum(-1)).log()
+    return lp, _entropy(shifted, exp, sum_exp, first), shifted - log_z.unsqueeze(-1)
+
+
+class _SummedBothWays(torch.autograd.Function):
+    """Summed over the tensor-parallel ranks in the forward, and its gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor) -> Tensor:
+        from megatron.core import parallel_state
+
+        ctx.group = parallel_state.get_tensor_model_parallel_group()
+        out = values.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad
+
+
+def _shifted(logits: Tensor, vocab_start: int, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The shard's logits less the global maximum (padding rows masked), their exponentials, and
+    the sum of exponentials over every shard."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region as reduce_sum
 
     pred = logits[:, :-1].float()
     shard = pred.shape[-1]
@@ -47,16 +87,36 @@ def vocab_parallel_logprobs(logits: Tensor, input_ids: Tensor, first: int, *, vo
     if bool(padding.any()):
         shifted = shifted.masked_fill(padding, _MASKED)
     exp = shifted.exp()
-    sum_exp = reduce_sum(exp.sum(-1))
+    return shifted, exp, vocab_sum(exp.sum(-1))
+
+
+def _picked(shifted: Tensor, input_ids: Tensor, first: int, vocab_start: int) -> Tensor:
+    """The shifted logit of each sampled token, from the shard that holds it."""
+    shard = shifted.shape[-1]
     target = input_ids[:, first:] - vocab_start
     here = (target >= 0) & (target < shard)
-    picked = shifted.gather(-1, target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * here
-    lp = F.pad(reduce_sum(picked) - sum_exp.log(), (first, 0))
-    ent = None
-    if with_entropy:
-        with torch.no_grad():
-            ent = F.pad(sum_exp.log() - reduce_sum((exp * shifted).sum(-1)) / sum_exp, (first, 0))
-    return lp, ent
+    return vocab_sum(shifted.gather(-1, target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * here)
+
+
+def _entropy(shifted: Tensor, exp: Tensor, sum_exp: Tensor, first: int) -> Tensor:
+    with torch.no_grad():
+        return F.pad(sum_exp.log() - vocab_sum((exp * shifted).sum(-1)) / sum_exp, (first, 0))
+
+
+def vocab_sum(values: Tensor) -> Tensor:
+    """Per-position values summed over the tensor-parallel ranks' vocabulary shards: all-reduce
+    forward, identity backward (every rank computes the same loss; each one's gradient flows into
+    its own shard)."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(values)
+
+
+def vocab_shard(full: Tensor, vocab_start: int, shard: int) -> Tensor:
+    """This rank's columns ``vocab_start..vocab_start + shard`` of a whole-vocabulary log-softmax
+    ``[..., vocab]`` (a teacher worker's); columns past the vocabulary (padding) at about -1e30."""
+    part = full[..., vocab_start:vocab_start + shard]
+    return F.pad(part, (0, shard - part.shape[-1]), value=_MASKED)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import shutil
 from collections.abc import Iterator
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -43,7 +43,7 @@ from loongsage.megatron.model import (architecture, build_gpt, check_attention, 
                                       load_hf_weights, rope_base, stage_layers)
 from loongsage.megatron.pipeline import Stage, forward_only, one_forward_one_backward, to_first_stage
 from loongsage.megatron.parallel import (clip_grad_norm, gathered_state, parameter_kinds, sum_replicated_grads,
-                                        vocab_parallel_logprobs)
+                                        vocab_parallel_distribution, vocab_parallel_logprobs, vocab_shard, vocab_sum)
 
 
 def read_config(model_path: str) -> dict[str, Any]:
@@ -137,17 +137,22 @@ class MegatronTrainer(TorchTrainer):
                                        vocab=self.shape.vocab, with_entropy=with_entropy)
 
     def _distribution_sequences(self, mb: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
-        """Under tensor parallelism the ranks' vocabulary rows are gathered first (the gradient
-        goes back to each rank's own rows): a divergence over a teacher's support reads tokens of
-        every rank, and a full-vocabulary one the whole log-softmax, as without the split."""
+        """Under tensor parallelism, for a divergence summed over the vocabulary's shards (the
+        step's ``_vocab_sum`` set), this rank's shard of the log-softmax; for any other the ranks'
+        vocabulary rows are gathered first (the gradient goes back to each rank's own rows): a
+        divergence over a teacher's top-k reads tokens of every rank."""
         if self.tensor_parallel == 1:
             return super()._distribution_sequences(mb)
-        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
-        logits = gather_from_tensor_model_parallel_region(self._logits(ids, mb.attention_mask.to(self.device), first))
-        return logprobs_entropy_and_distribution(logits[..., :self.shape.vocab], ids, first, mb.teacher_dist_ids)
+        logits = self._logits(ids, mb.attention_mask.to(self.device), first)  # this rank's vocabulary rows
+        if self._vocab_sum is not None:
+            return vocab_parallel_distribution(logits, ids, first, vocab_start=self._tp_rank * logits.shape[-1],
+                                               vocab=self.shape.vocab)
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        logits = gather_from_tensor_model_parallel_region(logits)[..., :self.shape.vocab]
+        return logprobs_entropy_and_distribution(logits, ids, first, mb.teacher_dist_ids)
 
     def _all_reduce_grads(self, group: Any = None) -> None:
         """Over the data-parallel group: the ranks of one replica hold different shards. First, in
@@ -345,10 +350,21 @@ class MegatronTrainer(TorchTrainer):
         recorded routes its forwards replayed (each row's real tokens, once)."""
         self._replayed_tokens = 0
         clear_routes(self.model)
+        if self.tensor_parallel > 1 and getattr(loss_fn, "reads_vocab_shards", False):
+            # the divergence sums over the vocabulary's shards: the student, its held teachers and a
+            # teacher worker's whole distribution all come as this rank's shard
+            for trainer in (self, *self.teachers.models()):
+                trainer._vocab_sum = vocab_sum
+            if mini_batch.teacher_dist_logprobs is not None:
+                rows = self.shape.padded_vocab(self.tensor_parallel) // self.tensor_parallel
+                mini_batch = replace(mini_batch, teacher_dist_logprobs=vocab_shard(
+                    mini_batch.teacher_dist_logprobs, self._tp_rank * rows, rows))
         try:
             metrics = super().train_step(mini_batch, loss_fn, token_budget)
         finally:
             clear_routes(self.model)  # the last micro-batch's, kept for its backward
+            for trainer in (self, *self.teachers.models()):
+                trainer._vocab_sum = None
         return metrics.total("train/r3_replayed_tokens", self._replayed_tokens) if self._replayed_tokens else metrics
 
     @contextmanager

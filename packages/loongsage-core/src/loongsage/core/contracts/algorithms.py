@@ -74,6 +74,11 @@ class KLEstimator(Protocol):
     """Pass ``old_logprobs=`` (the unbiased, ratio-weighted forms; may follow the params)."""
     k: int
     """Teacher tokens per position (only with ``consumes = "topk"``)."""
+    partial: ClassVar[Callable[..., Tensor] | None] = None
+    """Optional (``consumes = "full_vocab"``): ``partial(student, teacher) -> [B, T]``, the
+    divergence's terms summed over a part of the vocabulary only (not clamped): the parts' sums
+    add up to the divergence. A trainer whose ranks each hold a shard of the vocabulary (tensor
+    parallelism) then sums its shard's terms and the shards' sums, never gathering the vocabulary."""
 
     def __call__(self, logprobs: Tensor, ref_logprobs: Tensor, *, old_logprobs: Tensor | None = None) -> Tensor:
         """``[B, T]``; ``old_logprobs`` is passed only when ``needs_old_logprobs``."""
@@ -123,6 +128,9 @@ class LossFunction(Protocol):
     needs_student_distribution: bool = False
     """Pass ``student_dist=``: the policy's log-probs on the teacher's support (MOPD's GKD term).
     Such a loss also answers ``teacher_request() -> (k, full_vocab)``: the support it reads (a
-    teacher's top ``k`` tokens, or the full vocabulary), which teachers held by the trainer give."""
+    teacher's top ``k`` tokens, or the full vocabulary), which teachers held by the trainer give,
+    and has ``reads_vocab_shards``: True when it can take ``student_dist`` and the teacher's
+    distribution as this rank's shard of the vocabulary, with ``vocab_sum=`` (a function summing
+    per-position values over the shards) to add them up (its divergence has ``partial``)."""
 
     def __call__(self, logprobs: Tensor, mb: TrainBatch) -> tuple[Tensor, Metrics]: ...

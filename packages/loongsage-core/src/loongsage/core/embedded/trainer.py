@@ -119,6 +119,8 @@ class TorchTrainer(Trainer):
         self.grad_clip = 1.0
         self.steps = 0
         self.teachers = HeldTeachers()
+        # set for a step whose divergence sums over vocabulary shards (a backend splitting the vocabulary)
+        self._vocab_sum: Callable[[Tensor], Tensor] | None = None
 
     @classmethod
     def preflight(cls, params: dict[str, Any], model_path: str, *, world_size: int = 1) -> None:
@@ -412,7 +414,8 @@ class TorchTrainer(Trainer):
             mb = replace(mb, teacher_dist_ids=ids, teacher_dist_logprobs=dist)
         if isinstance(loss_fn, LossFunction) and loss_fn.needs_student_distribution:
             lp, ent, dist = self._forward_distribution(mb)
-            loss, mb_metrics = loss_fn(lp, mb, student_dist=dist)
+            shards = {} if self._vocab_sum is None else {"vocab_sum": self._vocab_sum}
+            loss, mb_metrics = loss_fn(lp, mb, student_dist=dist, **shards)
         else:
             lp, ent = self._forward(mb, with_entropy=True)
             loss, mb_metrics = loss_fn(lp, mb)
