@@ -18,6 +18,9 @@ from loongsage.core.cli import main
 SUB_TEACHER = ('{name: %s, params: {builder: {name: tiny_arith, params: {name: tiny-arith-teacher-sub, operations: "-",'
                ' drop_prob: 0.0, steps: 20, batch_size: 64, warmup_steps: 10, init_from: {}}}}}')
 
+ADD_TEACHER = ('{name: trainer, params: {builder: {name: tiny_arith, params: {name: tiny-arith-teacher-add, '
+               'operations: "+", drop_prob: 0.0, steps: 20, batch_size: 64, warmup_steps: 10, init_from: {}}}}}')
+
 
 def _mopd(name: str, steps: int, trainer: str, teacher: str, *extra: str) -> list[dict]:
     """tiny/mopd_two_teachers_cpu, shortened, the `sub` source's teacher on ``teacher``."""
@@ -41,9 +44,14 @@ def test_mopd_on_the_megatron_trainer_and_teacher_runs_as_on_torch(ray_session, 
     assert [r["step"] for r in ours] == [1, 2]
     assert [r["engine/version"] for r in ours] == [1.0, 2.0]  # every push reached the engine
     ref = _mopd("torch", 1, "torch", "embedded", "checkpoint.export_hf=false")
+    # both teachers held by two tensor-parallel ranks, split as the student: the JSD summed over
+    # each rank's shard of the vocabulary
+    held = _mopd("held", 1, "megatron", "trainer", "checkpoint.export_hf=false", "trainer.world_size=2",
+                 "trainer.backend.params={tensor_parallel: 2}", f"data_sources.0.teacher={ADD_TEACHER}")
     for key in ("train_per_ds/sub/mopd_teacher_logprob", "train_per_ds/sub/gkd", "train_per_ds/add/gkd",
                 "train/loss", "train/grad_norm"):
         assert ours[0][key] == pytest.approx(ref[0][key], rel=1e-4, abs=1e-6), key
+        assert held[0][key] == pytest.approx(ref[0][key], rel=1e-4, abs=1e-6), key
     assert ours[0]["train_per_ds/sub/mopd_teacher_logprob"] < 0
     from transformers import AutoModelForCausalLM
 
