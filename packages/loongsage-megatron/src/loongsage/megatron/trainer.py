@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -107,8 +108,9 @@ class MegatronTrainer(TorchTrainer):
         return (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
                 ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage())
 
-    @property
+    @cached_property
     def stage(self) -> Stage:
+        """This rank's pipeline stage (Megatron's groups, fixed once the model is built)."""
         return Stage.current()
 
     @property
