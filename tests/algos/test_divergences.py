@@ -129,6 +129,48 @@ def test_topk_forms_ignore_the_mass_outside_the_support(a, shift) -> None:
     torch.testing.assert_close(jsd(q + shift, p, renormalise=True), jsd(q, p, renormalise=True), atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [1 << 26, 10])  # one chunk, and chunks of one position
+def test_closed_form_gradients_match_autograd_through_the_formulas(monkeypatch, chunk) -> None:
+    """The divergences' own backward (closed form, chunk by chunk) against autograd through the plain
+    float64 formulas, on log-softmax inputs with some tokens of probability 0."""
+    import loongsage.algos.divergences as divergences
+
+    monkeypatch.setattr(divergences, "_CHUNK_ELEMENTS", chunk)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 9, generator=g, dtype=torch.float64)
+    logits[0, 1, :2] = -1e4  # tokens the student puts no mass on (e^-1e4 is 0)
+    teacher = torch.log_softmax(torch.randn(2, 3, 9, generator=g, dtype=torch.float64), -1)
+    weights = torch.rand(2, 3, generator=g, dtype=torch.float64)
+
+    def plain_kl(q, p):
+        a = q.exp()
+        return torch.where(a > 0, a * (q - p), torch.zeros_like(a)).sum(-1)
+
+    def plain_jsd(q, p, beta):
+        log_m = torch.logsumexp(torch.stack([p + math.log(beta), q + math.log1p(-beta)]), dim=0)
+        return beta * plain_kl(p, log_m) + (1 - beta) * plain_kl(q, log_m)
+
+    cases = [(lambda q: full_vocab_kl(q, teacher, part=True), lambda q: plain_kl(q, teacher)),
+             (lambda q: jsd(q, teacher, beta=0.3, part=True), lambda q: plain_jsd(q, teacher, 0.3)),
+             (lambda q: topk_kl(q[..., :4], teacher[..., :4]),
+              lambda q: plain_kl(*(x - torch.logsumexp(x, -1, keepdim=True) for x in (q[..., :4], teacher[..., :4]))))]
+    for ours, plain in cases:
+        grads = []
+        for fn in (ours, plain):
+            x = logits.clone().requires_grad_()
+            value = fn(torch.log_softmax(x, -1))
+            (value * weights).sum().backward()
+            grads.append((value.detach(), x.grad))
+        torch.testing.assert_close(grads[0][0], grads[1][0])
+        torch.testing.assert_close(grads[0][1], grads[1][1])
+    # a token of log-prob -inf (a masked vocabulary row) gets a zero gradient, not autograd's NaN
+    x = logits.clone()
+    x[0, 1, :2] = -float("inf")
+    x.requires_grad_()
+    jsd(torch.log_softmax(x, -1), teacher, beta=0.3).sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
 def test_gradient_reaches_the_student_only() -> None:
     g = torch.Generator().manual_seed(9)
     s_logits = torch.randn(2, 3, 8, generator=g, requires_grad=True)
