@@ -56,3 +56,27 @@ def test_a_multi_turn_line_carries_the_routes_of_all_its_tokens(moe_gateway):
         routes = torch.as_tensor(line.routed_experts).long()
         assert routes.shape == (len(tokens) - 1, 2, 2), routes.shape
         assert torch.equal(routes, hf_routes(reference, tokens[:-1]))
+
+
+def test_a_line_of_several_segments_carries_each_segments_routes(moe_gateway):
+    """The client sends its first reply back edited: the line goes on in a second segment, whose turn
+    the engine prefilled from the segment's first token. The trajectory carries one record per
+    segment, each what a plain HF forward over that segment alone chooses."""
+    from transformers import AutoModelForCausalLM
+
+    gateway, path = moe_gateway
+    session = gateway.open_session("r3-segments")
+    client = openai_client(session)
+    history = [{"role": "user", "content": "12+30="}]
+    first = client.chat.completions.create(model="m", messages=history, max_tokens=6, temperature=1.0, seed=1)
+    history += [{"role": "assistant", "content": (first.choices[0].message.content or "") + " (edited)"},
+                {"role": "user", "content": "and 7?"}]
+    client.chat.completions.create(model="m", messages=history, max_tokens=6, temperature=1.0, seed=2)
+    (line,) = close(gateway, session).trajectories()
+    assert [s.kind for s in line.segments] == ["turn", "rewritten"]
+    assert isinstance(line.routed_experts, list) and len(line.routed_experts) == 2
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = line.prompt_ids + line.response_ids
+    for segment, record in zip(line.segments, line.routed_experts):
+        seg = tokens[segment.start:segment.end]
+        assert torch.equal(torch.as_tensor(record).long(), hf_routes(reference, seg[:-1]))

@@ -48,6 +48,38 @@ def hf_routes(model: torch.nn.Module, b: TrainBatch) -> list[torch.Tensor]:
     return [per[r][b.attention_mask[r].bool()] for r in range(rows)]
 
 
+def segments_replayed(trainer: MegatronTrainer, b: TrainBatch) -> dict:
+    """A row of two segments (tokens 0-9 and 10-19 of the batch's first row, each scored alone) with a
+    route record per segment replays as the two segments given as rows of their own."""
+    from loongsage.core.types import Segment
+
+    ids = b.input_ids[:1]
+    trained = torch.zeros(1, 20)
+    trained[0, 5:10], trained[0, 13:20] = 1, 1  # a segment's first tokens are its prompt
+    g = torch.Generator().manual_seed(4)
+    records = [torch.randint(0, EXPERTS, (9, LAYERS, TOPK), generator=g) for _ in range(2)]
+    row = TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=trained,
+                     rollout_logprobs=torch.zeros(1, 20), advantages=torch.zeros(1, 20), rewards=torch.zeros(1),
+                     group_ids=torch.arange(1), segments=[[Segment(0, 10, "turn"), Segment(10, 20, "rewritten")]],
+                     routed_experts=[records])
+    apart = TrainBatch(input_ids=ids.view(2, 10), attention_mask=torch.ones(2, 10, dtype=torch.long),
+                       response_mask=trained.view(2, 10), rollout_logprobs=torch.zeros(2, 10),
+                       advantages=torch.zeros(2, 10), rewards=torch.zeros(2), group_ids=torch.arange(2),
+                       routed_experts=records)
+    joined = trainer.logprobs(row, 4096)[0].view(2, 10)
+    separate = trainer.logprobs(apart, 4096)[0]
+    unreplayed = trainer.logprobs(dataclasses.replace(row, routed_experts=[]), 4096)[0].view(2, 10)
+    mask = trained.view(2, 10).bool()
+    out = {"segments_replay_diff": (joined - separate)[mask].abs().max().item(),
+           "segments_replay_changes": (joined - unreplayed)[mask].abs().max().item()}
+    try:
+        trainer.logprobs(dataclasses.replace(row, routed_experts=[records[0]]), 4096)
+        out["segments_one_record_error"] = ""
+    except ValueError as exc:
+        out["segments_one_record_error"] = str(exc)
+    return out
+
+
 def main(work: str) -> None:
     model_dir = build(Path(work) / "moe")
     b, mask, ref, ours, lp, out = side_by_side(model_dir)
@@ -64,6 +96,7 @@ def main(work: str) -> None:
         out["bad_routes_error"] = ""
     except ValueError as exc:
         out["bad_routes_error"] = str(exc)
+    out.update(segments_replayed(ours, b))
     for trainer in (ref, ours):
         trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     g_ref, g = (t.train_step(b, loss_fn, 4096).gauges["train/grad_norm"] for t in (ref, ours))

@@ -73,7 +73,9 @@ class Line:
     tail: str = ""
     generated: int = 0
     truncated: bool = False
-    routes: Any = None  # the latest turn's record, covering the whole line (one segment only; R3)
+    # R3: per segment, the record of its latest turn (whose prompt was the segment so far, rendered
+    # whole), covering the segment's tokens but its last; None where the engine recorded none
+    routes: list[Any] = field(default_factory=list)
 
     @property
     def segment_start(self) -> int:
@@ -82,7 +84,7 @@ class Line:
     def copy(self) -> Line:
         return Line(list(self.tokens), list(self.mask), list(self.logprobs), list(self.versions),
                     [list(s) for s in self.segments], [dict(t) for t in self.turns], list(self.messages),
-                    self.tools, self.tail, self.generated, self.truncated, self.routes)
+                    self.tools, self.tail, self.generated, self.truncated, list(self.routes))
 
     def add(self, plan: TurnPlan, messages: list[Message], tools: list | None, sample: Sample) -> None:
         prompt_start = len(self.tokens)
@@ -96,10 +98,12 @@ class Line:
                            "response_end": len(self.tokens), "finish_reason": sample.finish_reason})
         self.messages, self.tools, self.tail = [*messages, sample.message], tools, sample.tail
         self.generated += len(sample.ids)
-        # a turn's prompt is its segment rendered whole, so with one segment the engine was fed the
-        # line from its first token: its record covers every earlier turn's tokens too. A line of
-        # several segments has no routes (replay refuses such rows).
-        self.routes = sample.routes if len(self.segments) == 1 else None
+        # a turn's prompt is its segment rendered whole, so the engine was fed the segment from its
+        # first token: the record covers the segment's earlier turns too
+        if plan.category is not None:
+            self.routes.append(sample.routes)
+        else:
+            self.routes[-1] = sample.routes
 
     def _extend(self, ids: list[int], mask: int, logprobs: list[float], versions: list[int]) -> None:
         self.tokens.extend(ids)
@@ -114,13 +118,21 @@ class Line:
         return Trajectory(
             source=source, group_id=group_id, sample_index=sample_index, prompt_ids=self.tokens[:cut],
             response_ids=self.tokens[cut:], loss_mask=self.mask[cut:], rollout_logprobs=self.logprobs[cut:],
-            versions=self.versions[cut:], routed_experts=self.routes,
+            versions=self.versions[cut:], routed_experts=_one_or_per_segment(self.routes),
             status=Status.TRUNCATED if self.truncated else Status.ABORTED if aborted else Status.OK,
             response_text=self.messages[-1].get("content", ""),
             segments=[Segment(s, e, _KIND.get(c, "rewritten")) for s, e, c in self.segments],
             metadata={**metadata, "messages": self.messages, "tools": self.tools, "turns": self.turns,
                       "segment_categories": [c for _, _, c in self.segments]},
         )
+
+
+def _one_or_per_segment(routes: list[Any]) -> Any:
+    """A trajectory's routed experts: its one segment's record, or one record per segment (None
+    when a turn's engine recorded none)."""
+    if not routes or any(r is None for r in routes):
+        return None
+    return routes[0] if len(routes) == 1 else list(routes)
 
 
 class Session:

@@ -128,9 +128,9 @@ class SegmentLayout:
     def split_batch(self, batch: TrainBatch) -> TrainBatch:
         """The batch of the sequences, what a forward reads: every per-token tensor split, every
         per-row value repeated for each of its row's sequences (the rows' segments themselves are
-        dropped: each sequence is whole now). Left out, as no forward reads them: the teacher's own
-        log-probs (over a full vocabulary a large copy) and the routed experts (a forward replaying
-        them would split them like the tokens)."""
+        dropped: each sequence is whole now), and each sequence's routed experts (a row of several
+        segments holds one record per segment). Left out, as no forward reads them: the teacher's
+        own log-probs (over a full vocabulary a large copy)."""
         fields = {}
         for name in TrainBatch.tensor_fields():
             value = getattr(batch, name)
@@ -141,7 +141,26 @@ class SegmentLayout:
             else:
                 fields[name] = value.index_select(0, self.rows.to(value.device))
         sources = [batch.sources[i] for i in self.rows.tolist()] if batch.sources else []
-        return TrainBatch(**fields, sources=sources)
+        return TrainBatch(**fields, sources=sources, routed_experts=self._sequence_routes(batch.routed_experts))
+
+    def _sequence_routes(self, records: list) -> list:
+        """Each sequence's record: a split row's records one per segment, another row's its own."""
+        if not records:
+            return []
+        counts = torch.bincount(self.rows, minlength=self.batch_rows).tolist()
+        out: list = []
+        for row, (record, count) in enumerate(zip(records, counts)):
+            if count == 1:
+                out.append(record)
+            elif record is None:
+                out += [None] * count
+            elif isinstance(record, (list, tuple)) and len(record) == count:
+                out += list(record)
+            else:
+                got = f"{len(record)} records" if isinstance(record, (list, tuple)) else "one for the whole row"
+                raise ValueError(f"routed_experts: row {row} has {count} segments; expected one record per "
+                                 f"segment (a list), got {got}")
+        return out
 
 
 def segment_layout(batch: TrainBatch) -> SegmentLayout | None:

@@ -217,6 +217,9 @@ class Trajectory:
     reward: float | None = None
     token_rewards: list[float] | None = None
     segments: list[Segment] = field(default_factory=list)
+    # R3: the experts each MoE layer chose for the tokens fed to the engine ([tokens, layers, topk]
+    # from the first token), or with several segments a list of such records, one per segment
+    # (each from the segment's first token); None: none recorded
     routed_experts: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
 

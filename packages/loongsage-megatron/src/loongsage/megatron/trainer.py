@@ -454,7 +454,9 @@ class MegatronTrainer(TorchTrainer):
 
 def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
     """The rows' recorded routes as one ``[rows, tokens, layers, topk]`` tensor, or None when no row
-    carries any (a dense model, or an engine that records none).
+    carries any (a dense model, or an engine that records none). A batch with rows of several
+    segments gives the routes of its forward's sequences (one per segment, each from its own
+    record, as :meth:`~loongsage.core.segments.SegmentLayout.split_batch` lays them out).
 
     A row's record covers its tokens from the first (the prompt's, as the engine prefilled them);
     its last token was never fed to the engine, and padding never was: those positions get experts
@@ -466,8 +468,9 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
         return None
     if shape.experts == 0:
         raise ValueError("routed_experts: the batch carries routed experts but the model has no experts")
-    if segment_layout(mb) is not None:
-        raise ValueError("routed_experts: routing replay of rows with several segments is not supported yet")
+    layout = segment_layout(mb)
+    if layout is not None:  # the routes of the forward's sequences, one per segment of a split row
+        return micro_batch_routes(layout.split_batch(mb), shape)
     b, t = mb.input_ids.shape
     layers, topk = next(torch.as_tensor(r) for r in records if r is not None).shape[1:]
     routes = torch.arange(topk).expand(b, t, layers, topk).clone()
