@@ -1,4 +1,4 @@
-"""Megatron-Core on a machine without CUDA (tests, laptops): four places where it assumes a GPU.
+"""Megatron-Core on a machine without CUDA (tests, laptops): five places where it assumes a GPU.
 
 * It passes ``torch.cuda.current_device()`` as the device of buffers it makes (rotary frequencies,
   the attention buffer, tensor-parallel gathers): the CPU is returned instead.
@@ -7,6 +7,8 @@
 * Its default causal mask is made on ``"cuda"``: it is made on the CPU.
 * Under pipeline parallelism it moves the last stage's copy of a tied embedding with ``.cuda()``
   before summing it with the first stage's: ``Tensor.cuda`` leaves a tensor where it is.
+* Under context parallelism its rotary embedding picks this rank's positions through a pinned
+  index tensor: an unpinned one stands in.
 
 These patch ``torch.cuda`` for the whole process, so they are applied only in a process of
 Megatron's own (a trainer worker, a test's subprocess) and only when CUDA is absent.
@@ -41,6 +43,15 @@ def apply_cpu_shims() -> bool:
 
     transformer_utils.get_default_causal_mask = causal_mask
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    import megatron.core.models.common.embeddings.rotary_pos_embedding as rotary
+
+    def pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+        cp, rank = cp_group.size(), cp_group.rank()
+        chunks = pos_emb.chunk(2 * cp, dim=seq_dim)
+        return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=seq_dim)
+
+    if hasattr(rotary, "get_pos_emb_on_this_cp_rank"):
+        rotary.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
     try:
         import megatron.core.fusions.fused_softmax as fused_softmax
 

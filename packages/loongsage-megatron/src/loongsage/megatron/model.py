@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from loongsage.megatron import context
 from loongsage.megatron.convert import num_experts
 from loongsage.megatron.layout import Layout
 
@@ -102,7 +103,7 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, layout: Layout = 
         use_cpu_initialization=True, perform_initialization=False,  # the weights come from the checkpoint
         tensor_model_parallel_size=layout.tp, expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp, pipeline_model_parallel_size=layout.pp,
-        sequence_parallel=layout.tp > 1, params_dtype=dtype,
+        context_parallel_size=layout.cp, sequence_parallel=layout.tp > 1, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype, **moe_fields(config),
         **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
            if recompute else {}))
@@ -277,7 +278,16 @@ def gpt_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     device, length = input_ids.device, input_ids.shape[1]
     positions = torch.arange(length, device=device).expand(*input_ids.shape)
     masked = None
-    if not bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
+    right_padded = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())
+    cp = model.config.context_parallel_size
+    if cp > 1:  # this rank's chunks of the tokens (Megatron's rotary gives them their positions)
+        if not right_padded:
+            raise ValueError("context_parallel: rows must be padded on the right only (causal attention)")
+        if routes is not None:
+            raise ValueError("context_parallel: routing replay (R3) is not supported with context parallelism yet")
+        mine = context.local_positions(length, *context.size_and_rank()).to(device)
+        input_ids, positions = input_ids[:, mine], positions[:, mine]
+    elif not right_padded:
         causal = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
         masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(length, dtype=torch.bool, device=device)
         masked = masked[:, None]
@@ -316,6 +326,23 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return logits[..., :vocab].float()
 
 
+def gpt_local_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                     input_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under context parallelism: float32 logits ``[b, tokens here, vocab rows]`` of the tokens this
+    rank holds, and their positions in the (padded) sequence (:mod:`loongsage.megatron.context`)."""
+    b = input_ids.shape[0]
+    hidden = gpt_hidden(model, input_ids, attention_mask, input_tensor=input_tensor)
+    if model.config.sequence_parallel:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    length = hidden.shape[0] * model.config.context_parallel_size
+    positions = context.local_positions(length, *context.size_and_rank())
+    tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden[:, :b].transpose(0, 1), weight=tied)
+    return logits.float(), positions
+
+
 def _common_shape(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                   routes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The micro-batch padded to the largest ``[rows, tokens]`` over the expert-parallel ranks
@@ -324,7 +351,7 @@ def _common_shape(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     the right and masked rows below (routed to experts ``0..topk-1`` under R3), whose outputs are
     cut off again."""
     cfg = model.config
-    if cfg.expert_model_parallel_size == 1 and not cfg.sequence_parallel:
+    if cfg.expert_model_parallel_size == 1 and not cfg.sequence_parallel and cfg.context_parallel_size == 1:
         return input_ids, attention_mask, routes
     b, t = input_ids.shape
     shape = torch.tensor([b, t])
@@ -333,8 +360,8 @@ def _common_shape(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
         from megatron.core import parallel_state
 
         dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_tensor_and_model_parallel_group())
-    tp = cfg.tensor_model_parallel_size
-    rows, length = int(shape[0]) - b, -(-int(shape[1]) // tp) * tp - t
+    multiple = cfg.tensor_model_parallel_size * 2 * cfg.context_parallel_size  # each rank's share: equal chunks
+    rows, length = int(shape[0]) - b, -(-int(shape[1]) // multiple) * multiple - t
     if rows == 0 and length == 0:
         return input_ids, attention_mask, routes
     input_ids = F.pad(input_ids, (0, length, 0, rows))
@@ -420,6 +447,7 @@ def _make_sdpa_attention() -> type:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
 
+
     class SDPAAttention(MegatronModule):
         """Causal attention by torch's fused kernels; Megatron's ``[s, b, heads, dim]`` in and
         ``[s, b, heads * dim]`` out. A boolean ``attention_mask`` is True where masked."""
@@ -437,12 +465,17 @@ def _make_sdpa_attention() -> type:
             # [b, heads, s, dim] views of batch-first storage, the layout the HF model hands to the
             # same kernels (a copy of q, k, v: 0.2% of a layer's bytes; bench/train_mfu measured this)
             q, k, v = (t.transpose(0, 1).contiguous().transpose(1, 2) for t in (query, key, value))
-            if attention_mask is not None:
-                extra = {"attn_mask": ~attention_mask}  # SDPA's boolean mask is True where attended
+            gqa = self.heads != self.groups
+            if self.config.context_parallel_size > 1:  # this rank's chunks of every sequence
+                if attention_mask is not None:
+                    raise ValueError("context_parallel: rows must be padded on the right only (causal attention)")
+                out = context.attention(q, k, v, scale=self.softmax_scale, gqa=gqa)
             else:
-                extra = {"is_causal": (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal}
-            out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale,
-                                                 enable_gqa=self.heads != self.groups, **extra)
+                if attention_mask is not None:
+                    extra = {"attn_mask": ~attention_mask}  # SDPA's boolean mask is True where attended
+                else:
+                    extra = {"is_causal": (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal}
+                out = F.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale, enable_gqa=gqa, **extra)
             out = out.transpose(1, 2).reshape(q.shape[0], q.shape[2], self.heads * self.head_dim)
             return out.transpose(0, 1).contiguous()  # Megatron's linear layers view their input
 

@@ -35,9 +35,21 @@ def vocab_parallel_logprobs(logits: Tensor, input_ids: Tensor, first: int, *, vo
     """:func:`loongsage.core.embedded.trainer.logprobs_and_entropy` over this rank's vocabulary
     shard ``logits`` ``[B, T - first + 1, shard]`` (rows ``vocab_start..``; rows at or past
     ``vocab`` are padding); results ``[B, T]``, zeros before ``first``, the same on every rank."""
+    lp, ent = vocab_parallel_token_logprobs(logits[:, :-1], input_ids[:, first:], vocab_start=vocab_start,
+                                            vocab=vocab, with_entropy=with_entropy)
+    return F.pad(lp, (first, 0)), None if ent is None else F.pad(ent, (first, 0))
+
+
+def vocab_parallel_token_logprobs(logits: Tensor, targets: Tensor, *, vocab_start: int, vocab: int,
+                                  with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+    """The log-prob of ``targets`` ``[B, n]`` under each row of this rank's vocabulary shard
+    ``logits`` ``[B, n, shard]``, and the entropy (no gradient), the same on every rank."""
     shifted, exp, sum_exp = _shifted(logits, vocab_start, vocab)
-    lp = _picked(shifted, input_ids, first, vocab_start) - sum_exp.log()
-    return F.pad(lp, (first, 0)), _entropy(shifted, exp, sum_exp, first) if with_entropy else None
+    lp = _picked(shifted, targets, vocab_start) - sum_exp.log()
+    if not with_entropy:
+        return lp, None
+    with torch.no_grad():
+        return lp, sum_exp.log() - vocab_sum((exp * shifted).sum(-1)) / sum_exp
 
 
 def vocab_parallel_distribution(logits: Tensor, input_ids: Tensor, first: int, *, vocab_start: int,
@@ -45,13 +57,15 @@ def vocab_parallel_distribution(logits: Tensor, input_ids: Tensor, first: int, *
     """:func:`vocab_parallel_logprobs` (with entropies) and this rank's shard of the log-softmax
     ``[B, T - first, shard]`` (padding rows about -1e30: probability 0), for a divergence summed
     over the shards (MOPD's GKD branch) without gathering the vocabulary."""
-    shifted, exp, sum_exp = _shifted(logits, vocab_start, vocab)
-    lp = F.pad(_picked(shifted, input_ids, first, vocab_start) - sum_exp.log(), (first, 0))
+    shifted, exp, sum_exp = _shifted(logits[:, :-1], vocab_start, vocab)
+    lp = F.pad(_picked(shifted, input_ids[:, first:], vocab_start) - sum_exp.log(), (first, 0))
     # the shard's log-softmax feeds a per-shard sum: every shard's terms depend on this rank's
     # logits through the normaliser, so its gradient is summed over the ranks (the log-probs' is
     # already whole on each)
     log_z = _SummedBothWays.apply(exp.sum(-1)).log()
-    return lp, _entropy(shifted, exp, sum_exp, first), shifted - log_z.unsqueeze(-1)
+    with torch.no_grad():
+        ent = F.pad(sum_exp.log() - vocab_sum((exp * shifted).sum(-1)) / sum_exp, (first, 0))
+    return lp, ent, shifted - log_z.unsqueeze(-1)
 
 
 class _SummedBothWays(torch.autograd.Function):
@@ -74,11 +88,11 @@ class _SummedBothWays(torch.autograd.Function):
 
 
 def _shifted(logits: Tensor, vocab_start: int, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
-    """The shard's logits less the global maximum (padding rows masked), their exponentials, and
-    the sum of exponentials over every shard."""
+    """The shard's logits (each row predicting one token) less the global maximum (padding rows
+    masked), their exponentials, and the sum of exponentials over every shard."""
     from megatron.core import parallel_state
 
-    pred = logits[:, :-1].float()
+    pred = logits.float()
     shard = pred.shape[-1]
     peak = pred.detach().max(-1).values  # any shift keeps the softmax; the global maximum avoids overflow
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group())
@@ -90,17 +104,12 @@ def _shifted(logits: Tensor, vocab_start: int, vocab: int) -> tuple[Tensor, Tens
     return shifted, exp, vocab_sum(exp.sum(-1))
 
 
-def _picked(shifted: Tensor, input_ids: Tensor, first: int, vocab_start: int) -> Tensor:
-    """The shifted logit of each sampled token, from the shard that holds it."""
+def _picked(shifted: Tensor, targets: Tensor, vocab_start: int) -> Tensor:
+    """The shifted logit of each target token, from the shard that holds it."""
     shard = shifted.shape[-1]
-    target = input_ids[:, first:] - vocab_start
+    target = targets - vocab_start
     here = (target >= 0) & (target < shard)
     return vocab_sum(shifted.gather(-1, target.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * here)
-
-
-def _entropy(shifted: Tensor, exp: Tensor, sum_exp: Tensor, first: int) -> Tensor:
-    with torch.no_grad():
-        return F.pad(sum_exp.log() - vocab_sum((exp * shifted).sum(-1)) / sum_exp, (first, 0))
 
 
 def vocab_sum(values: Tensor) -> Tensor:

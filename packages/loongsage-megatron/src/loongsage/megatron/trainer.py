@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor
 
 from loongsage.core.embedded.logprobs import logprobs_entropy_and_distribution, response_start
@@ -40,11 +41,13 @@ from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards, numbered_from
 from loongsage.megatron.layout import Layout
-from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_hidden, gpt_logits,
-                                      load_hf_weights, rope_base, stage_layers)
+from loongsage.megatron import context
+from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_hidden,
+                                      gpt_local_logits, gpt_logits, load_hf_weights, rope_base, stage_layers)
 from loongsage.megatron.pipeline import Stage, forward_only, one_forward_one_backward, to_first_stage
 from loongsage.megatron.parallel import (clip_grad_norm, gathered_state, parameter_kinds, sum_replicated_grads,
-                                        vocab_parallel_distribution, vocab_parallel_logprobs, vocab_shard, vocab_sum)
+                                        vocab_parallel_distribution, vocab_parallel_logprobs,
+                                        vocab_parallel_token_logprobs, vocab_shard, vocab_sum)
 
 
 def read_config(model_path: str) -> dict[str, Any]:
@@ -67,12 +70,13 @@ class MegatronTrainer(TorchTrainer):
     expert_parallel: int = 1  # ranks an MoE layer's experts are split over (each trains on rows of its own)
     pipeline_parallel: int = 1  # consecutive stages of layers one replica is split into
     expert_tensor_parallel: int | None = None  # ranks one expert is split over (None: tensor_parallel; or 1)
+    context_parallel: int = 1  # ranks each holding a share of every sequence's tokens
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         check_attention(self.attention)  # before Megatron's process groups start
         self.layout = Layout.of({name: getattr(self, name) for name in (
-            "tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel")})
+            "tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel", "context_parallel")})
         self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
         self._replayed_tokens = 0
         self._stage_input: Tensor | None = None  # the previous pipeline stage's output, in the forward
@@ -101,12 +105,13 @@ class MegatronTrainer(TorchTrainer):
     # ------------------------------------------------------------------ model parallelism
     @property
     def data_parallel(self) -> tuple[int, int, bool]:
-        """A replica's ranks get the same rows; its last pipeline stage's first tensor-parallel
-        rank answers for it (the log-probs and losses are computed there)."""
+        """A replica's ranks get the same rows; its last pipeline stage's first tensor- and
+        context-parallel rank answers for it (the log-probs and losses are computed there)."""
         from megatron.core import parallel_state as ps
 
         return (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                ps.get_tensor_model_parallel_rank() == 0 and ps.is_pipeline_last_stage())
+                ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+                and ps.is_pipeline_last_stage())
 
     @cached_property
     def stage(self) -> Stage:
@@ -130,6 +135,8 @@ class MegatronTrainer(TorchTrainer):
         return self.layout.split
 
     def _forward_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        if self.context_parallel > 1:
+            return self._context_parallel_sequences(mb, with_entropy=with_entropy)
         if self.tensor_parallel == 1:
             return super()._forward_sequences(mb, with_entropy=with_entropy)
         ids = mb.input_ids.to(self.device)
@@ -138,11 +145,34 @@ class MegatronTrainer(TorchTrainer):
         return vocab_parallel_logprobs(logits, ids, first, vocab_start=self._tp_rank * logits.shape[-1],
                                        vocab=self.shape.vocab, with_entropy=with_entropy)
 
+    def _context_parallel_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Each context-parallel rank scores the tokens it holds (its head, its vocabulary rows
+        under tensor parallelism); the per-token results are gathered into whole rows
+        (:mod:`loongsage.megatron.context`)."""
+        ids = mb.input_ids.to(self.device)
+        b, t = ids.shape
+        first = max(response_start(mb.response_mask), 1)
+        logits, positions = gpt_local_logits(self.model, ids, mb.attention_mask.to(self.device),
+                                             input_tensor=self._stage_input)
+        following = F.pad(ids, (0, len(positions) * self.context_parallel - t + 1))[:, positions.to(self.device) + 1]
+        lp, ent = vocab_parallel_token_logprobs(logits, following, vocab_start=self._tp_rank * logits.shape[-1],
+                                                vocab=self.shape.vocab, with_entropy=with_entropy)
+        trained = (torch.arange(t, device=self.device) >= first).to(lp.dtype)  # zeros before the first, as unsplit
+        # position p's logits predict token p + 1
+        lp = F.pad(context.GatherTokens.apply(lp, 1)[:, :t - 1], (1, 0)) * trained
+        if ent is not None:
+            ent = F.pad(context.GatherTokens.apply(ent, 1)[:, :t - 1], (1, 0)) * trained
+        return lp, ent
+
     def _distribution_sequences(self, mb: TrainBatch) -> tuple[Tensor, Tensor, Tensor]:
         """Under tensor parallelism, for a divergence summed over the vocabulary's shards (the
         step's ``_vocab_sum`` set), this rank's shard of the log-softmax; for any other the ranks'
         vocabulary rows are gathered first (the gradient goes back to each rank's own rows): a
         divergence over a teacher's top-k reads tokens of every rank."""
+        if self.context_parallel > 1:
+            raise ValueError("megatron trainer: a divergence on the student's distribution (MOPD's GKD branch) is not "
+                             "supported with context_parallel > 1 yet; allowed: context_parallel: 1, or a sampled-token "
+                             "divergence (k2, k3)")
         if self.tensor_parallel == 1:
             return super()._distribution_sequences(mb)
         ids = mb.input_ids.to(self.device)
@@ -185,10 +215,12 @@ class MegatronTrainer(TorchTrainer):
     def _optimizer_buckets(self, params: list[torch.nn.Parameter]) -> list[tuple[list[torch.nn.Parameter], Any]]:
         """Parameters and the ranks holding them alike (the gradient sums, the distributed
         optimizer's buckets): the experts over the ranks holding the same experts, everything else
-        over the data-parallel group."""
+        over the data-parallel group (with the context-parallel ranks, each of which holds the
+        contributions of its own tokens)."""
         from megatron.core import parallel_state as ps
 
-        return [([p for p in params if getattr(p, "allreduce", True)], ps.get_data_parallel_group()),
+        return [([p for p in params if getattr(p, "allreduce", True)],
+                 ps.get_data_parallel_group(with_context_parallel=True)),
                 ([p for p in params if not getattr(p, "allreduce", True)], ps.get_expert_data_parallel_group())]
 
     def _reduce_scatter_grads(self) -> None:
@@ -240,6 +272,8 @@ class MegatronTrainer(TorchTrainer):
         return list(self.model.decoder.layers)
 
     def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int = 1) -> Tensor:
+        if self.context_parallel > 1:  # (a filler pass: every rank's forward, nothing read)
+            return gpt_local_logits(self.model, input_ids, attention_mask, input_tensor=self._stage_input)[0]
         return gpt_logits(self.model, input_ids, attention_mask, first, vocab=self.shape.vocab,
                           input_tensor=self._stage_input, **self._replay(input_ids.device))
 
