@@ -86,14 +86,9 @@ class GatherTokens(torch.autograd.Function):
         return _own(grad, ctx.dim), None
 
 
-class GatherKeys(torch.autograd.Function):
+class GatherKeys(GatherTokens):
     """Keys or values of every rank, in sequence order; each rank's queries read all of them, so
     the gradients are summed over the ranks before each keeps its own tokens'."""
-
-    @staticmethod
-    def forward(ctx: Any, local: Tensor, dim: int) -> Tensor:
-        ctx.dim = dim
-        return _gather(local, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
