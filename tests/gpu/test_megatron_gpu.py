@@ -27,6 +27,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _te_missing() -> str | None:
+    from loongsage.megatron.model import transformer_engine_error
+
+    return transformer_engine_error()
+
+
+# the TE-free spec, and Transformer Engine's layer where it imports on the card
+SPECS = ["sdpa", pytest.param("te", marks=pytest.mark.skipif(_te_missing() is not None, reason="no Transformer Engine"))]
+
+
 def _batch(vocab: int, rows: int = 4, seq: int = 512):
     from loongsage.core.types import TrainBatch
 
@@ -48,8 +58,9 @@ def _loss(lp, mb):
     return -(lp * mb.advantages.to(lp.device) * mb.response_mask.to(lp.device)).sum() / 1000, Metrics()
 
 
+@pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logprobs_match_the_torch_backend(qwen3_1024_dir, dtype):
+def test_logprobs_match_the_torch_backend(qwen3_1024_dir, dtype, spec):
     from loongsage.core.embedded.trainer import TorchTrainer
     from loongsage.megatron.trainer import MegatronTrainer
 
@@ -59,10 +70,10 @@ def test_logprobs_match_the_torch_backend(qwen3_1024_dir, dtype):
     ref = TorchTrainer(qwen3_1024_dir, dtype=dtype, device="cuda")
     lp_ref, ent_ref = ref.logprobs(batch, 4096)
     del ref
-    ours = MegatronTrainer(qwen3_1024_dir, dtype=dtype, device="cuda")
+    ours = MegatronTrainer(qwen3_1024_dir, dtype=dtype, device="cuda", layer_spec=spec)
     lp, ent = ours.logprobs(batch, 4096)
     diff, ent_diff = (lp_ref - lp)[mask].abs(), (ent_ref - ent)[mask].abs()
-    print(f"\nmegatron vs torch log-probs, {dtype}: max |d| {diff.max():.3e}, mean |d| {diff.mean():.3e}; "
+    print(f"\nmegatron ({spec}) vs torch log-probs, {dtype}: max |d| {diff.max():.3e}, mean |d| {diff.mean():.3e}; "
           f"entropy max |d| {ent_diff.max():.3e}")
     if dtype == "float32":
         assert diff.max() < 1e-3 and diff.mean() < 1e-5, (diff.max(), diff.mean())
@@ -70,12 +81,15 @@ def test_logprobs_match_the_torch_backend(qwen3_1024_dir, dtype):
         assert diff.mean() < 0.05 and diff.max() < 1.0, (diff.max(), diff.mean())
 
 
-def test_a_step_trains_and_a_checkpoint_resumes_exactly_on_the_card(qwen3_1024_dir, tmp_path):
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_step_trains_and_a_checkpoint_resumes_exactly_on_the_card(qwen3_1024_dir, tmp_path, spec):
+    """The checkpoint holds HF-named tensors: one written on Transformer Engine's layer resumes on
+    the TE-free one as well (the same step from the same state, up to the layers' own kernels)."""
     from loongsage.megatron.trainer import MegatronTrainer
 
     vocab = json.loads((Path(qwen3_1024_dir) / "config.json").read_text())["vocab_size"]
     batch = _batch(vocab)
-    ours = MegatronTrainer(qwen3_1024_dir, dtype="bfloat16", device="cuda")
+    ours = MegatronTrainer(qwen3_1024_dir, dtype="bfloat16", device="cuda", layer_spec=spec)
     ours.setup_optimizer(1e-5, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     before = ours.logprobs(batch, 4096)[0]
     metrics = ours.train_step(batch, _loss, 4096)
@@ -83,7 +97,7 @@ def test_a_step_trains_and_a_checkpoint_resumes_exactly_on_the_card(qwen3_1024_d
     assert torch.isfinite(torch.tensor(metrics.gauges["train/grad_norm"]))
     assert not torch.equal(before, after)
     ours.save(tmp_path / "ckpt")
-    resumed = MegatronTrainer(qwen3_1024_dir, dtype="bfloat16", device="cuda")
+    resumed = MegatronTrainer(qwen3_1024_dir, dtype="bfloat16", device="cuda", layer_spec=spec)
     resumed.setup_optimizer(1e-5, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     resumed.load(tmp_path / "ckpt")
     assert torch.equal(resumed.logprobs(batch, 4096)[0], after)
@@ -91,6 +105,14 @@ def test_a_step_trains_and_a_checkpoint_resumes_exactly_on_the_card(qwen3_1024_d
     assert g1 == g2  # the optimizer state came back too
     exported = dict(ours.export_weights())
     assert all(t.is_cuda for t in exported.values()) and "model.layers.0.self_attn.q_proj.weight" in exported
+    assert {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"} <= set(exported)
+    if spec == "te":  # HF-named: the TE-free layer reads the same checkpoint
+        other = MegatronTrainer(qwen3_1024_dir, dtype="bfloat16", device="cuda", layer_spec="sdpa")
+        other.load(tmp_path / "ckpt")
+        moved = (other.logprobs(batch, 4096)[0] - after)[batch.response_mask.bool()].abs()
+        print(f"\na checkpoint of the te layer read by the sdpa one: log-probs max |d| {moved.max():.3e}, "
+              f"mean {moved.mean():.3e}")
+        assert moved.mean() < 0.05, moved
 
 
 def _launch(recipe: str, work: Path, *overrides: str) -> list[dict]:
@@ -107,11 +129,13 @@ MEGATRON_CUDA = "trainer.backend={name: megatron, params: {device: cuda}}"
 
 
 @pytest.mark.timeout(1500)
-def test_the_arith4_recipe_trains_checkpoints_and_resumes_on_megatron(tmp_path):
+@pytest.mark.parametrize("spec", SPECS)
+def test_the_arith4_recipe_trains_checkpoints_and_resumes_on_megatron(tmp_path, spec):
     """With the trainer offloaded to host memory while the engine generates (its state back on the
-    card for each step, its checkpoint and its resume)."""
+    card for each step, its checkpoint and its resume). ``te`` asked for explicitly: a worker where
+    Transformer Engine does not import would refuse it rather than fall back."""
     work = tmp_path / "arith4"
-    common = ("gpu/grpo_arith4_h200", work, MEGATRON_CUDA, "evaluation.every_steps=0", "checkpoint.every_steps=2",
+    common = ("gpu/grpo_arith4_h200", work, f"trainer.backend={{name: megatron, params: {{device: cuda, layer_spec: {spec}}}}}", "evaluation.every_steps=0", "checkpoint.every_steps=2",
               "placement.offload_trainer=true")
     first = _launch(*common, "run.total_steps=4")
     assert [r["step"] for r in first] == [1, 2, 3, 4]
@@ -122,7 +146,7 @@ def test_the_arith4_recipe_trains_checkpoints_and_resumes_on_megatron(tmp_path):
     for r in first + resumed:
         assert all(torch.isfinite(torch.tensor(r[k])) for k in ("train/loss", "train/grad_norm")), r
         assert r["timing/trainer_offload_s"] > 0, r
-    print(f"\narith4 on megatron: reward {[round(r['rollout/reward_mean'], 3) for r in first + resumed[-2:]]}, "
+    print(f"\narith4 on megatron ({spec}): reward {[round(r['rollout/reward_mean'], 3) for r in first + resumed[-2:]]}, "
           f"step s {[round(r['timing/step_s'], 2) for r in first + resumed[-2:]]}, "
           f"offload s {[round(r['timing/trainer_offload_s'], 2) for r in first + resumed[-2:]]}")
 
@@ -137,7 +161,8 @@ def test_the_1p7b_random_recipe_runs_on_megatron(tmp_path):
     print("\n1.7B random on megatron, median of steps 2-4: " + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items()))
 
 
-def test_moe_logprobs_match_the_torch_backend_with_and_without_routing_replay(tmp_path):
+@pytest.mark.parametrize("spec", SPECS)
+def test_moe_logprobs_match_the_torch_backend_with_and_without_routing_replay(tmp_path, spec):
     """A Qwen3-MoE shape (random bf16 weights, 16 experts, top 4): Megatron against the torch trainer,
     routing on its own and replaying the routes the HF model chose (R3)."""
     import dataclasses
@@ -169,10 +194,10 @@ def test_moe_logprobs_match_the_torch_backend_with_and_without_routing_replay(tm
     per = torch.stack(chosen, 1).view(rows, t, layers, topk).cpu()
     routes = [per[r][batch.attention_mask[r].bool()] for r in range(rows)]
     del ref
-    ours = MegatronTrainer(str(tmp_path / "moe"), dtype="bfloat16", device="cuda")
+    ours = MegatronTrainer(str(tmp_path / "moe"), dtype="bfloat16", device="cuda", layer_spec=spec)
     own = (lp_ref - ours.logprobs(batch, 4096)[0])[mask].abs()
     replayed = (lp_ref - ours.logprobs(dataclasses.replace(batch, routed_experts=routes), 4096)[0])[mask].abs()
-    print(f"\nMoE megatron vs torch log-probs, bf16: own routing max |d| {own.max():.3e} mean {own.mean():.3e}; "
+    print(f"\nMoE megatron ({spec}) vs torch log-probs, bf16: own routing max |d| {own.max():.3e} mean {own.mean():.3e}; "
           f"replaying HF's routes (R3) max |d| {replayed.max():.3e} mean {replayed.mean():.3e}")
     assert replayed.mean() < 0.05 and replayed.max() <= own.max() + 1e-6, (own, replayed)
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongsage.megatron.convert import Shape, hf_to_mcore, mcore_to_hf, qkv_interleave, qkv_split
+from loongsage.megatron.convert import (Shape, fused_norm_names, hf_to_mcore, mcore_to_hf, qkv_interleave, qkv_split,
+                                       unfused_norm_names)
 
 HIDDEN, FFN = 32, 48
 
@@ -46,6 +47,30 @@ def test_the_round_trip_is_exact_for_every_split(tp, tied, bias, vocab):
     assert first["embedding.word_embeddings.weight"].shape[0] == shape.padded_vocab(tp) // tp
     assert ("output_layer.weight" in first) is not tied
     assert first["decoder.layers.0.self_attention.linear_proj.weight"].shape == (HIDDEN, shape.heads * 4 // tp)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_transformer_engine_names_the_norms_it_fuses(moe):
+    """Transformer Engine's layer holds a layer's input norm in ``linear_qkv`` and a dense layer's
+    pre-MLP norm in ``linear_fc1`` (the names its Megatron spec gave on an H200); a mixture of
+    experts keeps its pre-MLP norm apart. The HF round trip through those names is exact."""
+    shape = Shape(layers=2, heads=8, kv_heads=4, head_dim=4, vocab=64, tied=False)
+    hf = hf_state(shape)
+    local = hf_to_mcore(hf, shape)
+    te = {n for n in local if "layernorm" not in n or "q_layernorm" in n or "k_layernorm" in n or "final" in n}
+    for i in range(shape.layers):
+        p = f"decoder.layers.{i}."
+        te |= {p + "self_attention.linear_qkv.layer_norm_weight", p + "self_attention.linear_qkv._extra_state",
+               p + ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight")}
+    named = fused_norm_names(local, te)
+    assert set(named) == te - {n for n in te if n.endswith("_extra_state")}
+    assert torch.equal(named["decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"],
+                       hf["model.layers.1.input_layernorm.weight"])
+    assert torch.equal(named["decoder.layers.0." + ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight")],
+                       hf["model.layers.0.post_attention_layernorm.weight"])
+    assert unfused_norm_names(named).keys() == local.keys()
+    back = dict(mcore_to_hf([unfused_norm_names(named)], shape))
+    assert back.keys() == hf.keys() and all(torch.equal(back[n], hf[n]) for n in hf)
 
 
 def test_a_rank_holds_whole_query_groups_and_its_slices_of_gate_and_up():

@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from loongsage.core.placement import free_port
-from loongsage.megatron.model import architecture, layer_spec, rope_base
+from loongsage.megatron.layout import Layout
+from loongsage.megatron.model import (architecture, layer_spec, resolve_layer_spec, rope_base,
+                                      transformer_engine_error)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
 from _engine_helpers import build_engine_test_model  # noqa: E402
@@ -61,5 +63,21 @@ def test_unsupported_models_are_refused_in_one_line():
         rope_base({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}})
     assert rope_base({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}) == 1e6
     assert rope_base({"rope_theta": 5e5}) == 5e5
-    with pytest.raises(ValueError, match="attention='flash'; allowed: sdpa, local"):
+    with pytest.raises(ValueError, match="layer_spec='flash'; allowed: auto, te, sdpa, local"):
         layer_spec({"architectures": ["Qwen3ForCausalLM"]}, "flash")
+
+
+def test_layer_spec_resolves_to_what_runs_here():
+    """``auto`` is Transformer Engine's layer only on a GPU where it imports, and never under
+    context parallelism; asking for ``te`` where it cannot run is refused in one line."""
+    assert resolve_layer_spec("auto", "cpu") == "sdpa"
+    assert resolve_layer_spec("local", "cpu") == "local"
+    assert resolve_layer_spec("auto", "cuda:0", Layout(cp=2)) == "sdpa"
+    with pytest.raises(ValueError, match=r"layer_spec=te on cpu: it runs on GPUs only; allowed: auto, sdpa, local"):
+        resolve_layer_spec("te", "cpu")
+    with pytest.raises(ValueError, match=r"layer_spec=te on cuda:0: context_parallel is built on the sdpa spec"):
+        resolve_layer_spec("te", "cuda:0", Layout(cp=2))
+    if transformer_engine_error() is not None:  # this machine: the one line says why
+        assert resolve_layer_spec("auto", "cuda:0") == "sdpa"
+        with pytest.raises(ValueError, match=r"layer_spec=te on cuda:0: transformer_engine"):
+            resolve_layer_spec("te", "cuda:0")

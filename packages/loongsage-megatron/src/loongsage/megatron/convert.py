@@ -20,6 +20,10 @@ weights differently from HF:
 
 Under expert parallelism a rank holds a contiguous block of the experts, numbered from 0 in it.
 
+Transformer Engine's layer fuses a norm into the linear layer after it: the input norm is
+``linear_qkv.layer_norm_weight``, and (in a dense layer) the pre-MLP norm is
+``linear_fc1.layer_norm_weight``; the tensors are the same (:func:`fused_norm_names`).
+
 ``hf_to_mcore`` gives a rank its shard; ``mcore_to_hf`` gathers all ranks' shards back into
 HF-named tensors, in HF's layout, which is what an engine loads. Both are exact (no arithmetic).
 """
@@ -27,7 +31,7 @@ HF-named tensors, in HF's layout, which is what an engine loads. Both are exact 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -245,3 +249,33 @@ def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape, *,
             yield f"{src}mlp.experts.down_proj", torch.stack([_gather(parts, 1) for parts in fc2])
     if "decoder.final_layernorm.weight" in first:
         yield "model.norm.weight", first["decoder.final_layernorm.weight"]
+
+
+# a local layer's norm -> Transformer Engine's name for it, fused into the linear layer after it
+_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_LAYER_NORM = re.compile(r"^(.*decoder\.layers\.\d+\.)(" + "|".join(map(re.escape, _FUSED_NORMS)) + ")$")
+_LAYER_FUSED = re.compile(r"^(.*decoder\.layers\.\d+\.)(" + "|".join(map(re.escape, _FUSED_NORMS.values())) + ")$")
+
+
+def fused_norm_names(state: Mapping[str, Tensor], names: Iterable[str]) -> dict[str, Tensor]:
+    """``state`` (local-spec names) under the names of a model holding ``names``: a norm takes
+    Transformer Engine's fused name where the model has it (a mixture-of-experts layer keeps a
+    separate pre-MLP norm)."""
+    names = set(names)
+    out = {}
+    for name, tensor in state.items():
+        m = _LAYER_NORM.match(name)
+        fused = m and m.group(1) + _FUSED_NORMS[m.group(2)]
+        out[fused if fused and fused in names and name not in names else name] = tensor
+    return out
+
+
+def unfused_norm_names(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``state`` with Transformer Engine's fused norm names back under the local spec's."""
+    local = {v: k for k, v in _FUSED_NORMS.items()}
+    out = {}
+    for name, tensor in state.items():
+        m = _LAYER_FUSED.match(name)
+        out[m.group(1) + local[m.group(2)] if m else name] = tensor
+    return out

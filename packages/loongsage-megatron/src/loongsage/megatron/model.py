@@ -1,8 +1,13 @@
-"""A Megatron-Core GPT model built from an HF config: the Transformer-Engine-free layer spec with
-torch's fused attention (``scaled_dot_product_attention``: flash or memory-efficient kernels on a
-GPU) in place of the local spec's unfused one, which materialises the full score matrix (measured
-on an H200: 17.1k tok/s at 4x1024 and out of memory at 4x4096 on the 1.7B shape).
+"""A Megatron-Core GPT model built from an HF config, on one of three layer specs:
 
+* ``te``: Transformer Engine's layer (its fused norm-and-linear layers, cuDNN's fused attention),
+  when ``transformer_engine.pytorch`` imports on a GPU;
+* ``sdpa``: the Transformer-Engine-free local layer with torch's fused attention
+  (``scaled_dot_product_attention``: flash or memory-efficient kernels on a GPU);
+* ``local``: Megatron's local layer as it is, whose unfused attention materialises the full score
+  matrix (measured on an H200: 17.1k tok/s at 4x1024 and out of memory at 4x4096 on the 1.7B shape).
+
+``auto`` (the default) is ``te`` where Transformer Engine imports on a GPU, ``sdpa`` elsewhere.
 Megatron-Core is imported here only; :mod:`loongsage.megatron.convert` needs torch alone.
 """
 
@@ -109,35 +114,70 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, layout: Layout = 
            if recompute else {}))
 
 
-ATTENTION = ("sdpa", "local")  # torch's fused kernels; Megatron's local spec as it is (unfused)
+LAYER_SPECS = ("auto", "te", "sdpa", "local")
 
 
-def check_attention(attention: str) -> None:
-    """One line naming an unknown core attention and the known ones."""
-    if attention not in ATTENTION:
-        raise ValueError(f"megatron trainer: attention={attention!r}; allowed: {', '.join(ATTENTION)}")
+def check_layer_spec(spec: str) -> None:
+    """One line naming an unknown layer spec and the known ones."""
+    if spec not in LAYER_SPECS:
+        raise ValueError(f"megatron trainer: layer_spec={spec!r}; allowed: {', '.join(LAYER_SPECS)}")
 
 
-def layer_spec(config: Mapping, attention: str = "sdpa") -> Any:
-    """The local (TE-free) GPT layer, with torch's fused attention as its core attention (``sdpa``)
-    or the local spec's own unfused one (``local``, for comparison)."""
-    check_attention(attention)
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def transformer_engine_error() -> str | None:
+    """Why Transformer Engine's torch modules do not import here (None when they do)."""
+    import importlib.util
 
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "transformer_engine is not installed"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # its extension or a library it loads missing: one line either way
+        return f"transformer_engine.pytorch does not import ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    return None
+
+
+def resolve_layer_spec(spec: str, device: str, layout: Layout = Layout()) -> str:
+    """The spec to build: ``auto`` picks ``te`` on a GPU where Transformer Engine imports (and no
+    context parallelism, which this package builds on the ``sdpa`` attention), else ``sdpa``;
+    ``te`` asked for where it cannot run is refused in one line."""
+    check_layer_spec(spec)
+    on_gpu = str(device).startswith("cuda")
+    if spec == "auto":
+        return "te" if on_gpu and layout.cp == 1 and transformer_engine_error() is None else "sdpa"
+    if spec == "te":
+        why = ("it runs on GPUs only" if not on_gpu else
+               "context_parallel is built on the sdpa spec's attention" if layout.cp > 1 else transformer_engine_error())
+        if why:
+            raise ValueError(f"megatron trainer: layer_spec=te on {device}: {why}; allowed: auto, sdpa, local")
+    return spec
+
+
+def layer_spec(config: Mapping, spec: str = "sdpa") -> Any:
+    """The GPT layer: Transformer Engine's (``te``), or the local (TE-free) one with torch's fused
+    attention as its core attention (``sdpa``) or the local spec's own unfused one (``local``, for
+    comparison)."""
+    check_layer_spec(spec)
     arch = architecture(config)
     experts = num_experts(config) if arch["moe"] else None
+    if spec == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
+                                                          qk_layernorm=arch["qk_layernorm"])
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
     if experts:
         _megatron_without_te()
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch["qk_layernorm"],
-                                    normalization="RMSNorm")
-    if attention == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
+    layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch["qk_layernorm"],
+                                     normalization="RMSNorm")
+    if spec == "sdpa":
+        layer.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     norm = rms_norm_class()
-    layer, attn = spec.submodules, spec.submodules.self_attention.submodules
-    layer.input_layernorm = layer.pre_mlp_layernorm = norm
+    submodules, attn = layer.submodules, layer.submodules.self_attention.submodules
+    submodules.input_layernorm = submodules.pre_mlp_layernorm = norm
     if arch["qk_layernorm"]:
         attn.q_layernorm = attn.k_layernorm = norm
-    return spec
+    return layer
 
 
 def _megatron_without_te() -> None:
@@ -150,17 +190,19 @@ def _megatron_without_te() -> None:
 
 
 def build_gpt(config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(), padded_vocab: int | None = None,
-              attention: str = "sdpa", recompute: bool = False) -> Any:
+              spec: str = "sdpa", recompute: bool = False) -> Any:
     """A ``GPTModel`` (this rank's shard: under pipeline parallelism its stage's layers, the
     embedding on the first stage, the final norm and output layer on the last) shaped as
-    ``config``; its weights are to be loaded."""
+    ``config``, its layers of ``spec`` (resolved: not ``auto``); its weights are to be loaded."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     layers = stage_layers(int(config["num_hidden_layers"]))
-    blocks = TransformerBlockSubmodules(layer_specs=[layer_spec(config, attention)] * len(layers),
-                                        layer_norm=rms_norm_class())
+    if spec == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+    blocks = TransformerBlockSubmodules(layer_specs=[layer_spec(config, spec)] * len(layers),
+                                        layer_norm=TENorm if spec == "te" else rms_norm_class())
     model = GPTModel(
         config=transformer_config(config, dtype=dtype, layout=layout, recompute=recompute),
         transformer_layer_spec=blocks,
@@ -170,6 +212,7 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(),
         parallel_output=True,
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=rope_base(config))
+    model.transformer_engine = spec == "te"
     mark_tensor_parallel(model)
     if model.post_process:  # the head's input is gathered whole first (gpt_logits): the layer must not gather it again
         model.output_layer.sequence_parallel = False
@@ -288,6 +331,9 @@ def gpt_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
         mine = context.local_positions(length, *context.size_and_rank()).to(device)
         input_ids, positions = input_ids[:, mine], positions[:, mine]
     elif not right_padded:
+        if getattr(model, "transformer_engine", False):  # its attention runs causal, whatever mask it is handed
+            raise ValueError("layer_spec te: rows must be padded on the right only (causal attention); "
+                             "allowed: layer_spec sdpa for rows padded on the left")
         causal = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
         masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(length, dtype=torch.bool, device=device)
         masked = masked[:, None]
@@ -390,7 +436,7 @@ def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping,
     stage's layers) from HF-named tensors; every weight must be given."""
     from megatron.core import parallel_state as ps
 
-    from loongsage.megatron.convert import Shape, hf_to_mcore
+    from loongsage.megatron.convert import Shape, fused_norm_names, hf_to_mcore
 
     own = model.state_dict()
     state = hf_to_mcore(hf, Shape.of(config), ps.get_tensor_model_parallel_rank(), layout.tp,
@@ -398,6 +444,7 @@ def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping,
                         expert_rank=ps.get_expert_tensor_parallel_rank(), expert_tp=layout.expert_tp,
                         layers=stage_layers(int(config["num_hidden_layers"])), first=model.pre_process,
                         last=model.post_process)
+    state = fused_norm_names(state, own)
     missing = sorted(k for k in own if k not in state and not k.endswith("_extra_state"))
     unknown = sorted(k for k in state if k not in own)
     if missing or unknown:
@@ -407,7 +454,7 @@ def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping,
         if tuple(own[key].shape) != tuple(tensor.shape):
             raise ValueError(f"megatron trainer: {key} is {tuple(tensor.shape)} in the checkpoint, "
                              f"{tuple(own[key].shape)} in the model")
-    # Megatron's per-layer extra state (None without Transformer Engine) stays the model's own
+    # the per-module extra state (Transformer Engine's FP8 metadata; None without it) stays the model's own
     model.load_state_dict({**own, **{k: t.to(own[k].dtype) for k, t in state.items()}}, strict=True)
 
 

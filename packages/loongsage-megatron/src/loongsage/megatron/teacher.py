@@ -16,7 +16,7 @@ from torch import Tensor
 
 from loongsage.core.embedded.teacher import EmbeddedTeacher
 from loongsage.core.hookspecs import Factories, hookimpl
-from loongsage.megatron.model import check_attention, gpt_logits
+from loongsage.megatron.model import check_layer_spec, gpt_logits
 from loongsage.megatron.trainer import load_gpt, read_config
 
 
@@ -24,12 +24,12 @@ from loongsage.megatron.trainer import load_gpt, read_config
 class MegatronTeacher(EmbeddedTeacher):
     """``megatron`` (kind ``teacher``): one whole Megatron-Core model per teacher worker."""
 
-    attention: str = "sdpa"
+    layer_spec: str = "auto"  # as the trainer's (:class:`~loongsage.megatron.trainer.MegatronTrainer`)
 
     def _load_model(self) -> tuple[torch.nn.Module, int]:
-        check_attention(self.attention)
+        check_layer_spec(self.layer_spec)
         config = read_config(self.model_path)
-        model = load_gpt(self.model_path, config, dtype=self.dtype, device=self.device, attention=self.attention,
+        model = load_gpt(self.model_path, config, dtype=self.dtype, device=self.device, spec=self.layer_spec,
                          fp32_lm_head=self.fp32_lm_head)
         return model.to(self.device), int(config["vocab_size"])
 

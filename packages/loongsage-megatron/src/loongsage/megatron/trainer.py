@@ -1,7 +1,7 @@
 """``megatron``: the trainer backend on a Megatron-Core GPT model (the trainer contract).
 
-The model is built from the HF checkpoint (:mod:`.model`: the TE-free layer with torch's fused
-attention) and its weights converted in (:mod:`.convert`). Everything around the model is the torch
+The model is built from the HF checkpoint (:mod:`.model`: Transformer Engine's layer where it
+imports on a GPU, else the TE-free layer with torch's fused attention) and its weights converted in (:mod:`.convert`). Everything around the model is the torch
 trainer's: micro-batches by token budget, segments scored alone, the loss functions, AdamW with
 warm-up and clipping, replicated data parallelism (gradients summed over gloo or NCCL), checkpoints
 of HF-named tensors (so a checkpoint moves between the two backends), exports to the engines and to
@@ -39,11 +39,12 @@ from loongsage.core.embedded.state import sum_in_place
 from loongsage.core.embedded.trainer import _DTYPES, TorchTrainer
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import TrainBatch
-from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards, numbered_from
+from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards, numbered_from, unfused_norm_names
 from loongsage.megatron.layout import Layout
 from loongsage.megatron import context
-from loongsage.megatron.model import (architecture, build_gpt, check_attention, clear_routes, gpt_hidden,
-                                      gpt_local_logits, gpt_logits, load_hf_weights, rope_base, stage_layers)
+from loongsage.megatron.model import (architecture, build_gpt, check_layer_spec, clear_routes, gpt_hidden,
+                                      gpt_local_logits, gpt_logits, load_hf_weights, resolve_layer_spec, rope_base,
+                                      stage_layers)
 from loongsage.megatron.pipeline import Stage, forward_only, one_forward_one_backward, to_first_stage
 from loongsage.megatron.parallel import (clip_grad_norm, gathered_state, parameter_kinds, sum_replicated_grads,
                                         vocab_parallel_distribution, vocab_parallel_logprobs,
@@ -64,7 +65,7 @@ class MegatronTrainer(TorchTrainer):
     kind = "trainer"
 
     dp_mode: Literal["replicate"] = "replicate"
-    attention: str = "sdpa"  # torch's fused kernels; "local": Megatron's unfused attention
+    layer_spec: str = "auto"  # "te" (Transformer Engine) where it imports on a GPU, else "sdpa"; or "local"
     routing_replay: bool = True  # R3 on an MoE model: replay the engine's routed experts when rows carry them
     tensor_parallel: int = 1  # ranks one replica is split over (trainer.world_size: a multiple of it)
     expert_parallel: int = 1  # ranks an MoE layer's experts are split over (each trains on rows of its own)
@@ -74,7 +75,7 @@ class MegatronTrainer(TorchTrainer):
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        check_attention(self.attention)  # before Megatron's process groups start
+        check_layer_spec(self.layer_spec)  # before Megatron's process groups start
         self.layout = Layout.of({name: getattr(self, name) for name in (
             "tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel", "context_parallel")})
         self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
@@ -90,7 +91,7 @@ class MegatronTrainer(TorchTrainer):
         """The architecture and the parameters, checked in the driver before any actor starts."""
         if params.get("lora") is not None:
             raise ValueError("lora: MegatronTrainer does not support LoRA; leave lora unset")
-        check_attention(params.get("attention", "sdpa"))
+        check_layer_spec(params.get("layer_spec", "auto"))
         config = read_config(model_path)
         architecture(config)
         rope_base(config)
@@ -99,7 +100,7 @@ class MegatronTrainer(TorchTrainer):
     def _load_model(self) -> torch.nn.Module:
         self.config = read_config(self.model_path)
         self.shape = Shape.of(self.config)
-        return load_gpt(self.model_path, self.config, dtype=self.dtype, device=self.device, attention=self.attention,
+        return load_gpt(self.model_path, self.config, dtype=self.dtype, device=self.device, spec=self.layer_spec,
                         fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing, layout=self.layout)
 
     # ------------------------------------------------------------------ model parallelism
@@ -422,7 +423,8 @@ class MegatronTrainer(TorchTrainer):
         on the first expert-parallel rank, the tensor-parallel shards on the stage's first rank,
         and the pipeline stages' tensors on the first stage (collectives of their groups; the
         other ranks yield nothing)."""
-        own = {k: v for k, v in self.model.state_dict(keep_vars=True).items() if isinstance(v, Tensor)}
+        own = unfused_norm_names({k: v for k, v in self.model.state_dict(keep_vars=True).items()
+                                  if isinstance(v, Tensor) and not k.endswith("_extra_state")})
         if self.shape.tied and not self.model.pre_process:
             own.pop("output_layer.weight", None)  # the last stage's copy of the embedding
         shards = self._gathered(own)
@@ -524,16 +526,17 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
     return routes
 
 
-def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, attention: str = "sdpa",
+def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, spec: str = "auto",
              fp32_lm_head: bool = True, recompute: bool = False, layout: Layout = Layout()) -> torch.nn.Module:
-    """This rank's shard of a Megatron GPT model with the HF checkpoint's weights (Megatron's
-    process groups started first, as ``layout`` says), the output layer giving float32 logits
-    where asked."""
+    """This rank's shard of a Megatron GPT model of layer spec ``spec`` (:func:`resolve_layer_spec`)
+    with the HF checkpoint's weights (Megatron's process groups started first, as ``layout``
+    says), the output layer giving float32 logits where asked."""
     from safetensors.torch import load_file
 
     layout.start(device)
     shape = Shape.of(config)
-    model = build_gpt(config, dtype=_DTYPES[dtype], attention=attention, recompute=recompute, layout=layout,
+    spec = resolve_layer_spec(spec, device, layout)
+    model = build_gpt(config, dtype=_DTYPES[dtype], spec=spec, recompute=recompute, layout=layout,
                       padded_vocab=shape.padded_vocab(layout.tp))
     hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
     load_hf_weights(model, hf, config, layout)
