@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from loongsage.megatron import context
+from loongsage.megatron import context, packing
 from loongsage.megatron.convert import num_experts
 from loongsage.megatron.layout import Layout
 
@@ -152,6 +152,14 @@ def resolve_layer_spec(spec: str, device: str, layout: Layout = Layout()) -> str
     return spec
 
 
+def check_packing(packed: bool, spec: str, cp: int) -> None:
+    """One line naming what packed rows do not run with: Megatron's unfused attention (no packed
+    path) and context parallelism (its chunks are of whole padded rows)."""
+    if packed and (spec == "local" or cp > 1):
+        raise ValueError(f"megatron trainer: pack_sequences with layer_spec={spec} and context_parallel={cp}; "
+                         "allowed: layer_spec auto, te or sdpa with context_parallel 1")
+
+
 def layer_spec(config: Mapping, spec: str = "sdpa") -> Any:
     """The GPT layer: Transformer Engine's (``te``), or the local (TE-free) one with torch's fused
     attention as its core attention (``sdpa``) or the local spec's own unfused one (``local``, for
@@ -190,10 +198,12 @@ def _megatron_without_te() -> None:
 
 
 def build_gpt(config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(), padded_vocab: int | None = None,
-              spec: str = "sdpa", recompute: bool = False) -> Any:
+              spec: str = "sdpa", recompute: bool = False, packed: bool = False) -> Any:
     """A ``GPTModel`` (this rank's shard: under pipeline parallelism its stage's layers, the
     embedding on the first stage, the final norm and output layer on the last) shaped as
-    ``config``, its layers of ``spec`` (resolved: not ``auto``); its weights are to be loaded."""
+    ``config``, its layers of ``spec`` (resolved: not ``auto``), running its rows ``packed``
+    (:mod:`.packing`) or padded; its weights are to be loaded."""
+    check_packing(packed, spec, layout.cp)
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -212,7 +222,7 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(),
         parallel_output=True,
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_base=rope_base(config))
-    model.transformer_engine = spec == "te"
+    model.transformer_engine, model.packed_sequences = spec == "te", packed
     mark_tensor_parallel(model)
     if model.post_process:  # the head's input is gathered whole first (gpt_logits): the layer must not gather it again
         model.output_layer.sequence_parallel = False
@@ -306,6 +316,14 @@ def replayed_routes(model: Any, routes: torch.Tensor | None, *, for_backward: bo
 def gpt_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
                routes: torch.Tensor | None = None, replay_in_backward: bool = False,
                input_tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder's output for a micro-batch: :func:`decoder_output`'s hidden states."""
+    return decoder_output(model, input_ids, attention_mask, routes=routes, replay_in_backward=replay_in_backward,
+                          input_tensor=input_tensor)[0]
+
+
+def decoder_output(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                   routes: torch.Tensor | None = None, replay_in_backward: bool = False,
+                   input_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, packing.Packed | None]:
     """The decoder's output ``[s, b, hidden]`` for a micro-batch (padded as :func:`_common_shape`
     says; under sequence parallelism this rank's share of ``s``): after the final norm on the
     last pipeline stage, the stage's last layer's output on another, ``input_tensor`` being the
@@ -316,7 +334,13 @@ def gpt_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     causal one: a real token never attends to a later pad, and the attention runs as plain causal
     (the flash kernel on a GPU). Otherwise a padded key is masked, and every position attends at
     least to itself (a padding row's output is never used, but a row attending to nothing would
-    be NaN)."""
+    be NaN).
+
+    With ``pack_sequences`` the rows run packed (:mod:`.packing`): the output is
+    ``[packed length, 1, hidden]``, returned with the packing that :func:`packing.unpack` reverses
+    (None otherwise)."""
+    if getattr(model, "packed_sequences", False):
+        return _packed_decoder_output(model, input_ids, attention_mask, routes, replay_in_backward, input_tensor)
     input_ids, attention_mask, routes = _common_shape(model, input_ids, attention_mask, routes)
     device, length = input_ids.device, input_ids.shape[1]
     positions = torch.arange(length, device=device).expand(*input_ids.shape)
@@ -337,12 +361,31 @@ def gpt_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
         causal = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
         masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(length, dtype=torch.bool, device=device)
         masked = masked[:, None]
+    return _decoder(model, input_ids, positions, masked, routes, replay_in_backward, input_tensor), None
+
+
+def _packed_decoder_output(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                           routes: torch.Tensor | None, replay_in_backward: bool,
+                           input_tensor: torch.Tensor | None) -> tuple[torch.Tensor, packing.Packed]:
+    from megatron.core import parallel_state
+
+    cfg = model.config
+    group = parallel_state.get_expert_tensor_and_model_parallel_group() if cfg.expert_model_parallel_size > 1 else None
+    packed = packing.pack(input_ids, attention_mask, routes, multiple=cfg.tensor_model_parallel_size, ep_group=group)
+    hidden = _decoder(model, packed.input_ids, packed.positions, None, packed.routes, replay_in_backward, input_tensor,
+                      packed_seq_params=packed.params)
+    return hidden, packed
+
+
+def _decoder(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor | None,
+             routes: torch.Tensor | None, replay_in_backward: bool, input_tensor: torch.Tensor | None,
+             **extra: Any) -> torch.Tensor:
     if not model.pre_process:
         model.set_input_tensor(input_tensor)
     post_process, model.post_process = model.post_process, False  # GPTModel.forward returns the decoder's output
     try:
         with replayed_routes(model, routes, for_backward=replay_in_backward):
-            return model(input_ids, positions, masked)
+            return model(input_ids, positions, masked, **extra)
     finally:
         model.post_process = post_process
 
@@ -360,12 +403,14 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied again in the backward).
     """
     b, t = input_ids.shape
-    hidden = gpt_hidden(model, input_ids, attention_mask, routes=routes, replay_in_backward=replay_in_backward,
-                        input_tensor=input_tensor)
+    hidden, packed = decoder_output(model, input_ids, attention_mask, routes=routes,
+                                    replay_in_backward=replay_in_backward, input_tensor=input_tensor)
     if model.config.sequence_parallel:  # each rank's tokens: the whole sequence (its gradient split back)
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    if packed is not None:
+        hidden = packing.unpack(hidden, packed)
     hidden = hidden[first - 1:t, :b].transpose(0, 1)
     tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden, weight=tied)
@@ -497,7 +542,8 @@ def _make_sdpa_attention() -> type:
 
     class SDPAAttention(MegatronModule):
         """Causal attention by torch's fused kernels; Megatron's ``[s, b, heads, dim]`` in and
-        ``[s, b, heads * dim]`` out. A boolean ``attention_mask`` is True where masked."""
+        ``[s, b, heads * dim]`` out (packed rows: ``[tokens, heads, dim]`` in, ``[tokens, heads * dim]``
+        out). A boolean ``attention_mask`` is True where masked."""
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
                      softmax_scale=None, cp_comm_type=None, pg_collection=None, **_):
@@ -509,10 +555,13 @@ def _make_sdpa_attention() -> type:
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None, **_):
+            gqa = self.heads != self.groups
+            if packed_seq_params is not None:  # [tokens, heads, dim]: the rows back to back
+                return packing.attention(query, key, value, packed_seq_params.cu_seqlens_q, scale=self.softmax_scale,
+                                         gqa=gqa)
             # [b, heads, s, dim] views of batch-first storage, the layout the HF model hands to the
             # same kernels (a copy of q, k, v: 0.2% of a layer's bytes; bench/train_mfu measured this)
             q, k, v = (t.transpose(0, 1).contiguous().transpose(1, 2) for t in (query, key, value))
-            gqa = self.heads != self.groups
             if self.config.context_parallel_size > 1:  # this rank's chunks of every sequence
                 if attention_mask is not None:
                     raise ValueError("context_parallel: rows must be padded on the right only (causal attention)")

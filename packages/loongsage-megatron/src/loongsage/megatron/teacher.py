@@ -25,12 +25,13 @@ class MegatronTeacher(EmbeddedTeacher):
     """``megatron`` (kind ``teacher``): one whole Megatron-Core model per teacher worker."""
 
     layer_spec: str = "auto"  # as the trainer's (:class:`~loongsage.megatron.trainer.MegatronTrainer`)
+    pack_sequences: bool = False
 
     def _load_model(self) -> tuple[torch.nn.Module, int]:
         check_layer_spec(self.layer_spec)
         config = read_config(self.model_path)
         model = load_gpt(self.model_path, config, dtype=self.dtype, device=self.device, spec=self.layer_spec,
-                         fp32_lm_head=self.fp32_lm_head)
+                         fp32_lm_head=self.fp32_lm_head, packed=self.pack_sequences)
         return model.to(self.device), int(config["vocab_size"])
 
     def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int) -> Tensor:

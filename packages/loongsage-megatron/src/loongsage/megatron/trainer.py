@@ -42,7 +42,7 @@ from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards, numbered_from, unfused_norm_names
 from loongsage.megatron.layout import Layout
 from loongsage.megatron import context
-from loongsage.megatron.model import (architecture, build_gpt, check_layer_spec, clear_routes, gpt_hidden,
+from loongsage.megatron.model import (architecture, build_gpt, check_layer_spec, check_packing, clear_routes, gpt_hidden,
                                       gpt_local_logits, gpt_logits, load_hf_weights, resolve_layer_spec, rope_base,
                                       stage_layers)
 from loongsage.megatron.pipeline import Stage, forward_only, one_forward_one_backward, to_first_stage
@@ -72,6 +72,7 @@ class MegatronTrainer(TorchTrainer):
     pipeline_parallel: int = 1  # consecutive stages of layers one replica is split into
     expert_tensor_parallel: int | None = None  # ranks one expert is split over (None: tensor_parallel; or 1)
     context_parallel: int = 1  # ranks each holding a share of every sequence's tokens
+    pack_sequences: bool = False  # a micro-batch's rows run as one sequence of their real tokens (.packing)
     supports_lora: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
@@ -92,6 +93,8 @@ class MegatronTrainer(TorchTrainer):
         if params.get("lora") is not None:
             raise ValueError("lora: MegatronTrainer does not support LoRA; leave lora unset")
         check_layer_spec(params.get("layer_spec", "auto"))
+        check_packing(bool(params.get("pack_sequences")), params.get("layer_spec", "auto"),
+                      params.get("context_parallel", 1))
         config = read_config(model_path)
         architecture(config)
         rope_base(config)
@@ -101,7 +104,8 @@ class MegatronTrainer(TorchTrainer):
         self.config = read_config(self.model_path)
         self.shape = Shape.of(self.config)
         return load_gpt(self.model_path, self.config, dtype=self.dtype, device=self.device, spec=self.layer_spec,
-                        fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing, layout=self.layout)
+                        fp32_lm_head=self.fp32_lm_head, recompute=self.gradient_checkpointing, layout=self.layout,
+                        packed=self.pack_sequences)
 
     # ------------------------------------------------------------------ model parallelism
     @property
@@ -527,7 +531,8 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
 
 
 def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, spec: str = "auto",
-             fp32_lm_head: bool = True, recompute: bool = False, layout: Layout = Layout()) -> torch.nn.Module:
+             fp32_lm_head: bool = True, recompute: bool = False, layout: Layout = Layout(),
+             packed: bool = False) -> torch.nn.Module:
     """This rank's shard of a Megatron GPT model of layer spec ``spec`` (:func:`resolve_layer_spec`)
     with the HF checkpoint's weights (Megatron's process groups started first, as ``layout``
     says), the output layer giving float32 logits where asked."""
@@ -536,7 +541,7 @@ def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str
     layout.start(device)
     shape = Shape.of(config)
     spec = resolve_layer_spec(spec, device, layout)
-    model = build_gpt(config, dtype=_DTYPES[dtype], spec=spec, recompute=recompute, layout=layout,
+    model = build_gpt(config, dtype=_DTYPES[dtype], spec=spec, recompute=recompute, layout=layout, packed=packed,
                       padded_vocab=shape.padded_vocab(layout.tp))
     hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
     load_hf_weights(model, hf, config, layout)
