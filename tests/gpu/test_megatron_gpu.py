@@ -4,6 +4,8 @@
   float32 near-exact, bfloat16 (FP32 head on both sides) within the rounding of a different GEMM
   layout (Megatron merges q/k/v and gate/up).
 * A training step and a checkpoint that resumes exactly, on the card.
+* Each of those on the TE-free ``sdpa`` spec and on Transformer Engine's layer (``te``) where it
+  imports; packed rows against padded ones on both.
 * The launcher: ``gpu/grpo_arith4_h200`` with the backend switched (weights converted and pushed to
   the engine every step, a checkpoint, a resumed run), and the Qwen3-1.7B-shaped random recipe.
 
