@@ -17,18 +17,9 @@ BUDGET = 64  # tokens per micro-batch: two micro-batches
 
 def batch():
     """Rows of 19, 16 and 13 tokens, padded on the right (as rollouts are)."""
-    from loongsage.core.types import TrainBatch
+    from _trainer_worker import right_padded_batch
 
-    ids = torch.randint(2, 100, (3, 19), generator=torch.Generator().manual_seed(0))
-    attention = torch.ones_like(ids)
-    attention[1, 16:] = 0
-    attention[2, 13:] = 0
-    response = torch.zeros(ids.shape)
-    response[:, 7:] = 1
-    response *= attention
-    return TrainBatch(input_ids=ids, attention_mask=attention, response_mask=response,
-                      rollout_logprobs=torch.zeros(ids.shape), advantages=torch.linspace(-1, 1, 57).view(3, 19),
-                      rewards=torch.zeros(3), group_ids=torch.arange(3))
+    return right_padded_batch((19, 16, 13), first_trained=7, seed=0)
 
 
 def run(rank: int, cp: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> None:

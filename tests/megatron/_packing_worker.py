@@ -15,18 +15,10 @@ BUDGET = 48  # tokens per micro-batch: two micro-batches of two rows
 
 
 def batch():
-    from loongsage.core.types import TrainBatch
+    """Rows of 20, 13, 7 and 17 tokens, padded on the right."""
+    from _trainer_worker import right_padded_batch
 
-    ids = torch.randint(2, 100, (4, 20), generator=torch.Generator().manual_seed(1))
-    attention = torch.ones_like(ids)
-    for row, length in enumerate((20, 13, 7, 17)):
-        attention[row, length:] = 0
-    response = torch.zeros(ids.shape)
-    response[:, 5:] = 1
-    response *= attention
-    return TrainBatch(input_ids=ids, attention_mask=attention, response_mask=response,
-                      rollout_logprobs=torch.zeros(ids.shape), advantages=torch.linspace(-1, 1, 80).view(4, 20),
-                      rewards=torch.zeros(4), group_ids=torch.arange(4))
+    return right_padded_batch((20, 13, 7, 17), first_trained=5, seed=1)
 
 
 def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> None:
@@ -35,7 +27,6 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=tp * pp)
-    sys.path.insert(0, str(Path(__file__).parent))
     from _trainer_worker import loss_fn
 
     from loongsage.megatron.trainer import MegatronTrainer
@@ -64,6 +55,8 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
     dist.barrier()
     dist.destroy_process_group()
 
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 if __name__ == "__main__":
     from loongsage.megatron.cpu import apply_cpu_shims

@@ -29,6 +29,23 @@ def batch() -> TrainBatch:
                       rewards=torch.zeros(3), group_ids=torch.arange(3))
 
 
+def right_padded_batch(lengths: tuple[int, ...], *, first_trained: int, seed: int) -> TrainBatch:
+    """Rows of ``lengths`` random tokens padded on the right (as rollouts are), trained from
+    position ``first_trained``, with advantages spread over [-1, 1]."""
+    rows, width = len(lengths), max(lengths)
+    ids = torch.randint(2, 100, (rows, width), generator=torch.Generator().manual_seed(seed))
+    attention = torch.ones_like(ids)
+    for row, length in enumerate(lengths):
+        attention[row, length:] = 0
+    response = torch.zeros(ids.shape)
+    response[:, first_trained:] = 1
+    response *= attention
+    return TrainBatch(input_ids=ids, attention_mask=attention, response_mask=response,
+                      rollout_logprobs=torch.zeros(ids.shape),
+                      advantages=torch.linspace(-1, 1, rows * width).view(rows, width),
+                      rewards=torch.zeros(rows), group_ids=torch.arange(rows))
+
+
 def loss_fn(lp: torch.Tensor, mb: TrainBatch) -> tuple[torch.Tensor, Metrics]:
     return -(lp * mb.advantages * mb.response_mask).sum() / 100, Metrics()
 
