@@ -16,7 +16,7 @@ from loongsage.core.types import TrainBatch
 from loongsage.megatron.trainer import MegatronTrainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _trainer_worker import loss_fn, side_by_side  # noqa: E402  (the same rows, padded on either side)
+from _trainer_worker import loss_fn, right_padded_batch, side_by_side  # noqa: E402  (the same rows, padded on either side)
 
 EXPERTS, TOPK, LAYERS = 8, 2, 2
 
@@ -80,6 +80,20 @@ def segments_replayed(trainer: MegatronTrainer, b: TrainBatch) -> dict:
     return out
 
 
+def packed_replay(model_dir: str, hf_model: torch.nn.Module) -> dict:
+    """Packed rows replay their own routes: routes other than HF's (so replay changes the result)
+    give the padded rows' log-probs and first gradient."""
+    rows = right_padded_batch((20, 13, 7), first_trained=5, seed=2)
+    rows = dataclasses.replace(rows, routed_experts=[(r + 1) % EXPERTS for r in hf_routes(hf_model, rows)])
+    mask, out = rows.response_mask.bool(), {}
+    for packed in (False, True):
+        trainer = MegatronTrainer(model_dir, pack_sequences=packed)
+        trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
+        out[packed] = trainer.logprobs(rows, 4096)[0], trainer.train_step(rows, loss_fn, 4096).gauges["train/grad_norm"]
+    return {"packed_replay_diff": (out[False][0] - out[True][0])[mask].abs().max().item(),
+            "packed_replay_grad_rel_diff": abs(out[False][1] - out[True][1]) / out[False][1]}
+
+
 def main(work: str) -> None:
     model_dir = build(Path(work) / "moe")
     b, mask, ref, ours, lp, out = side_by_side(model_dir)
@@ -97,6 +111,7 @@ def main(work: str) -> None:
     except ValueError as exc:
         out["bad_routes_error"] = str(exc)
     out.update(segments_replayed(ours, b))
+    out.update(packed_replay(model_dir, ref.model))
     for trainer in (ref, ours):
         trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     g_ref, g = (t.train_step(b, loss_fn, 4096).gauges["train/grad_norm"] for t in (ref, ours))

@@ -31,6 +31,7 @@ def test_qwen3_moe_trains_on_megatron_as_on_torch_and_replays_routes(tmp_path):
     assert r["replay_other_routes_diff"] > 1e-3, r
     assert r["replayed_step_grad_norm"] > 0, r
     assert r["recompute_grad_norm_rel_diff"] < 1e-6 and r["recompute_logprob_diff"] < 1e-6, r
+    assert r["packed_replay_diff"] < 1e-5 and r["packed_replay_grad_rel_diff"] < 1e-5, r  # packed rows, R3
     assert r["bad_routes_error"].startswith("routed_experts: [3, 20, 1, 2] per micro-batch; expected"), r
     # a row of two segments replays each segment's own record, as the segments given as rows would
     assert r["segments_replay_diff"] < 1e-6 and r["segments_replay_changes"] > 1e-3, r

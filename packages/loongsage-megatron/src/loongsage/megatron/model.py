@@ -145,8 +145,8 @@ def resolve_layer_spec(spec: str, device: str, layout: Layout = Layout()) -> str
     if spec == "auto":
         return "te" if on_gpu and layout.cp == 1 and transformer_engine_error() is None else "sdpa"
     if spec == "te":
-        why = ("it runs on GPUs only" if not on_gpu else
-               "context_parallel is built on the sdpa spec's attention" if layout.cp > 1 else transformer_engine_error())
+        why = ("it runs on GPUs only" if not on_gpu else "context_parallel is built on the sdpa spec's attention"
+               if layout.cp > 1 else transformer_engine_error())
         if why:
             raise ValueError(f"megatron trainer: layer_spec=te on {device}: {why}; allowed: auto, sdpa, local")
     return spec
@@ -415,6 +415,28 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden, weight=tied)
     return logits[..., :vocab].float()
+
+
+def gpt_packed_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *,
+                      routes: torch.Tensor | None = None, replay_in_backward: bool = False,
+                      input_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """With ``pack_sequences``: float32 logits ``[1, n, vocab rows]`` of the tokens a log-prob is
+    read from (real tokens at positions ``first-1..T-2`` whose next token is real too), the head
+    running on those only; and where they are, ``[b, T - 1]`` (True at each one's position; the
+    log-prob it gives belongs to the next position)."""
+    hidden, packed = decoder_output(model, input_ids, attention_mask, routes=routes,
+                                    replay_in_backward=replay_in_backward, input_tensor=input_tensor)
+    if model.config.sequence_parallel:
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    real = packed.real
+    place = real.flatten().cumsum(0).view_as(real) - 1  # each real token's place in the packed sequence
+    scored = real[:, :-1] & real[:, 1:]
+    scored[:, :first - 1] = False
+    tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden[place[:, :-1][scored], 0][None], weight=tied)
+    return logits.float(), scored
 
 
 def gpt_local_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,

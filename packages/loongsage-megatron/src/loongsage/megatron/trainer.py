@@ -43,8 +43,8 @@ from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards, 
 from loongsage.megatron.layout import Layout
 from loongsage.megatron import context
 from loongsage.megatron.model import (architecture, build_gpt, check_layer_spec, check_packing, clear_routes, gpt_hidden,
-                                      gpt_local_logits, gpt_logits, load_hf_weights, resolve_layer_spec, rope_base,
-                                      stage_layers)
+                                      gpt_local_logits, gpt_logits, gpt_packed_logits, load_hf_weights,
+                                      resolve_layer_spec, rope_base, stage_layers)
 from loongsage.megatron.pipeline import Stage, forward_only, one_forward_one_backward, to_first_stage
 from loongsage.megatron.parallel import (clip_grad_norm, gathered_state, parameter_kinds, sum_replicated_grads,
                                         vocab_parallel_distribution, vocab_parallel_logprobs,
@@ -142,6 +142,8 @@ class MegatronTrainer(TorchTrainer):
     def _forward_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         if self.context_parallel > 1:
             return self._context_parallel_sequences(mb, with_entropy=with_entropy)
+        if self.pack_sequences:
+            return self._packed_sequences(mb, with_entropy=with_entropy)
         if self.tensor_parallel == 1:
             return super()._forward_sequences(mb, with_entropy=with_entropy)
         ids = mb.input_ids.to(self.device)
@@ -149,6 +151,25 @@ class MegatronTrainer(TorchTrainer):
         logits = self._logits(ids, mb.attention_mask.to(self.device), first)  # this rank's vocabulary rows
         return vocab_parallel_logprobs(logits, ids, first, vocab_start=self._tp_rank * logits.shape[-1],
                                        vocab=self.shape.vocab, with_entropy=with_entropy)
+
+    def _packed_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        """Packed rows: the head and the log-softmax run on the tokens a log-prob is read from
+        only (not on padding, nor before the first trained position); the per-token results go
+        back to the rows' positions (zeros elsewhere)."""
+        ids = mb.input_ids.to(self.device)
+        b, t = ids.shape
+        first = max(response_start(mb.response_mask), 1)
+        logits, scored = gpt_packed_logits(self.model, ids, mb.attention_mask.to(self.device), first,
+                                           input_tensor=self._stage_input, **self._replay(self.device))
+        lp, ent = vocab_parallel_token_logprobs(logits, ids[:, 1:][scored][None],
+                                                vocab_start=self._tp_rank * logits.shape[-1], vocab=self.shape.vocab,
+                                                with_entropy=with_entropy)
+        where = scored.nonzero(as_tuple=True)
+
+        def in_rows(values: Tensor) -> Tensor:  # the value read at position p belongs to p + 1
+            return F.pad(values.new_zeros(b, t - 1).index_put(where, values[0]), (1, 0))
+
+        return in_rows(lp), None if ent is None else in_rows(ent)
 
     def _context_parallel_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Each context-parallel rank scores the tokens it holds (its head, its vocabulary rows
