@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
         if packed and tp * pp == 1:  # rows padded on the left are refused in one line
             left = b.attention_mask.flip(1)
             try:
-                trainer.logprobs(type(b)(**{**b.__dict__, "attention_mask": left}), BUDGET)
+                trainer.logprobs(replace(b, attention_mask=left), BUDGET)
             except ValueError as exc:
                 side["left_refused"] = str(exc)
         out["packed" if packed else "padded"] = side

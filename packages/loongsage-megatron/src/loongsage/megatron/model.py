@@ -145,8 +145,12 @@ def resolve_layer_spec(spec: str, device: str, layout: Layout = Layout()) -> str
     if spec == "auto":
         return "te" if on_gpu and layout.cp == 1 and transformer_engine_error() is None else "sdpa"
     if spec == "te":
-        why = ("it runs on GPUs only" if not on_gpu else "context_parallel is built on the sdpa spec's attention"
-               if layout.cp > 1 else transformer_engine_error())
+        if not on_gpu:
+            why = "it runs on GPUs only"
+        elif layout.cp > 1:
+            why = "context_parallel is built on the sdpa spec's attention"
+        else:
+            why = transformer_engine_error()
         if why:
             raise ValueError(f"megatron trainer: layer_spec=te on {device}: {why}; allowed: auto, sdpa, local")
     return spec
@@ -403,18 +407,11 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied again in the backward).
     """
     b, t = input_ids.shape
-    hidden, packed = decoder_output(model, input_ids, attention_mask, routes=routes,
-                                    replay_in_backward=replay_in_backward, input_tensor=input_tensor)
-    if model.config.sequence_parallel:  # each rank's tokens: the whole sequence (its gradient split back)
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    hidden, packed = _whole_sequence(model, input_ids, attention_mask, routes=routes,
+                                     replay_in_backward=replay_in_backward, input_tensor=input_tensor)
     if packed is not None:
         hidden = packing.unpack(hidden, packed)
-    hidden = hidden[first - 1:t, :b].transpose(0, 1)
-    tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    logits, _ = model.output_layer(hidden, weight=tied)
-    return logits[..., :vocab].float()
+    return _head(model, hidden[first - 1:t, :b].transpose(0, 1))[..., :vocab]
 
 
 def gpt_packed_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *,
@@ -424,19 +421,13 @@ def gpt_packed_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch
     read from (real tokens at positions ``first-1..T-2`` whose next token is real too), the head
     running on those only; and where they are, ``[b, T - 1]`` (True at each one's position; the
     log-prob it gives belongs to the next position)."""
-    hidden, packed = decoder_output(model, input_ids, attention_mask, routes=routes,
-                                    replay_in_backward=replay_in_backward, input_tensor=input_tensor)
-    if model.config.sequence_parallel:
-        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    hidden, packed = _whole_sequence(model, input_ids, attention_mask, routes=routes,
+                                     replay_in_backward=replay_in_backward, input_tensor=input_tensor)
     real = packed.real
     place = real.flatten().cumsum(0).view_as(real) - 1  # each real token's place in the packed sequence
     scored = real[:, :-1] & real[:, 1:]
     scored[:, :first - 1] = False
-    tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    logits, _ = model.output_layer(hidden[place[:, :-1][scored], 0][None], weight=tied)
-    return logits.float(), scored
+    return _head(model, hidden[place[:, :-1][scored], 0][None]), scored
 
 
 def gpt_local_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
@@ -444,16 +435,29 @@ def gpt_local_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     """Under context parallelism: float32 logits ``[b, tokens here, vocab rows]`` of the tokens this
     rank holds, and their positions in the (padded) sequence (:mod:`loongsage.megatron.context`)."""
     b = input_ids.shape[0]
-    hidden = gpt_hidden(model, input_ids, attention_mask, input_tensor=input_tensor)
+    hidden, _ = _whole_sequence(model, input_ids, attention_mask, input_tensor=input_tensor)
+    length = hidden.shape[0] * model.config.context_parallel_size
+    positions = context.local_positions(length, *context.size_and_rank())
+    return _head(model, hidden[:, :b].transpose(0, 1)), positions
+
+
+def _whole_sequence(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    **forward: Any) -> tuple[torch.Tensor, packing.Packed | None]:
+    """:func:`decoder_output`, each rank's share of the tokens gathered whole under sequence
+    parallelism (the gradient split back)."""
+    hidden, packed = decoder_output(model, input_ids, attention_mask, **forward)
     if model.config.sequence_parallel:
         from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
         hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-    length = hidden.shape[0] * model.config.context_parallel_size
-    positions = context.local_positions(length, *context.size_and_rank())
+    return hidden, packed
+
+
+def _head(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of the output layer (a tied model's embedding as its weight) over ``hidden``."""
     tied = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    logits, _ = model.output_layer(hidden[:, :b].transpose(0, 1), weight=tied)
-    return logits.float(), positions
+    logits, _ = model.output_layer(hidden, weight=tied)
+    return logits.float()
 
 
 def _common_shape(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,

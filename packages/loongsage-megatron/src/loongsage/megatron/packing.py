@@ -6,8 +6,10 @@ Each row's positions start at 0, as the HF model numbers a right-padded row. The
 made a multiple of the tensor-parallel size (sequence parallelism splits it evenly) and, under
 expert parallelism, the same on every rank of the experts' group (the all-gather dispatcher
 exchanges equal token counts), by one more sequence of padding tokens (routed to experts
-``0..k-1`` under R3), whose outputs are never read. After the decoder the hidden states go back to
-the rows' padded layout (:func:`unpack`) for the output layer and the losses.
+``0..k-1`` under R3), whose outputs are never read. After the decoder the log-probs' head runs
+on the packed tokens it reads (:func:`~loongsage.megatron.model.gpt_packed_logits`); a divergence
+over the whole distribution and a teacher's scoring put the hidden states back in the rows'
+padded layout first (:func:`unpack`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from loongsage.core.embedded.teacher import EmbeddedTeacher
 from loongsage.core.hookspecs import Factories, hookimpl
-from loongsage.megatron.model import check_layer_spec, gpt_logits
+from loongsage.megatron.model import gpt_logits
 from loongsage.megatron.trainer import load_gpt, read_config
 
 
@@ -28,7 +28,6 @@ class MegatronTeacher(EmbeddedTeacher):
     pack_sequences: bool = False
 
     def _load_model(self) -> tuple[torch.nn.Module, int]:
-        check_layer_spec(self.layer_spec)
         config = read_config(self.model_path)
         model = load_gpt(self.model_path, config, dtype=self.dtype, device=self.device, spec=self.layer_spec,
                          fp32_lm_head=self.fp32_lm_head, packed=self.pack_sequences)

@@ -1,12 +1,13 @@
 """``megatron``: the trainer backend on a Megatron-Core GPT model (the trainer contract).
 
 The model is built from the HF checkpoint (:mod:`.model`: Transformer Engine's layer where it
-imports on a GPU, else the TE-free layer with torch's fused attention) and its weights converted in (:mod:`.convert`). Everything around the model is the torch
-trainer's: micro-batches by token budget, segments scored alone, the loss functions, AdamW with
-warm-up and clipping, replicated data parallelism (gradients summed over gloo or NCCL), checkpoints
-of HF-named tensors (so a checkpoint moves between the two backends), exports to the engines and to
-an HF folder. What differs is the forward: Megatron's ``[batch, seq]`` interface with explicit
-positions and a boolean mask, and the conversion at every boundary.
+imports on a GPU, else the TE-free layer with torch's fused attention) and its weights converted
+in (:mod:`.convert`). Everything around the model is the torch trainer's: micro-batches by token
+budget, segments scored alone, the loss functions, AdamW with warm-up and clipping, replicated
+data parallelism (gradients summed over gloo or NCCL), checkpoints of HF-named tensors (so a
+checkpoint moves between the two backends), exports to the engines and to an HF folder. What
+differs is the forward: Megatron's ``[batch, seq]`` interface with explicit positions and a
+boolean mask, and the conversion at every boundary.
 
 A replica may be split over ranks (:mod:`.parallel`): ``tensor_parallel`` ranks each hold a slice
 of every layer and see the same rows; under ``expert_parallel`` each rank holds a block of every
@@ -42,8 +43,8 @@ from loongsage.core.types import TrainBatch
 from loongsage.megatron.convert import Shape, mcore_to_hf, merge_expert_shards, numbered_from, unfused_norm_names
 from loongsage.megatron.layout import Layout
 from loongsage.megatron import context
-from loongsage.megatron.model import (architecture, build_gpt, check_layer_spec, check_packing, clear_routes, gpt_hidden,
-                                      gpt_local_logits, gpt_logits, gpt_packed_logits, load_hf_weights,
+from loongsage.megatron.model import (architecture, build_gpt, check_layer_spec, check_packing, clear_routes,
+                                      gpt_hidden, gpt_local_logits, gpt_logits, gpt_packed_logits, load_hf_weights,
                                       resolve_layer_spec, rope_base, stage_layers)
 from loongsage.megatron.pipeline import Stage, forward_only, one_forward_one_backward, to_first_stage
 from loongsage.megatron.parallel import (clip_grad_norm, gathered_state, parameter_kinds, sum_replicated_grads,
