@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loongsage.algos import rewards as rewards_module
+from loongsage.algos.math_grader import IsolatedGrader
 from loongsage.algos.rewards import (
     ExactMatch,
     FormatReward,
@@ -22,6 +23,7 @@ from loongsage.algos.rewards import (
     extract_answer,
     extract_boxed,
     math_equal_fallback,
+    math_equal_verify,
     normalize_math,
     overlong_penalty,
     parse_number,
@@ -264,16 +266,38 @@ def test_math_reward_uses_math_verify_when_importable(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "math_verify", fake)
     reward = MathAnswer()
     assert reward.uses_math_verify and MathAnswer(backend="math_verify").uses_math_verify
-    assert reward(traj_of(1, r"\boxed{7}"), RECORD) == 1.0
+    assert math_equal_verify(r"\boxed{7}", "7") is True
     assert calls["parse"] == [(r"\boxed{7}", 5), (r"\boxed{7}", 5)]  # bare labels are boxed
     assert calls["verify"] == [5]
-    # Off the main thread (a Ray async actor's loop) the SIGALRM timeout is switched off.
+    # Off the main thread the SIGALRM timeout is switched off (the grader's own process grades on its
+    # main thread; its parent bounds the wall clock).
     out = []
-    worker = threading.Thread(target=lambda: out.append(reward(traj_of(1, "8"), RECORD)))
+    worker = threading.Thread(target=lambda: out.append(math_equal_verify("8", "7")))
     worker.start()
     worker.join()
-    assert out == [0.0] and calls["verify"][-1] is None
+    assert out == [False] and calls["verify"][-1] is None
     assert not MathAnswer(backend="fallback").uses_math_verify
+
+
+def test_a_response_that_hangs_math_verify_scores_zero_and_grading_goes_on() -> None:
+    import time
+
+    pytest.importorskip("math_verify")
+    reward = MathAnswer(backend="math_verify")
+    assert reward(traj_of(1, r"\boxed{7}"), RECORD) == 1.0  # starts the grader process
+    start = time.monotonic()
+    # SymPy starts an integer power that never ends, inside one C call: only a kill stops it
+    assert reward(traj_of(1, r"\boxed{9^{9^{9^{9}}}}"), RECORD) == 0.0
+    assert time.monotonic() - start < 60
+    reward._grader().close()
+    # without math-verify's own timeout only the kill stops it; a fresh grader takes over
+    grader = IsolatedGrader(timeout=0, deadline_s=3.0)
+    assert grader.grade(r"\boxed{7}", "7") is True
+    start = time.monotonic()
+    assert grader.grade(r"\boxed{9^{9^{9^{9}}}}", "7") is False
+    assert time.monotonic() - start < 20 and grader.kills == 1
+    assert grader.grade(r"the answer is \boxed{7}", "7") is True
+    grader.close()
 
 
 def test_math_verify_backend_requires_the_package(monkeypatch) -> None:

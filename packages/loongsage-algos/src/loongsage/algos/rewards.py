@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar, Literal
 
+from loongsage.algos.math_grader import IsolatedGrader
 from loongsage.core.contracts import Reward, RewardContext
 from loongsage.core.rewarding import call_reward
 from loongsage.core.types import DataRecord, Trajectory
@@ -351,13 +352,22 @@ class MathAnswer(Reward):
     def uses_math_verify(self) -> bool:
         return self._use_math_verify  # type: ignore[attr-defined]
 
+    def _grader(self) -> IsolatedGrader:
+        """math-verify in a child process (see :mod:`loongsage.algos.math_grader`), made on first use;
+        a response it hangs on past three timeouts (a minute with none) scores 0."""
+        grader = self.__dict__.get("_isolated")
+        if grader is None:
+            grader = IsolatedGrader(self.timeout, 3 * self.timeout + 2.0 if self.timeout > 0 else 60.0)
+            object.__setattr__(self, "_isolated", grader)
+        return grader
+
     def __call__(self, trajectory: Trajectory, record: DataRecord) -> float:
         if record.label is None:
             raise ValueError(f"math: record {record.source}[{record.index}] has no label")
         labels = record.label if isinstance(record.label, (list, tuple)) else [record.label]
         for label in labels:
             if self.uses_math_verify:
-                ok = math_equal_verify(trajectory.response_text, str(label), timeout=self.timeout)
+                ok = self._grader().grade(trajectory.response_text, str(label))
             else:
                 ok = math_equal_fallback(trajectory.response_text, str(label))
             if ok:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -22,6 +23,8 @@ from loongsage.core.loss import LossPipeline
 from loongsage.core.metrics import Metrics
 from loongsage.core.rewarding import call_reward
 from loongsage.core.types import DataRecord, EngineUnavailable, RewardInfraError, Status, TrainBatch, Trajectory
+
+_log = logging.getLogger(__name__)
 
 
 def setup_worker(threads: int, cores: list[int] | None = None) -> None:
@@ -274,7 +277,14 @@ class EngineWorker:
 
 
 class RewardWorker:
-    """Scores trajectories with each source's reward; scorer failures mark a trajectory FAILED."""
+    """Scores trajectories with each source's reward.
+
+    A reward that cannot score one trajectory fails that trajectory, never its batch: whatever it
+    raises (an agent that filled its sandbox, a response a parser chokes on) marks the trajectory
+    ``failed`` with the reason, and the batch goes on. One exception is kept: a reward that raises
+    the same error on every trajectory of a batch (two or more) has a bug of its own or a data set
+    it cannot read, and training on nothing would hide that, so the run stops saying so.
+    """
 
     def __init__(self, cfg: Config):
         from loongsage.core.plugins import load_registry
@@ -282,14 +292,17 @@ class RewardWorker:
         registry = load_registry(cfg.plugins)
         self.rewards = {s.name: registry.create("reward", s.reward, f"data_sources[{i}].reward")
                         for i, s in enumerate(cfg.data_sources)}
+        self.names = {s.name: s.reward.get("name", "?") if isinstance(s.reward, dict) else "?"
+                      for s in cfg.data_sources}
 
     async def score(self, trajectories: list[Trajectory], records: list[DataRecord],
                     services: dict[str, Any] | None = None) -> list[tuple[float | None, str]]:
         """``(reward or None, status)`` per trajectory; ``services``: the run services' shared
         handles, handed to rewards that take a context."""
         ctx = RewardContext(services=dict(services or {}))
+        errors: list[BaseException | None] = [None] * len(trajectories)
 
-        async def one(t: Trajectory, r: DataRecord) -> tuple[float | None, str]:
+        async def one(i: int, t: Trajectory, r: DataRecord) -> tuple[float | None, str]:
             try:
                 value = call_reward(self.rewards[t.source], t, r, ctx)
                 if inspect.isawaitable(value):
@@ -297,8 +310,19 @@ class RewardWorker:
                 return float(value), t.status.value
             except RewardInfraError as exc:
                 return None, Status.FAILED.value + f": {exc}"
+            except Exception as exc:  # noqa: BLE001 - one trajectory's failure, told in its status
+                errors[i] = exc
+                _log.warning("reward %r of source %r failed on trajectory %s/%s: %s: %s",
+                             self.names.get(t.source), t.source, t.group_id, t.sample_index,
+                             type(exc).__name__, exc, exc_info=exc)
+                return None, Status.FAILED.value + f": reward raised {type(exc).__name__}: {exc}"[:500]
 
-        return list(await asyncio.gather(*(one(t, r) for t, r in zip(trajectories, records))))
+        scores = list(await asyncio.gather(*(one(i, t, r) for i, (t, r) in enumerate(zip(trajectories, records)))))
+        if len(trajectories) >= 2 and all(e is not None for e in errors) and len({type(e) for e in errors}) == 1:
+            t, exc = trajectories[0], errors[0]
+            raise RuntimeError(f"reward {self.names.get(t.source)!r} of source {t.source!r} raised the same kind of error "
+                               f"on all {len(trajectories)} trajectories of a batch: {type(exc).__name__}: {exc}") from exc
+        return scores
 
 
 class TeacherWorker:

@@ -1,29 +1,31 @@
 """``code_tests``: a reward that runs the model's code against the record's unit tests in a sandbox.
 
 Each trajectory gets a fresh ``local`` sandbox (about a millisecond to make and remove): the
-model's code is written to ``solution.py`` and the tests to ``tests.json``, a small harness
-(:data:`HARNESS`) imports the solution and runs each test, and the sandbox is deleted, whatever
-happened. Nothing the code does (loops, bombs, network, files outside its directory, leftover
-processes) reaches the reward worker or the host: see :mod:`loongsage.sandbox.local`.
+model's code is written to ``solution.py``, a small harness (:data:`HARNESS`) imports it and
+evaluates what each test needs of it, and the sandbox is deleted, whatever happened. Nothing the
+code does (loops, bombs, network, files outside its directory, leftover processes) reaches the
+reward worker or the host: see :mod:`loongsage.sandbox.local`.
 
 With ``solution_file`` the code is instead that file in the sandbox the trajectory's agent worked in
 (an agent of the ``sandboxes`` service, the command agent with ``sandbox: true`` say): the tests run
 in that very sandbox, after the episode, next to whatever else the agent left there (the R2E/SWE
 pattern). A trajectory that worked in a sandbox is always tested in it; its lease ends when the
-rollout is done with the trajectory. The harness's files go to ``.loongsage_tests/``.
+rollout is done with the trajectory. The harness's files go to ``.loongsage_tests/``. An agent that
+left its sandbox unable to take them (full, or a symlink where they go) scores 0.
 
 Otherwise the code is the last fenced block of the response (```` ```python ... ``` ````), or the
-whole response when it has none. A record's tests are ``record.metadata["tests"]``: Python statements, each run
-in the solution's namespace (``assert f(2) == 5``); a test passes when it raises nothing.
+whole response when it has none. A record's tests are ``record.metadata["tests"]``, each one
+``assert <condition>`` over the solution's names (``assert f(2) == 5``).
 
 Score: 1.0 when every test passes, else 0.0; with ``partial`` the fraction that pass. A solution
 that does not compile, crashes on import, or runs past ``timeout_s`` in all scores 0.
 
-The harness learns a random token on its standard input before it imports the solution, and the
-score counts only when the result line carries that token, so code that prints a made-up result,
-or exits early with status 0, scores 0. (Code that walks the interpreter's frames or memory to
-the harness's token could still forge a result: the sandbox bounds what code can do, not what it
-can claim. The tests here cover the cheap forgeries.)
+Whether a test passed is decided outside the process that runs the solution
+(:mod:`loongsage.sandbox.judging`): the sandboxed child only evaluates the parts of each condition
+that need the solution and sends their values as literals; the host's judge compares them with the
+expected values, which never enter the sandbox. Code that rewrites the harness, its builtins, its
+output or its exit can therefore change only the values it reports, which is what solving the task
+means.
 """
 
 from __future__ import annotations
@@ -40,21 +42,34 @@ from typing import Any
 from loongsage.core.contracts import RewardContext, SandboxOwner
 from loongsage.core.types import DataRecord, RewardInfraError, Trajectory
 from loongsage.sandbox.code_text import extract_code
+from loongsage.sandbox.judging import judge, split_test
 from loongsage.sandbox.limits import Limits
 from loongsage.sandbox.service import sandbox_of
 
 _DIR = ".loongsage_tests"  # the harness's files, in the sandbox's work directory
 
-# Reads the token first (the solution never sees it), then runs each test in the solution's
-# namespace; one line out: the token, then how many passed of how many.
+# The child's side of a test run (see :mod:`loongsage.sandbox.judging`): reads the token first (it
+# only tells the answer line from the solution's own prints), imports the solution and evaluates
+# each test's probes in a fresh copy of its namespace. One line out: the token and, per test, a
+# [kind, text] per probe: "value" (its repr), "iter" (an iterator's items, as a list) or "raised".
+# Nothing here decides a score: the solution can rewrite all of it, and gains nothing by that.
 HARNESS = r'''
-import importlib.util, json, os, sys
+import collections.abc, importlib.util, itertools, json, os, sys
 token = sys.stdin.readline().strip()
 os.close(0)  # the file behind it is unlinked already; with the descriptor gone nothing reopens it
-tests = json.load(open(sys.argv[2]))
+probes = json.load(open(sys.argv[2]))
 sys.path.insert(0, os.getcwd())  # isolated mode (-I) leaves the work directory off the path
 out = sys.stdout
-passed = 0
+
+def answer(expression, namespace):
+    try:
+        value = eval(compile(expression, "<probe>", "eval"), namespace)
+        if isinstance(value, (collections.abc.Iterator, range)):
+            return ["iter", repr(list(itertools.islice(value, 100000)))]
+        return ["value", repr(value)]
+    except BaseException as exc:
+        return ["raised", f"{type(exc).__name__}: {exc}"[:200]]
+
 try:
     spec = importlib.util.spec_from_file_location("solution", sys.argv[1])
     solution = importlib.util.module_from_spec(spec)
@@ -64,14 +79,13 @@ try:
 except BaseException as exc:
     namespace = None
     print(f"import failed: {type(exc).__name__}: {exc}"[:500], file=sys.stderr)
+answers = None
 if namespace is not None:
-    for test in tests:
-        try:
-            exec(compile(test, "<test>", "exec"), dict(namespace))
-            passed += 1
-        except BaseException as exc:
-            print(f"test failed: {test[:200]!r}: {type(exc).__name__}: {exc}"[:500], file=sys.stderr)
-out.write(f"{token} {passed} {len(tests)}\n")
+    answers = []
+    for test in probes:
+        scope = dict(namespace)
+        answers.append([answer(p, scope) for p in test])
+out.write(f"{token} {json.dumps(answers)}\n")
 out.flush()
 '''
 
@@ -127,7 +141,7 @@ class CodeTestsReward:
         gate = self._gates.setdefault(loop, asyncio.Semaphore(self.max_concurrency))
         async with gate:
             if own is not None:
-                passed, total = await self._test(own.exec, own.put, code, tests)
+                passed, total = await self._test(own.exec, own.put, code, tests, own=True)
             else:
                 passed, total = await self.run(code, tests,
                                                f"{record.source}-{trajectory.group_id}-{trajectory.sample_index}")
@@ -146,13 +160,15 @@ class CodeTestsReward:
             raise RewardInfraError(f"code_tests: no sandbox: {exc}") from exc
         try:
             return await self._test(functools.partial(sandbox.exec, sandbox_id),
-                                    functools.partial(sandbox.put, sandbox_id), code, tests)
+                                    functools.partial(sandbox.put, sandbox_id), code, tests, own=False)
         finally:
             await sandbox.delete(sandbox_id)
 
-    async def _test(self, exec_, put, code: str | None, tests: list[str]) -> tuple[int, int]:
-        """Run the harness in a sandbox reached through ``exec_(cmd, timeout)`` and ``put(path, data)``;
-        ``code`` None: the solution is :attr:`solution_file`, there already."""
+    async def _test(self, exec_, put, code: str | None, tests: list[str], own: bool) -> tuple[int, int]:
+        """Run the solution's side in a sandbox reached through ``exec_(cmd, timeout)`` and
+        ``put(path, data)``, then judge its answers on this side; ``code`` None: the solution is
+        :attr:`solution_file`, there already; ``own``: the sandbox is the trajectory's."""
+        checks = [split_test(test) for test in tests]
         token = secrets.token_hex(16)
         folder = f"{_DIR}/{token[:12]}"  # its own: the trajectories of one episode share a sandbox
         solution = self.solution_file
@@ -160,23 +176,38 @@ class CodeTestsReward:
             if code is not None:
                 solution = f"{folder}/solution.py"
                 await put(solution, code.encode("utf-8", "surrogatepass"))
-            await put(f"{folder}/tests.json", json.dumps(tests).encode())
+            await put(f"{folder}/probes.json", json.dumps([c.probes for c in checks]).encode())
             await put(f"{folder}/harness.py", HARNESS.encode())
             await put(f"{folder}/token", f"{token}\n".encode())
         except ValueError:  # the agent left a symlink or a non-file where the harness goes: no score
             return 0, len(tests)
         except LookupError as exc:
             raise RewardInfraError(f"code_tests: sandbox gone: {exc}") from exc
+        except OSError as exc:  # the trajectory's agent filled its own sandbox: its doing, scored 0
+            if own:
+                return 0, len(tests)
+            raise RewardInfraError(f"code_tests: could not write the test files: {exc}") from exc
         # the token file is opened as standard input, then unlinked before the harness starts
+        start = time.monotonic()
         try:
             result = await exec_(f"{{ rm -f {folder}/token; {self.python} -I -B {folder}/harness.py "
-                                 f"{shlex.quote(solution)} {folder}/tests.json; }} < {folder}/token", self.timeout_s)
+                                 f"{shlex.quote(solution)} {folder}/probes.json; }} < {folder}/token", self.timeout_s)
         except LookupError as exc:  # the sandbox went away (deadline passed, run ending)
             raise RewardInfraError(f"code_tests: sandbox gone: {exc}") from exc
         if result.error is not None and result.exit_code is None and result.signal is None:
             raise RewardInfraError(f"code_tests: the test run could not start: {result.error}")
-        for line in reversed(result.stdout.splitlines()):
-            fields = line.split()
-            if len(fields) == 3 and fields[0] == token and fields[1].isdigit() and fields[2] == str(len(tests)):
-                return min(int(fields[1]), len(tests)), len(tests)
-        return 0, len(tests)
+        verdicts = await judge(checks, _answers(result.stdout, token),
+                               timeout_s=max(1.0, self.timeout_s - (time.monotonic() - start)),
+                               cpu_s=max(1, int(self._limits.cpu_s)), memory_mb=max(256, int(self._limits.memory_mb)))
+        return sum(passed for passed, _ in verdicts), len(tests)
+
+
+def _answers(stdout: str, token: str) -> list | None:
+    """The child's answers: the JSON after the token on its last line that starts with it."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(f"{token} "):
+            try:
+                return json.loads(line[len(token) + 1:])
+            except ValueError:
+                return None
+    return None

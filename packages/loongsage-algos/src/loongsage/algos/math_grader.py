@@ -1,0 +1,105 @@
+"""``math-verify`` in a process of its own, which a hung grading cannot take down with it.
+
+``math-verify`` evaluates the answers it parses with SymPy: ``\\boxed{9^{9^{9^{9}}}}`` starts an
+integer power that runs for ever inside one C call, which neither its ``SIGALRM`` timeout (main
+thread only, and only between bytecodes) nor a thread can stop. In the reward worker that froze
+the whole run on one response, and a policy finds such a response. So grading runs in a child
+process (``python -m loongsage.algos.math_grader``, one JSON line per question and per answer)
+that is killed and replaced when it does not answer in time; the response it hung on scores 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import select
+import subprocess
+import sys
+import threading
+import time
+
+_log = logging.getLogger(__name__)
+_START_S = 300.0
+_MEMORY_MB = 4096  # the child's address space: SymPy on a hostile expression may also try to fill memory
+
+
+class IsolatedGrader:
+    """``grade(response, label)`` with ``math-verify`` in a child process, within ``deadline_s``
+    of wall clock per answer (the child is started on first use and after each kill)."""
+
+    def __init__(self, timeout: int, deadline_s: float):
+        self.timeout, self.deadline_s = timeout, deadline_s
+        self._proc: subprocess.Popen | None = None
+        self._lock = threading.Lock()
+        self.kills = 0
+
+    def grade(self, response: str, label: str) -> bool:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+            question = json.dumps({"response": response, "label": label, "timeout": self.timeout})
+            try:
+                self._proc.stdin.write(question + "\n")
+                self._proc.stdin.flush()
+                line = self._answer(self._proc, time.monotonic() + self.deadline_s)
+                return bool(json.loads(line)["equal"])
+            except (OSError, ValueError, KeyError, TimeoutError) as exc:
+                self._stop()
+                self.kills += 1
+                _log.warning("math grading gave up on a response of %d characters (%s): scored 0", len(response),
+                             exc or type(exc).__name__)
+                return False
+
+    def _start(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      text=True, encoding="utf-8", errors="surrogatepass", bufsize=1)
+        try:  # its start-up (importing SymPy: seconds on a loaded machine) is not an answer's time
+            self._answer(self._proc, time.monotonic() + _START_S)
+        except (OSError, TimeoutError) as exc:
+            self._stop()
+            raise RuntimeError(f"math: the math-verify grader process did not start: {exc}") from None
+
+    def _answer(self, proc: subprocess.Popen, deadline: float) -> str:
+        while not select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer within {self.deadline_s} s")
+        line = proc.stdout.readline()
+        if not line:
+            raise OSError(f"the grader exited ({proc.poll()})")
+        return line
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop()
+
+    def __del__(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+
+
+def _serve() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (_MEMORY_MB << 20, _MEMORY_MB << 20))
+    from loongsage.algos.rewards import math_equal_verify
+
+    math_equal_verify("\\boxed{1}", "1", timeout=0)  # its lazy imports, before the first timed answer
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        question = json.loads(line)
+        try:
+            equal = math_equal_verify(question["response"], question["label"], timeout=question["timeout"])
+        except Exception:  # noqa: BLE001 - an answer math-verify cannot read is not equal
+            equal = False
+        print(json.dumps({"equal": equal}), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _serve()

@@ -1,0 +1,226 @@
+"""Judging unit tests outside the process that runs the model's code.
+
+A test is ``assert <condition>``. Run in the same interpreter as the solution, any test can be
+forged by the solution: it can rebind ``builtins.exec``, patch the harness's counters through
+``__main__``, print the harness's result line and exit, or register ``atexit``/signal/``__del__``
+hooks that do the same later. So the condition is taken apart on the host, from the test's text
+alone (:func:`split_test`):
+
+- the **probes** are the parts of the condition that need the solution (``f(2)``,
+  ``Solution().two_sum([2, 7], 9)``, ``f(3)[0]``): the sandboxed child evaluates only these and
+  sends back their values as Python literal text;
+- the **check** is the rest, with each probe replaced by a placeholder: the comparisons, the
+  expected values and the judge-side helpers (``abs``, ``sorted``, ``math.isclose``...).
+
+The check is evaluated by :data:`JUDGE`, a fresh interpreter on the host that never imports the
+solution, over values parsed with :func:`ast.literal_eval` (numbers, strings, bytes, ``None``,
+booleans, tuples, lists, sets, dicts): no object of the solution's making, so no ``__eq__`` that
+always says yes, crosses over. The child never sees an expected value, so it can only pass a test
+by producing the value the test expects. A child that answers nothing, or out of protocol, passes
+no test. The judge runs under a CPU, memory and wall-clock bound, since a check such as
+``2 ** f(3)`` over a value the policy chose could otherwise run for ever.
+
+The judge does not look inside comprehensions and lambdas: one that needs the solution is a probe
+as a whole (``[f(i) for i in range(5)]``, whose list the child sends). What the split cannot take
+apart is refused when a record is scored, in one line naming the test: a statement other than
+``assert``, and a comparison inside such a probe (``all(f(i) == i * i for i in range(5))``), which
+would show the child the expected values; compare whole lists instead
+(``assert [f(i) for i in range(5)] == [0, 1, 4, 9, 16]``).
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import functools
+import json
+import sys
+from dataclasses import dataclass
+
+# names a check may use without the solution; any other free name belongs to the solution
+JUDGE_BUILTINS = frozenset({
+    "abs", "all", "any", "ascii", "bin", "bool", "bytes", "callable", "chr", "complex", "dict", "divmod",
+    "enumerate", "filter", "float", "format", "frozenset", "hash", "hex", "int", "isinstance", "iter", "len",
+    "list", "map", "max", "min", "next", "oct", "ord", "pow", "range", "repr", "reversed", "round", "set",
+    "slice", "sorted", "str", "sum", "tuple", "type", "zip",
+    "Exception", "ValueError", "TypeError", "KeyError", "IndexError", "ZeroDivisionError",
+})
+JUDGE_MODULES = frozenset({"math"})
+_JUDGE_NAMES = JUDGE_BUILTINS | JUDGE_MODULES
+_PROBE = "__probe_{}"
+
+# the parts of a condition the judge evaluates itself, taking apart the operands below them
+_STRUCTURE = (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.IfExp, ast.Tuple, ast.List, ast.Set,
+              ast.Dict, ast.JoinedStr, ast.FormattedValue, ast.keyword, ast.Starred)
+_SCOPES = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+
+
+@dataclass(frozen=True)
+class SplitTest:
+    """A test taken apart: ``probes`` for the child, ``check`` for the judge (``__probe_i`` names
+    the value of ``probes[i]``)."""
+
+    probes: tuple[str, ...]
+    check: str
+
+
+def _bound_inside(node: ast.AST) -> set[str]:
+    """Names that comprehensions and lambdas within ``node`` bind for themselves."""
+    bound: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Lambda):
+            args = sub.args
+            bound.update(a.arg for a in args.posonlyargs + args.args + args.kwonlyargs)
+            bound.update(a.arg for a in (args.vararg, args.kwarg) if a is not None)
+        elif isinstance(sub, ast.comprehension):
+            bound.update(n.id for n in ast.walk(sub.target) if isinstance(n, ast.Name))
+    return bound
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    used = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return used - _bound_inside(node)
+
+
+def _judge_callee(func: ast.expr) -> bool:
+    """``sorted(...)``, ``math.isclose(...)``: a helper the judge has, whatever its arguments."""
+    if isinstance(func, ast.Name):
+        return func.id in JUDGE_BUILTINS
+    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in JUDGE_MODULES
+
+
+class _Splitter:
+    def __init__(self, test: str):
+        self.test, self.probes = test, []
+
+    def _refuse(self, why: str) -> ValueError:
+        return ValueError(f"code_tests: test {self.test!r:.120}: {why}")
+
+    def split(self, node: ast.expr) -> ast.expr:
+        if not _free_names(node) - _JUDGE_NAMES:
+            return node  # needs nothing of the solution: the judge evaluates it as written
+        descend = isinstance(node, _STRUCTURE) or (isinstance(node, ast.Call) and _judge_callee(node.func))
+        if descend:
+            for name, value in ast.iter_fields(node):
+                if isinstance(value, ast.expr) and not (isinstance(node, ast.Call) and name == "func"):
+                    setattr(node, name, self.split(value))
+                elif isinstance(value, list):
+                    setattr(node, name, [self.split(v) if isinstance(v, (ast.expr, ast.keyword)) else v
+                                         for v in value])
+            return node
+        if isinstance(node, ast.keyword):
+            node.value = self.split(node.value)
+            return node
+        return self._probe(node)
+
+    def _probe(self, node: ast.expr) -> ast.expr:
+        if any(isinstance(sub, ast.Compare) for sub in ast.walk(node)):
+            raise self._refuse(f"the comparison inside `{ast.unparse(node):.60}` would run beside the solution, "
+                               "which could then forge it; compare whole values outside comprehensions and "
+                               "lambdas (`assert [f(i) for i in range(3)] == [...]`)")
+        self.probes.append(ast.unparse(node))
+        return ast.Name(_PROBE.format(len(self.probes) - 1), ast.Load())
+
+
+@functools.lru_cache(maxsize=4096)
+def split_test(test: str) -> SplitTest:
+    """``test`` (``assert <condition>[, message]``) as the child's probes and the judge's check;
+    ``ValueError`` (one line naming the test) for what cannot be judged apart from the solution."""
+    try:
+        tree = ast.parse(test)
+    except SyntaxError as exc:
+        raise ValueError(f"code_tests: test {test!r:.120} is not valid Python: {exc.msg}") from None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        raise ValueError(f"code_tests: test {test!r:.120} must be one `assert <condition>` statement "
+                         f"(e.g. `assert f(2) == 5`)")
+    condition = tree.body[0].test
+    splitter = _Splitter(test)
+    check = ast.fix_missing_locations(splitter.split(condition))
+    return SplitTest(tuple(splitter.probes), ast.unparse(check))
+
+
+# The judge: a fresh interpreter without site-packages (-I -S), its limits set before it reads
+# anything. Input: one JSON object {"tests": [{"check", "answers"}]}, where answers are the child's
+# [kind, text] per probe, or null when the child gave none for that test. Output: one JSON list of
+# [passed, why] per test.
+JUDGE = r'''
+import ast, json, math, resource, sys
+cpu_s, memory_mb = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+sys.setrecursionlimit(200)
+import builtins
+NAMES = set(json.loads(sys.argv[3]))
+SAFE = {name: getattr(builtins, name) for name in NAMES}
+FLOATS = {"nan": float("nan"), "inf": float("inf")}
+
+def literal(text):
+    tree = ast.parse(text, mode="eval")
+    for node in ast.walk(tree):  # repr writes nan and inf as bare names
+        for name, value in ast.iter_fields(node):
+            if isinstance(value, ast.Name) and value.id in FLOATS:
+                setattr(node, name, ast.Constant(FLOATS[value.id]))
+    body = tree.body
+    if isinstance(body, ast.Name) and body.id in FLOATS:
+        return FLOATS[body.id]
+    return ast.literal_eval(body)
+
+def judge(test):
+    answers = test["answers"]
+    if not isinstance(answers, list) or len(answers) != test["probes"]:
+        return [False, "no answer from the solution's process"]
+    scope = {"__builtins__": SAFE, "math": math}
+    for i, answer in enumerate(answers):
+        if not (isinstance(answer, list) and len(answer) == 2 and all(isinstance(a, str) for a in answer)):
+            return [False, "an answer out of protocol"]
+        kind, text = answer
+        if kind == "raised":
+            return [False, f"raised {text[:200]}"]
+        if kind not in ("value", "iter"):
+            return [False, "an answer out of protocol"]
+        try:
+            value = literal(text)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as exc:
+            return [False, f"a value that is not a Python literal ({type(exc).__name__}): {text[:80]}"]
+        if kind == "iter":
+            if not isinstance(value, list):
+                return [False, "an answer out of protocol"]
+            value = iter(value)
+        scope[f"__probe_{i}"] = value
+    try:
+        return [bool(eval(compile(test["check"], "<check>", "eval"), scope)), ""]
+    except BaseException as exc:
+        return [False, f"{type(exc).__name__}: {exc}"[:300]]
+
+print(json.dumps([judge(t) for t in json.loads(sys.stdin.read())["tests"]]))
+'''
+
+
+async def judge(checks: list[SplitTest], answers: list | None, *, timeout_s: float, cpu_s: int = 10,
+                memory_mb: int = 1024) -> list[tuple[bool, str]]:
+    """``(passed, why)`` per test: each check over the child's ``answers`` (``answers[i]``: the
+    ``[kind, text]`` of each probe of test ``i``; anything else fails that test), in the judge
+    process. A judge that does not finish within its bounds passes no test."""
+    if not isinstance(answers, list) or len(answers) != len(checks):
+        answers = [None] * len(checks)
+    payload = json.dumps({"tests": [{"check": c.check, "probes": len(c.probes), "answers": a}
+                                    for c, a in zip(checks, answers)]}).encode()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-S", "-c", JUDGE, str(cpu_s), str(memory_mb), json.dumps(sorted(JUDGE_BUILTINS)),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(payload), timeout_s)
+    except asyncio.TimeoutError:
+        return [(False, f"the judge ran past {timeout_s} s")] * len(checks)
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: the judge goes with it
+            proc.kill()
+            await asyncio.shield(proc.wait())
+    try:
+        verdicts = [(passed is True, str(why)) for passed, why in json.loads(out)]
+    except (ValueError, TypeError):  # killed by its limits: the checks cost too much over these values
+        last = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        return [(False, f"the judge failed: {last[0][:200]}")] * len(checks)
+    if len(verdicts) != len(checks):
+        return [(False, "the judge answered out of protocol")] * len(checks)
+    return verdicts
