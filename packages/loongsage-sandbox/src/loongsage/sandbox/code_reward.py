@@ -188,7 +188,6 @@ class CodeTestsReward:
                 return 0, len(tests)
             raise RewardInfraError(f"code_tests: could not write the test files: {exc}") from exc
         # the token file is opened as standard input, then unlinked before the harness starts
-        start = time.monotonic()
         try:
             result = await exec_(f"{{ rm -f {folder}/token; {self.python} -I -B {folder}/harness.py "
                                  f"{shlex.quote(solution)} {folder}/probes.json; }} < {folder}/token", self.timeout_s)
@@ -196,9 +195,9 @@ class CodeTestsReward:
             raise RewardInfraError(f"code_tests: sandbox gone: {exc}") from exc
         if result.error is not None and result.exit_code is None and result.signal is None:
             raise RewardInfraError(f"code_tests: the test run could not start: {result.error}")
-        verdicts = await judge(checks, _answers(result.stdout, token),
-                               timeout_s=max(1.0, self.timeout_s - (time.monotonic() - start)),
-                               cpu_s=max(1, int(self._limits.cpu_s)), memory_mb=max(256, int(self._limits.memory_mb)))
+        # the judge has a budget of its own: a solution that used up its time must not starve it
+        verdicts = await judge(checks, _answers(result.stdout, token), timeout_s=self.timeout_s,
+                               memory_mb=max(256, self._limits.memory_mb))
         return sum(passed for passed, _ in verdicts), len(tests)
 
 

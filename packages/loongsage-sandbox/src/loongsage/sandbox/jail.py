@@ -5,18 +5,30 @@ UTS namespaces are new:
 
 * files: ``/usr`` (and ``/bin``, ``/lib``... as the host links them) read-only, a minimal ``/etc``
   (the loader's cache, alternatives, the time zone, and the sandbox's own ``passwd``/``group``/
-  ``hosts``), a fresh ``/proc`` of the new PID namespace, a minimal ``/dev``, a private size-capped
+  ``hosts``), a fresh ``/proc`` of the new PID namespace (``/proc/keys`` and ``/proc/key-users``
+  read as empty files), a minimal ``/dev`` whose ``/dev/pts`` is the sandbox's own devpts
+  instance (``max=ptys``: one sandbox cannot take the pseudo-terminals of all), a private
   ``/tmp``, and the sandbox's work directory read-write at ``/work``. Nothing else of the host
   exists inside: no ``/root``, ``/home``, ``/var``, ``/sys``, no other sandbox.
+* host paths: every sandbox path is bound from a file system of the sandbox's own (the work
+  tmpfs, the scratch tmpfs holding ``/etc``'s three files and each exec's ``/tmp``, the devpts),
+  so ``/proc/self/mountinfo`` shows paths inside those (``/``, ``/etc/passwd``, ``/tmp.3``),
+  never where the sandbox lives on the host; bubblewrap reads its options from a descriptor, so
+  ``/proc/1/cmdline`` shows none either.
 * processes: the command is PID 2 under bubblewrap's init (PID 1); when the command exits, or
   when the host kills that init (timeout, delete), the kernel kills every process left in the
   namespace, detached (``setsid``, double fork) or not. ``--die-with-parent`` ties the init to
   bubblewrap, and ``setpriv --pdeathsig KILL`` ties bubblewrap to the process that started it.
 * network: a namespace with only its own loopback (``lo``): nothing to route to, and the host's
   loopback listeners are not there. Host Unix sockets are files outside the jail's view.
-* identity: bubblewrap starts as root (it needs to mount), keeps only CAP_SETUID/CAP_SETGID, then
-  ``prlimit`` lowers the per-process limits and ``setpriv`` drops to the sandbox's uid/gid for good
-  (no supplementary groups, no capabilities, ``no_new_privs``: setuid programs cannot raise it back).
+* system calls: :mod:`loongsage.sandbox.seccomp`'s filter makes the kernel keyring calls fail
+  (keyrings are shared with the host and outlive a sandbox; no namespace separates them).
+* identity: bubblewrap starts as root (it needs to mount), keeps only CAP_SETUID, CAP_SETGID and
+  CAP_SETPCAP, then ``prlimit`` lowers the per-process limits and ``setpriv`` empties the
+  capability bounding set and drops to the sandbox's uid/gid for good (no supplementary groups,
+  no capabilities, ``no_new_privs``: setuid programs cannot raise it back). CAP_SETPCAP is kept
+  for that one step: setpriv empties the bounding set through libcap-ng, which skips the bounding
+  set, without an error, unless it holds CAP_SETPCAP (without it the jail kept a full bounding set).
   A per-sandbox uid makes ``RLIMIT_NPROC`` a per-sandbox count, keeps the sandbox from signalling
   any host process (the host's are another uid, and outside its PID namespace anyway) and from
   touching another sandbox's files.
@@ -30,7 +42,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from loongsage.sandbox.limits import MIB, Limits
+from loongsage.sandbox.limits import Limits
+from loongsage.sandbox.seccomp import keyring_filter
 
 PACKAGE_HINT = "install bubblewrap and util-linux (apt-get install -y bubblewrap util-linux)"
 TOOLS = ("bwrap", "prlimit", "setpriv")
@@ -40,6 +53,11 @@ ENV_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
              "/etc/nsswitch.conf", "/etc/mime.types")
+KEPT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")  # until setpriv: see the module docstring
+IDENTITY = ("passwd", "group", "hosts")  # the sandbox's own files of /etc, in <scratch>/etc
+EMPTY = "empty"  # an empty file in the scratch tmpfs, bound over what /proc must not show
+# the keys the jail possesses (those of its inherited session keyring), and every uid's key counts
+MASKED_PROC = ("/proc/keys", "/proc/key-users")
 
 
 def tool(name: str) -> str:
@@ -67,27 +85,38 @@ def system_binds() -> list[str]:
     return out
 
 
-def identity_files(folder: Path, uid: int) -> None:
-    """``passwd``, ``group`` and ``hosts`` of a sandbox whose user is ``uid`` (bound into its ``/etc``)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "passwd").write_text(f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                                   f"sandbox:x:{uid}:{uid}:sandbox:{WORK}:/bin/sh\n")
-    (folder / "group").write_text(f"root:x:0:\nsandbox:x:{uid}:\n")
-    (folder / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
+def identity_files(scratch: Path, uid: int) -> None:
+    """``etc/passwd``, ``etc/group`` and ``etc/hosts`` of a sandbox whose user is ``uid`` (bound
+    into its ``/etc``), and the empty file bound over :data:`MASKED_PROC`, in its scratch tmpfs."""
+    etc = scratch / "etc"
+    etc.mkdir(mode=0o755, exist_ok=True)
+    (etc / "passwd").write_text(f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
+                                f"sandbox:x:{uid}:{uid}:sandbox:{WORK}:/bin/sh\n")
+    (etc / "group").write_text(f"root:x:0:\nsandbox:x:{uid}:\n")
+    (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
+    (scratch / EMPTY).write_bytes(b"")
 
 
-def jail_options(*, work: Path, etc: Path, limits: Limits) -> bytes:
-    """bubblewrap's options for a sandbox, NUL-separated: they reach it on a descriptor
-    (``--args FD``), so the init's command line, which the sandbox can read in
-    ``/proc/1/cmdline``, shows no host path."""
+def jail_options(*, work: Path, scratch: Path, pts: Path) -> bytes:
+    """bubblewrap's options for a sandbox (the same for each of its execs; :func:`exec_options`
+    follows them), NUL-separated: they reach it on a descriptor (``--args FD``), so the init's
+    command line, which the sandbox can read in ``/proc/1/cmdline``, shows no host path."""
     options = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                "--hostname", "sandbox", "--die-with-parent", "--new-session",
-               "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
+               "--cap-drop", "ALL", *[a for cap in KEPT_CAPS for a in ("--cap-add", cap)],
                *system_binds(),
-               *[arg for name in ("passwd", "group", "hosts") for arg in ("--ro-bind", str(etc / name), f"/etc/{name}")],
-               "--proc", "/proc", "--dev", "/dev",
-               "--perms", "1777", "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp",
+               *[arg for name in IDENTITY for arg in ("--ro-bind", str(scratch / "etc" / name), f"/etc/{name}")],
+               "--proc", "/proc", *[arg for path in MASKED_PROC for arg in ("--ro-bind", str(scratch / EMPTY), path)],
+               # a device bind: a plain one is nodev, and /dev/pts/ptmx would not open
+               "--dev", "/dev", "--dev-bind", str(pts), "/dev/pts",
                "--bind", str(work), WORK, "--chdir", WORK]
+    return b"".join(os.fsencode(a) + b"\0" for a in options)
+
+
+def exec_options(*, tmp: Path, seccomp_fd: int) -> bytes:
+    """The options of one exec that follow :func:`jail_options`: its own ``/tmp`` (a directory of
+    the scratch tmpfs, so the tmpfs's size and inode caps hold) and the filter's descriptor."""
+    options = ["--bind", str(tmp), "/tmp", "--seccomp", str(seccomp_fd)]
     return b"".join(os.fsencode(a) + b"\0" for a in options)
 
 
@@ -117,13 +146,22 @@ def jail_problem() -> str | None:
         return str(exc)
     if not os.access("/bin/sh", os.X_OK):
         return "/bin/sh is missing: commands run through it"
-    probe = [paths[0], "--unshare-pid", "--unshare-net", "--die-with-parent", *system_binds(), "--proc", "/proc",
-             "--dev", "/dev", "--", "/bin/sh", "-c", "true"]
     try:
-        done = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+        program = keyring_filter()
+    except ValueError as exc:
+        return str(exc)
+    fd = os.memfd_create("seccomp-probe", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, program)
+        os.lseek(fd, 0, os.SEEK_SET)
+        probe = [paths[0], "--unshare-pid", "--unshare-net", "--die-with-parent", *system_binds(), "--proc", "/proc",
+                 "--dev", "/dev", "--seccomp", str(fd), "--", "/bin/sh", "-c", "true"]
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=30, pass_fds=(fd,))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bwrap could not run: {exc}"
+    finally:
+        os.close(fd)
     if done.returncode != 0:
         reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        return f"bwrap cannot create PID and network namespaces here ({reason})"
+        return f"bwrap cannot create PID and network namespaces with a seccomp filter here ({reason})"
     return None

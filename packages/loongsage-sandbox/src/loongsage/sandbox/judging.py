@@ -17,8 +17,9 @@ solution, over values parsed with :func:`ast.literal_eval` (numbers, strings, by
 booleans, tuples, lists, sets, dicts): no object of the solution's making, so no ``__eq__`` that
 always says yes, crosses over. The child never sees an expected value, so it can only pass a test
 by producing the value the test expects. A child that answers nothing, or out of protocol, passes
-no test. The judge runs under a CPU, memory and wall-clock bound, since a check such as
-``2 ** f(3)`` over a value the policy chose could otherwise run for ever.
+no test. The judge runs each check in a forked process of its own under a CPU and memory bound,
+since a check such as ``2 ** f(3)`` over a value the policy chose could otherwise run for ever:
+such a check fails alone, and the tests not judged within the wall-clock budget fail.
 
 The judge does not look inside comprehensions and lambdas: one that needs the solution is a probe
 as a whole (``[f(i) for i in range(5)]``, whose list the child sends). What the split cannot take
@@ -139,19 +140,16 @@ def split_test(test: str) -> SplitTest:
     return SplitTest(tuple(splitter.probes), ast.unparse(check))
 
 
-# The judge: a fresh interpreter without site-packages (-I -S), its limits set before it reads
-# anything. Input: one JSON object {"tests": [{"check", "answers"}]}, where answers are the child's
-# [kind, text] per probe, or null when the child gave none for that test. Output: one JSON list of
-# [passed, why] per test.
+# The judge: a fresh interpreter without site-packages (-I -S). Input: one JSON object
+# {"tests": [{"check", "probes", "answers"}]}, where answers are the child's [kind, text] per probe,
+# or null when the child gave none for that test. Each check runs in a forked process of its own
+# under a CPU and memory bound (SIGXCPU ends even one long C call, such as a huge power), so one
+# costly check fails itself alone. Output: one JSON line [passed, why] per test, as each is judged.
 JUDGE = r'''
-import ast, json, math, resource, sys
+import ast, json, math, os, resource, sys
 cpu_s, memory_mb = int(sys.argv[1]), int(sys.argv[2])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-sys.setrecursionlimit(200)
 import builtins
-NAMES = set(json.loads(sys.argv[3]))
-SAFE = {name: getattr(builtins, name) for name in NAMES}
+SAFE = {name: getattr(builtins, name) for name in json.loads(sys.argv[3])}
 FLOATS = {"nan": float("nan"), "inf": float("inf")}
 
 def literal(text):
@@ -187,40 +185,62 @@ def judge(test):
                 return [False, "an answer out of protocol"]
             value = iter(value)
         scope[f"__probe_{i}"] = value
-    try:
-        return [bool(eval(compile(test["check"], "<check>", "eval"), scope)), ""]
-    except BaseException as exc:
-        return [False, f"{type(exc).__name__}: {exc}"[:300]]
+    return [bool(eval(compile(test["check"], "<check>", "eval"), scope)), ""]
 
-print(json.dumps([judge(t) for t in json.loads(sys.stdin.read())["tests"]]))
+def isolated(test):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
+        sys.setrecursionlimit(500)
+        try:
+            verdict = judge(test)
+        except BaseException as exc:
+            verdict = [False, f"{type(exc).__name__}: {exc}"[:300]]
+        os.write(write, json.dumps(verdict).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        data = pipe.read()
+    os.waitpid(pid, 0)
+    return json.loads(data) if data else [False, f"the check ran past its bounds ({cpu_s} CPU s, {memory_mb} MiB)"]
+
+for test in json.loads(sys.stdin.read())["tests"]:
+    print(json.dumps(isolated(test)), flush=True)
 '''
 
 
-async def judge(checks: list[SplitTest], answers: list | None, *, timeout_s: float, cpu_s: int = 10,
+async def judge(checks: list[SplitTest], answers: list | None, *, timeout_s: float, cpu_s: int = 2,
                 memory_mb: int = 1024) -> list[tuple[bool, str]]:
     """``(passed, why)`` per test: each check over the child's ``answers`` (``answers[i]``: the
     ``[kind, text]`` of each probe of test ``i``; anything else fails that test), in the judge
-    process. A judge that does not finish within its bounds passes no test."""
+    process, each check within ``cpu_s`` and ``memory_mb``; the tests not judged within
+    ``timeout_s`` of wall clock fail."""
     if not isinstance(answers, list) or len(answers) != len(checks):
         answers = [None] * len(checks)
     payload = json.dumps({"tests": [{"check": c.check, "probes": len(c.probes), "answers": a}
                                     for c, a in zip(checks, answers)]}).encode()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-I", "-S", "-c", JUDGE, str(cpu_s), str(memory_mb), json.dumps(sorted(JUDGE_BUILTINS)),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    verdicts: list[tuple[bool, str]] = []
     try:
-        out, err = await asyncio.wait_for(proc.communicate(payload), timeout_s)
-    except asyncio.TimeoutError:
-        return [(False, f"the judge ran past {timeout_s} s")] * len(checks)
+        async with asyncio.timeout(timeout_s):
+            proc.stdin.write(payload)
+            await proc.stdin.drain()
+            proc.stdin.close()
+            while len(verdicts) < len(checks) and (line := await proc.stdout.readline()):
+                passed, why = json.loads(line)
+                verdicts.append((passed is True, str(why)))
+    except TimeoutError:
+        pass
+    except (ValueError, TypeError):  # not our judge's line: count nothing more from it
+        pass
     finally:
-        if proc.returncode is None:  # timed out or cancelled: the judge goes with it
+        if proc.returncode is None:
             proc.kill()
             await asyncio.shield(proc.wait())
-    try:
-        verdicts = [(passed is True, str(why)) for passed, why in json.loads(out)]
-    except (ValueError, TypeError):  # killed by its limits: the checks cost too much over these values
-        last = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        return [(False, f"the judge failed: {last[0][:200]}")] * len(checks)
-    if len(verdicts) != len(checks):
-        return [(False, "the judge answered out of protocol")] * len(checks)
-    return verdicts
+    missing = (False, f"not judged within {timeout_s:.3g} s")
+    return verdicts + [missing] * (len(checks) - len(verdicts))

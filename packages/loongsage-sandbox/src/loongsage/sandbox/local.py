@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import math
 import os
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -24,8 +26,9 @@ from pathlib import Path
 
 from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
 from loongsage.sandbox import paths
-from loongsage.sandbox.jail import jail_argv, jail_env, jail_options, jail_problem
+from loongsage.sandbox.jail import exec_options, jail_argv, jail_env, jail_options, jail_problem
 from loongsage.sandbox.limits import Limits
+from loongsage.sandbox.seccomp import keyring_filter
 from loongsage.sandbox.store import SandboxStore, UidClaim, kill_uid
 
 MAX_CMD_BYTES = 100_000  # below the kernel's limit on one argument (128 KiB)
@@ -77,6 +80,7 @@ class _Box:
     options: bytes = b""  # bubblewrap's options (see jail_options), the same for every exec
     lifecycle: asyncio.Lock = field(default_factory=asyncio.Lock)  # one reset or delete at a time
     ran: bool = False  # a jail was started since the last sweep (else no process can exist)
+    tmps: int = 0  # execs so far: each gets scratch/tmp.<n> as its /tmp
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -88,6 +92,14 @@ class _Box:
     @property
     def work(self) -> Path:
         return self.folder / "work"
+
+    def new_tmp(self) -> Path:
+        """A fresh, empty ``/tmp`` for one exec, in the sandbox's scratch tmpfs (whose caps hold)."""
+        self.tmps += 1
+        tmp = self.folder / "scratch" / f"tmp.{self.tmps}"
+        os.mkdir(tmp)
+        os.chmod(tmp, 0o1777)  # /tmp's usual mode (the umask would narrow mkdir's)
+        return tmp
 
 
 class LocalSandbox(Sandbox):
@@ -101,20 +113,21 @@ class LocalSandbox(Sandbox):
             raise RuntimeError(f"sandbox 'local' cannot run here: {problem}")
         self.limits = limits
         self.store = SandboxStore(Path(root) if root else None)
+        self._filter = keyring_filter()
         self._boxes: dict[str, _Box] = {}
         self._background: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------------------- lifecycle
     async def create(self, owner: SandboxOwner, deadline: float) -> str:
         check_owner(owner, deadline)
-        claim = UidClaim(self.store.root / "uids")
+        claim = UidClaim()
         try:
-            sandbox_id = self.store.make(owner, deadline, claim.uid, self.limits.work_mb)
+            sandbox_id = self.store.make(owner, deadline, claim.uid, self.limits)
         except BaseException:
             claim.release()
             raise
         folder = self.store.folder(sandbox_id)
-        options = jail_options(work=folder / "work", etc=folder / "etc", limits=self.limits)
+        options = jail_options(work=folder / "work", scratch=folder / "scratch", pts=folder / "pts")
         self._boxes[sandbox_id] = _Box(sandbox_id, claim, folder, options=options)
         return sandbox_id
 
@@ -167,7 +180,7 @@ class LocalSandbox(Sandbox):
             if self._boxes.get(box.id) is not box:
                 raise LookupError(f"sandbox {box.id!r}: deleted before its reset")
             await self._end_processes(box, "reset")
-            await asyncio.to_thread(self.store.empty_work, box.id, box.uid, self.limits.work_mb)
+            await asyncio.to_thread(self.store.empty_work, box.id, box.uid, self.limits)
             self.store.mark(box.id, owner, deadline, box.uid)
             box.closing = None
 
@@ -200,24 +213,39 @@ class LocalSandbox(Sandbox):
     async def _run(self, box: _Box, cmd: str, timeout: float) -> ExecResult:
         out, err = Capture(self.limits.output_bytes), Capture(self.limits.output_bytes)
         start = time.monotonic()
-        fd = os.memfd_create("bwrap-options", os.MFD_CLOEXEC)
-        os.write(fd, box.options)  # far below a memfd's limits; bwrap reads it from offset 0
-        os.lseek(fd, 0, os.SEEK_SET)
-        argv = jail_argv(cmd, uid=box.uid, limits=self.limits, options_fd=fd)
+        try:
+            tmp = box.new_tmp()
+        except OSError as exc:  # the scratch tmpfs is full: an exec running beside it took its inodes
+            return ExecResult(None, None, "", "", False, False, time.monotonic() - start, f"could not start: {exc}")
+        fds = []
+        try:
+            fds.append(os.memfd_create("bwrap-options", os.MFD_CLOEXEC))
+            fds.append(os.memfd_create("seccomp", os.MFD_CLOEXEC))
+            # each far below a memfd's limits; bwrap reads both from offset 0
+            for fd, data in zip(fds, (box.options + exec_options(tmp=tmp, seccomp_fd=fds[1]), self._filter)):
+                os.write(fd, data)
+                os.lseek(fd, 0, os.SEEK_SET)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            _drop_tmp(tmp)
+            raise
+        argv = jail_argv(cmd, uid=box.uid, limits=self.limits, options_fd=fds[0])
         # shielded: Python 3.11 never finishes a subprocess transport cancelled while its pipes
         # connect (its exit waiters wait for pipes that never come); a cancelled caller leaves the
         # spawn to a background task that kills and collects what it makes
         spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=jail_env(), start_new_session=True, pass_fds=(fd,)))
-        spawn.add_done_callback(lambda _: os.close(fd))
+            stderr=asyncio.subprocess.PIPE, env=jail_env(), start_new_session=True, pass_fds=tuple(fds)))
+        spawn.add_done_callback(lambda _: [os.close(fd) for fd in fds])
         try:
             jail = await asyncio.shield(spawn)
         except OSError as exc:  # the jail could not start (out of processes or memory on the host)
+            await _clear_tmp(tmp)
             return ExecResult(None, None, "", "", False, False, time.monotonic() - start, f"could not start: {exc}")
         except BaseException:
             _hold(box)
-            self._spawn(_abandon(box, spawn))
+            self._spawn(_abandon(box, spawn, tmp))
             raise
         box.jails.add(jail)
         timed_out = False
@@ -238,10 +266,12 @@ class LocalSandbox(Sandbox):
                 pass
         except BaseException:  # cancelled: the command is abandoned, so is every process it started
             _kill_jail(jail)
-            self._spawn(_collect(jail))
+            _hold(box)  # a delete or reset waits until its /tmp is gone too
+            self._spawn(_collect(box, jail, tmp))
             raise
         finally:
             box.jails.discard(jail)
+        await _clear_tmp(tmp)  # every process of the jail is gone: nothing writes there any more
         return exec_result(jail.returncode, timed_out, wall, out, err, box.closing)
 
     # ----------------------------------------------------------------------------------- files
@@ -323,7 +353,7 @@ def _let_go(box: _Box) -> None:
         box.idle.set()
 
 
-async def _abandon(box: _Box, spawn: asyncio.Future) -> None:
+async def _abandon(box: _Box, spawn: asyncio.Future, tmp: Path) -> None:
     """The end of a jail whose exec was cancelled while it started: killed once it exists."""
     try:
         jail = await spawn
@@ -333,12 +363,34 @@ async def _abandon(box: _Box, spawn: asyncio.Future) -> None:
     except Exception:  # noqa: BLE001 (it never started: nothing to kill)
         pass
     finally:
+        await _clear_tmp(tmp)
         _let_go(box)
 
 
-async def _collect(jail: asyncio.subprocess.Process) -> None:
-    with contextlib.suppress(Exception):
-        await jail.wait()
+async def _collect(box: _Box, jail: asyncio.subprocess.Process, tmp: Path) -> None:
+    try:
+        with contextlib.suppress(Exception):
+            await jail.wait()
+        await _clear_tmp(tmp)
+    finally:
+        _let_go(box)
+
+
+def _drop_tmp(tmp: Path) -> bool:
+    """Remove an exec's ``/tmp`` if it is empty (the usual case: no thread needed); False if not."""
+    try:
+        os.rmdir(tmp)
+    except OSError as exc:
+        return exc.errno != errno.ENOTEMPTY  # gone already (the sandbox was removed): nothing to do
+    return True
+
+
+async def _clear_tmp(tmp: Path) -> None:
+    """Remove an exec's ``/tmp`` with what its processes left there. ``rmtree`` works through
+    descriptors and never follows a symlink the sandbox planted; a failure leaves files that the
+    next reset or the delete removes with the whole tmpfs."""
+    if not _drop_tmp(tmp):
+        await asyncio.to_thread(shutil.rmtree, tmp, ignore_errors=True)
 
 
 def _kill_jail(jail: asyncio.subprocess.Process) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import errno
 import io
 import os
+import secrets
 import stat
 import tarfile
 from collections.abc import Iterator
@@ -121,10 +122,14 @@ def read_file(root: str, path: str, *, limit: int) -> bytes:
 def extract_archive(root: str, path: str, archive: bytes, *, uid: int, limit: int) -> int:
     """The tar ``archive`` unpacked under ``root/path`` (``"."``: the work directory itself).
 
-    Only directories and regular files are accepted; every member's name follows the rules of
-    :func:`split`. The whole archive is checked before anything is written: a link, a device, a
-    FIFO, an absolute or ``..`` name, or more than ``limit`` bytes refuses all of it. Returns the
-    number of files written.
+    All or nothing: only directories and regular files are accepted, every member's name follows
+    the rules of :func:`split`, and the whole archive is checked before anything is written (a
+    link, a device, a FIFO, an absolute or ``..`` name, a name that is both a file and a directory,
+    more than ``limit`` bytes, or a path where the work directory has something else: a symlink, a
+    file where a directory goes, refuses all of it). Files are then written into a staging
+    directory of root's on the same tmpfs and only moved into place (a rename each) once all of
+    them are written, so a full work directory also refuses the whole archive. Returns the number
+    of files written.
     """
     base = [] if path in ("", ".") else split(path)
     try:
@@ -132,43 +137,224 @@ def extract_archive(root: str, path: str, archive: bytes, *, uid: int, limit: in
     except tarfile.TarError as exc:
         raise ValueError(f"sandbox archive for {path!r}: not a readable tar archive ({exc})") from None
     with tar:
-        members = tar.getmembers()
-        total = 0
-        for m in members:
-            if not (m.isreg() or m.isdir()):
-                kind = "symlink" if m.issym() else "hard link" if m.islnk() else "device or FIFO"
-                raise ValueError(f"sandbox archive member {m.name!r}: a {kind}; only files and directories are allowed")
-            split(m.name)
-            total += m.size
-            if total > limit:
-                raise ValueError(f"sandbox archive for {path!r}: more than {limit} bytes of files")
-        written = 0
-        for m in members:
-            name = os.fsdecode(b"/".join([*base, *split(m.name)]))
-            if m.isdir():
-                write_dir(root, name, uid=uid)
+        plan = _plan(tar.getmembers(), base, path, limit)
+        root_fd = os.open(root, _DIR_FLAGS)
+        try:
+            missing = _absent(root_fd, plan, path)
+            stage, stage_fd = _stage(root_fd, tar, plan, uid, path)
+            try:
+                _place(root, plan, missing, stage_fd, uid=uid, path=path)
+            finally:
+                _unstage(root_fd, stage, stage_fd)
+        finally:
+            os.close(root_fd)
+    return sum(1 for member in plan.values() if member is not _DIR)
+
+
+_DIR = object()  # a planned directory (a file is planned as its tar member)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _plan(members: list[tarfile.TarInfo], base: list[bytes], path: str, limit: int) -> dict[tuple[bytes, ...], object]:
+    """Every path the archive makes (its directories, the ones above its members, its files; of
+    a file named twice the last wins, as tar does), or ValueError on the first bad member."""
+    plan: dict[tuple[bytes, ...], object] = {tuple(base[:i]): _DIR for i in range(1, len(base) + 1)}
+    total = 0
+    for m in members:
+        if not (m.isreg() or m.isdir()):
+            kind = "symlink" if m.issym() else "hard link" if m.islnk() else "device or FIFO"
+            raise ValueError(f"sandbox archive member {m.name!r}: a {kind}; only files and directories are allowed")
+        parts = (*base, *split(m.name))
+        total += m.size
+        if total > limit:
+            raise ValueError(f"sandbox archive for {path!r}: more than {limit} bytes of files")
+        for i in range(len(base) + 1, len(parts) + 1):
+            is_dir = i < len(parts) or m.isdir()
+            before = plan.get(parts[:i])
+            if before is not None and (before is _DIR) != is_dir:
+                raise ValueError(f"sandbox archive member {m.name!r}: {os.fsdecode(b'/'.join(parts[:i]))!r} is both "
+                                 f"a file and a directory in the archive")
+            plan[parts[:i]] = _DIR if is_dir else m
+    return plan
+
+
+def _absent(root_fd: int, plan: dict[tuple[bytes, ...], object], path: str) -> set[tuple[bytes, ...]]:
+    """The planned paths the work directory does not have yet; ValueError when it has one as
+    something else than planned (a symlink, which is never followed, counts as something else)."""
+    missing: set[tuple[bytes, ...]] = set()
+    for parts in sorted(plan, key=len):  # a directory before what is in it: every parent checked already
+        if parts[:-1] in missing:
+            missing.add(parts)
+            continue
+        name = b"/".join(parts)
+        try:
+            mode = os.lstat(name, dir_fd=root_fd).st_mode
+        except FileNotFoundError:
+            missing.add(parts)
+            continue
+        except OSError as exc:
+            raise ValueError(f"sandbox archive for {path!r}: cannot check {os.fsdecode(name)!r} "
+                             f"({exc.strerror}); nothing was written") from None
+        want_dir = plan[parts] is _DIR
+        if (stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)):
+            continue
+        there = "a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else \
+            "a regular file" if stat.S_ISREG(mode) else "a special file"
+        raise ValueError(f"sandbox archive for {path!r}: {os.fsdecode(name)!r} is {there} in the work directory, "
+                         f"the archive has a {'directory' if want_dir else 'file'} there; nothing was written")
+    return missing
+
+
+def _stage(root_fd: int, tar: tarfile.TarFile, plan: dict, uid: int, path: str) -> tuple[bytes, int]:
+    """Every file of the plan written into a new directory of root's (mode 0700: the sandbox cannot
+    enter it) at the top of the work directory, named by its index in the plan."""
+    stage = f".unpack-{secrets.token_hex(6)}".encode()
+    os.mkdir(stage, 0o700, dir_fd=root_fd)
+    stage_fd = os.open(stage, _DIR_FLAGS, dir_fd=root_fd)
+    try:
+        info = os.fstat(stage_fd)
+        if info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077:  # swapped by the sandbox meanwhile
+            raise ValueError(f"sandbox archive for {path!r}: its staging directory was replaced; nothing was written")
+        for index, member in enumerate(plan.values()):
+            if member is _DIR:
                 continue
-            source = tar.extractfile(m)
-            write_file(root, name, source.read() if source else b"", uid=uid, limit=limit)
-            written += 1
-    return written
+            source = tar.extractfile(member)
+            data = source.read() if source else b""
+            fd = os.open(str(index), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
+                         dir_fd=stage_fd)
+            with open(fd, "wb", closefd=True) as f:
+                os.fchown(fd, uid, uid)
+                f.write(data)
+    except BaseException as exc:
+        _unstage(root_fd, stage, stage_fd)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise ValueError(f"sandbox archive for {path!r}: does not fit in the work directory "
+                             f"({exc.strerror}); nothing was written") from None
+        raise
+    return stage, stage_fd
 
 
-def write_dir(root: str, path: str, *, uid: int) -> None:
-    parts = split(path)
-    with _walk(root, [*parts, b"."], create=True, uid=uid, path=path):
-        pass
+def _place(root: str, plan: dict, missing: set, stage_fd: int, *, uid: int, path: str) -> None:
+    """Make the planned directories the work directory lacks and move each staged file into
+    place. A failure here (the sandbox changed those paths meanwhile) removes what this call made;
+    a file it replaced keeps the archive's content."""
+    made: list[tuple[bytes, ...]] = []
+    name = path
+    try:
+        for index, parts in sorted(enumerate(plan), key=lambda item: len(item[1])):
+            name = os.fsdecode(b"/".join(parts))
+            with _walk(root, list(parts), create=False, uid=uid, path=name) as parent:
+                if plan[parts] is not _DIR:
+                    os.rename(str(index), parts[-1], src_dir_fd=stage_fd, dst_dir_fd=parent)
+                elif parts in missing:
+                    os.mkdir(parts[-1], DIR_MODE, dir_fd=parent)
+                    os.chown(parts[-1], uid, uid, dir_fd=parent, follow_symlinks=False)
+                else:
+                    continue
+            if parts in missing:
+                made.append(parts)
+    except BaseException as exc:
+        _unplace(root, plan, made, uid=uid)
+        if isinstance(exc, (OSError, ValueError)):
+            raise ValueError(f"sandbox archive for {path!r}: {name!r} changed while the archive was unpacked "
+                             f"({exc}); what this call made was removed") from None
+        raise
+
+
+def _unplace(root: str, plan: dict, made: list[tuple[bytes, ...]], *, uid: int) -> None:
+    """Remove the files and directories :func:`_place` made, the deepest first."""
+    for parts in reversed(made):
+        with contextlib.suppress(OSError, ValueError), \
+                _walk(root, list(parts), create=False, uid=uid, path="") as parent:
+            if plan[parts] is _DIR:
+                os.rmdir(parts[-1], dir_fd=parent)
+            else:
+                os.unlink(parts[-1], dir_fd=parent)
+
+
+def _unstage(root_fd: int, stage: bytes, stage_fd: int) -> None:
+    """Remove the staging directory and what is left in it (nothing, once every file moved)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(stage_fd):
+            os.unlink(name, dir_fd=stage_fd)
+    os.close(stage_fd)
+    with contextlib.suppress(OSError):
+        os.rmdir(stage, dir_fd=root_fd)
 
 
 def give_files(root: str, uid: int) -> int:
     """Make everything under ``root`` belong to ``uid`` (files a program on the host wrote into a
     sandbox's work directory, so the sandbox may change them); how many entries changed owner.
-    Walked by descriptor without following a symlink: a link is re-owned itself, never its target."""
-    count = 0
-    for _, dirs, files, dir_fd in os.fwalk(root, follow_symlinks=False):
-        for name in (*dirs, *files):
+
+    Walked by descriptor without following a symlink (a link is re-owned itself, never its
+    target), and without recursion or a descriptor per level: a tree of any depth holds one
+    descriptor below the root, going down by name and back up by ``..``. Each step up is checked
+    against the directory passed on the way down (a directory the sandbox moved meanwhile would
+    lead elsewhere): then the walk starts again, and entries already handed over are not counted
+    twice."""
+    counted = [0]  # across walks: an entry handed over once is skipped by the next walk
+    for _ in range(_WALKS):
+        try:
+            _give_walk(root, uid, counted)
+            return counted[0]
+        except _Moved:
+            continue
+    raise RuntimeError(f"sandbox adopt: directories under {root} kept moving during {_WALKS} walks; "
+                       f"run adopt again once nothing in the sandbox moves them")
+
+
+_WALKS = 3
+
+
+class _Moved(Exception):
+    """A step up by ``..`` did not reach the directory the walk came down from."""
+
+
+def _give_walk(root: str, uid: int, counted: list[int]) -> None:
+    top = fd = os.open(root, _DIR_FLAGS)
+    try:
+        levels = [(_identity(fd), _give_entries(fd, uid, counted))]  # per directory down to fd: its subdirectories left
+        while levels:
+            subdirs = levels[-1][1]
+            if subdirs:
+                try:
+                    child = os.open(subdirs.pop(), _DIR_FLAGS, dir_fd=fd)
+                except OSError:  # gone, or replaced by a file or a symlink since it was listed
+                    continue
+                if fd != top:
+                    os.close(fd)
+                fd = child
+                levels.append((_identity(fd), _give_entries(fd, uid, counted)))
+                continue
+            levels.pop()
+            if not levels:
+                break
+            up = top if len(levels) == 1 else os.open(b"..", _DIR_FLAGS, dir_fd=fd)
+            if fd != top:
+                os.close(fd)
+            fd = up
+            if _identity(fd) != levels[-1][0]:
+                raise _Moved
+    finally:
+        if fd != top:
+            os.close(fd)
+        os.close(top)
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    info = os.fstat(fd)
+    return info.st_dev, info.st_ino
+
+
+def _give_entries(fd: int, uid: int, counted: list[int]) -> list[str]:
+    """Hand the entries of the directory ``fd`` to ``uid``; the names of its subdirectories."""
+    subdirs = []
+    with os.scandir(fd) as entries:
+        for entry in entries:
             with contextlib.suppress(FileNotFoundError):
-                if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_uid != uid:
-                    os.chown(name, uid, uid, dir_fd=dir_fd, follow_symlinks=False)
-                    count += 1
-    return count
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    os.chown(entry.name, uid, uid, dir_fd=fd, follow_symlinks=False)
+                    counted[0] += 1
+                if entry.is_dir(follow_symlinks=False):
+                    subdirs.append(entry.name)
+    return subdirs

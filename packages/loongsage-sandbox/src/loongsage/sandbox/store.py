@@ -2,16 +2,20 @@
 
 One root (``$LOONGSAGE_SANDBOX_ROOT``, default ``/tmp/loongsage-sandboxes``) holds::
 
-    uids/<uid>.lock     held (flock) by the process using that uid for a sandbox
     <id>/owner.json     run, trajectory, attempt, deadline, uid, and the creating process (pid + start time)
-    <id>/etc/           the sandbox's passwd, group, hosts
     <id>/work/          the work directory: a tmpfs of ``work_mb``, owned by the sandbox's uid
+    <id>/scratch/       a tmpfs of ``tmp_mb``: etc/{passwd,group,hosts}, and tmp.<n>/, each exec's /tmp
+    <id>/pts/           the sandbox's devpts instance (``max=ptys``)
 
-A uid is claimed by locking its file, and the lock goes away with the process that held it (a
-crash included), so two processes (two runs on one machine) never share a uid and no claim goes
-stale. A sandbox is an *orphan* when its creating process is gone: the pid no longer exists, or
-now names another process (a different start time). Orphans are removed by the next pool that
-starts (:meth:`SandboxStore.reap_orphans`).
+Both tmpfs have ``nr_inodes`` as well as ``size``: empty files take no space but kernel memory.
+
+uids are claimed machine-wide, whatever the root: :data:`UID_LOCKS` holds ``<uid>.lock``, held
+(flock) by the process using that uid for a sandbox. Two backends with different roots (two runs on
+one machine) never share a uid, so never a process limit, and one's delete or orphan sweep, which
+kill by uid, never reaches the other's processes. The lock goes away with the process that held it
+(a crash included), so no claim goes stale. A sandbox is an *orphan* when its creating process is
+gone: the pid no longer exists, or now names another process (a different start time). Orphans are
+removed by the next pool that starts on their root (:meth:`SandboxStore.reap_orphans`).
 """
 
 from __future__ import annotations
@@ -30,13 +34,18 @@ from pathlib import Path
 
 from loongsage.core.contracts import SandboxOwner
 from loongsage.sandbox.jail import identity_files
+from loongsage.sandbox.limits import Limits
 
 ROOT_VARIABLE = "LOONGSAGE_SANDBOX_ROOT"
 DEFAULT_ROOT = "/tmp/loongsage-sandboxes"
 UID_BASE = 3_000_000  # far above real users and the usual subordinate-uid ranges (100000 + 65536 * n)
 UID_COUNT = 100_000
-MS_NOSUID, MS_NODEV = 2, 4
+# one directory for the whole machine (not under a root: two roots must not hand out one uid);
+# /run is root's, and cleared at boot where it is a tmpfs, when no claim can be alive anyway
+UID_LOCKS = Path("/run/loongsage-sandbox/uids")
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MNT_DETACH = 2
+MOUNTS = ("work", "scratch", "pts")  # what each sandbox directory has mounted
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -77,9 +86,9 @@ class Marker:
 class UidClaim:
     """One uid of the range, held by this process until :meth:`release`."""
 
-    def __init__(self, locks: Path, only: int | None = None):
+    def __init__(self, only: int | None = None, locks: Path = UID_LOCKS):
         """The lowest free uid (lock files stay few), or ``only`` that one (LookupError if taken)."""
-        locks.mkdir(parents=True, exist_ok=True)
+        locks.mkdir(mode=0o700, parents=True, exist_ok=True)
         candidates = range(UID_BASE, UID_BASE + UID_COUNT) if only is None else (only,)
         for uid in candidates:
             fd = os.open(locks / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -111,8 +120,9 @@ class SandboxStore:
     def folder(self, sandbox_id: str) -> Path:
         return self.root / sandbox_id
 
-    def make(self, owner: SandboxOwner, deadline: float, uid: int, work_mb: int) -> str:
-        """A new sandbox directory with its marker and an empty work tmpfs; its id.
+    def make(self, owner: SandboxOwner, deadline: float, uid: int, limits: Limits) -> str:
+        """A new sandbox directory with its marker, an empty work tmpfs, its scratch tmpfs and its
+        devpts; its id.
 
         No await inside (callers run it on the event loop): a cancelled caller cannot leave half of it.
         """
@@ -121,13 +131,22 @@ class SandboxStore:
         folder.mkdir(mode=0o700)  # only root on the host reaches a work directory
         try:
             self.mark(sandbox_id, owner, deadline, uid)
-            identity_files(folder / "etc", uid)
-            (folder / "work").mkdir(mode=0o700)
-            mount_tmpfs(folder / "work", work_mb, uid)
+            for name in MOUNTS:
+                (folder / name).mkdir(mode=0o700)
+            self._fill(folder, uid, limits)
+            mount_devpts(folder / "pts", limits.ptys)
         except BaseException:
             self.remove(sandbox_id)
             raise
         return sandbox_id
+
+    @staticmethod
+    def _fill(folder: Path, uid: int, limits: Limits) -> None:
+        """Mount the work and scratch tmpfs at ``folder`` (empty, then the identity files)."""
+        mount_tmpfs(folder / "work", limits.work_mb, limits.inodes(limits.work_mb), uid=uid, mode=0o711)
+        # root's, like /etc; a few inodes more than tmp_mb's share for etc/, its files and each exec's /tmp
+        mount_tmpfs(folder / "scratch", limits.tmp_mb, limits.inodes(limits.tmp_mb) + 16, uid=0, mode=0o711)
+        identity_files(folder / "scratch", uid)
 
     def mark(self, sandbox_id: str, owner: SandboxOwner, deadline: float, uid: int) -> None:
         marker = Marker(owner.run, owner.trajectory, owner.attempt, deadline, uid, self._pid, self._pid_start)
@@ -142,16 +161,19 @@ class SandboxStore:
         except (OSError, ValueError, TypeError):
             return None
 
-    def empty_work(self, sandbox_id: str, uid: int, work_mb: int) -> None:
-        """A fresh work tmpfs in place of the old one (faster and surer than deleting its files)."""
-        work = self.folder(sandbox_id) / "work"
-        unmount(work)
-        mount_tmpfs(work, work_mb, uid)
+    def empty_work(self, sandbox_id: str, uid: int, limits: Limits) -> None:
+        """Fresh work and scratch tmpfs in place of the old ones (faster and surer than deleting
+        files). The devpts stays: no process is left to hold a pseudo-terminal of it."""
+        folder = self.folder(sandbox_id)
+        unmount(folder / "work")
+        unmount(folder / "scratch")
+        self._fill(folder, uid, limits)
 
     def remove(self, sandbox_id: str) -> None:
         """Unmount and delete everything of a sandbox (its processes must be gone already)."""
         folder = self.folder(sandbox_id)
-        unmount(folder / "work")
+        for name in MOUNTS:
+            unmount(folder / name)
         shutil.rmtree(folder, ignore_errors=True)
 
     def sandbox_ids(self) -> list[str]:
@@ -176,7 +198,7 @@ class SandboxStore:
                 # killed only while this process holds the uid: a live sandbox may have it again
                 # (its processes are its own), and the orphan's jails died with their creator
                 try:
-                    claim = UidClaim(self.root / "uids", only=marker.uid)
+                    claim = UidClaim(only=marker.uid)
                 except LookupError:
                     claim = None
                 if claim is not None:
@@ -187,11 +209,22 @@ class SandboxStore:
         return count
 
 
-def mount_tmpfs(path: Path, size_mb: int, uid: int) -> None:
-    data = f"size={size_mb}m,mode=0711,uid={uid},gid={uid}".encode()  # x for all: bwrap chdirs there without capabilities
-    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", MS_NOSUID | MS_NODEV, data) != 0:
+def mount_tmpfs(path: Path, size_mb: int, inodes: int, *, uid: int, mode: int) -> None:
+    # x for all (0711): bwrap chdirs into the work directory without capabilities
+    _mount(b"tmpfs", path, f"size={size_mb}m,nr_inodes={inodes},mode={mode:04o},uid={uid},gid={uid}",
+           MS_NOSUID | MS_NODEV)
+
+
+def mount_devpts(path: Path, ptys: int) -> None:
+    """A devpts instance of its own (``newinstance``) holding at most ``ptys`` pseudo-terminals;
+    ``ptmxmode=0666`` lets the sandbox's uid open its ``ptmx`` (bwrap's ``/dev/ptmx`` links there)."""
+    _mount(b"devpts", path, f"newinstance,ptmxmode=0666,mode=0620,max={ptys}", MS_NOSUID | MS_NOEXEC)
+
+
+def _mount(kind: bytes, path: Path, data: str, flags: int) -> None:
+    if _libc.mount(kind, os.fsencode(path), kind, flags, data.encode()) != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"could not mount the work tmpfs at {path}: {os.strerror(err)}")
+        raise OSError(err, f"could not mount a {kind.decode()} at {path} ({data}): {os.strerror(err)}")
 
 
 def unmount(path: Path) -> None:
