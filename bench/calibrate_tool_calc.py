@@ -20,7 +20,7 @@ from pathlib import Path
 from loongsage.agentflow.tool_calc import ToolCalcReward
 from loongsage.agentflow.warmstart import (ToolCalcWarmStartParams, build_tool_calc_warm_start,
                                            cached_tool_calc_warm_start)
-from loongsage.core.embedded.warmstart import INFO_FILE
+from loongsage.core.embedded.builds import INFO_FILE
 from loongsage.core.types import SamplingParams
 
 

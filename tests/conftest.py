@@ -14,6 +14,14 @@ from tests._procs import survivors
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Ray reads this switch once, when ``ray`` is first imported, and test modules import it at
+# collection, long before a fixture runs: set here, in the first module pytest imports. Left on,
+# under `uv run pytest` Ray makes every worker a `uv run` of a copy of the checkout in the session's
+# runtime_resources, where uv builds a second .venv (gigabytes per session). The workers must run in
+# this very environment; subprocesses the tests start inherit the switch. Forced, not defaulted: a
+# value from the shell would bring the copy back.
+os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("LOONGSAGE_RUN_GPU") == "1":
         return
@@ -31,7 +39,7 @@ def model_cache() -> Path:
     they share the cache the README's first command fills: on a fresh machine the first test that
     needs the model builds it once (about a minute on two idle cores).
     """
-    from loongsage.core.embedded.warmstart import default_cache_dir
+    from loongsage.core.embedded.builds import default_cache_dir
 
     path = Path(os.environ.get("LOONGSAGE_TEST_CACHE") or default_cache_dir())
     os.environ["LOONGSAGE_CACHE"] = str(path)

@@ -57,6 +57,24 @@ def gateway(tiny):
     gw.stop_background()
 
 
+@pytest.fixture(scope="module")
+def wide_gateway(tiny):
+    """A gateway like ``gateway``'s over an engine with room for long prompts (4096 tokens: the
+    tiny tokenizer spends about one token per 1.5 characters) and the default 8 MiB body limit."""
+    from loongsage.agentflow.engines import DirectEngine
+    from loongsage.agentflow.gateway import Gateway
+    from loongsage.agentflow.parsers import Qwen3ChatParser
+    from loongsage.agentflow.service import ChatService
+    from loongsage.core.embedded.engine import NativeEngine
+
+    path, tokenizer = tiny
+    engine = Recorder(DirectEngine(NativeEngine(path, max_model_len=4096, max_batch_size=8)))
+    gw = Gateway(ChatService(engine, tokenizer, parser=Qwen3ChatParser()))
+    gw.start_background()
+    yield gw
+    gw.stop_background()
+
+
 _ids = iter(range(10**9))
 
 

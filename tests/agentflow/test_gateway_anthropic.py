@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import anthropic
+import httpx
+import openai
 import pytest
 
 pytestmark = pytest.mark.timeout(120)
@@ -64,3 +68,44 @@ def test_errors_come_in_anthropic_shape(gateway, session):
     with pytest.raises(anthropic.NotFoundError):
         anthropic.Anthropic(base_url=f"{gateway.url}/nobody/0", api_key="k", max_retries=0).messages.create(
             model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+
+class BrokenParser:
+    """A chat parser that fails: a fault of the gateway itself, not of the request."""
+
+    kind = "chat_parser"
+
+    def parse(self, text):
+        raise RuntimeError("the parser broke")
+
+
+def test_route_errors_and_failures_come_in_anthropic_shape(gateway, session):
+    base = session.anthropic_base_url
+    for resp, status in [(httpx.get(f"{base}/v1/messages"), 405),  # a route's own errors
+                         (httpx.post(f"{gateway.url}/v1/messages", json={}), 404),
+                         (httpx.post(f"{base}/v1/messages/count_tokens", json={}), 404)]:
+        assert resp.status_code == status and resp.json()["type"] == "error", resp.text
+        assert resp.json()["error"]["type"] == ("not_found_error" if status == 404 else "api_error")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "loongsage.agentflow")]
+    saved = gateway.service.parser
+    for logger in loggers:
+        logger.addHandler(handler)
+    gateway.service.parser = BrokenParser()
+    try:
+        with pytest.raises(anthropic.InternalServerError) as err:
+            _client(session).messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(openai.InternalServerError) as openai_err:  # the other protocols keep theirs
+            chat = openai.OpenAI(base_url=session.openai_base_url, api_key=session.api_key, max_retries=0).chat
+            chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hello"}])
+    finally:
+        gateway.service.parser = saved
+        for logger in loggers:
+            logger.removeHandler(handler)
+    assert err.value.status_code == 500 and err.value.body == {
+        "type": "error", "error": {"type": "api_error", "message": "internal error: RuntimeError"}}
+    assert openai_err.value.body["message"] == "internal error: RuntimeError"
+    # each failure is one traceback in the log, not one per layer
+    assert [r.exc_info[0] for r in records if r.exc_info] == [RuntimeError, RuntimeError]

@@ -1,10 +1,12 @@
-"""Hostile and careless clients: every bad request is a 4xx with a message (never a 5xx), budgets
-end in an API error and a truncated trajectory, and a client that vanishes mid-stream leaves no
-lock held."""
+"""Hostile and careless clients: every bad request is a 4xx with a message (never a 5xx), lone
+UTF-16 surrogates (valid JSON) are read as U+FFFD in every protocol and field, budgets end in an
+API error and a truncated trajectory, a client that vanishes mid-stream leaves no lock held, and
+one that hangs up while sending its body costs one log line."""
 
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 
@@ -143,18 +145,30 @@ def test_a_client_gone_mid_stream_leaves_no_lock_held(gateway, session):
     assert sorted(len(t.metadata["turns"]) for t in lines) == [1, 1]
 
 
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+# any code point: lone UTF-16 surrogates (what a JavaScript client that cuts a string mid-emoji
+# sends, valid JSON) and noncharacters too
+_odd = st.sampled_from(["\ud83d", "\ude00", "\ud800", "\udfff", "\ufffe", "\uffff", "\U0010ffff", "\x00"])
+# (a list joined: st.text over this union would draw from the characters strategy alone)
+_strings = st.lists(st.characters(exclude_categories=()) | _odd, max_size=8).map("".join)
+_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _strings,
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_strings, inner, max_size=3),
                      max_leaves=10)
 _keys = st.sampled_from(["messages", "model", "max_tokens", "n", "tools", "stop", "temperature", "stream", "seed",
                          "tool_choice", "system", "stop_sequences", "top_k", "stream_options", "logprobs",
                          "input", "instructions", "max_output_tokens", "text", "previous_response_id"])
 
 
+# well-formed fields too (any protocol's), so odd text gets past validation into a turn
+_fields = st.fixed_dictionaries({"model": _strings, "max_tokens": st.just(2)}, optional={
+    "system": _strings, "instructions": _strings, "stop": st.lists(_strings.filter(bool), max_size=2),
+    "stop_sequences": st.lists(_strings.filter(bool), max_size=2)})
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.dictionaries(_keys, _json, max_size=6), messages=st.lists(st.dictionaries(
+@given(body=st.dictionaries(_keys, _json, max_size=6) | _fields, messages=st.lists(st.dictionaries(
     st.sampled_from(["role", "content", "tool_calls", "tool_call_id"]), _json | st.sampled_from(["user", "assistant",
-                                                                                               "tool", "system"])),
+                                                                                               "tool", "system"]))
+    | st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": _strings}),
     max_size=3), path=st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/responses"]))
 def test_no_body_makes_a_5xx(gateway, body, messages, path):
     session = gateway.open_session(f"fuzz-{time.monotonic_ns()}", budget=Budget(default_max_tokens=2))
@@ -170,3 +184,65 @@ def test_no_body_makes_a_5xx(gateway, body, messages, path):
     if resp.status_code >= 400:
         payload = resp.json()
         assert (payload.get("error") or {}).get("message"), payload
+
+
+CUT = "cut \ud83d"  # a text cut after the first half of an emoji: a lone high surrogate
+PARAMS = {"type": "object", "properties": {"x\udfff": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": CUT, "messages": [{"role": "system", "content": CUT},
+                                                        {"role": "user", "content": [{"type": "text", "text": CUT}]}],
+                              "stop": [CUT, "\udfff"], "max_tokens": 2,
+                              "tools": [{"type": "function", "function": {"name": "f" + CUT, "parameters": PARAMS}}]}),
+    ("/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c\ud800", "type": "function", "function": {
+            "name": "f", "arguments": json.dumps({"x": "\ud800"})}}]},  # escaped twice: decoded only in arguments
+        {"role": "tool", "tool_call_id": "c\ud800", "content": "\ude00 tail"}]}),
+    ("/v1/messages", {"model": CUT, "max_tokens": 2, "system": [{"type": "text", "text": CUT}],
+                      "stop_sequences": [CUT], "messages": [{"role": "user", "content": CUT}],
+                      "tools": [{"name": "t" + CUT, "input_schema": PARAMS}]}),
+    ("/v1/responses", {"model": CUT, "instructions": CUT, "input": [{"role": "user", "content": CUT}],
+                       "max_output_tokens": 2,
+                       "tools": [{"type": "function", "name": "t" + CUT, "parameters": PARAMS}]}),
+])
+def test_lone_surrogates_are_read_as_replacement_characters(gateway, path, body):
+    session = gateway.open_session(f"surrogates-{time.monotonic_ns()}")
+    resp = _post(session, path, body)  # json.dumps writes each lone surrogate as its \\u escape
+    assert "\\ud83d" in json.dumps(body) or "\\ud800" in json.dumps(body)
+    assert resp.status_code == 200, resp.text
+    (trajectory,) = gateway.close_session_threadsafe(session.trajectory).trajectories()
+    recorded = json.dumps([trajectory.metadata["messages"], trajectory.metadata["tools"]], ensure_ascii=False)
+    recorded.encode()  # valid text throughout: no surrogate left
+    assert "\ufffd" in recorded
+    if path == "/v1/chat/completions" and "tool_calls" in body["messages"][1]:
+        (call,) = trajectory.metadata["messages"][1]["tool_calls"]
+        assert call["id"] == "c\ufffd" and call["function"]["arguments"] == {"x": "\ufffd"}
+
+
+def test_a_client_gone_while_sending_its_body_is_one_log_line(gateway, session):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "loongsage.agentflow")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        with socket.create_connection((gateway.host, gateway.port)) as sock:  # promises 1000 bytes, sends 10
+            sock.sendall(f"POST /{session.trajectory}/0/v1/messages HTTP/1.1\r\nhost: x\r\n"
+                         f"x-api-key: {session.api_key}\r\ncontent-length: 1000\r\n\r\n{{\"model\": ".encode())
+            time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        while not records and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)  # a second report, if any, comes right after the first
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    assert len(records) == 1 and records[0].exc_info is None, [(r.name, r.getMessage()) for r in records]
+    assert "hung up while sending its request" in records[0].getMessage()
+    assert _post(session, "/v1/chat/completions", {"messages": USER, "max_tokens": 1}).status_code == 200

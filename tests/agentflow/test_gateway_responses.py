@@ -7,8 +7,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
+from openai.types.responses import Response, ResponseUsage
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _conversations import LOOKUP  # noqa: E402
@@ -80,3 +82,13 @@ def test_what_cannot_be_honoured_is_one_400(gateway, session, extra, field):
     with pytest.raises(openai.BadRequestError) as err:
         _client(session).responses.create(**body)
     assert err.value.status_code == 400 and err.value.body["param"] == field
+
+
+def test_the_usage_has_every_field_of_the_official_model(gateway, session):
+    resp = httpx.post(f"{session.openai_base_url}/responses", headers={"authorization": f"Bearer {session.api_key}"},
+                      json={"model": "tiny", "input": "1+1=", "max_output_tokens": 2})
+    assert resp.status_code == 200, resp.text
+    usage = ResponseUsage.model_validate(resp.json()["usage"])  # validated: every required field present
+    assert usage.input_tokens_details.cache_write_tokens == 0 and usage.input_tokens_details.cached_tokens == 0
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    Response.model_validate(resp.json())

@@ -1,9 +1,11 @@
 """Gateway middlewares (``loongsage_gateway_middlewares``) on a real gateway, with the official clients:
 a rewriting middleware changes what the model is asked, ``rate_limit`` answers 429 in each
-protocol's error shape without reaching the model, ``request_log`` writes one line per request."""
+protocol's error shape, with Retry-After, without reaching the model, ``request_log`` writes one
+line per request, failures included."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import anthropic
@@ -93,3 +95,59 @@ def test_rate_limit_answers_429_in_each_protocol_without_reaching_the_model(limi
 def test_request_log_needs_a_path_outside_a_run():
     with pytest.raises(ValueError, match="path: required outside a run"):
         RequestLog()
+
+
+def test_rate_limit_answers_each_protocol_in_its_shape_with_retry_after(limited):
+    gw, _, _ = limited
+    info = gw.open_session("limited-responses")
+    client = _openai(info)
+    for k in range(2):  # the burst
+        client.responses.create(model="m", input=f"{k}+1=", max_output_tokens=2)
+    with pytest.raises(openai.RateLimitError) as err:
+        client.responses.create(model="m", input="1+1=", max_output_tokens=2)
+    body = err.value.response.json()  # OpenAI's shape, as the Responses API writes its errors
+    assert set(body) == {"error"} and body["error"]["type"] == "rate_limit_error" and "code" in body["error"]
+    assert 1 <= int(err.value.response.headers["retry-after"]) <= 5  # 0.2 requests a second: 5 s at most
+    assert 0 < int(err.value.response.headers["retry-after-ms"]) <= 5000
+    claude = anthropic.Anthropic(base_url=info.anthropic_base_url, api_key=info.api_key, max_retries=0, timeout=60)
+    with pytest.raises(anthropic.RateLimitError) as claude_err:
+        claude.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": "1+1="}])
+    assert claude_err.value.response.json()["type"] == "error"
+    assert int(claude_err.value.response.headers["retry-after"]) >= 1
+
+
+class BrokenParser:
+    kind = "chat_parser"
+
+    def parse(self, text):
+        raise RuntimeError("the parser broke")
+
+
+def test_request_log_records_failures_and_responses_input(limited):
+    gw, log, _ = limited
+    client = _openai(gw.open_session("logged"))
+    client.responses.create(model="m", input=[{"role": "user", "content": "1+1="}, {"role": "user", "content": "2+2="}],
+                            max_output_tokens=2)
+    saved, gw.service.parser = gw.service.parser, BrokenParser()
+    try:
+        with pytest.raises(openai.InternalServerError):
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=2)
+    finally:
+        gw.service.parser = saved
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    mine = [(r["protocol"], r["messages"], r["status"], r["error"]) for r in rows if r["trajectory"] == "logged"]
+    assert mine == [("responses", 2, 200, None), ("openai", 1, 500, "internal error: RuntimeError")]
+
+
+def test_request_log_records_a_later_middleware_that_fails(tmp_path):
+    log = RequestLog(path=str(tmp_path / "requests.jsonl"))
+
+    async def failing(request):
+        raise RuntimeError("a middleware broke")
+
+    request = {"protocol": "responses", "trajectory": "t", "attempt": 0, "body": {"input": "hi", "stream": True}}
+    with pytest.raises(RuntimeError):
+        asyncio.run(log(request, failing))
+    (row,) = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert (row["status"], row["messages"], row["stream"]) == (500, 1, True)
+    assert row["error"] == "internal error: RuntimeError"

@@ -438,12 +438,14 @@ def test_cwd_recipes_then_config_dir_take_precedence(tmp_path, monkeypatch) -> N
 
 
 def test_packaged_recipe_dir_matches_the_wheel_layout() -> None:
-    """The core wheel force-includes recipes/tiny where packaged_recipe_dir() looks for it."""
-    meta = tomllib.loads((REPO / "packages" / "loongsage-core" / "pyproject.toml").read_text())
-    include = meta["tool"]["hatch"]["build"]["targets"]["wheel"]["force-include"]
-    (source, target), = include.items()
-    assert (REPO / "packages" / "loongsage-core" / source).resolve() == REPO / "recipes" / "tiny"
-    assert target == "loongsage/core/recipes/tiny"
+    """The core's sdist carries recipes/tiny inside the package, where its wheel build hook (and a
+    wheel built straight from the repository) puts them and packaged_recipe_dir() looks."""
+    core = REPO / "packages" / "loongsage-core"
+    meta = tomllib.loads((core / "pyproject.toml").read_text())
+    (source, target), = meta["tool"]["hatch"]["build"]["targets"]["sdist"]["force-include"].items()
+    assert (core / source).resolve() == REPO / "recipes" / "tiny"
+    assert target == "src/loongsage/core/recipes/tiny"
+    assert 'PACKAGED = "loongsage/core/recipes/tiny"' in (core / "hatch_build.py").read_text()  # hatchling's hook
     # installed from a wheel: inside the package; editable: the repository's recipes/ itself
     assert packaged_recipe_dir().parts[-3:] == ("loongsage", "core", "recipes") or packaged_recipe_dir() == REPO / "recipes"
 

@@ -157,8 +157,8 @@ CONTRACT_CALLS = {
 CONTRACT_FLAGS = {
     "Agent": {"required_services": ()},
     "Reward": {"nested": {}, "bind": None},
-    "AdvantageEstimator": {"needs_values": False, "uses_token_rewards": False, "returns": None},
-    "PolicyLoss": {"needs_old_logprobs": True, "supported_aggregations": None},
+    "AdvantageEstimator": {"needs_values": False, "uses_token_rewards": False, "returns": None, "min_group_size": 1},
+    "PolicyLoss": {"needs_old_logprobs": True, "supported_aggregations": None, "uses_advantages": True},
     "KLEstimator": {"consumes": "logprobs", "needs_old_logprobs": False, "partial": None},
     "Correction": {"needs_logprobs": False},
     "DataFilter": {"excludes_from_loss": None},

@@ -70,8 +70,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("override_adds_an_existing_key", train("+run.seed=3"), "override '+run.seed=3': Could not append to config"),
     ("config_dir_without_value", ["train", RECIPE, "--config-dir"], "train: argument --config-dir: expected one "
      "argument"),
-    ("no_command", [], "no command given; choose one of: train, plugins, recipes, report"),
-    ("unknown_command", ["fly"], "unknown command 'fly'; choose one of: train, plugins, recipes, report"),
+    ("no_command", [], "no command given; choose one of: train, plugins, recipes, report, serve"),
+    ("unknown_command", ["fly"], "unknown command 'fly'; choose one of: train, plugins, recipes, report, serve"),
     ("report_missing_dir", ["report", "{tmp}/nope"], "report: '{tmp}/nope': no such directory"),
     ("report_dir_without_metrics", ["report", "{tmp}/cfg"], "report: no metrics.jsonl in '{tmp}/cfg'"),
     ("report_bad_metrics", ["report", "{tmp}/badrun"], "report: {tmp}/badrun/metrics.jsonl is not a run's metrics"),

@@ -87,12 +87,15 @@ def test_a_restored_rollout_goes_on_exactly_as_the_original(ray_session, in_tmp)
         assert CpuTransport().push(weights.items(), [engine])["sync/version"] == 1
         state, data = await rollout.snapshot()
         rollout.end_update(1)
-        later = [(await rollout.next_batch(1))[0] for _ in range(3)]
+        batches = [await rollout.next_batch(1) for _ in range(3)]
         await rollout.close()
         ray.kill(engine)
-        return state, data, later
+        return state, data, [b for b, _ in batches], [m["rollout/resumed_samples"] for _, m in batches], \
+            rollout.router.resumed_samples
 
-    state, data, later = asyncio.run(original())
+    state, data, later, resumed, continued = asyncio.run(original())
+    # the four cut samples were continued once each, and each step reports those since the one before
+    assert continued == 2 * B and sum(resumed) == continued, resumed
     saved = data["sources"]["arith"]
     assert sorted(seq for seq, _ in saved["buffer"]) == [2, 3]  # finished before the update, not yet trained
     cut = [(seq, calls) for seq, _, calls in saved["in_flight"]]

@@ -1,14 +1,24 @@
-"""The published shape: wheels of core + algos in a fresh venv outside the repository run a recipe."""
+"""The published shape: every package builds an sdist, and a wheel from that sdist (as an installer
+does from an sdist), each shipping the license; wheels of core + algos in a fresh venv outside the
+repository run a recipe, and a packaged recipe that needs another package names it."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tarfile
+import zipfile
+from email.parser import Parser
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
+PACKAGES = sorted(p.name for p in (REPO / "packages").iterdir() if (p / "pyproject.toml").is_file())
+TINY = sorted(p.name for p in (REPO / "recipes" / "tiny").glob("*.yaml"))
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -17,12 +27,60 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     return proc
 
 
-def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache):
-    dist = tmp_path / "dist"
-    for package in ("loongsage-core", "loongsage-algos"):
-        _run(["uv", "build", "--wheel", "--package", package, "-o", str(dist)], cwd=REPO)
-    wheels = sorted(str(p) for p in dist.glob("*.whl"))
-    assert len(wheels) == 2
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> Path:
+    """Every package built as ``uv build`` does by default: the sdist, then the wheel from the sdist."""
+    out = tmp_path_factory.mktemp("dist")
+    for package in PACKAGES:
+        _run(["uv", "build", "--package", package, "-o", str(out)], cwd=REPO)
+    return out
+
+
+def _artifacts(dist: Path, package: str) -> tuple[Path, Path]:
+    stem = package.replace("-", "_")
+    sdists, wheels = list(dist.glob(f"{stem}-*.tar.gz")), list(dist.glob(f"{stem}-*.whl"))
+    assert len(sdists) == 1 and len(wheels) == 1, (package, sorted(p.name for p in dist.iterdir()))
+    return sdists[0], wheels[0]
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_package_builds_an_sdist_and_a_wheel_from_it_with_the_license(dist, package):
+    sdist, wheel = _artifacts(dist, package)
+    license_text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    # each package ships a copy of the repository's LICENSE (a package cannot reach outside its folder)
+    assert (REPO / "packages" / package / "LICENSE").read_text() == license_text
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        assert tar.extractfile(f"{top}/LICENSE").read().decode() == license_text
+        sdist_names = tar.getnames()
+    with zipfile.ZipFile(wheel) as whl:
+        info = next(n.split("/")[0] for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        assert whl.read(f"{info}/licenses/LICENSE").decode() == license_text
+        metadata = Parser().parsestr(whl.read(f"{info}/METADATA").decode())
+        wheel_names = whl.namelist()
+    assert metadata["License-Expression"] == "Apache-2.0"
+    assert metadata.get_all("License-File") == ["LICENSE"]
+    # the README is the published description: it says at least how to install the package
+    assert re.search(rf"pip install [^\n]*\b{package}\b", metadata.get_payload()), f"{package}/README.md"
+    if package == "loongsage-core":  # the tiny recipes, carried by the sdist into the wheel
+        assert sorted(n.rsplit("/", 1)[1] for n in sdist_names if "/recipes/tiny/" in n) == TINY
+        assert sorted(n.rsplit("/", 1)[1] for n in wheel_names if n.startswith("loongsage/core/recipes/tiny/")) == TINY
+    if package == "loongsage-agentflow":  # its chat and tool_agent agents import them
+        required = {r.split(">")[0].split("=")[0].split(";")[0].strip() for r in metadata.get_all("Requires-Dist")}
+        assert {"openai", "httpx"} <= required, required
+
+
+def test_a_core_wheel_built_straight_from_the_repository_carries_the_recipes_too(tmp_path):
+    _run(["uv", "build", "--wheel", "--package", "loongsage-core", "-o", str(tmp_path)], cwd=REPO)
+    (wheel,) = tmp_path.glob("*.whl")
+    with zipfile.ZipFile(wheel) as whl:
+        names = sorted(n.rsplit("/", 1)[1] for n in whl.namelist() if n.startswith("loongsage/core/recipes/tiny/"))
+    assert names == TINY
+
+
+def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache, dist):
+    wheels = [str(_artifacts(dist, package)[1]) for package in ("loongsage-core", "loongsage-algos")]
     # Same third-party versions as the lock (so the downloads come from uv's cache), but the two
     # packages themselves only from their wheels: pip semantics, nothing from the workspace.
     constraints = tmp_path / "constraints.txt"
@@ -52,6 +110,12 @@ def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache):
                          cwd=user, env=env, capture_output=True, text=True, timeout=300)
     assert sgl.returncode == 2 and "unknown engine 'sglang'; known: native (the 'sglang' engine is in loongsage-sglang: " \
         "pip install loongsage-sglang)" in sgl.stderr, sgl.stderr
+    # packaged recipes that need another package say which, whatever the entry's kind
+    for recipe, miss, package in (("tiny/tool_calc_cpu", "unknown model_builder 'tiny_tool_calc'", "loongsage-agentflow"),
+                                  ("tiny/grpo_moe_r3_cpu", "unknown trainer 'megatron'", "loongsage-megatron")):
+        done = subprocess.run([str(venv / "bin" / "loongsage"), "train", recipe], cwd=user, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and miss in done.stderr and f"pip install {package})" in done.stderr, done.stderr
     _run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "run.name=pkg",
           "run.total_steps=2", "data_sources.0.prompts_per_step=2", "data_sources.0.samples_per_prompt=2",
           "evaluation.max_prompts=8", "evaluation.pass_k=0", "tracking.progress=false"], cwd=user, env=env)

@@ -1,6 +1,7 @@
 """The GPU recipes of published models (recipes/qwen3_*/): each composes and validates with stand-ins
 for its model folder (a config.json of the model's shape, dense or a mixture of experts, the
-embedded tokenizer) and its data file,
+embedded tokenizer), its data file and, for an OpenCode agent, its install folder (validating the
+agent only checks the install's layout; the CLI itself runs in tests/agentflow and tests/e2e),
 its parallel layout passes the trainer's checks against that shape, it asks for exactly the cards
 of its node, and its step's rows split evenly over the data-parallel ranks and mini-batches."""
 
@@ -43,6 +44,17 @@ def _stand_ins(tmp_path: Path, preset: str, arch: str) -> tuple[Path, Path]:
     return model, data
 
 
+def _opencode_stand_in(root: Path) -> Path:
+    """The layout of an OpenCode install (``opencode_install``), its binary a stub that never runs here."""
+    for name in ("opencode-linux-x64", "opencode-linux-x64-baseline", "opencode-linux-arm64"):
+        binary = root / "node_modules" / name / "bin" / "opencode"
+        binary.parent.mkdir(parents=True)
+        binary.write_text("#!/bin/sh\nexit 1\n")
+        binary.chmod(0o755)
+    (root / "config" / "node_modules" / "@opencode-ai" / "plugin").mkdir(parents=True)
+    return root
+
+
 @pytest.mark.parametrize("name", sorted(SEED))
 def test_a_seed_recipe_fits_its_model_and_its_node(name, tmp_path):
     preset, arch, cards = SEED[name]
@@ -56,6 +68,9 @@ def test_a_seed_recipe_fits_its_model_and_its_node(name, tmp_path):
         overrides.append(f"data_sources.{i}.reader.params.path={data}")
         if (source.get("teacher") or {}).get("name") == "trainer":
             overrides.append(f"data_sources.{i}.teacher.params.path={model}")
+        if (source.get("agent") or {}).get("name") == "opencode":
+            install = _opencode_stand_in(tmp_path / f"opencode_{i}")
+            overrides.append(f"data_sources.{i}.agent.params.install_dir={install}")
     cfg, registry = load_config(name, overrides, config_dir=str(RECIPES))
     spec = cfg.trainer.backend
     params = registry.check("trainer", spec, "trainer.backend", skip=tuple(model_args(cfg, str(model))))

@@ -143,12 +143,13 @@ def counted_builds(monkeypatch):
 
 def test_cached_warm_start_builds_once(tmp_path, counted_builds):
     from loongsage.core.embedded import warmstart
+    from loongsage.core.embedded.builds import INFO_FILE
 
     params, calls = counted_builds
     first = warmstart.cached_warm_start(params, tmp_path)
     second = warmstart.cached_warm_start(params, tmp_path)
     assert first == second == tmp_path / "models" / params.cache_key() and len(calls) == 1
-    assert (first / warmstart.INFO_FILE).is_file() and (first / "model.safetensors").is_file()
+    assert (first / INFO_FILE).is_file() and (first / "model.safetensors").is_file()
     # no temp folder left (the builders' lock file stays, empty)
     assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")] == [first.name]
     other = warmstart.WarmStartParams(**{**params.__dict__, "seed": 1})

@@ -13,6 +13,7 @@ rebuilt behind it (token-in, token-out).
 ``openai_api``  OpenAI chat completions: request parsing, responses and stream chunks
 ``anthropic_api``  Anthropic Messages: request parsing, responses and stream events
 ``gateway``     the HTTP server (uvicorn on loopback), session binding by URL path
+``serve``       ``loongsage serve``: sessions for agents outside a run, recorded as JSON lines
 ``blackbox``    the ``command`` agent (any OpenAI/Anthropic program, one per sample) and ``file_reward``
 ``program``     one program run: its supervisor, output capture, timeout backstops
 ``supervise``   the supervisor script: deadline, cleanup of the program's whole tree, in-jail relay

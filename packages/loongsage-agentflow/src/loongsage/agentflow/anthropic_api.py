@@ -3,9 +3,14 @@
 
 Blocks map onto canonical messages: ``text`` blocks are a message's content, ``thinking`` the
 reply's reasoning, ``tool_use`` its tool calls (``input`` kept parsed), and each ``tool_result``
-becomes a ``tool`` message before the rest of its user turn. Accepted and ignored: ``metadata``,
-``thinking``, ``service_tier``, ``cache_control``, block signatures, server tools. Refused with a
-400: image and document blocks, a trailing assistant message (prefill).
+becomes a ``tool`` message before the rest of its user turn. A ``system`` message inside
+``messages`` (Claude Code 2.1 sends them; the Messages API's mid-conversation system messages) is
+a system message where it stands: before the first user or assistant message it joins the system
+prompt, later the template renders it in place, so a later turn still extends the line. Accepted
+and ignored: ``metadata``, ``thinking``, ``service_tier``, ``cache_control``,
+``context_management`` (the prompt is the history as sent), ``output_config`` but its ``format``,
+block signatures, server tools. Refused with a 400: image and document blocks, a trailing
+assistant message (prefill), structured output (``output_config.format``, ``output_format``).
 """
 
 from __future__ import annotations
@@ -32,9 +37,14 @@ def parse(body: dict[str, Any]) -> tuple[ChatRequest, str, bool]:
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("messages must be a non-empty array", "messages")
+    _no_structured_output(body)
     messages = _system(body.get("system"))
-    for i, m in enumerate(raw):
-        messages.extend(_message(m, f"messages.{i}"))
+    for i, entry in enumerate(raw):
+        for message in _message(entry, f"messages.{i}"):
+            if message["role"] == "system" and len(messages) == 1 and messages[0]["role"] == "system":
+                # still the prompt's head: one system message (many templates read only the first)
+                message = {"role": "system", "content": messages.pop()["content"] + "\n\n" + message["content"]}
+            messages.append(message)
     if raw[-1].get("role") == "assistant":
         raise bad_request("a final assistant message (prefill) is not supported", f"messages.{len(raw) - 1}")
     choice = body.get("tool_choice")
@@ -49,16 +59,28 @@ def parse(body: dict[str, Any]) -> tuple[ChatRequest, str, bool]:
     return request, model, fields.flag(body, "stream")
 
 
-def _system(raw: Any) -> list[Message]:
+def _no_structured_output(body: dict[str, Any]) -> None:
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_request("output_config must be an object", "output_config")
+    formats = (("output_config.format", (config or {}).get("format")), ("output_format", body.get("output_format")))
+    for name, value in formats:
+        if value is not None:
+            raise bad_request(f"{name}: structured output is not supported (no constrained decoding)", name)
+
+
+def _system(raw: Any, where: str = "system") -> list[Message]:
     if raw is None:
         return []
-    text = text_of(raw, "system")
+    text = text_of(raw, where)
     return [{"role": "system", "content": text}] if text else []
 
 
 def _message(raw: Any, where: str) -> list[Message]:
-    if not isinstance(raw, dict) or raw.get("role") not in ("user", "assistant"):
-        raise bad_request(f"{where}: must be an object with role 'user' or 'assistant'", where)
+    if not isinstance(raw, dict) or raw.get("role") not in ("user", "assistant", "system"):
+        raise bad_request(f"{where}: must be an object with role 'user', 'assistant' or 'system'", where)
+    if raw["role"] == "system":
+        return _system(raw.get("content"), f"{where}.content")
     content = raw.get("content")
     if isinstance(content, str):
         return [{"role": raw["role"], "content": content}]

@@ -4,6 +4,7 @@
 
     GET  /health
     GET  /v1/models                                      the served model
+    HEAD /{trajectory}/{attempt}                         200 while the session is open (clients probe their base URL)
     GET  /{trajectory}/{attempt}/v1/models
     POST /{trajectory}/{attempt}/v1/chat/completions     OpenAI (base_url = .../{trajectory}/{attempt}/v1)
     POST /{trajectory}/{attempt}/v1/messages             Anthropic (base_url = .../{trajectory}/{attempt})
@@ -12,8 +13,15 @@
 A session exists once :meth:`Gateway.open_session` opened it and answers with its own key
 (``Authorization: Bearer <key>`` or ``x-api-key``), so a client bound to one session can neither
 read nor write another's trajectory; a request for a session never opened, closed or retired by a
-newer attempt is a 404/410. Every error is a JSON body in the endpoint's protocol; malformed
-input is a 4xx, never a 5xx.
+newer attempt is a 404/410. Every error is a JSON body in the endpoint's protocol (Anthropic's
+under ``/v1/messages``, OpenAI's elsewhere); malformed input is a 4xx, never a 5xx. An error
+of the gateway itself is one 500 and one logged traceback; a client that hangs up while sending
+its request is one log line.
+
+The body is read as UTF-8 JSON with lone UTF-16 surrogates replaced by U+FFFD
+(:func:`~loongsage.agentflow.fields.json_body`); everything heavier than that (hashing the request,
+rendering and tokenizing the prompt) runs on worker threads, see
+:mod:`~loongsage.agentflow.service`.
 
 The gateway runs on the caller's event loop (:meth:`Gateway.start`, beside the engine router it
 generates with) or on a thread of its own (:meth:`Gateway.start_background`, for synchronous
@@ -42,11 +50,11 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from loongsage.agentflow import anthropic_api, openai_api, responses_api
+from loongsage.agentflow import anthropic_api, fields, openai_api, responses_api
 from loongsage.agentflow.errors import APIError
 from loongsage.agentflow.service import ChatService
 from loongsage.agentflow.store import Budget, Session
@@ -109,7 +117,7 @@ class Gateway:
         self.port = sock.getsockname()[1]
         # proxy_headers off: that middleware only rewrites the client's address and the scheme from
         # X-Forwarded-* headers, neither of which the gateway reads, yet it scans every request
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+        config = uvicorn.Config(_logged_once(self.app), log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2, proxy_headers=False)
         self._server, self._loop = _Server(config), asyncio.get_running_loop()
         gc.freeze()  # see the module's docstring
@@ -178,6 +186,7 @@ class Gateway:
         routes = [
             Route("/health", self._health, methods=["GET"]),
             Route("/v1/models", self._models, methods=["GET"]),
+            Route("/{trajectory}/{attempt:int}", self._base, methods=["GET", "HEAD"]),
             Route("/{trajectory}/{attempt:int}/v1/models", self._session_models, methods=["GET"]),
             Route("/{trajectory}/{attempt:int}/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/{trajectory}/{attempt:int}/v1/messages", self._messages, methods=["POST"]),
@@ -191,6 +200,16 @@ class Gateway:
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.service.model_name, "object": "model",
                                                          "created": 0, "owned_by": "loongsage"}]})
+
+    async def _base(self, request: Request) -> Response:
+        """The session's base URL: Claude Code sends a HEAD there before its first request. No key
+        is asked for: the answer says only whether the session is open."""
+        params = request.path_params
+        try:
+            self.service.store.get(params["trajectory"], params["attempt"])
+        except APIError as exc:
+            return JSONResponse(exc.anthropic_body(), exc.status)
+        return JSONResponse({"status": "ok"})
 
     async def _session_models(self, request: Request) -> Response:
         try:
@@ -215,24 +234,31 @@ class Gateway:
         and ``call_next``, and returns ``{"status", "body"}``: the reply as the client gets it (for a
         streamed reply, its non-streamed form: the stream itself is written from the turn), or a
         reply of its own without calling ``call_next`` (a rate limit's 429). Errors are replies too,
-        so a logging middleware sees them.
+        so a logging middleware sees them (a failure of the gateway itself as a 500). A reply may
+        carry ``"headers"`` (a 429's ``Retry-After``).
         """
         error_body = APIError.anthropic_body if protocol == "anthropic" else APIError.openai_body
         streamed: dict[str, Any] = {}
 
         async def handle(req: dict[str, Any]) -> dict[str, Any]:
             try:
-                if protocol == "openai":
-                    chat, options = openai_api.parse(req["body"])
-                    model, stream = options.model or self.service.model_name, options.stream
-                elif protocol == "responses":
-                    chat, options = responses_api.parse(req["body"])
-                    model, stream = options.model or self.service.model_name, options.stream
-                else:
-                    chat, model, stream = anthropic_api.parse(req["body"])
-                result = await self.service.complete(req["trajectory"], req["attempt"], chat)
+                return await answer(req)
             except APIError as exc:
                 return {"status": exc.status, "body": error_body(exc)}
+            except Exception as exc:  # noqa: BLE001 - a fault of the gateway: one 500 the middlewares see
+                log.exception("gateway: unhandled error on %s", request.url.path)
+                return {"status": 500, "body": error_body(APIError(500, f"internal error: {type(exc).__name__}"))}
+
+        async def answer(req: dict[str, Any]) -> dict[str, Any]:
+            if protocol == "openai":
+                chat, options = openai_api.parse(req["body"])
+                model, stream = options.model or self.service.model_name, options.stream
+            elif protocol == "responses":
+                chat, options = responses_api.parse(req["body"])
+                model, stream = options.model or self.service.model_name, options.stream
+            else:
+                chat, model, stream = anthropic_api.parse(req["body"])
+            result = await self.service.complete(req["trajectory"], req["attempt"], chat)
             if protocol == "openai":
                 body = openai_api.response(result, model, options, self._token_text)
                 if stream:
@@ -256,10 +282,13 @@ class Gateway:
                    "body": await self._body(request)}
         except APIError as exc:
             return JSONResponse(error_body(exc), exc.status)
+        except ClientDisconnect:  # nobody is left to answer: one line, no traceback
+            log.info("gateway: the client of %s hung up while sending its request", request.url.path)
+            return Response(status_code=400)
         reply = await _chain(self.middlewares, handle)(req)
         if reply.get("status") == 200 and "events" in streamed:
             return _sse(streamed["events"])
-        return JSONResponse(reply["body"], int(reply["status"]))
+        return JSONResponse(reply["body"], int(reply["status"]), headers=reply.get("headers"))
 
     def _token_text(self, token: int) -> str:
         return self.service.renderer.decode([token])
@@ -283,10 +312,7 @@ class Gateway:
             if size > self.max_body_bytes:
                 raise APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
             data.append(part)
-        try:
-            body = json.loads(b"".join(data))
-        except (ValueError, RecursionError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}"[:300]) from None
+        body = fields.json_body(b"".join(data))
         if not isinstance(body, dict):
             raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
         return body
@@ -312,12 +338,34 @@ def _sse(events: Iterable[str]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
+def _error_body(path: str, error: APIError) -> dict[str, Any]:
+    """An error in the shape of the protocol the path belongs to (Anthropic's under /v1/messages)."""
+    return error.anthropic_body() if "/v1/messages" in path else error.openai_body()
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
-    message = {404: f"no route {request.url.path}: sessions live under /{{trajectory}}/{{attempt}}/v1/",
-               405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-    return JSONResponse(APIError(exc.status_code, message).openai_body(), exc.status_code)
+    path = request.url.path
+    message = {404: f"no route {path}: sessions live under /{{trajectory}}/{{attempt}}/v1/",
+               405: f"method {request.method} not allowed on {path}"}.get(exc.status_code, str(exc.detail))
+    return JSONResponse(_error_body(path, APIError(exc.status_code, message)), exc.status_code, headers=exc.headers)
 
 
 async def _crash(request: Request, exc: Exception) -> Response:
-    log.exception("gateway: unhandled error on %s", request.url.path)
-    return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}").openai_body(), 500)
+    # the traceback is logged once, by _logged_once: Starlette re-raises the error after this answer
+    return JSONResponse(_error_body(request.url.path, APIError(500, f"internal error: {type(exc).__name__}")), 500)
+
+
+def _logged_once(app: Any) -> Any:
+    """``app`` with its errors logged here, once, and not passed on to uvicorn: Starlette answers
+    an error (``_crash``) and then raises it again for the server, whose own traceback would be a
+    second report of the same failure."""
+
+    async def logged(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        try:
+            await app(scope, receive, send)
+        except ClientDisconnect:
+            log.info("gateway: the client of %s hung up while sending its request", scope.get("path"))
+        except Exception:  # noqa: BLE001 - already answered 500 by _crash
+            log.exception("gateway: unhandled error on %s", scope.get("path"))
+
+    return logged

@@ -19,6 +19,7 @@ import json
 from typing import Any, Callable
 
 from loongsage.agentflow.errors import bad_request
+from loongsage.agentflow.fields import without_surrogates
 
 Message = dict[str, Any]
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -56,9 +57,11 @@ def parse_arguments(arguments: Any) -> dict | str:
     if isinstance(arguments, str):
         try:
             value = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return arguments
-        return value if isinstance(value, dict) else arguments
+        # arguments are JSON inside a JSON string: an escaped lone surrogate in them is only decoded
+        # here, after the body was cleaned of its own (see fields.json_body)
+        return without_surrogates(value) if isinstance(value, dict) else arguments
     return json.dumps(arguments, ensure_ascii=False)
 
 

@@ -165,7 +165,11 @@ def response(result: ChatResult, model: str, options: Options, items: list[dict[
         "error": None, "instructions": None, "metadata": {}, "parallel_tool_calls": True,
         "temperature": options.temperature, "top_p": options.top_p, "tool_choice": options.tool_choice,
         "tools": [], "text": {"format": {"type": "text"}},
-        "usage": {"input_tokens": result.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+        # every field of the official client's ResponseUsage, the cache's at 0 (the engine's prefix
+        # cache is not accounted for per request)
+        "usage": {"input_tokens": result.prompt_tokens,
+                  "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
+                                           "cache_write_tokens_details": {"ttl_12h_tokens": 0, "ttl_30m_tokens": 0}},
                   "output_tokens": result.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                   "total_tokens": result.prompt_tokens + result.completion_tokens},
     }

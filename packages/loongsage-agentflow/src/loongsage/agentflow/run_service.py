@@ -7,6 +7,9 @@ the new weights from their tokens (asynchronous schedulers), and a lost engine's
 replacement. Agents get the started :class:`~loongsage.agentflow.gateway.Gateway` as
 ``ctx.services["gateway"]`` and open one session per trajectory. Its counters (turns, segments by
 category, refusals) join every step's metrics as ``agentflow/*``.
+
+Under ``loongsage serve`` (the context's ``serving`` set) it listens on the port asked for, opens
+sessions for agents outside a run and records them (:mod:`loongsage.agentflow.serve`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from loongsage.agentflow.gateway import Gateway
+from loongsage.agentflow.serve import Served
 from loongsage.agentflow.service import ChatService
 from loongsage.agentflow.store import Budget
 from loongsage.agentflow.templates import QWEN3_TOOLS_TEMPLATE
@@ -38,6 +42,7 @@ class GatewayService:
     max_n: int = ranged(16, ge=1)
     model_name: str = "loongsage"
     host: str = "127.0.0.1"  # loopback: agents run on the driver's machine
+    max_body_bytes: int = ranged(8 << 20, ge=1, note="a larger request body is refused (413)")
     # loongsage_gateway_middlewares specs, outermost first (see agentflow.middlewares); a middleware
     # whose factory takes ``run_dir`` gets the run's directory
     middlewares: list[dict[str, Any]] = field(default_factory=list)
@@ -45,6 +50,8 @@ class GatewayService:
     def __post_init__(self) -> None:
         self.gateway: Gateway | None = None
         self.chat: ChatService | None = None
+        self.served: Served | None = None  # under `loongsage serve` only
+        self._serving: Any = None
 
     def _template(self, tokenizer: Any) -> str | None:
         if self.chat_template == "qwen3":
@@ -61,10 +68,17 @@ class GatewayService:
                         default_max_tokens=self.default_max_tokens)
         self.chat = ChatService(ctx.engine, ctx.tokenizer, parser=parser, chat_template=self._template(ctx.tokenizer),
                                 budget=budget, model_name=self.model_name, max_n=self.max_n)
-        self.gateway = Gateway(self.chat, host=self.host, middlewares=[
+        # `loongsage serve` (ctx.serving): its port and host, sessions for outside agents, recorded
+        serving = self._serving = ctx.serving
+        self.gateway = Gateway(self.chat, host=(serving and serving.host) or self.host,
+                               port=serving.port if serving else 0, max_body_bytes=self.max_body_bytes, middlewares=[
             self._middleware(ctx, spec, f"services.gateway.params.middlewares.{i}")
             for i, spec in enumerate(self.middlewares)])
+        if serving is not None:
+            self.served = Served(self.gateway, serving.record_dir)
         await self.gateway.start()
+        if self.served is not None:
+            serving.lines.extend(self.served.announce())
         return self.gateway
 
     @staticmethod
@@ -78,6 +92,8 @@ class GatewayService:
     async def stop(self) -> None:
         if self.gateway is not None:
             await self.gateway.stop()
+        if self.served is not None:  # after the server: no turn starts while the record is flushed
+            self._serving.summary.append(await self.served.finish())
 
     def metrics(self) -> dict[str, float]:
         return self.chat.metrics() if self.chat is not None else {}

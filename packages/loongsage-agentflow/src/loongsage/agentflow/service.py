@@ -6,6 +6,11 @@ under the session's lock: answers a retry from memory; plans the turn's tokens
 cuts stop strings, decodes and parses each sample (reasoning, tool calls); commits the tokens to the
 session's lines; and remembers the answer. The turn runs as a task of its own, so a client that
 goes away mid-request neither cancels the commit nor leaves the lock held.
+
+Hashing the request, rendering and tokenizing run on a worker thread: on the event loop (in a run,
+the rollout's) a prompt of a few MiB would stall every other session, and the engine, for
+seconds. A prompt that certainly cannot fit the context budget is refused before it is tokenized
+(:meth:`~loongsage.agentflow.rendering.ChatRenderer.check`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 from loongsage.agentflow.engines import EngineClient
 from loongsage.agentflow.errors import APIError
 from loongsage.agentflow.messages import Message, assistant, tool_call
-from loongsage.agentflow.rendering import ChatRenderer
+from loongsage.agentflow.rendering import ChatRenderer, PromptTooLong
 from loongsage.agentflow.store import Budget, Sample, Session, TrajectoryStore
 from loongsage.agentflow.tito import cut_at_stop, plan_turn
 from loongsage.core.types import FinishReason, GenerationResult, SamplingParams
@@ -46,9 +51,12 @@ class ChatRequest:
 
     def key(self) -> str:
         # vars, not asdict: the fields are JSON values already, and asdict deep-copies every message
-        # of the history on every turn
-        blob = json.dumps(vars(self), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()
+        # of the history on every turn. A long text of a message is hashed first, on its own: the JSON
+        # encoder holds the GIL throughout (tens of ms for a few MiB, the event loop waiting), hashlib
+        # releases it; the digest goes in as an object, which no message's text can be.
+        data = vars(self) | {"messages": [_digested(m) for m in self.messages]}
+        blob = json.dumps(data, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return _sha256(blob)
 
 
 @dataclass
@@ -98,24 +106,20 @@ class ChatService:
         async with session.lock:
             if session.closed:
                 raise APIError(410, f"session {session.route_key} is closed")
-            key = request.key()
-            remembered = session.answer_for(key)
+            try:
+                key, remembered, plan = await asyncio.to_thread(self._prepare, session, request)
+            except _OverBudget as over:
+                line = session.lines[over.line] if over.line is not None else None
+                raise self._refuse(session, line, f"at least {over.at_least}") from None
             if remembered is not None:
                 self.counters["retries_answered"] += 1
                 return remembered
-            plan = plan_turn(session.lines, request.messages, request.tools, self.renderer,
-                             reasoning_optional=self.reasoning_optional)
             line = session.lines[plan.line] if plan.line is not None else None
             budget = session.budget
             room = min(budget.max_context_tokens - len(plan.prompt),
                        budget.max_response_tokens - (line.generated if line is not None else 0))
             if room <= 0:
-                self._refuse(session, line)
-                raise APIError(400, f"session {session.route_key} is out of budget: prompt of {len(plan.prompt)} "
-                               f"tokens (max_context_tokens={budget.max_context_tokens}), "
-                               f"{line.generated if line else 0} tokens generated "
-                               f"(max_response_tokens={budget.max_response_tokens})",
-                               code="context_length_exceeded")
+                raise self._refuse(session, line, str(len(plan.prompt)))
             wanted = request.max_tokens or budget.default_max_tokens
             sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                                       min_p=request.min_p, max_new_tokens=min(wanted, room), n=request.n,
@@ -130,6 +134,24 @@ class ChatService:
                                 completion_tokens=sum(len(s.ids) for s in samples))
             session.remember(key, result)
             return result
+
+    def _prepare(self, session: Session, request: ChatRequest) -> tuple[str, ChatResult | None, Any]:
+        """``(retry key, the remembered answer or None, the turn's plan or None)``, on a worker
+        thread (the session's lock is held: its lines do not change meanwhile)."""
+        key = request.key()
+        remembered = session.answer_for(key)
+        if remembered is not None:
+            return key, remembered, None
+        budget = session.budget.max_context_tokens
+        try:
+            plan = plan_turn(session.lines, request.messages, request.tools, self.renderer.within(budget),
+                             reasoning_optional=self.reasoning_optional)
+        except PromptTooLong as exc:
+            # the line the turn would have gone to, found without rendering, is marked truncated
+            line = plan_turn(session.lines, request.messages, request.tools, _UNTOKENIZED,
+                             reasoning_optional=self.reasoning_optional).line
+            raise _OverBudget(exc.at_least, line) from None
+        return key, None, plan
 
     async def _generate(self, prompt: list[int], sampling: SamplingParams, session: Session) -> list[GenerationResult]:
         try:
@@ -178,11 +200,17 @@ class ChatService:
                          [tool_call(f"call_{uuid.uuid4().hex[:24]}", c["function"]["name"], c["function"]["arguments"])
                           for c in calls])
 
-    def _refuse(self, session: Session, line: Any) -> None:
+    def _refuse(self, session: Session, line: Any, prompt_tokens: str) -> APIError:
+        """Count a budget refusal, mark its line truncated, and return the error to raise."""
         session.refusals += 1
         self.counters["budget_refusals"] += 1
         if line is not None:
             line.truncated = True
+        budget = session.budget
+        return APIError(400, f"session {session.route_key} is out of budget: prompt of {prompt_tokens} tokens "
+                             f"(max_context_tokens={budget.max_context_tokens}), {line.generated if line else 0} "
+                             f"tokens generated (max_response_tokens={budget.max_response_tokens})",
+                        code="context_length_exceeded")
 
     def _count(self, category: str | None, appended: int, samples: tuple[Sample, ...], cut: list[bool]) -> None:
         c = self.counters
@@ -191,6 +219,48 @@ class ChatService:
         c["prompt_tokens_rendered"] += appended
         c["completion_tokens"] += sum(len(s.ids) for s in samples)
         c["budget_truncations"] += sum(cut)
+
+
+_LONG = 1 << 14  # characters of a message's text from which the retry key holds its digest
+
+
+def _sha256(text: str) -> str:
+    # surrogatepass: the HTTP edge replaces lone surrogates, but a request built in code may hold one
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _digested(message: Message) -> Message:
+    if not any(isinstance(v, str) and len(v) >= _LONG for v in message.values()):
+        return message
+    # UTF-32: one code point in four bytes, a near copy of the string's memory (UTF-8 takes several
+    # times longer, the GIL held), and every string, a lone surrogate too, has its own bytes
+    return {k: {"sha256": hashlib.sha256(v.encode("utf-32-le", "surrogatepass")).hexdigest()}
+            if isinstance(v, str) and len(v) >= _LONG else v for k, v in message.items()}
+
+
+class _OverBudget(Exception):
+    """A prompt of at least ``at_least`` tokens, refused before tokenizing; ``line``: its line."""
+
+    def __init__(self, at_least: int, line: int | None):
+        super().__init__(at_least, line)
+        self.at_least, self.line = at_least, line
+
+
+class _Untokenized:
+    """A stand-in renderer for :func:`plan_turn` that renders nothing: which line a turn goes to
+    depends on its messages and tools only."""
+
+    def continuation(self, messages: list[Message], tools: list | None) -> str:
+        return ""
+
+    def encode(self, text: str) -> list[int]:
+        return []
+
+    def prompt(self, messages: list[Message], tools: list | None) -> list[int]:
+        return []
+
+
+_UNTOKENIZED = _Untokenized()
 
 
 def _consume(task: asyncio.Task) -> None:

@@ -44,7 +44,8 @@ from loongsage.agentflow.rendering import ChatRenderer
 from loongsage.agentflow.templates import QWEN3_TOOLS_TEMPLATE
 from loongsage.agentflow.tool_calc import ToolCalcTask, teacher_messages
 from loongsage.agentflow.tools import schemas
-from loongsage.core.embedded.warmstart import cached_build, run_sft, save_warm_start
+from loongsage.core.embedded.builds import cached_build
+from loongsage.core.embedded.warmstart import run_sft, save_warm_start
 
 # Bump whenever the output of build_tool_calc_warm_start changes for the same params.
 BUILDER_VERSION = 2
@@ -280,10 +281,12 @@ def build_tool_calc_warm_start(out_dir: str | Path, params: ToolCalcWarmStartPar
 def cached_tool_calc_warm_start(params: ToolCalcWarmStartParams | None = None, cache_dir: str | Path | None = None,
                                 *, log_every: int = 0) -> Path:
     """``<cache_dir>/models/<cache key>``, built on first use (see
-    :func:`~loongsage.core.embedded.warmstart.cached_build`)."""
+    :func:`~loongsage.core.embedded.builds.cached_build`)."""
     params = params or ToolCalcWarmStartParams()
+    what = (f"a {params.vocab_size}-token tokenizer, then {params.steps} SFT steps of {params.batch_size} transcripts "
+            f"on {params.threads} threads")
     return cached_build(params.cache_key(),
-                        lambda tmp: build_tool_calc_warm_start(tmp, params, log_every=log_every), cache_dir)
+                        lambda tmp: build_tool_calc_warm_start(tmp, params, log_every=log_every), cache_dir, what)
 
 
 @dataclass

@@ -203,6 +203,10 @@ class GRPO(AdvantageEstimator):
         if not self.eps > 0:
             raise ValueError(f"grpo.eps={self.eps}: must be > 0")
 
+    @property
+    def min_group_size(self) -> int:  # a group of one is its own mean: advantage 0
+        return 2 if self.scope == "group" else 1
+
     def __call__(self, inp: AdvantageInput) -> Tensor:
         return grpo_advantages(
             inp.rewards, inp.group_ids, inp.response_mask,
@@ -240,6 +244,7 @@ class RLOO(AdvantageEstimator):
 
     needs_values: ClassVar[bool] = False
     uses_token_rewards: ClassVar[bool] = False  # consumes AdvantageInput.token_rewards
+    min_group_size: ClassVar[int] = 2  # a group of one has no other rows: advantage 0
 
     def __call__(self, inp: AdvantageInput) -> Tensor:
         return rloo_advantages(inp.rewards, inp.group_ids, inp.response_mask)

@@ -210,6 +210,7 @@ class NLL(PolicyLoss):
     """``nll``: supervised fine-tuning loss; ignores advantages and old log-probs."""
 
     needs_old_logprobs: ClassVar[bool] = False
+    uses_advantages: ClassVar[bool] = False
     supported_aggregations: ClassVar[tuple[str, ...] | None] = None
 
     def __call__(self, inp: PolicyLossInput) -> LossOutput:

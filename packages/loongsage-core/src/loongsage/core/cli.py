@@ -4,6 +4,7 @@
     loongsage plugins [--verbose]
     loongsage recipes [--config-dir DIR]
     loongsage report <run_dir>
+    loongsage serve <recipe | HF model folder> [key=value ...] [--port N] [--host H] [--record DIR]
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from loongsage.core.failures import Stopped, explain, install_stop_handlers, restore_previous_handlers
 from loongsage.core.types import BadRecordError, ConfigError
 
 log = logging.getLogger("loongsage")
-COMMANDS = ("train", "plugins", "recipes", "report")
+COMMANDS = ("train", "plugins", "recipes", "report", "serve")
 
 
 class UsageError(Exception):
@@ -40,18 +42,57 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{command + ': ' if command else ''}{message} (see `{self.prog} --help`)")
 
 
-def _setup_logging(log_dir: str) -> Path:
+class _LogFile(logging.FileHandler):
+    """A log file that goes quiet when it cannot be written (a full disk): logging's default prints
+    a traceback per record to stderr, which would bury the one line that says what happened."""
+
+    failed = False
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.shown = str(path)  # as the user gave it (relative stays relative), for messages
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        self.failed = True
+
+
+def _log_to_files(message: str, exc: BaseException) -> str | None:
+    """``message`` and ``exc``'s traceback to the launcher's log files only (never the terminal, nor
+    logging's last-resort stderr when no file could be opened); the first file that took it, if any."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, (), (type(exc), exc, exc.__traceback__))
+    kept = None
+    for handler in reversed(log.handlers):  # the run's own log first
+        if isinstance(handler, _LogFile) and not handler.failed:
+            handler.handle(record)
+            if not handler.failed and kept is None:
+                kept = handler.shown
+    return kept
+
+
+class _ConsoleFilter(logging.Filter):
+    """Keeps off the terminal what only the log files get: per-step metric lines, tracebacks, the
+    actors' output (records logged with ``extra={"file_only": True}``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "file_only", False)
+
+
+def _setup_logging(log_dir: str, run_log: Path | None = None) -> Path:
+    """The launcher's log ``<log_dir>/trainer_<timestamp>.log`` and, for a run, ``run_log`` (appended
+    to, so a resumed run continues its log); the terminal gets the plain messages."""
     Path(log_dir).mkdir(parents=True, exist_ok=True)
     path = Path(log_dir) / f"trainer_{time.strftime('%Y%m%d_%H%M%S')}.log"
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    file_handler = logging.FileHandler(path)
-    file_handler.setFormatter(fmt)
+    files = [_LogFile(path)] + ([_LogFile(run_log)] if run_log is not None else [])
+    for handler in files:
+        handler.setFormatter(fmt)
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("[loongsage] %(message)s"))
+    console.addFilter(_ConsoleFilter())
     root = logging.getLogger("loongsage")
     for handler in root.handlers:  # an earlier run's log file, in this process
         handler.close()
-    root.handlers[:] = [file_handler, console]
+    root.handlers[:] = [*files, console]
     root.setLevel(logging.INFO)
     root.propagate = False
     for name in ("loongsage.core.data",):
@@ -141,7 +182,8 @@ def reap_on_abnormal_exit() -> Iterator[None]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from loongsage.core.config import load_config
+    from loongsage.core.checkpoint import check_resumable
+    from loongsage.core.config import check_machine, load_config
     from loongsage.core.controller import Controller
 
     if args.recipe is None:
@@ -152,22 +194,68 @@ def cmd_train(args: argparse.Namespace) -> int:
                           "<recipe> [key=value ...]; `loongsage recipes` lists the recipes")
     cfg, registry = load_config(args.recipe, args.overrides, config_dir=args.config_dir)
     run_dir = cfg.run_dir
+    if not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):  # this run starts Ray on this machine
+        check_machine(cfg)
+    if cfg.checkpoint.resume:
+        check_resumable(run_dir, [s.name for s in cfg.data_sources], cfg.run.total_steps)
+    else:
+        _refuse_previous_run(run_dir, cfg.run.name, cfg.run.total_steps)
     for key, path in (("run.output_dir", run_dir), ("run.log_dir", Path(cfg.run.log_dir))):
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"{key}: cannot create the directory {str(path)!r}: {exc.strerror or exc}") from None
-    log_path = _setup_logging(cfg.run.log_dir)
-    from omegaconf import OmegaConf
+    run_log = run_dir / "run.log"
+    controller = None
+    try:
+        log_path = _setup_logging(cfg.run.log_dir, run_log=run_log)
+        from omegaconf import OmegaConf
 
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
-    log.info("recipe %s -> %s (log %s)", args.recipe, run_dir, log_path)
-    with reap_on_abnormal_exit():
-        summary = Controller(cfg, registry).run()
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
+        log.info("recipe %s -> %s (log %s)", args.recipe, run_dir, run_log)
+        log.info("launcher log: %s", log_path, extra={"file_only": True})
+        controller = Controller(cfg, registry)
+        install_stop_handlers()
+        with reap_on_abnormal_exit():
+            summary = controller.run()
+    except (Exception, KeyboardInterrupt, Stopped) as exc:
+        training = controller is not None and controller.training
+        outcome = explain(exc, run_dir=run_dir, step=controller.step if training else None,
+                          total_steps=cfg.run.total_steps)
+        # the traceback goes to the log files only; the terminal gets the one line, naming a log
+        # that took it (not run.log on a full disk)
+        kept = _log_to_files("run stopped: " + outcome.message, exc)
+        traceback = f"; the traceback is in {kept}" if kept and not isinstance(exc, (KeyboardInterrupt, Stopped)) else ""
+        print(f"loongsage: error: {outcome.message}{traceback}", file=sys.stderr)
+        return outcome.code
+    finally:
+        restore_previous_handlers()
     last = summary["last_metrics"]
     evals = " ".join(f"{k}={v:.3f}" for k, v in sorted(last.items()) if k.startswith("eval/"))
     print(f"done: {summary['steps']} steps, engine version {summary['version']}, outputs in {run_dir} {evals}")
     return 0
+
+
+def _refuse_previous_run(run_dir: Path, name: str, total_steps: int) -> None:
+    """A run does not write into another's folder: its metrics, event files and config would mix
+    with the earlier run's, and the report would show both as one. A folder holds a run once a
+    step's metrics, a checkpoint or the final model is there (a run that failed before logging
+    anything left nothing to mix with)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not ((metrics.is_file() and metrics.stat().st_size > 0) or (run_dir / "checkpoints").is_dir()
+            or (run_dir / "final").exists()):
+        return
+    from loongsage.core.checkpoint import latest
+
+    checkpoint = latest(run_dir)
+    if (run_dir / "final").exists() or (checkpoint is not None and checkpoint.name == f"step_{total_steps:06d}"):
+        what, resume = "a finished run", "train it further with resume=true and a larger run.total_steps"
+    elif checkpoint is not None:
+        what, resume = f"a run stopped after its checkpoint {checkpoint.name}", "continue it with resume=true"
+    else:
+        what, resume = "a run that stopped before its first checkpoint", "start it again there with resume=true"
+    raise ConfigError(f"run.name={name}: {run_dir} already holds {what}; {resume}, give this run its own folder "
+                      "(another run.name=... or run.output_dir=...), or remove that folder")
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -223,6 +311,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    # the serving itself lives in loongsage.core.serving; the gateway comes from a plugin, by name
+    from loongsage.core.serving import load_serve_config, prepare, serve
+
+    cfg, registry = load_serve_config(args.target, args.overrides, config_dir=args.config_dir)
+    record_dir = prepare(cfg, args.record, args.port, args.host)
+    log.info("serve %s, recording to %s (log %s)", args.target, record_dir, _setup_logging(cfg.run.log_dir))
+    with reap_on_abnormal_exit():
+        print(f"loongsage serve: {serve(cfg, registry, record_dir=record_dir, port=args.port, host=args.host)}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="loongsage", description="LoongSage: RL post-training for LLMs")
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
@@ -241,6 +341,14 @@ def parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write PNG plots of a run's metrics")
     rep.add_argument("run_dir")
     rep.set_defaults(func=cmd_report)
+    sv = sub.add_parser("serve", help="serve a recipe's policy (or an HF model folder) to agents, recording sessions")
+    sv.add_argument("target", nargs="?", help="recipe name or YAML file, or an HF model folder")
+    sv.add_argument("overrides", nargs="*", default=[], help="Hydra overrides, e.g. rollout.num_engines=2")
+    sv.add_argument("--port", type=int, default=0, help="the gateway's port (default: a free one)")
+    sv.add_argument("--host", default=None, help="the address to listen on (default: the gateway's, 127.0.0.1)")
+    sv.add_argument("--record", default=None, help="where sessions are recorded (default: runs/<name>/served)")
+    sv.add_argument("--config-dir", default=None, help="extra directory searched first for recipes")
+    sv.set_defaults(func=cmd_serve)
     return p
 
 
@@ -250,7 +358,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args, extra = p.parse_known_args(argv)
     if args.command is None:
         raise UsageError(f"no command given; choose one of: {', '.join(COMMANDS)} (see `loongsage --help`)")
-    if args.command == "train":
+    if args.command in ("train", "serve"):
         args.overrides = [*args.overrides, *(a for a in extra if not a.startswith("-"))]
         extra = [a for a in extra if a.startswith("-")]
     if extra:

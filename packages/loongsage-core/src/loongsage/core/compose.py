@@ -7,10 +7,20 @@ layer that gives a spec another ``name`` replaces the entry here (the earlier pa
 ``rollout.scheduler={name: sync}`` over ``{name: no_window, params: {max_staleness: 1}}`` is
 ``{name: sync}``. The same name keeps merging: ``rollout.scheduler={params: {max_staleness: 2}}``
 changes that one param.
+
+A recipe's ``defaults`` may name any recipe the launcher finds (``tiny/grpo_arith_cpu``), from any
+folder: the recipe search path (``--config-dir``, ``./recipes``, the shipped recipes) is Hydra's
+search path after the recipe's own folder, and a recipe named with its folder is merged at the root
+(Hydra would put it under a key named after the folder, as a config group).
+
+``model.path`` and ``model.builder`` are two sources of one model: the later layer that sets one
+of them drops the other (``model.path=/my/model`` on the command line over a recipe's builder runs
+the user's model), and one layer (a recipe file, or the command line) that sets both is refused.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +46,62 @@ def _expand_aliases(overrides: list[str]) -> list[str]:
     return out
 
 
-def _compose(recipe: Path, overrides: list[str]) -> dict[str, Any]:
+def _compose(recipe: Path, overrides: list[str], search_dirs: list[Path]) -> dict[str, Any]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from omegaconf import OmegaConf
 
+    searchpath = _searchpath_override(recipe, search_dirs)
     with initialize_config_dir(config_dir=str(recipe.parent), version_base=None):
-        config_name = _layered(recipe)
+        config_name = _layered(recipe, _primary(recipe), search_dirs, searchpath)
 
         def run(items: list[str]) -> Any:
-            return hydra_compose(config_name=config_name, overrides=items)
+            return hydra_compose(config_name=config_name, overrides=[*searchpath, *items])
 
         cfg = run(_replacing_overrides(overrides, run))
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- recipes from other folders
+def _searchpath_override(recipe: Path, search_dirs: list[Path]) -> list[str]:
+    """``hydra.searchpath=[...]`` with the recipe folders besides the recipe's own (searched first by Hydra)."""
+    dirs = [d for d in dict.fromkeys(Path(d).resolve() for d in search_dirs) if d.is_dir() and d != recipe.parent]
+    if not dirs:
+        return []
+
+    def quoted(text: str) -> str:
+        return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+    return [f"hydra.searchpath=[{','.join(quoted(f'file://{d}') for d in dirs)}]"]
+
+
+def _primary(recipe: Path) -> str:
+    """The config Hydra composes for ``recipe``: its own name, or, where its ``defaults`` name a recipe
+    with its folder (``tiny/grpo_arith_cpu``), a copy kept in Hydra's ConfigStore in which those
+    entries are merged at the root (``tiny/grpo_arith_cpu@_here_``): a recipe is a whole config,
+    never the config group Hydra would make of its folder."""
+    import yaml
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    try:
+        own = yaml.safe_load(recipe.read_text())
+    except (OSError, yaml.YAMLError):  # Hydra reports it, with the position
+        return recipe.stem
+    defaults = own.get("defaults") if isinstance(own, dict) else None
+    if not isinstance(defaults, list):
+        return recipe.stem
+
+    def grouped(entry: Any) -> bool:
+        return isinstance(entry, str) and "/" in entry.strip("/") and "@" not in entry and " " not in entry
+
+    if not any(grouped(entry) for entry in defaults):
+        return recipe.stem
+    node = OmegaConf.to_container(OmegaConf.load(recipe), resolve=False)
+    node["defaults"] = [f"{entry}@_here_" if grouped(entry) else entry for entry in defaults]
+    name = f"_loongsage_recipe_{recipe.stem}"  # a name recipe files do not take
+    ConfigStore.instance().store(name=name, node=node)
+    return name
 
 
 # ----------------------------------------------------------------------------- specs: a new name replaces
@@ -76,21 +129,28 @@ def _at(node: Any, path: tuple[str, ...]) -> Any:
     return node
 
 
-def _layers(recipe: Path) -> list[dict[str, Any]] | None:
-    """The recipe files Hydra merges for ``recipe``, in merge order, each as written (no ``defaults``),
-    placed at its package; None where one is not a file of the recipe's folder."""
+def _layers(recipe: Path, config_name: str, search_dirs: list[Path],
+            searchpath: list[str]) -> list[tuple[Path, dict[str, Any]]] | None:
+    """The recipe files Hydra merges for ``recipe`` (composed as ``config_name``), in merge order:
+    each file and its content as written (no ``defaults``), placed at its package; None where one
+    is not a recipe file."""
     from hydra.core.global_hydra import GlobalHydra
     from hydra.types import RunMode
     from omegaconf import OmegaConf
 
-    defaults = GlobalHydra.instance().config_loader().compute_defaults_list(recipe.stem, [], RunMode.RUN).defaults
+    loader = GlobalHydra.instance().config_loader()
+    defaults = loader.compute_defaults_list(config_name, list(searchpath), RunMode.RUN).defaults
     layers = []
     for default in defaults:
         package = default.package or ""
         if package == "hydra" or package.startswith("hydra."):  # Hydra's own settings
             continue
-        path = recipe.parent / f"{default.config_path}.yaml"
-        if not path.is_file():
+        if default.primary:
+            path = recipe
+        else:  # the first folder of Hydra's search order that holds it
+            found = [base / f"{default.config_path}.yaml" for base in (recipe.parent, *search_dirs)]
+            path = next((f for f in found if f.is_file()), None)
+        if path is None:
             return None
         layer = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         if not isinstance(layer, dict):
@@ -98,14 +158,15 @@ def _layers(recipe: Path) -> list[dict[str, Any]] | None:
         layer.pop("defaults", None)
         for key in reversed(package.split(".") if package else []):
             layer = {key: layer}
-        layers.append(layer)
+        layers.append((path, layer))
     return layers
 
 
-def _layered(recipe: Path) -> str:
-    """The config to compose for ``recipe``: its own name, or, where a layer names another plugin for
-    a spec an earlier layer set (a recipe over the recipe its ``defaults`` list), the recipe composed
-    with those specs' params taken from that layer on only, kept in Hydra's ConfigStore."""
+def _layered(recipe: Path, config_name: str, search_dirs: list[Path], searchpath: list[str]) -> str:
+    """The config to compose for ``recipe`` (``config_name``): that one, or, where a layer names
+    another plugin for a spec an earlier layer set (a recipe over the recipe its ``defaults`` list),
+    the recipe composed with those specs' params taken from that layer on only, kept in Hydra's
+    ConfigStore."""
     import yaml
     from hydra import compose as hydra_compose
     from hydra.core.config_store import ConfigStore
@@ -114,12 +175,13 @@ def _layered(recipe: Path) -> str:
     try:
         own = yaml.safe_load(recipe.read_text())
     except (OSError, yaml.YAMLError):  # Hydra reports it, with the position
-        return recipe.stem
+        return config_name
     if not isinstance(own, dict) or "defaults" not in own:  # one layer: nothing merges
-        return recipe.stem
-    layers = _layers(recipe)
-    if layers is None:
-        return recipe.stem
+        return config_name
+    found = _layers(recipe, config_name, search_dirs, searchpath)
+    if found is None:
+        return config_name
+    layers = [layer for _, layer in found]
     renamed_at: dict[tuple[str, ...], int] = {}  # spec path -> the last layer that renamed it
     names: dict[tuple[str, ...], Any] = {}
     for i, layer in enumerate(layers):
@@ -128,8 +190,8 @@ def _layered(recipe: Path) -> str:
                 renamed_at[path] = i
             names[path] = spec["name"]
     if not renamed_at:
-        return recipe.stem
-    base = OmegaConf.to_container(hydra_compose(config_name=recipe.stem), resolve=False)
+        return config_name
+    base = OmegaConf.to_container(hydra_compose(config_name=config_name, overrides=list(searchpath)), resolve=False)
     for path in sorted(renamed_at, key=len):  # an outer spec's params before the specs nested in them
         spec = _at(base, path)
         if not _is_spec(spec):
@@ -145,6 +207,60 @@ def _layered(recipe: Path) -> str:
     name = f"_loongsage_layered_{recipe.stem}"  # a name recipe files do not take
     ConfigStore.instance().store(name=name, node=base)
     return name
+
+
+# ----------------------------------------------------------------------------- one model source
+MODEL_SOURCES = ("path", "builder")
+
+
+def _model_sources_set(item: str) -> set[str]:
+    """Which of ``model.path`` / ``model.builder`` the override ``item`` sets to something (not null)."""
+    override = _parse(item)
+    if override is None or override.is_delete() or override.is_sweep_override():
+        return set()
+    try:
+        key, value = override.key_or_group, override.value()
+    except Exception:  # noqa: BLE001 - reported by the compose itself
+        return set()
+    if key == "model" and isinstance(value, dict):
+        return {k for k in MODEL_SOURCES if value.get(k) is not None}
+    if key in ("model.path", "model.builder"):
+        return {key[len("model."):]} if value is not None else set()
+    return {"builder"} if key.startswith("model.builder.") else set()
+
+
+def _one_model_source(raw: dict[str, Any], recipe: Path, expanded: list[str],
+                      search_dirs: list[Path]) -> dict[str, Any]:
+    """``raw`` with one of ``model.path`` and ``model.builder``: the one set last (recipe files in merge
+    order, then the command line) wins and the other is dropped; one layer that sets both is refused."""
+    from hydra import initialize_config_dir
+
+    model = raw.get("model")
+    if not isinstance(model, dict) or any(model.get(k) is None for k in MODEL_SOURCES):
+        return raw
+    both = ("model.path and model.builder are both set, and a run starts from one model: keep model.path (an HF "
+            "folder) or model.builder (a model_builder that makes one)")
+    last = None
+    searchpath = _searchpath_override(recipe, search_dirs)
+    with initialize_config_dir(config_dir=str(recipe.parent), version_base=None):
+        layers = _layers(recipe, _primary(recipe), search_dirs, searchpath) or []
+    for path, layer in layers:
+        node = layer.get("model")
+        given = {k for k in MODEL_SOURCES if isinstance(node, dict) and node.get(k) is not None}
+        if len(given) == 2:
+            raise ConfigError(f"{path}: {both}")
+        last = given.pop() if given else last
+    on_command_line: set[str] = set()
+    for item in expanded:
+        given = _model_sources_set(item)
+        on_command_line |= given
+        last = given.pop() if len(given) == 1 else last
+    if len(on_command_line) == 2:
+        raise ConfigError(f"the command line: {both}")
+    if last is None:  # set in a way no layer shows (an interpolation): nothing says which one is meant
+        raise ConfigError(f"{recipe.name}: {both}")
+    dropped = "builder" if last == "path" else "path"
+    return {**raw, "model": {**model, dropped: None}}
 
 
 def _parse(item: str) -> Any:
@@ -212,17 +328,29 @@ def _replacing_overrides(overrides: list[str], run: Any) -> list[str]:
     return out
 
 
-def compose(recipe: Path, overrides: list[str]) -> dict[str, Any]:
+def default_search_dirs() -> list[Path]:
+    """The recipe folders other than ``--config-dir``: ``./recipes`` and the shipped recipes."""
+    from loongsage.core.config import recipe_search_path  # imported here: config imports this module
+
+    return recipe_search_path(None)
+
+
+def compose(recipe: Path, overrides: list[str], search_dirs: list[Path] | None = None) -> dict[str, Any]:
     """Compose ``recipe`` with Hydra overrides into a plain dict (no validation yet).
 
-    Anything that goes wrong (a YAML syntax error in the recipe, an override Hydra cannot parse or
-    apply) becomes one ConfigError line naming the file and position, or the override at fault.
+    ``search_dirs``: where recipes that its ``defaults`` name are found after its own folder
+    (default :func:`default_search_dirs`). Anything that goes wrong (a YAML syntax error in the
+    recipe, an override Hydra cannot parse or apply) becomes one ConfigError line naming the file
+    and position, or the override at fault.
     """
+    recipe = Path(recipe).resolve()
+    dirs = [Path(d) for d in (default_search_dirs() if search_dirs is None else search_dirs)]
     expanded = _expand_aliases(overrides)
     try:
-        return _compose(recipe, expanded)
+        raw = _compose(recipe, expanded, dirs)
     except Exception as exc:  # Hydra, OmegaConf and YAML raise many types; each is explained below
-        raise ConfigError(_explain_compose_error(recipe, overrides, expanded, exc)) from None
+        raise ConfigError(_explain_compose_error(recipe, overrides, expanded, exc, dirs)) from None
+    return _one_model_source(raw, recipe, expanded, dirs)
 
 
 def _one_line(text: str) -> str:
@@ -282,7 +410,8 @@ def _list_index_error(base: Any, key: str) -> str | None:
     return None
 
 
-def _explain_compose_error(recipe: Path, overrides: list[str], expanded: list[str], exc: Exception) -> str:
+def _explain_compose_error(recipe: Path, overrides: list[str], expanded: list[str], exc: Exception,
+                           search_dirs: list[Path]) -> str:
     import yaml
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -299,11 +428,17 @@ def _explain_compose_error(recipe: Path, overrides: list[str], expanded: list[st
     base: Any = None
     for k in range(len(expanded) + 1):
         try:
-            composed = _compose(recipe, expanded[:k])
+            composed = _compose(recipe, expanded[:k], search_dirs)
         except Exception as inner:
             if k == 0:
                 if isinstance(inner, yaml.YAMLError):
                     return _yaml_error(recipe, inner)
+                missing = re.search(r"Could not load '([^']+?)(@_here_)?'", str(inner))
+                if missing:
+                    looked = ", ".join(str(d) for d in dict.fromkeys([recipe.parent, *search_dirs]) if d.is_dir())
+                    return (f"{recipe}: defaults: recipe {missing.group(1)!r} not found; looked in {looked} "
+                            "(`loongsage recipes` lists the recipes; name one by its path there, e.g. "
+                            "tiny/grpo_arith_cpu)")
                 if "must be a DictConfig" in str(inner):
                     kind = "list" if "ListConfig" in str(inner) else "single value"
                     return (f"{recipe}: a recipe is a mapping of config sections (run, model, data_sources, ...); "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.resources
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +58,8 @@ class DataSourceConfig:
     eval_agent: Spec | None = None  # agent for evaluation (default: ``agent``), e.g. a generating one for SFT
     teacher: Spec | None = None  # MOPD: {name: <teacher backend>, params: {path | builder, ...}}
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except n
+    # a malformed row of the reader or the eval_reader: skipped (logged; the next row takes its
+    # place) or the run stops
     on_bad_row: Literal["skip", "error"] = "skip"
 
 
@@ -276,6 +279,26 @@ def check_placement(cfg: Config) -> None:
                           "or leave placement.num_cpus null")
 
 
+def check_machine(cfg: Config, cores: int | None = None) -> None:
+    """For a run that starts Ray on this machine: refuse a placement asking for more CPUs than the
+    machine has where nothing needs it. One actor of ``placement.cpus_per_actor`` CPUs must fit on
+    the machine; ``placement.num_cpus`` (what Ray is told it has) may exceed the cores only as far
+    as the bundles need (several one-CPU actors on one core), never beyond. Otherwise Ray would
+    take the number at its word and the run would start, oversubscribed, without a word."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    p = cfg.placement
+    if p.cpus_per_actor > cores:
+        raise ConfigError(f"placement.cpus_per_actor={p.cpus_per_actor:g}: this machine has {cores} CPU core"
+                          f"{'' if cores == 1 else 's'}, so one actor cannot have more; set placement.cpus_per_actor "
+                          f"<= {cores} (it starts Ray itself here; on a Ray cluster, start Ray there first)")
+    need = math.ceil(placement_demand(cfg)[0]["CPU"] - 1e-9)
+    if p.num_cpus is not None and p.num_cpus > max(cores, need):
+        raise ConfigError(f"placement.num_cpus={p.num_cpus}: this machine has {cores} CPU core{'' if cores == 1 else 's'} "
+                          f"and the placement needs {need}; set placement.num_cpus <= {max(cores, need)}, or leave it "
+                          "null (every core)")
+
+
 # ----------------------------------------------------------------------------- finding recipes
 def packaged_recipe_dir() -> Path:
     """Recipes shipped inside the core wheel; in an editable install, the repository's recipes/."""
@@ -344,6 +367,9 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
         raise ConfigError(f"data_sources: names must be unique, got {names}")
     if cfg.model.path is None and cfg.model.builder is None:
         raise ConfigError("model: set model.path (a local HF folder) or model.builder")
+    if cfg.model.path is not None and cfg.model.builder is not None:  # composing keeps one; a dict given here may not
+        raise ConfigError("model: model.path and model.builder are both set; keep one (the run would start from one "
+                          "model)")
     if cfg.model.builder is not None:
         registry.create("model_builder", cfg.model.builder, "model.builder")
     elif not (Path(cfg.model.path) / "config.json").is_file():
@@ -426,6 +452,16 @@ def validate(raw: dict[str, Any], registry: Any) -> Config:
             raise ConfigError(f"trainer.critic is set but algorithm.advantage {cfg.algorithm.advantage['name']!r} "
                               "does not use values; use gae or drop the critic")
     policy_loss = registry.create("policy_loss", cfg.algorithm.policy_loss, "algorithm.policy_loss")
+    # MOPD shapes every token's advantage with its teacher, so a group of one still learns
+    if policy_loss.uses_advantages and cfg.algorithm.distill is None:
+        for i, src in enumerate(cfg.data_sources):
+            need = estimator.min_group_size
+            if src.samples_per_prompt < need:
+                raise ConfigError(f"data_sources[{i}].samples_per_prompt={src.samples_per_prompt}: advantage "
+                                  f"{cfg.algorithm.advantage['name']!r} compares the samples of a prompt with each "
+                                  f"other, so it needs >= {need} (with fewer every advantage is 0 and the run trains "
+                                  "nothing); raise samples_per_prompt, or use an estimator with a batch baseline "
+                                  "(e.g. reinforce_pp)")
     supported = policy_loss.supported_aggregations
     if supported is not None and cfg.algorithm.aggregation not in supported:
         raise ConfigError(f"algorithm.aggregation={cfg.algorithm.aggregation!r} is not supported by "
@@ -466,8 +502,8 @@ def load_config(recipe: str, overrides: list[str] | None = None, *, config_dir: 
     from loongsage.core.plugins import load_registry
 
     path = find_recipe(recipe, config_dir)
-    raw = compose(path, list(overrides or []))
+    raw = compose(path, list(overrides or []), search_dirs=recipe_search_path(config_dir))
     plugins = raw.get("plugins") or []
-    if registry is None:
-        registry = load_registry(plugins if isinstance(plugins, list) else [])
+    if registry is None:  # a plugins: module may sit beside the recipe or in the working directory
+        registry = load_registry(plugins if isinstance(plugins, list) else [], search_dirs=(path.parent, Path.cwd()))
     return validate(raw, registry), registry

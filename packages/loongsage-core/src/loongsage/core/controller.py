@@ -67,6 +67,7 @@ class Controller:
         self.run_dir = cfg.run_dir.resolve()  # actors may run in another working directory
         self.step = 0
         self.version = 0
+        self.training = False  # the step loop has begun (what a failure's message reports the step of)
         self.rollout: RolloutService | None = None  # built once the engines and the reward worker exist
         # one WorkerGroup per role, set by _start_actors; ``groups``: every group started, in order
         # (what the end of a run kills, however far the start got)
@@ -367,14 +368,16 @@ class Controller:
                 log.info("teacher for %s: %s", ", ".join(plan.sources), plan.model_path)
             if not ray.is_initialized():
                 cpus = math.ceil(placement_demand(cfg)[0]["CPU"] - 1e-9)  # what the bundles reserve
-                ray.init(num_cpus=cfg.placement.num_cpus or max(len(os.sched_getaffinity(0)), cpus), include_dashboard=False,
-                         log_to_driver=True, logging_level=logging.WARNING)
+                start_ray(num_cpus=cfg.placement.num_cpus or max(len(os.sched_getaffinity(0)), cpus))
                 started_ray = True
             self._start_actors(model_path, teacher_plans)
             start = self.resume() if cfg.checkpoint.resume else 0
-            summary = asyncio.run(self._loop(start, StepProgress(cfg.run.total_steps, start, cfg.tracking.progress)))
+            self.progress = StepProgress(cfg.run.total_steps, start, cfg.tracking.progress)
+            summary = asyncio.run(self._loop(start, self.progress))
             return summary
         finally:
+            if getattr(self, "progress", None) is not None:  # the bar's line ends before any message
+                self.progress.close()
             # Release what exists, each step on its own: a failure part-way through setup (some actors
             # started, others not) must surface as itself, never as an error of the cleanup.
             from ray.util.placement_group import remove_placement_group
@@ -388,6 +391,7 @@ class Controller:
                     steps.append(("remove placement group", lambda: remove_placement_group(placement.pg)))
             if started_ray:
                 steps.append(("shut Ray down", ray.shutdown))
+                steps.append(("restore Ray's printing", _restore_worker_output))
             for what, release in steps:
                 try:
                     release()
@@ -416,6 +420,7 @@ class Controller:
         carried = 0.0  # the time of the last offload, reported with the next step
         if offload:
             carried = await asyncio.to_thread(self._move_trainers, "offload")
+        self.training = True
         if start == 0:
             self._log(0, await self.evaluator.run(self.rollout, self.step))
         for step in range(start, cfg.run.total_steps):
@@ -487,9 +492,81 @@ class Controller:
             return
         for tracker in self.trackers:
             tracker.log(step, metrics)
+        # every number of the step in the run's log (not on the terminal): a failed run's log then
+        # shows where its metrics were heading
+        log.info("step %d: %s", step, " ".join(f"{k}={v:.6g}" for k, v in sorted(metrics.items())
+                                               if isinstance(v, (int, float))), extra={"file_only": True})
         shown = {k: v for k, v in metrics.items() if k.startswith("eval/")}
         if shown:
             log.info("step %d eval %s", step, " ".join(f"{k}={v:.3f}" for k, v in sorted(shown.items())))
+
+
+def start_ray(num_cpus: int) -> None:
+    """Start a local Ray for this run. Its workers' output (and the raylet's messages) go to the
+    run's log rather than the terminal, which keeps the launcher's own lines; a Ray that does not
+    come up is one :class:`RunError` line."""
+    import ray
+
+    from loongsage.core.failures import RunError, launched, reinstall_stop_handlers
+
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if os.environ.get("RAY_ADDRESS"):
+            hint = f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} is set: unset it so that the run starts a Ray of its own"
+        elif isinstance(exc, TimeoutError) or "timed out" in str(exc):
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+            hint = (f"the machine is too busy for Ray to come up in time (load average {load:.1f} on {os.cpu_count()} "
+                    "cores); try again when it is less busy")
+        else:
+            hint = "see the traceback"
+        raise RunError(f"Ray did not start: {first}; {hint}") from exc
+    if launched():  # the launcher's run: its log files are set up to take the actors' output
+        reinstall_stop_handlers()  # ray.init replaced SIGTERM's
+        _route_worker_output()
+
+
+def _route_worker_output() -> None:
+    """Send what Ray prints for the actors (their stdout and stderr, the raylet's error messages) to
+    the ``loongsage.workers`` logger, which writes only to the log files. Ray prints them through
+    one handler of its stream dispatcher and one function; where a Ray version has neither, its own
+    printing stays."""
+    try:
+        from ray._private import worker as ray_worker
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:
+        return
+    if not hasattr(dispatcher, "remove_handler") or not hasattr(ray_worker, "print_to_stdstream"):
+        return
+    workers = logging.getLogger("loongsage.workers")
+
+    events = getattr(ray_worker, "filter_autoscaler_events", lambda lines: ())
+
+    def to_log(data: dict[str, Any], ignore_prefix: bool = False) -> None:
+        pid = data.get("pid")
+        lines = data.get("lines", ())
+        if pid == "autoscaler":  # its periodic status report every few seconds; only its events, as Ray does
+            lines = list(events(lines))
+        who = data.get("actor_name") or data.get("task_name") or ""
+        prefix = f"({pid}) " if pid in ("raylet", "autoscaler") else f"({who} pid={pid}) "
+        for line in lines:
+            workers.info("%s%s", prefix, line, extra={"file_only": True})
+
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("ray_print_logs", to_log)  # ray.shutdown removes it
+    _ray_printing.setdefault("print_to_stdstream", ray_worker.print_to_stdstream)
+    ray_worker.print_to_stdstream = to_log
+
+
+_ray_printing: dict[str, Any] = {}  # what _route_worker_output replaced in Ray, put back after the run
+
+
+def _restore_worker_output() -> None:
+    if "print_to_stdstream" in _ray_printing:
+        from ray._private import worker as ray_worker
+
+        ray_worker.print_to_stdstream = _ray_printing.pop("print_to_stdstream")
 
 
 def init_ray_environment() -> None:

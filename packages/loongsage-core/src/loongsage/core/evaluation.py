@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from loongsage.core.config import Config
-from loongsage.core.types import DataRecord
+from loongsage.core.types import BadRecordError, DataRecord
 
 if TYPE_CHECKING:
     from loongsage.core.rollout import RolloutService
+
+log = logging.getLogger("loongsage.core.data")  # beside the training rows' skips
 
 
 class Evaluator:
@@ -25,12 +28,7 @@ class Evaluator:
             spec, key = (src.eval_agent, "eval_agent") if src.eval_agent is not None else (src.agent, "agent")
             self.agents[src.name] = registry.create("agent", spec, f"data_sources[{i}].{key}")
             reader = registry.create("data_source", src.eval_reader, f"data_sources[{i}].eval_reader")
-            rows = []
-            for index in range(min(len(reader), cfg.evaluation.max_prompts)):
-                record = reader[index]
-                record.source = src.name
-                rows.append(record)
-            self.records[src.name] = rows
+            self.records[src.name] = _eval_rows(src.name, reader, cfg.evaluation.max_prompts, src.on_bad_row)
 
     async def run(self, rollout: RolloutService, step: int, pass_k: bool = True) -> dict[str, float]:
         """Greedy accuracy after ``step`` training steps, generated through ``rollout``; with
@@ -65,6 +63,32 @@ class Evaluator:
         n = sum(len(rows) for rows in self.records.values())
         first = (2 * step + phase) * n
         return [-1 - (first + k) for k in range(n)]
+
+
+def _eval_rows(name: str, reader: Any, count: int, on_bad_row: str) -> list[DataRecord]:
+    """The first ``count`` valid rows of ``reader``. A bad row is handled as the source's
+    ``on_bad_row`` says, as in training: ``skip`` goes past it (logged; the next rows fill its
+    place), ``error`` stops the run."""
+    rows: list[DataRecord] = []
+    skipped: list[int] = []
+    for index in range(len(reader)):
+        if len(rows) == count:
+            break
+        try:
+            record = reader[index]
+        except BadRecordError as exc:
+            if on_bad_row == "error":
+                raise BadRecordError(f"data source {name!r} (eval_reader): {exc}; fix the row, or set "
+                                     "on_bad_row: skip") from None
+            skipped.append(index)
+            log.warning("data source %s: skipped evaluation row %d: %s", name, index, exc)
+            continue
+        record.source = name
+        rows.append(record)
+    if skipped and not rows:
+        raise BadRecordError(f"data source {name!r} (eval_reader): no valid evaluation row (all {len(skipped)} bad); "
+                             "fix the file, or drop eval_reader")
+    return rows
 
 
 def _success(reward: float | None, threshold: float) -> bool:

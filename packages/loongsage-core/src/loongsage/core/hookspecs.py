@@ -112,13 +112,14 @@ def loongsage_rollout_schedulers() -> Factories:
 
 @hookspec
 def loongsage_sandboxes() -> Factories:
-    """Sandbox backends (isolated local process, docker, k8s) for agents and rewards.
+    """Sandbox backends for agents and rewards (``local``: a bubblewrap jail per sandbox; ``docker``:
+    a container per sandbox over any Docker Engine API).
 
     Contract: :class:`loongsage.core.contracts.Sandbox`: ``create(owner, deadline) -> id``,
     ``exec(id, cmd, timeout) -> ExecResult`` (exit code or signal, capped output, ``truncated``,
     ``timed_out``, wall time), ``put``/``get`` of bytes confined to the work directory, ``delete``
     (every process killed, everything removed); optionally ``reset`` for reuse (``reusable``).
-    loongsage-sandbox ships ``local`` and the pool that keeps sandboxes warm and reaps orphans.
+    loongsage-sandbox ships both and the pool that keeps sandboxes warm and reaps orphans.
     """
 
 
@@ -134,15 +135,16 @@ def loongsage_gateway_middlewares() -> Factories:
 def loongsage_backends() -> Factories:
     """Infrastructure backends, each factory declaring its ``kind`` as a class attribute.
 
-    Kinds and contracts: ``trainer`` (torch, megatron; :class:`~loongsage.core.contracts.Trainer`,
-    as the critic :class:`~loongsage.core.contracts.Critic`), ``engine`` (native, sglang;
-    :class:`~loongsage.core.contracts.Engine`), ``teacher`` (:class:`~loongsage.core.contracts.Teacher`),
-    ``transport`` (cpu, ipc, nccl; :class:`~loongsage.core.contracts.Transport`), ``tracker`` (jsonl,
-    tensorboard, wandb; :class:`~loongsage.core.contracts.Tracker`), ``chat_parser``
-    (:class:`~loongsage.core.contracts.ChatParser`), ``model_builder`` (builds an HF model folder
-    offline; :class:`~loongsage.core.contracts.ModelBuilder`) and ``service`` (lives as long as the run
-    and is handed to agents, the chat gateway; :class:`~loongsage.core.contracts.RunService`). Names
-    are unique within a kind.
+    Kinds and contracts: ``trainer`` (torch, torch_critic, megatron;
+    :class:`~loongsage.core.contracts.Trainer`, as the critic :class:`~loongsage.core.contracts.Critic`),
+    ``engine`` (native, sglang; :class:`~loongsage.core.contracts.Engine`), ``teacher`` (embedded,
+    megatron; :class:`~loongsage.core.contracts.Teacher`), ``transport`` (cpu; ipc and broadcast from
+    loongsage-sync; :class:`~loongsage.core.contracts.Transport`), ``tracker`` (jsonl, tensorboard,
+    wandb; :class:`~loongsage.core.contracts.Tracker`), ``chat_parser`` (qwen3;
+    :class:`~loongsage.core.contracts.ChatParser`), ``model_builder`` (builds an HF model folder
+    offline: tiny_arith, random_init, ...; :class:`~loongsage.core.contracts.ModelBuilder`) and
+    ``service`` (lives as long as the run and is handed to agents: the chat gateway, the sandbox
+    pool; :class:`~loongsage.core.contracts.RunService`). Names are unique within a kind.
     """
 
 

@@ -5,6 +5,16 @@ the modules listed under ``plugins:`` in the config. Each hook's mappings are me
 table per *category*; a name provided twice is refused with both providers named, and a miss
 lists the names that are known.
 
+Every plugin module is checked when it registers, because pluggy itself registers a misspelt hook
+or an unmarked function silently (it adds nothing): an ``@hookimpl`` whose name is no hook, a
+function named after a hook without ``@hookimpl``, and a module with no hookimpl at all are
+refused in one line naming the module (and the closest hook name). What a hook returns is checked
+where it is called: a mapping of names to factories, or one line naming the plugin.
+
+A ``plugins:`` module that is not importable as installed is looked for in the folders the caller
+names (the recipe's folder and the working directory, for a recipe's ``plugins:``); the folder it
+is found in joins ``sys.path`` and ``PYTHONPATH``, so the run's worker processes import it too.
+
 Every entry is held to its contract (:mod:`loongsage.core.contracts`): a class factory when the
 tables are built, whatever a factory builds when it is built. A missing member, a method that
 cannot take the contract's call or a capability flag of the wrong type is one line naming the
@@ -14,10 +24,14 @@ framework reads every flag directly.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.metadata
 import inspect
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -25,11 +39,9 @@ import pluggy
 
 from loongsage.core import contract_check, contracts, hookspecs
 from loongsage.core.schema import check_params, join_error
+from loongsage.core.project_packages import PROJECT_PACKAGES  # named when one is asked for but not installed
 from loongsage.core.types import ConfigError
 
-# entries of the project's own optional packages, named when one is asked for but not installed
-PROJECT_PACKAGES = {("engine", "sglang"): "loongsage-sglang", ("transport", "ipc"): "loongsage-sync",
-                    ("transport", "broadcast"): "loongsage-sync"}
 # category (as used in error messages and `loongsage plugins`) -> hook name
 CATEGORIES: dict[str, str] = {
     "agent": "loongsage_agents",
@@ -75,14 +87,29 @@ class Registry:
         self.extra_modules: tuple[str, ...] = ()  # the config's plugins: another process loads the same
 
     # ----------------------------------------------------------------- loading
-    def register_module(self, module: Any, provider: str) -> None:
+    def register_module(self, module: Any, provider: str, where: str | None = None) -> None:
+        """Register ``module``'s hookimpls under ``provider``; ``where`` names it in errors (default:
+        ``plugin <provider>``). A module whose hooks would silently add nothing is refused."""
         if self.pm.is_registered(module):
             return
-        self.pm.register(module, name=provider)
+        where = where or f"plugin {provider}"
+        try:
+            self.pm.register(module, name=provider)
+        except pluggy.PluginValidationError as exc:  # e.g. a hookimpl taking arguments the hook does not pass
+            why = "; LoongSage hooks take no arguments" if "Argument(s)" in str(exc) else ""
+            raise ConfigError(f"{where}: {' '.join(str(exc).split())}{why}") from None
+        problem = _hook_problem(self.pm, module)
+        if problem is not None:
+            self.pm.unregister(module)
+            raise ConfigError(f"{where}: {problem}")
         self._providers[id(module)] = provider
         self._tables = None
 
-    def load(self, extra_modules: list[str] | tuple[str, ...] = ()) -> "Registry":
+    def load(self, extra_modules: list[str] | tuple[str, ...] = (),
+             search_dirs: Iterable[str | Path] = ()) -> "Registry":
+        """Register the built-ins, the entry points, then ``extra_modules`` (``plugins:``), each of
+        those imported as installed or else from the first of ``search_dirs`` and the working
+        directory that holds it."""
         self.register_module(importlib.import_module(BUILTIN_MODULE), "loongsage-core (built-in)")
         for ep in sorted(importlib.metadata.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name):
             dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist else ep.name
@@ -90,13 +117,11 @@ class Registry:
                 module = ep.load()
             except Exception as exc:
                 raise ConfigError(f"plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}") from exc
-            self.register_module(module, f"{dist} ({ep.value})")
+            self.register_module(module, f"{dist} ({ep.value})", f"plugin {ep.name!r} from {dist} ({ep.value})")
         for path in extra_modules:
-            try:
-                module = importlib.import_module(path)
-            except Exception as exc:
-                raise ConfigError(f"plugins: module {path!r} failed to import: {type(exc).__name__}: {exc}") from exc
-            self.register_module(module, f"config plugins: {path}")
+            folders = list(dict.fromkeys(Path(d).resolve() for d in (*search_dirs, Path.cwd())))
+            module = _import_plugin(path, folders)
+            self.register_module(module, f"config plugins: {path}", f"plugins: module {path!r}")
         self.extra_modules += tuple(extra_modules)
         return self
 
@@ -107,8 +132,7 @@ class Registry:
             hook = getattr(self.pm.hook, hook_name)
             for impl in hook.get_hookimpls():
                 provider = self._providers.get(id(impl.plugin), impl.plugin_name)
-                mapping = impl.function() or {}
-                for name, factory in mapping.items():
+                for name, factory in _hook_result(impl, hook_name, provider).items():
                     cat = category
                     if category == "backend":  # the declared kind routes the entry to its table and contract
                         cat = getattr(factory, "kind", None)
@@ -211,5 +235,102 @@ def _contract(category: str) -> type:
     return contracts.HOOKS[category] if category in contracts.HOOKS else contracts.BACKENDS[category]
 
 
-def load_registry(extra_modules: list[str] | tuple[str, ...] = ()) -> Registry:
-    return Registry().load(extra_modules)
+def load_registry(extra_modules: list[str] | tuple[str, ...] = (),
+                  search_dirs: Iterable[str | Path] = ()) -> Registry:
+    return Registry().load(extra_modules, search_dirs)
+
+
+# ----------------------------------------------------------------------------- checks on plugin modules
+def _suggest(name: str) -> str:
+    close = difflib.get_close_matches(name, hookspecs.HOOK_NAMES, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _hook_problem(pm: pluggy.PluginManager, module: Any) -> str | None:
+    """What makes ``module`` (registered in ``pm``) add less than its author meant, or None.
+
+    pluggy takes an ``@hookimpl`` of any name (it waits for a spec that never comes) and skips a
+    function without the marker, so both mistakes would otherwise register nothing, silently.
+    """
+    for name, value in sorted(vars(module).items()):
+        if not (inspect.isfunction(value) and value.__module__ == getattr(module, "__name__", None)):
+            continue  # only the module's own functions: an imported helper is not the author's hook
+        # a hook's name, or one close to it under the project's prefix (a helper may be named anything else)
+        hooklike = name in hookspecs.HOOK_NAMES or (name.startswith(f"{hookspecs.PROJECT}_") and _suggest(name))
+        if hooklike and pm.parse_hookimpl_opts(module, name) is None:
+            hint = "" if name in hookspecs.HOOK_NAMES else _suggest(name)
+            return (f"function {name}(){hint} is not marked @hookimpl, so it registers nothing; decorate it with "
+                    "@hookimpl (from loongsage.core.hookspecs import hookimpl)")
+    callers = pm.get_hookcallers(module) or []
+    for caller in sorted(callers, key=lambda c: c.name):
+        optional = all(impl.optionalhook for impl in caller.get_hookimpls() if impl.plugin is module)
+        if not caller.has_spec() and not optional:
+            hint = _suggest(caller.name) or f" (the hooks: {', '.join(hookspecs.HOOK_NAMES)})"
+            impl = next(impl for impl in caller.get_hookimpls() if impl.plugin is module)
+            source = getattr(impl.function, "__module__", None)
+            # pluggy registers a hookimpl imported into the module again, under the name it is imported as
+            origin = f" (imported from {source})" if source not in (None, getattr(module, "__name__", None)) else ""
+            return f"@hookimpl {caller.name}(){origin} is not a LoongSage hook{hint}, so it would never be called"
+    if not callers:
+        return (f"provides no @hookimpl function, so it adds nothing; a plugin module defines functions named after "
+                f"the hooks ({', '.join(hookspecs.HOOK_NAMES)}) marked @hookimpl (from loongsage.core.hookspecs)")
+    return None
+
+
+def _hook_result(impl: Any, hook_name: str, provider: str) -> Mapping[str, Any]:
+    """``{name: factory}`` as ``impl`` returns it, or one line naming the plugin and what it returned."""
+    where = f"{hook_name}() of {provider}"
+    try:
+        mapping = impl.function()
+    except Exception as exc:
+        raise ConfigError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+    if mapping is None:
+        return {}
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"{where} returned a {type(mapping).__name__}; a hook returns a mapping of entry names to "
+                          "factories, e.g. {'my_entry': MyClass}")
+    for name, factory in mapping.items():
+        if not isinstance(name, str):
+            raise ConfigError(f"{where} returned the key {name!r} ({type(name).__name__}); entry names are strings")
+        if not callable(factory):
+            raise ConfigError(f"{where} maps {name!r} to a {type(factory).__name__}, which is not callable; map it to "
+                              "the factory (a class or a function) that builds the entry")
+    return mapping
+
+
+def _import_plugin(path: str, search_dirs: list[Path]) -> Any:
+    """Import the ``plugins:`` module ``path``: as installed, else from the first of ``search_dirs``
+    that holds its top-level package, which then joins ``sys.path`` and ``PYTHONPATH`` (the run's
+    worker processes import the same module by name, so they must find it too)."""
+    top = path.split(".")[0]
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not (path == exc.name or path.startswith(f"{exc.name}.")):
+            raise ConfigError(f"plugins: module {path!r} failed to import: {type(exc).__name__}: {exc}") from exc
+        missing = exc
+    except Exception as exc:
+        raise ConfigError(f"plugins: module {path!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    for folder in search_dirs:
+        if (folder / f"{top}.py").is_file() or (folder / top).is_dir():
+            _add_to_path(folder)
+            try:
+                return importlib.import_module(path)
+            except Exception as exc:
+                raise ConfigError(f"plugins: module {path!r} (in {folder}) failed to import: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+    looked = f" and in {', '.join(str(folder) for folder in search_dirs)}" if search_dirs else ""
+    raise ConfigError(f"plugins: module {path!r} failed to import: {type(missing).__name__}: {missing}; looked in "
+                      f"the installed packages (sys.path){looked}; a plugins: module must be importable: put "
+                      f"{top}.py beside the recipe or in the working directory, pip install its package, or add its "
+                      "folder to PYTHONPATH")
+
+
+def _add_to_path(folder: Path) -> None:
+    # appended, not prepended: the recipe's folder must not shadow an installed module of the same name
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+        importlib.invalidate_caches()
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(folder) not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*parts, str(folder)])

@@ -16,16 +16,32 @@ tests in them.
 Because services share the rollout's event loop, a service may call the engine router directly:
 requests it sends wait while a weight update holds generation and, under an asynchronous
 scheduler, are cut at the update and continued on the new weights like any agent's.
+
+``loongsage serve`` (:mod:`loongsage.core.serving`) starts the same services over engines alone,
+for agents outside a training run; their context then carries :class:`Serving` (else ``None``):
+the port and host to listen on, where to record, and lists a service fills with what the user is
+told at start (where clients point) and at stop (what it recorded).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("loongsage")
+
+
+@dataclass
+class Serving:
+    """What ``loongsage serve`` asks of the services it starts (the chat gateway uses it)."""
+
+    record_dir: Path  # where served sessions are written as they go
+    port: int = 0  # 0: a free port
+    host: str | None = None  # None: the service's own (loopback by default)
+    lines: list[str] = field(default_factory=list)  # filled by start: printed once every service started
+    summary: list[str] = field(default_factory=list)  # filled by stop: joined into the last line
 
 
 @dataclass
@@ -38,6 +54,7 @@ class ServiceContext:
     run_dir: Path
     registry: Any  # creates other plugins (a chat parser, middlewares) by name
     seed: int
+    serving: Serving | None = None  # set by `loongsage serve` only
 
 
 class RunServices:

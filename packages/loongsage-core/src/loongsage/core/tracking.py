@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from loongsage.core.contracts import Tracker
+from loongsage.core.failures import RunError
 from loongsage.core.types import ConfigError
 
 # Framework arguments a tracker factory receives when its signature names them.
@@ -136,8 +137,9 @@ class WandbTracker(Tracker):
             )
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [""])[0]
-            raise RuntimeError(f"wandb tracker: wandb.init failed: {type(exc).__name__}: {first} (to log without "
-                               "an account or network, use mode offline: WANDB_MODE=offline)") from exc
+            raise RunError(f"wandb tracker: wandb.init failed: {type(exc).__name__}: {first} (log in with `wandb login` "
+                           "or set WANDB_API_KEY; to log without an account or network, use mode offline: "
+                           "WANDB_MODE=offline)") from exc
         id_file.write_text(run_id + "\n")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:

@@ -151,7 +151,7 @@ class TinyCodeFnModel(CodeFnWarmStartParams):
     kind = "model_builder"
 
     def build(self) -> Path:
-        from loongsage.core.embedded.warmstart import cached_build
+        from loongsage.core.embedded.builds import cached_build
 
         params = CodeFnWarmStartParams(**dataclasses.asdict(self))
         return cached_build(params.cache_key(), lambda tmp: build_code_fn_warm_start(tmp, params))

@@ -4,12 +4,19 @@ One :class:`typing.Protocol` per extension point (what a hook's factory returns)
 kind. Each says in which process its implementation runs and how often the framework calls it,
 and declares its *capability flags*: attributes with a default that tell the framework what an
 entry needs or offers (an advantage estimator's ``needs_values``, a KL estimator's ``consumes``).
-The framework reads them directly, never probing with ``getattr``; the registry
-(:mod:`loongsage.core.plugins`) makes that safe by checking every entry against its Protocol when
-it loads and when it builds it (:mod:`loongsage.core.contract_check`), and refuses a problem in one
-line naming the entry, its provider and the member::
+The registry (:mod:`loongsage.core.plugins`) checks every entry against its Protocol when it loads
+and when it builds it (:mod:`loongsage.core.contract_check`), setting the flags an entry leaves out
+to their defaults, and refuses a problem in one line naming the entry, its provider and the member::
 
     advantage 'my_adv' (from config plugins: my_pkg.plugin): missing __call__(inp) of AdvantageEstimator
+
+So the framework reads the flags directly. A few reads still go through ``getattr`` with a default:
+the registry's ``kind`` of a backend (read to pick the Protocol it is checked against); in the core,
+a trainer's ``data_parallel`` (:mod:`loongsage.core.workers`) and its class's ``add_teacher``
+(:mod:`loongsage.core.distill`), an engine's ``weight_receiver`` (:mod:`loongsage.core.workers`) and
+a divergence's ``partial`` (:mod:`loongsage.core.loss`); in the plugin packages, the loss closure's
+``reads_vocab_shards`` (the megatron trainer), a sandbox backend's ``close`` and a reward context's
+``services`` (the sandbox service).
 
 Kinds of member, as written in the Protocols:
 

@@ -38,6 +38,10 @@ class AdvantageEstimator(Protocol):
     returns: ClassVar[Callable[[AdvantageInput], Tensor] | None] = None
     """``returns(inp) -> Tensor [B, T]``: the critic's targets for the same input (required with
     ``needs_values``), called once per step right after the advantages."""
+    min_group_size: int = 1
+    """The fewest samples per prompt that can give a nonzero advantage (may follow the params): 2 for
+    an estimator whose baseline is the prompt's own group (a group of one is its own baseline).
+    Validation refuses a ``samples_per_prompt`` below it when the policy loss reads advantages."""
 
     def __call__(self, inp: AdvantageInput) -> Tensor: ...
 
@@ -54,6 +58,8 @@ class PolicyLoss(Protocol):
     mini-batches (an NLL loss sets False)."""
     supported_aggregations: ClassVar[tuple[str, ...] | None] = None
     """The ``algorithm.aggregation`` modes it is defined for; None: every mode."""
+    uses_advantages: ClassVar[bool] = True
+    """Reads ``inp.advantages`` (a supervised loss sets False)."""
 
     def __call__(self, inp: PolicyLossInput) -> LossOutput: ...
 

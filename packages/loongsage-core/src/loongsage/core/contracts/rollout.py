@@ -152,10 +152,12 @@ class Sandbox(Protocol):
 class GatewayMiddleware(Protocol):
     """``loongsage_gateway_middlewares``: rewrites, logs or limits the chat gateway's traffic.
 
-    Runs in the gateway service (loongsage-agentflow), once per chat request (OpenAI or Anthropic):
-    ``request`` is ``{"protocol", "trajectory", "attempt", "body"}`` (the JSON body, which it may
-    rewrite); it calls ``call_next`` (the rest of the chain) or answers by itself, and returns the
-    reply ``{"status", "body"}`` (a streamed reply in its non-streamed form).
+    Runs in the gateway service (loongsage-agentflow), once per chat request (OpenAI chat
+    completions, Responses or Anthropic Messages): ``request`` is ``{"protocol", "trajectory",
+    "attempt", "body"}`` (the JSON body, which it may rewrite); it calls ``call_next`` (the rest of
+    the chain) or answers by itself, and returns the reply ``{"status", "body"}`` (a streamed reply
+    in its non-streamed form), with an optional ``"headers"`` mapping for the HTTP answer (a rate
+    limit's ``Retry-After``). An answer of its own should take the shape of ``request["protocol"]``.
     """
 
     async def __call__(self, request: dict[str, Any],

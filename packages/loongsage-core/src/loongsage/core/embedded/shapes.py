@@ -80,16 +80,16 @@ class RandomInitModel:
         return f"random-{self.preset}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
     def build(self) -> Path:
-        from loongsage.core.embedded.warmstart import cached_build
+        from loongsage.core.embedded.builds import cached_build
 
         return cached_build(self.cache_key(), self.build_into)
 
     def build_into(self, out_dir: str | Path) -> Path:
         from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+        from loongsage.core.embedded.builds import INFO_FILE
         from loongsage.core.embedded.tiny_model import count_parameters, save_model
         from loongsage.core.embedded.tokenizer import build_tokenizer
-        from loongsage.core.embedded.warmstart import INFO_FILE
 
         shape = dict(PRESETS[self.preset])
         if self.num_layers is not None:

@@ -17,6 +17,9 @@ The field is left out of the cache key when it is null, so every warm start with
 
 Determinism: the same parameters give bitwise the same weights on the same machine and library
 versions with the same ``threads`` (the thread count can change floating-point reduction order).
+
+A build goes through :func:`~loongsage.core.embedded.builds.cached_build` (once per cache, under a
+lock, saying how far it is); :mod:`loongsage.core.embedded.builds` has that machinery.
 """
 
 from __future__ import annotations
@@ -25,10 +28,7 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,10 +39,10 @@ import torch
 
 from loongsage.core.embedded import digit_sort
 from loongsage.core.embedded.arith import ArithmeticTask, format_answer, teacher_answer
+from loongsage.core.embedded.builds import INFO_FILE, Progress, cached_build
 
 # Bump whenever the output of build_warm_start changes for the same params (invalidates caches).
 BUILDER_VERSION = 1
-INFO_FILE = "loongsage_warmstart.json"
 # Fields that shape the tokenizer and the network (a fine-tuned model keeps its base's).
 ARCHITECTURE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "heads", "kv_heads", "intermediate_size")
 
@@ -225,7 +225,9 @@ def run_sft(model, params: Any, step_loss: Callable[[int], torch.Tensor], *, log
     optimizer, scheduler = sft_optimizer(model, params)
     model.train()
     start, losses = time.perf_counter(), []
+    progress = Progress(f"{getattr(params, 'name', 'warm start')} SFT", params.steps)
     for step in range(params.steps):
+        progress.step(step)
         loss = step_loss(step)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -326,7 +328,7 @@ def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None,
     """Build tokenizer + tiny Qwen3, run the SFT warm start, save the HF folder; returns ``out_dir``.
 
     With ``params.init_from`` the base model comes from the cache under ``cache_dir`` (default
-    :func:`default_cache_dir`), built there first if missing.
+    :func:`~loongsage.core.embedded.builds.default_cache_dir`), built there first if missing.
     Also writes ``loongsage_warmstart.json`` (params, builder version, final loss, timings).
     """
     from loongsage.core.embedded.tiny_model import build_tiny_qwen3
@@ -359,8 +361,9 @@ def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None,
 def save_warm_start(out_dir: str | Path, params: Any, builder_version: int,
                     make: Callable[[], tuple[Any, Any, dict]]) -> Path:
     """Run ``make() -> (model, tokenizer, SFT summary)`` with ``params.threads`` torch threads and
-    the caller's RNG left untouched, then save the HF folder with :data:`INFO_FILE` (the params,
-    ``builder_version``, the parameter count, the build time and the summary); returns ``out_dir``."""
+    the caller's RNG left untouched, then save the HF folder with :data:`~.builds.INFO_FILE` (the
+    params, ``builder_version``, the parameter count, the build time and the summary); returns
+    ``out_dir``."""
     from loongsage.core.embedded.tiny_model import count_parameters, save_model
 
     threads = torch.get_num_threads()
@@ -383,49 +386,17 @@ def save_warm_start(out_dir: str | Path, params: Any, builder_version: int,
     return out
 
 
-def default_cache_dir() -> Path:
-    """``$LOONGSAGE_CACHE`` or ``~/.cache/loongsage``."""
-    return Path(os.environ.get("LOONGSAGE_CACHE") or Path.home() / ".cache" / "loongsage")
-
-
 def cached_warm_start(
     params: WarmStartParams | None = None, cache_dir: str | Path | None = None, *, log_every: int = 0
 ) -> Path:
     """Path of the warm start for ``params``, building it on first use.
 
     The folder is ``<cache_dir>/models/<name>-<hash of params + builder version>``, built once
-    (:func:`cached_build`: in a temporary sibling renamed into place, concurrent builders taking
-    turns on a lock file).
+    (:func:`~loongsage.core.embedded.builds.cached_build`: in a temporary sibling renamed into
+    place, concurrent builders taking turns on a lock file).
     """
     params = params or WarmStartParams()
+    base = f", fine-tuned from {params.base().cache_key()}" if params.init_from is not None else ""
+    what = f"{params.steps} SFT steps of {params.batch_size} examples on {params.threads} threads{base}"
     return cached_build(params.cache_key(), lambda tmp: build_warm_start(tmp, params, log_every=log_every,
-                                                                         cache_dir=cache_dir), cache_dir)
-
-
-def cached_build(key: str, build: Callable[[Path], Any], cache_dir: str | Path | None = None) -> Path:
-    """``<cache_dir>/models/<key>`` (default cache: :func:`default_cache_dir`), made by
-    ``build(folder)`` on first use; a folder counts as built once it holds :data:`INFO_FILE`.
-
-    ``build`` writes into a temporary sibling that is renamed into place, so a crash never leaves
-    a half-written model behind. Builders of the same key take turns on a lock file: the first
-    builds, the others wait and then find it (two processes never spend the CPU on the same build).
-    """
-    import fcntl
-
-    models = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "models"
-    final = models / key
-    if (final / INFO_FILE).is_file():
-        return final
-    models.mkdir(parents=True, exist_ok=True)
-    with open(models / f".{final.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
-        if (final / INFO_FILE).is_file():  # built while this process waited
-            return final
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=models))
-        try:
-            build(tmp)
-            os.rename(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    return final
+                                                                         cache_dir=cache_dir), cache_dir, what)

@@ -92,6 +92,7 @@ class RolloutService:
         self._tasks: set[asyncio.Task] = set()
         self._error: BaseException | None = None
         self._counters: dict[str, float] = defaultdict(float)  # since the last batch
+        self._resumed_reported = 0  # the router's continued samples at the last batch
         self.recovery = None
         if restart_engine is not None and max_engine_restarts > 0:
             self.recovery = EngineRecovery(router, restart=restart_engine, load=load_engine,
@@ -382,8 +383,10 @@ class RolloutService:
             "rollout/partial_frac": sum(n > 1 for n in spans) / max(1, len(spans)),
             "rollout/in_flight": float(sum(s.in_flight for s in self.sources.values())),
             "rollout/buffered": float(sum(len(s.buffer) for s in self.sources.values())),
-            "rollout/resumed_samples": float(self.router.resumed_samples),
+            # per step like its neighbours: the samples continued from their tokens since the last batch
+            "rollout/resumed_samples": float(self.router.resumed_samples - self._resumed_reported),
         })
+        self._resumed_reported = self.router.resumed_samples
         self._notify()  # consumption frees places
         return groups, metrics
 
@@ -447,7 +450,7 @@ class RolloutService:
         if rollout is None:
             return
         self._counters.update(rollout["counters"])
-        self.router.resumed_samples = int(rollout["resumed_samples"])
+        self.router.resumed_samples = self._resumed_reported = int(rollout["resumed_samples"])
         for name, saved in rollout["sources"].items():
             src = self.sources[name]
             src.next_seq, src.consumed = int(saved["next_seq"]), int(saved["consumed"])
