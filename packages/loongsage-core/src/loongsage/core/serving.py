@@ -102,7 +102,7 @@ def serve(cfg: Config, registry: Any, *, record_dir: Path, port: int = 0, host: 
 
     Prints the services' lines (where clients point) once they started, flushed, on stdout.
     """
-    from loongsage.core.controller import init_ray_environment, resolve_model_path
+    from loongsage.core.controller import init_ray_environment, resolve_model_path, start_ray
 
     init_ray_environment()
     import ray
@@ -121,8 +121,7 @@ def serve(cfg: Config, registry: Any, *, record_dir: Path, port: int = 0, host: 
         p, count = cfg.placement, cfg.rollout.num_engines
         need = {"CPU": count * p.cpus_per_actor, **({"GPU": count * p.gpus_per_actor} if p.gpus_per_actor else {})}
         if not ray.is_initialized():
-            ray.init(num_cpus=p.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(need["CPU"] - 1e-9)),
-                     include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+            start_ray(num_cpus=p.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(need["CPU"] - 1e-9)))
             started_ray = True
             # ray.init puts its own SIGTERM handler in (it ends the process from inside whatever runs)
             signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -109,9 +109,6 @@ class _Splitter:
                     setattr(node, name, [self.split(v) if isinstance(v, (ast.expr, ast.keyword)) else v
                                          for v in value])
             return node
-        if isinstance(node, ast.keyword):
-            node.value = self.split(node.value)
-            return node
         return self._probe(node)
 
     def _probe(self, node: ast.expr) -> ast.expr:
