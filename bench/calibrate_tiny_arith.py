@@ -1,7 +1,7 @@
 """Calibrate the tiny arithmetic RL demo: warm start, pass@1 / pass@k, then a plain-torch GRPO loop.
 
 Builds (or reuses from the cache) the supervised warm start of
-:mod:`loongsage.core.embedded.warmstart`, measures held-out greedy accuracy and sampled pass@k,
+:mod:`loongsage.core.tinytask.warmstart`, measures held-out greedy accuracy and sampled pass@k,
 then runs GRPO exactly as the framework's recipe does it — P prompts x G samples per step,
 exact-match reward, group z-score advantage, PPO-clip token-mean loss, one AdamW step per
 rollout step — and prints held-out greedy accuracy every ``--eval-every`` steps with wall time.
@@ -23,8 +23,8 @@ import time
 
 import torch
 
-from loongsage.core.embedded.arith import score
-from loongsage.core.embedded.warmstart import WarmStartParams, build_warm_start, cached_warm_start, render_prompt
+from loongsage.core.tinytask.arith import score
+from loongsage.core.tinytask.warmstart import WarmStartParams, build_warm_start, cached_warm_start, render_prompt
 
 
 def encode_prompts(tokenizer, records) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ through the real stack (the agentflow gateway on loopback over the embedded engi
     python bench/calibrate_tool_calc.py                       # the default warm start (cached)
     python bench/calibrate_tool_calc.py --set steps=600 lr=2e-3 --no-cache --out /tmp/ws
 
-``--set`` overrides :class:`~loongsage.agentflow.warmstart.ToolCalcWarmStartParams` fields
+``--set`` overrides :class:`~loongsage.agentflow.tasks.warmstart.ToolCalcWarmStartParams` fields
 (JSON values). Prints one JSON line: the params, the build's summary and the metrics.
 """
 
@@ -17,10 +17,10 @@ import json
 import time
 from pathlib import Path
 
-from loongsage.agentflow.tool_calc import ToolCalcReward
-from loongsage.agentflow.warmstart import (ToolCalcWarmStartParams, build_tool_calc_warm_start,
-                                           cached_tool_calc_warm_start)
-from loongsage.core.embedded.builds import INFO_FILE
+from loongsage.agentflow.tasks.tool_calc import ToolCalcReward
+from loongsage.agentflow.tasks.warmstart import (ToolCalcWarmStartParams, build_tool_calc_warm_start,
+                                                 cached_tool_calc_warm_start)
+from loongsage.core.tinytask.builds import INFO_FILE
 from loongsage.core.types import SamplingParams
 
 
@@ -51,8 +51,8 @@ def main() -> None:
     async def measure() -> dict[str, float]:
         records = [params.task("test", args.prompts)[i] for i in range(args.prompts)]
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_tokens)
-        from loongsage.agentflow.tool_agent import ToolAgent
-        from loongsage.agentflow.local import evaluate, local_gateway
+        from loongsage.agentflow.agents.tool_agent import ToolAgent
+        from loongsage.agentflow.gateway.local import evaluate, local_gateway
 
         async with local_gateway(str(path)) as gateway:
             return await evaluate(ToolAgent(tools=params.tools), ToolCalcReward(), records, gateway, sampling,

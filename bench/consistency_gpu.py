@@ -47,8 +47,8 @@ def measure(path: str, batch: int = 32, prompt_len: int = 64, new_tokens: int = 
     ``engine_fp32_head=False`` gives the engine a bf16 LM head against the trainer's FP32 one: the
     size of the error a broken head would cause, to size the tests' bounds against.
     """
-    from loongsage.core.embedded.engine import NativeEngine
-    from loongsage.core.embedded.trainer import TorchTrainer
+    from loongsage.core.engine.native import NativeEngine
+    from loongsage.core.trainer.torch_trainer import TorchTrainer
     from loongsage.core.types import GenerationRequest, SamplingParams, TrainBatch
 
     engine = NativeEngine(path, dtype="bfloat16", device="cuda", fp32_lm_head=engine_fp32_head, eos_token_ids=[],

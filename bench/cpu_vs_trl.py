@@ -200,10 +200,9 @@ def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
 def ours_recomputes_old_logprobs(cfg: Any, registry: Any) -> bool | None:
     """Whether the framework spends a forward pass on old log-probs for this config (None: unknown)."""
     try:
-        from loongsage.core.workers import build_pipeline
+        from loongsage.core.loss import build_loss_plan
 
-        decide = getattr(build_pipeline(cfg, registry), "recompute_old_logprobs", None)
-        return True if decide is None else bool(decide(cfg.trainer.mini_batches_per_step))
+        return bool(build_loss_plan(cfg, registry).recompute_old_logprobs(cfg.trainer.mini_batches_per_step))
     except Exception:  # the framework's internals moved: report unknown rather than guess
         return None
 

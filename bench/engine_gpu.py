@@ -105,7 +105,7 @@ def main() -> None:
     if args.repeats < 3:
         parser.error(f"--repeats={args.repeats}: at least 3 timed runs per side")
     source = source_state()  # the commit measured, taken before anything runs
-    from loongsage.core.embedded.engine import NativeEngine
+    from loongsage.core.engine.native import NativeEngine
 
     tmp = Path(tempfile.mkdtemp(prefix="qwen3-1.7b-random-"))
     model = build(tmp)

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from loongsage.core.embedded.engine import NativeEngine
-from loongsage.core.embedded.tiny_model import build_tiny_qwen3
+from loongsage.core.engine.native import NativeEngine
+from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 from loongsage.core.types import GenerationRequest, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_vs_hf.json"

@@ -280,14 +280,14 @@ def time_steps(native) -> dict[str, float]:
 async def run(args) -> dict[str, Any]:
     import torch
 
-    from loongsage.agentflow.engines import DirectEngine
-    from loongsage.agentflow.gateway import Gateway
-    from loongsage.agentflow.parsers import Qwen3ChatParser
-    from loongsage.agentflow.service import ChatService
-    from loongsage.agentflow.store import Budget
-    from loongsage.agentflow.templates import QWEN3_TOOLS_TEMPLATE
-    from loongsage.core.embedded.engine import NativeEngine
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
+    from loongsage.agentflow.chat.parsers import Qwen3ChatParser
+    from loongsage.agentflow.chat.templates import QWEN3_TOOLS_TEMPLATE
+    from loongsage.agentflow.gateway.engines import DirectEngine
+    from loongsage.agentflow.gateway.server import Gateway
+    from loongsage.agentflow.gateway.service import ChatService
+    from loongsage.agentflow.trajectories.store import Budget
+    from loongsage.core.engine.native import NativeEngine
+    from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 
     torch.set_num_threads(args.threads)
     tmp = tempfile.mkdtemp(prefix="bench_gateway_")

@@ -131,7 +131,7 @@ def main() -> int:
     if args.steps - args.warmup < 3:
         sys.exit("--steps - --warmup must leave at least 3 measured steps")
     source = source_state()  # the commit measured, first
-    from loongsage.core.embedded.shapes import RandomDigits, RandomInitModel
+    from loongsage.core.tinytask.shapes import RandomDigits, RandomInitModel
 
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-rl-step-"))
     env = dict(os.environ, LOONGSAGE_CACHE=str(work / "cache"), RAY_AUTH_MODE="disabled")

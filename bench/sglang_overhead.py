@@ -181,7 +181,7 @@ def main() -> int:
                 raw_s = raw_rollout(engine.url, prompts, args.new_tokens)
                 rows.append({"repeat": repeat, "ours_s": ours_s, "raw_s": raw_s})
                 print(f"rollout {repeat}: ours {tokens / ours_s:8.0f} tok/s, raw {tokens / raw_s:8.0f} tok/s", flush=True)
-            from loongsage.core.embedded.trainer import TorchTrainer
+            from loongsage.core.trainer.torch_trainer import TorchTrainer
 
             trainer = TorchTrainer(str(path), dtype="bfloat16", device="cuda", fp32_lm_head=True)
             consistency = k3_against(trainer, prompts[:32], results[:32])

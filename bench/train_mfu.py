@@ -50,7 +50,7 @@ def side(name: str, model_path: str, rows: int, seq: int, warmup: int, repeats: 
     if backend == "megatron":
         from loongsage.megatron.trainer import MegatronTrainer as Trainer
     else:
-        from loongsage.core.embedded.trainer import TorchTrainer as Trainer
+        from loongsage.core.trainer.torch_trainer import TorchTrainer as Trainer
     trainer = Trainer(model_path, dtype="bfloat16", device="cuda", **params)
     trainer.setup_optimizer(1e-6, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     vocab = json.loads((Path(model_path) / "config.json").read_text())["vocab_size"]

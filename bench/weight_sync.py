@@ -56,13 +56,13 @@ class Trainer:
     def bytes(self) -> int:
         """What a push moves: every tensor once (a tied output layer is its embedding, sent once)."""
         from loongsage.core.buckets import without_aliases
-        from loongsage.core.embedded.trainer import state_tensors
+        from loongsage.core.model_math.state import state_tensors
 
         return sum(t.numel() * t.element_size() for _, t in without_aliases(state_tensors(self.model)))
 
     def push(self, engine, bucket_mb: float | None) -> dict:
         """``bucket_mb`` None: in place; else packed in buckets of that size."""
-        from loongsage.core.embedded.trainer import state_tensors
+        from loongsage.core.model_math.state import state_tensors
         from loongsage.sync.ipc import IpcTransport
 
         transport = self.transports.setdefault(bucket_mb, IpcTransport(bucket_mb=bucket_mb or 512,

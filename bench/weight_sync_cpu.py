@@ -3,8 +3,8 @@
 bytes, in one run.
 
 * ``ours_cpu``: a sender actor holding a Qwen3-shaped model's HF-named tensors (built offline by
-  :func:`~loongsage.core.embedded.tiny_model.build_tiny_qwen3`, another seed than the engine's) pushes
-  them with :class:`~loongsage.core.embedded.transport.CpuTransport` into a real engine worker (the
+  :func:`~loongsage.core.tinytask.tiny_model.build_tiny_qwen3`, another seed than the engine's) pushes
+  them with :class:`~loongsage.core.transport.CpuTransport` into a real engine worker (the
   native engine on CPU serving the same shape): buckets packed, put once into the object store,
   mapped and copied out, staged, all committed at once, the engine at the new version.
 * ``ours_broadcast_gloo``: the same push with :class:`~loongsage.sync.broadcast.BroadcastTransport`
@@ -54,7 +54,7 @@ class Sender:
     """The trainer's side: HF-named tensors of the model's shape, pushed by a transport."""
 
     def __init__(self, shape: dict, dtype: str):
-        from loongsage.core.embedded.tiny_model import build_tiny_qwen3
+        from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 
         model, _ = build_tiny_qwen3(seed=1, **shape)  # the engine serves seed 0: every push changes it
         self.weights = list(model.to(getattr(torch, dtype)).state_dict().items())
@@ -69,7 +69,7 @@ class Sender:
 
     def push(self, engine, side: str, bucket_mb: float) -> dict:
         from loongsage.core.buckets import bucket_bytes
-        from loongsage.core.embedded.transport import CpuTransport
+        from loongsage.core.transport import CpuTransport
         from loongsage.sync.broadcast import BroadcastTransport
 
         if side == "ours_cpu":
@@ -126,7 +126,7 @@ def main() -> int:
     import ray
 
     from loongsage.core.config import load_config
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
+    from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
     from loongsage.core.workers import EngineWorker
 
     shape = {"hidden_size": args.hidden, "num_layers": args.layers, "heads": args.hidden // 64, "kv_heads": 4,

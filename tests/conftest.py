@@ -39,7 +39,7 @@ def model_cache() -> Path:
     they share the cache the README's first command fills: on a fresh machine the first test that
     needs the model builds it once (about a minute on two idle cores).
     """
-    from loongsage.core.embedded.builds import default_cache_dir
+    from loongsage.core.tinytask.builds import default_cache_dir
 
     path = Path(os.environ.get("LOONGSAGE_TEST_CACHE") or default_cache_dir())
     os.environ["LOONGSAGE_CACHE"] = str(path)
@@ -49,7 +49,7 @@ def model_cache() -> Path:
 @pytest.fixture(scope="session")
 def ray_session(model_cache):
     """One local Ray for every in-process end-to-end test (Ray start-up costs seconds)."""
-    from loongsage.core.controller import init_ray_environment
+    from loongsage.core.ray_runtime import init_ray_environment
 
     init_ray_environment()
     import ray
@@ -65,7 +65,7 @@ def ray_session(model_cache):
 def ray_module(model_cache):
     """Ray for one module that runs before the tests checking that bad input never starts Ray
     (they assert it is not running): started here if needed, and then shut down after the module."""
-    from loongsage.core.controller import init_ray_environment
+    from loongsage.core.ray_runtime import init_ray_environment
 
     init_ray_environment()
     import ray

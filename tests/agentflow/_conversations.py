@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from loongsage.agentflow.messages import assistant, tool_call
+from loongsage.agentflow.chat.messages import assistant, tool_call
 
 # no markup characters, no edge whitespace: what a parser strips and a tag would confuse
 _CHARS = st.sampled_from(list("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,:;!?'\"-+=*/()[]{}\n") + ["é", "中", "ß"])

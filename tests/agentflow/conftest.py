@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loongsage.agentflow.templates import QWEN3_TOOLS_TEMPLATE
+from loongsage.agentflow.chat.templates import QWEN3_TOOLS_TEMPLATE
 
 MAX_MODEL_LEN = 1024
 
@@ -12,7 +12,7 @@ MAX_MODEL_LEN = 1024
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """``(model folder, tokenizer)``: the embedded tiny Qwen3 with the tools chat template."""
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
+    from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 
     path = tmp_path_factory.mktemp("agentflow_model")
     _, tokenizer = build_tiny_qwen3(path, max_position_embeddings=MAX_MODEL_LEN)
@@ -43,11 +43,11 @@ class Recorder:
 @pytest.fixture(scope="module")
 def gateway(tiny):
     """A gateway on a thread of its own over a native engine in this process, with the qwen3 parser."""
-    from loongsage.agentflow.engines import DirectEngine
-    from loongsage.agentflow.gateway import Gateway
-    from loongsage.agentflow.parsers import Qwen3ChatParser
-    from loongsage.agentflow.service import ChatService
-    from loongsage.core.embedded.engine import NativeEngine
+    from loongsage.agentflow.chat.parsers import Qwen3ChatParser
+    from loongsage.agentflow.gateway.engines import DirectEngine
+    from loongsage.agentflow.gateway.server import Gateway
+    from loongsage.agentflow.gateway.service import ChatService
+    from loongsage.core.engine.native import NativeEngine
 
     path, tokenizer = tiny
     engine = Recorder(DirectEngine(NativeEngine(path, max_model_len=MAX_MODEL_LEN, max_batch_size=16)))
@@ -61,11 +61,11 @@ def gateway(tiny):
 def wide_gateway(tiny):
     """A gateway like ``gateway``'s over an engine with room for long prompts (4096 tokens: the
     tiny tokenizer spends about one token per 1.5 characters) and the default 8 MiB body limit."""
-    from loongsage.agentflow.engines import DirectEngine
-    from loongsage.agentflow.gateway import Gateway
-    from loongsage.agentflow.parsers import Qwen3ChatParser
-    from loongsage.agentflow.service import ChatService
-    from loongsage.core.embedded.engine import NativeEngine
+    from loongsage.agentflow.chat.parsers import Qwen3ChatParser
+    from loongsage.agentflow.gateway.engines import DirectEngine
+    from loongsage.agentflow.gateway.server import Gateway
+    from loongsage.agentflow.gateway.service import ChatService
+    from loongsage.core.engine.native import NativeEngine
 
     path, tokenizer = tiny
     engine = Recorder(DirectEngine(NativeEngine(path, max_model_len=4096, max_batch_size=8)))

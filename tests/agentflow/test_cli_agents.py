@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from loongsage.agentflow import jail, netaudit
-from loongsage.agentflow.blackbox import CommandAgent
-from loongsage.agentflow.engines import DirectEngine
-from loongsage.agentflow.gateway import Gateway
-from loongsage.agentflow.mini_swe import MiniSweAgent
-from loongsage.agentflow.opencode import OpenCodeAgent
-from loongsage.agentflow.parsers import Qwen3ChatParser
-from loongsage.agentflow.service import ChatService
-from loongsage.agentflow.store import Budget
+from loongsage.agentflow.agents.blackbox import CommandAgent
+from loongsage.agentflow.agents.mini_swe import MiniSweAgent
+from loongsage.agentflow.agents.opencode import OpenCodeAgent
+from loongsage.agentflow.chat.parsers import Qwen3ChatParser
+from loongsage.agentflow.gateway.engines import DirectEngine
+from loongsage.agentflow.gateway.server import Gateway
+from loongsage.agentflow.gateway.service import ChatService
+from loongsage.agentflow.programs import jail, netaudit
+from loongsage.agentflow.trajectories.store import Budget
 from loongsage.core.plugins import load_registry
 from loongsage.core.rollout import AgentContext
 from loongsage.core.types import ConfigError, DataRecord, SamplingParams, Status
@@ -41,7 +41,7 @@ SESSION_ENV = {"OPENAI_BASE_URL": "http://127.0.0.1:9/t/0/v1", "OPENAI_API_KEY":
 @pytest.fixture(scope="module")
 def long_engine(tiny):
     """The tiny model with room for OpenCode's prompt (its bash tool alone is ~4.5k tokens)."""
-    from loongsage.core.embedded.engine import NativeEngine
+    from loongsage.core.engine.native import NativeEngine
 
     return NativeEngine(tiny[0], max_model_len=8192, max_batch_size=4)
 

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from loongsage.agentflow import jail
-from loongsage.agentflow.blackbox import CommandAgent, FileReward
-from loongsage.agentflow.engines import DirectEngine
-from loongsage.agentflow.gateway import Gateway
-from loongsage.agentflow.parsers import Qwen3ChatParser
-from loongsage.agentflow.service import ChatService
+from loongsage.agentflow.agents.blackbox import CommandAgent, FileReward
+from loongsage.agentflow.chat.parsers import Qwen3ChatParser
+from loongsage.agentflow.gateway.engines import DirectEngine
+from loongsage.agentflow.gateway.server import Gateway
+from loongsage.agentflow.gateway.service import ChatService
+from loongsage.agentflow.programs import jail
 from loongsage.core.plugins import load_registry
 from loongsage.core.rollout import AgentContext
 from loongsage.core.types import ConfigError, DataRecord, RewardInfraError, SamplingParams, Status
@@ -51,7 +51,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def native(tiny):
-    from loongsage.core.embedded.engine import NativeEngine
+    from loongsage.core.engine.native import NativeEngine
 
     return NativeEngine(tiny[0], max_model_len=1024, max_batch_size=8)
 

@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import pytest
 
-from loongsage.agentflow.store import Budget
+from loongsage.agentflow.trajectories.store import Budget
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loongsage.agentflow.store import Budget
+from loongsage.agentflow.trajectories.store import Budget
 from loongsage.core.types import Status
 
 pytestmark = pytest.mark.timeout(120)

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loongsage.agentflow import fields
-from loongsage.agentflow.rendering import ChatRenderer, PromptTooLong
-from loongsage.agentflow.store import Budget
-from loongsage.agentflow.templates import QWEN3_TOOLS_TEMPLATE
+from loongsage.agentflow.chat import fields
+from loongsage.agentflow.chat.templates import QWEN3_TOOLS_TEMPLATE
+from loongsage.agentflow.trajectories.rendering import ChatRenderer, PromptTooLong
+from loongsage.agentflow.trajectories.store import Budget
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _sessions import openai_client  # noqa: E402

@@ -5,9 +5,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from loongsage.agentflow.gateway import Gateway
-from loongsage.agentflow.parsers import Qwen3ChatParser
-from loongsage.agentflow.service import ChatService
+from loongsage.agentflow.chat.parsers import Qwen3ChatParser
+from loongsage.agentflow.gateway.server import Gateway
+from loongsage.agentflow.gateway.service import ChatService
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import hf_routes  # noqa: E402
 from _sessions import close, openai_client  # noqa: E402
 
@@ -22,11 +22,11 @@ from _sessions import close, openai_client  # noqa: E402
 def moe_gateway(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from loongsage.agentflow.engines import DirectEngine
-    from loongsage.agentflow.gateway import Gateway
-    from loongsage.agentflow.service import ChatService
-    from loongsage.core.embedded.engine import NativeEngine
-    from loongsage.core.embedded.shapes import RandomInitModel
+    from loongsage.agentflow.gateway.engines import DirectEngine
+    from loongsage.agentflow.gateway.server import Gateway
+    from loongsage.agentflow.gateway.service import ChatService
+    from loongsage.core.engine.native import NativeEngine
+    from loongsage.core.tinytask.shapes import RandomInitModel
 
     path = str(RandomInitModel(preset="qwen3-moe-tiny", dtype="float32", device="cpu", max_position_embeddings=512)
                .build_into(tmp_path_factory.mktemp("moe") / "m"))

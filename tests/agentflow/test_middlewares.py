@@ -12,7 +12,7 @@ import anthropic
 import openai
 import pytest
 
-from loongsage.agentflow.middlewares import RateLimit, RequestLog
+from loongsage.agentflow.gateway.middlewares import RateLimit, RequestLog
 MAX_MODEL_LEN = 1024  # as the package conftest's engine
 
 
@@ -31,10 +31,10 @@ class ShortAnswers:
 
 @pytest.fixture(scope="module")
 def limited(tiny, tmp_path_factory):
-    from loongsage.agentflow.engines import DirectEngine
-    from loongsage.agentflow.gateway import Gateway
-    from loongsage.agentflow.service import ChatService
-    from loongsage.core.embedded.engine import NativeEngine
+    from loongsage.agentflow.gateway.engines import DirectEngine
+    from loongsage.agentflow.gateway.server import Gateway
+    from loongsage.agentflow.gateway.service import ChatService
+    from loongsage.core.engine.native import NativeEngine
 
     path, tokenizer = tiny
     log = tmp_path_factory.mktemp("mw") / "requests.jsonl"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from hypothesis import given, settings
 
-from loongsage.agentflow.parsers import Qwen3ChatParser
-from loongsage.agentflow.rendering import ChatRenderer
+from loongsage.agentflow.chat.parsers import Qwen3ChatParser
+from loongsage.agentflow.trajectories.rendering import ChatRenderer
 from loongsage.core.contract_check import check_class
 from loongsage.core.contracts import ChatParser
 from loongsage.core.plugins import load_registry

@@ -3,7 +3,7 @@ gets them: through the Rust tokenizer directly, or reusing a conversation's firs
 
 from __future__ import annotations
 
-from loongsage.agentflow.rendering import ChatRenderer
+from loongsage.agentflow.trajectories.rendering import ChatRenderer
 
 TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a number up",
                                            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]

@@ -10,9 +10,9 @@ from pathlib import Path
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from loongsage.agentflow.rendering import ChatRenderer
-from loongsage.agentflow.store import Budget, Sample, Session
-from loongsage.agentflow.tito import cut_at_stop, plan_turn
+from loongsage.agentflow.trajectories.rendering import ChatRenderer
+from loongsage.agentflow.trajectories.store import Budget, Sample, Session
+from loongsage.agentflow.trajectories.tito import cut_at_stop, plan_turn
 from loongsage.core.types import Status
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -12,10 +12,10 @@ from collections import defaultdict
 
 import pytest
 
-from loongsage.agentflow.tool_agent import ToolAgent
-from loongsage.agentflow.local import contexts, evaluate, local_gateway
-from loongsage.agentflow.tool_calc import ToolCalcReward, ToolCalcTask
-from loongsage.agentflow.warmstart import ToolCalcWarmStartParams, cached_tool_calc_warm_start
+from loongsage.agentflow.agents.tool_agent import ToolAgent
+from loongsage.agentflow.gateway.local import contexts, evaluate, local_gateway
+from loongsage.agentflow.tasks.tool_calc import ToolCalcReward, ToolCalcTask
+from loongsage.agentflow.tasks.warmstart import ToolCalcWarmStartParams, cached_tool_calc_warm_start
 from loongsage.core.rollout.agents import AgentContext
 from loongsage.core.types import SamplingParams
 

@@ -9,11 +9,12 @@ import random
 import pytest
 import torch
 
-from loongsage.agentflow.rendering import ChatRenderer
-from loongsage.agentflow.templates import QWEN3_TOOLS_TEMPLATE
-from loongsage.agentflow.tool_calc import teacher_messages
-from loongsage.agentflow.warmstart import (BUILDER_VERSION, TAGS, ToolCalcWarmStartParams, build_tokenizer,
-                                           cached_tool_calc_warm_start, offered_tools, sft_batch, sft_loss, shared_prefix, transcript_tokens)
+from loongsage.agentflow.chat.templates import QWEN3_TOOLS_TEMPLATE
+from loongsage.agentflow.tasks.tool_calc import teacher_messages
+from loongsage.agentflow.tasks.warmstart import (BUILDER_VERSION, TAGS, ToolCalcWarmStartParams, build_tokenizer,
+                                                 cached_tool_calc_warm_start, offered_tools, sft_batch, sft_loss,
+                                                 shared_prefix, transcript_tokens)
+from loongsage.agentflow.trajectories.rendering import ChatRenderer
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_transcripts_are_tokenized_as_the_gateway_records_them(params, tokenizer
 
 
 def test_the_shared_prefix_loss_equals_hf_and_its_gradient(params, tokenizer):
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
+    from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 
     model, _ = build_tiny_qwen3(tokenizer=tokenizer, max_position_embeddings=512)
     model.train()

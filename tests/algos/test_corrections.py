@@ -20,7 +20,7 @@ from loongsage.algos.corrections import (
     opsm_correction,
 )
 from loongsage.algos.policy_losses import PPOClip
-from loongsage.core.loss import LossPipeline
+from loongsage.core.loss import LossPlan
 from loongsage.core.types import CorrectionInput, TrainBatch
 
 
@@ -446,7 +446,7 @@ def test_denominators_through_loss_pipeline() -> None:
     )
 
     def prepare(correction, aggregation="token-mean"):
-        return LossPipeline(policy_loss=None, aggregation=aggregation, corrections=[correction]).prepare(batch)
+        return LossPlan(policy_loss=None, aggregation=aggregation, corrections=[correction]).prepare(batch)
 
     mis, sums = prepare(ImportanceSampling(mode="mask"))  # w = e^2 on token (1, 1): masked
     torch.testing.assert_close(mis.loss_weights, torch.tensor([[1 / 6] * 3 + [0.0], [1 / 6, 0.0, 1 / 6, 1 / 6]]))
@@ -462,13 +462,13 @@ def test_denominators_through_loss_pipeline() -> None:
     torch.testing.assert_close(tis.loss_weights, torch.tensor([[1 / 7] * 3 + [0.0], [1 / 7, 2 / 7, 1 / 7, 1 / 7]]))
 
     # OPSM needs the current policy: it is applied per micro-batch inside the loss, weights only
-    pipeline = LossPipeline(policy_loss=PPOClip(), aggregation="seq-mean-token-mean",
+    pipeline = LossPlan(policy_loss=PPOClip(), aggregation="seq-mean-token-mean",
                             corrections=[OPSM(delta=0.1, reference="rollout")])
     batch.old_logprobs = -old  # row 1: KL(rollout || current) = 0.5 > 0.1 and A < 0
     prepared, sums = pipeline.prepare(batch)
     torch.testing.assert_close(prepared.loss_weights, torch.tensor([[1 / 6] * 3 + [0.0], [1 / 8] * 4]))  # untouched
     current = prepared.old_logprobs.clone().requires_grad_(True)
-    loss, metrics = pipeline(current, prepared)
+    loss, metrics = pipeline.closure()(current, prepared)
     loss.backward()
     assert metrics.ratios["train/opsm_clipfrac"] == (4.0, 7.0)
     assert torch.equal(current.grad[1], torch.zeros(4))  # the whole sequence leaves the numerator

@@ -1,5 +1,5 @@
 """MOPD's distribution divergences (top-k KL, full-vocab KL, JSD): hand values, float64 formulas,
-properties, masking through the loss pipeline, and gradients that reach the student only."""
+properties, masking through the loss closure, and gradients that reach the student only."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from loongsage.algos.divergences import JSD, FullVocabKL, TopKJSD, TopKKL, full_vocab_kl, jsd, topk_kl
 from loongsage.algos.kl import K2, K3
 from loongsage.algos.policy_losses import PPOClip
-from loongsage.core.loss import LossPipeline
+from loongsage.core.loss import LossPlan
+from loongsage.core.step.distillation import shape_advantages
 from loongsage.core.types import TrainBatch
 
 
@@ -201,7 +202,7 @@ def test_entries_declare_what_they_consume_and_check_params() -> None:
         full_vocab_kl(torch.zeros(2, 3), torch.zeros(2, 4))
 
 
-# ----------------------------------------------------------------------------- through the loss pipeline
+# ----------------------------------------------------------------------------- through the loss closure
 def _distill_batch(seed: int, *, garbage: float = 0.0) -> tuple[TrainBatch, torch.Tensor]:
     """Two rows over T=5 with responses at positions 2..4 (row 1: 2..3); teacher full-vocab log-probs."""
     g = torch.Generator().manual_seed(seed)
@@ -220,8 +221,8 @@ def _distill_batch(seed: int, *, garbage: float = 0.0) -> tuple[TrainBatch, torc
 
 @pytest.mark.parametrize("garbage", [0.0, -3.0, 50.0])
 def test_masked_positions_contribute_nothing(garbage) -> None:
-    pipe = LossPipeline(policy_loss=PPOClip(), gkd_coef=1.0, divergence=JSD())
-    assert pipe.needs_student_distribution and pipe.teacher_request() == (0, True)
+    pipe = LossPlan(policy_loss=PPOClip(), gkd_coef=1.0, divergence=JSD()).closure()
+    assert pipe.needs_student_distribution and pipe.teacher_support == (0, True)
     clean, student = _distill_batch(0)
     dirty, _ = _distill_batch(0, garbage=garbage)
     lp = torch.zeros(2, 5)
@@ -242,18 +243,18 @@ def test_gkd_mix_and_pg_shaping() -> None:
     batch, student = _distill_batch(1)
     lp = torch.zeros(2, 5, requires_grad=True)
     batch.advantages = batch.response_mask.clone()
-    rl_only = LossPipeline(policy_loss=PPOClip())
-    gkd_only = LossPipeline(policy_loss=PPOClip(), gkd_coef=1.0, divergence=FullVocabKL())
-    mixed = LossPipeline(policy_loss=PPOClip(), gkd_coef=0.25, divergence=FullVocabKL())
+    rl_only = LossPlan(policy_loss=PPOClip()).closure()
+    gkd_only = LossPlan(policy_loss=PPOClip(), gkd_coef=1.0, divergence=FullVocabKL()).closure()
+    mixed = LossPlan(policy_loss=PPOClip(), gkd_coef=0.25, divergence=FullVocabKL()).closure()
     rl = rl_only(lp, batch)[0].item()
     gkd = gkd_only(lp, batch, student_dist=student)[0].item()
     assert mixed(lp, batch, student_dist=student)[0].item() == pytest.approx(0.75 * rl + 0.25 * gkd, rel=1e-6)
     # PG branch: A - pg_coef * sg(log pi_s - log pi_t) on response tokens only
     batch.rollout_logprobs = torch.full((2, 5), -1.0)
     batch.teacher_logprobs = torch.full((2, 5), -3.0) * batch.response_mask
-    shaped = LossPipeline(policy_loss=PPOClip(), pg_coef=0.5).shape_advantages(batch)
+    shaped = shape_advantages(0.5, batch)
     assert torch.equal(shaped, batch.response_mask * (1.0 - 0.5 * 2.0))
     # a sampled-token divergence reads the teacher's log-prob of the token, no distribution
-    k3 = LossPipeline(policy_loss=PPOClip(), gkd_coef=1.0, divergence=K3())
-    assert not k3.needs_student_distribution and k3.teacher_request() == (0, False)
-    assert LossPipeline(policy_loss=PPOClip(), gkd_coef=1.0, divergence=TopKKL(k=3)).teacher_request() == (3, False)
+    k3 = LossPlan(policy_loss=PPOClip(), gkd_coef=1.0, divergence=K3()).closure()
+    assert not k3.needs_student_distribution and k3.teacher_support == (0, False)
+    assert LossPlan(policy_loss=PPOClip(), gkd_coef=1.0, divergence=TopKKL(k=3)).teacher_request() == (3, False)

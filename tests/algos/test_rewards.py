@@ -30,7 +30,7 @@ from loongsage.algos.rewards import (
 )
 from loongsage.core.contracts import RewardContext
 from loongsage.core.plugins import load_registry
-from loongsage.core.rewarding import call_reward, takes_context
+from loongsage.core.rewarding import call_reward
 from loongsage.core.types import ConfigError, DataRecord, RewardInfraError, Trajectory
 
 
@@ -128,18 +128,24 @@ def test_unbuilt_inner_is_an_error_and_bind_copies() -> None:
         unbuilt.bind("exact_match")  # type: ignore[arg-type]
 
 
+def declared(fn, *, takes_context: bool = False):
+    """A plain function as the registry hands a reward over: with its contract's flag declared."""
+    fn.takes_context = takes_context
+    return fn
+
+
 def test_wrappers_await_an_async_inner_and_pass_infra_errors_through() -> None:
     async def judge(trajectory: Trajectory, record: DataRecord) -> float:
         return 2.0
 
-    value = OverlongShaping(max_length=10, buffer=4).bind(judge)(traj_of(8), RECORD)
+    value = OverlongShaping(max_length=10, buffer=4).bind(declared(judge))(traj_of(8), RECORD)
     assert asyncio.run(value) == pytest.approx(1.5)
 
     def broken(trajectory: Trajectory, record: DataRecord) -> float:
         raise RewardInfraError("sandbox died")
 
     with pytest.raises(RewardInfraError):
-        FormatReward().bind(broken)(traj_of(1, r"\boxed{7}"), RECORD)
+        FormatReward().bind(declared(broken))(traj_of(1, r"\boxed{7}"), RECORD)
 
 
 def test_a_reward_taking_ctx_gets_the_context_through_wrappers() -> None:
@@ -150,8 +156,8 @@ def test_a_reward_taking_ctx_gets_the_context_through_wrappers() -> None:
         return 1.0
 
     ctx = RewardContext(services={"sandboxes": "handle"})
-    wrapped = FormatReward(pattern="7", bonus=0.5).bind(OverlongShaping(max_length=10, buffer=4).bind(in_sandbox))
-    assert takes_context(wrapped) and takes_context(in_sandbox) and not takes_context(ExactMatch())
+    wrapped = FormatReward(pattern="7", bonus=0.5).bind(OverlongShaping(max_length=10, buffer=4).bind(declared(in_sandbox, takes_context=True)))
+    assert wrapped.takes_context and in_sandbox.takes_context and not ExactMatch().takes_context
     assert asyncio.run(call_reward(wrapped, traj_of(8, "7"), RECORD, ctx)) == pytest.approx(1.0)  # 1 - 0.5 + 0.5
     assert seen == ["handle"]  # once, through both wrappers
     # without a context (a reward called outside the reward worker) it gets an empty one
@@ -175,7 +181,7 @@ def test_format_reward() -> None:
         calls.append(1)
         return 1.0
 
-    gated = FormatReward(gate=True, penalty=-0.5).bind(counted)
+    gated = FormatReward(gate=True, penalty=-0.5).bind(declared(counted))
     assert gated(plain, RECORD) == -0.5 and not calls
     assert gated(boxed, RECORD) == 1.0 and calls == [1]
     with pytest.raises(ValueError, match=r"^format\.pattern='\(': invalid regex"):

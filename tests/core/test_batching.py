@@ -1,8 +1,9 @@
-"""Batch assembly, and one training step through the controller with in-process trainer fakes."""
+"""Batch assembly, and one training step with in-process trainer fakes."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,11 +66,11 @@ def test_to_batch_leaves_out_what_no_trajectory_has():
     assert batch.select([1, 0]).segments == []
 
 
-# ------------------------------------------------ one training step through Controller._train, in-process
+# ------------------------------------------------ one training step (loongsage.core.step), in-process
 #
-# The trainer ranks and the critic are replaced by in-process fakes that run the real loss pipeline
+# The trainer ranks and the critic are replaced by in-process fakes that run the real loss closure
 # on a fixed policy (log-prob -1 for every token), and ray.get by the identity: what is checked is
-# what the controller hands them and how it reduces what they return.
+# what the step hands them and how it reduces what they return.
 
 POLICY_LP = -1.0  # the fake trainer's log-prob of every token
 
@@ -80,10 +81,10 @@ class _Remote:
 
 
 class FakeTrainer:
-    """One trainer rank: the real LossPipeline on log-probs POLICY_LP; records what it was given."""
+    """One trainer rank: the real loss closure on log-probs POLICY_LP; records what it was given."""
 
-    def __init__(self, pipeline):
-        self.pipeline, self.steps, self.logprob_calls = pipeline, [], 0
+    def __init__(self, loss):
+        self.loss, self.steps, self.logprob_calls = loss, [], 0
         self.logprobs = _Remote(self._logprobs)
         self.train_step = _Remote(self._train_step)
 
@@ -95,7 +96,7 @@ class FakeTrainer:
     def _train_step(self, mb):
         self.steps.append(mb)
         lp = torch.full(mb.input_ids.shape, POLICY_LP, requires_grad=True)
-        loss, metrics = self.pipeline(lp, mb)
+        loss, metrics = self.loss(lp, mb)
         return metrics.total("train/loss", float(loss.detach()))
 
 
@@ -107,24 +108,29 @@ class FakeCritic:
 
 
 def _controller(monkeypatch, recipe: str, overrides: list[str], critic: bool = False):
+    """The recipe's train step over in-process fakes; ``train(groups)`` runs it as step 1."""
     import ray
 
     from loongsage.core.config import load_config
-    from loongsage.core.controller import Controller
+    from loongsage.core.loss import build_loss_plan
+    from loongsage.core.roles import CriticGroup, TeacherGroup, TrainerGroup
+    from loongsage.core.step.train_step import TrainStep, step_features
     from loongsage.core.worker_group import WorkerGroup
-    from loongsage.core.workers import build_pipeline
 
     monkeypatch.setattr(ray, "get", lambda x: x)
     cfg, registry = load_config(recipe, ["tracking.progress=false", *overrides])
-    ctrl = Controller(cfg, registry)
-    ctrl.pad_id = 0
-    ctrl.pipeline = build_pipeline(cfg, registry)
-    ctrl.estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
-    ctrl.filters = [registry.create("data_filter", f, f"algorithm.filters[{i}]")
-                    for i, f in enumerate(cfg.algorithm.filters)]
-    ctrl.trainer_group = WorkerGroup("trainer", [FakeTrainer(ctrl.pipeline)])
-    ctrl.critic_group = WorkerGroup("critic", [FakeCritic()] if critic else [])
-    return ctrl
+    plan = build_loss_plan(cfg, registry)
+    estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
+    filters = [registry.create("data_filter", f, f"algorithm.filters[{i}]") for i, f in enumerate(cfg.algorithm.filters)]
+    trainer = TrainerGroup(WorkerGroup("trainer", [FakeTrainer(plan.closure())]))
+    critic_group = CriticGroup(WorkerGroup("critic", [FakeCritic()] if critic else []))
+    features = step_features(plan, filters, trainer, critic_group, TeacherGroup(WorkerGroup("teacher", [])),
+                             distilling=False, audit_dir=None)
+    step = TrainStep(plan, estimator, filters, trainer, features, pad_id=0,
+                     mini_batches=cfg.trainer.mini_batches_per_step,
+                     quotas={s.name: s.prompts_per_step for s in cfg.data_sources})
+    return SimpleNamespace(train=lambda groups: step(groups, step=1, version=0), trainer=trainer,
+                           critic=critic_group, filters=filters)
 
 
 def _sampled(group: int, k: int, length: int, reward: float, delta: float = 0.1,
@@ -163,8 +169,8 @@ def test_overlong_filter_masks_truncated_samples_after_group_advantages(monkeypa
     group = [_sampled(0, 0, 3, 1.0), _sampled(0, 1, 8, 0.0, status=Status.TRUNCATED),
              _sampled(0, 2, 2, 0.0), _sampled(0, 3, 8, 1.0, status=Status.TRUNCATED)]
     assert all(f(group) for f in ctrl.filters)  # the group is kept
-    metrics = ctrl._train([group])
-    (mb,) = ctrl.trainer_group.actors[0].steps
+    metrics = ctrl.train([group])
+    (mb,) = ctrl.trainer.actors[0].steps
     # GRPO over all four rewards [1, 0, 0, 1]: mean 0.5, unbiased std 0.577 -> A = +-0.866
     # (over the two untruncated ones alone it would be +-0.707)
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
@@ -193,8 +199,8 @@ def test_exclude_rows_and_loss_excluded():
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_critic_loss_weights_follow_the_aggregation(monkeypatch, aggregation):
     ctrl = _controller(monkeypatch, "tiny/ppo_arith_cpu", [f"algorithm.aggregation={aggregation}"], critic=True)
-    ctrl._train([[_sampled(0, 0, 2, 1.0), _sampled(0, 1, 5, 0.0)], [_sampled(1, 0, 3, 1.0), _sampled(1, 1, 1, 0.0)]])
-    (policy_mb,), (critic_mb,) = ctrl.trainer_group.actors[0].steps, ctrl.critic_group.actors[0].steps
+    ctrl.train([[_sampled(0, 0, 2, 1.0), _sampled(0, 1, 5, 0.0)], [_sampled(1, 0, 3, 1.0), _sampled(1, 1, 1, 0.0)]])
+    (policy_mb,), (critic_mb,) = ctrl.trainer.actors[0].steps, ctrl.critic.actors[0].steps
     want = loss_weights(critic_mb.response_mask, aggregation)
     torch.testing.assert_close(critic_mb.loss_weights, want)
     torch.testing.assert_close(policy_mb.loss_weights, want)  # the same weights as the policy loss
@@ -219,8 +225,8 @@ SEQ_MEAN = {"k3": (_k3(0.1) + _k3(0.3)) / 2, "abs": (0.1 + 0.3) / 2}
 def test_consistency_metrics_follow_the_aggregation(monkeypatch, aggregation, mini_batches):
     ctrl = _controller(monkeypatch, RECIPE_GRPO, [f"algorithm.aggregation={aggregation}",
                                                   f"trainer.mini_batches_per_step={mini_batches}"])
-    metrics = ctrl._train([_mismatched(g) for g in range(mini_batches)])
-    assert (ctrl.trainer_group.actors[0].logprob_calls > 0) == (mini_batches > 1)
+    metrics = ctrl.train([_mismatched(g) for g in range(mini_batches)])
+    assert (ctrl.trainer.actors[0].logprob_calls > 0) == (mini_batches > 1)
     want = SEQ_MEAN if aggregation.startswith("seq-mean") else TOKEN_MEAN
     assert metrics["train/is_approx_k3_kl"] == pytest.approx(want["k3"], rel=1e-5)
     assert metrics["train/is_logprob_abs_diff"] == pytest.approx(want["abs"], rel=1e-5)
@@ -229,8 +235,8 @@ def test_consistency_metrics_follow_the_aggregation(monkeypatch, aggregation, mi
 def test_teacher_forced_trajectories_have_no_consistency_metrics(monkeypatch):
     """SFT: the placeholder log-probs 0 of teacher-forced tokens are not compared with anything."""
     ctrl = _controller(monkeypatch, "tiny/sft_chat_cpu", [])
-    metrics = ctrl._train([[_teacher_forced(0, 3)], [_teacher_forced(1, 5)]])
-    (trainer,) = ctrl.trainer_group.actors
+    metrics = ctrl.train([[_teacher_forced(0, 3)], [_teacher_forced(1, 5)]])
+    (trainer,) = ctrl.trainer.actors
     assert trainer.steps and trainer.logprob_calls == 0  # no extra forward for it
     assert "train/pg_loss" in metrics
     assert not any(k.startswith(("train/is_approx_k3_kl", "train/is_logprob_abs_diff")) for k in metrics)
@@ -240,7 +246,7 @@ def test_a_mixed_batch_measures_the_sampled_tokens_only(monkeypatch):
     """Teacher-forced rows beside sampled ones: old log-probs are recomputed and the metrics read
     the sampled rows alone (token mean of 2 x 0.1 and 4 x 0.3, not diluted by the forced rows)."""
     ctrl = _controller(monkeypatch, RECIPE_GRPO, ["data_sources.0.samples_per_prompt=2"])
-    metrics = ctrl._train([_mismatched(0), [_teacher_forced(5, 3), _teacher_forced(5, 4)]])
-    assert ctrl.trainer_group.actors[0].logprob_calls == 1
+    metrics = ctrl.train([_mismatched(0), [_teacher_forced(5, 3), _teacher_forced(5, 4)]])
+    assert ctrl.trainer.actors[0].logprob_calls == 1
     assert metrics["train/is_approx_k3_kl"] == pytest.approx(TOKEN_MEAN["k3"], rel=1e-5)
     assert metrics["train/is_logprob_abs_diff"] == pytest.approx(TOKEN_MEAN["abs"], rel=1e-5)

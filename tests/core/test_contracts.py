@@ -13,8 +13,9 @@ import pytest
 
 from loongsage.core import contract_check, contracts
 from loongsage.core.contracts import BACKENDS, HOOKS, Critic, LossFunction
-from loongsage.core.loss import LossPipeline, ValueLoss
-from loongsage.core.plugins import BACKEND_KINDS, CATEGORIES, load_registry
+from loongsage.core.loss import LossPlan, ValueLoss
+from loongsage.core.hookspecs import CATEGORIES
+from loongsage.core.plugins import BACKEND_KINDS, load_registry
 from loongsage.core.types import ConfigError
 
 BUILTIN = "loongsage-core (built-in)"
@@ -335,6 +336,148 @@ def test_a_role_may_ask_for_more_than_the_category(plugin_module) -> None:
                      contract=Critic) == {}
 
 
+def test_a_factory_functions_flags_read_before_it_builds_are_its_own_attributes(plugin_module) -> None:
+    """kind, preflight and receives are read off the factory: a function declares them as attributes."""
+    mod = plugin_module(
+        """
+        class _Printer:
+            def log(self, step, metrics): pass
+            def close(self): pass
+
+        def printer(run_name: str):
+            return _Printer()
+
+        printer.kind = "tracker"
+        printer.receives = ("run_name",)
+
+        def plain(run_dir: str):
+            return _Printer()
+
+        plain.kind = "tracker"
+
+        def wrong(run_dir: str):
+            return _Printer()
+
+        wrong.kind = "tracker"
+        wrong.receives = ("run_dir", "the_weather")
+
+        @hookimpl
+        def loongsage_backends():
+            return {"printer": printer, "plain": plain}
+        """
+    )
+    reg = load_registry([mod])
+    printer, plain = reg.entry("tracker", "printer").factory, reg.entry("tracker", "plain").factory
+    assert printer.receives == ("run_name",) and printer.preflight is None
+    assert plain.receives == () and plain.preflight is None and reg.entry("tracker", "plain").preflight is None
+    bad = plugin_module(
+        f"""
+        from {mod} import wrong
+
+        @hookimpl
+        def loongsage_backends():
+            return {{"wrong": wrong}}
+        """
+    )
+    msg = load_error(bad, "tracker")
+    assert msg.startswith(f"tracker 'wrong' (from config plugins: {bad}): receives=('run_dir', 'the_weather'): expected ")
+    assert msg.endswith("(Tracker.receives)")
+
+
+def test_a_backend_function_without_a_kind_is_refused_naming_the_kinds(plugin_module) -> None:
+    mod = plugin_module(
+        """
+        def engine(model_path: str):
+            return None
+
+        @hookimpl
+        def loongsage_backends():
+            return {"kindless": engine}
+        """
+    )
+    msg = load_error(mod, "engine")
+    assert msg == f"backend 'kindless' from config plugins: {mod}: kind None is not one of {', '.join(BACKEND_KINDS)}"
+
+
+def test_a_reward_takes_the_context_when_it_declares_so(plugin_module) -> None:
+    import asyncio
+
+    from loongsage.core.contracts import RewardContext
+    from loongsage.core.rewarding import call_reward
+    from loongsage.core.types import DataRecord, Trajectory
+
+    mod = plugin_module(
+        """
+        class Plain:
+            def __call__(self, trajectory, record, ctx="never passed"):
+                return ctx
+
+        class WithContext:
+            takes_context = True
+
+            async def __call__(self, trajectory, record, ctx):
+                return ctx
+
+        @hookimpl
+        def loongsage_rewards():
+            return {"plain": Plain, "with_context": WithContext}
+        """
+    )
+    reg = load_registry([mod])
+    plain = reg.create("reward", {"name": "plain"}, "data_sources[0].reward")
+    with_context = reg.create("reward", {"name": "with_context"}, "data_sources[0].reward")
+    assert plain.takes_context is False and with_context.takes_context is True
+    trajectory, record = Trajectory.__new__(Trajectory), DataRecord.__new__(DataRecord)
+    ctx = RewardContext(services={"sandboxes": "handle"})
+    assert call_reward(plain, trajectory, record, ctx) == "never passed"  # a parameter named ctx is no declaration
+    assert asyncio.run(call_reward(with_context, trajectory, record, ctx)) is ctx
+    assert asyncio.run(call_reward(with_context, trajectory, record, None)) == RewardContext(services={})
+    forgets = plugin_module(
+        """
+        class Forgets:
+            takes_context = True
+
+            def __call__(self, trajectory, record):
+                return 1.0
+
+        @hookimpl
+        def loongsage_rewards():
+            return {"forgets": Forgets}
+        """
+    )
+    assert load_error(forgets, "reward") == (f"reward 'forgets' (from config plugins: {forgets}): __call__(trajectory, "
+                                             "record) does not take __call__(trajectory, record, *, ctx) of Reward "
+                                             "(takes_context=True)")
+
+
+def test_a_sandbox_backends_close_is_an_optional_method(registry, plugin_module) -> None:
+    assert registry.entry("sandbox", "local").factory.close is not None  # loongsage-sandbox's backends offer it
+    mod = plugin_module(
+        """
+        class Bare:
+            async def create(self, owner, deadline): return "s"
+            async def exec(self, sandbox_id, cmd, timeout): return None
+            async def put(self, sandbox_id, path, data): pass
+            async def get(self, sandbox_id, path): return b""
+            async def delete(self, sandbox_id): pass
+
+        class Closing(Bare):
+            def close(self, everything):  # the pool calls close()
+                pass
+
+        @hookimpl
+        def loongsage_sandboxes():
+            return {"bare": Bare}
+        """
+    )
+    reg = load_registry([mod])
+    assert reg.create("sandbox", {"name": "bare"}, "services.sandboxes.params.backend").close is None
+    from loongsage.core.contracts import Sandbox
+
+    closing = getattr(__import__(mod), "Closing")
+    assert contract_check.check_object(closing(), Sandbox) == ("close(everything) does not take close() of Sandbox")
+
+
 # ----------------------------------------------------------------------------- the built-ins
 def test_the_tables_cover_every_category_and_kind() -> None:
     assert set(HOOKS) == set(CATEGORIES)
@@ -393,9 +536,9 @@ def test_loss_functions() -> None:
     from loongsage.algos.divergences import TopKKL
     from loongsage.algos.policy_losses import PPOClip
 
-    assert isinstance(LossPipeline(policy_loss=PPOClip()), LossFunction)
-    assert LossPipeline(policy_loss=PPOClip()).needs_student_distribution is False
-    assert LossPipeline(policy_loss=PPOClip(), gkd_coef=1.0, divergence=TopKKL(k=2)).needs_student_distribution
+    assert isinstance(LossPlan(policy_loss=PPOClip()).closure(), LossFunction)
+    assert LossPlan(policy_loss=PPOClip()).closure().needs_student_distribution is False
+    assert LossPlan(policy_loss=PPOClip(), gkd_coef=1.0, divergence=TopKKL(k=2)).closure().needs_student_distribution
     assert isinstance(ValueLoss(), LossFunction) and ValueLoss().needs_student_distribution is False
     assert not isinstance(lambda lp, mb: (lp.sum(), {}), LossFunction)  # a bare callable: no student_dist
     assert contract_check.check_object(ValueLoss(), LossFunction) is None

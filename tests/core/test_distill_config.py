@@ -9,7 +9,7 @@ import pytest
 
 from loongsage.core.config import load_config
 from loongsage.core.distill import check_same_vocabulary, split_teacher_spec
-from loongsage.core.embedded.warmstart import WarmStartParams
+from loongsage.core.tinytask.warmstart import WarmStartParams
 from loongsage.core.types import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -71,8 +71,8 @@ def test_unknown_divergence_lists_the_known_ones() -> None:
      "algorithm.distill.divergence=null: gkd_coef=0.5 needs one"),
     (["algorithm.distill.gkd_coef=0"], "divergence: set but gkd_coef=0"),
     (["algorithm.distill.divergence.name=topk_kl", "~algorithm.distill.divergence.params.beta",
-      "++algorithm.distill.divergence.params.k=0"], "algorithm.distill.divergence.params: topk_kl.k=0: must be >= 1"),
-    (["algorithm.distill.divergence={name: jsd, params: {beta: 1.0}}"], "jsd.beta=1.0: must be in (0, 1)"),
+      "++algorithm.distill.divergence.params.k=0"], "algorithm.distill.divergence.params.k=0: must be >= 1"),
+    (["algorithm.distill.divergence={name: jsd, params: {beta: 1.0}}"], "algorithm.distill.divergence.params.beta=1.0: must be in (0, 1)"),
     (["algorithm.kl={name: topk_kl}", "algorithm.kl_coef=0.1"], "algorithm.kl.name='topk_kl' consumes 'topk'"),
 ])
 def test_bad_distill_values(overrides, expected) -> None:
@@ -100,7 +100,7 @@ def test_bad_teacher_specs(overrides, expected) -> None:
 
 
 def test_teacher_vocabulary_must_match_the_students(tmp_path) -> None:
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
+    from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 
     small = dict(hidden_size=16, num_layers=1, heads=2, kv_heads=1, intermediate_size=32)
     build_tiny_qwen3(tmp_path / "a", vocab_size=300, **small)

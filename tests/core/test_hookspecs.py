@@ -10,21 +10,8 @@ import pytest
 
 from loongsage.core import hookspecs, plugins
 
-# The table of extension points in the architecture, in order.
-TWELVE = (
-    "loongsage_agents",
-    "loongsage_rewards",
-    "loongsage_data_sources",
-    "loongsage_advantage_estimators",
-    "loongsage_policy_losses",
-    "loongsage_kl_estimators",
-    "loongsage_corrections",
-    "loongsage_data_filters",
-    "loongsage_rollout_schedulers",
-    "loongsage_sandboxes",
-    "loongsage_gateway_middlewares",
-    "loongsage_backends",
-)
+# The hooks as the specs declare them (hookspecs.HOOKS): every name and category is read from there.
+HOOK_NAMES = hookspecs.HOOK_NAMES
 SPEC_ATTR = f"{hookspecs.PROJECT}_spec"
 
 
@@ -45,15 +32,26 @@ def pm() -> pluggy.PluginManager:
 
 def test_exactly_the_twelve_hooks() -> None:
     assert hookspecs.PROJECT == "loongsage"
-    assert hookspecs.HOOK_NAMES == TWELVE
-    assert len(set(hookspecs.HOOK_NAMES)) == 12
-    assert set(_specs_in_module()) == set(TWELVE)
+    assert HOOK_NAMES == tuple(hookspecs.HOOKS)
+    assert len(set(HOOK_NAMES)) == 12
+    assert set(_specs_in_module()) == set(HOOK_NAMES)
+    assert all(name.startswith(f"{hookspecs.PROJECT}_") for name in HOOK_NAMES)
     # nothing else in the module looks like a hook but lacks the marker
     stray = {n for n, _ in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("loongsage_")}
-    assert stray == set(TWELVE)
+    assert stray == set(HOOK_NAMES)
 
 
-@pytest.mark.parametrize("name", TWELVE)
+def test_the_hook_table_is_the_specs() -> None:
+    """One table, filled as the specs are declared: every marked spec is in it, under its own name."""
+    assert {name: hook.name for name, hook in hookspecs.HOOKS.items()} == {n: n for n in _specs_in_module()}
+    categories = [hook.category for hook in hookspecs.HOOKS.values()]
+    assert len(categories) == len(set(categories)), "two hooks share a category"
+    assert [h.name for h in hookspecs.HOOKS.values() if h.category == hookspecs.BACKEND] == ["loongsage_backends"]
+    assert hookspecs.CATEGORIES == {h.category: n for n, h in hookspecs.HOOKS.items() if h.category != hookspecs.BACKEND}
+    assert all((h.contract is None) == (h.category == hookspecs.BACKEND) for h in hookspecs.HOOKS.values())
+
+
+@pytest.mark.parametrize("name", HOOK_NAMES)
 def test_hook_signature_docstring_and_options(name: str, pm: pluggy.PluginManager) -> None:
     fn = getattr(hookspecs, name)
     assert inspect.signature(fn).parameters == {}, f"{name} must take no arguments"
@@ -104,13 +102,17 @@ def test_hookimpl_with_arguments_is_rejected(pm: pluggy.PluginManager) -> None:
 
 
 def test_categories_and_backends_cover_every_hook() -> None:
-    hooks = list(plugins.CATEGORIES.values())
+    from loongsage.core import contracts
+
+    hooks = list(hookspecs.CATEGORIES.values())
     assert len(hooks) == len(set(hooks)), "two categories map to one hook"
     assert "loongsage_backends" not in hooks
     assert set(hooks) | {"loongsage_backends"} == set(hookspecs.HOOK_NAMES)
-    assert len(plugins.CATEGORIES) == 11
-    assert not set(plugins.CATEGORIES) & set(plugins.BACKEND_KINDS), "a backend kind shadows a category"
-    for kind in ("trainer", "engine", "teacher", "transport", "tracker", "chat_parser"):
+    assert len(hookspecs.CATEGORIES) == 11
+    assert tuple(contracts.HOOKS) == tuple(hookspecs.CATEGORIES), "the contracts' index follows the hook table"
+    assert not set(hookspecs.CATEGORIES) & set(plugins.BACKEND_KINDS), "a backend kind shadows a category"
+    assert hookspecs.BACKEND not in (*hookspecs.CATEGORIES, *plugins.BACKEND_KINDS)
+    for kind in ("trainer", "engine", "teacher", "transport", "tracker", "chat_parser", "model_builder", "service"):
         assert kind in plugins.BACKEND_KINDS
         assert kind in inspect.getdoc(hookspecs.loongsage_backends)
 
@@ -156,7 +158,7 @@ CONTRACT_CALLS = {
 }
 CONTRACT_FLAGS = {
     "Agent": {"required_services": ()},
-    "Reward": {"nested": {}, "bind": None},
+    "Reward": {"takes_context": False, "nested": {}, "bind": None},
     "AdvantageEstimator": {"needs_values": False, "uses_token_rewards": False, "returns": None, "min_group_size": 1},
     "PolicyLoss": {"needs_old_logprobs": True, "supported_aggregations": None, "uses_advantages": True},
     "KLEstimator": {"consumes": "logprobs", "needs_old_logprobs": False, "partial": None},
@@ -164,13 +166,13 @@ CONTRACT_FLAGS = {
     "DataFilter": {"excludes_from_loss": None},
     "RolloutScheduler": {"asynchronous": False, "max_staleness": 0, "collectable": None},
     "Sandbox": {"reusable": False, "reset": None, "reap_orphans": None, "put_archive": None, "host_path": None,
-                "adopt": None},
+                "adopt": None, "close": None},
     "Trainer": {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None,
                 "add_teacher": None, "data_parallel": None},
     "Engine": {"kind": "engine", "named_weights": None, "weight_receiver": None},
     "Teacher": {"kind": "teacher"},
     "Transport": {"kind": "transport"},
-    "Tracker": {"kind": "tracker", "preflight": None},
+    "Tracker": {"kind": "tracker", "receives": (), "preflight": None},
     "ChatParser": {"kind": "chat_parser"},
     "ModelBuilder": {"kind": "model_builder"},
     "RunService": {"kind": "service", "metrics": None, "share": None, "finish": None},
@@ -180,11 +182,11 @@ CONTRACT_FLAGS = {
 def _hook_contract(name: str):
     from loongsage.core import contracts
 
-    category = {hook: cat for cat, hook in plugins.CATEGORIES.items()}.get(name)
-    return contracts.HOOKS[category] if category else None
+    hook = hookspecs.HOOKS[name]
+    return None if hook.category == hookspecs.BACKEND else contracts.HOOKS[hook.category]
 
 
-@pytest.mark.parametrize("name", TWELVE)
+@pytest.mark.parametrize("name", HOOK_NAMES)
 def test_each_hook_names_its_contract(name: str) -> None:
     """The spec is the contract: every hookspec points at the Protocol its entries implement."""
     from loongsage.core import contracts
@@ -194,6 +196,7 @@ def test_each_hook_names_its_contract(name: str) -> None:
         for protocol in (*contracts.BACKENDS.values(), contracts.Critic):
             assert f"contracts.{protocol.__name__}`" in doc, protocol.__name__
         return
+    assert _hook_contract(name).__name__ == hookspecs.HOOKS[name].contract
     assert f":class:`loongsage.core.contracts.{_hook_contract(name).__name__}`" in doc
 
 

@@ -19,7 +19,7 @@ from loongsage.core.rollout.replay import GroupRecorder
 from loongsage.core.types import FinishReason, SamplingParams
 from loongsage.core.workers import EngineWorker, RewardWorker
 
-sys.path.insert(0, str(Path(__file__).parent / "embedded"))
+sys.path.insert(0, str(Path(__file__).parent / "engine"))
 from _engine_helpers import build_engine_test_model, prompts  # noqa: E402
 
 TOKENS = 64  # per sample: no stop token, so every sample runs this long
@@ -50,7 +50,7 @@ def _same_logprobs(a, b):
 def test_a_restored_rollout_goes_on_exactly_as_the_original(ray_session, in_tmp):
     import torch
 
-    from loongsage.core.embedded.transport import CpuTransport
+    from loongsage.core.transport import CpuTransport
 
     ray = ray_session
     cfg, registry = load_config("tiny/grpo_arith_cpu", [
@@ -136,7 +136,7 @@ def test_a_recorder_replays_a_multi_turn_group_and_continues_its_cut_turn(ray_se
     it) and continues the cut samples from their tokens, ending exactly as the original did."""
     import torch
 
-    from loongsage.core.embedded.transport import CpuTransport
+    from loongsage.core.transport import CpuTransport
 
     ray = ray_session
     model = build_engine_test_model(tmp_path / "m")

@@ -14,7 +14,7 @@ from loongsage.core.rollout.service import mask_old_versions
 from loongsage.core.types import SamplingParams, Trajectory
 from loongsage.core.workers import EngineWorker
 
-sys.path.insert(0, str(Path(__file__).parent / "embedded"))
+sys.path.insert(0, str(Path(__file__).parent / "engine"))
 from _engine_helpers import build_engine_test_model, prompts  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def test_a_weight_update_cuts_generations_that_then_continue_from_their_tokens(r
     with the new weights (new version) up to the same budget; the caller sees one result each."""
     import torch
 
-    from loongsage.core.embedded.transport import CpuTransport
+    from loongsage.core.transport import CpuTransport
 
     ray = ray_session
     model = build_engine_test_model(tmp_path / "m")

@@ -23,7 +23,8 @@ import torch
 
 from loongsage.core import cli
 from loongsage.core.checkpoint import check_resumable
-from loongsage.core.config import check_machine, load_config
+from loongsage.core.config import load_config
+from loongsage.core.validation import check_machine
 from loongsage.core.failures import RunError, Stopped, explain
 from loongsage.core.types import BadRecordError, ConfigError
 
@@ -118,7 +119,7 @@ def test_signals_and_refusals_keep_their_exit_codes(tmp_path) -> None:
 def test_ray_that_does_not_start_is_one_line(monkeypatch) -> None:
     import ray
 
-    from loongsage.core.controller import start_ray
+    from loongsage.core.ray_runtime import start_ray
 
     if ray.is_initialized():
         pytest.skip("this session's Ray is running; ray.init would attach to it")

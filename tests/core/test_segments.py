@@ -10,8 +10,8 @@ from loongsage.algos.advantages import GRPO, RLOO
 from loongsage.algos.policy_losses import PPOClip
 from loongsage.core.aggregation import AGGREGATION_MODES
 from loongsage.core.batching import compute_advantages, to_batch
-from loongsage.core.embedded.micro_batching import plan_micro_batches
-from loongsage.core.loss import LossPipeline, consistency_metrics
+from loongsage.core.trainer.micro_batching import plan_micro_batches
+from loongsage.core.loss import LossPlan, consistency_metrics
 from loongsage.core.segments import segment_layout
 from loongsage.core.types import Segment, Trajectory
 
@@ -93,7 +93,7 @@ def test_advantages_are_per_trajectory(estimator):
 def test_a_split_trajectory_weighs_as_one_trajectory(mode):
     trajectories = [_traj(0, 0, 1.0, segments=True), _traj(0, 1, 0.0, segments=False), _single(0, 2, 1.0, 4)]
     batch = to_batch(trajectories, pad_id=0)
-    pipeline = LossPipeline(policy_loss=PPOClip(), aggregation=mode)
+    pipeline = LossPlan(policy_loss=PPOClip(), aggregation=mode)
     weights = pipeline.prepare(batch)[0].loss_weights
     unsplit = to_batch([_traj(0, 0, 1.0, segments=False)] + trajectories[1:], pad_id=0)
     assert torch.equal(weights, pipeline.prepare(unsplit)[0].loss_weights)

@@ -167,6 +167,52 @@ def test_resume_without_an_id_file_starts_a_run_and_keeps_its_id(wandb_offline, 
     assert session["history"] == {7: {"train/loss": 0.5}}
 
 
+def test_a_runs_trackers_and_their_resume_log_one_wandb_run_beside_metrics_jsonl(tmp_path, monkeypatch):
+    """What the launcher builds for ``tracking.backends=[jsonl,wandb]`` (``create_trackers`` over the
+    run's config, WANDB_DIR unset: W&B's files in the run directory), for a run and then its resume
+    (``resume=true``): one W&B run, its config once per session, every row as metrics.jsonl has it.
+    (tests/e2e/test_wandb_tiny.py does this through two launcher runs.)"""
+    import json
+
+    import wandb
+
+    from loongsage.core.tracking import create_trackers
+
+    monkeypatch.chdir(REPO)
+    offline_env(monkeypatch, tmp_path / "wandb_home", None)
+    run_dir = tmp_path / "runs" / "wired"
+    logged = {0: {"eval/arith/accuracy": 0.25}, 1: _metrics(1), 2: _metrics(2), 3: _metrics(3)}
+    try:
+        for steps, resume, total in (((0, 1, 2), "false", 2), ((3,), "true", 3)):
+            overrides = ["run.name=wired", "tracking.backends=[jsonl,wandb]", f"run.total_steps={total}",
+                         f"checkpoint.resume={resume}"]
+            cfg, registry = load_config("tiny/grpo_arith_cpu", overrides)
+            trackers = create_trackers(registry, cfg, run_dir)
+            assert [type(t).__name__ for t in trackers] == ["JsonlTracker", "WandbTracker"]
+            for step in steps:
+                for tracker in trackers:
+                    tracker.log(step, logged[step])
+            for tracker in trackers:
+                tracker.close()
+        run_id = (run_dir / WANDB_RUN_ID_FILE).read_text().strip()
+        sessions = read_offline_runs(run_dir)  # tears W&B's service down first: files complete
+    finally:
+        wandb.teardown()
+
+    assert len(sessions) == 2
+    for s in sessions:
+        assert s["ids"] == {run_id} and s["file"] == f"run-{run_id}.wandb" and f"-{run_id}" in s["dir"]
+        assert s["name"] == "wired" and s["config"]["run"]["name"] == "wired"
+    assert [s["config"]["checkpoint"]["resume"] for s in sessions] == [False, True]
+    assert [s["config"]["run"]["total_steps"] for s in sessions] == [2, 3]
+    assert [sorted(s["history"]) for s in sessions] == [[0, 1, 2], [3]]
+    rows = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert sorted(rows) == [0, 1, 2, 3]
+    for s in sessions:
+        for step, row in s["history"].items():
+            assert row == {k: v for k, v in rows[step].items() if k != "step"}
+
+
 # ----------------------------------------------------------------------------- config
 @pytest.fixture
 def at_repo(monkeypatch) -> Path:

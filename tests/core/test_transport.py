@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from loongsage.core.buckets import ALIGN, checksums, pack, plan_buckets, unpack
-from loongsage.core.embedded.transport import CpuReceiver
+from loongsage.core.transport import CpuReceiver
 
 
 def test_round_trip_across_buckets_and_dtypes():
@@ -67,7 +67,7 @@ def test_a_failed_bucket_poisons_the_commit_of_its_push(tmp_path):
     from loongsage.core.config import load_config
     from loongsage.core.workers import EngineWorker
 
-    sys.path.insert(0, str(Path(__file__).parent / "embedded"))
+    sys.path.insert(0, str(Path(__file__).parent / "engine"))
     from _engine_helpers import build_engine_test_model
 
     model = build_engine_test_model(tmp_path / "m")

@@ -264,7 +264,7 @@ def test_the_command_line_setting_both_is_refused(hf_folder) -> None:
 
 
 def test_a_config_given_whole_with_both_is_refused(hf_folder) -> None:
-    from loongsage.core.config import validate
+    from loongsage.core.validation import validate
     from loongsage.core.plugins import load_registry
 
     raw = compose(REPO / "recipes" / "tiny" / "grpo_arith_cpu.yaml", [])

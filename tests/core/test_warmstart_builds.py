@@ -25,7 +25,7 @@ STUB = textwrap.dedent(
     f"""
     import sys, time
     from pathlib import Path
-    from loongsage.core.embedded.builds import INFO_FILE, cached_build
+    from loongsage.core.tinytask.builds import INFO_FILE, cached_build
 
     cache = Path(sys.argv[1])
 
@@ -68,7 +68,7 @@ def test_a_build_reports_progress_and_a_sigterm_removes_its_folder(tmp_path, tag
     code = textwrap.dedent(
         """
         import sys
-        from loongsage.core.embedded.warmstart import WarmStartParams, cached_warm_start
+        from loongsage.core.tinytask.warmstart import WarmStartParams, cached_warm_start
 
         params = WarmStartParams(hidden_size=16, num_layers=1, heads=2, kv_heads=1, intermediate_size=32,
                                  steps=100000, batch_size=4)
@@ -145,7 +145,7 @@ def test_the_folder_of_a_killed_build_is_removed_by_the_next_one(tmp_path, tag) 
 
 
 def test_a_build_in_progress_keeps_its_folder(tmp_path, tag) -> None:
-    from loongsage.core.embedded.builds import remove_abandoned
+    from loongsage.core.tinytask.builds import remove_abandoned
 
     building = _start(STUB, str(tmp_path), tag=tag)
     try:
@@ -161,6 +161,6 @@ def test_a_build_in_progress_keeps_its_folder(tmp_path, tag) -> None:
 
 @pytest.mark.parametrize(("seconds", "text"), [(0.4, "0 s"), (42, "42 s"), (185, "3 min 05 s"), (3725, "1 h 02 min")])
 def test_durations_read_as_a_person_would_say_them(seconds, text) -> None:
-    from loongsage.core.embedded.builds import duration
+    from loongsage.core.tinytask.builds import duration
 
     assert duration(seconds) == text

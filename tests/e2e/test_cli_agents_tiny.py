@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from loongsage.agentflow import jail, netaudit
+from loongsage.agentflow.programs import jail, netaudit
 from loongsage.core.cli import main
 from tests._procs import survivors
 

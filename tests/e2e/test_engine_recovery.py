@@ -19,15 +19,7 @@ import pytest
 
 from loongsage.core.cli import main
 from loongsage.core.rollout import EngineRouter
-
-STEPS = 5
-COMMON = ("data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "colocate=false",
-          "evaluation.every_steps=0", "evaluation.max_prompts=4", "evaluation.pass_k=0", "tracking.progress=false",
-          "checkpoint.export_hf=false", "tracking.batches=true", f"run.total_steps={STEPS}")
-
-
-def _args(name: str, scheduler: str) -> list[str]:
-    return ["train", "tiny/grpo_arith_cpu", f"run.name={name}", f"rollout.scheduler={scheduler}", *COMMON]
+from tests.e2e._runs import STEPS, SYNC, WINDOWED, audited
 
 
 def _rows(path: Path) -> list[dict]:
@@ -113,14 +105,14 @@ class _Killer(threading.Thread):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("scheduler", ["{name: sync}", "{name: windowed_fifo, params: {max_staleness: 2}}"])
-def test_an_engine_killed_mid_rollout_is_replaced_and_the_run_trains_the_same_prompts(ray_session, in_tmp, scheduler):
-    assert main(_args("whole", scheduler)) == 0
+@pytest.mark.parametrize("scheduler", [SYNC, WINDOWED])
+def test_an_engine_killed_mid_rollout_is_replaced_and_the_run_trains_the_same_prompts(launched, in_tmp, scheduler):
+    uninterrupted = launched(audited("whole", scheduler)) / "runs" / "whole"  # same seed, same words
     before = _engine_processes()
     killer = _Killer(in_tmp / "runs" / "killed", before)
     killer.start()
     try:
-        assert main(_args("killed", scheduler)) == 0
+        assert main(audited("killed", scheduler)) == 0
     finally:
         killer.stop.set()
         killer.join()
@@ -130,15 +122,15 @@ def test_an_engine_killed_mid_rollout_is_replaced_and_the_run_trains_the_same_pr
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
-    whole, killed = _steps(in_tmp / "runs" / "whole"), _steps(in_tmp / "runs" / "killed")
+    whole, killed = _steps(uninterrupted), _steps(in_tmp / "runs" / "killed")
     assert sorted(killed) == list(range(1, STEPS + 1))
     assert sum(r["rollout/engine_restarts"] for r in killed.values()) == 1
     assert sum(r["rollout/requests_redispatched"] for r in killed.values()) >= 1
     assert [r["engine/version"] for r in killed.values()] == [float(s) for s in range(1, STEPS + 1)]
     trained = _trained(in_tmp / "runs" / "killed")
     assert len(trained) == STEPS * 4 and max(Counter(trained).values()) == 1  # no prompt trained twice
-    assert trained == _trained(in_tmp / "runs" / "whole")  # ... or lost
-    if scheduler == "{name: sync}":
+    assert trained == _trained(uninterrupted)  # ... or lost
+    if scheduler == SYNC:
         # the lost requests were sampled again on the same weights with the same seeds: every step
         # trained the same samples, so it scored and learned the same
         for s in range(1, STEPS + 1):

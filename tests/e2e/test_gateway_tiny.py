@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from loongsage.core.cli import main
+from tests.e2e.test_sync_regression import ARGS as GOLDEN
 
 COMMON = ["data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "run.total_steps=3",
           "evaluation.every_steps=0", "evaluation.max_prompts=8", "evaluation.pass_k=0", "tracking.progress=false",
@@ -28,20 +29,24 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_chat_agent_through_the_gateway_trains_on_the_same_tokens_as_token_ids(ray_session, in_tmp):
-    assert main(["train", "tiny/grpo_arith_cpu", "run.name=direct", *COMMON]) == 0
-    assert main(["train", "tiny/grpo_arith_cpu", "run.name=gateway", *COMMON, *GATEWAY]) == 0
-    direct, gateway = _rows(in_tmp / "runs" / "direct"), _rows(in_tmp / "runs" / "gateway")
-    assert [r["step"] for r in gateway] == [r["step"] for r in direct] == [0, 1, 2, 3]
+def test_chat_agent_through_the_gateway_trains_on_the_same_tokens_as_token_ids(launched):
+    """The token-id run is test_sync_regression.py's: 4 steps of 4 prompts x 4 samples, evaluated on
+    16 prompts at steps 0, 2 and 4 (pass@2 at the first and last)."""
+    through_gateway = [arg if arg != "run.name=golden" else "run.name=gateway" for arg in GOLDEN] + GATEWAY
+    direct = _rows(launched(GOLDEN) / "runs" / "golden")
+    gateway = _rows(launched(through_gateway) / "runs" / "gateway")
+    assert [r["step"] for r in gateway] == [r["step"] for r in direct] == [0, 1, 2, 3, 4]
     for a, b in zip(direct, gateway):
         for key in COMPARED:
             assert (key in a) == (key in b), key
             if key in a:
                 assert a[key] == b[key], (a["step"], key, a[key], b[key])
-    # the gateway's counters ride along: one turn per group, evaluation's included, one segment each
+    # the gateway's counters ride along: one turn per group, evaluation's included, one segment each;
+    # a step's counters are read before its evaluation runs, so the last row counts the evaluation
+    # at step 0 (16 greedy groups, 16 sampled ones for pass@2), four steps of 4 prompts and the
+    # evaluation at step 2 (16 greedy groups), not the last one
     last = gateway[-1]
-    groups = 8 + 3 * 4 + 8  # evaluation at step 0, three steps of 4 prompts, evaluation at the end
-    assert last["agentflow/turns"] == groups - 8  # the last evaluation runs after the step's metrics
+    assert last["agentflow/turns"] == 16 + 16 + 4 * 4 + 16
     assert last["agentflow/segments/first"] == last["agentflow/turns"]
     assert last["agentflow/completion_tokens"] > 0
     assert not any(k.startswith("agentflow/") for k in direct[-1])

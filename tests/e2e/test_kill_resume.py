@@ -24,16 +24,10 @@ import pytest
 import torch
 
 from loongsage.core.cli import main
+from tests.e2e._runs import STEPS, SYNC, WINDOWED
+from tests.e2e._runs import audited as audited_run
 
-STEPS, KILL_AT = 6, 3
-COMMON = ("data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "colocate=false",
-          "evaluation.every_steps=0", "evaluation.max_prompts=4", "evaluation.pass_k=0", "tracking.progress=false",
-          "checkpoint.export_hf=false", "checkpoint.every_steps=1", "checkpoint.keep_last=0", "tracking.batches=true",
-          f"run.total_steps={STEPS}")
-
-
-def _args(name: str, scheduler: str, *extra: str) -> list[str]:
-    return ["train", "tiny/grpo_arith_cpu", f"run.name={name}", f"rollout.scheduler={scheduler}", *COMMON, *extra]
+KILL_AT = 3
 
 
 def _rows(path: Path) -> list[dict]:
@@ -100,15 +94,17 @@ def _wait_for(what: str, ready, proc: subprocess.Popen, log: Path, timeout: floa
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("scheduler", ["{name: windowed_fifo, params: {max_staleness: 2}}", "{name: sync}"])
-def test_a_launcher_killed_mid_run_leaves_nothing_and_resumes_the_same_prompts(ray_session, in_tmp, scheduler):
-    assert main(_args("whole", scheduler)) == 0  # the uninterrupted run, same seed
+# synchronously, a kill -9 leaves nothing as it does here asynchronously, and a resume trains what
+# the uninterrupted run trained bit for bit (test_resume_exact.py)
+@pytest.mark.parametrize("scheduler", [WINDOWED, pytest.param(SYNC, marks=pytest.mark.slow)])
+def test_a_launcher_killed_mid_run_leaves_nothing_and_resumes_the_same_prompts(launched, in_tmp, scheduler):
+    uninterrupted = launched(audited_run("whole", scheduler)) / "runs" / "whole"  # same seed, same words
 
     run_dir, log = in_tmp / "runs" / "killed", in_tmp / "killed.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as from a shell
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "loongsage.core.cli", *_args("killed", scheduler)], cwd=in_tmp,
-                                env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "loongsage.core.cli", *audited_run("killed", scheduler)],
+                                cwd=in_tmp, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
         # every process of the run exists once it trains (Ray's head, its agents, the actors)
         _wait_for("step 1", lambda: any(r["step"] >= 1 for r in _rows(run_dir / "metrics.jsonl")), proc, log,
@@ -133,10 +129,10 @@ def test_a_launcher_killed_mid_run_leaves_nothing_and_resumes_the_same_prompts(r
     assert saved and saved[-1] < STEPS, (saved, log.read_text()[-2000:])
     assert audited >= KILL_AT and saved[-1] >= audited - 1
 
-    assert main([*_args("killed", scheduler), "resume=true"]) == 0
+    assert main([*audited_run("killed", scheduler), "resume=true"]) == 0
     steps = {r["step"] for r in _rows(run_dir / "metrics.jsonl") if "train/loss" in r}
     assert steps == set(range(1, STEPS + 1))
-    whole, resumed = _trained(in_tmp / "runs" / "whole"), _trained(run_dir)
+    whole, resumed = _trained(uninterrupted), _trained(run_dir)
     assert len(whole) == STEPS * 4 and max(Counter(whole).values()) == 1  # nothing trained twice
     assert resumed == whole
     # a step trained after the last checkpoint was trained again, on the same prompts
@@ -146,10 +142,10 @@ def test_a_launcher_killed_mid_run_leaves_nothing_and_resumes_the_same_prompts(r
         assert len(again) == 2 and again[0] == again[1], step
     # every step trained the groups of the uninterrupted run, by id: nothing was sampled anew under
     # another id (seed) after the resume
-    assert _group_ids(run_dir) == _group_ids(in_tmp / "runs" / "whole")
+    assert _group_ids(run_dir) == _group_ids(uninterrupted)
 
     checkpoint = run_dir / "checkpoints" / f"step_{saved[-1]:06d}"
-    if scheduler == "{name: sync}":  # nothing runs between synchronous steps: no rollout state to keep
+    if scheduler == SYNC:  # nothing runs between synchronous steps: no rollout state to keep
         assert not (checkpoint / "rollout.pt").exists()
         return
     version = json.loads((checkpoint / "controller.json").read_text())["version"]
@@ -172,9 +168,12 @@ def test_a_resumed_run_keeps_the_staleness_budget(ray_session, in_tmp):
     buffered, in the resumed steps as in the first ones."""
     eta, quota = 1, 4
     scheduler = f"{{name: no_window, params: {{max_staleness: {eta}}}}}"
-    split = [arg for arg in _args("budget", scheduler) if not arg.startswith("run.total_steps")]
-    assert main([*split, "run.total_steps=3"]) == 0
-    assert main([*split, "run.total_steps=5", "resume=true"]) == 0
+    assert main(audited_run("budget", scheduler, 3)) == 0
+    assert main([*audited_run("budget", scheduler, 5), "resume=true"]) == 0
     rows = [r for r in _rows(in_tmp / "runs" / "budget" / "metrics.jsonl") if "train/loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["engine/version"] for r in rows] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert max(r["rollout/in_flight"] + r["rollout/buffered"] for r in rows) <= eta * quota
+    # and what was trained kept the bound, with generation running ahead of training
+    assert all(r["rollout/groups_trained"] == quota and 0 <= r["rollout/staleness_max"] <= eta for r in rows)
+    assert max(r["rollout/staleness_max"] for r in rows[1:]) >= 1

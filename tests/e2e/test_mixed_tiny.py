@@ -7,30 +7,31 @@ import math
 import sys
 from pathlib import Path
 
-from loongsage.core.cli import main
-
 sys.path.insert(0, str(Path(__file__).parent))
 from test_grpo_tiny import _metrics, _model_path, _short_run, _trained  # noqa: E402
 
 MIXED = "tiny/mixed_async_cpu"
 # CI-sized: 4 prompts x 4 samples per source, and the two-task model fine-tuned for 20 steps from
 # the default warm start instead of the recipe's 1,500 (cached by these params, so built once)
-CI = ["data_sources.1.prompts_per_step=4", "data_sources.1.samples_per_prompt=4", "model.builder.params.steps=20",
-      "evaluation.every_steps=2"]
+CI = ["data_sources.1.prompts_per_step=4", "data_sources.1.samples_per_prompt=4", "model.builder.params.steps=20"]
+# One run for both tests: the recipe fully asynchronous (no_window, eta = 1, as it ships) on 2 DP
+# ranks x 2 mini-batches, its trained batches audited, evaluated at its start and end
+RUN = _short_run(MIXED, "mixed", 4, *CI, "rollout.scheduler={name: no_window, params: {max_staleness: 1}}",
+                 "trainer.world_size=2", "trainer.mini_batches_per_step=2", "tracking.batches=true",
+                 "evaluation.every_steps=0", "evaluation.max_prompts=4")
 
 
-def test_two_sources_train_one_policy_with_their_own_rewards_and_lengths(ray_session, in_tmp):
-    assert main(_short_run(MIXED, "mixed", 2, *CI)) == 0
-    run_dir = in_tmp / "runs" / "mixed"
+def test_two_sources_train_one_policy_with_their_own_rewards_and_lengths(launched):
+    run_dir = launched(RUN) / "runs" / "mixed"
     rows = _metrics(run_dir)
     trained = _trained(rows)
-    assert [r["step"] for r in trained] == [1, 2]
+    assert [r["step"] for r in trained] == [1, 2, 3, 4]
     for r in trained:
         assert r["rollout/trajectories"] == 32  # 4 prompts x 4 samples from each source
         for source in ("arith", "sort"):
             assert 0.0 <= r[f"rollout_per_ds/{source}/reward_mean"] <= 1.0
         assert math.isfinite(r["train/loss"]) and r["train/grad_norm"] >= 0  # 0 when every group is uniform
-    assert [r["engine/version"] for r in trained] == [1.0, 2.0]  # one weight push per step
+    assert [r["engine/version"] for r in trained] == [1.0, 2.0, 3.0, 4.0]  # one weight push per step
     for row in (rows[0], rows[-1]):
         for source in ("arith", "sort"):
             assert 0.0 <= row[f"eval/{source}/accuracy"] <= 1.0
@@ -67,15 +68,11 @@ def audit(run_dir: Path, quotas: dict[str, int], ranks: int, mini_batches: int, 
     return len(steps)
 
 
-def test_fully_async_mixed_sources_keep_exact_proportions_and_the_staleness_bound(ray_session, in_tmp):
+def test_fully_async_mixed_sources_keep_exact_proportions_and_the_staleness_bound(launched):
     """The mixed recipe fully asynchronous (no_window, eta = 1) on 2 DP ranks x 2 mini-batches: the
     batch audit shows each source's exact share on every rank and mini-batch, and no trained group
     whose oldest token lags more than eta versions, while generation ran ahead of training."""
-    extra = ["rollout.scheduler={name: no_window, params: {max_staleness: 1}}", "trainer.world_size=2",
-             "trainer.mini_batches_per_step=2", "tracking.batches=true", "evaluation.every_steps=0",
-             "evaluation.max_prompts=4"]
-    assert main(_short_run(MIXED, "audit", 4, *CI, *extra)) == 0
-    run_dir = in_tmp / "runs" / "audit"
+    run_dir = launched(RUN) / "runs" / "mixed"
     assert audit(run_dir, {"arith": 4, "sort": 4}, ranks=2, mini_batches=2, eta=1) == 4
     trained = _trained(_metrics(run_dir))
     assert [r["engine/version"] for r in trained] == [1.0, 2.0, 3.0, 4.0]

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from loongsage.core.cli import main
-from loongsage.core.embedded.warmstart import WarmStartParams, cached_warm_start
+from loongsage.core.tinytask.warmstart import WarmStartParams, cached_warm_start
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_grpo_tiny import _metrics, _model_path, _short_run, _trained  # noqa: E402
@@ -30,18 +30,24 @@ def _divergence(name: str, **params) -> list[str]:
             *(f"++algorithm.distill.divergence.params.{k}={v}" for k, v in params.items())]
 
 
-@pytest.mark.parametrize("divergence", ["jsd", "topk_kl"])
-def test_two_teachers_score_their_own_sources(ray_session, in_tmp, divergence):
+def _two_teachers(name: str, *extra: str) -> list[str]:
+    return _short_run(MOPD, name, 2, *SECOND_SOURCE, *extra, *CHEAP_MODELS, "evaluation.every_steps=2")
+
+
+# the top-k path with teacher workers is also taken by test_self_distillation_starts_at_zero, and
+# with held teachers by test_held_teachers_under_two_sharded_trainer_ranks_resume
+@pytest.mark.parametrize("divergence", ["jsd", pytest.param("topk_kl", marks=pytest.mark.slow)])
+def test_two_teachers_score_their_own_sources(launched, divergence):
     """Each source's teacher scores its rows; the PG and GKD branches both run; evaluation per source."""
-    args = _short_run(MOPD, f"mopd_{divergence}", 2, *SECOND_SOURCE, *CHEAP_MODELS, "evaluation.every_steps=2")
+    args = _two_teachers(f"mopd_{divergence}")
     if divergence == "topk_kl":  # the top-k path: teacher ids and log-probs shipped, the student gathered on them
         args += _divergence("topk_kl", k=4)
-    assert main(args) == 0
-    run_dir = in_tmp / "runs" / f"mopd_{divergence}"
+    where = launched(args)
+    run_dir = where / "runs" / f"mopd_{divergence}"
     rows = _metrics(run_dir)
     trained = _trained(rows)
     assert [r["step"] for r in trained] == [1, 2]
-    log = next((in_tmp / "log").glob("trainer_*.log")).read_text()
+    log = next((where / "log").glob("trainer_*.log")).read_text()
     teachers = {}
     for source, op in (("add", "+"), ("sub", "-")):
         line = next(x for x in log.splitlines() if f"teacher for {source}:" in x)
@@ -102,15 +108,15 @@ def _held_teachers() -> list[str]:
 HELD = _held_teachers()
 
 
-def test_teachers_held_by_the_trainer_score_as_teacher_workers(ray_session, in_tmp):
+def test_teachers_held_by_the_trainer_score_as_teacher_workers(launched):
     """``teacher: {name: trainer}``: the trainer ranks hold the teachers and compute their full-vocabulary
     distribution inside the train step. Same seed, same rollouts: the first step's teacher log-probs,
-    divergences, loss and gradient norm equal those of the run with teacher workers."""
+    divergences, loss and gradient norm equal those of the run with teacher workers (the jsd run of
+    test_two_teachers_score_their_own_sources)."""
     steps = {}
-    for name, extra in (("workers", []), ("held", HELD)):
-        assert main(_short_run(MOPD, f"mopd_{name}", 1, *SECOND_SOURCE, *extra, *CHEAP_MODELS)) == 0
-        steps[name] = _trained(_metrics(in_tmp / "runs" / f"mopd_{name}"))[0]
-    workers, held = steps["workers"], steps["held"]
+    for name, extra in (("jsd", []), ("held", HELD)):
+        steps[name] = _trained(_metrics(launched(_two_teachers(f"mopd_{name}", *extra)) / "runs" / f"mopd_{name}"))[0]
+    workers, held = steps["jsd"], steps["held"]
     assert workers["rollout/trajectories"] == held["rollout/trajectories"] == 32
     for key in ("train_per_ds/add/mopd_teacher_logprob", "train_per_ds/sub/mopd_teacher_logprob",
                 "train_per_ds/add/gkd", "train_per_ds/sub/gkd", "train/loss", "train/grad_norm"):

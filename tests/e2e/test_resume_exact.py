@@ -1,5 +1,6 @@
 """Resume is exact: a run stopped after step 2 and resumed equals the uninterrupted run, step by step
-and bit for bit in its final weights (through the real launcher and Ray)."""
+and bit for bit in its final weights (through the real launcher and Ray), and continues at the data
+position where it stopped. The uninterrupted run is test_grpo_tiny.py's loop run."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loongsage.core.cli import main
+from tests.e2e._runs import grpo_loop
 
 # sampled evaluation (pass@2) at every second step draws too: it must not shift the training draws
-COMMON = ["tiny/grpo_arith_cpu", "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4",
-          "evaluation.every_steps=2", "evaluation.max_prompts=8", "evaluation.pass_k=2", "checkpoint.every_steps=1", "checkpoint.keep_last=0",
-          "checkpoint.export_hf=false", "tracking.progress=false"]
 NOISY = ("timing/", "perf/")  # wall-clock figures
 
 
@@ -27,17 +25,23 @@ def _steps(run_dir: Path) -> dict[int, dict]:
     return rows
 
 
+def _checkpoint(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"step_{step:06d}"
+
+
 def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    state = torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "trainer.pt", weights_only=False)
+    state = torch.load(_checkpoint(run_dir, step) / "trainer.pt", weights_only=False)
     return state["model"]
 
 
-@pytest.mark.parametrize("colocate", ["true", "false"])
-def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(ray_session, in_tmp, colocate):
-    assert main(["train", *COMMON, "run.name=whole", "run.total_steps=4", f"colocate={colocate}"]) == 0
-    assert main(["train", *COMMON, "run.name=split", "run.total_steps=2", f"colocate={colocate}"]) == 0
-    assert main(["train", *COMMON, "run.name=split", "run.total_steps=4", f"colocate={colocate}", "resume=true"]) == 0
-    whole, split = _steps(in_tmp / "runs" / "whole"), _steps(in_tmp / "runs" / "split")
+# not colocated, test_kill_resume.py's run, killed and resumed, trains the uninterrupted run's groups
+# (by id) and test_async_tiny.py's resumed run its prompts
+@pytest.mark.parametrize("colocate", ["true", pytest.param("false", marks=pytest.mark.slow)])
+def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(launched, colocate):
+    whole_dir = launched(grpo_loop(colocate, "whole", 4)) / "runs" / "whole"
+    stopped_at_2 = grpo_loop(colocate, "split", 2)
+    split_dir = launched(stopped_at_2, [*grpo_loop(colocate, "split", 4), "resume=true"]) / "runs" / "split"
+    whole, split = _steps(whole_dir), _steps(split_dir)
     assert sorted(whole) == sorted(split) == [0, 1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         a, b = whole[step], split[step]
@@ -46,11 +50,18 @@ def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(ray_session, i
         assert {k for k in a.keys() ^ b.keys() if not k.startswith("eval/")} == set(), step
         assert "train/loss" in shared and "rollout/reward_mean" in shared
         assert {k: a[k] for k in shared} == {k: b[k] for k in shared}, f"step {step} differs"
+    # the resumed run went on at step 3 with the next version of the weights ...
+    assert [split[s]["engine/version"] for s in (3, 4)] == [3.0, 4.0]
+    # ... and at the exact data position of step 2: two more steps of 4 prompts, new group ids
+    stopped = json.loads((_checkpoint(split_dir, 2) / "controller.json").read_text())
+    resumed = json.loads((_checkpoint(split_dir, 4) / "controller.json").read_text())
+    assert resumed["mixer"]["arith"]["offset"] == stopped["mixer"]["arith"]["offset"] + 2 * 4
+    assert resumed["next_group_id"] > stopped["next_group_id"]
     # the sampled evaluation at the end saw the same policy and drew the same samples
     assert whole[4]["eval/arith/pass@2"] == split[4]["eval/arith/pass@2"]
-    end_whole, end_split = _weights(in_tmp / "runs" / "whole", 4), _weights(in_tmp / "runs" / "split", 4)
+    end_whole, end_split = _weights(whole_dir, 4), _weights(split_dir, 4)
     assert end_whole.keys() == end_split.keys()
     assert all(torch.equal(end_whole[k], end_split[k]) for k in end_whole)
     # and the run did learn something in those steps: the weights moved from step 2
-    mid = _weights(in_tmp / "runs" / "split", 2)
+    mid = _weights(split_dir, 2)
     assert any(not torch.equal(mid[k], end_split[k]) for k in mid)

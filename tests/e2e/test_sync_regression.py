@@ -32,9 +32,6 @@ from pathlib import Path
 
 import pytest
 
-from loongsage.core.cli import main
-
-REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden" / "grpo_sync.json"
 ARGS = ["train", "tiny/grpo_arith_cpu", "run.name=golden", "run.total_steps=4", "data_sources.0.prompts_per_step=4",
         "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=2", "evaluation.max_prompts=16",
@@ -65,14 +62,10 @@ def _machine(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(ray_session, tmp_path_factory) -> tuple[list[dict], dict]:
-    """One run for both tests: its metric rows (timings left out) and its machine."""
-    where = tmp_path_factory.mktemp("golden")
-    (where / "recipes").symlink_to(REPO / "recipes")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.chdir(where)
-        assert main(ARGS) == 0
-    run_dir = where / "runs" / "golden"
+def run(launched) -> tuple[list[dict], dict]:
+    """One run for both tests (and test_gateway_tiny.py's comparison): its metric rows (timings left
+    out) and its machine."""
+    run_dir = launched(ARGS) / "runs" / "golden"
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(NOISY)} for r in rows], _machine(run_dir)
 

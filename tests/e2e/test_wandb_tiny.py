@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 from loongsage.core.cli import main
 from loongsage.core.tracking import WANDB_RUN_ID_FILE
 
@@ -21,6 +23,9 @@ def _args(steps: int, *extra: str) -> list[str]:
             "tracking.backends=[jsonl,wandb]", *extra]
 
 
+# the trackers the launcher builds from the run's config, for a run and its resume, are checked without
+# Ray by tests/core/test_tracking_wandb.py's test_a_runs_trackers_and_their_resume_log_one_wandb_run_beside_metrics_jsonl
+@pytest.mark.slow
 def test_wandb_run_continues_across_resume(ray_session, in_tmp, monkeypatch):
     # offline, WANDB_DIR unset: W&B's files go to the run directory
     _helpers.offline_env(monkeypatch, in_tmp / "wandb_home", None)

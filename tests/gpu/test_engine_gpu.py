@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loongsage.core.embedded.engine import NativeEngine
+from loongsage.core.engine.native import NativeEngine
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model, full_logprobs, prompts, req  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongsage.core.embedded.kv_cache import HalfGemmFp32Out, fp32_head
-from loongsage.core.embedded.logprobs import policy_logits
+from loongsage.core.model_math.head import HalfGemmFp32Out, fp32_head
+from loongsage.core.model_math.logprobs import policy_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

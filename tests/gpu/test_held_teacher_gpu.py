@@ -23,9 +23,8 @@ class _ForwardKL:
     """KL(teacher || student) over the full vocabulary at every trained position, plus a PG term."""
 
     needs_student_distribution = True
-
-    def teacher_request(self) -> tuple[int, bool]:
-        return 0, True
+    reads_vocab_shards = False
+    teacher_support = (0, True)
 
     def __call__(self, lp, mb, student_dist=None):
         t = student_dist.shape[1]
@@ -55,8 +54,8 @@ def test_a_held_teacher_steps_as_a_teacher_worker(qwen3_1024_dir, tmp_path_facto
         from loongsage.megatron.teacher import MegatronTeacher as Worker
         from loongsage.megatron.trainer import MegatronTrainer as Trainer
     else:
-        from loongsage.core.embedded.teacher import EmbeddedTeacher as Worker
-        from loongsage.core.embedded.trainer import TorchTrainer as Trainer
+        from loongsage.core.trainer.teacher import EmbeddedTeacher as Worker
+        from loongsage.core.trainer.torch_trainer import TorchTrainer as Trainer
     teacher_dir = _teacher_dir(qwen3_1024_dir, tmp_path_factory.getbasetemp() / "teacher_1024")
     vocab = json.loads((Path(qwen3_1024_dir) / "config.json").read_text())["vocab_size"]
     b = replace(_batch(vocab), sources=["s"] * 4)

@@ -16,7 +16,7 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 ray = pytest.importorskip("ray")
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model, prompts  # noqa: E402
 
 PLUGINS = "plugins=[loongsage.algos.plugin,loongsage.sync.plugin]"

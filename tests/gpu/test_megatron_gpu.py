@@ -63,7 +63,7 @@ def _loss(lp, mb):
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_logprobs_match_the_torch_backend(qwen3_1024_dir, dtype, spec):
-    from loongsage.core.embedded.trainer import TorchTrainer
+    from loongsage.core.trainer.torch_trainer import TorchTrainer
     from loongsage.megatron.trainer import MegatronTrainer
 
     vocab = json.loads((Path(qwen3_1024_dir) / "config.json").read_text())["vocab_size"]
@@ -213,7 +213,7 @@ def test_moe_logprobs_match_the_torch_backend_with_and_without_routing_replay(tm
 
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from loongsage.core.embedded.trainer import TorchTrainer
+    from loongsage.core.trainer.torch_trainer import TorchTrainer
     from loongsage.megatron.trainer import MegatronTrainer
 
     layers, topk = 4, 4

@@ -36,7 +36,7 @@ def _loss(lp, mb):
 
 def _trainer(backend: str, model_dir: str):
     if backend == "torch":
-        from loongsage.core.embedded.trainer import TorchTrainer
+        from loongsage.core.trainer.torch_trainer import TorchTrainer
 
         trainer = TorchTrainer(model_dir, dtype="bfloat16", device="cuda")
     else:

@@ -67,7 +67,7 @@ def k3_against(trainer, prompts: list[list[int]], results: list) -> tuple[float,
 
 @pytest.fixture(scope="module")
 def trainer(model_dir):
-    from loongsage.core.embedded.trainer import TorchTrainer
+    from loongsage.core.trainer.torch_trainer import TorchTrainer
 
     return TorchTrainer(model_dir, dtype="bfloat16", device="cuda", fp32_lm_head=True)
 

@@ -32,9 +32,7 @@ def distill_loss(topk: int):
     class Distill(LossFunction):
         needs_student_distribution = True
         reads_vocab_shards = not topk
-
-        def teacher_request(self) -> tuple[int, bool]:
-            return topk, not topk
+        teacher_support = (topk, not topk)
 
         def __call__(self, lp, mb, student_dist=None, vocab_sum=None):
             t = student_dist.shape[1]
@@ -110,7 +108,7 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
                                  for k in (0, 5)]
     # the same first step on a teacher worker's whole distribution, shipped in the batch (each
     # tensor-parallel rank takes its shard of it)
-    from loongsage.core.embedded.teacher import EmbeddedTeacher
+    from loongsage.core.trainer.teacher import EmbeddedTeacher
 
     scored = EmbeddedTeacher(str(Path(work) / "teacher")).score(taught, full_vocab=True)
     shipped = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp)

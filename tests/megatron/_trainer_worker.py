@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from loongsage.core.embedded.trainer import TorchTrainer
+from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.metrics import Metrics
 from loongsage.core.types import TrainBatch
 from loongsage.megatron.trainer import MegatronTrainer
@@ -89,10 +89,10 @@ def main(model_dir: str, work: str) -> None:
     # bfloat16 with the FP32 head on both sides: the same rounding up to kernel order
     half_ref = TorchTrainer(model_dir, dtype="bfloat16")
     half = MegatronTrainer(model_dir, dtype="bfloat16")
-    out["bf16_head_float32"] = half._logits(b.input_ids, b.attention_mask).dtype == torch.float32
+    out["bf16_head_float32"] = half.adapter.logits(b.input_ids, b.attention_mask).dtype == torch.float32
     out["bf16_logprob_mean_diff"] = (half_ref.logprobs(b, 4096)[0] - half.logprobs(b, 4096)[0])[mask].abs().mean().item()
     # the teachers: the megatron one scores as the embedded one (log-probs, top-k, full log-softmax)
-    from loongsage.core.embedded.teacher import EmbeddedTeacher
+    from loongsage.core.trainer.teacher import EmbeddedTeacher
     from loongsage.megatron.teacher import MegatronTeacher
 
     t_ref, t = EmbeddedTeacher(model_dir), MegatronTeacher(model_dir)

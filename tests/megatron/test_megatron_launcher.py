@@ -22,10 +22,14 @@ ADD_TEACHER = ('{name: trainer, params: {builder: {name: tiny_arith, params: {na
                'operations: "+", drop_prob: 0.0, steps: 20, batch_size: 64, warmup_steps: 10, init_from: {}}}}}')
 
 
+# what these runs check is training: the start's and end's evaluations (always run) on 4 prompts, greedy
+SMALL_EVALUATION = ("evaluation.every_steps=0", "evaluation.max_prompts=4", "evaluation.pass_k=0")
+
+
 def _mopd(name: str, steps: int, trainer: str, teacher: str, *extra: str) -> list[dict]:
     """tiny/mopd_two_teachers_cpu, shortened, the `sub` source's teacher on ``teacher``."""
-    args = ["train", "tiny/mopd_two_teachers_cpu", f"run.name={name}", f"run.total_steps={steps}",
-            "evaluation.every_steps=0", "tracking.progress=false", "checkpoint.every_steps=0",
+    args = ["train", "tiny/mopd_two_teachers_cpu", f"run.name={name}", f"run.total_steps={steps}", *SMALL_EVALUATION,
+            "tracking.progress=false", "checkpoint.every_steps=0",
             "model.builder.params.steps=20", "data_sources.0.teacher.params.builder.params.steps=20",
             *(f"data_sources.{i}.{k}=4" for i in (0, 1) for k in ("prompts_per_step", "samples_per_prompt")),
             f"trainer.backend={{name: {trainer}}}", f"data_sources.1.teacher={SUB_TEACHER % teacher}", *extra]
@@ -70,7 +74,7 @@ def test_r3_replays_every_route_the_engine_recorded_on_experts_split_over_two_ra
     Qwen3-MoE; the megatron trainer replays them: each trained token's routes exactly once over the
     ranks (16 samples of 8 prompt + 8 sampled tokens a step), and the trainer's log-probs are the
     engine's."""
-    assert main(["train", "tiny/grpo_moe_r3_cpu", "run.total_steps=2", "tracking.progress=false",
+    assert main(["train", "tiny/grpo_moe_r3_cpu", "run.total_steps=2", "tracking.progress=false", *SMALL_EVALUATION,
                  "checkpoint.every_steps=0", "trainer.world_size=2",
                  "trainer.backend={name: megatron, params: {expert_parallel: 2}}"]) == 0
     rows = [json.loads(line) for line in (in_tmp / "runs" / "grpo_moe_r3_cpu" / "metrics.jsonl").read_text().splitlines()]
@@ -86,7 +90,7 @@ def test_r3_replays_the_routes_of_trajectories_made_through_the_gateway(ray_sess
     """The same recipe with the chat agent: the model answers through the gateway's OpenAI
     endpoint, and each trajectory carries its line's routes (16 rows of a 16-token chat prompt and
     8 sampled tokens), all replayed."""
-    assert main(["train", "tiny/grpo_moe_r3_cpu", "run.name=r3_gateway", "run.total_steps=1",
+    assert main(["train", "tiny/grpo_moe_r3_cpu", "run.name=r3_gateway", "run.total_steps=1", *SMALL_EVALUATION,
                  "tracking.progress=false", "checkpoint.every_steps=0", "data_sources.0.agent={name: chat}",
                  "services=[{name: gateway, params: {chat_template: tokenizer, max_context_tokens: 256}}]"]) == 0
     rows = [json.loads(line) for line in (in_tmp / "runs" / "r3_gateway" / "metrics.jsonl").read_text().splitlines()]
@@ -101,7 +105,7 @@ def test_a_replica_split_over_two_trainer_ranks_trains_as_one(ray_session, in_tm
     into two pipeline stages: both ranks get the same rows, the one computing the losses answers,
     and the first step is the one-rank torch trainer's."""
     common = ["train", "tiny/grpo_arith_cpu", "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4",
-              "evaluation.every_steps=0", "tracking.progress=false", "checkpoint.every_steps=0",
+              *SMALL_EVALUATION, "tracking.progress=false", "checkpoint.every_steps=0",
               "checkpoint.export_hf=false"]
     assert main([*common, "run.name=tp2", "run.total_steps=2", "trainer.world_size=2",
                  "trainer.backend={name: megatron, params: {tensor_parallel: 2}}"]) == 0

@@ -19,7 +19,7 @@ from loongsage.megatron.layout import Layout
 from loongsage.megatron.model import (architecture, layer_spec, resolve_layer_spec, rope_base,
                                       transformer_engine_error)
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model  # noqa: E402
 
 WORKER = Path(__file__).with_name("_parity_worker.py")

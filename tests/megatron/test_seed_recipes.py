@@ -32,8 +32,8 @@ def _stand_ins(tmp_path: Path, preset: str, arch: str) -> tuple[Path, Path]:
     import pyarrow.parquet as pq
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    from loongsage.core.embedded.shapes import PRESETS
-    from loongsage.core.embedded.tokenizer import build_tokenizer
+    from loongsage.core.tinytask.shapes import PRESETS
+    from loongsage.core.tinytask.tokenizer import build_tokenizer
 
     model = tmp_path / "model"
     kind = Qwen3MoeConfig if "Moe" in arch else Qwen3Config

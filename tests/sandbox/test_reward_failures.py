@@ -5,7 +5,6 @@ any reward raises on one trajectory into that trajectory's failure."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from loongsage.agentflow.blackbox import CommandAgent
-from loongsage.agentflow.gateway import Gateway
-from loongsage.agentflow.service import ChatService
+from loongsage.agentflow.agents.blackbox import CommandAgent
+from loongsage.agentflow.gateway.server import Gateway
+from loongsage.agentflow.gateway.service import ChatService
 from loongsage.core.contracts import RewardContext
 from loongsage.core.plugins import load_registry
 from loongsage.core.rollout import AgentContext
@@ -89,9 +89,9 @@ def test_reward_tests_in_the_trajectorys_own_sandbox_and_finish_releases_it(ray_
 
 
 def test_a_cancelled_command_episode_gives_its_sandbox_back(ray_module, tmp_path, root, tag):
-    from loongsage.agentflow.engines import DirectEngine
-    from loongsage.core.embedded.engine import NativeEngine
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
+    from loongsage.agentflow.gateway.engines import DirectEngine
+    from loongsage.core.engine.native import NativeEngine
+    from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 
     _, tokenizer = build_tiny_qwen3(tmp_path / "model")
     engine = DirectEngine(NativeEngine(str(tmp_path / "model"), max_model_len=256, max_batch_size=2))

@@ -21,7 +21,7 @@ import torch
 from loongsage.core.types import FinishReason, GenerationRequest, SamplingParams
 from loongsage.sglang.engine import SGLangEngine
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import EOS, build_engine_test_model  # noqa: E402
 
 SERVER = str(Path(__file__).with_name("sglang_contract_server.py"))

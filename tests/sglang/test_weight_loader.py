@@ -15,7 +15,7 @@ from loongsage.core.buckets import pack
 from loongsage.sglang.weight_loader import _PLANS, layout_name, load_flat, plan_copies
 
 sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 import sglang_contract_server as standin  # noqa: E402
 from _engine_helpers import build_engine_test_model  # noqa: E402
 

@@ -21,7 +21,7 @@ from loongsage.core.rollout import EngineRouter
 from loongsage.core.types import SamplingParams
 from loongsage.core.workers import EngineWorker
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "embedded"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model, prompts  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)

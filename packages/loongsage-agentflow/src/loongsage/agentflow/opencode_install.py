@@ -35,7 +35,7 @@ _NPM_TIMEOUT_S = 900
 
 
 def default_dir(version: str = VERSION) -> Path:
-    from loongsage.core.embedded.builds import default_cache_dir
+    from loongsage.core.tinytask.builds import default_cache_dir
 
     return default_cache_dir() / "agents" / f"opencode-{version}"
 

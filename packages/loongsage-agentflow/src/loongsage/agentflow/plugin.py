@@ -4,16 +4,16 @@ service, its middlewares, the agents that reach the policy through it, and the c
 
 from __future__ import annotations
 
-from loongsage.agentflow.blackbox import CommandAgent, FileReward
-from loongsage.agentflow.chat_agent import ChatAgent
-from loongsage.agentflow.middlewares import MIDDLEWARES
-from loongsage.agentflow.mini_swe import MiniSweAgent
-from loongsage.agentflow.opencode import OpenCodeAgent
-from loongsage.agentflow.parsers import Qwen3ChatParser
-from loongsage.agentflow.run_service import GatewayService
-from loongsage.agentflow.tool_agent import ToolAgent
-from loongsage.agentflow.tool_calc import ToolCalcReward, ToolCalcTask
-from loongsage.agentflow.warmstart import TinyToolCalcModel
+from loongsage.agentflow.agents.blackbox import CommandAgent, FileReward
+from loongsage.agentflow.agents.chat_agent import ChatAgent
+from loongsage.agentflow.agents.mini_swe import MiniSweAgent
+from loongsage.agentflow.agents.opencode import OpenCodeAgent
+from loongsage.agentflow.agents.tool_agent import ToolAgent
+from loongsage.agentflow.chat.parsers import Qwen3ChatParser
+from loongsage.agentflow.gateway.middlewares import MIDDLEWARES
+from loongsage.agentflow.gateway.run_service import GatewayService
+from loongsage.agentflow.tasks.tool_calc import ToolCalcReward, ToolCalcTask
+from loongsage.agentflow.tasks.warmstart import TinyToolCalcModel
 from loongsage.core.hookspecs import Factories, hookimpl
 
 
@@ -24,9 +24,9 @@ def loongsage_backends() -> Factories:
 
 @hookimpl
 def loongsage_agents() -> Factories:
-    # chat: one chat completion per group; tool_agent: multi-turn tool calling (tool_agent.py);
-    # command: any program, black box (blackbox.py);
-    # mini_swe_agent, opencode: those CLIs unmodified, configured for the gateway (mini_swe.py, opencode.py)
+    # chat: one chat completion per group; tool_agent: multi-turn tool calling (agents/tool_agent.py);
+    # command: any program, black box (agents/blackbox.py); mini_swe_agent, opencode: those CLIs
+    # unmodified, configured for the gateway (agents/mini_swe.py, agents/opencode.py)
     return {"chat": ChatAgent, "tool_agent": ToolAgent, "command": CommandAgent, "mini_swe_agent": MiniSweAgent,
             "opencode": OpenCodeAgent}
 

@@ -1,7 +1,8 @@
 """Advantage estimators: ``[B]`` rewards (and groups) in, ``[B, T]`` per-token advantages out.
 
-Each estimator is a pure function plus a frozen dataclass that binds its parameters (the fields are
-the recipe's ``params`` schema) and implements ``__call__(AdvantageInput) -> Tensor[B, T]``.
+Each estimator is a pure function whose keyword parameters, with their ranges, are the recipe's
+``params``; :func:`loongsage.core.entries.entry` makes the registered entry from it, called with an
+``AdvantageInput`` (whose fields feed the function's inputs of the same names).
 
 Conventions shared by all of them:
 
@@ -18,14 +19,13 @@ Conventions shared by all of them:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
 from loongsage.core.contracts import AdvantageEstimator
-from loongsage.core.types import AdvantageInput
+from loongsage.core.entries import Range, entry
 
 _CHUNK = 64  # block size of the blocked discounted cumsum
 
@@ -146,7 +146,7 @@ def grpo_advantages(
     *,
     std_normalize: bool = True,
     scope: Literal["group", "batch"] = "group",
-    eps: float = 1e-6,
+    eps: Annotated[float, Range(gt=0)] = 1e-6,  # added to the std: an all-equal group gives 0, not 0/0
 ) -> Tensor:
     """Group-relative advantages, one value per sequence broadcast over its response tokens.
 
@@ -183,35 +183,16 @@ def grpo_advantages(
     return adv.to(out_dtype)[:, None] * response_mask.to(out_dtype)
 
 
-@dataclass(frozen=True)
+@entry("grpo", grpo_advantages)
 class GRPO(AdvantageEstimator):
     """``grpo``: group z-score (``std_normalize=True``) or Dr.GRPO mean-centring (``False``).
 
     ``scope="batch"`` takes mean and std over the whole batch instead of each group.
     """
 
-    std_normalize: bool = True
-    scope: Literal["group", "batch"] = "group"
-    eps: float = 1e-6  # added to the std so an all-equal group gives 0, not 0/0
-
-    needs_values: ClassVar[bool] = False
-    uses_token_rewards: ClassVar[bool] = False  # consumes AdvantageInput.token_rewards
-
-    def __post_init__(self) -> None:
-        if self.scope not in ("group", "batch"):
-            raise ValueError(f"grpo.scope={self.scope!r}: must be 'group' or 'batch'")
-        if not self.eps > 0:
-            raise ValueError(f"grpo.eps={self.eps}: must be > 0")
-
     @property
     def min_group_size(self) -> int:  # a group of one is its own mean: advantage 0
         return 2 if self.scope == "group" else 1
-
-    def __call__(self, inp: AdvantageInput) -> Tensor:
-        return grpo_advantages(
-            inp.rewards, inp.group_ids, inp.response_mask,
-            std_normalize=self.std_normalize, scope=self.scope, eps=self.eps,
-        )
 
 
 # --------------------------------------------------------------------------------------- RLOO
@@ -238,16 +219,9 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor, response_mask: Tensor) -
     return adv.to(out_dtype)[:, None] * response_mask.to(out_dtype)
 
 
-@dataclass(frozen=True)
+@entry("rloo", rloo_advantages, min_group_size=2)  # a group of one has no other rows: advantage 0
 class RLOO(AdvantageEstimator):
     """``rloo``: leave-one-out baseline within each group; no parameters."""
-
-    needs_values: ClassVar[bool] = False
-    uses_token_rewards: ClassVar[bool] = False  # consumes AdvantageInput.token_rewards
-    min_group_size: ClassVar[int] = 2  # a group of one has no other rows: advantage 0
-
-    def __call__(self, inp: AdvantageInput) -> Tensor:
-        return rloo_advantages(inp.rewards, inp.group_ids, inp.response_mask)
 
 
 # ------------------------------------------------------------------------------- REINFORCE++
@@ -259,9 +233,9 @@ def reinforce_pp_advantages(
     response_mask: Tensor,
     *,
     token_rewards: Tensor | None = None,
-    gamma: float = 1.0,
+    gamma: Annotated[float, Range(ge=0, le=1)] = 1.0,
     baseline: bool = False,
-    eps: float = 1e-6,
+    eps: Annotated[float, Range(gt=0)] = 1e-6,
 ) -> Tensor:
     """REINFORCE++: batch-normalised discounted returns (``baseline``: REINFORCE++-baseline).
 
@@ -297,28 +271,9 @@ def reinforce_pp_advantages(
     return adv.to(_out_dtype(rewards))
 
 
-@dataclass(frozen=True)
+@entry("reinforce_pp", reinforce_pp_advantages, uses_token_rewards=True)
 class ReinforcePP(AdvantageEstimator):
     """``reinforce_pp``: REINFORCE++ (``baseline=True``: subtract the group mean reward first)."""
-
-    gamma: float = 1.0
-    baseline: bool = False
-    eps: float = 1e-6
-
-    needs_values: ClassVar[bool] = False
-    uses_token_rewards: ClassVar[bool] = True  # consumes AdvantageInput.token_rewards
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.gamma <= 1:
-            raise ValueError(f"reinforce_pp.gamma={self.gamma}: must be in [0, 1]")
-        if not self.eps > 0:
-            raise ValueError(f"reinforce_pp.eps={self.eps}: must be > 0")
-
-    def __call__(self, inp: AdvantageInput) -> Tensor:
-        return reinforce_pp_advantages(
-            inp.rewards, inp.group_ids, inp.response_mask, token_rewards=inp.token_rewards,
-            gamma=self.gamma, baseline=self.baseline, eps=self.eps,
-        )
 
 
 # ---------------------------------------------------------------------------------------- GAE
@@ -354,10 +309,10 @@ def gae_advantages(
     response_mask: Tensor,
     *,
     token_rewards: Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
+    gamma: Annotated[float, Range(ge=0, le=1)] = 1.0,
+    lam: Annotated[float, Range(ge=0, le=1)] = 1.0,
     normalize: bool = False,
-    eps: float = 1e-6,
+    eps: Annotated[float, Range(gt=0)] = 1e-6,
 ) -> Tensor:
     """Generalised advantage estimation over each row's response tokens.
 
@@ -401,39 +356,6 @@ def gae_returns(
     return returns.to(_out_dtype(rewards))
 
 
-@dataclass(frozen=True)
+@entry("gae", gae_advantages, needs_values=True, uses_token_rewards=True, returns=gae_returns)
 class GAE(AdvantageEstimator):
     """``gae``: PPO with a critic; ``normalize`` whitens the advantages over the batch."""
-
-    gamma: float = 1.0
-    lam: float = 1.0
-    normalize: bool = False
-    eps: float = 1e-6
-
-    needs_values: ClassVar[bool] = True
-    uses_token_rewards: ClassVar[bool] = True  # consumes AdvantageInput.token_rewards
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.gamma <= 1:
-            raise ValueError(f"gae.gamma={self.gamma}: must be in [0, 1]")
-        if not 0 <= self.lam <= 1:
-            raise ValueError(f"gae.lam={self.lam}: must be in [0, 1]")
-        if not self.eps > 0:
-            raise ValueError(f"gae.eps={self.eps}: must be > 0")
-
-    def __call__(self, inp: AdvantageInput) -> Tensor:
-        if inp.values is None:
-            raise ValueError("gae: AdvantageInput.values is None; gae needs critic values (needs_values=True)")
-        return gae_advantages(
-            inp.rewards, inp.values, inp.response_mask, token_rewards=inp.token_rewards,
-            gamma=self.gamma, lam=self.lam, normalize=self.normalize, eps=self.eps,
-        )
-
-    def returns(self, inp: AdvantageInput) -> Tensor:
-        """Critic targets for the same input (see :func:`gae_returns`)."""
-        if inp.values is None:
-            raise ValueError("gae: AdvantageInput.values is None; gae needs critic values (needs_values=True)")
-        return gae_returns(
-            inp.rewards, inp.values, inp.response_mask, token_rewards=inp.token_rewards,
-            gamma=self.gamma, lam=self.lam,
-        )

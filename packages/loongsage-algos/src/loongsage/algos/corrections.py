@@ -4,7 +4,7 @@
 the IS weight between the trainer's policy (``old``: recomputed before the step's first update) and
 the behaviour policy that sampled the tokens (``rollout``: the engine's log-probs). The framework
 calls them once per optimizer mini-batch, over the whole mini-batch of every DP rank
-(:meth:`loongsage.core.loss.LossPipeline.prepare`), before micro-batching. ``opsm`` compares the
+(:meth:`loongsage.core.loss.LossPlan.prepare`), before micro-batching. ``opsm`` compares the
 current policy with ``old`` (or ``rollout``) and is called per micro-batch (``needs_logprobs``).
 
 A correction returns ``CorrectionOutput(token_weights, response_mask, metrics)`` and can act on the
@@ -21,25 +21,24 @@ Every correction keeps ``token_weights = 1`` outside the mask it received, never
 token on, and ignores whatever padding holds. Metrics are per-token tensors, zero outside the
 received mask (the framework reports their token mean over it).
 
-Each correction is a pure function plus a frozen dataclass that binds its parameters (the fields
-are the recipe's ``params`` schema) and implements ``__call__(CorrectionInput) -> CorrectionOutput``.
+Each correction is a pure function whose keyword parameters, with their ranges, are the recipe's
+``params``; :func:`loongsage.core.entries.entry` makes the registered entry from it, called with a
+``CorrectionInput`` (whose fields feed the function's inputs of the same names).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Annotated, Literal
 
 import torch
 from torch import Tensor
 
 from loongsage.core.contracts import Correction
-from loongsage.core.types import CorrectionInput, CorrectionOutput
+from loongsage.core.entries import Range, entry
+from loongsage.core.types import CorrectionOutput
 
 LOG_RATIO_CLAMP = 20.0
-IS_LEVELS = ("token", "sequence", "geometric")
-IS_MODES = ("clip", "mask")
 DECOUPLED_METRICS = {"is_weight_mean": "decoupled_weight_mean", "is_clipfrac": "decoupled_clipfrac",
                      "is_maskfrac": "decoupled_maskfrac"}
 OPSM_REFERENCES = ("old", "rollout")
@@ -62,11 +61,11 @@ def is_correction(
     rollout_logprobs: Tensor,
     response_mask: Tensor,
     *,
-    level: str = "token",
-    mode: str = "clip",
-    low: float = 0.5,
-    high: float = 2.0,
-    veto: float | None = None,
+    level: Literal["token", "sequence", "geometric"] = "token",
+    mode: Literal["clip", "mask"] = "clip",
+    low: Annotated[float, Range(ge=0, le=1, note="0 = no lower bound")] = 0.5,
+    high: Annotated[float, Range(ge=1)] = 2.0,
+    veto: Annotated[float | None, Range(gt=0, le=1, note="null = off")] = None,
 ) -> CorrectionOutput:
     """Importance-sampling correction between the trainer's and the engine's policy.
 
@@ -128,8 +127,8 @@ def decoupled_correction(
     behaviour_logprobs: Tensor,
     response_mask: Tensor,
     *,
-    cap: float | None = 5.0,
-    mode: str = "mask",
+    cap: Annotated[float | None, Range(gt=1, note="null = no cap")] = 5.0,
+    mode: Literal["mask", "clip"] = "mask",
 ) -> CorrectionOutput:
     """Decoupled PPO (AReaL): the behaviour-policy weight of asynchronous, partially rolled-out data.
 
@@ -163,7 +162,7 @@ def m2po_correction(
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    tau: float = 0.04,
+    tau: Annotated[float, Range(gt=0)] = 0.04,
     harmful_only: bool = False,
 ) -> CorrectionOutput:
     """M2PO (second-moment trust region for stale data): mask the largest ``delta^2`` tokens.
@@ -219,8 +218,8 @@ def opsm_correction(
     response_mask: Tensor,
     *,
     logprobs: Tensor | None = None,
-    delta: float = 0.1,
-    reference: str = "old",
+    delta: Annotated[float, Range(ge=0)] = 0.1,
+    reference: Literal["old", "rollout"] = "old",
 ) -> CorrectionOutput:
     """Off-policy sequence masking (DeepSeek-V3.2): drop negative-advantage tokens of drifted sequences.
 
@@ -262,44 +261,13 @@ def opsm_correction(
     return CorrectionOutput(token_weights=token_weights, response_mask=response_mask, metrics=metrics)
 
 
-@dataclass(frozen=True)
+@entry("is", is_correction, needs_logprobs=False)  # decided once per mini-batch from old vs rollout
 class ImportanceSampling(Correction):
     """``is``: token / sequence / geometric IS weight, clipped (TIS) or masked (MIS, IcePop), optional veto."""
 
-    needs_logprobs: ClassVar[bool] = False  # decided once per mini-batch from old vs rollout
 
-    level: Literal["token", "sequence", "geometric"] = "token"
-    mode: Literal["clip", "mask"] = "clip"
-    low: float = 0.5
-    high: float = 2.0
-    veto: float | None = None  # drop a sequence if any token weight is below this; None = off
-
-    def __post_init__(self) -> None:
-        if self.level not in IS_LEVELS:
-            raise ValueError(f"is.level={self.level!r}: allowed: {', '.join(IS_LEVELS)}")
-        if self.mode not in IS_MODES:
-            raise ValueError(f"is.mode={self.mode!r}: allowed: {', '.join(IS_MODES)}")
-        if not 0 <= self.low <= 1:
-            raise ValueError(f"is.low={self.low}: must be in [0, 1] (0 = no lower bound)")
-        if not self.high >= 1:
-            raise ValueError(f"is.high={self.high}: must be >= 1")
-        if self.veto is not None and not 0 < self.veto <= 1:
-            raise ValueError(f"is.veto={self.veto}: must be in (0, 1] (or null to disable)")
-
-    def __call__(self, inp: CorrectionInput) -> CorrectionOutput:
-        return is_correction(
-            inp.old_logprobs,
-            inp.rollout_logprobs,
-            inp.response_mask,
-            level=self.level,
-            mode=self.mode,
-            low=self.low,
-            high=self.high,
-            veto=self.veto,
-        )
-
-
-@dataclass(frozen=True)
+@entry("decoupled", decoupled_correction, inputs={"proximal_logprobs": "old_logprobs",
+                                                  "behaviour_logprobs": "rollout_logprobs"})
 class Decoupled(Correction):
     """``decoupled``: decoupled PPO's behaviour weight pi_proximal / pi_behaviour per token, tokens
     above ``cap`` masked (``mode: mask``, AReaL's) or clipped to it (``mode: clip``).
@@ -310,47 +278,13 @@ class Decoupled(Correction):
     what AReaL's asynchronous recipes run (its own default is no cap: ``cap: null``).
     """
 
-    needs_logprobs: ClassVar[bool] = False  # decided once per mini-batch from old vs rollout
 
-    cap: float | None = 5.0
-    mode: Literal["mask", "clip"] = "mask"
-
-    def __post_init__(self) -> None:
-        if self.cap is not None and not self.cap > 1:
-            raise ValueError(f"decoupled.cap={self.cap}: must be > 1 (or null for no cap)")
-        if self.mode not in IS_MODES:
-            raise ValueError(f"decoupled.mode={self.mode!r}: allowed: {', '.join(IS_MODES)}")
-
-    def __call__(self, inp: CorrectionInput) -> CorrectionOutput:
-        return decoupled_correction(inp.old_logprobs, inp.rollout_logprobs, inp.response_mask, cap=self.cap,
-                                    mode=self.mode)
-
-
-@dataclass(frozen=True)
+@entry("m2po", m2po_correction, needs_logprobs=False)
 class M2PO(Correction):
     """``m2po``: mask the fewest largest-``delta^2`` tokens so that the kept mean is ``<= tau``."""
 
-    needs_logprobs: ClassVar[bool] = False
 
-    tau: float = 0.04
-    harmful_only: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.tau > 0:
-            raise ValueError(f"m2po.tau={self.tau}: must be > 0")
-
-    def __call__(self, inp: CorrectionInput) -> CorrectionOutput:
-        return m2po_correction(
-            inp.old_logprobs,
-            inp.rollout_logprobs,
-            inp.advantages,
-            inp.response_mask,
-            tau=self.tau,
-            harmful_only=self.harmful_only,
-        )
-
-
-@dataclass(frozen=True)
+@entry("opsm", opsm_correction, needs_logprobs=True)
 class OPSM(Correction):
     """``opsm``: zero negative-advantage tokens of sequences whose KL(reference || current) exceeds
     ``delta``; denominator kept.
@@ -361,25 +295,3 @@ class OPSM(Correction):
     (detached) log-probs, which it may do because it only sets weights of whole sequences and
     leaves the mask alone.
     """
-
-    needs_logprobs: ClassVar[bool] = True
-
-    delta: float = 0.1
-    reference: Literal["old", "rollout"] = "old"
-
-    def __post_init__(self) -> None:
-        if not self.delta >= 0:
-            raise ValueError(f"opsm.delta={self.delta}: must be >= 0")
-        if self.reference not in OPSM_REFERENCES:
-            raise ValueError(f"opsm.reference={self.reference!r}: allowed: {', '.join(OPSM_REFERENCES)}")
-
-    def __call__(self, inp: CorrectionInput) -> CorrectionOutput:
-        return opsm_correction(
-            inp.old_logprobs,
-            inp.rollout_logprobs,
-            inp.advantages,
-            inp.response_mask,
-            logprobs=inp.logprobs,
-            delta=self.delta,
-            reference=self.reference,
-        )

@@ -17,23 +17,25 @@ divergence ``[...]``. The teacher is a constant: no gradient reaches it, whateve
 Masking and reduction are the caller's (the loss pipeline weights positions with the policy loss's
 global denominators). Computed in at least float32.
 
-The entries register through the KL-estimator hook with ``consumes = "topk"`` (and ``k``, how many
-teacher tokens per position to fetch) or ``"full_vocab"``: the framework then ships the teacher's
-top-k ids and log-probs, or its full log-softmax, and gathers the student's log-softmax on the same
-support, only for these entries. Their call is ``entry(student [B, T, K], teacher [B, T, K]) ->
-[B, T]``.
+The entries (:func:`loongsage.core.entries.entry` of these functions) register through the
+KL-estimator hook with ``consumes = "topk"`` (and ``k``, how many teacher tokens per position to
+fetch) or ``"full_vocab"``: the framework then ships the teacher's top-k ids and log-probs, or its
+full log-softmax, and gathers the student's log-softmax on the same support, only for these
+entries. Their call is ``entry(student [B, T, K], teacher [B, T, K]) -> [B, T]``; the full-vocabulary
+ones also offer ``partial``, the same function over a shard of the vocabulary (``part=True``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
 from loongsage.core.contracts import KLEstimator
+from loongsage.core.entries import Range, entry
 
 
 def _prepare(student: Tensor, teacher: Tensor, renormalise: bool) -> tuple[Tensor, Tensor]:
@@ -134,7 +136,7 @@ def full_vocab_kl(student_logprobs: Tensor, teacher_logprobs: Tensor, *, part: b
     return out if part else out.clamp(min=0.0)
 
 
-def jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, *, beta: float = 0.5,
+def jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, *, beta: Annotated[float, Range(gt=0, lt=1)] = 0.5,
         renormalise: bool = False, part: bool = False) -> Tensor:
     """Generalised Jensen-Shannon divergence ``beta KL(P || M) + (1 - beta) KL(Q || M)``.
 
@@ -155,82 +157,32 @@ def jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, *, beta: float = 0.5
     return out if part else out.clamp(min=0.0)
 
 
-def _check_k(name: str, k: int) -> None:
-    if k < 1:
-        raise ValueError(f"{name}.k={k}: must be >= 1 (teacher tokens per position)")
+# How many teacher tokens per position the framework fetches for a top-k entry (not an argument of
+# the divergence, which reads whatever support it is given).
+_TopK = Annotated[int, Range(ge=1, note="teacher tokens per position")]
 
 
-def _check_beta(name: str, beta: float) -> None:
-    if not 0.0 < beta < 1.0:
-        raise ValueError(f"{name}.beta={beta}: must be in (0, 1)")
-
-
-@dataclass(frozen=True)
+@entry("topk_kl", topk_kl, consumes="topk")
 class TopKKL(KLEstimator):
     """``topk_kl``: reverse KL over the teacher's top-``k`` tokens, both sides renormalised."""
 
-    k: int = 16
-
-    name: ClassVar[str] = "topk_kl"
-    consumes: ClassVar[str] = "topk"
-    needs_old_logprobs: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        _check_k(self.name, self.k)
-
-    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return topk_kl(logprobs, ref_logprobs)
+    k: _TopK = 16
 
 
-@dataclass(frozen=True)
+@entry("full_vocab_kl", full_vocab_kl, fixed={"part": False}, consumes="full_vocab",
+       partial=functools.partial(full_vocab_kl, part=True))
 class FullVocabKL(KLEstimator):
     """``full_vocab_kl``: reverse KL(student || teacher) over the whole vocabulary."""
 
-    name: ClassVar[str] = "full_vocab_kl"
-    consumes: ClassVar[str] = "full_vocab"
-    needs_old_logprobs: ClassVar[bool] = False
 
-    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return full_vocab_kl(logprobs, ref_logprobs)
-
-    def partial(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return full_vocab_kl(logprobs, ref_logprobs, part=True)
-
-
-@dataclass(frozen=True)
+@entry("jsd", jsd, fixed={"renormalise": False, "part": False}, consumes="full_vocab",
+       partial=functools.partial(jsd, part=True))
 class JSD(KLEstimator):
     """``jsd``: generalised Jensen-Shannon divergence over the whole vocabulary (GKD)."""
 
-    beta: float = 0.5
 
-    name: ClassVar[str] = "jsd"
-    consumes: ClassVar[str] = "full_vocab"
-    needs_old_logprobs: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        _check_beta(self.name, self.beta)
-
-    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return jsd(logprobs, ref_logprobs, beta=self.beta)
-
-    def partial(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return jsd(logprobs, ref_logprobs, beta=self.beta, part=True)
-
-
-@dataclass(frozen=True)
+@entry("topk_jsd", jsd, fixed={"renormalise": True, "part": False}, consumes="topk")
 class TopKJSD(KLEstimator):
     """``topk_jsd``: generalised JSD over the teacher's top-``k`` tokens, both sides renormalised."""
 
-    beta: float = 0.5
-    k: int = 16
-
-    name: ClassVar[str] = "topk_jsd"
-    consumes: ClassVar[str] = "topk"
-    needs_old_logprobs: ClassVar[bool] = False
-
-    def __post_init__(self) -> None:
-        _check_beta(self.name, self.beta)
-        _check_k(self.name, self.k)
-
-    def __call__(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return jsd(logprobs, ref_logprobs, beta=self.beta, renormalise=True)
+    k: _TopK = 16

@@ -1,8 +1,9 @@
 """Data filters: ``group: list[Trajectory] -> bool`` (True keeps the group), and sample masks.
 
-Each filter is a pure predicate over plain values plus a frozen dataclass that binds its parameters
-(the fields are the recipe's ``params`` schema) and implements the hook's call. Filters run after
-rewards, on whole groups; a dropped group may be refilled by the scheduler from oversampling.
+Each filter is a pure predicate over plain values and a small entry class
+(:func:`loongsage.core.entries.entry`) whose annotated attributes are the recipe's ``params`` and
+whose call applies the predicate to a group. Filters run after rewards, on whole groups; a dropped
+group may be refilled by the scheduler from oversampling.
 
 A filter may also judge single samples: ``excludes_from_loss(trajectory) -> bool``. The trainer
 keeps such samples in the step's batch while the advantages are computed (their rewards count in
@@ -15,10 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 from loongsage.core.contracts import DataFilter
+from loongsage.core.entries import Range, entry
 from loongsage.core.types import Status, Trajectory
 
 _STATUSES = tuple(s.value for s in Status)
@@ -65,30 +66,30 @@ def truncated_fraction(group: Sequence[Trajectory], max_length: int | None = Non
     return sum(is_truncated(t, max_length) for t in judged) / len(judged)
 
 
-@dataclass(frozen=True)
+# The group predicates are small classes over those functions: the contract calls them with a group
+# (a list of trajectories) while the functions above take plain values.
+
+
+@entry("dynamic_sampling")
 class DynamicSampling(DataFilter):
     """``dynamic_sampling``: drop groups whose scored rewards are all equal (within ``tolerance``).
 
     Groups with fewer than two scored trajectories are dropped too: no baseline can be formed.
     """
 
-    tolerance: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not self.tolerance >= 0:
-            raise ValueError(f"dynamic_sampling.tolerance={self.tolerance}: must be >= 0")
+    tolerance: Annotated[float, Range(ge=0)] = 0.0
 
     def __call__(self, group: list[Trajectory]) -> bool:
         return has_reward_spread(scored_rewards(group), self.tolerance)
 
 
-@dataclass(frozen=True)
+@entry("status")
 class StatusFilter(DataFilter):
     """``status``: drop groups where more than ``max_fraction`` of the trajectories have one of
     ``statuses`` (default: any failed trajectory drops its group)."""
 
     statuses: tuple[str, ...] = (Status.FAILED.value,)
-    max_fraction: float = 0.0
+    max_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "statuses", tuple(self.statuses))  # the config gives a list
@@ -99,40 +100,30 @@ class StatusFilter(DataFilter):
             raise ValueError(
                 f"status.statuses={list(self.statuses)}: unknown {unknown[0]!r}; allowed: {', '.join(_STATUSES)}"
             )
-        if not 0 <= self.max_fraction < 1:
-            raise ValueError(f"status.max_fraction={self.max_fraction}: must be in [0, 1)")
 
     def __call__(self, group: list[Trajectory]) -> bool:
         return status_fraction(group, self.statuses) <= self.max_fraction
 
 
-@dataclass(frozen=True)
+@entry("overlong", excludes_from_loss=is_truncated)
 class OverlongFilter(DataFilter):
     """``overlong``: DAPO's overlong filtering. Truncated samples get loss mask 0; groups are kept.
 
     A truncated response was cut by the length limit, not judged on its answer, so its reward is
     noise: DAPO keeps it out of the loss. The sample still counts in its group's advantage
     statistics (the advantages are computed before the mask is applied), as in DAPO. Truncated
-    means status ``truncated``, or with ``max_length`` at least that many response tokens. The group
-    predicate keeps every group, so nothing is refilled because of this filter.
+    means status ``truncated``, or with ``max_length`` at least that many response tokens
+    (:func:`is_truncated`). The group predicate keeps every group, so nothing is refilled because
+    of this filter.
     """
 
-    max_length: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_length is not None and self.max_length < 1:
-            raise ValueError(
-                f"overlong.max_length={self.max_length}: must be >= 1 (or null: use the truncated status only)"
-            )
+    max_length: Annotated[int | None, Range(ge=1, note="null: the truncated status only")] = None
 
     def __call__(self, group: list[Trajectory]) -> bool:
         return True
 
-    def excludes_from_loss(self, trajectory: Trajectory) -> bool:
-        return is_truncated(trajectory, self.max_length)
 
-
-@dataclass(frozen=True)
+@entry("length")
 class RenamedLengthFilter(DataFilter):
     """``length``: renamed ``overlong``, which masks truncated samples instead of dropping groups.
 

@@ -11,22 +11,24 @@ Unbiased form (DeepSeek-V3.2): the tokens were sampled from the old policy, not 
 estimate is importance-weighted by ``sg(r)`` with ``r = exp(clamp(logprobs - old_logprobs, +-20))``.
 Entries with ``unbiased=True`` need the old log-probs, passed as the keyword ``old_logprobs``.
 
-Each estimator is a pure function ``(logprobs [B, T], ref_logprobs [B, T]) -> [B, T]`` plus a frozen
-dataclass implementing ``__call__(logprobs, ref_logprobs, *, old_logprobs=None)``; class attribute
-``consumes`` tells the trainer what to fetch, and the instance property ``needs_old_logprobs`` whether
-to pass ``old_logprobs``. Masking and reduction are the caller's.
+Each estimator is a pure function ``(logprobs [B, T], ref_logprobs [B, T]) -> [B, T]``;
+:func:`loongsage.core.entries.entry` makes the registered entry from it, with the param ``unbiased``
+and the call ``(logprobs, ref_logprobs, *, old_logprobs=None)`` of :class:`_Unbiasable`. The flag
+``consumes`` tells the trainer what to fetch, and ``needs_old_logprobs`` (``unbiased``) whether to
+pass ``old_logprobs``. Masking and reduction are the caller's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar
 
 import torch
 from torch import Tensor
 
 from loongsage.core.contracts import KLEstimator
+from loongsage.core.entries import Range, entry
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -51,7 +53,7 @@ def k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return (x.neg().expm1() + x).clamp(min=0.0)
 
 
-def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor, *, bound: float = 10.0) -> Tensor:
+def low_var_kl(logprobs: Tensor, ref_logprobs: Tensor, *, bound: Annotated[float, Range(gt=0)] = 10.0) -> Tensor:
     """k3 with ``x`` clamped to +-20 and the result capped at ``bound``.
 
     Clamping ``x`` before ``exp`` matters for the gradient, not only the value: an overflowed
@@ -94,14 +96,18 @@ def kl_in_reward(
     return out
 
 
-class _Weighted(KLEstimator):
-    """The shared call of the estimator entries: the plain estimate, or the unbiased one."""
+@dataclass(frozen=True, kw_only=True)
+class _Unbiasable(KLEstimator):
+    """The estimators' call: the plain estimate, or with ``unbiased`` the importance-weighted one.
 
-    name: ClassVar[str]
-    unbiased: bool
+    A class, not only a binding, because the flag follows a param: only the unbiased form needs
+    the sampling policy's log-probs, so only then does the trainer fetch and pass them.
+    """
 
-    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        raise NotImplementedError
+    unbiased: bool = False
+
+    name: ClassVar[str]  # set by entry()
+    apply: ClassVar[Callable[..., Tensor]]  # the estimator with this entry's params, set by entry()
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -109,64 +115,27 @@ class _Weighted(KLEstimator):
 
     def __call__(self, logprobs: Tensor, ref_logprobs: Tensor, *, old_logprobs: Tensor | None = None) -> Tensor:
         if not self.unbiased:
-            return self._estimate(logprobs, ref_logprobs)
+            return self.apply(logprobs, ref_logprobs)
         if old_logprobs is None:
             raise ValueError(f"{self.name}.unbiased=True: needs old_logprobs (the sampling policy's log-probs)")
-        return unbiased_kl(self._estimate, logprobs, ref_logprobs, old_logprobs)
+        return unbiased_kl(self.apply, logprobs, ref_logprobs, old_logprobs)
 
 
-@dataclass(frozen=True)
-class K1(_Weighted):
+@entry("k1", k1, consumes="logprobs")
+class K1(_Unbiasable):
     """``k1``: ``logprobs - ref_logprobs`` (``unbiased``: times ``sg(r)``)."""
 
-    unbiased: bool = False
 
-    name: ClassVar[str] = "k1"
-    consumes: ClassVar[str] = "logprobs"
-
-    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return k1(logprobs, ref_logprobs)
-
-
-@dataclass(frozen=True)
-class K2(_Weighted):
+@entry("k2", k2, consumes="logprobs")
+class K2(_Unbiasable):
     """``k2``: ``(logprobs - ref_logprobs)^2 / 2`` (``unbiased``: times ``sg(r)``)."""
 
-    unbiased: bool = False
 
-    name: ClassVar[str] = "k2"
-    consumes: ClassVar[str] = "logprobs"
-
-    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return k2(logprobs, ref_logprobs)
-
-
-@dataclass(frozen=True)
-class K3(_Weighted):
+@entry("k3", k3, consumes="logprobs")
+class K3(_Unbiasable):
     """``k3``: ``exp(-x) - 1 + x``, no upper bound (``unbiased``: times ``sg(r)``)."""
 
-    unbiased: bool = False
 
-    name: ClassVar[str] = "k3"
-    consumes: ClassVar[str] = "logprobs"
-
-    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return k3(logprobs, ref_logprobs)
-
-
-@dataclass(frozen=True)
-class LowVarKL(_Weighted):
+@entry("low_var_kl", low_var_kl, consumes="logprobs")
+class LowVarKL(_Unbiasable):
     """``low_var_kl``: k3 capped at ``bound`` (verl's name for it; ``unbiased``: times ``sg(r)``)."""
-
-    bound: float = 10.0
-    unbiased: bool = False
-
-    name: ClassVar[str] = "low_var_kl"
-    consumes: ClassVar[str] = "logprobs"
-
-    def __post_init__(self) -> None:
-        if not self.bound > 0:
-            raise ValueError(f"low_var_kl.bound={self.bound}: must be > 0")
-
-    def _estimate(self, logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-        return low_var_kl(logprobs, ref_logprobs, bound=self.bound)

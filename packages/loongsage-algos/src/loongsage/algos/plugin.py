@@ -1,6 +1,8 @@
 """Built-in algorithms, registered under the ``loongsage`` entry-point group.
 
-Each hook maps a recipe name to a factory: a frozen dataclass whose fields are the entry's params.
+Each hook maps a recipe name to a factory: a frozen dataclass whose fields are the entry's params,
+made from the algorithm's pure function by :func:`loongsage.core.entries.entry` (which names it
+after the same recipe name, for its own error messages).
 """
 
 from __future__ import annotations

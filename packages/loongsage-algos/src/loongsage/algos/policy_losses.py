@@ -4,23 +4,23 @@ The trainer reduces with global denominators (:mod:`loongsage.core.aggregation`)
 averages. Every loss and metric is exactly zero outside ``response_mask``, and values under a zero
 mask (padding garbage) reach neither the loss nor its gradient.
 
-Each loss is a pure function plus a frozen dataclass that binds its parameters (the fields are the
-recipe's ``params`` schema) and implements ``__call__(PolicyLossInput) -> LossOutput``. Its flags
-(:class:`loongsage.core.contracts.PolicyLoss`): ``needs_old_logprobs`` and ``supported_aggregations``,
-the aggregation modes the loss is defined for (``None`` = every mode of
-:mod:`loongsage.core.aggregation`); GSPO's sequence ratio is only GSPO under seq-mean-token-mean.
+Each loss is a pure function whose keyword parameters, with their ranges, are the recipe's
+``params``; :func:`loongsage.core.entries.entry` makes the registered entry from it, called with a
+``PolicyLossInput``. Its flags (:class:`loongsage.core.contracts.PolicyLoss`): ``needs_old_logprobs``
+and ``supported_aggregations``, the aggregation modes the loss is defined for (``None`` = every mode
+of :mod:`loongsage.core.aggregation`); GSPO's sequence ratio is only GSPO under seq-mean-token-mean.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated
 
 import torch
 from torch import Tensor
 
 from loongsage.core.contracts import PolicyLoss
-from loongsage.core.types import LossOutput, PolicyLossInput
+from loongsage.core.entries import Range, entry
+from loongsage.core.types import LossOutput
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: finite in fp32/bf16, far beyond any clip range
 
@@ -31,9 +31,9 @@ def ppo_clip_loss(
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_c: float | None = None,
+    clip_low: Annotated[float, Range(ge=0, lt=1)] = 0.2,
+    clip_high: Annotated[float, Range(ge=0)] = 0.2,
+    clip_c: Annotated[float | None, Range(gt=1, note="null = off")] = None,
 ) -> LossOutput:
     """PPO clipped surrogate with clip-higher and optional dual clip, per token.
 
@@ -86,8 +86,8 @@ def gspo_loss(
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
+    clip_low: Annotated[float, Range(ge=0, lt=1)] = 3e-4,
+    clip_high: Annotated[float, Range(ge=0)] = 4e-4,
 ) -> LossOutput:
     """GSPO (group sequence policy optimisation), token form, per token.
 
@@ -139,8 +139,8 @@ def cispo_loss(
     advantages: Tensor,
     response_mask: Tensor,
     *,
-    clip_low: float = 1.0,
-    clip_high: float = 0.28,
+    clip_low: Annotated[float, Range(ge=0, note=">= 1 = no lower bound")] = 1.0,
+    clip_high: Annotated[float, Range(ge=0)] = 0.28,
 ) -> LossOutput:
     """CISPO (clipped IS-weight policy optimisation, MiniMax-M1), per token.
 
@@ -174,98 +174,21 @@ def cispo_loss(
     return LossOutput(loss=loss, metrics=metrics)
 
 
-@dataclass(frozen=True)
+@entry("ppo_clip", ppo_clip_loss, needs_old_logprobs=True)
 class PPOClip(PolicyLoss):
     """``ppo_clip``: PPO clip with asymmetric bounds (DAPO: 0.2 / 0.28) and optional dual clip."""
 
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_c: float | None = None  # dual-clip constant (> 1); None = off
 
-    needs_old_logprobs: ClassVar[bool] = True
-    supported_aggregations: ClassVar[tuple[str, ...] | None] = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.clip_low < 1:
-            raise ValueError(f"ppo_clip.clip_low={self.clip_low}: must be in [0, 1)")
-        if not self.clip_high >= 0:
-            raise ValueError(f"ppo_clip.clip_high={self.clip_high}: must be >= 0")
-        if self.clip_c is not None and not self.clip_c > 1:
-            raise ValueError(f"ppo_clip.clip_c={self.clip_c}: must be > 1 (or null to disable)")
-
-    def __call__(self, inp: PolicyLossInput) -> LossOutput:
-        return ppo_clip_loss(
-            inp.logprobs,
-            inp.old_logprobs,
-            inp.advantages,
-            inp.response_mask,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            clip_c=self.clip_c,
-        )
-
-
-@dataclass(frozen=True)
+@entry("nll", nll_loss, needs_old_logprobs=False, uses_advantages=False)
 class NLL(PolicyLoss):
     """``nll``: supervised fine-tuning loss; ignores advantages and old log-probs."""
 
-    needs_old_logprobs: ClassVar[bool] = False
-    uses_advantages: ClassVar[bool] = False
-    supported_aggregations: ClassVar[tuple[str, ...] | None] = None
 
-    def __call__(self, inp: PolicyLossInput) -> LossOutput:
-        return nll_loss(inp.logprobs, inp.response_mask)
-
-
-@dataclass(frozen=True)
+@entry("gspo", gspo_loss, needs_old_logprobs=True, supported_aggregations=("seq-mean-token-mean",))
 class GSPO(PolicyLoss):
     """``gspo``: sequence-level ratio in token form; only defined under seq-mean-token-mean."""
 
-    clip_low: float = 3e-4
-    clip_high: float = 4e-4
 
-    needs_old_logprobs: ClassVar[bool] = True
-    supported_aggregations: ClassVar[tuple[str, ...] | None] = ("seq-mean-token-mean",)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.clip_low < 1:
-            raise ValueError(f"gspo.clip_low={self.clip_low}: must be in [0, 1)")
-        if not self.clip_high >= 0:
-            raise ValueError(f"gspo.clip_high={self.clip_high}: must be >= 0")
-
-    def __call__(self, inp: PolicyLossInput) -> LossOutput:
-        return gspo_loss(
-            inp.logprobs,
-            inp.old_logprobs,
-            inp.advantages,
-            inp.response_mask,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-        )
-
-
-@dataclass(frozen=True)
+@entry("cispo", cispo_loss, needs_old_logprobs=True)
 class CISPO(PolicyLoss):
     """``cispo``: stop-gradient clipped IS weight times ``A * logprobs``; no lower clip by default."""
-
-    clip_low: float = 1.0  # >= 1: no lower bound on the weight
-    clip_high: float = 0.28
-
-    needs_old_logprobs: ClassVar[bool] = True
-    supported_aggregations: ClassVar[tuple[str, ...] | None] = None
-
-    def __post_init__(self) -> None:
-        if not self.clip_low >= 0:
-            raise ValueError(f"cispo.clip_low={self.clip_low}: must be >= 0 (>= 1 = no lower bound)")
-        if not self.clip_high >= 0:
-            raise ValueError(f"cispo.clip_high={self.clip_high}: must be >= 0")
-
-    def __call__(self, inp: PolicyLossInput) -> LossOutput:
-        return cispo_loss(
-            inp.logprobs,
-            inp.old_logprobs,
-            inp.advantages,
-            inp.response_mask,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-        )

@@ -1,7 +1,10 @@
 """Rule-based rewards: ``(trajectory, record) -> float`` (or an awaitable of one).
 
-Each reward is a pure function over plain values plus a frozen dataclass that binds its parameters
-(the fields are the recipe's ``params`` schema) and implements the hook's call.
+Each reward is a pure function over plain values and an entry class
+(:func:`loongsage.core.entries.entry`) whose params (the function's keyword parameters, or the
+class's annotated attributes) are the recipe's ``params`` and whose call reads the trajectory and
+its record. A class of its own, because a reward has more to do than bind: refuse a record without
+a label, wrap another reward, or hold a grader process.
 
 Wrappers (``overlong_shaping``, ``format``) add a term to another reward. The wrapped reward is
 named in the ``inner`` param as a ``{name, params}`` spec, like any registry entry; the class
@@ -18,12 +21,12 @@ import inspect
 import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from loongsage.algos.math_grader import IsolatedGrader
 from loongsage.core.contracts import Reward, RewardContext
+from loongsage.core.entries import Range, entry
 from loongsage.core.rewarding import call_reward
 from loongsage.core.types import DataRecord, Trajectory
 
@@ -46,7 +49,10 @@ def extract_answer(text: str, pattern: str | None) -> str | None:
 
 
 def exact_match(response_text: str, label: object, *, strip: bool = True, extract: str | None = None) -> float:
-    """1.0 if the extracted answer equals ``str(label)`` (both stripped if ``strip``), else 0.0."""
+    """1.0 if the extracted answer equals ``str(label)`` (both stripped if ``strip``), else 0.0.
+
+    ``extract``: a regex; group 1 (or the whole match) of its last match is the answer.
+    """
     answer = extract_answer(response_text, extract)
     if answer is None:
         return 0.0
@@ -56,12 +62,9 @@ def exact_match(response_text: str, label: object, *, strip: bool = True, extrac
     return 1.0 if answer == expected else 0.0
 
 
-@dataclass(frozen=True)
+@entry("exact_match", exact_match)
 class ExactMatch(Reward):
     """``exact_match``: string equality of the (optionally regex-extracted) answer and the label."""
-
-    strip: bool = True
-    extract: str | None = None  # regex; group 1 (or the whole match) of its last match is the answer
 
     def __post_init__(self) -> None:
         if self.extract is not None:
@@ -74,7 +77,7 @@ class ExactMatch(Reward):
         # A missing label is a data error; scoring it 0 would silently train against it.
         if record.label is None:
             raise ValueError(f"exact_match: record {record.source}[{record.index}] has no label")
-        return exact_match(trajectory.response_text, record.label, strip=self.strip, extract=self.extract)
+        return self.apply(trajectory.response_text, record.label)
 
 
 # ------------------------------------------------------------------------------- wrappers
@@ -100,8 +103,10 @@ def _check_spec(owner: str, spec: Mapping[str, Any] | None) -> None:
 class _Wrapper(Reward):
     """Holds the built inner reward of a wrapper entry (not a param: set by :meth:`bind`)."""
 
-    name: ClassVar[str]
+    name: ClassVar[str]  # set by entry()
     nested: ClassVar[dict[str, str]] = {"inner": "reward"}  # param -> registry category
+    # Takes the run's context and hands it on (call_reward), in case the inner reward reads it.
+    takes_context: ClassVar[bool] = True
     _inner_reward: ClassVar[RewardFn | None] = None  # shadowed per instance by bind()
     inner: dict[str, Any] | None
 
@@ -141,21 +146,17 @@ def overlong_penalty(length: int, max_length: int, buffer: int) -> float:
     return -(length - start) / buffer
 
 
-@dataclass(frozen=True)
+@entry("overlong_shaping")
 class OverlongShaping(_Wrapper):
     """``overlong_shaping``: ``inner`` reward plus DAPO's overlong penalty on ``len(response_ids)``."""
 
     inner: dict[str, Any] | None = None  # {name, params} of the wrapped reward; null: penalty only
-    max_length: int = 20480  # L_max (DAPO: 20480)
-    buffer: int = 4096  # L_c, the soft-penalty band below L_max (DAPO: 4096)
-
-    name: ClassVar[str] = "overlong_shaping"
+    max_length: Annotated[int, Range(ge=1)] = 20480  # L_max (DAPO: 20480)
+    buffer: Annotated[int, Range(ge=1, note="at most max_length")] = 4096  # L_c, the band below L_max (DAPO: 4096)
 
     def __post_init__(self) -> None:
         _check_spec(self.name, self.inner)
-        if self.max_length < 1:
-            raise ValueError(f"overlong_shaping.max_length={self.max_length}: must be >= 1")
-        if not 1 <= self.buffer <= self.max_length:
+        if self.buffer > self.max_length:
             raise ValueError(f"overlong_shaping.buffer={self.buffer}: must be in [1, max_length={self.max_length}]")
 
     def __call__(self, trajectory: Trajectory, record: DataRecord,
@@ -164,7 +165,7 @@ class OverlongShaping(_Wrapper):
         return _then(self._base(trajectory, record, ctx), lambda base: base + penalty)
 
 
-@dataclass(frozen=True)
+@entry("format")
 class FormatReward(_Wrapper):
     """``format``: ``inner`` reward plus ``bonus`` if ``pattern`` matches the response, else ``penalty``.
 
@@ -179,8 +180,6 @@ class FormatReward(_Wrapper):
     penalty: float = -1.0
     gate: bool = False
     inner: dict[str, Any] | None = None  # {name, params} of the wrapped reward; null: the term alone
-
-    name: ClassVar[str] = "format"
 
     def __post_init__(self) -> None:
         try:
@@ -324,7 +323,7 @@ def math_verify_available() -> bool:
     return importlib.util.find_spec("math_verify") is not None
 
 
-@dataclass(frozen=True)
+@entry("math")
 class MathAnswer(Reward):
     """``math``: 1.0 if the response's final answer equals the label mathematically, else 0.0.
 
@@ -334,13 +333,10 @@ class MathAnswer(Reward):
     """
 
     backend: Literal["auto", "math_verify", "fallback"] = "auto"
-    timeout: int = 5  # seconds per math-verify parse/verify; 0 = none; main thread only
+    # seconds per math-verify parse/verify; main thread only
+    timeout: Annotated[int, Range(ge=0, note="0 = no timeout")] = 5
 
     def __post_init__(self) -> None:
-        if self.backend not in ("auto", "math_verify", "fallback"):
-            raise ValueError(f"math.backend={self.backend!r}: must be 'auto', 'math_verify' or 'fallback'")
-        if self.timeout < 0:
-            raise ValueError(f"math.timeout={self.timeout}: must be >= 0 (0 = no timeout)")
         available = math_verify_available()
         if self.backend == "math_verify" and not available:
             raise ValueError(

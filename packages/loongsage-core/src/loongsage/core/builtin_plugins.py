@@ -9,20 +9,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from loongsage.core.data import FileReader
-from loongsage.core.embedded.arith import ArithmeticTask
-from loongsage.core.embedded.critic import TorchCritic
-from loongsage.core.embedded.digit_sort import DigitSortReward, DigitSortTask
-from loongsage.core.embedded.engine import NativeEngine
-from loongsage.core.embedded.shapes import RandomDigits, RandomInitModel
-from loongsage.core.embedded.teacher import EmbeddedTeacher
-from loongsage.core.embedded.trainer import TorchTrainer
-from loongsage.core.embedded.transport import CpuTransport
-from loongsage.core.embedded.warmstart import WarmStartParams, cached_warm_start
+from loongsage.core.engine.native import NativeEngine
 from loongsage.core.hookspecs import Factories, hookimpl
 from loongsage.core.rollout import SingleTurnAgent
 from loongsage.core.rollout.schedulers import SCHEDULERS
 from loongsage.core.sft import ConstantReward, SFTAgent
+from loongsage.core.tinytask.arith import ArithmeticTask
+from loongsage.core.tinytask.digit_sort import DigitSortReward, DigitSortTask
+from loongsage.core.tinytask.shapes import RandomDigits, RandomInitModel
+from loongsage.core.tinytask.warmstart import WarmStartParams, cached_warm_start
 from loongsage.core.tracking import JsonlTracker, TensorboardTracker, WandbTracker
+from loongsage.core.trainer.critic import TorchCritic
+from loongsage.core.trainer.teacher import EmbeddedTeacher
+from loongsage.core.trainer.torch_trainer import TorchTrainer
+from loongsage.core.transport import CpuTransport
 
 
 @dataclass

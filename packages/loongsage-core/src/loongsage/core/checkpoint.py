@@ -19,10 +19,13 @@ import logging
 import shutil
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loongsage.core.failures import RunError, disk_full, free_space
 from loongsage.core.types import ConfigError
+
+if TYPE_CHECKING:
+    from loongsage.core.roles import CriticGroup, TrainerGroup
 
 log = logging.getLogger("loongsage")
 
@@ -42,14 +45,13 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save(run_dir: Path, step: int, state: dict[str, Any], trainers: list[Any], critic: Any | None,
+def save(run_dir: Path, step: int, state: dict[str, Any], trainer: TrainerGroup, critic: CriticGroup,
          keep_last: int, rollout: dict[str, Any] | None = None) -> Path:
     """Write the checkpoint of ``step``: every trainer rank's state (and the critic's), as
     ``controller.json`` the step with ``state`` (the weight version and the rollout service's data
     position) and, when given, ``rollout`` (the asynchronous rollout's buffers and groups in flight)
     as ``rollout.pt``. Both are taken on the event loop that runs the service (this runs in a worker
     thread, while the run goes on). Keeps the newest ``keep_last`` checkpoints (0: all)."""
-    import ray
     import torch
 
     final = checkpoint_dir(run_dir) / f"step_{step:06d}"
@@ -57,8 +59,7 @@ def save(run_dir: Path, step: int, state: dict[str, Any], trainers: list[Any], c
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        ray.get([t.save.remote(str(tmp)) for t in trainers]
-                + ([critic.save.remote(str(tmp / "critic"))] if critic is not None else []))
+        _wait_all(trainer.save(str(tmp)), critic.save(str(tmp / "critic")))
         (tmp / "controller.json").write_text(json.dumps({"step": step, **state}, indent=1))
         if rollout is not None:
             torch.save(rollout, tmp / "rollout.pt")
@@ -82,11 +83,10 @@ def save(run_dir: Path, step: int, state: dict[str, Any], trainers: list[Any], c
     return final
 
 
-def restore(run_dir: Path, trainers: list[Any], critic: Any | None) -> dict[str, Any] | None:
+def restore(run_dir: Path, trainer: TrainerGroup, critic: CriticGroup) -> dict[str, Any] | None:
     """Load the latest checkpoint's state into the trainer ranks (and the critic); return what
     :func:`save` wrote as ``controller.json`` (step, version, rollout state), with ``rollout.pt``'s
     content as ``"rollout"`` when there is one, or None without a checkpoint."""
-    import ray
     import torch
 
     path = latest(run_dir)
@@ -97,8 +97,7 @@ def restore(run_dir: Path, trainers: list[Any], critic: Any | None) -> dict[str,
         state = json.loads((path / "controller.json").read_text())
         if (path / "rollout.pt").exists():  # our own file: trajectories and records, not only tensors
             state["rollout"] = torch.load(path / "rollout.pt", weights_only=False)
-        ray.get([t.load.remote(str(path)) for t in trainers]
-                + ([critic.load.remote(str(path / "critic"))] if critic is not None else []))
+        _wait_all(trainer.load(str(path)), critic.load(str(path / "critic")))
     except Exception as exc:
         if type(exc).__name__ in ("ActorDiedError", "RayActorError"):  # not the checkpoint's fault
             raise
@@ -109,6 +108,12 @@ def restore(run_dir: Path, trainers: list[Any], critic: Any | None) -> dict[str,
                               ) from exc
     log.info("resume: %s (step %d, version %d)", path, int(state["step"]), int(state["version"]))
     return state
+
+
+def _wait_all(*pending: Any) -> None:
+    """Wait for calls started together (the trainer ranks' and the critic's run concurrently)."""
+    for calls in pending:
+        calls.wait()
 
 
 def _first_line(exc: BaseException) -> str:
@@ -174,11 +179,9 @@ def check_resumable(run_dir: Path, source_names: list[str], total_steps: int) ->
     return path
 
 
-def export_final(run_dir: Path, trainers: list[Any]) -> Path:
+def export_final(run_dir: Path, trainer: TrainerGroup) -> Path:
     """The trained policy as an HF folder, ``<run_dir>/final`` (every rank takes part)."""
-    import ray
-
     out = Path(run_dir) / "final"
-    ray.get([t.export_hf.remote(str(out)) for t in trainers])
+    trainer.export_hf(str(out))
     log.info("exported HF model: %s", out)
     return out

@@ -183,7 +183,8 @@ def reap_on_abnormal_exit() -> Iterator[None]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from loongsage.core.checkpoint import check_resumable
-    from loongsage.core.config import check_machine, load_config
+    from loongsage.core.config import load_config
+    from loongsage.core.validation import check_machine
     from loongsage.core.controller import Controller
 
     if args.recipe is None:
@@ -259,21 +260,24 @@ def _refuse_previous_run(run_dir: Path, name: str, total_steps: int) -> None:
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
-    from loongsage.core.plugins import BACKEND_KINDS, CATEGORIES, load_registry
+    from loongsage.core.contracts import BACKENDS
+    from loongsage.core.hookspecs import BACKEND, HOOKS
+    from loongsage.core.plugins import load_registry
     from loongsage.core.schema import describe_params
 
     registry = load_registry(args.plugin or [])
     rows = []
-    for category in (*CATEGORIES, *BACKEND_KINDS):
-        hook = CATEGORIES.get(category, "loongsage_backends")
-        label = category if category in CATEGORIES else f"backend:{category}"
-        entries = [registry.tables[category][n] for n in registry.names(category)]
-        if not entries:
-            rows.append((hook, label, "-", ""))
-        for e in entries:
-            rows.append((hook, label, e.name, e.provider))
-            if args.verbose:
-                rows.append(("", "", "", "  params: " + (describe_params(e.factory) or "(none)")))
+    for hook in HOOKS.values():  # a backend's table is its kind's, listed as backend:<kind>
+        tables = ([(f"{BACKEND}:{kind}", kind) for kind in BACKENDS] if hook.category == BACKEND
+                  else [(hook.category, hook.category)])
+        for label, category in tables:
+            entries = [registry.tables[category][n] for n in registry.names(category)]
+            if not entries:
+                rows.append((hook.name, label, "-", ""))
+            for e in entries:
+                rows.append((hook.name, label, e.name, e.provider))
+                if args.verbose:
+                    rows.append(("", "", "", "  params: " + (describe_params(e.factory) or "(none)")))
     widths = [max(len(r[i]) for r in rows + [("hook", "extension point", "name", "provider")]) for i in range(3)]
     header = ("hook", "extension point", "name", "provider")
     for row in [header, tuple("-" * w for w in widths) + ("-" * 8,), *rows]:

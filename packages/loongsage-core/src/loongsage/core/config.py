@@ -1,25 +1,23 @@
-"""The config tree, how recipes are found, and validation before any actor.
+"""The config tree and how a recipe becomes one.
 
-A recipe is a small YAML over these defaults. ``load_config`` composes it with command-line
-overrides (:mod:`loongsage.core.compose`), then ``validate`` checks every key, every plugin's
-``params`` against the plugin's own signature, and cross-field rules, raising :class:`ConfigError`
-with one line naming the key path and what is allowed.
+A recipe is a small YAML over the defaults of these dataclasses. ``load_config`` finds it, composes
+it with command-line overrides (:mod:`loongsage.core.compose`) and hands the result to
+:func:`loongsage.core.validation.validate`, which builds the typed tree, resolves the defaults that
+follow from other keys and checks every key, every plugin's ``params`` and the cross-field rules,
+raising :class:`ConfigError` with one line naming the key path and what is allowed. What the tree
+implies for placement (the Ray bundles, the weight transport) is computed here too.
 """
 
 from __future__ import annotations
 
 import importlib.resources
-import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from loongsage.core.aggregation import AGGREGATION_MODES
 from loongsage.core.compose import compose
-from loongsage.core.distill import check_teacher, held_by_trainer
-from loongsage.core.contracts import Critic
-from loongsage.core.schema import build_dataclass, ranged
+from loongsage.core.schema import ranged
 from loongsage.core.types import ConfigError, SamplingParams
 
 Spec = dict[str, Any]  # {name: ..., params: {...}}
@@ -269,36 +267,6 @@ def placement_demand(cfg: Config) -> tuple[dict[str, float], dict[str, str]]:
     return need, how
 
 
-def check_placement(cfg: Config) -> None:
-    """Refuse a ``placement.num_cpus`` too small for the bundles (Ray would wait for them forever)."""
-    need, how = placement_demand(cfg)
-    num_cpus = cfg.placement.num_cpus
-    if num_cpus is not None and num_cpus < need["CPU"] - 1e-9:
-        raise ConfigError(f"placement.num_cpus={num_cpus}: the placement needs {need['CPU']:g} CPUs, {how['CPU']}; "
-                          f"set placement.num_cpus >= {math.ceil(need['CPU'] - 1e-9)}, lower placement.cpus_per_actor, "
-                          "or leave placement.num_cpus null")
-
-
-def check_machine(cfg: Config, cores: int | None = None) -> None:
-    """For a run that starts Ray on this machine: refuse a placement asking for more CPUs than the
-    machine has where nothing needs it. One actor of ``placement.cpus_per_actor`` CPUs must fit on
-    the machine; ``placement.num_cpus`` (what Ray is told it has) may exceed the cores only as far
-    as the bundles need (several one-CPU actors on one core), never beyond. Otherwise Ray would
-    take the number at its word and the run would start, oversubscribed, without a word."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    p = cfg.placement
-    if p.cpus_per_actor > cores:
-        raise ConfigError(f"placement.cpus_per_actor={p.cpus_per_actor:g}: this machine has {cores} CPU core"
-                          f"{'' if cores == 1 else 's'}, so one actor cannot have more; set placement.cpus_per_actor "
-                          f"<= {cores} (it starts Ray itself here; on a Ray cluster, start Ray there first)")
-    need = math.ceil(placement_demand(cfg)[0]["CPU"] - 1e-9)
-    if p.num_cpus is not None and p.num_cpus > max(cores, need):
-        raise ConfigError(f"placement.num_cpus={p.num_cpus}: this machine has {cores} CPU core{'' if cores == 1 else 's'} "
-                          f"and the placement needs {need}; set placement.num_cpus <= {max(cores, need)}, or leave it "
-                          "null (every core)")
-
-
 # ----------------------------------------------------------------------------- finding recipes
 def packaged_recipe_dir() -> Path:
     """Recipes shipped inside the core wheel; in an editable install, the repository's recipes/."""
@@ -350,156 +318,13 @@ def list_recipes(config_dir: str | None = None) -> list[str]:
     return sorted(names)
 
 
-# ----------------------------------------------------------------------------- validate
-def validate(raw: dict[str, Any], registry: Any) -> Config:
-    """Build the typed config and check every plugin spec; raise ConfigError (one line) if bad.
-
-    Cheap entries (algorithms, agents, rewards, readers, schedulers) are built once here so their
-    own range checks run before anything starts; engine and trainer backends, which load models,
-    are checked against their signatures only.
-    """
-    cfg: Config = build_dataclass(Config, raw, "config")
-    check_placement(cfg)
-    if not cfg.data_sources:
-        raise ConfigError("data_sources: at least one data source is required")
-    names = [s.name for s in cfg.data_sources]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"data_sources: names must be unique, got {names}")
-    if cfg.model.path is None and cfg.model.builder is None:
-        raise ConfigError("model: set model.path (a local HF folder) or model.builder")
-    if cfg.model.path is not None and cfg.model.builder is not None:  # composing keeps one; a dict given here may not
-        raise ConfigError("model: model.path and model.builder are both set; keep one (the run would start from one "
-                          "model)")
-    if cfg.model.builder is not None:
-        registry.create("model_builder", cfg.model.builder, "model.builder")
-    elif not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(f"model.path={cfg.model.path!r}: not an HF model folder (no config.json there)")
-
-    services = {spec.get("name") for spec in cfg.services if isinstance(spec, dict)}
-    for i, src in enumerate(cfg.data_sources):
-        path = f"data_sources[{i}]"
-        registry.create("data_source", src.reader, f"{path}.reader")
-        if src.eval_reader is not None:
-            registry.create("data_source", src.eval_reader, f"{path}.eval_reader")
-        for where, spec in (("agent", src.agent), ("eval_agent", src.eval_agent)):
-            if spec is None:
-                continue
-            agent = registry.create("agent", spec, f"{path}.{where}")
-            missing = [name for name in agent.required_services if name not in services]
-            if missing:
-                raise ConfigError(f"{path}.{where}: agent {spec['name']!r} needs the run service {missing[0]!r}; add "
-                                  f"services: [{{name: {missing[0]}}}] (services now: {sorted(services) or 'none'})")
-        registry.create("reward", src.reward, f"{path}.reward")
-        if src.teacher is not None:
-            check_teacher(registry, src.teacher, f"{path}.teacher", cfg.trainer.backend)
-            if cfg.algorithm.distill is None:
-                # refused rather than ignored: a teacher costs a model's memory and a forward per step
-                raise ConfigError(f"{path}.teacher is set but algorithm.distill is null, so the teacher would never "
-                                  "be called; set algorithm.distill (e.g. {pg_coef: 1.0}) or drop the teacher")
-        elif cfg.algorithm.distill is not None:
-            raise ConfigError(f"{path}.teacher: algorithm.distill is set, so every data source needs a teacher and "
-                              f"{src.name!r} has none; add one (e.g. {{name: embedded, params: {{path: <HF folder>}}}}) "
-                              "or drop algorithm.distill")
-        if "n" in src.sampling:
-            raise ConfigError(f"{path}.sampling.n: set {path}.samples_per_prompt instead")
-        sampling = build_dataclass(SamplingParams, {**src.sampling, "n": src.samples_per_prompt}, f"{path}.sampling")
-        try:
-            sampling.validate()
-        except ValueError as exc:
-            raise ConfigError(f"{path}.{exc}") from None
-        dp_mb = cfg.trainer.world_size * cfg.trainer.mini_batches_per_step
-        if src.prompts_per_step % dp_mb:
-            raise ConfigError(
-                f"{path}.prompts_per_step={src.prompts_per_step}: must be divisible by trainer.world_size x "
-                f"trainer.mini_batches_per_step = {dp_mb} so every rank and mini-batch gets exact proportions"
-            )
-
-    held = {held_by_trainer(src.teacher) for src in cfg.data_sources if src.teacher is not None}
-    if len(held) > 1:
-        raise ConfigError("data_sources: some teachers are held by the trainer (name: trainer) and some run in teacher "
-                          "workers; one run uses one placement for all its teachers")
-    supplied = ("model_path", "dtype", "fp32_lm_head")
-    registry.check("engine", cfg.rollout.engine, "rollout.engine", skip=(*supplied, "seed"))
-    scheduler = registry.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
-    if scheduler.asynchronous and cfg.placement.colocate:
-        raise ConfigError(f"rollout.scheduler.name={cfg.rollout.scheduler['name']!r} generates while the trainer "
-                          "trains, so engines and trainers need separate resources: set placement.colocate=false "
-                          "(colocate=false), or use rollout.scheduler.name='sync'")
-    if cfg.placement.release_engine_memory and not cfg.placement.colocate:
-        raise ConfigError("placement.release_engine_memory=true: engines give their memory to a trainer on the same "
-                          "device, which needs placement.colocate=true; drop it for a disaggregated placement")
-    if cfg.placement.offload_trainer and not cfg.placement.colocate:
-        raise ConfigError("placement.offload_trainer=true: the trainer gives its memory to engines on the same "
-                          "device, which needs placement.colocate=true; drop it for a disaggregated placement")
-    if cfg.placement.release_engine_memory is None:  # colocated (hence synchronous) on GPUs
-        cfg.placement.release_engine_memory = bool(cfg.placement.colocate and cfg.placement.gpus_per_actor > 0)
-    if cfg.rollout.transport is None:
-        cfg.rollout.transport = transport_for(cfg.placement)
-        if cfg.rollout.transport["name"] not in registry.tables["transport"]:
-            raise ConfigError(f"rollout.transport: placement on GPUs (colocate={cfg.placement.colocate}) uses the "
-                              f"{cfg.rollout.transport['name']!r} transport of loongsage-sync, which is not installed: "
-                              "pip install loongsage-sync, or set rollout.transport={name: cpu}")
-    registry.create("transport", cfg.rollout.transport, "rollout.transport")
-    registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=supplied)
-    estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
-    if estimator.needs_values and cfg.trainer.critic is None:
-        raise ConfigError(f"algorithm.advantage.name={cfg.algorithm.advantage['name']!r} needs critic values, and "
-                          "this config trains no critic; set trainer.critic (e.g. {backend: {name: torch_critic}}) "
-                          "or choose an outcome estimator (e.g. grpo, rloo)")
-    if cfg.trainer.critic is not None:
-        registry.check("trainer", cfg.trainer.critic.backend, "trainer.critic.backend", skip=supplied, contract=Critic)
-        if not estimator.needs_values:
-            raise ConfigError(f"trainer.critic is set but algorithm.advantage {cfg.algorithm.advantage['name']!r} "
-                              "does not use values; use gae or drop the critic")
-    policy_loss = registry.create("policy_loss", cfg.algorithm.policy_loss, "algorithm.policy_loss")
-    # MOPD shapes every token's advantage with its teacher, so a group of one still learns
-    if policy_loss.uses_advantages and cfg.algorithm.distill is None:
-        for i, src in enumerate(cfg.data_sources):
-            need = estimator.min_group_size
-            if src.samples_per_prompt < need:
-                raise ConfigError(f"data_sources[{i}].samples_per_prompt={src.samples_per_prompt}: advantage "
-                                  f"{cfg.algorithm.advantage['name']!r} compares the samples of a prompt with each "
-                                  f"other, so it needs >= {need} (with fewer every advantage is 0 and the run trains "
-                                  "nothing); raise samples_per_prompt, or use an estimator with a batch baseline "
-                                  "(e.g. reinforce_pp)")
-    supported = policy_loss.supported_aggregations
-    if supported is not None and cfg.algorithm.aggregation not in supported:
-        raise ConfigError(f"algorithm.aggregation={cfg.algorithm.aggregation!r} is not supported by "
-                          f"{cfg.algorithm.policy_loss['name']!r}; allowed: {', '.join(supported)}")
-    if cfg.algorithm.kl is not None:
-        kl = registry.create("kl", cfg.algorithm.kl, "algorithm.kl")
-        if kl.consumes != "logprobs":
-            raise ConfigError(f"algorithm.kl.name={cfg.algorithm.kl['name']!r} consumes {kl.consumes!r}; the reference "
-                              "KL reads log-probs only (k1, k2, k3, low_var_kl); distribution divergences serve "
-                              "algorithm.distill.divergence")
-    elif cfg.algorithm.kl_coef:
-        raise ConfigError("algorithm.kl_coef is set but algorithm.kl is null; name a KL estimator, e.g. {name: k3}")
-    if cfg.algorithm.kl_in_reward and not estimator.uses_token_rewards:
-        raise ConfigError(f"algorithm.kl_in_reward=true: advantage {cfg.algorithm.advantage['name']!r} ignores token "
-                          "rewards, so the KL would have no effect; use an estimator that consumes them (e.g. "
-                          "reinforce_pp) or put the KL in the loss")
-    distill = cfg.algorithm.distill
-    if distill is not None and distill.divergence is not None:
-        registry.create("kl", distill.divergence, "algorithm.distill.divergence")
-    for j, spec in enumerate(cfg.algorithm.corrections):
-        registry.create("correction", spec, f"algorithm.corrections[{j}]")
-    for j, spec in enumerate(cfg.algorithm.filters):
-        registry.create("data_filter", spec, f"algorithm.filters[{j}]")
-    names = [spec.get("name") if isinstance(spec, dict) else None for spec in cfg.services]
-    for j, spec in enumerate(cfg.services):
-        registry.check("service", spec, f"services.{j}")
-        if names.count(spec["name"]) > 1:
-            raise ConfigError(f"services.{j}: service {spec['name']!r} is listed twice; agents reach each by its name")
-    from loongsage.core.tracking import check_trackers
-
-    check_trackers(registry, cfg.tracking.backends)
-    return cfg
-
-
+# ----------------------------------------------------------------------------- loading
 def load_config(recipe: str, overrides: list[str] | None = None, *, config_dir: str | None = None,
                 registry: Any = None) -> tuple[Config, Any]:
-    """Find, compose and validate a recipe; returns the config and the plugin registry."""
+    """Find, compose and validate a recipe (:func:`loongsage.core.validation.validate`); returns the
+    config, its defaults resolved, and the plugin registry."""
     from loongsage.core.plugins import load_registry
+    from loongsage.core.validation import validate
 
     path = find_recipe(recipe, config_dir)
     raw = compose(path, list(overrides or []), search_dirs=recipe_search_path(config_dir))
@@ -507,3 +332,4 @@ def load_config(recipe: str, overrides: list[str] | None = None, *, config_dir: 
     if registry is None:  # a plugins: module may sit beside the recipe or in the working directory
         registry = load_registry(plugins if isinstance(plugins, list) else [], search_dirs=(path.parent, Path.cwd()))
     return validate(raw, registry), registry
+

@@ -5,7 +5,10 @@
   it leaves out set on the class to the Protocol's default;
 * :func:`check_object`: what any factory builds, when it is built: the same, on the object (flags
   that depend on the entry's params, attributes set by ``__init__``), flags left out set to their
-  default.
+  default;
+* :func:`check_factory`: a factory when the registry loads it, for the flags read before anything
+  is built (:data:`~loongsage.core.contracts.FACTORY_FLAGS`): a class as :func:`check_class` does,
+  a factory function on its own attributes, those it leaves out set to their defaults on it.
 
 Each returns the first problem as one line (the registry prefixes the entry and its provider), or
 None. :func:`members` and :func:`flags` read a Protocol as the checks see it.
@@ -18,10 +21,10 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal, Protocol
 
-from loongsage.core.contracts import REQUIRED_WHEN, When
+from loongsage.core.contracts import CALLED_WITH, REQUIRED_WHEN, When
 
 
 @dataclass(frozen=True)
@@ -122,7 +125,26 @@ def check_class(cls: type, protocol: type) -> str | None:
         impl = inspect.getattr_static(cls, m.name)
         if not callable(impl) and not isinstance(impl, (staticmethod, classmethod)):
             return f"{m.name}={_short(impl)} is not a method; {protocol.__name__} calls {m.describe()}"
-        if inspect.isfunction(impl) and (problem := _call_problem(m, _signature(impl, bound=False), protocol)):
+        called, why = _as_called(m, protocol, lambda flag: _class_value(cls, flag))
+        if inspect.isfunction(impl) and (problem := _call_problem(called, _signature(impl, bound=False), protocol)):
+            return problem + why
+    return None
+
+
+def check_factory(factory: Any, protocol: type, names: tuple[str, ...]) -> str | None:
+    """Check the flags ``names`` of ``protocol`` on ``factory`` (the ones the registry reads before
+    it builds): a class entirely, as :func:`check_class`; a factory function on its attributes,
+    each of the right type, those it leaves out set on it to their defaults. Returns the first
+    problem as one line, or None."""
+    if inspect.isclass(factory):
+        return check_class(factory, protocol)
+    for m in members(protocol):
+        if m.role != "flag" or m.name not in names:
+            continue
+        if _owner_of(factory, m.name) is None:
+            if (problem := _fill(factory, m)) is not None:
+                return problem
+        elif (problem := _flag_problem(m, getattr(factory, m.name), protocol)) is not None:
             return problem
     return None
 
@@ -158,8 +180,10 @@ def check_object(obj: Any, protocol: type) -> str | None:
                 return f"{m.name}={_short(value)}: expected {_type_name(m.type)} ({protocol.__name__}.{m.name})"
         elif not callable(value):
             return f"{m.name}={_short(value)} is not a method; {protocol.__name__} calls {m.describe()}"
-        elif problem := _call_problem(m, _signature(obj if m.name == "__call__" else value), protocol):
-            return problem
+        else:
+            called, why = _as_called(m, protocol, lambda flag: getattr(obj, flag))
+            if problem := _call_problem(called, _signature(obj if m.name == "__call__" else value), protocol):
+                return problem + why
     return None
 
 
@@ -222,6 +246,22 @@ def _flag_problem(m: Member, value: Any, protocol: type) -> str | None:
     if _conforms(value, m.type):
         return None
     return f"{m.name}={_short(value)}: expected {_type_name(m.type)} ({protocol.__name__}.{m.name})"
+
+
+def _as_called(m: Member, protocol: type, flag_value: Callable[[str], Any]) -> tuple[Member, str]:
+    """Method ``m`` as the framework calls it: with the keywords a flag adds (:data:`CALLED_WITH`),
+    and why (`` (flag=value)``, for the message); unchanged while the flag does not ask, or follows
+    the params (a property, judged on the built object)."""
+    extra = CALLED_WITH.get(protocol, {}).get(m.name)
+    if extra is None:
+        return m, ""
+    condition, keywords = extra
+    value = flag_value(condition.flag)
+    if isinstance(value, _INSTANCE_DESCRIPTORS) or not condition.holds(value):
+        return m, ""
+    added = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in keywords]
+    return replace(m, signature=m.signature.replace(parameters=[*m.signature.parameters.values(), *added])), \
+        f" ({condition.flag}={value!r})"
 
 
 def _call_problem(m: Member, sig: inspect.Signature | None, protocol: type) -> str | None:
@@ -339,4 +379,4 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-__all__ = ["Member", "check_class", "check_object", "flags", "members"]
+__all__ = ["Member", "check_class", "check_factory", "check_object", "flags", "members"]

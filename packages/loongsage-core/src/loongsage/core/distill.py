@@ -1,4 +1,5 @@
-"""MOPD plumbing: teacher specs, one teacher actor per distinct spec, and the step's teacher tensors.
+"""MOPD's configuration: teacher specs, checked and resolved before any actor starts, one teacher
+actor per distinct spec (the step's part is :mod:`loongsage.core.step.distillation`).
 
 A data source names its teacher like the policy names its model::
 
@@ -29,10 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from loongsage.core.metrics import Metrics
-from loongsage.core.types import ConfigError, TrainBatch
+from loongsage.core.types import ConfigError
 
 if TYPE_CHECKING:
     from loongsage.core.config import Config
@@ -65,7 +63,7 @@ def check_teacher(registry: Any, spec: dict[str, Any], path: str, trainer: dict[
             raise ConfigError(f"{path}.params.{key}: a teacher held by the trainer is built like the policy (the "
                               "trainer's dtype, head and layout); allowed: path, builder")
         factory = registry.entry("trainer", trainer["name"], "trainer.backend").factory
-        if getattr(factory, "add_teacher", None) is None:
+        if factory.add_teacher is None:  # a flag the registry filled in on the class when it loaded it
             raise ConfigError(f"{path}.name={HELD_BY_TRAINER!r}: the {trainer['name']!r} trainer cannot hold teachers; "
                               f"use a teacher backend ({', '.join(registry.names('teacher'))})")
     else:
@@ -124,31 +122,3 @@ def check_same_vocabulary(student_path: str, teacher_path: str, where: str) -> N
         raise ConfigError(f"{where}: the teacher at {teacher_path} has another vocabulary than the student "
                           f"({len(teacher)} vs {len(student)} tokens, {differ} entries differ); token-level "
                           "distillation needs the student's tokenizer")
-
-
-def fill_teacher_tensors(batch: TrainBatch, outputs: list[tuple[list[int], dict[str, Any]]]) -> None:
-    """Write each teacher's answer for its rows into ``batch`` (every row has exactly one teacher)."""
-    B, T = batch.input_ids.shape
-    batch.teacher_logprobs = torch.zeros(B, T)
-    batch.teacher_dist_ids = batch.teacher_dist_logprobs = None
-    for rows, out in outputs:
-        idx = torch.tensor(rows, dtype=torch.long)
-        batch.teacher_logprobs[idx, :out["logprobs"].shape[1]] = out["logprobs"]
-        for name, key in (("teacher_dist_ids", "dist_ids"), ("teacher_dist_logprobs", "dist_logprobs")):
-            value = out.get(key)
-            if value is None:
-                continue
-            if getattr(batch, name) is None:
-                setattr(batch, name, torch.zeros(B, T, value.shape[-1], dtype=value.dtype))
-            getattr(batch, name)[idx] = value
-
-
-def distill_metrics(batch: TrainBatch) -> Metrics:
-    """Token means of the sampled-token KL estimate ``log pi_s - log pi_t`` (``mopd_kl``) and of
-    the teacher's log-prob of the student's tokens, over the step and per source."""
-    from loongsage.core.loss import per_source_sums
-
-    student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
-    mask = batch.response_mask
-    out = per_source_sums("mopd_kl", student - batch.teacher_logprobs, mask, batch.sources)
-    return out.merge(per_source_sums("mopd_teacher_logprob", batch.teacher_logprobs, mask, batch.sources))

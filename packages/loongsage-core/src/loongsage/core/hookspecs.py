@@ -21,11 +21,17 @@ Plugins register by the entry-point group ``loongsage`` (one module per distribu
 ``@hookimpl`` functions named after these specs) or by listing a module under ``plugins:`` in the
 config. Load order: built-ins, then entry points, then ``plugins:`` modules. No hook is
 ``firstresult``: every plugin contributes.
+
+Each spec is declared once, below, with the registry *category* its entries go to and the name of
+its contract; :data:`HOOKS` collects them as the specs are defined, and everything else that names
+a hook (the registry's tables, the contracts' index, ``loongsage plugins``, the checks on plugin
+modules) reads :data:`HOOKS` or the views of it here (:data:`HOOK_NAMES`, :data:`CATEGORIES`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import pluggy
@@ -37,8 +43,35 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 Factories = Mapping[str, Callable[..., Any]]
 
+BACKEND = "backend"
+"""The category of ``loongsage_backends``: each of its entries goes to the table of the ``kind`` it
+declares (:data:`loongsage.core.contracts.BACKENDS`), not to one table of the hook's."""
 
-@hookspec
+
+@dataclass(frozen=True)
+class Hook:
+    """One extension point as the registry sees it."""
+
+    name: str  # the spec's name, which a plugin's @hookimpl function takes
+    category: str  # the registry table its entries go to (BACKEND: the table of each entry's kind)
+    contract: str | None  # the Protocol of loongsage.core.contracts its entries implement (backends: per kind)
+
+
+HOOKS: dict[str, Hook] = {}
+"""Every hook by name, in the order the specs are declared; filled by :func:`_spec`."""
+
+
+def _spec(category: str, contract: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a function as a hookspec and enter it in :data:`HOOKS`."""
+
+    def mark(fn: Callable[..., Any]) -> Callable[..., Any]:
+        HOOKS[fn.__name__] = Hook(fn.__name__, category, contract)
+        return hookspec(fn)
+
+    return mark
+
+
+@_spec("agent", "Agent")
 def loongsage_agents() -> Factories:
     """Agents: turn one data record into its group of trajectories.
 
@@ -46,15 +79,16 @@ def loongsage_agents() -> Factories:
     """
 
 
-@hookspec
+@_spec("reward", "Reward")
 def loongsage_rewards() -> Factories:
     """Rewards: score one finished trajectory (a wrapper reward builds and binds the reward it wraps).
 
-    Contract: :class:`loongsage.core.contracts.Reward` (``__call__(trajectory, record)``; ``nested``, ``bind``).
+    Contract: :class:`loongsage.core.contracts.Reward` (``__call__(trajectory, record)``; ``takes_context``,
+    ``nested``, ``bind``).
     """
 
 
-@hookspec
+@_spec("data_source", "DataSource")
 def loongsage_data_sources() -> Factories:
     """Data sources: map-style dataset readers and synthetic task generators.
 
@@ -62,7 +96,7 @@ def loongsage_data_sources() -> Factories:
     """
 
 
-@hookspec
+@_spec("advantage", "AdvantageEstimator")
 def loongsage_advantage_estimators() -> Factories:
     """Advantage estimators (GRPO, RLOO, REINFORCE++, GAE, ...): per-token advantages of a step.
 
@@ -70,7 +104,7 @@ def loongsage_advantage_estimators() -> Factories:
     """
 
 
-@hookspec
+@_spec("policy_loss", "PolicyLoss")
 def loongsage_policy_losses() -> Factories:
     """Policy losses (PPO-clip with clip-higher and dual-clip, GSPO, CISPO, NLL for SFT), unreduced.
 
@@ -78,7 +112,7 @@ def loongsage_policy_losses() -> Factories:
     """
 
 
-@hookspec
+@_spec("kl", "KLEstimator")
 def loongsage_kl_estimators() -> Factories:
     """KL estimators (k1, k2, k3, low-var, unbiased) and MOPD's distribution divergences (top-k, JSD).
 
@@ -86,7 +120,7 @@ def loongsage_kl_estimators() -> Factories:
     """
 
 
-@hookspec
+@_spec("correction", "Correction")
 def loongsage_corrections() -> Factories:
     """Train-inference consistency corrections (IS token/seq/geo x clip/mask, M2PO, OPSM).
 
@@ -94,7 +128,7 @@ def loongsage_corrections() -> Factories:
     """
 
 
-@hookspec
+@_spec("data_filter", "DataFilter")
 def loongsage_data_filters() -> Factories:
     """Group filters applied after rewards (dynamic sampling, status, overlong sample masks).
 
@@ -102,7 +136,7 @@ def loongsage_data_filters() -> Factories:
     """
 
 
-@hookspec
+@_spec("rollout_scheduler", "RolloutScheduler")
 def loongsage_rollout_schedulers() -> Factories:
     """Rollout schedulers: when to dispatch groups (sync, one-step-off, fully async windows).
 
@@ -110,7 +144,7 @@ def loongsage_rollout_schedulers() -> Factories:
     """
 
 
-@hookspec
+@_spec("sandbox", "Sandbox")
 def loongsage_sandboxes() -> Factories:
     """Sandbox backends for agents and rewards (``local``: a bubblewrap jail per sandbox; ``docker``:
     a container per sandbox over any Docker Engine API).
@@ -118,12 +152,13 @@ def loongsage_sandboxes() -> Factories:
     Contract: :class:`loongsage.core.contracts.Sandbox`: ``create(owner, deadline) -> id``,
     ``exec(id, cmd, timeout) -> ExecResult`` (exit code or signal, capped output, ``truncated``,
     ``timed_out``, wall time), ``put``/``get`` of bytes confined to the work directory, ``delete``
-    (every process killed, everything removed); optionally ``reset`` for reuse (``reusable``).
+    (every process killed, everything removed); optionally ``reset`` for reuse (``reusable``) and
+    ``close`` (every sandbox it still holds, when the run ends).
     loongsage-sandbox ships both and the pool that keeps sandboxes warm and reaps orphans.
     """
 
 
-@hookspec
+@_spec("gateway_middleware", "GatewayMiddleware")
 def loongsage_gateway_middlewares() -> Factories:
     """Middlewares of the chat-completion gateway (request/response rewriting, logging, limits).
 
@@ -131,9 +166,10 @@ def loongsage_gateway_middlewares() -> Factories:
     """
 
 
-@hookspec
+@_spec(BACKEND)
 def loongsage_backends() -> Factories:
-    """Infrastructure backends, each factory declaring its ``kind`` as a class attribute.
+    """Infrastructure backends, each factory declaring its ``kind`` (a class attribute, or an attribute
+    of a factory function; :class:`~loongsage.core.contracts.Backend`).
 
     Kinds and contracts: ``trainer`` (torch, torch_critic, megatron;
     :class:`~loongsage.core.contracts.Trainer`, as the critic :class:`~loongsage.core.contracts.Critic`),
@@ -148,17 +184,8 @@ def loongsage_backends() -> Factories:
     """
 
 
-HOOK_NAMES: tuple[str, ...] = (
-    "loongsage_agents",
-    "loongsage_rewards",
-    "loongsage_data_sources",
-    "loongsage_advantage_estimators",
-    "loongsage_policy_losses",
-    "loongsage_kl_estimators",
-    "loongsage_corrections",
-    "loongsage_data_filters",
-    "loongsage_rollout_schedulers",
-    "loongsage_sandboxes",
-    "loongsage_gateway_middlewares",
-    "loongsage_backends",
-)
+HOOK_NAMES: tuple[str, ...] = tuple(HOOKS)
+"""The twelve hook names, in declaration order."""
+
+CATEGORIES: dict[str, str] = {h.category: h.name for h in HOOKS.values() if h.category != BACKEND}
+"""``{category: hook name}`` of the hooks whose entries share one table (every hook but the backends')."""

@@ -1,4 +1,4 @@
-"""Turn the chosen algorithm entries into the trainer's loss closure and the step's tensors.
+"""Turn the chosen algorithm entries into the step's loss plan and the trainer's loss closure.
 
 The algorithms themselves are pure per-token functions (``loongsage-algos``); this module wires
 them: corrections decide weights and masks once per optimizer mini-batch, the aggregation gives
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,9 @@ from loongsage.core.batching import engine_sampled
 from loongsage.core.contracts import Correction, KLEstimator, LossFunction, PolicyLoss
 from loongsage.core.metrics import Metrics
 from loongsage.core.types import CorrectionInput, PolicyLossInput, TrainBatch
+
+if TYPE_CHECKING:
+    from loongsage.core.config import Config
 
 # Metrics are ratios summed over micro-batches and ranks (tokens whose mask is 0 carry no mass), so
 # what is reported is the token mean over the step.
@@ -61,11 +65,15 @@ def consistency_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Te
 
 
 @dataclass
-class LossPipeline(LossFunction):
-    """Policy loss + optional KL penalty + corrections, aggregated with global denominators.
+class LossPlan:
+    """The run's loss as chosen under ``algorithm.*``: policy loss, optional KL penalty, corrections,
+    the aggregation and MOPD's coefficients, with what the step reads of them.
 
-    The entries come from the registry (checked against their contracts, their flags filled in),
-    so their capability flags are read directly.
+    The driver's side: which log-probs the step fetches, what the teachers return, and the
+    corrections and global loss weights of each optimizer mini-batch (:meth:`prepare`). Each trainer
+    rank builds the same plan from the config and trains with its :meth:`closure`. The entries come
+    from the registry (checked against their contracts, their flags filled in), so their capability
+    flags are read directly.
     """
 
     policy_loss: PolicyLoss
@@ -91,31 +99,10 @@ class LossPipeline(LossFunction):
             return None
         return self.divergence.consumes
 
-    @property
-    def needs_student_distribution(self) -> bool:
-        """Tells the trainer to pass ``student_dist`` (its log-softmax on the teacher's support)."""
-        return self.divergence_consumes in ("topk", "full_vocab")
-
-    @property
-    def reads_vocab_shards(self) -> bool:
-        """Whether the GKD divergence can be summed over shards of the vocabulary (its ``partial``):
-        a trainer splitting the vocabulary then passes its shard and ``vocab_sum``."""
-        return self.divergence_consumes == "full_vocab" and getattr(self.divergence, "partial", None) is not None
-
     def teacher_request(self) -> tuple[int, bool]:
         """``(k, full_vocab)``: what teachers return besides the sampled tokens' log-probs."""
         consumes = self.divergence_consumes
         return (int(self.divergence.k) if consumes == "topk" else 0), consumes == "full_vocab"
-
-    def shape_advantages(self, batch: TrainBatch) -> Tensor:
-        """MOPD's PG branch: ``A_t - pg_coef * sg(log pi_s - log pi_t)`` on response tokens.
-
-        ``log pi_s`` is the student's log-prob of its own sampled token: the recomputed old
-        log-probs when the step has them, else the engine's (the same policy in a synchronous step).
-        """
-        student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
-        kl = (student - batch.teacher_logprobs).detach()
-        return batch.advantages - self.pg_coef * torch.where(batch.response_mask != 0, kl, torch.zeros_like(kl))
 
     def recompute_old_logprobs(self, mini_batches: int) -> bool:
         """Whether old log-probs need a forward pass of their own before the first update.
@@ -137,12 +124,6 @@ class LossPipeline(LossFunction):
     @property
     def kl_in_loss(self) -> bool:
         return self.needs_ref_logprobs and not self.kl_in_reward
-
-    def kl_token_rewards(self, batch: TrainBatch) -> Tensor:
-        """``-coef x KL(old || ref)`` per response token, the KL-in-reward term (no gradient)."""
-        extra = {"old_logprobs": batch.old_logprobs} if self.kl.needs_old_logprobs else {}
-        kl = self.kl(batch.old_logprobs, batch.ref_logprobs, **extra).detach()
-        return -self.kl_coef * kl * batch.response_mask
 
     @property
     def up_front_corrections(self) -> list[Correction]:
@@ -176,6 +157,24 @@ class LossPipeline(LossFunction):
         weights = self.aggregation_weights(mask) * token_weights
         return replace(mini_batch, response_mask=mask, loss_weights=weights), sums
 
+    def closure(self) -> LossClosure:
+        """The loss a trainer rank's ``train_step`` is handed."""
+        return LossClosure(self)
+
+
+class LossClosure(LossFunction):
+    """The trainer's side of a :class:`LossPlan`: the weighted loss sum of one micro-batch (policy
+    loss, per-micro-batch corrections, MOPD's GKD term, the KL penalty when it is in the loss)."""
+
+    def __init__(self, plan: LossPlan):
+        self.plan = plan
+        consumes = plan.divergence_consumes
+        self.needs_student_distribution = consumes in ("topk", "full_vocab")
+        # the GKD divergence can be summed over shards of the vocabulary (its ``partial``): a trainer
+        # splitting the vocabulary then passes its shard and ``vocab_sum``
+        self.reads_vocab_shards = consumes == "full_vocab" and plan.divergence.partial is not None
+        self.teacher_support = plan.teacher_request()
+
     def __call__(self, logprobs: Tensor, mb: TrainBatch, student_dist: Tensor | None = None,
                  vocab_sum: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Metrics]:
         """Weighted loss sum of one micro-batch and its metrics.
@@ -185,20 +184,21 @@ class LossPipeline(LossFunction):
         ``vocab_sum`` (only when :attr:`reads_vocab_shards`) it and the teacher's are this rank's
         shard of the vocabulary, and ``vocab_sum`` adds the shards' per-position sums.
         """
+        plan = self.plan
         mask = mb.response_mask
         metrics = Metrics()
         old = mb.old_logprobs
         if old is None:  # on-policy single step: this forward's log-probs are the old ones
             old = logprobs.detach()
             # measured on the tokens an engine sampled: teacher-forced ones have no rollout log-probs
-            metrics.merge(consistency_metrics(old, mb.rollout_logprobs, mask * engine_sampled(mb), self.aggregation))
-        out = self.policy_loss(PolicyLossInput(
+            metrics.merge(consistency_metrics(old, mb.rollout_logprobs, mask * engine_sampled(mb), plan.aggregation))
+        out = plan.policy_loss(PolicyLossInput(
             logprobs=logprobs, old_logprobs=old, advantages=mb.advantages, response_mask=mask,
             rollout_logprobs=mb.rollout_logprobs,
         ))
         per_token = out.loss
         count = float(mask.sum())
-        for correction in self.per_step_corrections:
+        for correction in plan.per_step_corrections:
             corr = correction(CorrectionInput(
                 old_logprobs=old, rollout_logprobs=mb.rollout_logprobs, advantages=mb.advantages,
                 response_mask=mask, logprobs=logprobs.detach(),
@@ -206,14 +206,14 @@ class LossPipeline(LossFunction):
             per_token = per_token * corr.token_weights
             for key, value in corr.metrics.items():
                 metrics.add(f"train/{key}", float((value * mask).sum()), count)
-        if self.divergence_consumes is not None:
+        if plan.divergence_consumes is not None:
             gkd = self._gkd(logprobs, old, mb, student_dist, vocab_sum)
-            per_token = (1.0 - self.gkd_coef) * per_token + self.gkd_coef * gkd
+            per_token = (1.0 - plan.gkd_coef) * per_token + plan.gkd_coef * gkd
             metrics.merge(per_source_sums("gkd", gkd.detach(), mask, mb.sources))
-        if self.kl_in_loss:
-            extra = {"old_logprobs": old} if self.kl.needs_old_logprobs else {}
-            kl = self.kl(logprobs, mb.ref_logprobs, **extra)  # unbiased forms weight by sg(pi / pi_old)
-            per_token = per_token + self.kl_coef * kl
+        if plan.kl_in_loss:
+            extra = {"old_logprobs": old} if plan.kl.needs_old_logprobs else {}
+            kl = plan.kl(logprobs, mb.ref_logprobs, **extra)  # unbiased forms weight by sg(pi / pi_old)
+            per_token = per_token + plan.kl_coef * kl
             metrics.add("train/kl", float((kl.detach() * mask).sum()), count)
         loss = (per_token * mb.loss_weights).sum()
         metrics.add("train/pg_loss", float((out.loss.detach() * mask).sum()), count)
@@ -224,12 +224,13 @@ class LossPipeline(LossFunction):
     def _gkd(self, logprobs: Tensor, old: Tensor, mb: TrainBatch, student_dist: Tensor | None,
              vocab_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
         """The divergence to each row's teacher per token ``[B, T]``, zero outside the mask."""
-        if self.divergence_consumes == "logprobs":  # sampled-token forms (k2, k3): the teacher's log-prob of our token
-            extra = {"old_logprobs": old} if self.divergence.needs_old_logprobs else {}
-            div = self.divergence(logprobs, mb.teacher_logprobs, **extra)
+        divergence, consumes = self.plan.divergence, self.plan.divergence_consumes
+        if consumes == "logprobs":  # sampled-token forms (k2, k3): the teacher's log-prob of our token
+            extra = {"old_logprobs": old} if divergence.needs_old_logprobs else {}
+            div = divergence(logprobs, mb.teacher_logprobs, **extra)
         else:
             if student_dist is None or mb.teacher_dist_logprobs is None:
-                raise ValueError(f"distill divergence consumes {self.divergence_consumes!r}: the trainer must pass "
+                raise ValueError(f"distill divergence consumes {consumes!r}: the trainer must pass "
                                  "student_dist and the batch must carry the teacher's distribution")
             T, t = logprobs.shape[1], student_dist.shape[1]
             # the teacher's distribution ends where the micro-batch ends: its last t positions are the
@@ -237,11 +238,31 @@ class LossPipeline(LossFunction):
             teacher = mb.teacher_dist_logprobs
             teacher = teacher[:, teacher.shape[1] - t:].to(student_dist.device)
             if vocab_sum is None:
-                div = self.divergence(student_dist, teacher)
+                div = divergence(student_dist, teacher)
             else:  # this rank's shard of the vocabulary: its terms, then the sum over the shards
-                div = vocab_sum(self.divergence.partial(student_dist, teacher)).clamp(min=0.0)
+                div = vocab_sum(divergence.partial(student_dist, teacher)).clamp(min=0.0)
             div = F.pad(div, (T - t, 0))
         return torch.where(mb.response_mask != 0, div, torch.zeros_like(div))
+
+
+def build_loss_plan(cfg: Config, registry: Any) -> LossPlan:
+    """The run's :class:`LossPlan` from ``algorithm.*`` (the driver and every trainer rank build it)."""
+    alg = cfg.algorithm
+    distill = alg.distill
+    return LossPlan(
+        policy_loss=registry.create("policy_loss", alg.policy_loss, "algorithm.policy_loss"),
+        aggregation=alg.aggregation,
+        aggregation_constant=alg.aggregation_constant,
+        kl=registry.create("kl", alg.kl, "algorithm.kl") if alg.kl else None,
+        kl_coef=alg.kl_coef,
+        kl_in_reward=alg.kl_in_reward,
+        corrections=[registry.create("correction", c, f"algorithm.corrections[{i}]")
+                     for i, c in enumerate(alg.corrections)],
+        pg_coef=distill.pg_coef if distill else 0.0,
+        gkd_coef=distill.gkd_coef if distill else 0.0,
+        divergence=(registry.create("kl", distill.divergence, "algorithm.distill.divergence")
+                    if distill and distill.divergence else None),
+    )
 
 
 def per_source_sums(name: str, values: Tensor, mask: Tensor, sources: list[str]) -> Metrics:
@@ -259,7 +280,7 @@ def per_source_sums(name: str, values: Tensor, mask: Tensor, sources: list[str])
 class ValueLoss(LossFunction):
     """PPO's clipped value loss: ``0.5 max((V - R)^2, (V_old + clip(V - V_old, +-c) - R)^2)`` per
     token, weighted by the mini-batch's global loss weights like the policy loss (the controller
-    computes them with ``algorithm.aggregation``: :meth:`LossPipeline.aggregation_weights`)."""
+    computes them with ``algorithm.aggregation``: :meth:`LossPlan.aggregation_weights`)."""
 
     clip: float = 0.2
 

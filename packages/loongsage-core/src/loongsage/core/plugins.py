@@ -19,7 +19,12 @@ Every entry is held to its contract (:mod:`loongsage.core.contracts`): a class f
 tables are built, whatever a factory builds when it is built. A missing member, a method that
 cannot take the contract's call or a capability flag of the wrong type is one line naming the
 entry, its provider and the member; flags an entry leaves out get their defaults, so the
-framework reads every flag directly.
+framework reads every flag directly. The flags needed before anything is built are read off the
+factory (:data:`~loongsage.core.contracts.FACTORY_FLAGS`): a backend's ``kind`` picks its table
+and Protocol (:class:`~loongsage.core.contracts.Backend`), then its ``preflight`` and what it
+``receives``.
+
+The hooks, and the category each one's entries go to, are read from :data:`loongsage.core.hookspecs.HOOKS`.
 """
 
 from __future__ import annotations
@@ -42,20 +47,7 @@ from loongsage.core.schema import check_params, join_error
 from loongsage.core.project_packages import PROJECT_PACKAGES  # named when one is asked for but not installed
 from loongsage.core.types import ConfigError
 
-# category (as used in error messages and `loongsage plugins`) -> hook name
-CATEGORIES: dict[str, str] = {
-    "agent": "loongsage_agents",
-    "reward": "loongsage_rewards",
-    "data_source": "loongsage_data_sources",
-    "advantage": "loongsage_advantage_estimators",
-    "policy_loss": "loongsage_policy_losses",
-    "kl": "loongsage_kl_estimators",
-    "correction": "loongsage_corrections",
-    "data_filter": "loongsage_data_filters",
-    "rollout_scheduler": "loongsage_rollout_schedulers",
-    "sandbox": "loongsage_sandboxes",
-    "gateway_middleware": "loongsage_gateway_middlewares",
-}
+# the registry's tables: one per hook category (hookspecs.CATEGORIES), one per backend kind
 BACKEND_KINDS: tuple[str, ...] = tuple(contracts.BACKENDS)
 
 BUILTIN_MODULE = "loongsage.core.builtin_plugins"
@@ -68,7 +60,7 @@ class Entry:
     factory: Any
     provider: str  # "distribution version (module)" or "config plugins: module"
     contract: type  # the Protocol of its category (contracts.HOOKS / contracts.BACKENDS)
-    preflight: Callable[..., None] | None = None  # a backend class's optional preflight classmethod
+    preflight: Callable[..., None] | None = None  # a backend factory's optional preflight
 
     def refuse(self, problem: str, where: str = "") -> ConfigError:
         """``[where: ]<category> '<name>' (from <provider>): <problem>``, one line."""
@@ -127,15 +119,18 @@ class Registry:
 
     # ----------------------------------------------------------------- tables
     def _build(self) -> dict[str, dict[str, Entry]]:
-        tables: dict[str, dict[str, Entry]] = {c: {} for c in (*CATEGORIES, *BACKEND_KINDS)}
-        for category, hook_name in (*CATEGORIES.items(), ("backend", "loongsage_backends")):
+        tables: dict[str, dict[str, Entry]] = {c: {} for c in (*hookspecs.CATEGORIES, *BACKEND_KINDS)}
+        for hook_name, spec in hookspecs.HOOKS.items():
             hook = getattr(self.pm.hook, hook_name)
             for impl in hook.get_hookimpls():
                 provider = self._providers.get(id(impl.plugin), impl.plugin_name)
                 for name, factory in _hook_result(impl, hook_name, provider).items():
-                    cat = category
-                    if category == "backend":  # the declared kind routes the entry to its table and contract
-                        cat = getattr(factory, "kind", None)
+                    cat = spec.category
+                    if cat == hookspecs.BACKEND:  # the declared kind routes the entry to its table and contract
+                        problem = contract_check.check_factory(factory, contracts.Backend, ("kind",))
+                        if problem is not None:
+                            raise ConfigError(f"backend {name!r} from {provider}: {problem}")
+                        cat = factory.kind
                         if cat not in BACKEND_KINDS:
                             raise ConfigError(
                                 f"backend {name!r} from {provider}: kind {cat!r} is not one of {', '.join(BACKEND_KINDS)}"
@@ -152,10 +147,9 @@ class Registry:
     @staticmethod
     def _checked(entry: Entry) -> Entry:
         """A class factory against its contract now (its missing flags set to their defaults); a
-        factory function is checked on what it builds (:meth:`create`)."""
-        if not inspect.isclass(entry.factory):
-            return entry
-        problem = contract_check.check_class(entry.factory, entry.contract)
+        factory function on the flags read before it builds (:data:`~loongsage.core.contracts.FACTORY_FLAGS`,
+        its own attributes), and on what it builds (:meth:`create`)."""
+        problem = contract_check.check_factory(entry.factory, entry.contract, contracts.FACTORY_FLAGS)
         if problem is not None:
             raise entry.refuse(problem)
         if "preflight" in contract_check.flags(entry.contract):

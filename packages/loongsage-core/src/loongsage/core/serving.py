@@ -14,8 +14,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import math
-import os
 import signal
 import socket
 import tempfile
@@ -102,10 +100,10 @@ def serve(cfg: Config, registry: Any, *, record_dir: Path, port: int = 0, host: 
 
     Prints the services' lines (where clients point) once they started, flushed, on stdout.
     """
-    from loongsage.core.controller import init_ray_environment, resolve_model_path, start_ray
+    from loongsage.core.controller import resolve_model_path
+    from loongsage.core.ray_runtime import cluster_resources, init_ray_environment, ray_release_steps, start_ray_for
 
     init_ray_environment()
-    import ray
     from transformers import AutoTokenizer
 
     from loongsage.core.worker_group import Slot, WorkerGroup, wait_ready
@@ -120,12 +118,11 @@ def serve(cfg: Config, registry: Any, *, record_dir: Path, port: int = 0, host: 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         p, count = cfg.placement, cfg.rollout.num_engines
         need = {"CPU": count * p.cpus_per_actor, **({"GPU": count * p.gpus_per_actor} if p.gpus_per_actor else {})}
-        if not ray.is_initialized():
-            start_ray(num_cpus=p.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(need["CPU"] - 1e-9)))
+        if start_ray_for(cfg, cpus=need["CPU"]):
             started_ray = True
             # ray.init puts its own SIGTERM handler in (it ends the process from inside whatever runs)
             signal.signal(signal.SIGTERM, signal.default_int_handler)
-        total = ray.cluster_resources()
+        total = cluster_resources()
         for key, amount in need.items():
             if total.get(key, 0.0) < amount - 1e-9:
                 raise ConfigError(f"serve: {count} engine{'s' if count > 1 else ''} need {amount:g} {key} "
@@ -145,9 +142,7 @@ def serve(cfg: Config, registry: Any, *, record_dir: Path, port: int = 0, host: 
         # launcher's watchdog)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        steps = [("kill the engine actors", engines.kill)] if engines is not None and ray.is_initialized() else []
-        if started_ray:
-            steps.append(("shut Ray down", ray.shutdown))
+        steps = ray_release_steps([engines] if engines is not None else [], None, started_ray)
         for what, release in steps:
             try:
                 release()

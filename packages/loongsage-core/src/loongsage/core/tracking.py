@@ -1,17 +1,17 @@
 """Metric trackers (a backend kind): every step's metrics go to each configured tracker.
 
 ``tracking.backends`` lists trackers, each a name (``jsonl``) or a spec with params
-(``{name: wandb, params: {project: p}}``). A tracker factory gets, besides its params, whichever of
-the framework's arguments its signature names (:data:`TRACKER_ARGS`): ``run_dir``, ``run_name``,
-``config`` (the validated run config as a plain dict) and ``resume`` (``checkpoint.resume``); a
-user may not set those. It may define ``preflight(params)``, called at config validation, which
-raises ``ValueError`` with a one-line reason (a missing optional package, say).
+(``{name: wandb, params: {project: p}}``). A tracker factory gets, besides its params, the
+framework's arguments it declares in ``receives`` (:class:`~loongsage.core.contracts.Tracker`), of
+:data:`TRACKER_ARGS`: ``run_dir``, ``run_name``, ``config`` (the validated run config as a plain
+dict) and ``resume`` (``checkpoint.resume``); a user may not set those. It may define
+``preflight(params)``, called at config validation, which raises ``ValueError`` with a one-line
+reason (a missing optional package, say).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import math
 import os
@@ -19,14 +19,14 @@ import secrets
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, get_args
 
-from loongsage.core.contracts import Tracker
+from loongsage.core.contracts import Tracker, TrackerArg
 from loongsage.core.failures import RunError
 from loongsage.core.types import ConfigError
 
-# Framework arguments a tracker factory receives when its signature names them.
-TRACKER_ARGS = ("run_dir", "run_name", "config", "resume")
+# What the framework can hand a tracker's factory: a tracker receives those it declares.
+TRACKER_ARGS: tuple[str, ...] = get_args(TrackerArg)
 
 
 def _finite(value: Any) -> bool:
@@ -38,6 +38,7 @@ class JsonlTracker(Tracker):
     """Appends one JSON object per step to ``<run_dir>/metrics.jsonl`` (what ``loongsage report`` reads)."""
 
     kind = "tracker"
+    receives: ClassVar[tuple[TrackerArg, ...]] = ("run_dir",)
 
     run_dir: str
 
@@ -58,6 +59,7 @@ class TensorboardTracker(Tracker):
     """Scalars to ``<run_dir>/tensorboard``."""
 
     kind = "tracker"
+    receives: ClassVar[tuple[TrackerArg, ...]] = ("run_dir",)
 
     run_dir: str
 
@@ -92,6 +94,7 @@ class WandbTracker(Tracker):
     """
 
     kind = "tracker"
+    receives: ClassVar[tuple[TrackerArg, ...]] = ("run_dir", "run_name", "config", "resume")
 
     run_dir: str
     run_name: str = ""
@@ -158,21 +161,17 @@ def tracker_spec(entry: Any) -> dict[str, Any]:
     return {"name": entry} if isinstance(entry, str) else entry
 
 
-def _framework_args(factory: Any, available: dict[str, Any]) -> dict[str, Any]:
-    try:
-        names = inspect.signature(factory).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {k: v for k, v in available.items() if k in names}
-
-
 def check_trackers(registry: Any, backends: list[Any]) -> None:
-    """Config validation: every entry names a known tracker, its params fit, its preflight passes."""
+    """Config validation: every entry names a known tracker, its params fit (the framework's
+    arguments it does not receive are no params of the user's either), its preflight passes."""
     for j, entry in enumerate(backends):
         path = f"tracking.backends[{j}]"
         spec = tracker_spec(entry)
         params = registry.check("tracker", spec, path, skip=TRACKER_ARGS)
-        preflight = registry.entry("tracker", spec["name"], path).preflight
+        tracker = registry.entry("tracker", spec["name"], path)
+        # a factory needing an argument it does not declare is refused here, not when the run starts
+        registry.check("tracker", spec, path, skip=tracker.factory.receives)
+        preflight = tracker.preflight
         if preflight is not None:
             try:
                 preflight(params)
@@ -189,8 +188,8 @@ def create_trackers(registry: Any, cfg: Any, run_dir: Path) -> list[Any]:
         for j, entry in enumerate(cfg.tracking.backends):
             path = f"tracking.backends[{j}]"
             spec = tracker_spec(entry)
-            factory = registry.entry("tracker", spec["name"], path).factory
-            trackers.append(registry.create("tracker", spec, path, **_framework_args(factory, available)))
+            receives = registry.entry("tracker", spec["name"], path).factory.receives
+            trackers.append(registry.create("tracker", spec, path, **{arg: available[arg] for arg in receives}))
     except BaseException:
         for tracker in trackers:  # the ones already open (a file, a W&B run) are closed, not leaked
             tracker.close()

@@ -6,7 +6,7 @@ can be started again exactly as before. Calls go to every member (or to some ran
 arguments, or with one argument per rank (:func:`per_rank`); results come back in rank order.
 
 ``ray`` is imported inside the methods: importing this module must not start or configure Ray (the
-launcher sets Ray's environment first, see ``controller.init_ray_environment``).
+launcher sets Ray's environment first, see ``ray_runtime.init_ray_environment``).
 """
 
 from __future__ import annotations

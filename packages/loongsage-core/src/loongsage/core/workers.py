@@ -19,7 +19,7 @@ import torch
 
 from loongsage.core.config import Config
 from loongsage.core.contracts import Critic, RewardContext
-from loongsage.core.loss import LossPipeline
+from loongsage.core.loss import build_loss_plan
 from loongsage.core.metrics import Metrics
 from loongsage.core.rewarding import call_reward
 from loongsage.core.types import DataRecord, EngineUnavailable, RewardInfraError, Status, TrainBatch, Trajectory
@@ -38,25 +38,6 @@ def setup_worker(threads: int, cores: list[int] | None = None) -> None:
     usable = len(cores) if cores else len(os.sched_getaffinity(0))
     torch.set_num_threads(threads if threads > 0 else usable)
     hf_logging.disable_progress_bar()
-
-
-def build_pipeline(cfg: Config, registry: Any) -> LossPipeline:
-    alg = cfg.algorithm
-    distill = alg.distill
-    return LossPipeline(
-        policy_loss=registry.create("policy_loss", alg.policy_loss, "algorithm.policy_loss"),
-        aggregation=alg.aggregation,
-        aggregation_constant=alg.aggregation_constant,
-        kl=registry.create("kl", alg.kl, "algorithm.kl") if alg.kl else None,
-        kl_coef=alg.kl_coef,
-        kl_in_reward=alg.kl_in_reward,
-        corrections=[registry.create("correction", c, f"algorithm.corrections[{i}]")
-                     for i, c in enumerate(alg.corrections)],
-        pg_coef=distill.pg_coef if distill else 0.0,
-        gkd_coef=distill.gkd_coef if distill else 0.0,
-        divergence=(registry.create("kl", distill.divergence, "algorithm.distill.divergence")
-                    if distill and distill.divergence else None),
-    )
 
 
 def model_args(cfg: Config, model_path: str) -> dict[str, Any]:
@@ -94,12 +75,14 @@ class TrainerWorker:
         self.backend = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
         opt = cfg.trainer.optimizer
         self.backend.setup_optimizer(opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.grad_clip, opt.warmup_steps)
-        self.pipeline = build_pipeline(cfg, registry)
+        plan = build_loss_plan(cfg, registry)
+        self.loss = plan.closure()
+        self.needs_ref_logprobs = plan.needs_ref_logprobs
         self.transport = registry.create("transport", cfg.rollout.transport, "rollout.transport") if rank == 0 else None
         self.reference = None
         # A frozen reference for KL: its own model, unless the backend holds the starting policy
         # already (LoRA: the base weights with the adapters switched off).
-        if self.pipeline.needs_ref_logprobs and not self.backend.holds_reference:
+        if self.needs_ref_logprobs and not self.backend.holds_reference:
             self.reference = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
         for sources, teacher_path in teachers:  # MOPD teachers held by the trainer (name: trainer)
             self.backend.add_teacher(sources, teacher_path)
@@ -111,7 +94,7 @@ class TrainerWorker:
         out = {"old_logprobs": old, "entropy": entropy}
         if self.reference is not None:
             out["ref_logprobs"] = self.reference.logprobs(batch, self.token_budget)[0]
-        elif self.pipeline.needs_ref_logprobs:
+        elif self.needs_ref_logprobs:
             out["ref_logprobs"] = self.backend.reference_logprobs(batch, self.token_budget)
         return out
 
@@ -122,10 +105,10 @@ class TrainerWorker:
     def data_layout(self) -> tuple[int, int, bool]:
         """``(data-parallel rank, data-parallel size, leader)``. The ranks of one data-parallel rank
         (a model-parallel group) get the same rows; its leader answers for them."""
-        return getattr(self.backend, "data_parallel", None) or (self.rank, self.world_size, True)
+        return self.backend.data_parallel or (self.rank, self.world_size, True)
 
     def train_step(self, mini_batch: TrainBatch) -> Metrics:
-        metrics = self.backend.train_step(mini_batch, self.pipeline, self.token_budget)
+        metrics = self.backend.train_step(mini_batch, self.loss, self.token_budget)
         dp_rank, _, leader = self.data_layout()
         if not leader:
             return Metrics()  # the same rows as its leader: its sums would count them twice
@@ -181,8 +164,8 @@ class EngineWorker:
         registry = load_registry(cfg.plugins)
         self.engine = registry.create("engine", cfg.rollout.engine, "rollout.engine",
                                       **model_args(cfg, model_path), seed=cfg.run.seed * 1000 + index)
-        offered = getattr(self.engine, "weight_receiver", None)
-        own = offered(cfg.rollout.transport["name"]) if offered else None
+        offered = self.engine.weight_receiver
+        own = offered(cfg.rollout.transport["name"]) if offered is not None else None
         self.receiver = own or registry.create("transport", cfg.rollout.transport, "rollout.transport").receiver()
         self._staging: list[tuple[str, torch.Tensor]] = []
         self._push_error: str | None = None  # why a bucket of the push under way failed

@@ -32,7 +32,7 @@ _MASKED = -1e30  # a padded vocabulary row's shifted logit: exp() is 0, and 0 x 
 
 def vocab_parallel_logprobs(logits: Tensor, input_ids: Tensor, first: int, *, vocab_start: int, vocab: int,
                             with_entropy: bool) -> tuple[Tensor, Tensor | None]:
-    """:func:`loongsage.core.embedded.trainer.logprobs_and_entropy` over this rank's vocabulary
+    """:func:`loongsage.core.model_math.logprobs.logprobs_and_entropy` over this rank's vocabulary
     shard ``logits`` ``[B, T - first + 1, shard]`` (rows ``vocab_start..``; rows at or past
     ``vocab`` are padding); results ``[B, T]``, zeros before ``first``, the same on every rank."""
     lp, ent = vocab_parallel_token_logprobs(logits[:, :-1], input_ids[:, first:], vocab_start=vocab_start,
@@ -159,7 +159,7 @@ def parameter_kinds() -> ParameterKinds:
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over a split model: the global L2 norm counts each
     parameter's gradient as :class:`ParameterKinds` says."""
-    from loongsage.core.embedded.distributed_optimizer import global_norm
+    from loongsage.core.model_math.state import global_norm
 
     kinds = parameter_kinds()
     grads = [(p.grad, kinds.kind_of(p)) for p in params if p.grad is not None]
@@ -198,7 +198,7 @@ def sum_replicated_grads(named: list[tuple[str, torch.nn.Parameter, Tensor | Non
     ``named``: each parameter's name, the parameter, and its gradient so far."""
     from megatron.core import parallel_state
 
-    from loongsage.core.embedded.state import sum_in_place
+    from loongsage.core.model_math.state import sum_in_place
 
     grads = [g for n, p, g in named if g is not None and (
         "q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))]

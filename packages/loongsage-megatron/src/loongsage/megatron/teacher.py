@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from loongsage.core.embedded.teacher import EmbeddedTeacher
 from loongsage.core.hookspecs import Factories, hookimpl
+from loongsage.core.trainer.teacher import EmbeddedTeacher
 from loongsage.megatron.model import gpt_logits
-from loongsage.megatron.trainer import load_gpt, read_config
+from loongsage.megatron.weights import load_gpt, read_config
 
 
 @dataclass

@@ -37,7 +37,7 @@ import secrets
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from loongsage.core.contracts import RewardContext, SandboxOwner
 from loongsage.core.types import DataRecord, RewardInfraError, Trajectory
@@ -94,6 +94,9 @@ out.flush()
 class CodeTestsReward:
     """``code_tests``: 1.0 when the model's code passes every test of the record (``partial``: the
     fraction passed), run in a fresh ``local`` sandbox with the limits given here."""
+
+    # called with the run's services, to find the sandbox the trajectory worked in (solution_file)
+    takes_context: ClassVar[bool] = True
 
     timeout_s: float = 10.0  # wall clock of the whole test run
     partial: bool = False

@@ -120,8 +120,8 @@ def build_code_fn_warm_start(out_dir: str | Path, params: CodeFnWarmStartParams 
                              log_every: int = 0) -> Path:
     """The embedded tiny Qwen3 fine-tuned on the teacher's code; an HF folder with
     ``loongsage_warmstart.json``."""
-    from loongsage.core.embedded.tiny_model import build_tiny_qwen3
-    from loongsage.core.embedded.warmstart import render_prompt, run_sft, save_warm_start, sft_tensors
+    from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
+    from loongsage.core.tinytask.warmstart import render_prompt, run_sft, save_warm_start, sft_tensors
 
     params = params or CodeFnWarmStartParams()
 
@@ -151,7 +151,7 @@ class TinyCodeFnModel(CodeFnWarmStartParams):
     kind = "model_builder"
 
     def build(self) -> Path:
-        from loongsage.core.embedded.builds import cached_build
+        from loongsage.core.tinytask.builds import cached_build
 
         params = CodeFnWarmStartParams(**dataclasses.asdict(self))
         return cached_build(params.cache_key(), lambda tmp: build_code_fn_warm_start(tmp, params))

@@ -6,8 +6,8 @@ machine (:class:`SandboxHost`), so that both sides of a trajectory reach the sam
 * the agent, in the driver: ``sandboxes = ctx.services["sandboxes"]``, then
   ``box = await sandboxes.acquire(f"g{ctx.group_id}-s{k}")`` (a :class:`SandboxSession`: exec,
   files, its directory on the host), and ``box.attach(trajectory)`` on the trajectory it produced;
-* its reward, in the reward worker: ``box = sandbox_of(trajectory, ctx)`` (the reward takes
-  ``ctx``; :class:`~loongsage.core.contracts.RewardContext`) runs the task's tests in the very
+* its reward, in the reward worker: ``box = sandbox_of(trajectory, ctx)`` (the reward declares
+  ``takes_context`` and gets a :class:`~loongsage.core.contracts.RewardContext`) runs the task's tests in the very
   sandbox the agent worked in (the R2E/SWE pattern).
 
 Lifecycle: a trajectory's sandbox is released once the rollout is done with it, after every reward
@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from loongsage.core.contracts import ExecResult, SandboxOwner
+from loongsage.core.contracts import ExecResult, RewardContext, SandboxOwner
 from loongsage.core.schema import ranged
 from loongsage.core.types import Trajectory
 
@@ -86,9 +86,8 @@ class SandboxHost:
 
     async def close(self) -> None:
         await self.pool.close()
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            await close()
+        if self.backend.close is not None:  # the Sandbox contract's optional close
+            await self.backend.close()
 
 
 @dataclass
@@ -154,13 +153,14 @@ class Sandboxes:
             await self.host.release.remote(owners)
 
 
-def sandbox_of(trajectory: Trajectory, ctx: Any) -> SandboxSession | None:
-    """For a reward: the sandbox ``trajectory`` worked in, through the context's services (None:
-    it had none, or the run has no sandbox service)."""
+def sandbox_of(trajectory: Trajectory, ctx: RewardContext | None) -> SandboxSession | None:
+    """For a reward that ``takes_context``: the sandbox ``trajectory`` worked in, through the
+    context's services (None: it had none, the run has no sandbox service, or the reward was called
+    without a context)."""
     ref = trajectory.metadata.get(METADATA_KEY)
-    if not isinstance(ref, dict):
+    if not isinstance(ref, dict) or ctx is None:
         return None
-    sandboxes = (getattr(ctx, "services", None) or {}).get(ref.get("service"))
+    sandboxes = ctx.services.get(ref.get("service"))
     return sandboxes.session(trajectory) if isinstance(sandboxes, Sandboxes) else None
 
 

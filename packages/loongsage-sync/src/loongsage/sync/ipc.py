@@ -44,7 +44,7 @@ from loongsage.core.buckets import (
     without_aliases,
 )
 from loongsage.core.contracts import Transport, TransportReceiver
-from loongsage.core.embedded.transport import commit_nothing, push_stats
+from loongsage.core.transport import commit_nothing, push_stats
 
 Handle = tuple[Any, tuple]  # torch's (rebuild function, arguments) of a CUDA tensor shared by IPC
 

@@ -10,13 +10,15 @@ to their defaults, and refuses a problem in one line naming the entry, its provi
 
     advantage 'my_adv' (from config plugins: my_pkg.plugin): missing __call__(inp) of AdvantageEstimator
 
-So the framework reads the flags directly. A few reads still go through ``getattr`` with a default:
-the registry's ``kind`` of a backend (read to pick the Protocol it is checked against); in the core,
-a trainer's ``data_parallel`` (:mod:`loongsage.core.workers`) and its class's ``add_teacher``
-(:mod:`loongsage.core.distill`), an engine's ``weight_receiver`` (:mod:`loongsage.core.workers`) and
-a divergence's ``partial`` (:mod:`loongsage.core.loss`); in the plugin packages, the loss closure's
-``reads_vocab_shards`` (the megatron trainer), a sandbox backend's ``close`` and a reward context's
-``services`` (the sandbox service).
+So the framework reads the flags directly: a capability is declared as a flag, never found by
+reading an implementation's parameter names or probing for an attribute. The flags the registry
+needs before anything is built (a backend's ``kind``, which picks its Protocol, its ``preflight``, a
+tracker's ``receives``) are read off the factory itself (:data:`FACTORY_FLAGS`, :class:`Backend`).
+A few reads in the core still go through ``getattr`` with a default: a trainer's ``data_parallel``
+(:mod:`loongsage.core.workers`) and its class's ``add_teacher`` (:mod:`loongsage.core.distill`), an
+engine's ``weight_receiver`` (:mod:`loongsage.core.workers`) and a divergence's ``partial``
+(:mod:`loongsage.core.loss`); in the plugin packages, the loss closure's ``reads_vocab_shards`` (the
+megatron trainer).
 
 Kinds of member, as written in the Protocols:
 
@@ -28,7 +30,9 @@ Kinds of member, as written in the Protocols:
 * ``name: T`` without a default, or a property: an attribute the built object must have.
 
 Some members are required only when a flag asks for them (:data:`REQUIRED_WHEN`): an advantage
-estimator that ``needs_values`` also gives the critic its targets (``returns``), say.
+estimator that ``needs_values`` also gives the critic its targets (``returns``), say; and a flag
+may add keyword arguments to a call (:data:`CALLED_WITH`): a reward that ``takes_context`` is
+called with ``ctx=``.
 
 An implementation may subclass its Protocol to inherit the defaults (the built-ins do) or not;
 either way it is checked structurally. The data source and rollout scheduler Protocols live in
@@ -44,7 +48,8 @@ The Protocols are split by concern; import them from here, where every name is r
   transports (:class:`TransportReceiver`) and model builders;
 * :mod:`~loongsage.core.contracts.run`: trackers and run services;
 * :mod:`~loongsage.core.contracts.tables`: the registry's index (:data:`HOOKS`, :data:`BACKENDS`,
-  :data:`REQUIRED_WHEN`, :class:`When`).
+  :class:`Backend`, :data:`FACTORY_FLAGS`, :data:`REQUIRED_WHEN`, :data:`CALLED_WITH`, :class:`When`), derived from the
+  hookspecs and the Protocols' ``kind``.
 """
 
 from __future__ import annotations
@@ -76,13 +81,22 @@ from loongsage.core.contracts.rollout import (
     Sandbox,
     SandboxOwner,
 )
-from loongsage.core.contracts.run import RunService, Tracker
-from loongsage.core.contracts.tables import BACKENDS, HOOKS, REQUIRED_WHEN, When
+from loongsage.core.contracts.run import RunService, Tracker, TrackerArg
+from loongsage.core.contracts.tables import (
+    BACKENDS,
+    CALLED_WITH,
+    FACTORY_FLAGS,
+    HOOKS,
+    REQUIRED_WHEN,
+    Backend,
+    When,
+)
 from loongsage.core.types import DataSource, RolloutScheduler
 
 __all__ = [
-    "AdvantageEstimator", "Agent", "BACKENDS", "ChatParser", "Correction", "Critic", "DataFilter", "DataSource",
-    "Engine", "ExecResult", "GatewayMiddleware", "HOOKS", "KLEstimator", "LossFunction", "ModelBuilder",
-    "PolicyLoss", "REQUIRED_WHEN", "Reward", "RewardContext", "RolloutScheduler", "RunService", "Sandbox",
-    "SandboxOwner", "Teacher", "Tracker", "Trainer", "Transport", "TransportReceiver", "When",
+    "AdvantageEstimator", "Agent", "BACKENDS", "Backend", "CALLED_WITH", "ChatParser", "Correction", "Critic", "DataFilter",
+    "DataSource", "Engine", "ExecResult", "FACTORY_FLAGS", "GatewayMiddleware", "HOOKS", "KLEstimator",
+    "LossFunction", "ModelBuilder", "PolicyLoss", "REQUIRED_WHEN", "Reward", "RewardContext", "RolloutScheduler",
+    "RunService", "Sandbox", "SandboxOwner", "Teacher", "Tracker", "TrackerArg", "Trainer", "Transport",
+    "TransportReceiver", "When",
 ]

@@ -123,7 +123,7 @@ class DataFilter(Protocol):
 @runtime_checkable
 class LossFunction(Protocol):
     """What a trainer's ``train_step`` is handed: the framework's loss closure
-    (:class:`~loongsage.core.loss.LossPipeline` for the policy, ``ValueLoss`` for a critic).
+    (:class:`~loongsage.core.loss.LossClosure` for the policy, ``ValueLoss`` for a critic).
 
     Called in the trainer rank once per micro-batch with the forward's per-token output (log-probs
     or values) ``[B, T]``; returns the weighted loss *sum* and its :class:`~loongsage.core.metrics.Metrics`
@@ -132,11 +132,14 @@ class LossFunction(Protocol):
     """
 
     needs_student_distribution: bool = False
-    """Pass ``student_dist=``: the policy's log-probs on the teacher's support (MOPD's GKD term).
-    Such a loss also answers ``teacher_request() -> (k, full_vocab)``: the support it reads (a
-    teacher's top ``k`` tokens, or the full vocabulary), which teachers held by the trainer give,
-    and has ``reads_vocab_shards``: True when it can take ``student_dist`` and the teacher's
-    distribution as this rank's shard of the vocabulary, with ``vocab_sum=`` (a function summing
-    per-position values over the shards) to add them up (its divergence has ``partial``)."""
+    """Pass ``student_dist=``: the policy's log-probs on the teacher's support (MOPD's GKD term),
+    the support being what :attr:`teacher_support` names."""
+    reads_vocab_shards: bool = False
+    """Takes ``student_dist`` and the teacher's distribution as this rank's shard of the vocabulary,
+    with ``vocab_sum=`` (a function summing per-position values over the shards) to add them up
+    (its divergence has ``partial``): a trainer splitting the vocabulary passes its shard."""
+    teacher_support: tuple[int, bool] = (0, False)
+    """``(k, full_vocab)``: the support it reads besides the sampled tokens' log-probs (a teacher's
+    top ``k`` tokens, or the full vocabulary), which teachers held by the trainer give."""
 
     def __call__(self, logprobs: Tensor, mb: TrainBatch) -> tuple[Tensor, Metrics]: ...

@@ -36,8 +36,7 @@ class Agent(Protocol):
 
 @dataclass(frozen=True)
 class RewardContext:
-    """What a reward whose ``__call__`` takes a ``ctx`` parameter gets besides the trajectory and
-    its record: the shared handles of the run's services (``RunService.share``) by service name,
+    """What a reward that declares ``takes_context`` gets besides the trajectory and its record: the shared handles of the run's services (``RunService.share``) by service name,
     e.g. the sandbox service, through which a reward reaches the sandbox its trajectory worked in."""
 
     services: Mapping[str, Any]
@@ -50,10 +49,14 @@ class Reward(Protocol):
     awaitable). Raises :class:`~loongsage.core.types.RewardInfraError` when the scorer itself
     failed: the trajectory is then marked ``failed`` instead of scored 0.
 
-    A reward that declares a third parameter named ``ctx`` is called with a :class:`RewardContext`
-    (``__call__(trajectory, record, ctx)``; see :func:`~loongsage.core.rewarding.call_reward`).
+    A reward that declares ``takes_context`` is called with a :class:`RewardContext` as well
+    (``__call__(trajectory, record, ctx=...)``; see :func:`~loongsage.core.rewarding.call_reward`).
     Whatever the trajectory held (its sandbox) is kept until every reward of its batch has returned.
     """
+
+    takes_context: bool = False
+    """``__call__`` takes a keyword argument ``ctx``, the :class:`RewardContext` (a wrapper whose inner
+    reward may take one declares it too, and passes it on; may follow the params)."""
 
     nested: ClassVar[Mapping[str, str]] = types.MappingProxyType({})
     """Wrapped entries: ``{param: category}``. The registry builds the ``{name, params}`` spec each
@@ -126,6 +129,9 @@ class Sandbox(Protocol):
     adopt: ClassVar[Callable[[str], Awaitable[int]] | None] = None
     """``adopt(sandbox_id) -> count``: hand what such a program wrote there to the sandbox (owner,
     permissions), before commands inside change it (required with ``host_path``)."""
+    close: ClassVar[Callable[[], Awaitable[None]] | None] = None
+    """``close()``: delete every sandbox the backend still holds and wait for its background work
+    (called once, when the pool that owns the backend closes at the end of the run)."""
 
     async def create(self, owner: SandboxOwner, deadline: float) -> str:
         """A new empty sandbox for ``owner``; its id."""
@@ -159,6 +165,9 @@ class GatewayMiddleware(Protocol):
     in its non-streamed form), with an optional ``"headers"`` mapping for the HTTP answer (a rate
     limit's ``Retry-After``). An answer of its own should take the shape of ``request["protocol"]``.
     """
+
+    receives: ClassVar[tuple[Literal["run_dir"], ...]] = ()
+    """What the gateway hands the factory besides its params: ``run_dir`` (where the run writes)."""
 
     async def __call__(self, request: dict[str, Any],
                        call_next: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> dict[str, Any]: ...

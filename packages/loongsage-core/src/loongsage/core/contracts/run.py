@@ -11,15 +11,23 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from loongsage.core.types import Trajectory
 
+TrackerArg = Literal["run_dir", "run_name", "config", "resume"]
+"""What the framework can hand a tracker's factory (:attr:`Tracker.receives`)."""
+
 
 class Tracker(Protocol):
     """A ``tracker`` backend: where every step's metrics go.
 
     Runs in the driver: ``log`` once per step (and per evaluation), ``close`` once at the end.
-    Built with whichever of ``run_dir``, ``run_name``, ``config`` and ``resume`` its signature names.
+    Built with its params and the framework's arguments it ``receives``.
     """
 
     kind: ClassVar[Literal["tracker"]] = "tracker"
+    receives: ClassVar[tuple[TrackerArg, ...]] = ()
+    """The framework's arguments its factory is built with, besides its params (declared on the
+    factory, read before it builds): ``run_dir`` (the run's folder), ``run_name``, ``config`` (the
+    validated run config as a plain dict), ``resume`` (``checkpoint.resume``). A user may set none
+    of these four as params."""
     preflight: ClassVar[Callable[..., None] | None] = None
     """Optional classmethod ``preflight(params)``, run at config validation; raises ``ValueError``
     with a one-line reason (a missing optional package)."""

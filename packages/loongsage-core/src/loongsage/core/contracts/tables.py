@@ -1,46 +1,53 @@
 """The registry's index of the contracts: the Protocol of each hook category (:data:`HOOKS`) and
-backend kind (:data:`BACKENDS`), and the members a flag makes required (:data:`REQUIRED_WHEN`,
-:class:`When`).
+backend kind (:data:`BACKENDS`), what a backend's factory declares to be routed (:class:`Backend`),
+the flags read off a factory before it builds anything (:data:`FACTORY_FLAGS`), and the members a
+flag makes required or adds to a call (:data:`REQUIRED_WHEN`, :data:`CALLED_WITH`, :class:`When`).
+
+The hooks and their categories are declared once, with the specs (:data:`loongsage.core.hookspecs.HOOKS`);
+a backend's kind once, as the ``kind`` flag of its Protocol. Both tables here are derived from those.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
+from loongsage.core import hookspecs
 from loongsage.core.contracts.algorithms import AdvantageEstimator, Correction, DataFilter, KLEstimator, PolicyLoss
 from loongsage.core.contracts.models import Engine, ModelBuilder, Teacher, Trainer, Transport
 from loongsage.core.contracts.rollout import Agent, ChatParser, GatewayMiddleware, Reward, Sandbox
 from loongsage.core.contracts.run import RunService, Tracker
 from loongsage.core.types import DataSource, RolloutScheduler
 
-HOOKS: dict[str, type] = {
-    "agent": Agent,
-    "reward": Reward,
-    "data_source": DataSource,
-    "advantage": AdvantageEstimator,
-    "policy_loss": PolicyLoss,
-    "kl": KLEstimator,
-    "correction": Correction,
-    "data_filter": DataFilter,
-    "rollout_scheduler": RolloutScheduler,
-    "sandbox": Sandbox,
-    "gateway_middleware": GatewayMiddleware,
-}
-"""The Protocol each hook's entries implement, by registry category."""
+_HOOK_PROTOCOLS: dict[str, type] = {p.__name__: p for p in (
+    Agent, Reward, DataSource, AdvantageEstimator, PolicyLoss, KLEstimator, Correction, DataFilter,
+    RolloutScheduler, Sandbox, GatewayMiddleware,
+)}
+
+HOOKS: dict[str, type] = {h.category: _HOOK_PROTOCOLS[h.contract] for h in hookspecs.HOOKS.values()
+                          if h.contract is not None}  # the backends hook: a Protocol per kind, below
+"""The Protocol each hook's entries implement, by registry category (in the hooks' order)."""
 
 
-BACKENDS: dict[str, type] = {
-    "trainer": Trainer,
-    "engine": Engine,
-    "teacher": Teacher,
-    "transport": Transport,
-    "tracker": Tracker,
-    "chat_parser": ChatParser,
-    "model_builder": ModelBuilder,
-    "service": RunService,
-}
-"""The Protocol each backend kind implements, by kind."""
+BACKENDS: dict[str, type] = {p.kind: p for p in (
+    Trainer, Engine, Teacher, Transport, Tracker, ChatParser, ModelBuilder, RunService,
+)}
+"""The Protocol each backend kind implements, by kind (the default of the Protocol's ``kind`` flag)."""
+
+
+class Backend(Protocol):
+    """What ``loongsage_backends`` maps a name to: a factory that declares the kind of backend it
+    builds, as a class attribute (or an attribute of a factory function). Read by the registry
+    when it loads the plugin, to pick the table and the Protocol (:data:`BACKENDS`) of the entry."""
+
+    kind: ClassVar[str | None] = None
+    """One of the keys of :data:`BACKENDS`; None (left out) is refused naming them."""
+
+
+FACTORY_FLAGS: tuple[str, ...] = ("kind", "preflight", "receives")
+"""Flags the registry reads off a factory before it builds anything: declared as class attributes
+of a class factory or as attributes of a factory function, checked and defaulted at load either
+way (the Protocol's other flags are read off what the factory builds)."""
 
 
 @dataclass(frozen=True)
@@ -62,3 +69,11 @@ REQUIRED_WHEN: dict[type, dict[str, When]] = {
 }
 """Members required only while a flag asks for them: ``{Protocol: {member: When(flag, value)}}``
 (an optional method must then not be None)."""
+
+
+CALLED_WITH: dict[type, dict[str, tuple[When, tuple[str, ...]]]] = {
+    Reward: {"__call__": (When("takes_context"), ("ctx",))},
+}
+"""Keyword arguments a method is also called with while a flag asks for them:
+``{Protocol: {method: (When(flag, value), keywords)}}`` (a reward that ``takes_context`` is called
+``__call__(trajectory, record, ctx=...)``, so its call must take ``ctx``)."""

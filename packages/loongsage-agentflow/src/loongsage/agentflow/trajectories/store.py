@@ -1,0 +1,236 @@
+"""The trajectory store: what each session's turns left, token by token.
+
+A *session* is one attempt at one trajectory (``/{trajectory}/{attempt}/v1/...``). It holds one or
+more *lines*: flat token records that grow turn by turn. Per token a line keeps the loss mask (1
+only on tokens the model sampled), the engine's log-prob (0 elsewhere) and the weight version
+that sampled it (-1 elsewhere); its segments are the spans rendered from one prompt (a new one
+starts where a turn could not be appended, see :mod:`loongsage.agentflow.trajectories.tito`). A request with
+``n > 1`` forks the line once per extra sample; a conversation unrelated to every line starts a
+line of its own. Each line becomes one core :class:`~loongsage.core.types.Trajectory`.
+
+A session serialises its turns with one lock, remembers its recent answers so a retried request
+gets the same answer instead of a second generation, and carries its budgets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from loongsage.agentflow.chat.errors import APIError
+from loongsage.agentflow.chat.messages import Message
+from loongsage.agentflow.trajectories.tito import TurnPlan
+from loongsage.core.types import Segment, Status, Trajectory
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+_KIND = {"first": "turn", "new_conversation": "turn", "rewound": "turn", "compaction": "compaction"}  # else: rewritten
+_REMEMBERED = 64  # answers kept per session for retries
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Limits of one session; a request past them is refused (400) and its line marked truncated."""
+
+    max_context_tokens: int = 4096  # prompt + new tokens of one engine call
+    max_response_tokens: int = 16384  # tokens the model samples on one line, all turns together
+    default_max_tokens: int = 1024  # new tokens of a turn whose request names none
+
+    def __post_init__(self) -> None:
+        for name in ("max_context_tokens", "max_response_tokens", "default_max_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"Budget.{name}={getattr(self, name)!r}: must be an int >= 1")
+
+
+@dataclass
+class Sample:
+    """One sample of a turn as the line keeps it."""
+
+    ids: list[int]  # the engine's tokens (cut after a stop string)
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # how the engine ended it: stop (a stop token or string) | length | abort
+    message: Message  # the reply as returned to the client
+    tail: str  # closing text still to write before the next turn's tokens
+    # the experts every MoE layer chose for each token fed to the engine: the prompt, then the
+    # kept tokens but the last ([tokens, layers, topk]; None: the engine records none)
+    routes: Any = None
+
+
+@dataclass
+class Line:
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    segments: list[list[Any]] = field(default_factory=list)  # [start, end, category]
+    turns: list[dict[str, Any]] = field(default_factory=list)  # token offsets and finish reason per turn
+    messages: list[Message] = field(default_factory=list)
+    tools: list | None = None
+    tail: str = ""
+    generated: int = 0
+    truncated: bool = False
+    # R3: per segment, the record of its latest turn (whose prompt was the segment so far, rendered
+    # whole), covering the segment's tokens but its last; None where the engine recorded none
+    routes: list[Any] = field(default_factory=list)
+
+    @property
+    def segment_start(self) -> int:
+        return self.segments[-1][0] if self.segments else 0
+
+    def copy(self) -> Line:
+        return Line(list(self.tokens), list(self.mask), list(self.logprobs), list(self.versions),
+                    [list(s) for s in self.segments], [dict(t) for t in self.turns], list(self.messages),
+                    self.tools, self.tail, self.generated, self.truncated, list(self.routes))
+
+    def add(self, plan: TurnPlan, messages: list[Message], tools: list | None, sample: Sample) -> None:
+        prompt_start = len(self.tokens)
+        if plan.category is not None:
+            self.segments.append([prompt_start, prompt_start, plan.category])
+        self._extend(plan.appended, 0, [0.0] * len(plan.appended), [-1] * len(plan.appended))
+        response_start = len(self.tokens)
+        self._extend(sample.ids, 1, sample.logprobs, sample.versions)
+        self.segments[-1][1] = len(self.tokens)
+        self.turns.append({"prompt_start": prompt_start, "response_start": response_start,
+                           "response_end": len(self.tokens), "finish_reason": sample.finish_reason})
+        self.messages, self.tools, self.tail = [*messages, sample.message], tools, sample.tail
+        self.generated += len(sample.ids)
+        # a turn's prompt is its segment rendered whole, so the engine was fed the segment from its
+        # first token: the record covers the segment's earlier turns too
+        if plan.category is not None:
+            self.routes.append(sample.routes)
+        else:
+            self.routes[-1] = sample.routes
+
+    def _extend(self, ids: list[int], mask: int, logprobs: list[float], versions: list[int]) -> None:
+        self.tokens.extend(ids)
+        self.mask.extend([mask] * len(ids))
+        self.logprobs.extend(logprobs)
+        self.versions.extend(versions)
+
+    def trajectory(self, *, source: str, group_id: int, sample_index: int, metadata: dict[str, Any]) -> Trajectory:
+        """The line as a core record: the first turn's prompt, then everything after it."""
+        cut = self.turns[0]["response_start"]
+        aborted = self.turns[-1]["finish_reason"] == "abort"
+        return Trajectory(
+            source=source, group_id=group_id, sample_index=sample_index, prompt_ids=self.tokens[:cut],
+            response_ids=self.tokens[cut:], loss_mask=self.mask[cut:], rollout_logprobs=self.logprobs[cut:],
+            versions=self.versions[cut:], routed_experts=_one_or_per_segment(self.routes),
+            status=Status.TRUNCATED if self.truncated else Status.ABORTED if aborted else Status.OK,
+            response_text=self.messages[-1].get("content", ""),
+            segments=[Segment(s, e, _KIND.get(c, "rewritten")) for s, e, c in self.segments],
+            metadata={**metadata, "messages": self.messages, "tools": self.tools, "turns": self.turns,
+                      "segment_categories": [c for _, _, c in self.segments]},
+        )
+
+
+def _one_or_per_segment(routes: list[Any]) -> Any:
+    """A trajectory's routed experts: its one segment's record, or one record per segment (None
+    when a turn's engine recorded none)."""
+    if not routes or any(r is None for r in routes):
+        return None
+    return routes[0] if len(routes) == 1 else list(routes)
+
+
+class Session:
+    """One attempt at one trajectory: its lines, turn lock, remembered answers and budget."""
+
+    def __init__(self, trajectory: str, attempt: int, budget: Budget, api_key: str | None):
+        self.trajectory, self.attempt, self.budget, self.api_key = trajectory, attempt, budget, api_key
+        self.lock = asyncio.Lock()
+        self.lines: list[Line] = []
+        self.closed = False
+        self.categories: Counter[str] = Counter()  # why segments started
+        self.refusals = 0  # requests refused by the budget
+        self._answers: OrderedDict[str, Any] = OrderedDict()
+        # the engine client of this session's turns (None: the gateway's): an agent passes its own
+        # context's engine, so a run's per-group call log (checkpoints of groups in flight) sees them
+        self.engine: Any = None
+
+    @property
+    def route_key(self) -> str:
+        """The engine router's session: turns of one session go to the engine holding its prefix."""
+        return f"{self.trajectory}/{self.attempt}"
+
+    def answer_for(self, key: str) -> Any:
+        return self._answers.get(key)
+
+    def remember(self, key: str, answer: Any) -> None:
+        self._answers[key] = answer
+        while len(self._answers) > _REMEMBERED:
+            self._answers.popitem(last=False)
+
+    def commit(self, plan: TurnPlan, messages: list[Message], tools: list | None, samples: list[Sample],
+               truncated: list[bool]) -> None:
+        """Sample 0 goes on the planned line (or a new one); every other sample on a fork of it."""
+        if plan.category is not None:
+            self.categories[plan.category] += 1
+        base = self.lines[plan.line] if plan.line is not None else Line()
+        targets = [base] + [base.copy() for _ in samples[1:]]
+        if plan.line is None:
+            self.lines.append(base)
+        self.lines.extend(targets[1:])
+        for line, sample, cut in zip(targets, samples, truncated):
+            line.add(plan, messages, tools, sample)
+            line.truncated = line.truncated or cut
+
+    def trajectories(self, *, source: str = "", group_id: int = 0, first_sample_index: int = 0) -> list[Trajectory]:
+        """One record per line that has a turn, in the order lines started."""
+        meta = {"trajectory": self.trajectory, "attempt": self.attempt, "refusals": self.refusals}
+        lines = [line for line in self.lines if line.turns]
+        return [line.trajectory(source=source, group_id=group_id, sample_index=first_sample_index + k,
+                                metadata={**meta, "line": k}) for k, line in enumerate(lines)]
+
+
+class TrajectoryStore:
+    """Sessions by ``(trajectory, attempt)``. Opening attempt ``a`` retires older attempts of the
+    same trajectory: a straggler of a failed attempt can no longer write into it."""
+
+    def __init__(self, budget: Budget | None = None):
+        self.budget = budget or Budget()
+        self._sessions: dict[tuple[str, int], Session] = {}
+        self._latest: dict[str, int] = {}
+
+    def open(self, trajectory: str, attempt: int = 0, *, budget: Budget | None = None,
+             api_key: str | None = "") -> Session:
+        """A new session; ``api_key=""`` draws a random key the client must send, None needs none."""
+        if not isinstance(trajectory, str) or not _ID.fullmatch(trajectory):
+            raise ValueError(f"trajectory id {trajectory!r}: 1-128 characters of [A-Za-z0-9_.-], not starting with . - _")
+        if not isinstance(attempt, int) or attempt < 0:
+            raise ValueError(f"attempt={attempt!r}: must be an int >= 0")
+        latest = self._latest.get(trajectory)
+        if latest is not None and attempt <= latest:
+            raise ValueError(f"trajectory {trajectory!r}: attempt {attempt} is not newer than attempt {latest}")
+        for key in [k for k in self._sessions if k[0] == trajectory]:
+            self._sessions.pop(key).closed = True
+        key = secrets.token_urlsafe(24) if api_key == "" else api_key
+        session = Session(trajectory, attempt, budget or self.budget, key)
+        self._sessions[(trajectory, attempt)] = session
+        self._latest[trajectory] = attempt
+        return session
+
+    def get(self, trajectory: str, attempt: int) -> Session:
+        session = self._sessions.get((trajectory, attempt))
+        if session is not None:
+            return session
+        latest = self._latest.get(trajectory)
+        if latest is None:
+            raise APIError(404, f"unknown session {trajectory}/{attempt}: no such trajectory is open")
+        if attempt < latest:
+            raise APIError(410, f"session {trajectory}/{attempt} was retired by attempt {latest}")
+        raise APIError(404, f"unknown session {trajectory}/{attempt}: not open (attempt {latest} was)")
+
+    async def close(self, trajectory: str, attempt: int) -> Session:
+        """Stop serving the session and return it once its turn in flight (if any) has committed."""
+        session = self._sessions.pop((trajectory, attempt), None)
+        if session is None:
+            raise KeyError(f"session {trajectory}/{attempt} is not open")
+        session.closed = True
+        async with session.lock:
+            return session
+
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())

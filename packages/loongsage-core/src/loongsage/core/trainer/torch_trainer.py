@@ -1,0 +1,72 @@
+"""The embedded torch trainer backend (``torch``): the trainer skeleton (:mod:`.skeleton`: micro-batches,
+the loss closure per micro-batch, AdamW, held teachers, checkpoints) over an HF causal LM
+(:class:`~loongsage.core.trainer.torch_model.TorchModel`: FSDP2 or replicated data parallelism,
+LoRA, the FP32 head).
+
+This module holds the backend's params and the checks that refuse a combination of them in one
+line, before the model is loaded (and, through :meth:`TorchTrainer.preflight`, in the driver before
+any actor starts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from loongsage.core.trainer.adapter import world_size
+from loongsage.core.trainer.lora import LoraConfig, check_targets
+from loongsage.core.trainer.skeleton import TrainerSkeleton, check_dtype
+from loongsage.core.trainer.torch_model import TorchModel
+
+
+@dataclass
+class TorchTrainer(TrainerSkeleton):
+    """HF transformers causal LM, fp32 on CPU, AdamW, grad clipping, FSDP2 or replicated DP
+    (the :class:`~loongsage.core.contracts.Trainer` contract)."""
+
+    kind = "trainer"
+
+    dp_mode: Literal["fsdp2", "replicate"] = "fsdp2"
+    lora: LoraConfig | None = None  # None: full fine-tuning
+
+    supports_lora: ClassVar[bool] = True  # the critic's value head is outside the decoder layers LoRA targets
+    held_teacher_params: ClassVar[dict[str, Any]] = {"lora": None, "gradient_checkpointing": False}
+    adapter_class: ClassVar[type[TorchModel]] = TorchModel  # the model it trains (the critic's: a value model)
+
+    def __post_init__(self) -> None:
+        check_dtype(self.dtype)
+        world = world_size()
+        if self.lora is not None:
+            self._check_lora_placement(world, self.dp_mode)
+        if world > 1 and self.dp_mode == "fsdp2" and self.distributed_optimizer:
+            raise ValueError("distributed_optimizer: FSDP2 shards the optimizer state already; set dp_mode: replicate "
+                             "to split it over the ranks this way, or leave distributed_optimizer false")
+        self._attach(self.adapter_class(
+            self.model_path, dtype=self.dtype, device=self.device, fp32_lm_head=self.fp32_lm_head,
+            gradient_checkpointing=self.gradient_checkpointing, dp_mode=self.dp_mode, lora=self.lora))
+
+    @classmethod
+    def preflight(cls, params: dict[str, Any], model_path: str, *, world_size: int = 1) -> None:
+        """Checks that need the model, run by the controller before any actor starts (one line each).
+
+        The model is instantiated on the meta device: its layer names without its weights.
+        """
+        lora = params.get("lora")
+        if lora is None:
+            return
+        cls._check_lora_placement(world_size, params.get("dp_mode", "fsdp2"))
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+        check_targets(lora, list(model.model.layers))
+
+    @classmethod
+    def _check_lora_placement(cls, world_size: int, dp_mode: str) -> None:
+        if not cls.supports_lora:
+            raise ValueError(f"lora: {cls.__name__} does not support LoRA; leave lora unset")
+        if world_size > 1 and dp_mode == "fsdp2":
+            raise ValueError("lora: dp_mode='fsdp2' is not supported with LoRA; set dp_mode='replicate' "
+                             "(the adapters are small, so a full replica per rank costs little)")

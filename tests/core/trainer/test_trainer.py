@@ -1,0 +1,114 @@
+"""The torch trainer backend: micro-batching never changes the loss or the gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongsage.algos.policy_losses import PPOClip
+from loongsage.core.aggregation import AGGREGATION_MODES
+from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
+from loongsage.core.model_math.logprobs import token_logprobs
+from loongsage.core.trainer.micro_batching import micro_batches
+from loongsage.core.trainer.torch_trainer import TorchTrainer
+from loongsage.core.loss import LossPlan
+from loongsage.core.types import TrainBatch
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_qwen3(path, hidden_size=32, num_layers=1, heads=2, kv_heads=1, intermediate_size=64, seed=3)
+    return path
+
+
+def _batch(vocab: int, B: int = 8, seed: int = 0) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, 14, (B,), generator=g)
+    T = int(lengths.max())
+    ids = torch.randint(3, vocab, (B, T), generator=g)
+    attn = (torch.arange(T)[None] < lengths[:, None]).long()
+    mask = attn.float().clone()
+    mask[:, :4] = 0  # prompt
+    return TrainBatch(
+        input_ids=ids * attn, attention_mask=attn, response_mask=mask,
+        rollout_logprobs=torch.zeros(B, T), advantages=torch.randn(B, T, generator=g) * mask,
+        rewards=torch.zeros(B), group_ids=torch.arange(B) // 4,
+        old_logprobs=(torch.randn(B, T, generator=g) * 0.1 - 2.0) * mask,
+    )
+
+
+def _grads_after_step(model_dir, batch, budget, mode):
+    trainer = TorchTrainer(str(model_dir))
+    # lr 0: the step leaves the weights alone, so gradients are compared at the same point
+    trainer.setup_optimizer(lr=0.0 + 1e-30, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, grad_clip=1e9)
+    pipeline = LossPlan(policy_loss=PPOClip(clip_low=0.2, clip_high=0.28), aggregation=mode)
+    prepared, _ = pipeline.prepare(batch)
+    metrics = trainer.train_step(prepared, pipeline.closure(), budget)
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    return metrics, grads
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_micro_batching_is_invariant(model_dir, mode):
+    batch = _batch(vocab=200)
+    whole, g_whole = _grads_after_step(model_dir, batch, budget=10_000, mode=mode)
+    split, g_split = _grads_after_step(model_dir, batch, budget=14, mode=mode)  # about one row each
+    assert len(list(micro_batches(batch, 14))) >= 6
+    assert abs(whole.totals["train/loss"] - split.totals["train/loss"]) < 1e-5
+    for name in g_whole:
+        torch.testing.assert_close(g_whole[name], g_split[name], atol=1e-6, rtol=1e-4)
+
+
+def test_logprobs_match_a_plain_forward(model_dir):
+    trainer = TorchTrainer(str(model_dir))
+    batch = _batch(vocab=200, seed=1)
+    lp, ent = trainer.logprobs(batch, token_budget=20)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    ref = token_logprobs(logits, batch.input_ids)
+    trained = batch.response_mask.bool()  # the head runs only where a trained token is predicted
+    torch.testing.assert_close(lp[trained], ref[trained], atol=1e-5, rtol=0)
+    assert (ent[trained] > 0).all()
+    assert (lp[:, :4] == 0).all()  # prompt positions before the first response token
+
+
+def test_save_load_restores_weights_optimizer_and_step(model_dir, tmp_path):
+    batch = _batch(vocab=200, seed=2)
+    pipeline = LossPlan(policy_loss=PPOClip())
+    a = TorchTrainer(str(model_dir))
+    a.setup_optimizer(1e-3, [0.9, 0.999], 1e-8, 0.0, 1.0)
+    prepared, _ = pipeline.prepare(batch)
+    a.train_step(prepared, pipeline.closure(), 10_000)
+    a.save(tmp_path / "ck")
+    b = TorchTrainer(str(model_dir))
+    b.setup_optimizer(1e-3, [0.9, 0.999], 1e-8, 0.0, 1.0)
+    b.load(tmp_path / "ck")
+    assert b.steps == 1
+    a.train_step(prepared, pipeline.closure(), 10_000)
+    b.train_step(prepared, pipeline.closure(), 10_000)
+    for (n, p), (_, q) in zip(a.model.named_parameters(), b.model.named_parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_exported_weights_are_the_state_dict_in_order_and_in_place(model_dir, tied):
+    """A weight push lists the trainer's tensors without state_dict(): the same names in the same
+    order, a tied output layer under both names, and the live tensors themselves (the in-place
+    transport shares their memory, so a copy here would ship stale weights)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from loongsage.core.model_math.state import state_tensors
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                         tie_word_embeddings=tied))
+    expected = model.state_dict()
+    listed = list(state_tensors(model))
+    assert [name for name, _ in listed] == list(expected)
+    assert ("lm_head.weight" in expected) and all(t.data_ptr() == expected[n].data_ptr() for n, t in listed)
+    trainer = TorchTrainer(model_path=model_dir)
+    exported = dict(trainer.export_weights())
+    assert list(exported) == list(trainer.model.state_dict())
+    params = dict(trainer.model.named_parameters())
+    assert all(exported[name] is param for name, param in params.items())
