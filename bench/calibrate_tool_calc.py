@@ -18,8 +18,11 @@ import time
 from pathlib import Path
 
 from loongsage.agentflow.tasks.tool_calc import ToolCalcReward
-from loongsage.agentflow.tasks.warmstart import (ToolCalcWarmStartParams, build_tool_calc_warm_start,
-                                                 cached_tool_calc_warm_start)
+from loongsage.agentflow.tasks.warmstart import (
+    ToolCalcWarmStartParams,
+    build_tool_calc_warm_start,
+    cached_tool_calc_warm_start,
+)
 from loongsage.core.tinytask.builds import INFO_FILE
 from loongsage.core.types import SamplingParams
 

@@ -316,9 +316,8 @@ def run_trl(args: argparse.Namespace, work: Path, env: dict[str, str], model_pat
 
 def helper_eval(model_dir: str, held_out: list[dict[str, Any]], settings: dict[str, Any]) -> dict[str, float]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from _trl_side import greedy_accuracy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

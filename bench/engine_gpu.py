@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from _source import source_state
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_gpu.json"

@@ -220,7 +220,7 @@ async def direct_round(engine, replay: list[list[dict[str, Any]]], args) -> dict
 
     async def one(s: int) -> tuple[list[float], list[list[int]]]:
         latencies, outputs = [], []
-        for t, call in enumerate(replay[s]):
+        for _turn, call in enumerate(replay[s]):
             start = time.perf_counter()
             results = await engine.generate(call["input_ids"], replace(call["sampling"]), session=f"direct-s{s}")
             latencies.append(time.perf_counter() - start)

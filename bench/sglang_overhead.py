@@ -87,9 +87,9 @@ def raw_rollout(url: str, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def raw_update(url: str, named: list[tuple[str, torch.Tensor]], version: str) -> float:
-    import httpx
     from multiprocessing.reduction import ForkingPickler
 
+    import httpx
     from torch import multiprocessing  # noqa: F401 - torch's reductions
 
     start = time.perf_counter()

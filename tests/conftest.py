@@ -6,6 +6,8 @@ import contextlib
 import os
 import secrets
 import signal
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,19 @@ REPO = Path(__file__).resolve().parents[1]
 # this very environment; subprocesses the tests start inherit the switch. Forced, not defaulted: a
 # value from the shell would bring the copy back.
 os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
+
+# Bytecode: where PYTHONDONTWRITEBYTECODE is set (container images often set it), no process keeps the
+# bytecode it compiles, so every process the suite starts (each Ray actor, launcher, worker script)
+# compiles torch, transformers and the rest from source again: 5-10 s of CPU each, about half of an
+# actor's start. The suite's processes keep it instead, in a folder of their own (PYTHONPYCACHEPREFIX,
+# so the checkout and the environment stay as they are): each module is compiled once. Bytecode is
+# checked against its source on every import, so an edited module is compiled again.
+if sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"):
+    sys.pycache_prefix = os.environ.setdefault(
+        "PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / f"loongsage-tests-pycache-{os.getuid()}"))
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    sys.dont_write_bytecode = False
+
 
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("LOONGSAGE_RUN_GPU") == "1":

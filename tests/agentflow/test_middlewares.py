@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from loongsage.agentflow.gateway.middlewares import RateLimit, RequestLog
+
 MAX_MODEL_LEN = 1024  # as the package conftest's engine
 
 

@@ -7,8 +7,16 @@ from collections import Counter
 
 import pytest
 
-from loongsage.agentflow.tasks.tool_calc import (ToolCalcReward, ToolCalcTask, estimate, final_answer, in_test_split,
-                                                 numbers, score, teacher_messages)
+from loongsage.agentflow.tasks.tool_calc import (
+    ToolCalcReward,
+    ToolCalcTask,
+    estimate,
+    final_answer,
+    in_test_split,
+    numbers,
+    score,
+    teacher_messages,
+)
 from loongsage.core.types import DataRecord, Trajectory
 
 

@@ -11,9 +11,18 @@ import torch
 
 from loongsage.agentflow.chat.templates import QWEN3_TOOLS_TEMPLATE
 from loongsage.agentflow.tasks.tool_calc import teacher_messages
-from loongsage.agentflow.tasks.warmstart import (BUILDER_VERSION, TAGS, ToolCalcWarmStartParams, build_tokenizer,
-                                                 cached_tool_calc_warm_start, offered_tools, sft_batch, sft_loss,
-                                                 shared_prefix, transcript_tokens)
+from loongsage.agentflow.tasks.warmstart import (
+    BUILDER_VERSION,
+    TAGS,
+    ToolCalcWarmStartParams,
+    build_tokenizer,
+    cached_tool_calc_warm_start,
+    offered_tools,
+    sft_batch,
+    sft_loss,
+    shared_prefix,
+    transcript_tokens,
+)
 from loongsage.agentflow.trajectories.rendering import ChatRenderer
 
 

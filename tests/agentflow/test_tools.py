@@ -9,8 +9,16 @@ import time
 
 import pytest
 
-from loongsage.agentflow.agents.tools import (CALCULATOR_SCHEMA, MAX_FILE_BYTES, READ_FILE_SCHEMA, ToolBox, calculator,
-                                              read_inside, schemas, write_files)
+from loongsage.agentflow.agents.tools import (
+    CALCULATOR_SCHEMA,
+    MAX_FILE_BYTES,
+    READ_FILE_SCHEMA,
+    ToolBox,
+    calculator,
+    read_inside,
+    schemas,
+    write_files,
+)
 
 
 @pytest.mark.parametrize("expression, value", [

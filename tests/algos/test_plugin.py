@@ -68,7 +68,7 @@ def test_factories_are_frozen_dataclasses_with_typed_defaulted_params(registered
             instance = factory()
             assert callable(instance)
             with pytest.raises(dataclasses.FrozenInstanceError):
-                setattr(instance, "x", 1)
+                instance.x = 1
             for attr, tp in CLASS_ATTRIBUTES[hook].items():
                 assert isinstance(getattr(factory, attr), tp), f"{name}.{attr}"
                 assert attr not in fields, f"{name}.{attr} must not be a param"

@@ -17,16 +17,16 @@ def reference_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, constant: 
     rows = [[(float(loss[i, t]), float(mask[i, t])) for t in range(loss.shape[1])] for i in range(loss.shape[0])]
     if mode == "token-mean":
         den = sum(m for row in rows for _, m in row)
-        return sum(l * m for row in rows for l, m in row) / den if den else 0.0
+        return sum(x * m for row in rows for x, m in row) / den if den else 0.0
     if mode == "seq-mean-token-sum-norm":
         c = constant if constant is not None else loss.shape[1]
-        return sum(l * m for row in rows for l, m in row) / c
+        return sum(x * m for row in rows for x, m in row) / c
     per_seq = []
     for row in rows:
         n = sum(m for _, m in row)
         if n == 0:
             continue  # an empty row is padding: not a sequence
-        s = sum(l * m for l, m in row)
+        s = sum(x * m for x, m in row)
         per_seq.append(s / n if mode == "seq-mean-token-mean" else s)
     return sum(per_seq) / len(per_seq) if per_seq else 0.0
 

@@ -13,8 +13,8 @@ import pytest
 
 from loongsage.core import contract_check, contracts
 from loongsage.core.contracts import BACKENDS, HOOKS, Critic, LossFunction
-from loongsage.core.loss import LossPlan, ValueLoss
 from loongsage.core.hookspecs import CATEGORIES
+from loongsage.core.loss import LossPlan, ValueLoss
 from loongsage.core.plugins import BACKEND_KINDS, load_registry
 from loongsage.core.types import ConfigError
 
@@ -474,7 +474,7 @@ def test_a_sandbox_backends_close_is_an_optional_method(registry, plugin_module)
     assert reg.create("sandbox", {"name": "bare"}, "services.sandboxes.params.backend").close is None
     from loongsage.core.contracts import Sandbox
 
-    closing = getattr(__import__(mod), "Closing")
+    closing = __import__(mod).Closing
     assert contract_check.check_object(closing(), Sandbox) == ("close(everything) does not take close() of Sandbox")
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from loongsage.core import cli
-from loongsage.core.config import find_recipe, load_config
 from loongsage.core.compose import compose
+from loongsage.core.config import find_recipe, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -24,9 +24,9 @@ import torch
 from loongsage.core import cli
 from loongsage.core.checkpoint import check_resumable
 from loongsage.core.config import load_config
-from loongsage.core.validation import check_machine
 from loongsage.core.failures import RunError, Stopped, explain
 from loongsage.core.types import BadRecordError, ConfigError
+from loongsage.core.validation import check_machine
 
 RECIPE = "tiny/grpo_arith_cpu"
 

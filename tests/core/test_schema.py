@@ -157,7 +157,7 @@ def test_check_params_without_parameters() -> None:
 
 
 def test_unresolvable_annotations_fall_back_to_no_type_check() -> None:
-    def factory(n: "NotDefinedAnywhere" = 1):  # noqa: F821
+    def factory(n: NotDefinedAnywhere = 1):  # noqa: F821
         return n
 
     assert check_params(factory, {"n": "anything"}, "w") == {"n": "anything"}

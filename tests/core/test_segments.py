@@ -10,9 +10,9 @@ from loongsage.algos.advantages import GRPO, RLOO
 from loongsage.algos.policy_losses import PPOClip
 from loongsage.core.aggregation import AGGREGATION_MODES
 from loongsage.core.batching import compute_advantages, to_batch
-from loongsage.core.trainer.micro_batching import plan_micro_batches
 from loongsage.core.loss import LossPlan, consistency_metrics
 from loongsage.core.segments import segment_layout
+from loongsage.core.trainer.micro_batching import plan_micro_batches
 from loongsage.core.types import Segment, Trajectory
 
 

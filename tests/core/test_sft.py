@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from loongsage.core.tinytask.tokenizer import IM_END, IM_START, build_tokenizer
 from loongsage.core.rollout import AgentContext
 from loongsage.core.sft import ConstantReward, SFTAgent, conversation_of
+from loongsage.core.tinytask.tokenizer import IM_END, IM_START, build_tokenizer
 from loongsage.core.types import DataRecord, SamplingParams, Status
 
 REPO = Path(__file__).resolve().parents[2]

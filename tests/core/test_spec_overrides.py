@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from loongsage.core.config import find_recipe, load_config
 from loongsage.core.compose import compose
+from loongsage.core.config import find_recipe, load_config
 from loongsage.core.types import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]

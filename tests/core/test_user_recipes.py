@@ -264,8 +264,8 @@ def test_the_command_line_setting_both_is_refused(hf_folder) -> None:
 
 
 def test_a_config_given_whole_with_both_is_refused(hf_folder) -> None:
-    from loongsage.core.validation import validate
     from loongsage.core.plugins import load_registry
+    from loongsage.core.validation import validate
 
     raw = compose(REPO / "recipes" / "tiny" / "grpo_arith_cpu.yaml", [])
     raw["model"]["path"] = str(hf_folder)

@@ -105,7 +105,10 @@ class _Killer(threading.Thread):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("scheduler", [SYNC, WINDOWED])
+# synchronously, that the lost requests sampled again with their seeds give the very tokens of an
+# undisturbed round is tests/core/test_router.py's test_a_lost_engine_is_replaced_and_its_requests_sampled_again
+# (engines killed and frozen); the replacement's start and weights through the launcher are checked here
+@pytest.mark.parametrize("scheduler", [pytest.param(SYNC, marks=pytest.mark.slow), WINDOWED])
 def test_an_engine_killed_mid_rollout_is_replaced_and_the_run_trains_the_same_prompts(launched, in_tmp, scheduler):
     uninterrupted = launched(audited("whole", scheduler)) / "runs" / "whole"  # same seed, same words
     before = _engine_processes()

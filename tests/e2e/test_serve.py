@@ -79,8 +79,8 @@ def test_serve_answers_openai_and_anthropic_clients_and_records_their_sessions(m
     try:
         lines = _lines(proc)
         printed = _until(lines, "one session per agent run", log)
-        first = {**_exports(next(l for l in printed if l.startswith("export OPENAI_"))),
-                 **_exports(next(l for l in printed if l.startswith("export ANTHROPIC_")))}
+        first = {**_exports(next(line for line in printed if line.startswith("export OPENAI_"))),
+                 **_exports(next(line for line in printed if line.startswith("export ANTHROPIC_")))}
         assert first["OPENAI_API_KEY"] == first["ANTHROPIC_API_KEY"]  # one session, one key
         assert first["OPENAI_BASE_URL"].startswith("http://127.0.0.1:")  # loopback by default
 

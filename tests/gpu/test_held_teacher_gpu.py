@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_offload_gpu import _batch, _loss
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

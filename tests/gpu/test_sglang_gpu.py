@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 pytest.importorskip("sglang")
 
 from _bench import bench_module  # noqa: E402
+
 from loongsage.core.buckets import without_aliases  # noqa: E402
 from loongsage.core.types import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
 from loongsage.sglang.engine import SGLangEngine  # noqa: E402

@@ -115,9 +115,9 @@ if __name__ == "__main__":
     model_dir, work, tp, ep, world = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     pp = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     etp = int(sys.argv[7]) if len(sys.argv) > 7 else None
-    from loongsage.core.placement import free_port
-
     from _tp_worker import perturbed_copy
+
+    from loongsage.core.placement import free_port
 
     perturbed_copy(model_dir, Path(work) / "teacher")
     port = str(free_port())

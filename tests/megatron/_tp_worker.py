@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 
-
 BUDGET = 24  # tokens per micro-batch: one row each, three micro-batches in the pipeline
 
 

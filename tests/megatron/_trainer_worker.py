@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.metrics import Metrics
+from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.types import TrainBatch
 from loongsage.megatron.trainer import MegatronTrainer
 

@@ -6,8 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongsage.megatron.convert import (Shape, fused_norm_names, hf_to_mcore, mcore_to_hf, qkv_interleave, qkv_split,
-                                       unfused_norm_names)
+from loongsage.megatron.convert import (
+    Shape,
+    fused_norm_names,
+    hf_to_mcore,
+    mcore_to_hf,
+    qkv_interleave,
+    qkv_split,
+    unfused_norm_names,
+)
 
 HIDDEN, FFN = 32, 48
 

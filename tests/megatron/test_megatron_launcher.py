@@ -14,7 +14,6 @@ import torch
 
 from loongsage.core.cli import main
 
-
 SUB_TEACHER = ('{name: %s, params: {builder: {name: tiny_arith, params: {name: tiny-arith-teacher-sub, operations: "-",'
                ' drop_prob: 0.0, steps: 20, batch_size: 64, warmup_steps: 10, init_from: {}}}}}')
 

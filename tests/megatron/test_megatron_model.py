@@ -16,8 +16,7 @@ import torch
 
 from loongsage.core.placement import free_port
 from loongsage.megatron.layout import Layout
-from loongsage.megatron.model import (architecture, layer_spec, resolve_layer_spec, rope_base,
-                                      transformer_engine_error)
+from loongsage.megatron.model import architecture, layer_spec, resolve_layer_spec, rope_base, transformer_engine_error
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model  # noqa: E402

@@ -426,8 +426,13 @@ class Server:
         body = await request.json()
 
         def join():
-            from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                            rendezvous)
+            from torch.distributed.distributed_c10d import (
+                Backend,
+                PrefixStore,
+                _new_process_group_helper,
+                _world,
+                rendezvous,
+            )
 
             timeout = datetime.timedelta(seconds=60)
             store, rank, world = next(rendezvous(f"tcp://{body['master_address']}:{body['master_port']}",

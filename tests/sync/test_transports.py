@@ -125,7 +125,7 @@ def test_a_receiver_that_dies_mid_transfer_is_an_error_and_the_others_keep_servi
             yield item
 
     started = time.monotonic()
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - Ray's error or the collective's, whichever comes first
         sender.push(dying(), [survivor, doomed])
     assert time.monotonic() - started < 60
     assert ray.get(survivor.version.remote()) == 1 and ray.get(survivor.weight_checksums.remote()) == before

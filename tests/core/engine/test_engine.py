@@ -18,6 +18,7 @@ from loongsage.core.types import FinishReason, SamplingParams
 sys.path.insert(0, str(Path(__file__).parent))
 from _engine_helpers import EOS, VOCAB, full_logprobs, prompts, req  # noqa: E402
 
+
 @pytest.fixture
 def engine(model_dir):
     return NativeEngine(model_dir, max_batch_size=64, max_model_len=128, seed=0)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from loongsage.core.engine.native import NativeEngine
-from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.metrics import Metrics
+from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, SamplingParams, TrainBatch
 
 sys.path.insert(0, str(Path(__file__).parent))

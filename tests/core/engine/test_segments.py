@@ -15,12 +15,12 @@ from _engine_helpers import full_logprobs, prompts, req
 from loongsage.algos.divergences import TopKKL
 from loongsage.algos.policy_losses import PPOClip
 from loongsage.core.batching import to_batch
-from loongsage.core.trainer.critic import TorchCritic
 from loongsage.core.engine.native import NativeEngine
-from loongsage.core.trainer.teacher import EmbeddedTeacher
-from loongsage.core.trainer.micro_batching import planned_micro_batches
-from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.loss import LossClosure, LossPlan
+from loongsage.core.trainer.critic import TorchCritic
+from loongsage.core.trainer.micro_batching import planned_micro_batches
+from loongsage.core.trainer.teacher import EmbeddedTeacher
+from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.types import Segment, Trajectory
 
 NEW = 10  # tokens generated per answer

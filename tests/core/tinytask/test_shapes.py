@@ -43,8 +43,8 @@ def test_the_cache_key_follows_every_param():
 
 
 def test_built_model_has_the_preset_shape_and_no_end_of_sequence(tmp_path, monkeypatch):
-    from transformers import AutoConfig, AutoTokenizer
     from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer
 
     monkeypatch.setenv("LOONGSAGE_CACHE", str(tmp_path))
     path = RandomInitModel(preset="qwen3-0.6b", num_layers=1, dtype="bfloat16", device="cpu").build()

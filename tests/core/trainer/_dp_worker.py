@@ -22,8 +22,8 @@ from loongsage.algos.corrections import M2PO, OPSM, ImportanceSampling
 from loongsage.algos.kl import K3
 from loongsage.algos.policy_losses import CISPO, GSPO, NLL, PPOClip
 from loongsage.core.aggregation import AGGREGATION_MODES
-from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.loss import LossPlan
+from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.types import TrainBatch
 
 # Rows of the batch: lengths 11..13 make the token budgets below split it exactly (see SPLITS).

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from loongsage.algos.policy_losses import PPOClip
+from loongsage.core.loss import LossPlan
 from loongsage.core.trainer.lora import LoraConfig
 from loongsage.core.trainer.torch_trainer import TorchTrainer
-from loongsage.core.loss import LossPlan
 from loongsage.core.types import TrainBatch
 
 

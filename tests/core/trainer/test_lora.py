@@ -13,12 +13,12 @@ import torch
 
 from loongsage.algos.policy_losses import PPOClip
 from loongsage.core.engine.native import NativeEngine
-from loongsage.core.trainer.lora import LoraConfig, require_peft
-from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
-from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.loss import LossPlan
 from loongsage.core.placement import free_port
 from loongsage.core.plugins import load_registry
+from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
+from loongsage.core.trainer.lora import LoraConfig, require_peft
+from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.types import ConfigError, GenerationRequest, SamplingParams, TrainBatch
 
 WORKER = Path(__file__).with_name("_lora_dp_worker.py")

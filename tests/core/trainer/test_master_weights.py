@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loongsage.core.metrics import Metrics
 from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 from loongsage.core.trainer.torch_trainer import TorchTrainer
-from loongsage.core.metrics import Metrics
 from loongsage.core.types import TrainBatch
 
 LR = 1e-6

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from loongsage.algos.policy_losses import PPOClip
+from loongsage.core.loss import LossPlan
+from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 from loongsage.core.trainer.micro_batching import (
     PASS_OVERHEAD_TOKENS,
     by_length,
@@ -18,9 +20,7 @@ from loongsage.core.trainer.micro_batching import (
     cost,
     plan_micro_batches,
 )
-from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 from loongsage.core.trainer.torch_trainer import TorchTrainer
-from loongsage.core.loss import LossPlan
 from loongsage.core.types import TrainBatch
 
 

@@ -9,12 +9,12 @@ import torch
 from loongsage.algos.divergences import JSD, FullVocabKL, TopKKL
 from loongsage.algos.kl import K3
 from loongsage.algos.policy_losses import PPOClip
+from loongsage.core.loss import LossPlan
 from loongsage.core.step.distillation import fill_teacher_tensors
-from loongsage.core.trainer.teacher import EmbeddedTeacher
 from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 from loongsage.core.trainer.micro_batching import micro_batches
+from loongsage.core.trainer.teacher import EmbeddedTeacher
 from loongsage.core.trainer.torch_trainer import TorchTrainer
-from loongsage.core.loss import LossPlan
 from loongsage.core.types import TrainBatch
 
 

@@ -7,11 +7,11 @@ import torch
 
 from loongsage.algos.policy_losses import PPOClip
 from loongsage.core.aggregation import AGGREGATION_MODES
-from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
+from loongsage.core.loss import LossPlan
 from loongsage.core.model_math.logprobs import token_logprobs
+from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 from loongsage.core.trainer.micro_batching import micro_batches
 from loongsage.core.trainer.torch_trainer import TorchTrainer
-from loongsage.core.loss import LossPlan
 from loongsage.core.types import TrainBatch
 
 

@@ -17,8 +17,8 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from loongsage.core.failures import Stopped, explain, install_stop_handlers, restore_previous_handlers
 from loongsage.core.types import BadRecordError, ConfigError
@@ -184,8 +184,8 @@ def reap_on_abnormal_exit() -> Iterator[None]:
 def cmd_train(args: argparse.Namespace) -> int:
     from loongsage.core.checkpoint import check_resumable
     from loongsage.core.config import load_config
-    from loongsage.core.validation import check_machine
     from loongsage.core.controller import Controller
+    from loongsage.core.validation import check_machine
 
     if args.recipe is None:
         raise ConfigError("train: no recipe given; usage: loongsage train <recipe> [key=value ...], e.g. "

@@ -91,7 +91,7 @@ class TeacherPlan:
         return held_by_trainer(self.spec)
 
 
-def plan_teachers(cfg: "Config", registry: Any, student_path: str) -> list[TeacherPlan]:
+def plan_teachers(cfg: Config, registry: Any, student_path: str) -> list[TeacherPlan]:
     """Resolve every source's teacher (building cached models now), one plan per distinct spec."""
     plans: dict[str, TeacherPlan] = {}
     for i, src in enumerate(cfg.data_sources):

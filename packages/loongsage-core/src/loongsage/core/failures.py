@@ -19,9 +19,10 @@ import re
 import shutil
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from loongsage.core.types import BadRecordError, ConfigError
 

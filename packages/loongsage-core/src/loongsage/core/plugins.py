@@ -36,15 +36,15 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import pluggy
 
 from loongsage.core import contract_check, contracts, hookspecs
-from loongsage.core.schema import check_params, join_error
 from loongsage.core.project_packages import PROJECT_PACKAGES  # named when one is asked for but not installed
+from loongsage.core.schema import check_params, join_error
 from loongsage.core.types import ConfigError
 
 # the registry's tables: one per hook category (hookspecs.CATEGORIES), one per backend kind
@@ -98,7 +98,7 @@ class Registry:
         self._tables = None
 
     def load(self, extra_modules: list[str] | tuple[str, ...] = (),
-             search_dirs: Iterable[str | Path] = ()) -> "Registry":
+             search_dirs: Iterable[str | Path] = ()) -> Registry:
         """Register the built-ins, the entry points, then ``extra_modules`` (``plugins:``), each of
         those imported as installed or else from the first of ``search_dirs`` and the working
         directory that holds it."""

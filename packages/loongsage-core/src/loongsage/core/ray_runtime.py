@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
+
 def start_ray_for(cfg: Any, cpus: float | None = None) -> bool:
     """Start a local Ray, unless one is running, with ``placement.num_cpus`` or else the usable cores
     and at least ``cpus`` (default: what the run's bundles reserve); True when it was started here."""

@@ -279,7 +279,7 @@ class TrainBatch:
             raise ValueError("trajectory_ids: this batch carries no sample_indices")
         return list(zip(self.group_ids.tolist(), self.sample_indices.tolist()))
 
-    def select(self, rows: Tensor | list[int]) -> "TrainBatch":
+    def select(self, rows: Tensor | list[int]) -> TrainBatch:
         """The batch of ``rows`` (in that order): every tensor and per-row list sliced alike."""
         idx = torch.as_tensor(rows, dtype=torch.long)
         out: dict[str, Any] = {}
@@ -292,7 +292,7 @@ class TrainBatch:
             out[name] = [value[i] for i in picked] if value else []
         return TrainBatch(**out)
 
-    def to(self, device: Any) -> "TrainBatch":
+    def to(self, device: Any) -> TrainBatch:
         """The batch with every tensor on ``device`` (itself when nothing has to move)."""
         device = torch.device(device)
         moved = {name: value.to(device) for name in self.tensor_fields()

@@ -39,17 +39,36 @@ from loongsage.core.metrics import Metrics
 from loongsage.core.model_math.dtypes import DTYPES
 from loongsage.core.model_math.logprobs import logprobs_and_entropy, logprobs_entropy_and_distribution, response_start
 from loongsage.core.segments import segment_layout
-from loongsage.core.trainer.adapter import (MicroBatchStep, OptimizerFile, Planned, VocabSplit, filler_input,
-                                            run_in_order)
+from loongsage.core.trainer.adapter import (
+    MicroBatchStep,
+    OptimizerFile,
+    Planned,
+    VocabSplit,
+    filler_input,
+    run_in_order,
+)
 from loongsage.core.types import TrainBatch
 from loongsage.megatron import context, weights
 from loongsage.megatron.convert import Shape
 from loongsage.megatron.layout import Layout
-from loongsage.megatron.model import (clear_routes, gpt_hidden, gpt_local_logits, gpt_logits, gpt_packed_logits,
-                                      load_hf_weights)
-from loongsage.megatron.parallel import (clip_grad_norm, parameter_kinds, sum_replicated_grads,
-                                        vocab_parallel_distribution, vocab_parallel_logprobs,
-                                        vocab_parallel_token_logprobs, vocab_shard, vocab_sum)
+from loongsage.megatron.model import (
+    clear_routes,
+    gpt_hidden,
+    gpt_local_logits,
+    gpt_logits,
+    gpt_packed_logits,
+    load_hf_weights,
+)
+from loongsage.megatron.parallel import (
+    clip_grad_norm,
+    parameter_kinds,
+    sum_replicated_grads,
+    vocab_parallel_distribution,
+    vocab_parallel_logprobs,
+    vocab_parallel_token_logprobs,
+    vocab_shard,
+    vocab_sum,
+)
 from loongsage.megatron.pipeline import Stage, forward_only, one_forward_one_backward
 from loongsage.megatron.replay import micro_batch_routes, padding_routes
 

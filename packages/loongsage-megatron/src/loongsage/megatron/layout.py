@@ -18,8 +18,9 @@ data-parallel replicas: ``trainer.world_size / pp`` must be a multiple of both.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,11 +98,10 @@ class Layout:
     def start(self, device: str) -> None:
         """Megatron's process groups over the run's trainer ranks (one process: a group of one of
         its own); CPU shims when CUDA is absent. A process runs one layout."""
-        from megatron.core import parallel_state as ps
-        from megatron.core import tensor_parallel
-
         from loongsage.core.placement import free_port
         from loongsage.megatron.cpu import apply_cpu_shims
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
 
         if not str(device).startswith("cuda"):
             apply_cpu_shims()

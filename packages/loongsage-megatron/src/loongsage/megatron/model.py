@@ -474,6 +474,7 @@ def _common_shape(model: Any, input_ids: torch.Tensor, attention_mask: torch.Ten
     shape = torch.tensor([b, t])
     if cfg.expert_model_parallel_size > 1:
         import torch.distributed as dist
+
         from megatron.core import parallel_state
 
         dist.all_reduce(shape, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_tensor_and_model_parallel_group())
@@ -505,9 +506,8 @@ def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping,
     """Fill ``model`` (this rank's shard of ``layout``, its ranks read from Megatron's process
     groups: its tensor-parallel slice, its block of experts and their slice, its pipeline
     stage's layers) from HF-named tensors; every weight must be given."""
-    from megatron.core import parallel_state as ps
-
     from loongsage.megatron.convert import Shape, fused_norm_names, hf_to_mcore
+    from megatron.core import parallel_state as ps
 
     own = model.state_dict()
     state = hf_to_mcore(hf, Shape.of(config), ps.get_tensor_model_parallel_rank(), layout.tp,

@@ -39,6 +39,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, routes: Tensor | None, *, mu
     """The rows' real tokens back to back (rows padded on the right only, or one line saying so),
     padded by one sequence to a multiple of ``multiple`` and to the longest over ``ep_group``."""
     import torch.distributed as dist
+
     from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
 

@@ -196,9 +196,8 @@ def sum_replicated_grads(named: list[tuple[str, torch.nn.Parameter, Tensor | Non
     (each rank normalises its own heads) and, under sequence parallelism, those marked
     ``sequence_parallel`` (the norms and routers, each rank seeing its share of the tokens).
     ``named``: each parameter's name, the parameter, and its gradient so far."""
-    from megatron.core import parallel_state
-
     from loongsage.core.model_math.state import sum_in_place
+    from megatron.core import parallel_state
 
     grads = [g for n, p, g in named if g is not None and (
         "q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))]

@@ -59,10 +59,9 @@ def fp32_output_layer(layer: torch.nn.Module) -> None:
     this rank's vocabulary rows. A tied model hands the embedding in as ``weight``. Under tensor
     parallelism the input enters as Megatron's column-parallel layer takes it (identity forward,
     its gradient summed over the ranks' vocabulary shards)."""
+    from loongsage.core.model_math.head import fp32_head
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
-
-    from loongsage.core.model_math.head import fp32_head
 
     def forward(input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None,
                 **_: Any) -> tuple[Tensor, None]:

@@ -31,8 +31,8 @@ means.
 from __future__ import annotations
 
 import asyncio
-import json
 import functools
+import json
 import secrets
 import shlex
 import time

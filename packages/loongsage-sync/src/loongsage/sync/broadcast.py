@@ -26,8 +26,8 @@ from torch import Tensor
 
 from loongsage.core.buckets import PackBuffer, TensorMeta, bucket_bytes, flag_last, plan_buckets, unpack
 from loongsage.core.contracts import Transport, TransportReceiver
-from loongsage.core.transport import commit_nothing, push_stats
 from loongsage.core.placement import free_port
+from loongsage.core.transport import commit_nothing, push_stats
 from loongsage.sync.group import broadcast_from_sender, cuda_device, leave, weight_group
 
 

@@ -16,7 +16,8 @@ Both protocol front ends (:mod:`~loongsage.agentflow.gateway.openai_api`,
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from loongsage.agentflow.chat.errors import bad_request
 from loongsage.agentflow.chat.fields import without_surrogates

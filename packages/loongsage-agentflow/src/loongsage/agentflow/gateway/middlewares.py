@@ -17,9 +17,10 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable, ClassVar
+from typing import Any, ClassVar
 
 from loongsage.agentflow.chat.errors import APIError
 from loongsage.core.schema import ranged

@@ -133,7 +133,7 @@ class Served:
             if not session.closed:
                 try:
                     await asyncio.wait_for(self.gateway.close_session(session_id, 0), self.flush_timeout_s)
-                except (asyncio.TimeoutError, KeyError):
+                except (TimeoutError, KeyError):
                     log.warning("serve: session %s still had a turn in flight; recorded without it", session_id)
             self.write(session)
         self.sessions.clear()

@@ -106,7 +106,7 @@ async def run_program(launch: Launch) -> Outcome:
                 os.close(fd)
         try:
             await asyncio.wait_for(proc.wait(), launch.timeout_s + launch.grace_s + _MARGIN_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             backstop = True
             _kill_group(proc.pid)
             await proc.wait()

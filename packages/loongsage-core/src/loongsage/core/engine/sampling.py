@@ -48,7 +48,7 @@ class SamplingTensors:
     candidates: int  # largest top-k of the sampled rows; the vocab size when one of them has none
 
     @classmethod
-    def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> "SamplingTensors":
+    def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> SamplingTensors:
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         greedy = temp == 0
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params], dtype=torch.long)
@@ -61,7 +61,7 @@ class SamplingTensors:
 
     @classmethod
     def _from(cls, inv_t: Tensor, greedy: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-              vocab: int) -> "SamplingTensors":
+              vocab: int) -> SamplingTensors:
         # The batch-level flags pick cheaper code paths; computed once per batch (and on compaction),
         # never per step.
         sampled = ~greedy
@@ -73,7 +73,7 @@ class SamplingTensors:
             needs_temperature=bool((sampled & (inv_t != 1)).any()), candidates=candidates,
         )
 
-    def select(self, rows: Tensor, vocab_size: int) -> "SamplingTensors":
+    def select(self, rows: Tensor, vocab_size: int) -> SamplingTensors:
         """Keep (or repeat) the given rows, in that order."""
         return self._from(
             self.inv_temperature[rows], self.greedy[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],

@@ -9,9 +9,9 @@
 """
 
 from loongsage.core.rollout.agents import AgentContext, SingleTurnAgent, encode_prompt, gather_groups
-from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.rollout.router import EngineRouter
 from loongsage.core.rollout.schedulers import SyncScheduler
+from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.rollout.service import RolloutService, rollout_metrics
 
 __all__ = ["AgentContext", "EngineRouter", "RolloutService", "SingleTurnAgent", "SyncScheduler", "encode_prompt",

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from loongsage.core.rollout.router import EngineRouter
 from loongsage.core.types import DataRecord, FinishReason, SamplingParams, Status, Trajectory
 
+
 @dataclass
 class AgentContext:
     """What an agent may use: the engine (token-in, token-out), the tokenizer, its sampling.

@@ -35,8 +35,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.types import EngineUnavailable, FinishReason, GenerationRequest, GenerationResult, SamplingParams
@@ -181,7 +182,7 @@ class EngineRouter:
 
         try:
             await asyncio.wait_for(_awaitable(engine.health.remote()), self.health_timeout_s)
-        except (RayActorError, asyncio.TimeoutError, EngineUnavailable):  # dead, silent, or its server gone
+        except (TimeoutError, RayActorError, EngineUnavailable):  # dead, silent, or its server gone
             return False
         except Exception:  # noqa: BLE001 - it answered, with an error of its own: alive
             return True

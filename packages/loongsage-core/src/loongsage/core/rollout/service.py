@@ -55,8 +55,8 @@ from loongsage.core.data import Mixer
 from loongsage.core.rollout.agents import AgentContext, gather_groups
 from loongsage.core.rollout.recovery import EngineRecovery
 from loongsage.core.rollout.replay import GroupRecorder, RecordedCall
-from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.rollout.router import EngineRouter
+from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.services import RunServices
 from loongsage.core.types import DataRecord, SamplingParams, SchedulerState, Status, Trajectory
 
@@ -267,7 +267,7 @@ class RolloutService:
             self.router.resume_after_update()
             self._notify()
 
-    def _scheduler_state(self, src: "_Source") -> SchedulerState:
+    def _scheduler_state(self, src: _Source) -> SchedulerState:
         return SchedulerState(version=self.version, groups_per_step=src.quota, in_flight=src.in_flight,
                               buffered=len(src.buffer), consumed=src.consumed, dispatched=src.next_seq,
                               oldest_unconsumed=min(src.outstanding, default=src.next_seq))
@@ -287,7 +287,7 @@ class RolloutService:
             self._error = exc
             self._notify()
 
-    def _dispatch(self, name: str, src: "_Source", count: int) -> None:
+    def _dispatch(self, name: str, src: _Source, count: int) -> None:
         again = [src.returned.popleft() for _ in range(min(count, len(src.returned)))]
         records = again + (self.mixer.take(name, count - len(again)) if count > len(again) else [])
         for record in records:
@@ -296,7 +296,7 @@ class RolloutService:
             src.outstanding[seq] = record
             self._launch(name, src, seq, gid, record)
 
-    def _launch(self, name: str, src: "_Source", seq: int, gid: int, record: DataRecord,
+    def _launch(self, name: str, src: _Source, seq: int, gid: int, record: DataRecord,
                 calls: list[RecordedCall] = ()) -> None:
         recorder = GroupRecorder(self.router, calls)
         src.running[seq] = (gid, recorder)
@@ -305,7 +305,7 @@ class RolloutService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_group(self, name: str, src: "_Source", seq: int, gid: int, record: DataRecord,
+    async def _run_group(self, name: str, src: _Source, seq: int, gid: int, record: DataRecord,
                          recorder: GroupRecorder) -> None:
         try:
             (group,) = await self.generate([record], group_ids=[gid], engines=[recorder])
@@ -361,7 +361,7 @@ class RolloutService:
             await self._event().wait()
         groups: Groups = []
         lags = []
-        for (name, src), pick in zip(self.sources.items(), picks.values()):
+        for (_name, src), pick in zip(self.sources.items(), picks.values()):
             taken = sorted(pick)[:src.quota]
             for seq in taken:
                 group = src.take(seq)
@@ -390,7 +390,7 @@ class RolloutService:
         self._notify()  # consumption frees places
         return groups, metrics
 
-    def _collectable(self, src: "_Source") -> list[int]:
+    def _collectable(self, src: _Source) -> list[int]:
         state, collectable = self._scheduler_state(src), self.scheduler.collectable
         return [seq for seq, _ in src.buffer if collectable is None or collectable(seq, state)]
 

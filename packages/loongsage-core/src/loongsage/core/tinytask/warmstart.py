@@ -123,7 +123,7 @@ class WarmStartParams:
                     raise ValueError(f"{key}={getattr(self, key)!r}: must equal the init_from model's "
                                      f"({getattr(base, key)!r}); fine-tuning keeps its architecture")
 
-    def base(self) -> "WarmStartParams":
+    def base(self) -> WarmStartParams:
         """The warm start ``init_from`` names (an error if it names unknown fields)."""
         if self.init_from is None:
             raise ValueError("init_from is null: this warm start starts from a random init")
