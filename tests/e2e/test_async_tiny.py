@@ -48,6 +48,10 @@ def _trained_prompts(run_dir: Path) -> list[tuple[str, int]]:
     return sorted((g["source"], g["index"]) for row in steps.values() for g in row["groups"])
 
 
+# test_kill_resume.py's windowed_fifo case resumes the same way from the checkpoint of a run killed
+# mid-step (its rollout state, buffered and in flight, taken by the same snapshot) and checks the
+# same prompts, by group id, and that the first resumed batch trains the buffered groups
+@pytest.mark.slow
 def test_async_resume_trains_the_same_prompts_as_an_uninterrupted_run(launched, in_tmp):
     """In dispatch order (windowed_fifo), a run stopped after step 2 and resumed trains exactly the
     prompts of the uninterrupted run: the checkpoint holds the groups generated ahead of training

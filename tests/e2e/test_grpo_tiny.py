@@ -32,8 +32,8 @@ def _trained(rows: list[dict]) -> list[dict]:
     return [r for r in rows if "train/loss" in r]
 
 
-# not colocated, the synchronous loop is trained by test_kill_resume.py's and test_engine_recovery.py's
-# uninterrupted sync run (same steps, versions, checkpoints and prompts checked there)
+# not colocated (no memory to hand over), the loop runs synchronously in tests/sglang/test_sglang_launcher.py
+# and asynchronously in test_kill_resume.py's and test_engine_recovery.py's windowed_fifo runs
 @pytest.mark.parametrize("colocate", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_grpo_loop_runs(launched, colocate):
     """The run test_resume_exact.py compares a stopped and resumed run against."""

@@ -34,8 +34,8 @@ def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-# not colocated, test_kill_resume.py's run, killed and resumed, trains the uninterrupted run's groups
-# (by id) and test_async_tiny.py's resumed run its prompts
+# not colocated, test_kill_resume.py's windowed_fifo run, killed and resumed, trains the uninterrupted
+# run's groups, by id
 @pytest.mark.parametrize("colocate", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_interrupted_and_resumed_run_equals_the_uninterrupted_one(launched, colocate):
     whole_dir = launched(grpo_loop(colocate, "whole", 4)) / "runs" / "whole"
