@@ -159,6 +159,7 @@ CONTRACT_CALLS = {
 CONTRACT_FLAGS = {
     "Agent": {"required_services": ()},
     "Reward": {"takes_context": False, "nested": {}, "bind": None},
+    "GatewayMiddleware": {"receives": ()},
     "AdvantageEstimator": {"needs_values": False, "uses_token_rewards": False, "returns": None, "min_group_size": 1},
     "PolicyLoss": {"needs_old_logprobs": True, "supported_aggregations": None, "uses_advantages": True},
     "KLEstimator": {"consumes": "logprobs", "needs_old_logprobs": False, "partial": None},
