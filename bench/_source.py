@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def source_state() -> dict[str, Any]:
     """``{"commit": sha, "uncommitted_files": n}`` (n is None when git cannot tell)."""
+
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30)

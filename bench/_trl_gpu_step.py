@@ -38,11 +38,25 @@ def main(spec_path: str, result_path: str) -> int:
         gradient_accumulation_steps=generation_batch // spec["micro_batch_rows"],  # one optimizer step per batch
         num_generations=samples,
         max_completion_length=spec["new_tokens"],
-        temperature=1.0, top_p=1.0, top_k=0,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
         generation_kwargs={"min_new_tokens": spec["new_tokens"]},  # exactly new_tokens sampled, as ours
-        beta=0.0, learning_rate=1e-6, max_grad_norm=1.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
-        bf16=True, gradient_checkpointing=False, max_steps=spec["steps"], logging_steps=1, save_strategy="no",
-        report_to=[], seed=1, dataloader_num_workers=0, disable_tqdm=True,
+        beta=0.0,
+        learning_rate=1e-6,
+        max_grad_norm=1.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",
+        bf16=True,
+        gradient_checkpointing=False,
+        max_steps=spec["steps"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=1,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     data = Dataset.from_list([{"prompt": p} for p in spec["prompts"]])
 
@@ -66,14 +80,24 @@ def main(spec_path: str, result_path: str) -> int:
             if logs and "completions/mean_length" in logs:
                 completion_lengths.append(float(logs["completions/mean_length"]))
 
-    trainer = GRPOTrainer(model=model, reward_funcs=constant_reward, args=config, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[Timer()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=constant_reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[Timer()],
+    )
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     # TrainerCallback.on_step_end fires once per optimizer step (after gradient accumulation)
     steps = [b - a for a, b in zip(marks, marks[1:])]
-    result = {"step_s": steps, "completion_mean_length": completion_lengths,
-              "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "log_history": trainer.state.log_history}
+    result = {
+        "step_s": steps,
+        "completion_mean_length": completion_lengths,
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "log_history": trainer.state.log_history,
+    }
     Path(result_path).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

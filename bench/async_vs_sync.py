@@ -70,32 +70,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=10, help="held-out greedy eval every N steps (default 10)")
     p.add_argument("--eval-prompts", type=int, help="held-out prompts per source (default: evaluation.max_prompts)")
     p.add_argument("--max-staleness", type=int, default=1, help="η of no_window / window_gated / windowed_fifo")
-    p.add_argument("--schedulers", default=",".join(SCHEDULERS),
-                   help=f"comma-separated schedulers to run (default {','.join(SCHEDULERS)}); sync is the baseline")
+    p.add_argument(
+        "--schedulers",
+        default=",".join(SCHEDULERS),
+        help=f"comma-separated schedulers to run (default {','.join(SCHEDULERS)}); sync is the baseline",
+    )
     p.add_argument("--no-trl", action="store_true", help="leave TRL out")
     p.add_argument("--same-seed", action="store_true", help="every repeat with the recipe's run.seed")
-    p.add_argument("--first-repeat", type=int, default=0,
-                   help="number of the first repeat (seed run.seed + it): repeats can run as separate benches, "
-                        "say one per pair of cores (taskset), and be joined with --merge")
-    p.add_argument("--merge", nargs="+", type=Path, metavar="JSON",
-                   help="train nothing: join the runs of bench results of the same commit and settings (separate "
-                        "repeats) into <out-dir>/async_vs_sync.{json,md,png}")
+    p.add_argument(
+        "--first-repeat",
+        type=int,
+        default=0,
+        help="number of the first repeat (seed run.seed + it): repeats can run as separate benches, "
+        "say one per pair of cores (taskset), and be joined with --merge",
+    )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="train nothing: join the runs of bench results of the same commit and settings (separate "
+        "repeats) into <out-dir>/async_vs_sync.{json,md,png}",
+    )
     p.add_argument("--warmup-steps", type=int, default=3, help="first steps left out of the steady state (default 3)")
-    p.add_argument("--max-load", type=float,
-                   help="before each run, wait while the 1-minute load average is above this (default: 2 x cores; "
-                        "0 = never wait), at most --max-wait-s")
+    p.add_argument(
+        "--max-load",
+        type=float,
+        help="before each run, wait while the 1-minute load average is above this (default: 2 x cores; "
+        "0 = never wait), at most --max-wait-s",
+    )
     p.add_argument("--max-wait-s", type=float, default=20.0, help="longest wait for the load to drop (default 20)")
     p.add_argument("--warm-start-steps", type=int, help="override model.builder.params.steps (development)")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other recipe override; applied to every side (repeatable)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 4 steps, 1 repeat, eval every 2 steps on 16 prompts, 40-step warm start")
-    p.add_argument("--report-only", action="store_true",
-                   help="train nothing: rebuild the markdown and plot from <out-dir>/async_vs_sync.json")
+    p.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other recipe override; applied to every side (repeatable)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 4 steps, 1 repeat, eval every 2 steps on 16 prompts, 40-step warm start",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: rebuild the markdown and plot from <out-dir>/async_vs_sync.json",
+    )
     p.add_argument("--out-dir", type=Path, help="where the json/md/png go (default bench/results)")
-    p.add_argument("--export-commit", metavar="REV",
-                   help="measure a clean export of commit REV (git archive under bench/work/src/), not the working "
-                        "tree: the bench re-runs itself from there with that tree's packages first on PYTHONPATH")
+    p.add_argument(
+        "--export-commit",
+        metavar="REV",
+        help="measure a clean export of commit REV (git archive under bench/work/src/), not the working "
+        "tree: the bench re-runs itself from there with that tree's packages first on PYTHONPATH",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.repeats, args.eval_every = min(args.steps, 4), 1, 2
@@ -136,9 +166,16 @@ def training_overrides(args: argparse.Namespace, seed: int | None) -> list[str]:
 
 def bench_overrides(run_root: Path, run_name: str) -> list[str]:
     """Launcher-only overrides: where outputs go and what is logged; nothing that changes training."""
-    return [f"run.name={run_name}", f"run.output_dir={run_root / 'runs'}", f"run.log_dir={run_root / 'log'}",
-            "evaluation.pass_k=0", "checkpoint.every_steps=0", "checkpoint.export_hf=false",
-            "tracking.backends=[jsonl]", "tracking.progress=false"]
+    return [
+        f"run.name={run_name}",
+        f"run.output_dir={run_root / 'runs'}",
+        f"run.log_dir={run_root / 'log'}",
+        "evaluation.pass_k=0",
+        "checkpoint.every_steps=0",
+        "checkpoint.export_hf=false",
+        "tracking.backends=[jsonl]",
+        "tracking.progress=false",
+    ]
 
 
 def unsupported(msg: str) -> SystemExit:
@@ -158,13 +195,21 @@ def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
         if src.eval_reader is None:
             raise unsupported(f"{src.name}: no eval_reader (held-out accuracy needs one)")
         registry.create("reward", src.reward, f"data_sources[{i}].reward")  # validates the spec
-        sources.append({
-            "name": src.name, "prompts": src.prompts_per_step, "samples": src.samples_per_prompt,
-            "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
-            "min_p": sampling.min_p, "max_new_tokens": sampling.max_new_tokens,
-            "reward": {"name": src.reward["name"], "params": dict(src.reward.get("params") or {})},
-            "reader": src.reader, "eval_reader": src.eval_reader,
-        })
+        sources.append(
+            {
+                "name": src.name,
+                "prompts": src.prompts_per_step,
+                "samples": src.samples_per_prompt,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "top_k": sampling.top_k,
+                "min_p": sampling.min_p,
+                "max_new_tokens": sampling.max_new_tokens,
+                "reward": {"name": src.reward["name"], "params": dict(src.reward.get("params") or {})},
+                "reader": src.reader,
+                "eval_reader": src.eval_reader,
+            }
+        )
     if len({s["samples"] for s in sources}) != 1:
         raise unsupported("samples_per_prompt differs between sources (TRL has one num_generations)")
     alg = cfg.algorithm
@@ -182,8 +227,9 @@ def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
     if cfg.model.dtype != "float32":
         raise unsupported(f"model.dtype={cfg.model.dtype} (float32 expected on CPU)")
     if cfg.placement.colocate:
-        raise SystemExit(f"{NAME}: asynchronous schedulers need placement.colocate=false "
-                         "(pass --set placement.colocate=false)")
+        raise SystemExit(
+            f"{NAME}: asynchronous schedulers need placement.colocate=false (pass --set placement.colocate=false)"
+        )
     # TRL: one sampling configuration for the batch: the longest source's, with its max length
     longest = max(sources, key=lambda s: s["max_new_tokens"])
     opt = tr.optimizer
@@ -194,15 +240,25 @@ def extract_settings(cfg: Any, registry: Any) -> dict[str, Any]:
         "samples": sources[0]["samples"],
         "trajectories_per_step": sum(s["prompts"] * s["samples"] for s in sources),
         "trl_sampling_from": longest["name"],
-        "lr": opt.lr, "warmup_steps": opt.warmup_steps, "betas": list(opt.betas), "adam_eps": opt.eps,
-        "weight_decay": opt.weight_decay, "grad_clip": opt.grad_clip,
-        "clip_low": loss.clip_low, "clip_high": loss.clip_high,
-        "std_normalize": adv.std_normalize, "advantage_eps": adv.eps,
-        "eval_every": cfg.evaluation.every_steps, "eval_prompts": cfg.evaluation.max_prompts,
+        "lr": opt.lr,
+        "warmup_steps": opt.warmup_steps,
+        "betas": list(opt.betas),
+        "adam_eps": opt.eps,
+        "weight_decay": opt.weight_decay,
+        "grad_clip": opt.grad_clip,
+        "clip_low": loss.clip_low,
+        "clip_high": loss.clip_high,
+        "std_normalize": adv.std_normalize,
+        "advantage_eps": adv.eps,
+        "eval_every": cfg.evaluation.every_steps,
+        "eval_prompts": cfg.evaluation.max_prompts,
         "model_builder": cfg.model.builder,
         "micro_batch_tokens": tr.micro_batch_tokens,
-        "placement": {"colocate": cfg.placement.colocate, "cpus_per_actor": cfg.placement.cpus_per_actor,
-                      "torch_threads": cfg.placement.torch_threads},
+        "placement": {
+            "colocate": cfg.placement.colocate,
+            "cpus_per_actor": cfg.placement.cpus_per_actor,
+            "torch_threads": cfg.placement.torch_threads,
+        },
     }
 
 
@@ -210,13 +266,33 @@ def trl_settings(settings: dict[str, Any], steps: int, seed: int) -> dict[str, A
     """The flat settings ``_trl_side.py`` reads, plus ``sources`` (reward and eval length per source)."""
     longest = next(s for s in settings["sources"] if s["name"] == settings["trl_sampling_from"])
     return {
-        "steps": steps, "seed": seed, "prompts": settings["prompts_per_step"], "samples": settings["samples"],
-        "max_new_tokens": longest["max_new_tokens"], "temperature": longest["temperature"],
-        "top_p": longest["top_p"], "top_k": longest["top_k"], "min_p": longest["min_p"],
-        **{k: settings[k] for k in ("lr", "warmup_steps", "betas", "adam_eps", "weight_decay", "grad_clip",
-                                    "clip_low", "clip_high", "std_normalize", "eval_every")},
-        "sources": {s["name"]: {"reward": s["reward"], "max_new_tokens": s["max_new_tokens"]}
-                    for s in settings["sources"]},
+        "steps": steps,
+        "seed": seed,
+        "prompts": settings["prompts_per_step"],
+        "samples": settings["samples"],
+        "max_new_tokens": longest["max_new_tokens"],
+        "temperature": longest["temperature"],
+        "top_p": longest["top_p"],
+        "top_k": longest["top_k"],
+        "min_p": longest["min_p"],
+        **{
+            k: settings[k]
+            for k in (
+                "lr",
+                "warmup_steps",
+                "betas",
+                "adam_eps",
+                "weight_decay",
+                "grad_clip",
+                "clip_low",
+                "clip_high",
+                "std_normalize",
+                "eval_every",
+            )
+        },
+        "sources": {
+            s["name"]: {"reward": s["reward"], "max_new_tokens": s["max_new_tokens"]} for s in settings["sources"]
+        },
     }
 
 
@@ -229,9 +305,15 @@ def training_records(cfg: Any, registry: Any, steps: int) -> list[dict[str, Any]
     from loongsage.core.data import Mixer, SourceCursor
 
     # same construction as the controller's: one cursor per source, seed = run.seed * 7919 + source index
-    cursors = [SourceCursor(s.name, registry.create("data_source", s.reader, f"data_sources[{i}].reader"),
-                            seed=cfg.run.seed * 7919 + i, on_bad_row=s.on_bad_row)
-               for i, s in enumerate(cfg.data_sources)]
+    cursors = [
+        SourceCursor(
+            s.name,
+            registry.create("data_source", s.reader, f"data_sources[{i}].reader"),
+            seed=cfg.run.seed * 7919 + i,
+            on_bad_row=s.on_bad_row,
+        )
+        for i, s in enumerate(cfg.data_sources)
+    ]
     mixer = Mixer(cursors, {s.name: s.prompts_per_step for s in cfg.data_sources})
     out = []
     for _ in range(steps):
@@ -298,16 +380,30 @@ def resolve_recipe(name: str) -> tuple[str, list[str]]:
     return name, ["--config-dir", str(REPO / "recipes")]
 
 
-def run_ours(args: argparse.Namespace, root: Path, env: dict[str, str], model_path: str, scheduler: str,
-             seed: int | None, sources: list[str]) -> dict[str, Any]:
+def run_ours(
+    args: argparse.Namespace,
+    root: Path,
+    env: dict[str, str],
+    model_path: str,
+    scheduler: str,
+    seed: int | None,
+    sources: list[str],
+) -> dict[str, Any]:
     from loongsage.core.tracking import read_metrics
 
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     recipe, config_dir = resolve_recipe(args.recipe)
     run_name = f"{NAME}_{scheduler}"
-    cmd = [*launcher_command(), "train", *config_dir, recipe, *training_overrides(args, seed),
-           scheduler_override(scheduler, args.max_staleness), *bench_overrides(root, run_name)]
+    cmd = [
+        *launcher_command(),
+        "train",
+        *config_dir,
+        recipe,
+        *training_overrides(args, seed),
+        scheduler_override(scheduler, args.max_staleness),
+        *bench_overrides(root, run_name),
+    ]
     load = [os.getloadavg()[0]]
     wall = run_logged(cmd, root, root / "launcher.log", env)
     load.append(os.getloadavg()[0])
@@ -319,31 +415,70 @@ def run_ours(args: argparse.Namespace, root: Path, env: dict[str, str], model_pa
     for r in read_metrics(run_dir):
         per = {s: r[f"eval/{s}/accuracy"] for s in sources if f"eval/{s}/accuracy" in r}
         if per:
-            evals.append({"step": r["step"], "per_source": {
-                s: {"accuracy": per[s], "response_length": r.get(f"eval/{s}/response_length")} for s in per}})
+            evals.append(
+                {
+                    "step": r["step"],
+                    "per_source": {
+                        s: {"accuracy": per[s], "response_length": r.get(f"eval/{s}/response_length")} for s in per
+                    },
+                }
+            )
         if "timing/step_s" in r:
-            steps.append({
-                "step": r["step"], "step_s": r["timing/step_s"], "rollout_s": r["timing/rollout_s"],
-                "train_s": r["timing/train_s"], "sync_s": r["timing/sync_s"],
-                "trajectories": r.get("rollout/trajectories"), "reward_mean": r["rollout/reward_mean"],
-                "reward_mean_by_source": {s: r.get(f"rollout_per_ds/{s}/reward_mean") for s in sources},
-                "response_length_by_source": {s: r.get(f"rollout_per_ds/{s}/response_length_mean") for s in sources},
-                **{k.split("/", 1)[1]: r[k] for k in ("rollout/staleness_mean", "rollout/staleness_max",
-                                                     "rollout/partial_frac", "rollout/stale_dropped",
-                                                     "rollout/resumed_samples") if k in r},
-            })
+            steps.append(
+                {
+                    "step": r["step"],
+                    "step_s": r["timing/step_s"],
+                    "rollout_s": r["timing/rollout_s"],
+                    "train_s": r["timing/train_s"],
+                    "sync_s": r["timing/sync_s"],
+                    "trajectories": r.get("rollout/trajectories"),
+                    "reward_mean": r["rollout/reward_mean"],
+                    "reward_mean_by_source": {s: r.get(f"rollout_per_ds/{s}/reward_mean") for s in sources},
+                    "response_length_by_source": {
+                        s: r.get(f"rollout_per_ds/{s}/response_length_mean") for s in sources
+                    },
+                    **{
+                        k.split("/", 1)[1]: r[k]
+                        for k in (
+                            "rollout/staleness_mean",
+                            "rollout/staleness_max",
+                            "rollout/partial_frac",
+                            "rollout/stale_dropped",
+                            "rollout/resumed_samples",
+                        )
+                        if k in r
+                    },
+                }
+            )
     if len(steps) != args.steps:
         raise SystemExit(f"{NAME}: expected {args.steps} steps in {run_dir}, found {len(steps)}")
-    return {"command": cmd, "wall_s": wall, "loadavg_1m_before_after": load, "steps": steps, "evals": evals,
-            "run_dir": str(run_dir)}
+    return {
+        "command": cmd,
+        "wall_s": wall,
+        "loadavg_1m_before_after": load,
+        "steps": steps,
+        "evals": evals,
+        "run_dir": str(run_dir),
+    }
 
 
-def run_trl(root: Path, env: dict[str, str], model_path: str, settings: dict[str, Any],
-            train: list[dict[str, Any]], held_out: list[dict[str, Any]]) -> dict[str, Any]:
+def run_trl(
+    root: Path,
+    env: dict[str, str],
+    model_path: str,
+    settings: dict[str, Any],
+    train: list[dict[str, Any]],
+    held_out: list[dict[str, Any]],
+) -> dict[str, Any]:
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    spec = {"model_path": model_path, "work_dir": str(root), "settings": settings,
-            "train_records": train, "eval_records": held_out}
+    spec = {
+        "model_path": model_path,
+        "work_dir": str(root),
+        "settings": settings,
+        "train_records": train,
+        "eval_records": held_out,
+    }
     (root / "spec.json").write_text(json.dumps(spec) + "\n")
     cmd = [sys.executable, str(BENCH / "_trl_side.py"), str(root / "spec.json"), str(root / "result.json")]
     load = [os.getloadavg()[0]]
@@ -351,8 +486,10 @@ def run_trl(root: Path, env: dict[str, str], model_path: str, settings: dict[str
     load.append(os.getloadavg()[0])
     result = json.loads((root / "result.json").read_text())
     if len(result["steps"]) != settings["steps"] or result["reward_calls"] != settings["steps"]:
-        raise SystemExit(f"{NAME}: TRL ran {len(result['steps'])} steps / {result['reward_calls']} reward calls, "
-                         f"expected {settings['steps']} (one generation batch per optimizer step)")
+        raise SystemExit(
+            f"{NAME}: TRL ran {len(result['steps'])} steps / {result['reward_calls']} reward calls, "
+            f"expected {settings['steps']} (one generation batch per optimizer step)"
+        )
     for s in result["steps"]:
         s["trajectories"] = float(settings["prompts"] * settings["samples"])
     shutil.rmtree(root / "final", ignore_errors=True)  # the trained weights are not needed here
@@ -370,6 +507,7 @@ def wait_for_load(max_load: float, max_wait_s: float) -> float:
 # ----------------------------------------------------------------------------- summary
 def steady_steps(run: dict[str, Any], warmup: int, eval_every: int) -> list[dict[str, Any]]:
     """Steps after the warm-up, leaving out each step that follows an evaluation (same rule every side)."""
+
     def after_eval(step: int) -> bool:
         return bool(eval_every) and step - 1 > 0 and (step - 1) % eval_every == 0
 
@@ -413,8 +551,11 @@ def quantile(values: list[float], q: float) -> float:
 
 # per-run throughput estimators: summed steady time, median step, least contended (p10) step
 MEASURES = ("trajectories_per_s", "trajectories_per_s_median_step", "trajectories_per_s_p10")
-MEASURE_NAMES = {"trajectories_per_s": "summed", "trajectories_per_s_median_step": "median step",
-                 "trajectories_per_s_p10": "p10 step"}
+MEASURE_NAMES = {
+    "trajectories_per_s": "summed",
+    "trajectories_per_s_median_step": "median step",
+    "trajectories_per_s_p10": "p10 step",
+}
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -430,8 +571,7 @@ def reward_windows(steps: int, eval_every: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + width - 1, steps)) for lo in range(1, steps + 1, width)]
 
 
-def learning_summary(runs: list[dict[str, Any]], sources: list[str], steps: int,
-                     eval_every: int) -> dict[str, Any]:
+def learning_summary(runs: list[dict[str, Any]], sources: list[str], steps: int, eval_every: int) -> dict[str, Any]:
     """Per source: eval accuracy at each eval step and the mean training reward per window, across repeats."""
     out: dict[str, Any] = {}
     for src in sources:
@@ -450,9 +590,13 @@ def learning_summary(runs: list[dict[str, Any]], sources: list[str], steps: int,
                     per_run.append(statistics.fmean(vals))
             if per_run:
                 windows[f"{lo}-{hi}"] = {"mean": statistics.fmean(per_run), "min": min(per_run), "max": max(per_run)}
-        out[src] = {"eval_accuracy": {str(k): {"mean": statistics.fmean(v), "min": min(v), "max": max(v),
-                                               "values": v} for k, v in sorted(evals.items())},
-                    "reward_by_window": windows}
+        out[src] = {
+            "eval_accuracy": {
+                str(k): {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "values": v}
+                for k, v in sorted(evals.items())
+            },
+            "reward_by_window": windows,
+        }
     return out
 
 
@@ -465,13 +609,16 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         if not runs:
             continue
         sums = [run_summary(r, warmup, eval_every) for r in runs]
-        entry = {"repeats": len(runs), "per_repeat": sums,
-                 "trajectories_per_s": spread([s["trajectories_per_s"] for s in sums]),
-                 "step_s_median": spread([s["step_s_median"] for s in sums]),
-                 "trajectories_per_s_p10": spread([s["trajectories_per_s_p10"] for s in sums]),
-                 "trajectories_per_s_median_step": spread([s["trajectories_per_s_median_step"] for s in sums]),
-                 "wall_s": spread([s["wall_s"] for s in sums]),
-                 "learning": learning_summary(runs, sources, result["steps"], eval_every)}
+        entry = {
+            "repeats": len(runs),
+            "per_repeat": sums,
+            "trajectories_per_s": spread([s["trajectories_per_s"] for s in sums]),
+            "step_s_median": spread([s["step_s_median"] for s in sums]),
+            "trajectories_per_s_p10": spread([s["trajectories_per_s_p10"] for s in sums]),
+            "trajectories_per_s_median_step": spread([s["trajectories_per_s_median_step"] for s in sums]),
+            "wall_s": spread([s["wall_s"] for s in sums]),
+            "learning": learning_summary(runs, sources, result["steps"], eval_every),
+        }
         for key in ("staleness_mean", "partial_frac", "rollout_s_mean", "train_s_mean", "sync_s_mean"):
             if all(key in s for s in sums):
                 entry[key] = statistics.fmean(s[key] for s in sums)
@@ -484,8 +631,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         a = {r["repeat"]: run_summary(r, warmup, eval_every) for r in result["runs"] if r["configuration"] == c}
         b = {r["repeat"]: run_summary(r, warmup, eval_every) for r in result["runs"] if r["configuration"] == base}
         ks = sorted(set(a) & set(b))
-        out: dict[str, Any] = {"step_s_of_medians": ratio(per_config[c]["step_s_median"]["median"],
-                                                          per_config[base]["step_s_median"]["median"])}
+        out: dict[str, Any] = {
+            "step_s_of_medians": ratio(
+                per_config[c]["step_s_median"]["median"], per_config[base]["step_s_median"]["median"]
+            )
+        }
         for key in MEASURES:
             pairs = [a[k][key] / b[k][key] for k in ks]
             out[f"{key}_of_medians"] = ratio(per_config[c][key]["median"], per_config[base][key]["median"])
@@ -535,27 +685,39 @@ def goal_lines(result: dict[str, Any]) -> list[str]:
 
     def verdict(c: str, base: str, goal: float) -> str:
         values = [r(c, base, k) for k in MEASURES]
-        word = ("met" if all(v >= goal for v in values) else "not met" if all(v < goal for v in values)
-                else "met on some estimates only")
-        return (f"**{word}**: {label(c, eta)} at "
-                + ", ".join(f"{v:.2f}x ({MEASURE_NAMES[k]})" for k, v in zip(MEASURES, values)))
+        word = (
+            "met"
+            if all(v >= goal for v in values)
+            else "not met"
+            if all(v < goal for v in values)
+            else "met on some estimates only"
+        )
+        return f"**{word}**: {label(c, eta)} at " + ", ".join(
+            f"{v:.2f}x ({MEASURE_NAMES[k]})" for k, v in zip(MEASURES, values)
+        )
 
     def best(cs: list[str], base: str) -> str:
         return max(cs, key=lambda c: statistics.median([r(c, base, k) for k in MEASURES]))
 
     lines = []
     if asyncs:
-        lines.append(f"- Asynchronous >= 1.5x synchronous throughput: {verdict(best(asyncs, 'vs_sync'), 'vs_sync', 1.5)} "
-                     "(the best asynchronous scheduler; all are in the tables above).")
+        lines.append(
+            f"- Asynchronous >= 1.5x synchronous throughput: {verdict(best(asyncs, 'vs_sync'), 'vs_sync', 1.5)} "
+            "(the best asynchronous scheduler; all are in the tables above)."
+        )
     if TRL in summ:
         sides = [c for c in result["configurations"] if c != TRL and c in summ]
-        lines.append(f"- >= 3x TRL's trajectories/s at an equal curve, throughput half: "
-                     f"{verdict(best(sides, 'vs_trl'), 'vs_trl', 3.0)}; sync at "
-                     + ", ".join(f"{r('sync', 'vs_trl', k):.2f}x" for k in MEASURES)
-                     + ". The curve half: see Learning.")
+        lines.append(
+            f"- >= 3x TRL's trajectories/s at an equal curve, throughput half: "
+            f"{verdict(best(sides, 'vs_trl'), 'vs_trl', 3.0)}; sync at "
+            + ", ".join(f"{r('sync', 'vs_trl', k):.2f}x" for k in MEASURES)
+            + ". The curve half: see Learning."
+        )
     if noise_note(result):
-        lines.append("- These verdicts come from a loaded machine (see Throughput): they hold for that load, "
-                     "not for a quiet machine.")
+        lines.append(
+            "- These verdicts come from a loaded machine (see Throughput): they hold for that load, "
+            "not for a quiet machine."
+        )
     return lines
 
 
@@ -567,18 +729,31 @@ def curve_lines(result: dict[str, Any]) -> list[str]:
     for src in sources:
         eval_steps = sorted({int(k) for c in configs for k in summ[c]["learning"][src]["eval_accuracy"]})
         windows = list(summ[configs[0]]["learning"][src]["reward_by_window"])
-        lines += [f"`{src}`: greedy held-out accuracy at each evaluated step and mean training reward per window of "
-                  "steps; mean over repeats (min-max across repeats).", "",
-                  "| configuration | " + " | ".join(f"acc @{s}" for s in eval_steps) + " | "
-                  + " | ".join(f"reward {w}" for w in windows) + " |",
-                  "|---|" + "---|" * (len(eval_steps) + len(windows))]
+        lines += [
+            f"`{src}`: greedy held-out accuracy at each evaluated step and mean training reward per window of "
+            "steps; mean over repeats (min-max across repeats).",
+            "",
+            "| configuration | "
+            + " | ".join(f"acc @{s}" for s in eval_steps)
+            + " | "
+            + " | ".join(f"reward {w}" for w in windows)
+            + " |",
+            "|---|" + "---|" * (len(eval_steps) + len(windows)),
+        ]
         for c in configs:
             L = summ[c]["learning"][src]
             cells = []
             for s in eval_steps:
                 e = L["eval_accuracy"].get(str(s))
-                cells.append("-" if e is None else (f"{e['mean']:.3f}" if e["min"] == e["max"]
-                                                    else f"{e['mean']:.3f} ({e['min']:.3f}-{e['max']:.3f})"))
+                cells.append(
+                    "-"
+                    if e is None
+                    else (
+                        f"{e['mean']:.3f}"
+                        if e["min"] == e["max"]
+                        else f"{e['mean']:.3f} ({e['min']:.3f}-{e['max']:.3f})"
+                    )
+                )
             for w in windows:
                 e = L["reward_by_window"].get(w)
                 cells.append("-" if e is None else f"{e['mean']:.3f} ({e['min']:.3f}-{e['max']:.3f})")
@@ -593,23 +768,33 @@ def learning_verdict(result: dict[str, Any]) -> list[str]:
     if "sync" not in summ:
         return []
     sources = [s["name"] for s in result["settings"]["sources"]]
-    lines = ["Against `sync`'s spread across repeats (its seeds' min-max), per source, last evaluation and last "
-             "reward window:", ""]
+    lines = [
+        "Against `sync`'s spread across repeats (its seeds' min-max), per source, last evaluation and last "
+        "reward window:",
+        "",
+    ]
     for c in [c for c in result["configurations"] if c in summ and c != "sync"]:
         parts = []
         for src in sources:
             ref, cur = summ["sync"]["learning"][src], summ[c]["learning"][src]
             last_eval = max(ref["eval_accuracy"], key=int, default=None)
             last_win = list(ref["reward_by_window"])[-1] if ref["reward_by_window"] else None
-            for kind, a, b in (("acc", ref["eval_accuracy"].get(last_eval), cur["eval_accuracy"].get(last_eval)),
-                               ("reward", ref["reward_by_window"].get(last_win),
-                                cur["reward_by_window"].get(last_win))):
+            for kind, a, b in (
+                ("acc", ref["eval_accuracy"].get(last_eval), cur["eval_accuracy"].get(last_eval)),
+                ("reward", ref["reward_by_window"].get(last_win), cur["reward_by_window"].get(last_win)),
+            ):
                 if a is None or b is None:
                     continue
-                where = ("within" if a["min"] - 1e-12 <= b["mean"] <= a["max"] + 1e-12
-                         else "above" if b["mean"] > a["max"] else "below")
-                parts.append(f"{src} {kind} {b['mean']:.3f} vs {a['mean']:.3f} [{a['min']:.3f}, {a['max']:.3f}] "
-                             f"({where})")
+                where = (
+                    "within"
+                    if a["min"] - 1e-12 <= b["mean"] <= a["max"] + 1e-12
+                    else "above"
+                    if b["mean"] > a["max"]
+                    else "below"
+                )
+                parts.append(
+                    f"{src} {kind} {b['mean']:.3f} vs {a['mean']:.3f} [{a['min']:.3f}, {a['max']:.3f}] ({where})"
+                )
         lines.append(f"- {label(c, eta)}: " + "; ".join(parts))
     return lines + [""]
 
@@ -619,44 +804,63 @@ def machine_note(result: dict[str, Any]) -> str:
     m, load = result["machine"], result["loadavg_1m_bench_before_after"]
     parts = result.get("merged_from")
     if parts:
-        slices = "; ".join(f"repeat(s) {', '.join(str(k + 1) for k in p['repeats'])} on cores "
-                           f"{','.join(map(str, p.get('cores') or []))}" for p in parts)
-        return (f"Machine: {m['cpus']} CPU cores, {len(parts)} benches at once, each pinned to "
-                f"{m['affinity']} cores of its own ({slices}): every run had {m['affinity']} cores to itself. ")
+        slices = "; ".join(
+            f"repeat(s) {', '.join(str(k + 1) for k in p['repeats'])} on cores "
+            f"{','.join(map(str, p.get('cores') or []))}"
+            for p in parts
+        )
+        return (
+            f"Machine: {m['cpus']} CPU cores, {len(parts)} benches at once, each pinned to "
+            f"{m['affinity']} cores of its own ({slices}): every run had {m['affinity']} cores to itself. "
+        )
     if m.get("affinity", m["cpus"]) < m["cpus"]:
-        return (f"Machine: pinned to {m['affinity']} of {m['cpus']} CPU cores (1-minute load average of the "
-                f"machine {load[0]:.1f} before / {load[1]:.1f} after the bench; per run in the JSON).")
-    return (f"Machine: {m['cpus']} CPU cores, shared with other work (1-minute load average {load[0]:.1f} before / "
-            f"{load[1]:.1f} after the bench; per run in the JSON).")
+        return (
+            f"Machine: pinned to {m['affinity']} of {m['cpus']} CPU cores (1-minute load average of the "
+            f"machine {load[0]:.1f} before / {load[1]:.1f} after the bench; per run in the JSON)."
+        )
+    return (
+        f"Machine: {m['cpus']} CPU cores, shared with other work (1-minute load average {load[0]:.1f} before / "
+        f"{load[1]:.1f} after the bench; per run in the JSON)."
+    )
 
 
 def noise_note(result: dict[str, Any]) -> list[str]:
-    if result.get("merged_from") or result["machine"].get("affinity", result["machine"]["cpus"]) < result["machine"]["cpus"]:
+    if (
+        result.get("merged_from")
+        or result["machine"].get("affinity", result["machine"]["cpus"]) < result["machine"]["cpus"]
+    ):
         return []  # pinned to cores of its own: the machine's load is other slices' work
     cpus = result["machine"]["cpus"] or 1
     loads = [x for r in result["runs"] for x in r["loadavg_1m_before_after"]]
     if not loads or max(loads) <= cpus:
         return []
-    by_config = {c: statistics.fmean(x for r in result["runs"] if r["configuration"] == c
-                                     for x in r["loadavg_1m_before_after"])
-                 for c in result["configurations"] if any(r["configuration"] == c for r in result["runs"])}
-    return [f"**Shared machine under load**: the 1-minute load average reached {max(loads):.1f} on {cpus} cores "
-            f"(median {statistics.median(loads):.1f} over the runs' start and end; mean per configuration: "
-            + ", ".join(f"{label(c, result['max_staleness'])} {v:.1f}" for c, v in by_config.items())
-            + "). Other processes shared the cores, so absolute times measure contention as much as code, and "
-            "the ratios are skewed too: the synchronous launcher's actors and TRL run two torch threads each, "
-            "which slow down far more when the cores are oversubscribed than an asynchronous run's pinned "
-            "one-thread actors do. Under such load the ratios vs sync and vs TRL overstate what the schedule "
-            "gains on a quiet machine; the p10-step estimates are the closer ones to the uncontended "
-            "cost, and a quiet machine is needed for firm numbers.", ""]
+    by_config = {
+        c: statistics.fmean(x for r in result["runs"] if r["configuration"] == c for x in r["loadavg_1m_before_after"])
+        for c in result["configurations"]
+        if any(r["configuration"] == c for r in result["runs"])
+    }
+    return [
+        f"**Shared machine under load**: the 1-minute load average reached {max(loads):.1f} on {cpus} cores "
+        f"(median {statistics.median(loads):.1f} over the runs' start and end; mean per configuration: "
+        + ", ".join(f"{label(c, result['max_staleness'])} {v:.1f}" for c, v in by_config.items())
+        + "). Other processes shared the cores, so absolute times measure contention as much as code, and "
+        "the ratios are skewed too: the synchronous launcher's actors and TRL run two torch threads each, "
+        "which slow down far more when the cores are oversubscribed than an asynchronous run's pinned "
+        "one-thread actors do. Under such load the ratios vs sync and vs TRL overstate what the schedule "
+        "gains on a quiet machine; the p10-step estimates are the closer ones to the uncontended "
+        "cost, and a quiet machine is needed for firm numbers.",
+        "",
+    ]
 
 
 def write_markdown(path: Path, result: dict[str, Any]) -> None:
     summ, s, eta = result["summary"], result["settings"], result["max_staleness"]
     m, v = result["machine"], result["versions"]
-    src_rows = [f"| `{x['name']}` | {x['prompts']} x {x['samples']} | temperature {x['temperature']}, top_p "
-                f"{x['top_p']}, top_k {x['top_k']} | {x['max_new_tokens']} | `{x['reward']['name']}` |"
-                for x in s["sources"]]
+    src_rows = [
+        f"| `{x['name']}` | {x['prompts']} x {x['samples']} | temperature {x['temperature']}, top_p "
+        f"{x['top_p']}, top_k {x['top_k']} | {x['max_new_tokens']} | `{x['reward']['name']}` |"
+        for x in s["sources"]
+    ]
     t = trl_settings(s, result["steps"], 0)
     gate = result.get("load_gate") or {"max_load_1m": 0.0, "max_wait_s": 0.0}
     lines = [
@@ -667,13 +871,21 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         f"({', '.join(result['configurations'])}, then again); repeat k with run seed "
         f"{'the recipe seed' if result['same_seed'] else 'recipe seed + k'} on every side. "
         f"Model `{Path(result['model_path']).name}` ({result['num_parameters']:,} parameters). "
-        + machine_note(result).rstrip() + f" torch {v['torch']}, transformers {v['transformers']}, TRL {v['trl']}, "
+        + machine_note(result).rstrip()
+        + f" torch {v['torch']}, transformers {v['transformers']}, TRL {v['trl']}, "
         f"Python {m['python']}. Framework source: commit {result['source']['commit'][:10]}"
-        + (f" with {result['source']['uncommitted_files']} uncommitted file(s)"
-           if result["source"].get("uncommitted_files") else "")
+        + (
+            f" with {result['source']['uncommitted_files']} uncommitted file(s)"
+            if result["source"].get("uncommitted_files")
+            else ""
+        )
         + f". Bench wall time {result['bench_wall_s'] / 60:.1f} min."
-        + (" Plugins installed in the environment but not part of the measured tree (loaded from where they are "
-           f"installed): {'; '.join(result['plugins_outside_tree'])}." if result.get("plugins_outside_tree") else ""),
+        + (
+            " Plugins installed in the environment but not part of the measured tree (loaded from where they are "
+            f"installed): {'; '.join(result['plugins_outside_tree'])}."
+            if result.get("plugins_outside_tree")
+            else ""
+        ),
         "",
         "## Workload",
         "",
@@ -696,11 +908,14 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         "range, `loss_type='dapo'` (token-mean), `scale_rewards='group'`, `beta=0`, no vLLM, "
         "`gradient_checkpointing=False`, both cores for every phase. TRL's held-out accuracy comes from the shared "
         "greedy HF-`generate` helper with each source's own max new tokens and reward."
-        + (f" The recipe's correction {', '.join(c['name'] for c in s['ours_only_corrections'])} (decoupled PPO's "
-           "per-token behaviour weight, about 1 on-policy, for stale samples) runs on every launcher "
-           "configuration, synchronous included, and costs it an extra forward pass per step for the proximal "
-           "log-probs; TRL has no such correction and runs plain GRPO."
-           if s.get("ours_only_corrections") else ""),
+        + (
+            f" The recipe's correction {', '.join(c['name'] for c in s['ours_only_corrections'])} (decoupled PPO's "
+            "per-token behaviour weight, about 1 on-policy, for stale samples) runs on every launcher "
+            "configuration, synchronous included, and costs it an extra forward pass per step for the proximal "
+            "log-probs; TRL has no such correction and runs plain GRPO."
+            if s.get("ours_only_corrections")
+            else ""
+        ),
         "",
         "## Throughput",
         "",
@@ -724,15 +939,18 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         if not d or d.get(f"{key}_of_medians") is None:
             return "-"
         p = d.get(f"{key}_paired")
-        return (f"{d[f'{key}_of_medians']:.2f}x" + (f" [{p['min']:.2f}-{p['max']:.2f}]" if p and p["n"] > 1 else ""))
+        return f"{d[f'{key}_of_medians']:.2f}x" + (f" [{p['min']:.2f}-{p['max']:.2f}]" if p and p["n"] > 1 else "")
 
     configs = [c for c in result["configurations"] if c in summ]
     for c in configs:
         e = summ[c]
-        lines.append(f"| {label(c, eta)} | " + " | ".join(fmt_spread(e.get(k), 1) for k in MEASURES)
-                     + f" | {fmt_spread(e['step_s_median'], 3)} | {fmt(e.get('staleness_mean'), 2)} | "
-                     f"{fmt(e.get('partial_frac'), 3)} | "
-                     f"{'-' if c in ('sync', TRL) else fmt(e['stale_dropped'] / e['repeats'], 1)} |")
+        lines.append(
+            f"| {label(c, eta)} | "
+            + " | ".join(fmt_spread(e.get(k), 1) for k in MEASURES)
+            + f" | {fmt_spread(e['step_s_median'], 3)} | {fmt(e.get('staleness_mean'), 2)} | "
+            f"{fmt(e.get('partial_frac'), 3)} | "
+            f"{'-' if c in ('sync', TRL) else fmt(e['stale_dropped'] / e['repeats'], 1)} |"
+        )
     lines += [
         "",
         "Ratios: of the medians over repeats, and in brackets the range of the per-repeat (paired, same seed, "
@@ -740,10 +958,14 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         "",
         "| configuration | vs sync: summed | median step | p10 step | vs TRL: summed | median step | p10 step |",
         "|---|---|---|---|---|---|---|",
-        *[f"| {label(c, eta)} | "
-          + " | ".join(("1" if c == "sync" else rr(summ[c]["vs_sync"], k)) for k in MEASURES) + " | "
-          + " | ".join(("1" if c == TRL else rr(summ[c]["vs_trl"], k)) for k in MEASURES) + " |"
-          for c in configs],
+        *[
+            f"| {label(c, eta)} | "
+            + " | ".join(("1" if c == "sync" else rr(summ[c]["vs_sync"], k)) for k in MEASURES)
+            + " | "
+            + " | ".join(("1" if c == TRL else rr(summ[c]["vs_trl"], k)) for k in MEASURES)
+            + " |"
+            for c in configs
+        ],
     ]
     lines += [
         "",
@@ -753,10 +975,17 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         "versions when a batch was taken, thrown away and their prompts generated again.",
         "",
         "Where a step goes (mean over steady steps and repeats, seconds): "
-        + "; ".join(f"{label(c, eta)}: wait/generate {summ[c]['rollout_s_mean']:.3f}"
-                    + (f", train {summ[c]['train_s_mean']:.3f}, push {summ[c]['sync_s_mean']:.3f}"
-                       if "train_s_mean" in summ[c] else "")
-                    for c in result["configurations"] if c in summ) + ".",
+        + "; ".join(
+            f"{label(c, eta)}: wait/generate {summ[c]['rollout_s_mean']:.3f}"
+            + (
+                f", train {summ[c]['train_s_mean']:.3f}, push {summ[c]['sync_s_mean']:.3f}"
+                if "train_s_mean" in summ[c]
+                else ""
+            )
+            for c in result["configurations"]
+            if c in summ
+        )
+        + ".",
         "",
         "## Goals",
         "",
@@ -781,10 +1010,12 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     for run in result["runs"]:
         rs = run_summary(run, result["warmup_steps"], result["eval_every"])
         lb, la = run["loadavg_1m_before_after"]
-        lines.append(f"| {run['repeat'] + 1} | {label(run['configuration'], eta)} | {run['seed']} | "
-                     f"{rs['trajectories_per_s']:.1f} | {rs['step_s_median']:.3f} | {lb:.1f} -> {la:.1f} | "
-                     f"{run.get('waited_for_load_s', 0.0):.0f} | {run['wall_s']:.1f} | "
-                     f"{len(run.get('failed_attempts', []))} |")
+        lines.append(
+            f"| {run['repeat'] + 1} | {label(run['configuration'], eta)} | {run['seed']} | "
+            f"{rs['trajectories_per_s']:.1f} | {rs['step_s_median']:.3f} | {lb:.1f} -> {la:.1f} | "
+            f"{run.get('waited_for_load_s', 0.0):.0f} | {run['wall_s']:.1f} | "
+            f"{len(run.get('failed_attempts', []))} |"
+        )
     lines.append("")
     path.write_text("\n".join(lines))
 
@@ -804,27 +1035,43 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
         for c in configs:
             runs = [r for r in result["runs"] if r["configuration"] == c]
             n = min(len(r["steps"]) for r in runs)
-            y = [statistics.fmean(r["steps"][i]["reward_mean_by_source"].get(src) or 0.0 for r in runs)
-                 for i in range(n)]
-            smooth = [statistics.fmean(y[max(0, i - 4): i + 1]) for i in range(n)]
+            y = [
+                statistics.fmean(r["steps"][i]["reward_mean_by_source"].get(src) or 0.0 for r in runs) for i in range(n)
+            ]
+            smooth = [statistics.fmean(y[max(0, i - 4) : i + 1]) for i in range(n)]
             axes[0, j].plot(range(1, n + 1), smooth, color=colors[c], label=label(c, eta))
             ev = summ[c]["learning"][src]["eval_accuracy"]
             xs = sorted(int(k) for k in ev)
-            axes[1, j].errorbar(xs, [ev[str(x)]["mean"] for x in xs],
-                                yerr=[[ev[str(x)]["mean"] - ev[str(x)]["min"] for x in xs],
-                                      [ev[str(x)]["max"] - ev[str(x)]["mean"] for x in xs]],
-                                marker="o", capsize=3, color=colors[c], label=label(c, eta))
+            axes[1, j].errorbar(
+                xs,
+                [ev[str(x)]["mean"] for x in xs],
+                yerr=[
+                    [ev[str(x)]["mean"] - ev[str(x)]["min"] for x in xs],
+                    [ev[str(x)]["max"] - ev[str(x)]["mean"] for x in xs],
+                ],
+                marker="o",
+                capsize=3,
+                color=colors[c],
+                label=label(c, eta),
+            )
         axes[0, j].set(title=f"{src}: training reward (mean over repeats, rolling 5 steps)", xlabel="step")
         axes[1, j].set(title=f"{src}: greedy held-out accuracy (mean, min-max)", xlabel="step")
     width = 0.8 / len(MEASURES)
     for m, (key, hatch) in enumerate(zip(MEASURES, ("", "//", ".."))):
         tps = [summ[c][key] for c in configs]
-        axes[0, -1].bar([i + (m - 1) * width for i in range(len(configs))], [t["median"] for t in tps], width,
-                        color=[colors[c] for c in configs], hatch=hatch, edgecolor="k", linewidth=0.5,
-                        yerr=[[t["median"] - t["min"] for t in tps], [t["max"] - t["median"] for t in tps]],
-                        capsize=2, label=MEASURE_NAMES[key])
-    axes[0, -1].set_xticks(range(len(configs)), [label(c, eta) for c in configs], rotation=30, ha="right",
-                           fontsize=8)
+        axes[0, -1].bar(
+            [i + (m - 1) * width for i in range(len(configs))],
+            [t["median"] for t in tps],
+            width,
+            color=[colors[c] for c in configs],
+            hatch=hatch,
+            edgecolor="k",
+            linewidth=0.5,
+            yerr=[[t["median"] - t["min"] for t in tps], [t["max"] - t["median"] for t in tps]],
+            capsize=2,
+            label=MEASURE_NAMES[key],
+        )
+    axes[0, -1].set_xticks(range(len(configs)), [label(c, eta) for c in configs], rotation=30, ha="right", fontsize=8)
     axes[0, -1].legend(fontsize=8, title="per run, from", title_fontsize=8)
     axes[0, -1].set(title="steady trajectories/s (median over repeats, min-max)")
     axes[1, -1].axis("off")
@@ -858,8 +1105,19 @@ def version_of(dist: str) -> str | None:
 
 
 # Fields that must agree for runs of separate benches to be compared as repeats of one.
-_SAME = ("recipe", "quick", "steps", "max_staleness", "eval_every", "warmup_steps", "configurations",
-         "training_overrides", "settings", "num_parameters", "eval_record_indices")
+_SAME = (
+    "recipe",
+    "quick",
+    "steps",
+    "max_staleness",
+    "eval_every",
+    "warmup_steps",
+    "configurations",
+    "training_overrides",
+    "settings",
+    "num_parameters",
+    "eval_record_indices",
+)
 
 
 def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -869,17 +1127,30 @@ def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
     for part in parts[1:]:
         for key in ("source", *_SAME):
             if part.get(key) != first.get(key):
-                raise SystemExit(f"{NAME} --merge: the results differ in {key!r}; only repeats of one commit and "
-                                 "one set of settings can be joined")
+                raise SystemExit(
+                    f"{NAME} --merge: the results differ in {key!r}; only repeats of one commit and "
+                    "one set of settings can be joined"
+                )
     runs = sorted((r for part in parts for r in part["runs"]), key=lambda r: (r["repeat"], r["configuration"]))
     repeats = sorted({r["repeat"] for r in runs})
     if len(repeats) != len([r for part in parts for r in {x["repeat"] for x in part["runs"]}]):
         raise SystemExit(f"{NAME} --merge: a repeat number occurs in more than one result (use --first-repeat)")
-    merged = {**first, "runs": runs, "repeats": len(repeats), "seeds": [s for part in parts for s in part["seeds"]],
-              "merged_from": [{"machine": p["machine"], "repeats": sorted({r["repeat"] for r in p["runs"]}),
-                               "bench_wall_s": p.get("bench_wall_s"),
-                               "loadavg_1m_bench_before_after": p.get("loadavg_1m_bench_before_after"),
-                               "cores": p.get("cores")} for p in parts]}
+    merged = {
+        **first,
+        "runs": runs,
+        "repeats": len(repeats),
+        "seeds": [s for part in parts for s in part["seeds"]],
+        "merged_from": [
+            {
+                "machine": p["machine"],
+                "repeats": sorted({r["repeat"] for r in p["runs"]}),
+                "bench_wall_s": p.get("bench_wall_s"),
+                "loadavg_1m_bench_before_after": p.get("loadavg_1m_bench_before_after"),
+                "cores": p.get("cores"),
+            }
+            for p in parts
+        ],
+    }
     merged["bench_wall_s"] = max(p.get("bench_wall_s") or 0.0 for p in parts)
     merged.pop("summary", None)
     return merged
@@ -889,8 +1160,13 @@ def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def run_exported(args: argparse.Namespace, argv: list[str]) -> int:
     """Export ``--export-commit`` with ``git archive`` and run this bench from the export: the
     measurement then sees exactly that commit, whatever else the working tree holds."""
-    sha = subprocess.run(["git", "rev-parse", "--verify", f"{args.export_commit}^{{commit}}"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{args.export_commit}^{{commit}}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     tree = BENCH / "work" / "src" / sha[:12]
     if not (tree / "bench" / f"{NAME}.py").is_file():
         shutil.rmtree(tree, ignore_errors=True)
@@ -900,8 +1176,11 @@ def run_exported(args: argparse.Namespace, argv: list[str]) -> int:
     if not (tree / "bench" / f"{NAME}.py").is_file():
         raise SystemExit(f"{NAME}: commit {sha[:10]} has no bench/{NAME}.py")
     paths = [str(p) for p in sorted((tree / "packages").glob("*/src"))]
-    env = {**os.environ, "LOONGSAGE_COMMIT": sha,
-           "PYTHONPATH": os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "LOONGSAGE_COMMIT": sha,
+        "PYTHONPATH": os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     rest, skip = [], False
     for a in argv:  # drop --export-commit and --out-dir (either spelling); the output folder is this checkout's
         if skip:
@@ -932,8 +1211,10 @@ def main(argv: list[str] | None = None) -> int:
     source = source_state()  # the commit measured, taken before anything runs
     bench_start, load_start = time.perf_counter(), os.getloadavg()[0]
     if not args.no_trl and importlib.util.find_spec("trl") is None:
-        raise SystemExit(f"{NAME}: TRL is not installed in this environment; run with "
-                         f"`uv run --group bench python bench/{NAME}.py ...` (or pass --no-trl)")
+        raise SystemExit(
+            f"{NAME}: TRL is not installed in this environment; run with "
+            f"`uv run --group bench python bench/{NAME}.py ...` (or pass --no-trl)"
+        )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     work = BENCH / "work" / (f"{NAME}_quick" if args.quick else NAME)
     work.mkdir(parents=True, exist_ok=True)
@@ -947,8 +1228,11 @@ def main(argv: list[str] | None = None) -> int:
     base_cfg, registry = load_config(args.recipe, training_overrides(args, None), config_dir=str(REPO / "recipes"))
     settings = extract_settings(base_cfg, registry)
     for sched in args.schedulers:  # every scheduler override validates before anything runs
-        load_config(args.recipe, [*training_overrides(args, None), scheduler_override(sched, args.max_staleness)],
-                    config_dir=str(REPO / "recipes"))
+        load_config(
+            args.recipe,
+            [*training_overrides(args, None), scheduler_override(sched, args.max_staleness)],
+            config_dir=str(REPO / "recipes"),
+        )
     sources = [x["name"] for x in settings["sources"]]
     base_seed = base_cfg.run.seed
     repeats = range(args.first_repeat, args.first_repeat + args.repeats)
@@ -984,10 +1268,18 @@ def main(argv: list[str] | None = None) -> int:
         "num_parameters": n_params,
         "warm_start_s": warm_start_s,
         "cores": sorted(os.sched_getaffinity(0)),
-        "machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
-                    "python": platform.python_version(), "platform": platform.platform()},
-        "versions": {"torch": torch.__version__, "transformers": version_of("transformers"),
-                     "trl": version_of("trl"), "ray": version_of("ray")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": version_of("transformers"),
+            "trl": version_of("trl"),
+            "ray": version_of("ray"),
+        },
         "eval_record_indices": {s: [r["index"] for r in held_out if r["source"] == s] for s in sources},
         "plugins_outside_tree": plugins_outside(REPO),
         "runs": [],
@@ -999,14 +1291,16 @@ def main(argv: list[str] | None = None) -> int:
         for c in result["configurations"]:
             root = work / f"r{k}" / c
             waited = wait_for_load(max_load, args.max_wait_s)
-            print(f"--- repeat {k + 1} of {repeats.start + 1}-{repeats.stop} (seed {seed}): {c}"
-                  + (f" (waited {waited:.0f} s for the load to drop)" if waited >= 1 else ""), flush=True)
+            print(
+                f"--- repeat {k + 1} of {repeats.start + 1}-{repeats.stop} (seed {seed}): {c}"
+                + (f" (waited {waited:.0f} s for the load to drop)" if waited >= 1 else ""),
+                flush=True,
+            )
             failures = []
             for attempt in range(2):  # a failed run (say, the shared environment changed under it) goes once more
                 try:
                     if c == TRL:
-                        run = run_trl(root, env, model_path, trl_settings(settings, args.steps, seed), train,
-                                      held_out)
+                        run = run_trl(root, env, model_path, trl_settings(settings, args.steps, seed), train, held_out)
                         trl_versions = run.get("versions")
                     else:
                         run = run_ours(args, root, env, model_path, c, seed, sources)
@@ -1020,8 +1314,11 @@ def main(argv: list[str] | None = None) -> int:
             run.update({"configuration": c, "repeat": k, "seed": seed, "waited_for_load_s": waited})
             result["runs"].append(run)
             rs = run_summary(run, warmup, args.eval_every)
-            print(f"    {rs['trajectories_per_s']:.1f} trajectories/s (steady), median step {rs['step_s_median']:.3f} s,"
-                  f" wall {run['wall_s']:.1f} s, load {run['loadavg_1m_before_after']}", flush=True)
+            print(
+                f"    {rs['trajectories_per_s']:.1f} trajectories/s (steady), median step {rs['step_s_median']:.3f} s,"
+                f" wall {run['wall_s']:.1f} s, load {run['loadavg_1m_before_after']}",
+                flush=True,
+            )
             (work / f"{NAME}.partial.json").write_text(json.dumps(result, default=str) + "\n")
     if trl_versions:
         result["versions"]["trl_side"] = trl_versions

@@ -164,8 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     defaults = WarmStartParams()
     for f in dataclasses.fields(WarmStartParams):
-        p.add_argument(f"--ws-{f.name.replace('_', '-')}", dest=f"ws_{f.name}", type=type(getattr(defaults, f.name)),
-                       default=getattr(defaults, f.name), help=f"warm start: {f.name}")
+        p.add_argument(
+            f"--ws-{f.name.replace('_', '-')}",
+            dest=f"ws_{f.name}",
+            type=type(getattr(defaults, f.name)),
+            default=getattr(defaults, f.name),
+            help=f"warm start: {f.name}",
+        )
     p.add_argument("--no-cache", action="store_true", help="build the warm start into a temp folder")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--eval-size", type=int, default=256)
@@ -200,8 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = cached_warm_start(params, args.cache_dir, log_every=50)
     ws_info = json.loads((path / "loongsage_warmstart.json").read_text())
-    print(f"warm start {path}: {ws_info['num_parameters']} params, built in {ws_info['build_seconds']:.1f}s "
-          f"(this call {time.perf_counter() - t0:.1f}s), final loss {ws_info['final_loss']:.4f}", flush=True)
+    print(
+        f"warm start {path}: {ws_info['num_parameters']} params, built in {ws_info['build_seconds']:.1f}s "
+        f"(this call {time.perf_counter() - t0:.1f}s), final loss {ws_info['final_loss']:.4f}",
+        flush=True,
+    )
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     test_task = params.task("test", size=args.eval_size)
@@ -217,8 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"after RL: {json.dumps(after)}", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"warm_start": ws_info, "args": vars(args), "before": before, "curve": curve, "after": after},
-                      fh, indent=2)
+            json.dump(
+                {"warm_start": ws_info, "args": vars(args), "before": before, "curve": curve, "after": after},
+                fh,
+                indent=2,
+            )
     return 0
 
 

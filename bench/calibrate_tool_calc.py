@@ -58,14 +58,27 @@ def main() -> None:
         from loongsage.agentflow.gateway.local import evaluate, local_gateway
 
         async with local_gateway(str(path)) as gateway:
-            return await evaluate(ToolAgent(tools=params.tools), ToolCalcReward(), records, gateway, sampling,
-                                  pass_k=args.pass_k)
+            return await evaluate(
+                ToolAgent(tools=params.tools), ToolCalcReward(), records, gateway, sampling, pass_k=args.pass_k
+            )
 
     t = time.perf_counter()
     metrics = asyncio.run(measure())
-    print(json.dumps({"model": str(path), "overrides": overrides, "final_loss": info.get("final_loss"),
-                      "sft_seconds": info.get("sft_seconds"), "build_seconds": info.get("build_seconds"),
-                      "wall_build": built, "eval_seconds": time.perf_counter() - t, **metrics}), flush=True)
+    print(
+        json.dumps(
+            {
+                "model": str(path),
+                "overrides": overrides,
+                "final_loss": info.get("final_loss"),
+                "sft_seconds": info.get("sft_seconds"),
+                "build_seconds": info.get("build_seconds"),
+                "wall_build": built,
+                "eval_seconds": time.perf_counter() - t,
+                **metrics,
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

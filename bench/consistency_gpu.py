@@ -33,15 +33,32 @@ MODEL = {"hidden": 1024, "layers": 8, "vocab": 32000}
 def build_model(path: str, *, hidden: int = 1024, layers: int = 8, vocab: int = 32000) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                         num_attention_heads=16, num_key_value_heads=8, head_dim=hidden // 16,
-                         max_position_embeddings=2048, tie_word_embeddings=True, eos_token_id=2, pad_token_id=0)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=hidden // 16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 
 
-def measure(path: str, batch: int = 32, prompt_len: int = 64, new_tokens: int = 64, *,
-            deterministic: bool = False, engine_fp32_head: bool = True) -> dict[str, float]:
+def measure(
+    path: str,
+    batch: int = 32,
+    prompt_len: int = 64,
+    new_tokens: int = 64,
+    *,
+    deterministic: bool = False,
+    engine_fp32_head: bool = True,
+) -> dict[str, float]:
     """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens.
 
     ``engine_fp32_head=False`` gives the engine a bf16 LM head against the trainer's FP32 one: the
@@ -51,12 +68,21 @@ def measure(path: str, batch: int = 32, prompt_len: int = 64, new_tokens: int = 
     from loongsage.core.trainer.torch_trainer import TorchTrainer
     from loongsage.core.types import GenerationRequest, SamplingParams, TrainBatch
 
-    engine = NativeEngine(path, dtype="bfloat16", device="cuda", fp32_lm_head=engine_fp32_head, eos_token_ids=[],
-                          max_model_len=prompt_len + new_tokens + 8, deterministic=deterministic)
+    engine = NativeEngine(
+        path,
+        dtype="bfloat16",
+        device="cuda",
+        fp32_lm_head=engine_fp32_head,
+        eos_token_ids=[],
+        max_model_len=prompt_len + new_tokens + 8,
+        deterministic=deterministic,
+    )
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 32000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
-    requests = [GenerationRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i))
-                for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i))
+        for i, p in enumerate(prompts)
+    ]
     results = [r[0] for r in engine.generate_batch(requests)]
     del engine
     torch.cuda.empty_cache()
@@ -66,15 +92,25 @@ def measure(path: str, batch: int = 32, prompt_len: int = 64, new_tokens: int = 
     ids = torch.tensor([p + r.output_ids for p, r in zip(prompts, results)])
     mask = torch.zeros(batch, T)
     mask[:, prompt_len:] = 1
-    tb = TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
-                    rollout_logprobs=torch.zeros(batch, T), advantages=torch.zeros(batch, T),
-                    rewards=torch.zeros(batch), group_ids=torch.arange(batch))
+    tb = TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(batch, T),
+        advantages=torch.zeros(batch, T),
+        rewards=torch.zeros(batch),
+        group_ids=torch.arange(batch),
+    )
     trainer_lp, _ = trainer.logprobs(tb, token_budget=1 if deterministic else batch * T)
     engine_lp = torch.tensor([r.logprobs for r in results])
     delta = (trainer_lp[:, prompt_len:] - engine_lp).double()
     k3 = (torch.exp(delta) - delta - 1).mean().item()
-    return {"k3_kl": k3, "max_abs_logprob_diff": delta.abs().max().item(),
-            "mean_abs_logprob_diff": delta.abs().mean().item(), "tokens": float(delta.numel())}
+    return {
+        "k3_kl": k3,
+        "max_abs_logprob_diff": delta.abs().max().item(),
+        "mean_abs_logprob_diff": delta.abs().mean().item(),
+        "tokens": float(delta.numel()),
+    }
 
 
 def main() -> None:
@@ -88,20 +124,26 @@ def main() -> None:
         build_model(f"{tmp}/m", **MODEL)
         fast, exact = measure(f"{tmp}/m"), measure(f"{tmp}/m", deterministic=True)
         bf16_head = measure(f"{tmp}/m", engine_fp32_head=False)
-    figures = {"source": source, "device": torch.cuda.get_device_name(),
-               "model": "Qwen3-shaped, hidden 1024, 8 layers, random bf16",
-               "workload": "32 prompts x 64 tokens, 64 sampled tokens each, FP32 LM head", "goal_k3_kl": GOAL_K3,
-               "fast": {**fast, "meets_goal": fast["k3_kl"] <= GOAL_K3},
-               "deterministic": {**exact, "meets_goal": exact["k3_kl"] <= GOAL_K3},
-               "engine_bf16_head": {**bf16_head, "meets_goal": bf16_head["k3_kl"] <= GOAL_K3}}
+    figures = {
+        "source": source,
+        "device": torch.cuda.get_device_name(),
+        "model": "Qwen3-shaped, hidden 1024, 8 layers, random bf16",
+        "workload": "32 prompts x 64 tokens, 64 sampled tokens each, FP32 LM head",
+        "goal_k3_kl": GOAL_K3,
+        "fast": {**fast, "meets_goal": fast["k3_kl"] <= GOAL_K3},
+        "deterministic": {**exact, "meets_goal": exact["k3_kl"] <= GOAL_K3},
+        "engine_bf16_head": {**bf16_head, "meets_goal": bf16_head["k3_kl"] <= GOAL_K3},
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=1))
     print(json.dumps(figures, indent=1))
     print("| path | k3 KL | mean abs diff | max abs diff | goal 1e-5 |\n|---|---|---|---|---|")
     for name in ("fast", "deterministic", "engine_bf16_head"):
         f = figures[name]
-        print(f"| {name} | {f['k3_kl']:.2e} | {f['mean_abs_logprob_diff']:.2e} | {f['max_abs_logprob_diff']:.2e} | "
-              f"{'met' if f['meets_goal'] else 'not met'} |")
+        print(
+            f"| {name} | {f['k3_kl']:.2e} | {f['mean_abs_logprob_diff']:.2e} | {f['max_abs_logprob_diff']:.2e} | "
+            f"{'met' if f['meets_goal'] else 'not met'} |"
+        )
 
 
 if __name__ == "__main__":

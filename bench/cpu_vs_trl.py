@@ -61,25 +61,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, help="samples per prompt (default: the recipe's samples_per_prompt)")
     p.add_argument("--max-new-tokens", type=int, help="max new tokens (default: the recipe's sampling)")
     p.add_argument("--lr", type=float, help="learning rate (default: the recipe's trainer.optimizer.lr)")
-    p.add_argument("--eval-every", type=int, help="greedy eval every N steps, 0 = start and end only "
-                   "(default: the recipe's evaluation.every_steps)")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        help="greedy eval every N steps, 0 = start and end only (default: the recipe's evaluation.every_steps)",
+    )
     p.add_argument("--eval-prompts", type=int, help="held-out prompts (default: evaluation.max_prompts)")
-    p.add_argument("--warm-start-steps", type=int,
-                   help="override model.builder.params.steps (SFT steps of the warm start; for development)")
-    p.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other recipe override; applied to both sides (repeatable)")
-    p.add_argument("--warmup-steps", type=int, default=3,
-                   help="first steps left out of the steady-state step time (default 3)")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke test: 3 steps, 4 prompts x 4 samples, 64 eval prompts, 40-step warm start")
-    p.add_argument("--report-only", action="store_true",
-                   help="train nothing: rebuild the summary, markdown and plot from <out-dir>/cpu_vs_trl.json")
+    p.add_argument(
+        "--warm-start-steps",
+        type=int,
+        help="override model.builder.params.steps (SFT steps of the warm start; for development)",
+    )
+    p.add_argument(
+        "--set",
+        dest="extra",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other recipe override; applied to both sides (repeatable)",
+    )
+    p.add_argument(
+        "--warmup-steps", type=int, default=3, help="first steps left out of the steady-state step time (default 3)"
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: 3 steps, 4 prompts x 4 samples, 64 eval prompts, 40-step warm start",
+    )
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="train nothing: rebuild the summary, markdown and plot from <out-dir>/cpu_vs_trl.json",
+    )
     p.add_argument("--trl-first", action="store_true", help="run the TRL side first (default: LoongSage first)")
     p.add_argument("--out-dir", type=Path, help="where the json/md/png go (default bench/results)")
     args = p.parse_args(argv)
     if args.quick:
-        for key, value in (("steps", 3), ("prompts", 4), ("samples", 4), ("eval_every", 0),
-                           ("eval_prompts", 64), ("warm_start_steps", 40)):
+        for key, value in (
+            ("steps", 3),
+            ("prompts", 4),
+            ("samples", 4),
+            ("eval_every", 0),
+            ("eval_prompts", 64),
+            ("warm_start_steps", 40),
+        ):
             if getattr(args, key) is None:
                 setattr(args, key, value)
         args.warmup_steps = min(args.warmup_steps, 1)
@@ -91,11 +116,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def training_overrides(args: argparse.Namespace) -> list[str]:
     """Overrides that change what is trained: they go to the launcher and define the TRL side."""
     out = []
-    for flag, key in (("steps", "run.total_steps"), ("prompts", "data_sources.0.prompts_per_step"),
-                      ("samples", "data_sources.0.samples_per_prompt"),
-                      ("max_new_tokens", "data_sources.0.sampling.max_new_tokens"), ("lr", "trainer.optimizer.lr"),
-                      ("eval_every", "evaluation.every_steps"), ("eval_prompts", "evaluation.max_prompts"),
-                      ("warm_start_steps", "model.builder.params.steps")):
+    for flag, key in (
+        ("steps", "run.total_steps"),
+        ("prompts", "data_sources.0.prompts_per_step"),
+        ("samples", "data_sources.0.samples_per_prompt"),
+        ("max_new_tokens", "data_sources.0.sampling.max_new_tokens"),
+        ("lr", "trainer.optimizer.lr"),
+        ("eval_every", "evaluation.every_steps"),
+        ("eval_prompts", "evaluation.max_prompts"),
+        ("warm_start_steps", "model.builder.params.steps"),
+    ):
         value = getattr(args, flag)
         if value is not None:
             out.append(f"{key}={value}")
@@ -104,9 +134,16 @@ def training_overrides(args: argparse.Namespace) -> list[str]:
 
 def bench_overrides(run_root: Path) -> list[str]:
     """Launcher-only overrides: where outputs go and what is logged; nothing that changes training."""
-    return [f"run.name={RUN_NAME}", f"run.output_dir={run_root / 'runs'}", f"run.log_dir={run_root / 'log'}",
-            "evaluation.pass_k=0", "checkpoint.every_steps=0", "checkpoint.export_hf=true",
-            "tracking.backends=[jsonl]", "tracking.progress=false"]
+    return [
+        f"run.name={RUN_NAME}",
+        f"run.output_dir={run_root / 'runs'}",
+        f"run.log_dir={run_root / 'log'}",
+        "evaluation.pass_k=0",
+        "checkpoint.every_steps=0",
+        "checkpoint.export_hf=true",
+        "tracking.backends=[jsonl]",
+        "tracking.progress=false",
+    ]
 
 
 def resolve_recipe(name: str) -> tuple[str, list[str]]:
@@ -217,8 +254,12 @@ def training_records(cfg: Any, registry: Any, steps: int) -> list[dict[str, Any]
 
     src = cfg.data_sources[0]
     # same construction as the controller's: one cursor per source, seed = run.seed * 7919 + source index
-    cursor = SourceCursor(src.name, registry.create("data_source", src.reader, "data_sources[0].reader"),
-                          seed=cfg.run.seed * 7919 + 0, on_bad_row=src.on_bad_row)
+    cursor = SourceCursor(
+        src.name,
+        registry.create("data_source", src.reader, "data_sources[0].reader"),
+        seed=cfg.run.seed * 7919 + 0,
+        on_bad_row=src.on_bad_row,
+    )
     mixer = Mixer([cursor], {src.name: src.prompts_per_step})
     return [record_json(r) for _ in range(steps) for r in mixer.plan()[src.name]]
 
@@ -259,8 +300,9 @@ def launcher_command() -> list[str]:
     return [str(script)] if script.is_file() else [sys.executable, "-m", "loongsage.core.cli"]
 
 
-def run_ours(args: argparse.Namespace, work: Path, env: dict[str, str], model_path: str,
-             settings: dict[str, Any]) -> dict[str, Any]:
+def run_ours(
+    args: argparse.Namespace, work: Path, env: dict[str, str], model_path: str, settings: dict[str, Any]
+) -> dict[str, Any]:
     from loongsage.core.tracking import read_metrics
 
     root = work / "ours"
@@ -280,28 +322,59 @@ def run_ours(args: argparse.Namespace, work: Path, env: dict[str, str], model_pa
     for r in rows:
         acc = next((v for k, v in r.items() if k.startswith("eval/") and k.endswith("/accuracy")), None)
         if acc is not None:
-            evals.append({"step": r["step"], "accuracy": acc,
-                          "response_length": next((v for k, v in r.items() if k.endswith("/response_length")), None)})
+            evals.append(
+                {
+                    "step": r["step"],
+                    "accuracy": acc,
+                    "response_length": next((v for k, v in r.items() if k.endswith("/response_length")), None),
+                }
+            )
         if "timing/step_s" in r:
-            steps.append({"step": r["step"], "step_s": r["timing/step_s"], "rollout_s": r["timing/rollout_s"],
-                          "train_s": r["timing/train_s"], "sync_s": r["timing/sync_s"],
-                          "reward_mean": r["rollout/reward_mean"],
-                          "response_length_mean": r.get("rollout/response_length_mean"),
-                          "trajectories": r.get("rollout/trajectories")})
+            steps.append(
+                {
+                    "step": r["step"],
+                    "step_s": r["timing/step_s"],
+                    "rollout_s": r["timing/rollout_s"],
+                    "train_s": r["timing/train_s"],
+                    "sync_s": r["timing/sync_s"],
+                    "reward_mean": r["rollout/reward_mean"],
+                    "response_length_mean": r.get("rollout/response_length_mean"),
+                    "trajectories": r.get("rollout/trajectories"),
+                }
+            )
     if len(steps) != settings["steps"]:
         raise SystemExit(f"cpu_vs_trl: expected {settings['steps']} steps in {run_dir}, found {len(steps)}")
-    return {"command": cmd, "wall_s": wall, "loadavg_1m_before_after": load, "steps": steps, "evals": evals,
-            "final_model": str(run_dir / "final"), "run_dir": str(run_dir),
-            "old_logprobs_recomputed": settings.get("ours_recomputes_old_logprobs")}
+    return {
+        "command": cmd,
+        "wall_s": wall,
+        "loadavg_1m_before_after": load,
+        "steps": steps,
+        "evals": evals,
+        "final_model": str(run_dir / "final"),
+        "run_dir": str(run_dir),
+        "old_logprobs_recomputed": settings.get("ours_recomputes_old_logprobs"),
+    }
 
 
-def run_trl(args: argparse.Namespace, work: Path, env: dict[str, str], model_path: str,
-            settings: dict[str, Any], train: list[dict[str, Any]], held_out: list[dict[str, Any]]) -> dict[str, Any]:
+def run_trl(
+    args: argparse.Namespace,
+    work: Path,
+    env: dict[str, str],
+    model_path: str,
+    settings: dict[str, Any],
+    train: list[dict[str, Any]],
+    held_out: list[dict[str, Any]],
+) -> dict[str, Any]:
     root = work / "trl"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    spec = {"model_path": model_path, "work_dir": str(root), "settings": settings,
-            "train_records": train, "eval_records": held_out}
+    spec = {
+        "model_path": model_path,
+        "work_dir": str(root),
+        "settings": settings,
+        "train_records": train,
+        "eval_records": held_out,
+    }
     (root / "spec.json").write_text(json.dumps(spec) + "\n")
     cmd = [sys.executable, str(BENCH / "_trl_side.py"), str(root / "spec.json"), str(root / "result.json")]
     load = [os.getloadavg()[0]]
@@ -309,8 +382,10 @@ def run_trl(args: argparse.Namespace, work: Path, env: dict[str, str], model_pat
     load.append(os.getloadavg()[0])
     result = json.loads((root / "result.json").read_text())
     if len(result["steps"]) != settings["steps"] or result["reward_calls"] != settings["steps"]:
-        raise SystemExit(f"cpu_vs_trl: TRL ran {len(result['steps'])} steps / {result['reward_calls']} reward "
-                         f"calls, expected {settings['steps']} (one generation batch per optimizer step)")
+        raise SystemExit(
+            f"cpu_vs_trl: TRL ran {len(result['steps'])} steps / {result['reward_calls']} reward "
+            f"calls, expected {settings['steps']} (one generation batch per optimizer step)"
+        )
     return {"command": cmd, "wall_s": wall, "loadavg_1m_before_after": load, **result}
 
 
@@ -321,8 +396,9 @@ def helper_eval(model_dir: str, held_out: list[dict[str, Any]], settings: dict[s
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return greedy_accuracy(model, tokenizer, held_out, max_new_tokens=settings["max_new_tokens"],
-                           reward_params=settings["reward_params"])
+    return greedy_accuracy(
+        model, tokenizer, held_out, max_new_tokens=settings["max_new_tokens"], reward_params=settings["reward_params"]
+    )
 
 
 # ----------------------------------------------------------------------------- summary
@@ -391,38 +467,70 @@ def settings_rows(s: dict[str, Any], ours: dict[str, Any], trl: dict[str, Any]) 
     return [
         ("start model", "same HF folder (warm start of the recipe's builder)", "same"),
         ("optimizer steps", str(s["steps"]), f"{s['steps']} (max_steps)"),
-        ("prompts x samples per step", f"{s['prompts']} x {s['samples']}",
-         f"num_generations={s['samples']}, per_device_train_batch_size={s['prompts'] * s['samples']}, "
-         "gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1"),
+        (
+            "prompts x samples per step",
+            f"{s['prompts']} x {s['samples']}",
+            f"num_generations={s['samples']}, per_device_train_batch_size={s['prompts'] * s['samples']}, "
+            "gradient_accumulation_steps=1, steps_per_generation=1, num_iterations=1",
+        ),
         ("prompts", "launcher's mixer (seed run.seed*7919)", "same records, same order (shuffle_dataset=False)"),
-        ("prompt rendering", "chat template, add_generation_prompt", "conversational prompts (same template); "
-         f"token ids identical: {p.get('prompt_ids_match_chat_template')}"),
-        ("sampling", f"temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, "
-         f"max_new_tokens {s['max_new_tokens']}",
-         f"temperature {gc.get('temperature')}, top_p {gc.get('top_p')}, top_k {gc.get('top_k')}, "
-         f"max_new_tokens {gc.get('max_new_tokens')} (HF generate)"),
-        ("stop ids", f"{s.get('stop_ids')} (model config + generation config eos)",
-         f"{p.get('stop_ids')} (tokenizer + model eos)"),
+        (
+            "prompt rendering",
+            "chat template, add_generation_prompt",
+            f"conversational prompts (same template); token ids identical: {p.get('prompt_ids_match_chat_template')}",
+        ),
+        (
+            "sampling",
+            f"temperature {s['temperature']}, top_p {s['top_p']}, top_k {s['top_k']}, "
+            f"max_new_tokens {s['max_new_tokens']}",
+            f"temperature {gc.get('temperature')}, top_p {gc.get('top_p')}, top_k {gc.get('top_k')}, "
+            f"max_new_tokens {gc.get('max_new_tokens')} (HF generate)",
+        ),
+        (
+            "stop ids",
+            f"{s.get('stop_ids')} (model config + generation config eos)",
+            f"{p.get('stop_ids')} (tokenizer + model eos)",
+        ),
         ("reward", f"exact_match{s['reward_params']}", "same function on the decoded completion"),
-        ("advantage", f"group z-score, unbiased std, eps {s['advantage_eps']:g}" if s["std_normalize"]
-         else "group mean-centred", "scale_rewards=" + ("'group' (eps 1e-4)" if s["std_normalize"] else "'none'")),
-        ("policy loss", f"PPO clip [{1 - s['clip_low']:g}, {1 + s['clip_high']:g}], token-mean",
-         f"epsilon={s['clip_low']:g}, epsilon_high={s['clip_high']:g}, loss_type='dapo'"),
+        (
+            "advantage",
+            f"group z-score, unbiased std, eps {s['advantage_eps']:g}" if s["std_normalize"] else "group mean-centred",
+            "scale_rewards=" + ("'group' (eps 1e-4)" if s["std_normalize"] else "'none'"),
+        ),
+        (
+            "policy loss",
+            f"PPO clip [{1 - s['clip_low']:g}, {1 + s['clip_high']:g}], token-mean",
+            f"epsilon={s['clip_low']:g}, epsilon_high={s['clip_high']:g}, loss_type='dapo'",
+        ),
         ("KL / reference model", "none", "beta=0.0"),
-        ("optimizer", f"AdamW lr {s['lr']:g}, betas {tuple(s['betas'])}, eps {s['adam_eps']:g}, "
-         f"wd {s['weight_decay']:g}, grad clip {s['grad_clip']:g}, {sched}",
-         f"{p.get('optimizer', 'AdamW')} (adamw_torch), same values, lr_scheduler_type={p.get('lr_scheduler')!r}"),
+        (
+            "optimizer",
+            f"AdamW lr {s['lr']:g}, betas {tuple(s['betas'])}, eps {s['adam_eps']:g}, "
+            f"wd {s['weight_decay']:g}, grad clip {s['grad_clip']:g}, {sched}",
+            f"{p.get('optimizer', 'AdamW')} (adamw_torch), same values, lr_scheduler_type={p.get('lr_scheduler')!r}",
+        ),
         ("precision / device", "float32, CPU", "float32 (bf16=False), CPU (use_cpu=True), no vLLM"),
-        ("old log-probs", {True: "recomputed by an extra forward pass (ratio = 1 on-policy)",
-                           False: "taken from the training forward (ratio = 1), no extra pass",
-                           None: "unknown"}[ours.get("old_logprobs_recomputed")],
-         "taken as the detached current log-probs (ratio = 1), no extra pass"),
-        ("activation checkpointing", "off", f"gradient_checkpointing={p.get('gradient_checkpointing')} "
-         "(TRL's default True, set False to match)"),
+        (
+            "old log-probs",
+            {
+                True: "recomputed by an extra forward pass (ratio = 1 on-policy)",
+                False: "taken from the training forward (ratio = 1), no extra pass",
+                None: "unknown",
+            }[ours.get("old_logprobs_recomputed")],
+            "taken as the detached current log-probs (ratio = 1), no extra pass",
+        ),
+        (
+            "activation checkpointing",
+            "off",
+            f"gradient_checkpointing={p.get('gradient_checkpointing')} (TRL's default True, set False to match)",
+        ),
         ("torch threads", "every core (placement.torch_threads=0)", str(trl.get("torch_threads"))),
-        ("held-out eval", f"{s['eval_prompts']} test prompts, greedy, "
-         + (f"every {s['eval_every']} steps" if s["eval_every"] else "at start and end"),
-         "same prompts, greedy HF generate (shared helper)"),
+        (
+            "held-out eval",
+            f"{s['eval_prompts']} test prompts, greedy, "
+            + (f"every {s['eval_every']} steps" if s["eval_every"] else "at start and end"),
+            "same prompts, greedy HF generate (shared helper)",
+        ),
     ]
 
 
@@ -432,10 +540,13 @@ def noise_note(result: dict[str, Any]) -> list[str]:
     peak = max(result["ours"]["loadavg_1m_before_after"] + result["trl"]["loadavg_1m_before_after"])
     if peak <= cpus:
         return []
-    return [f"**Noisy machine**: the 1-minute load average reached {peak:.1f} on {cpus} cores while the sides ran, "
-            "so other processes slowed many steps (compare the p10 and p90 rows). The mean and median move "
-            "with that contention; the p10 and min rows estimate the uncontended cost. Re-run on a quiet "
-            "machine before quoting absolute numbers.", ""]
+    return [
+        f"**Noisy machine**: the 1-minute load average reached {peak:.1f} on {cpus} cores while the sides ran, "
+        "so other processes slowed many steps (compare the p10 and p90 rows). The mean and median move "
+        "with that contention; the p10 and min rows estimate the uncontended cost. Re-run on a quiet "
+        "machine before quoting absolute numbers.",
+        "",
+    ]
 
 
 def write_markdown(path: Path, result: dict[str, Any]) -> None:
@@ -452,9 +563,17 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
         f"TRL {trl['loadavg_1m_before_after'][0]:.1f}/{trl['loadavg_1m_before_after'][1]:.1f}). "
         f"torch {result['machine']['torch']}, transformers {trl['versions']['transformers']}, "
         f"TRL {trl['versions']['trl']}. The sides ran one after the other ({result['order']}), never at the same time. "
-        + (f"Framework source: commit {result['source']['commit'][:10]}"
-           + (f" with {result['source']['uncommitted_files']} uncommitted file(s)"
-              if result["source"]["uncommitted_files"] else "") + "." if result.get("source") else ""),
+        + (
+            f"Framework source: commit {result['source']['commit'][:10]}"
+            + (
+                f" with {result['source']['uncommitted_files']} uncommitted file(s)"
+                if result["source"]["uncommitted_files"]
+                else ""
+            )
+            + "."
+            if result.get("source")
+            else ""
+        ),
         "",
         "## Settings (identical on both sides unless stated)",
         "",
@@ -483,10 +602,15 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     row("steady-state s/step (min)", so["step_s_min_steady"], st["step_s_min_steady"])
     row("steps/s (steady, from mean)", so["steps_per_s_steady"], st["steps_per_s_steady"])
     row("trajectories/s (steady, from mean)", so["trajectories_per_s_steady"], st["trajectories_per_s_steady"], 1)
-    row("trajectories/s (steady, from median)", so["trajectories_per_s_median_steady"],
-        st["trajectories_per_s_median_steady"], 1)
-    row("trajectories/s (steady, from p10)", so["trajectories_per_s_p10_steady"],
-        st["trajectories_per_s_p10_steady"], 1)
+    row(
+        "trajectories/s (steady, from median)",
+        so["trajectories_per_s_median_steady"],
+        st["trajectories_per_s_median_steady"],
+        1,
+    )
+    row(
+        "trajectories/s (steady, from p10)", so["trajectories_per_s_p10_steady"], st["trajectories_per_s_p10_steady"], 1
+    )
     row("trajectories/s (all steps)", so["trajectories_per_s_all_steps"], st["trajectories_per_s_all_steps"], 1)
     row("generation share of a step", so["rollout_share_steady"], st["rollout_share_steady"], 2, r=False)
     row("first step s", so["step_s_first"], st["step_s_first"], 2)
@@ -495,12 +619,15 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     row("wall outside steps s (start-up, eval, save)", so["outside_steps_s"], st["outside_steps_s"], 1)
     row("trajectories/s over total wall", so["trajectories_per_s_wall"], st["trajectories_per_s_wall"], 1)
     row(f"mean reward, first {so['reward_window']} steps", so["reward_mean_first"], st["reward_mean_first"], r=False)
-    row(f"mean reward, last {so['reward_window']} steps (final)", so["reward_mean_last"], st["reward_mean_last"],
-        r=False)
+    row(
+        f"mean reward, last {so['reward_window']} steps (final)",
+        so["reward_mean_last"],
+        st["reward_mean_last"],
+        r=False,
+    )
     row("mean reward, all steps", so["reward_mean_all"], st["reward_mean_all"], r=False)
     row("greedy accuracy, start (shared helper)", acc["start"]["accuracy"], acc["start"]["accuracy"], r=False)
-    row("greedy accuracy, end (shared helper)", acc["ours_final"]["accuracy"], acc["trl_final"]["accuracy"],
-        r=False)
+    row("greedy accuracy, end (shared helper)", acc["ours_final"]["accuracy"], acc["trl_final"]["accuracy"], r=False)
     row("greedy accuracy, start (own eval)", so["own_eval_accuracy_start"], st["own_eval_accuracy_start"], r=False)
     row("greedy accuracy, end (own eval)", so["own_eval_accuracy_end"], st["own_eval_accuracy_end"], r=False)
     row("greedy accuracy, best (own eval)", so["own_eval_accuracy_best"], st["own_eval_accuracy_best"], r=False)
@@ -540,16 +667,28 @@ def write_plot(path: Path, result: dict[str, Any]) -> None:
     acc = result["greedy_accuracy_shared_helper"]
     last = result["settings"]["steps"]
     axes[1].plot([0], [acc["start"]["accuracy"]], "k*", markersize=11, label="start, shared helper")
-    axes[1].plot([last], [acc["ours_final"]["accuracy"]], "*", color="tab:blue", markersize=13,
-                 markeredgecolor="k", label="end, shared helper")
+    axes[1].plot(
+        [last],
+        [acc["ours_final"]["accuracy"]],
+        "*",
+        color="tab:blue",
+        markersize=13,
+        markeredgecolor="k",
+        label="end, shared helper",
+    )
     axes[1].plot([last], [acc["trl_final"]["accuracy"]], "*", color="tab:orange", markersize=13, markeredgecolor="k")
     axes[0].set(title="training reward (exact match) per step", xlabel="step", ylabel="mean reward")
-    axes[1].set(title=f"greedy held-out accuracy ({len(result['eval_record_indices'])} prompts)", xlabel="step",
-                ylabel="accuracy")
+    axes[1].set(
+        title=f"greedy held-out accuracy ({len(result['eval_record_indices'])} prompts)",
+        xlabel="step",
+        ylabel="accuracy",
+    )
     axes[2].set(title="wall time per step (log scale)", xlabel="step", ylabel="seconds", yscale="log")
     s = result["settings"]
-    fig.suptitle(f"{result['recipe']}: {s['prompts']} prompts x {s['samples']} samples, "
-                 f"{s['max_new_tokens']} new tokens, lr {s['lr']:g}, {s['steps']} steps (same settings both sides)")
+    fig.suptitle(
+        f"{result['recipe']}: {s['prompts']} prompts x {s['samples']} samples, "
+        f"{s['max_new_tokens']} new tokens, lr {s['lr']:g}, {s['steps']} steps (same settings both sides)"
+    )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -567,10 +706,12 @@ def add_summary(result: dict[str, Any]) -> None:
         "step_s_mean_steady": ratio(so["step_s_mean_steady"], st["step_s_mean_steady"]),
         "step_s_median_steady": ratio(so["step_s_median_steady"], st["step_s_median_steady"]),
         "step_s_p10_steady": ratio(so["step_s_p10_steady"], st["step_s_p10_steady"]),
-        "trajectories_per_s_median_steady": ratio(so["trajectories_per_s_median_steady"],
-                                                  st["trajectories_per_s_median_steady"]),
-        "trajectories_per_s_p10_steady": ratio(so["trajectories_per_s_p10_steady"],
-                                               st["trajectories_per_s_p10_steady"]),
+        "trajectories_per_s_median_steady": ratio(
+            so["trajectories_per_s_median_steady"], st["trajectories_per_s_median_steady"]
+        ),
+        "trajectories_per_s_p10_steady": ratio(
+            so["trajectories_per_s_p10_steady"], st["trajectories_per_s_p10_steady"]
+        ),
         "step_time_sum_s": ratio(so["step_time_sum_s"], st["step_time_sum_s"]),
         "wall_total_s": ratio(so["wall_total_s"], st["wall_total_s"]),
     }
@@ -596,8 +737,10 @@ def main(argv: list[str] | None = None) -> int:
 
     source = source_state()  # the commit measured, taken before anything runs
     if importlib.util.find_spec("trl") is None:
-        raise SystemExit("cpu_vs_trl: TRL is not installed in this environment; run with "
-                         "`uv run --group bench python bench/cpu_vs_trl.py ...`")
+        raise SystemExit(
+            "cpu_vs_trl: TRL is not installed in this environment; run with "
+            "`uv run --group bench python bench/cpu_vs_trl.py ...`"
+        )
     os.environ.setdefault("LOONGSAGE_CACHE", str(BENCH / "work" / "cache"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     work = BENCH / "work" / ("cpu_vs_trl_quick" if args.quick else "cpu_vs_trl")
@@ -628,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"start greedy accuracy (shared helper): {start_acc['accuracy']:.3f}", flush=True)
 
     sides: dict[str, dict[str, Any]] = {}
-    for name in (("trl", "ours") if args.trl_first else ("ours", "trl")):
+    for name in ("trl", "ours") if args.trl_first else ("ours", "trl"):
         if name == "ours":
             sides[name] = run_ours(args, work, env, model_path, settings)
         else:
@@ -636,8 +779,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {sides[name]['wall_s']:.1f} s wall", flush=True)
     ours, trl = sides["ours"], sides["trl"]
 
-    acc = {"start": start_acc, "ours_final": helper_eval(ours["final_model"], held_out, settings),
-           "trl_final": helper_eval(trl["final_model"], held_out, settings)}
+    acc = {
+        "start": start_acc,
+        "ours_final": helper_eval(ours["final_model"], held_out, settings),
+        "trl_final": helper_eval(trl["final_model"], held_out, settings),
+    }
     from transformers import AutoModelForCausalLM
 
     n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_path).parameters())
@@ -653,9 +799,14 @@ def main(argv: list[str] | None = None) -> int:
         "num_parameters": n_params,
         "warm_start_s": warm_start_s,
         "warm_start_params": json.loads((Path(model_path) / "loongsage_warmstart.json").read_text()).get("params")
-        if (Path(model_path) / "loongsage_warmstart.json").is_file() else None,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "platform": platform.platform()},
+        if (Path(model_path) / "loongsage_warmstart.json").is_file()
+        else None,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+        },
         "train_record_indices": [r["index"] for r in train],
         "eval_record_indices": [r["index"] for r in held_out],
         "greedy_accuracy_shared_helper": acc,

@@ -41,9 +41,20 @@ ROOFLINE_REFERENCE = {64: 39_000, 256: 156_000}
 def qwen3_1_7b_config():
     from transformers import Qwen3Config
 
-    return Qwen3Config(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40_960,
-                       rope_theta=1_000_000.0, tie_word_embeddings=True, eos_token_id=151_645, pad_token_id=151_643)
+    return Qwen3Config(
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40_960,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        eos_token_id=151_645,
+        pad_token_id=151_643,
+    )
 
 
 def build(path: Path) -> torch.nn.Module:
@@ -68,9 +79,17 @@ def timed(fn) -> float:
 def hf_side(model, prompts: torch.Tensor, new_tokens: int) -> float:
     def run():
         with torch.inference_mode():
-            out = model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0,
-                                 top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 pad_token_id=0)
+            out = model.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
         assert out.shape[1] == prompts.shape[1] + new_tokens
 
     return timed(run)
@@ -110,11 +129,17 @@ def main() -> None:
     model = build(tmp)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     longest = max(args.batches)
-    common = {"dtype": "bfloat16", "device": "cuda", "max_batch_size": longest, "eos_token_ids": [],
-              "max_model_len": args.prompt + args.new_tokens, "prefill_chunk_tokens": longest * args.prompt,
-              # Repeats send the same prompts: a prefix cache would skip their prefill, which HF
-              # cannot, so it is off (this is a static-batch workload, not sessions).
-              "prefix_cache": False}
+    common = {
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "max_batch_size": longest,
+        "eos_token_ids": [],
+        "max_model_len": args.prompt + args.new_tokens,
+        "prefill_chunk_tokens": longest * args.prompt,
+        # Repeats send the same prompts: a prefix cache would skip their prefill, which HF
+        # cannot, so it is off (this is a static-batch workload, not sessions).
+        "prefix_cache": False,
+    }
     graphed = NativeEngine(str(tmp), **common)
     eager = NativeEngine(str(tmp), cuda_graphs=False, **common)
     sides = {
@@ -135,26 +160,44 @@ def main() -> None:
             for name, run in sides.items():
                 timed_runs[name].append(tokens / run(prompts))
         stats = {name: spread(values) for name, values in timed_runs.items()}
-        row = {"batch": batch, "prompt": args.prompt, "new_tokens": args.new_tokens,
-               "hf_generate_tok_s": stats["hf"], "engine_cuda_graphs_tok_s": stats["graphs"],
-               "engine_eager_tok_s": stats["eager"], "roofline_tok_s": ROOFLINE_REFERENCE.get(batch),
-               "sglang_reference_tok_s": SGLANG_REFERENCE.get(batch), "warm_up_tok_s": warm, "repeats": timed_runs}
+        row = {
+            "batch": batch,
+            "prompt": args.prompt,
+            "new_tokens": args.new_tokens,
+            "hf_generate_tok_s": stats["hf"],
+            "engine_cuda_graphs_tok_s": stats["graphs"],
+            "engine_eager_tok_s": stats["eager"],
+            "roofline_tok_s": ROOFLINE_REFERENCE.get(batch),
+            "sglang_reference_tok_s": SGLANG_REFERENCE.get(batch),
+            "warm_up_tok_s": warm,
+            "repeats": timed_runs,
+        }
         row["speedup_vs_hf"] = stats["graphs"]["median"] / stats["hf"]["median"]
         # the least favourable pairing of our slowest run against HF's fastest, and the reverse
-        row["speedup_vs_hf_range"] = [stats["graphs"]["min"] / stats["hf"]["max"],
-                                      stats["graphs"]["max"] / stats["hf"]["min"]]
+        row["speedup_vs_hf_range"] = [
+            stats["graphs"]["min"] / stats["hf"]["max"],
+            stats["graphs"]["max"] / stats["hf"]["min"],
+        ]
         row["eager_speedup_vs_hf"] = stats["eager"]["median"] / stats["hf"]["median"]
         if row["sglang_reference_tok_s"]:
             row["fraction_of_sglang"] = stats["graphs"]["median"] / row["sglang_reference_tok_s"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "repeats"}), flush=True)
-    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "weights_gb": weight_bytes / 1e9, "graphs_captured": graphed._batch.graphs.captures,
-            "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "repeats": args.repeats}
+    info = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "weights_gb": weight_bytes / 1e9,
+        "graphs_captured": graphed._batch.graphs.captures,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "repeats": args.repeats,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"source": source, "info": info, "rows": rows}, indent=1))
-    table = ["| batch | HF generate tok/s | engine eager tok/s | engine + CUDA graphs tok/s | vs HF (range) | "
-             "SGLang 0.5.16 (ref.) | share of SGLang | roofline |", "|---|---|---|---|---|---|---|---|"]
+    table = [
+        "| batch | HF generate tok/s | engine eager tok/s | engine + CUDA graphs tok/s | vs HF (range) | "
+        "SGLang 0.5.16 (ref.) | share of SGLang | roofline |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
 
     def cell(s: dict[str, float]) -> str:
         return f"{s['median']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f})"
@@ -163,12 +206,16 @@ def main() -> None:
         sglang = f"{r['sglang_reference_tok_s']:,}" if r["sglang_reference_tok_s"] else "-"
         share = f"{r['fraction_of_sglang']:.0%}" if r.get("fraction_of_sglang") else "-"
         lo, hi = r["speedup_vs_hf_range"]
-        table.append(f"| {r['batch']} | {cell(r['hf_generate_tok_s'])} | {cell(r['engine_eager_tok_s'])} | "
-                     f"{cell(r['engine_cuda_graphs_tok_s'])} | {r['speedup_vs_hf']:.2f}x ({lo:.2f}-{hi:.2f}) | "
-                     f"{sglang} | {share} | {r['roofline_tok_s'] or 0:,} |")
+        table.append(
+            f"| {r['batch']} | {cell(r['hf_generate_tok_s'])} | {cell(r['engine_eager_tok_s'])} | "
+            f"{cell(r['engine_cuda_graphs_tok_s'])} | {r['speedup_vs_hf']:.2f}x ({lo:.2f}-{hi:.2f}) | "
+            f"{sglang} | {share} | {r['roofline_tok_s'] or 0:,} |"
+        )
     text = "\n".join(table)
-    note = (f"Commit {source['commit'][:10]}; medians of {args.repeats} interleaved timed runs per side (min-max in "
-            "brackets), each side warmed once on the full workload first.")
+    note = (
+        f"Commit {source['commit'][:10]}; medians of {args.repeats} interleaved timed runs per side (min-max in "
+        "brackets), each side warmed once on the full workload first."
+    )
     args.out.with_suffix(".md").write_text(f"{info}\n\n{note}\n\n{text}\n")
     print(info)
     print(note)

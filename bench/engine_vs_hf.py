@@ -57,22 +57,31 @@ def left_pad(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Te
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
     return ids, mask
 
 
 def run_hf(model, ids, mask, new_tokens: int, sampling: dict, pad: int) -> tuple[float, int]:
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True,
-                             eos_token_id=None, pad_token_id=pad, **sampling)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=True,
+            eos_token_id=None,
+            pad_token_id=pad,
+            **sampling,
+        )
         out = out.cpu()  # waits for the device; the engine's results are host lists already
     return time.perf_counter() - start, (out.shape[1] - ids.shape[1]) * out.shape[0]
 
 
 def requests(prompts, new_tokens: int, sampling: dict, tag: str) -> list[GenerationRequest]:
-    return [GenerationRequest(f"{tag}{i}", p, SamplingParams(max_new_tokens=new_tokens, **sampling))
-            for i, p in enumerate(prompts)]
+    return [
+        GenerationRequest(f"{tag}{i}", p, SamplingParams(max_new_tokens=new_tokens, **sampling))
+        for i, p in enumerate(prompts)
+    ]
 
 
 def run_engine_sync(engine, prompts, new_tokens: int, sampling: dict) -> tuple[float, int]:
@@ -93,18 +102,25 @@ def run_engine_async(engine, prompts, new_tokens: int, sampling: dict) -> tuple[
 def greedy_agrees(model, engine, prompts, pad: int, new_tokens: int = 32) -> bool:
     ids, mask = (t.to(model.device) for t in left_pad(prompts, pad))
     with torch.inference_mode():
-        hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=pad)[:, ids.shape[1]:].tolist()
+        hf = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad,
+        )[:, ids.shape[1] :].tolist()
     ours = engine.generate_batch(requests(prompts, new_tokens, {"temperature": 0.0}, "g"))
     return all(r[0].output_ids == h for r, h in zip(ours, hf))
 
 
 def mixed_workload(count: int, waves: int, vocab: int, seed: int = 1) -> list[list[tuple[list[int], int]]]:
     rng = random.Random(seed)
-    items = [([rng.randrange(3, vocab) for _ in range(rng.randrange(16, 65))], rng.randrange(4, 129))
-             for _ in range(count)]
+    items = [
+        ([rng.randrange(3, vocab) for _ in range(rng.randrange(16, 65))], rng.randrange(4, 129)) for _ in range(count)
+    ]
     size = -(-count // waves)
-    return [items[k:k + size] for k in range(0, count, size)]
+    return [items[k : k + size] for k in range(0, count, size)]
 
 
 def mixed_engine(engine, waves, sampling: dict) -> tuple[float, int]:
@@ -112,11 +128,15 @@ def mixed_engine(engine, waves, sampling: dict) -> tuple[float, int]:
         tasks = []
         for w, wave in enumerate(waves):
             if tasks:  # the next wave arrives once half of the previous one finished
-                prev = tasks[-len(waves[w - 1]):]
+                prev = tasks[-len(waves[w - 1]) :]
                 while sum(t.done() for t in prev) < len(prev) // 2:
                     await asyncio.sleep(0.001)
-            tasks += [asyncio.create_task(engine.generate(GenerationRequest(
-                f"m{w}_{i}", p, SamplingParams(max_new_tokens=k, **sampling)))) for i, (p, k) in enumerate(wave)]
+            tasks += [
+                asyncio.create_task(
+                    engine.generate(GenerationRequest(f"m{w}_{i}", p, SamplingParams(max_new_tokens=k, **sampling)))
+                )
+                for i, (p, k) in enumerate(wave)
+            ]
         return await asyncio.gather(*tasks)
 
     start = time.perf_counter()
@@ -143,7 +163,7 @@ def mixed_hf_continuous(model, waves, sampling: dict) -> tuple[float, int]:
         start, useful, done = time.perf_counter(), 0, 0
         for w, wave in enumerate(waves):
             if w:
-                target = sum(len(x) for x in waves[:w - 1]) + len(waves[w - 1]) // 2
+                target = sum(len(x) for x in waves[: w - 1]) + len(waves[w - 1]) // 2
                 while done < target:
                     if (out := manager.get_result(timeout=60)) is None:
                         raise RuntimeError("transformers continuous batching: no result within 60 s")
@@ -172,9 +192,11 @@ def run_mixed(model, engine, args, pad: int) -> dict:
     times: dict[str, list[float]] = {}
     errors: dict[str, str] = {}
     warm = [waves[0][:8]]
-    warmups = {"hf_generate_static_batches": lambda: mixed_hf_static(model, warm, sampling, pad),
-               "hf_continuous_batching": lambda: mixed_hf_continuous(model, warm, sampling),
-               "engine_async_generate": lambda: mixed_engine(engine, warm, sampling)}
+    warmups = {
+        "hf_generate_static_batches": lambda: mixed_hf_static(model, warm, sampling, pad),
+        "hf_continuous_batching": lambda: mixed_hf_continuous(model, warm, sampling),
+        "engine_async_generate": lambda: mixed_engine(engine, warm, sampling),
+    }
     for side in sides:  # warm-up on a few requests; a side that cannot run is reported, not timed
         try:
             warmups[side]()
@@ -188,9 +210,17 @@ def run_mixed(model, engine, args, pad: int) -> dict:
                 raise RuntimeError(f"mixed {side} produced {tokens} tokens, expected {expected}")
             times[side].append(seconds)
     tps = {side: expected / statistics.median(t) for side, t in times.items()}
-    return {"requests": args.mixed_requests, "waves": args.waves, "max_new_tokens": "4-128", "prompt_tokens": "16-64",
-            "useful_tokens": expected, "sampling": sampling, "seconds": times, "tokens_per_s_median": tps,
-            "unavailable": errors}
+    return {
+        "requests": args.mixed_requests,
+        "waves": args.waves,
+        "max_new_tokens": "4-128",
+        "prompt_tokens": "16-64",
+        "useful_tokens": expected,
+        "sampling": sampling,
+        "seconds": times,
+        "tokens_per_s_median": tps,
+        "unavailable": errors,
+    }
 
 
 def main() -> None:
@@ -211,8 +241,14 @@ def main() -> None:
         model, tokenizer = build_tiny_qwen3(tmp)
         model = model.to(device=args.device, dtype=getattr(torch, args.dtype)).eval()
         pad = tokenizer.pad_token_id
-        engine = NativeEngine(tmp, max_batch_size=args.batch, max_model_len=64 + max(args.new_tokens, 128) + 1,
-                              eos_token_ids=[], device=args.device, dtype=args.dtype)
+        engine = NativeEngine(
+            tmp,
+            max_batch_size=args.batch,
+            max_model_len=64 + max(args.new_tokens, 128) + 1,
+            eos_token_ids=[],
+            device=args.device,
+            dtype=args.dtype,
+        )
         prompts = make_prompts(args.batch, model.config.vocab_size)
         ids, mask = (t.to(args.device) for t in left_pad(prompts, pad))
         agree = greedy_agrees(model, engine, prompts, pad, new_tokens=min(32, args.new_tokens))
@@ -240,28 +276,55 @@ def main() -> None:
         mixed = run_mixed(model, engine, args, pad) if args.mixed_requests else None
 
     meta = {
-        "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
-        "device": args.device, "dtype": args.dtype,
-        "prompt_tokens": "16-64", "model": "tiny Qwen3 (build_tiny_qwen3 defaults)", "greedy_tokens_agree": agree,
-        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "batch": args.batch,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "device": args.device,
+        "dtype": args.dtype,
+        "prompt_tokens": "16-64",
+        "model": "tiny Qwen3 (build_tiny_qwen3 defaults)",
+        "greedy_tokens_agree": agree,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "scenarios": raw, "mixed": mixed,
-                                   "table": [{"sampling": r[0], "side": r[1], "tokens_per_s": r[2],
-                                              "ratio_vs_hf": r[3]} for r in rows]}, indent=2))
-    lines = [f"batch {args.batch} x {args.new_tokens} new tokens, {args.repeats} repeats (median), {args.device} "
-             f"{args.dtype}, {args.threads} thread(s); greedy tokens agree with HF: {agree}", "",
-             "| sampling | side | tokens/s | vs HF generate |", "|---|---|---:|---:|"]
+    args.out.write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "scenarios": raw,
+                "mixed": mixed,
+                "table": [{"sampling": r[0], "side": r[1], "tokens_per_s": r[2], "ratio_vs_hf": r[3]} for r in rows],
+            },
+            indent=2,
+        )
+    )
+    lines = [
+        f"batch {args.batch} x {args.new_tokens} new tokens, {args.repeats} repeats (median), {args.device} "
+        f"{args.dtype}, {args.threads} thread(s); greedy tokens agree with HF: {agree}",
+        "",
+        "| sampling | side | tokens/s | vs HF generate |",
+        "|---|---|---:|---:|",
+    ]
     lines += [f"| {name} | {side} | {value:,.0f} | {ratio:.2f}x |" for name, side, value, ratio in rows]
     if mixed is not None:
         tps = mixed["tokens_per_s_median"]
         base = tps.get("hf_generate_static_batches")
-        lines += ["", f"Mixed workload: {mixed['requests']} requests, prompts 16-64 tokens, max_new_tokens 4-128, "
-                  f"{mixed['waves']} waves (each arrives when half of the previous finished), T=1.0; "
-                  f"{mixed['useful_tokens']} requested tokens.", "",
-                  "| side | useful tokens/s | vs HF static batches |", "|---|---:|---:|"]
-        lines += [f"| {side} | {v:,.0f} | {v / base:.2f}x |" if base else f"| {side} | {v:,.0f} | - |"
-                  for side, v in tps.items()]
+        lines += [
+            "",
+            f"Mixed workload: {mixed['requests']} requests, prompts 16-64 tokens, max_new_tokens 4-128, "
+            f"{mixed['waves']} waves (each arrives when half of the previous finished), T=1.0; "
+            f"{mixed['useful_tokens']} requested tokens.",
+            "",
+            "| side | useful tokens/s | vs HF static batches |",
+            "|---|---:|---:|",
+        ]
+        lines += [
+            f"| {side} | {v:,.0f} | {v / base:.2f}x |" if base else f"| {side} | {v:,.0f} | - |"
+            for side, v in tps.items()
+        ]
         lines += [f"| {side} | unavailable: {err} | - |" for side, err in mixed["unavailable"].items()]
     text = "\n".join(lines) + "\n"
     args.out.with_suffix(".md").write_text(text)

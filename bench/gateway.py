@@ -73,13 +73,21 @@ sys.path.insert(0, str(BENCH))
 from _source import source_state  # noqa: E402
 
 NAME = "gateway"
-SIDES = {"gateway": "gateway, clients in the engine's process and event loop",
-         "direct": "token ids straight to the engine client",
-         "gateway_ext": "gateway, clients in a process of their own",
-         "gateway_stream": "gateway, stream=True, clients in the engine's process"}
+SIDES = {
+    "gateway": "gateway, clients in the engine's process and event loop",
+    "direct": "token ids straight to the engine client",
+    "gateway_ext": "gateway, clients in a process of their own",
+    "gateway_stream": "gateway, stream=True, clients in the engine's process",
+}
 SYSTEM = "You are a careful assistant. Work step by step and use the lookup tool when a number is unknown."
-LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "look a number up",
-                                           "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "look a number up",
+        "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
+    },
+}
 
 
 def first_user(s: int) -> str:
@@ -88,8 +96,9 @@ def first_user(s: int) -> str:
 
 def follow_up(s: int, t: int) -> str:
     """The scripted message after reply ``t``: shaped like a tool's output, then a nudge."""
-    return (f"lookup(n={s + t}) returned {{\"value\": {(31 * s + 7 * t) % 1000}, \"step\": {t}}}. "
-            f"Continue with the next step.")
+    return (
+        f'lookup(n={s + t}) returned {{"value": {(31 * s + 7 * t) % 1000}, "step": {t}}}. Continue with the next step.'
+    )
 
 
 def seed_of(s: int, t: int) -> int:
@@ -106,9 +115,14 @@ class Recorder:
     async def generate(self, input_ids, sampling, session=None):
         start = time.perf_counter()
         results = await self.inner.generate(input_ids, sampling, session)
-        self.calls.setdefault(session, []).append({"input_ids": list(input_ids), "sampling": sampling,
-                                                   "output_ids": list(results[0].output_ids),
-                                                   "engine_s": time.perf_counter() - start})
+        self.calls.setdefault(session, []).append(
+            {
+                "input_ids": list(input_ids),
+                "sampling": sampling,
+                "output_ids": list(results[0].output_ids),
+                "engine_s": time.perf_counter() - start,
+            }
+        )
         return results
 
     def release_session(self, session):
@@ -127,11 +141,19 @@ async def converse(infos: list[tuple[str, str]], args, stream: bool) -> dict[str
 
     async def one(s: int) -> list[float]:
         client, latencies = clients[s], []
-        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
-                                          {"role": "user", "content": first_user(s)}]
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": first_user(s)},
+        ]
         for t in range(args.turns):
-            kwargs = dict(model="tiny", messages=messages, max_tokens=args.max_tokens, temperature=1.0,
-                          seed=seed_of(s, t), **({"tools": tools} if tools else {}))
+            kwargs = dict(
+                model="tiny",
+                messages=messages,
+                max_tokens=args.max_tokens,
+                temperature=1.0,
+                seed=seed_of(s, t),
+                **({"tools": tools} if tools else {}),
+            )
             start = time.perf_counter()
             if stream:
                 content, reasoning = [], []
@@ -154,8 +176,7 @@ async def converse(infos: list[tuple[str, str]], args, stream: bool) -> dict[str
     start_cpu, start = time.process_time(), time.perf_counter()  # the clients exist already, as an agent's would
     try:
         latencies = await asyncio.gather(*(one(s) for s in range(len(infos))))
-        return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - start_cpu,
-                "latency_s": latencies}
+        return {"wall_s": time.perf_counter() - start, "cpu_s": time.process_time() - start_cpu, "latency_s": latencies}
     finally:
         for c in clients:
             await c.close()
@@ -176,12 +197,16 @@ class ClientProcess:
     """The parent's end of a :func:`client_worker` (started once, before anything is timed)."""
 
     async def start(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(sys.executable, __file__, "--client-worker",
-                                                         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--client-worker", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
 
     async def converse(self, infos, args, stream: bool) -> dict[str, Any]:
-        job = {"infos": infos, "stream": stream,
-               "args": {"turns": args.turns, "max_tokens": args.max_tokens, "tools": args.tools}}
+        job = {
+            "infos": infos,
+            "stream": stream,
+            "args": {"turns": args.turns, "max_tokens": args.max_tokens, "tools": args.tools},
+        }
         self.proc.stdin.write((json.dumps(job) + "\n").encode())
         await self.proc.stdin.drain()
         line = await self.proc.stdout.readline()
@@ -194,8 +219,9 @@ class ClientProcess:
         await self.proc.wait()
 
 
-async def gateway_round(gw, recorder: Recorder, args, tag: str, stream: bool,
-                        clients: ClientProcess | None = None) -> dict[str, Any]:
+async def gateway_round(
+    gw, recorder: Recorder, args, tag: str, stream: bool, clients: ClientProcess | None = None
+) -> dict[str, Any]:
     """All sessions through the gateway at once, the clients in this process (on the gateway's
     and the engine's event loop) or in ``clients``' process."""
     infos = [gw.open_session(f"{tag}-s{s}") for s in range(args.sessions)]
@@ -211,8 +237,12 @@ async def gateway_round(gw, recorder: Recorder, args, tag: str, stream: bool,
     for i in infos:
         await gw.close_session(i.trajectory, i.attempt)
     counters = {k: v - before.get(k, 0) for k, v in gw.service.counters.items() if v != before.get(k, 0)}
-    return {**out, "calls": calls, "gateway_counters": counters,
-            "engine_s": [[c["engine_s"] for c in session] for session in calls]}
+    return {
+        **out,
+        "calls": calls,
+        "gateway_counters": counters,
+        "engine_s": [[c["engine_s"] for c in session] for session in calls],
+    }
 
 
 async def direct_round(engine, replay: list[list[dict[str, Any]]], args) -> dict[str, Any]:
@@ -239,8 +269,10 @@ def tito_violations(calls: list[list[dict[str, Any]]]) -> int:
     bad = 0
     for session in calls:
         for prev, cur in zip(session, session[1:]):
-            bad += cur["input_ids"][:len(prev["input_ids"]) + len(prev["output_ids"])] != \
-                prev["input_ids"] + prev["output_ids"]
+            bad += (
+                cur["input_ids"][: len(prev["input_ids"]) + len(prev["output_ids"])]
+                != prev["input_ids"] + prev["output_ids"]
+            )
     return bad
 
 
@@ -252,8 +284,13 @@ def mismatches(reference: list[list[list[int]]], outputs: list[list[list[int]]])
 
 def stats(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
-            "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "n": len(ordered)}
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "p90": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        "n": len(ordered),
+    }
 
 
 def engine_counters(native) -> dict[str, int]:
@@ -317,8 +354,14 @@ async def run(args) -> dict[str, Any]:
                 if side == "direct":
                     out = await direct_round(engine, replay, args)
                 else:
-                    out = await gateway_round(gw, recorder, args, f"r{k + 1}-{side}", side == "gateway_stream",
-                                              clients if side == "gateway_ext" else None)
+                    out = await gateway_round(
+                        gw,
+                        recorder,
+                        args,
+                        f"r{k + 1}-{side}",
+                        side == "gateway_stream",
+                        clients if side == "gateway_ext" else None,
+                    )
                     calls = out.pop("calls")
                     out["outputs"] = [[c["output_ids"] for c in session] for session in calls]
                     out["tito_violations"] = tito_violations(calls)
@@ -331,19 +374,33 @@ async def run(args) -> dict[str, Any]:
                 out["generated_tokens"] = sum(len(o) for session in out.pop("outputs") for o in session)
                 out["engine_counters"] = {k2: v - counters0[k2] for k2, v in engine_counters(native).items()}
                 out["engine_step_cpu_s"] = step_time["cpu_s"] - step_cpu0
-                out.update(side=side, repeat=k, warmup=k < 0, turns=args.sessions * args.turns,
-                           turns_per_s=args.sessions * args.turns / out["wall_s"], loadavg_1m=os.getloadavg()[0])
+                out.update(
+                    side=side,
+                    repeat=k,
+                    warmup=k < 0,
+                    turns=args.sessions * args.turns,
+                    turns_per_s=args.sessions * args.turns / out["wall_s"],
+                    loadavg_1m=os.getloadavg()[0],
+                )
                 rounds.append(out)
-                print(f"{'warm-up' if k < 0 else f'repeat {k + 1}'} {side:>14}: {out['wall_s']:.2f} s, "
-                      f"{out['turns_per_s']:.1f} turns/s, cpu {out['cpu_s']:.2f} s, "
-                      f"{out['engine_counters']['steps']} engine steps, "
-                      f"mismatched turns {out['token_mismatched_turns']}, load {out['loadavg_1m']:.1f}", flush=True)
+                print(
+                    f"{'warm-up' if k < 0 else f'repeat {k + 1}'} {side:>14}: {out['wall_s']:.2f} s, "
+                    f"{out['turns_per_s']:.1f} turns/s, cpu {out['cpu_s']:.2f} s, "
+                    f"{out['engine_counters']['steps']} engine steps, "
+                    f"mismatched turns {out['token_mismatched_turns']}, load {out['loadavg_1m']:.1f}",
+                    flush=True,
+                )
     finally:
         if clients:
             await clients.stop()
         await gw.stop()
-    return {"rounds": rounds, "sides": sides, "uvicorn_http": http, "reference_tokens": reference,
-            "replayed_prompt_tokens": [[len(c["input_ids"]) for c in s] for s in replay]}
+    return {
+        "rounds": rounds,
+        "sides": sides,
+        "uvicorn_http": http,
+        "reference_tokens": reference,
+        "replayed_prompt_tokens": [[len(c["input_ids"]) for c in s] for s in replay],
+    }
 
 
 def summarize(result: dict[str, Any]) -> dict[str, Any]:
@@ -364,15 +421,20 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             "token_mismatched_turns": sum(r["token_mismatched_turns"] for r in rs),
         }
         if all("client_cpu_s" in r for r in rs):
-            summary["sides"][side]["client_process_cpu_s_per_turn"] = stats([r["client_cpu_s"] / r["turns"]
-                                                                             for r in rs])
+            summary["sides"][side]["client_process_cpu_s_per_turn"] = stats(
+                [r["client_cpu_s"] / r["turns"] for r in rs]
+            )
     direct = summary["sides"]["direct"]
     for side in (s for s in result["sides"] if s != "direct"):
         s = summary["sides"][side]
         pairs = list(zip(by_side[side], by_side["direct"]))  # rounds of the same repeat
         added = [g - d for rg, rd in pairs for sg, sd in zip(rg["latency_s"], rd["latency_s"]) for g, d in zip(sg, sd)]
-        outside = [lat - eng for r in by_side[side] for sl, se in zip(r["latency_s"], r["engine_s"])
-                   for lat, eng in zip(sl, se)]
+        outside = [
+            lat - eng
+            for r in by_side[side]
+            for sl, se in zip(r["latency_s"], r["engine_s"])
+            for lat, eng in zip(sl, se)
+        ]
         s["vs_direct"] = {
             "turns_per_s_ratio_of_medians": s["turns_per_s"]["median"] / direct["turns_per_s"]["median"],
             "turns_per_s_ratio_per_repeat": [rg["turns_per_s"] / rd["turns_per_s"] for rg, rd in pairs],
@@ -395,43 +457,62 @@ def write_markdown(path: Path, result: dict[str, Any]) -> None:
     sides = summ["sides"]
     ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
     source = result["source"]
-    lines = [f"commit `{source['commit'][:10]}` (uncommitted files: {source['uncommitted_files']}); "
-             f"{st['sessions']} sessions x {st['turns']} turns, max_tokens {st['max_tokens']}, tools offered: "
-             f"{st['tools']}; {st['repeats']} interleaved repeats after one warm-up round per side; "
-             f"torch threads {st['threads']}; uvicorn {result['uvicorn_http']}; {result['machine']['affinity']} "
-             f"cores; load (1 min) "
-             f"{result['loadavg_1m_before_after'][0]:.1f} before, {result['loadavg_1m_before_after'][1]:.1f} after", ""]
+    lines = [
+        f"commit `{source['commit'][:10]}` (uncommitted files: {source['uncommitted_files']}); "
+        f"{st['sessions']} sessions x {st['turns']} turns, max_tokens {st['max_tokens']}, tools offered: "
+        f"{st['tools']}; {st['repeats']} interleaved repeats after one warm-up round per side; "
+        f"torch threads {st['threads']}; uvicorn {result['uvicorn_http']}; {result['machine']['affinity']} "
+        f"cores; load (1 min) "
+        f"{result['loadavg_1m_before_after'][0]:.1f} before, {result['loadavg_1m_before_after'][1]:.1f} after",
+        "",
+    ]
     lines += [f"- `{side}`: {SIDES[side]}" for side in sides] + [""]
-    lines += ["| side | turns/s median (min-max) | vs direct | capacity vs direct (turns per CPU s, engine's "
-              "process) | CPU ms/turn, engine's process: all = engine steps + rest | CPU ms/turn, client process | latency/turn "
-              "median (p90) ms | engine steps | tokens generated | turns with other tokens |",
-              "|---|---|---:|---:|---|---:|---|---:|---:|---:|"]
+    lines += [
+        "| side | turns/s median (min-max) | vs direct | capacity vs direct (turns per CPU s, engine's "
+        "process) | CPU ms/turn, engine's process: all = engine steps + rest | CPU ms/turn, client process | "
+        "latency/turn median (p90) ms | engine steps | tokens generated | turns with other tokens |",
+        "|---|---|---:|---:|---|---:|---|---:|---:|---:|",
+    ]
     for side, s in sides.items():
         tps, lat = s["turns_per_s"], s["latency_s"]
         ratio = s["vs_direct"]["turns_per_s_ratio_of_medians"] if "vs_direct" in s else 1.0
         capacity = s["vs_direct"]["capacity_ratio_of_medians"] if "vs_direct" in s else 1.0
-        cpu = (f"{ms(s['cpu_s_per_turn']['median'])} = {ms(s['engine_step_cpu_s_per_turn']['median'])} + "
-               f"{ms(s['other_cpu_s_per_turn']['median'])}")
+        cpu = (
+            f"{ms(s['cpu_s_per_turn']['median'])} = {ms(s['engine_step_cpu_s_per_turn']['median'])} + "
+            f"{ms(s['other_cpu_s_per_turn']['median'])}"
+        )
         client = ms(s["client_process_cpu_s_per_turn"]["median"]) if "client_process_cpu_s_per_turn" in s else "-"
-        lines.append(f"| {side} | {tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | {ratio:.2f}x | "
-                     f"{capacity:.2f}x | {cpu} | "
-                     f"{client} | {ms(lat['median'])} ({ms(lat['p90'])}) | {s['engine_steps']['median']:.0f} | "
-                     f"{s['generated_tokens'][0]} | {s['token_mismatched_turns']} |")
-    lines += ["", "| side | ratio per repeat: turns/s; capacity | added CPU ms/turn (engine's process) | "
-              "added latency/turn, paired: median (p90) ms | difference of median latencies ms | latency outside the engine call: median (p90) ms "
-              "| TITO violations | turns: new segments, appended |", "|---|---|---:|---|---:|---|---:|---|"]
+        lines.append(
+            f"| {side} | {tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | {ratio:.2f}x | "
+            f"{capacity:.2f}x | {cpu} | "
+            f"{client} | {ms(lat['median'])} ({ms(lat['p90'])}) | {s['engine_steps']['median']:.0f} | "
+            f"{s['generated_tokens'][0]} | {s['token_mismatched_turns']} |"
+        )
+    lines += [
+        "",
+        "| side | ratio per repeat: turns/s; capacity | added CPU ms/turn (engine's process) | "
+        "added latency/turn, paired: median (p90) ms | difference of median latencies ms | "
+        "latency outside the engine call: median (p90) ms "
+        "| TITO violations | turns: new segments, appended |",
+        "|---|---|---:|---|---:|---|---:|---|",
+    ]
     for side, s in sides.items():
         if "vs_direct" not in s:
             continue
         v = s["vs_direct"]
         a, o = v["added_latency_paired_s"], v["latency_outside_engine_call_s"]
-        cats = ", ".join(f"{k.removeprefix('segments/')} {n}" for k, n in s["gateway_counters"].items()
-                         if k.startswith(("segments/", "turns_appended")))
-        lines.append(f"| {side} | {', '.join(f'{x:.2f}' for x in v['turns_per_s_ratio_per_repeat'])}; "
-                     f"{', '.join(f'{x:.2f}' for x in v['capacity_ratio_per_repeat'])} | "
-                     f"{v['added_cpu_ms_per_turn']:.1f} | {ms(a['median'])} ({ms(a['p90'])}) | "
-                     f"{ms(v['added_latency_median_difference_s'])} | {ms(o['median'])} ({ms(o['p90'])}) | "
-                     f"{s['tito_violations']} | {cats} |")
+        cats = ", ".join(
+            f"{k.removeprefix('segments/')} {n}"
+            for k, n in s["gateway_counters"].items()
+            if k.startswith(("segments/", "turns_appended"))
+        )
+        lines.append(
+            f"| {side} | {', '.join(f'{x:.2f}' for x in v['turns_per_s_ratio_per_repeat'])}; "
+            f"{', '.join(f'{x:.2f}' for x in v['capacity_ratio_per_repeat'])} | "
+            f"{v['added_cpu_ms_per_turn']:.1f} | {ms(a['median'])} ({ms(a['p90'])}) | "
+            f"{ms(v['added_latency_median_difference_s'])} | {ms(o['median'])} ({ms(o['p90'])}) | "
+            f"{s['tito_violations']} | {cats} |"
+        )
     lines += ["", f"Generated tokens equal on every side and round, turn by turn: **{summ['tokens_match']}**.", ""]
     path.write_text("\n".join(lines))
 
@@ -443,9 +524,12 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tools", type=int, default=1, choices=[0, 1], help="offer one tool on every turn (1) or none")
-    ap.add_argument("--sides", default="gateway,direct,gateway_ext",
-                    help="comma-separated, in the order each repeat runs them; a gateway side first (the direct "
-                         f"side replays its warm-up): {', '.join(SIDES)}")
+    ap.add_argument(
+        "--sides",
+        default="gateway,direct,gateway_ext",
+        help="comma-separated, in the order each repeat runs them; a gateway side first (the direct "
+        f"side replays its warm-up): {', '.join(SIDES)}",
+    )
     ap.add_argument("--stream", action="store_true", help="add the side gateway_stream")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -457,10 +541,16 @@ def main() -> int:
     if args.client_worker:
         return client_worker()
     args.sides = [x for x in args.sides.split(",") if x] + ["gateway_stream"] * args.stream
-    if (unknown := set(args.sides) - set(SIDES)) or "direct" not in args.sides or args.sides[0] == "direct" \
-            or len(set(args.sides)) != len(args.sides):
-        ap.error(f"--sides {','.join(args.sides)}: each of {', '.join(SIDES)} at most once, direct among them and not "
-                 f"first{f' (unknown: {sorted(unknown)})' if unknown else ''}")
+    if (
+        (unknown := set(args.sides) - set(SIDES))
+        or "direct" not in args.sides
+        or args.sides[0] == "direct"
+        or len(set(args.sides)) != len(args.sides)
+    ):
+        ap.error(
+            f"--sides {','.join(args.sides)}: each of {', '.join(SIDES)} at most once, direct among them and not "
+            f"first{f' (unknown: {sorted(unknown)})' if unknown else ''}"
+        )
     if args.quick:
         args.sessions, args.turns, args.repeats = 8, 2, 1
     out_dir = args.out_dir or (BENCH / "work" / f"{NAME}_quick" if args.quick else BENCH / "results")
@@ -474,14 +564,26 @@ def main() -> int:
 
     result = {
         "source": source,
-        "settings": {"sessions": args.sessions, "turns": args.turns, "max_tokens": args.max_tokens,
-                     "repeats": args.repeats, "tools": args.tools, "sides": args.sides,
-                     "threads": args.threads, "max_model_len": args.max_model_len, "quick": args.quick,
-                     "sampling": "temperature 1.0, seed 1000 * session + turn",
-                     "model": "tiny Qwen3 (build_tiny_qwen3 defaults), QWEN3_TOOLS_TEMPLATE, qwen3 chat parser"},
+        "settings": {
+            "sessions": args.sessions,
+            "turns": args.turns,
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "tools": args.tools,
+            "sides": args.sides,
+            "threads": args.threads,
+            "max_model_len": args.max_model_len,
+            "quick": args.quick,
+            "sampling": "temperature 1.0, seed 1000 * session + turn",
+            "model": "tiny Qwen3 (build_tiny_qwen3 defaults), QWEN3_TOOLS_TEMPLATE, qwen3 chat parser",
+        },
         "loadavg_1m_before_after": [load_start, os.getloadavg()[0]],
-        "machine": {"cpus": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
-                    "python": platform.python_version(), "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "affinity": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
         "versions": {"torch": torch.__version__, "openai": openai.__version__, "uvicorn": uvicorn.__version__},
         **result,
     }

@@ -80,8 +80,17 @@ def run(cmd: list[str], log: Path, env: dict) -> None:
 
 
 def ours(args, work: Path, env: dict) -> dict:
-    cmd = [sys.executable, "-m", "loongsage.core.cli", "train", RECIPE, f"run.total_steps={args.steps}",
-           f"run.output_dir={work / 'runs'}", f"run.log_dir={work / 'log'}", "tracking.progress=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loongsage.core.cli",
+        "train",
+        RECIPE,
+        f"run.total_steps={args.steps}",
+        f"run.output_dir={work / 'runs'}",
+        f"run.log_dir={work / 'log'}",
+        "tracking.progress=false",
+    ]
     if args.plugins:
         cmd.append(f"plugins=[{args.plugins}]")
     if args.engine != "native":
@@ -96,26 +105,45 @@ def ours(args, work: Path, env: dict) -> dict:
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in next((work / "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
     rows = [r for r in rows if "timing/step_s" in r]
-    keep = rows[args.warmup:]
+    keep = rows[args.warmup :]
     pick = {k: [r[f"timing/{k}_s"] for r in keep] for k in ("step", "rollout", "train", "sync")}
-    return {"wall_s": wall, "steps": len(rows), **{f"{k}_s_all": v for k, v in pick.items()},
-            **{f"{k}_s": statistics.median(v) for k, v in pick.items()},
-            "response_length_mean": statistics.mean(r["rollout/response_length_mean"] for r in keep)}
+    return {
+        "wall_s": wall,
+        "steps": len(rows),
+        **{f"{k}_s_all": v for k, v in pick.items()},
+        **{f"{k}_s": statistics.median(v) for k, v in pick.items()},
+        "response_length_mean": statistics.mean(r["rollout/response_length_mean"] for r in keep),
+    }
 
 
 def trl(args, work: Path, env: dict, model_path: str, prompts: list[str]) -> dict:
-    spec = {"model": model_path, "prompts": prompts, "prompt_tokens": PROMPT_TOKENS, "prompts_per_step": PROMPTS,
-            "samples_per_prompt": SAMPLES, "new_tokens": NEW_TOKENS, "micro_batch_rows": MICRO_ROWS,
-            "steps": args.steps}
+    spec = {
+        "model": model_path,
+        "prompts": prompts,
+        "prompt_tokens": PROMPT_TOKENS,
+        "prompts_per_step": PROMPTS,
+        "samples_per_prompt": SAMPLES,
+        "new_tokens": NEW_TOKENS,
+        "micro_batch_rows": MICRO_ROWS,
+        "steps": args.steps,
+    }
     (work / "trl_spec.json").write_text(json.dumps(spec))
     start = time.perf_counter()
-    run([sys.executable, str(BENCH / "_trl_gpu_step.py"), str(work / "trl_spec.json"), str(work / "trl.json")],
-        work / "trl.log", env)
+    run(
+        [sys.executable, str(BENCH / "_trl_gpu_step.py"), str(work / "trl_spec.json"), str(work / "trl.json")],
+        work / "trl.log",
+        env,
+    )
     out = json.loads((work / "trl.json").read_text())
-    keep = out["step_s"][args.warmup:]
-    return {"wall_s": time.perf_counter() - start, "steps": len(out["step_s"]), "step_s_all": keep,
-            "step_s": statistics.median(keep), "peak_gb": out["peak_gb"],
-            "completion_mean_length": out["completion_mean_length"]}
+    keep = out["step_s"][args.warmup :]
+    return {
+        "wall_s": time.perf_counter() - start,
+        "steps": len(out["step_s"]),
+        "step_s_all": keep,
+        "step_s": statistics.median(keep),
+        "peak_gb": out["peak_gb"],
+        "completion_mean_length": out["completion_mean_length"],
+    }
 
 
 def main() -> int:
@@ -123,8 +151,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--plugins", default="", help="plugin modules to load where entry points are not installed")
-    ap.add_argument("--engine", default="native",
-                    help="our rollout engine: the recipe's (native) or another by name (sglang), nothing else changed")
+    ap.add_argument(
+        "--engine",
+        default="native",
+        help="our rollout engine: the recipe's (native) or another by name (sglang), nothing else changed",
+    )
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     args = ap.parse_args()
     name = "gpu_rl_step" if args.engine == "native" else f"gpu_rl_step_{args.engine}"
@@ -150,24 +181,42 @@ def main() -> int:
     n = PROMPTS * SAMPLES
     for side in (side_ours, side_trl):
         side["trajectories_per_s"] = n / side["step_s"]
-    result = {"source": source, "settings": vars(args) | {"prompts": PROMPTS, "samples": SAMPLES,
-              "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS, "micro_batch_rows": MICRO_ROWS},
-              "device": torch.cuda.get_device_name(0), "matmul_tflops": peak, "ours": side_ours, "trl": side_trl,
-              "speedup": side_trl["step_s"] / side_ours["step_s"]}
+    result = {
+        "source": source,
+        "settings": vars(args)
+        | {
+            "prompts": PROMPTS,
+            "samples": SAMPLES,
+            "prompt_tokens": PROMPT_TOKENS,
+            "new_tokens": NEW_TOKENS,
+            "micro_batch_rows": MICRO_ROWS,
+        },
+        "device": torch.cuda.get_device_name(0),
+        "matmul_tflops": peak,
+        "ours": side_ours,
+        "trl": side_trl,
+        "speedup": side_trl["step_s"] / side_ours["step_s"],
+    }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     o, t = side_ours, side_trl
-    lines = [f"commit `{source['commit'][:10]}`; {result['device']}; rollout engine `{args.engine}`; "
-             f"Qwen3-1.7B shape, random bf16 weights; "
-             f"{PROMPTS} prompts x {SAMPLES} samples, {PROMPT_TOKENS} + exactly {NEW_TOKENS} tokens, micro-batch "
-             f"{MICRO_ROWS} rows, one optimizer step per step; median of {args.steps - args.warmup} steps after "
-             f"{args.warmup} warm-up steps on each side; bf16 matmul rate measured here {peak:.0f} TFLOP/s", "",
-             "| | LoongSage | TRL GRPOTrainer | TRL / LoongSage |", "|---|---:|---:|---:|",
-             f"| seconds per step | {o['step_s']:.2f} | {t['step_s']:.2f} | {result['speedup']:.2f}x |",
-             f"| trajectories / s | {o['trajectories_per_s']:.1f} | {t['trajectories_per_s']:.1f} | |",
-             f"| rollout s ({o['rollout_tokens_per_s']:.0f} sampled tokens/s) | {o['rollout_s']:.2f} | | |", f"| train s (MFU {o['train_mfu']:.0%}) | {o['train_s']:.2f} | | |",
-             f"| weight sync s | {o['sync_s']:.3f} | | |", f"| TRL peak GPU memory | | {t['peak_gb']:.0f} GB | |"]
+    lines = [
+        f"commit `{source['commit'][:10]}`; {result['device']}; rollout engine `{args.engine}`; "
+        f"Qwen3-1.7B shape, random bf16 weights; "
+        f"{PROMPTS} prompts x {SAMPLES} samples, {PROMPT_TOKENS} + exactly {NEW_TOKENS} tokens, micro-batch "
+        f"{MICRO_ROWS} rows, one optimizer step per step; median of {args.steps - args.warmup} steps after "
+        f"{args.warmup} warm-up steps on each side; bf16 matmul rate measured here {peak:.0f} TFLOP/s",
+        "",
+        "| | LoongSage | TRL GRPOTrainer | TRL / LoongSage |",
+        "|---|---:|---:|---:|",
+        f"| seconds per step | {o['step_s']:.2f} | {t['step_s']:.2f} | {result['speedup']:.2f}x |",
+        f"| trajectories / s | {o['trajectories_per_s']:.1f} | {t['trajectories_per_s']:.1f} | |",
+        f"| rollout s ({o['rollout_tokens_per_s']:.0f} sampled tokens/s) | {o['rollout_s']:.2f} | | |",
+        f"| train s (MFU {o['train_mfu']:.0%}) | {o['train_s']:.2f} | | |",
+        f"| weight sync s | {o['sync_s']:.3f} | | |",
+        f"| TRL peak GPU memory | | {t['peak_gb']:.0f} GB | |",
+    ]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

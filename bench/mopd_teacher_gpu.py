@@ -63,9 +63,16 @@ def batch(rows: int, seq: int, prompt: int, vocab: int):
     ids = torch.randint(3, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
     response = torch.zeros(rows, seq)
     response[:, prompt:] = 1
-    return TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=response,
-                      rollout_logprobs=torch.zeros(rows, seq), advantages=torch.zeros(rows, seq),
-                      rewards=torch.zeros(rows), group_ids=torch.arange(rows), sources=["s"] * rows)
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=response,
+        rollout_logprobs=torch.zeros(rows, seq),
+        advantages=torch.zeros(rows, seq),
+        rewards=torch.zeros(rows),
+        group_ids=torch.arange(rows),
+        sources=["s"] * rows,
+    )
 
 
 def jsd_loss(tokens: float):
@@ -118,16 +125,24 @@ def ours(name: str, student: str, teacher: str, b, warmup: int, repeats: int) ->
             host_bytes = scored["dist_logprobs"].numel() * scored["dist_logprobs"].element_size()
             torch.cuda.synchronize()
             side_s = time.perf_counter() - start
-            metrics = trainer.train_step(replace(b, teacher_logprobs=scored["logprobs"],
-                                                 teacher_dist_logprobs=scored["dist_logprobs"]), loss, budget)
+            metrics = trainer.train_step(
+                replace(b, teacher_logprobs=scored["logprobs"], teacher_dist_logprobs=scored["dist_logprobs"]),
+                loss,
+                budget,
+            )
         torch.cuda.synchronize()
         if first_loss is None:
             first_loss = metrics.totals["train/loss"]
         if step >= warmup:
             times.append(time.perf_counter() - start)
             extra.append(side_s)
-    return {"step_s": times, "teacher_s": extra, "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
-            "first_loss": first_loss, "host_bytes": host_bytes}
+    return {
+        "step_s": times,
+        "teacher_s": extra,
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "first_loss": first_loss,
+        "host_bytes": host_bytes,
+    }
 
 
 def trl(student: str, teacher: str, b, warmup: int, repeats: int) -> dict:
@@ -157,8 +172,12 @@ def trl(student: str, teacher: str, b, warmup: int, repeats: int) -> dict:
             first_loss = float(loss)
         if step >= warmup:
             times.append(time.perf_counter() - start)
-    return {"step_s": times, "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "first_loss": first_loss,
-            "host_bytes": 0}
+    return {
+        "step_s": times,
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "first_loss": first_loss,
+        "host_bytes": 0,
+    }
 
 
 def run_side(args: argparse.Namespace) -> dict:
@@ -199,10 +218,32 @@ def main() -> int:
         torch.cuda.empty_cache()
         for name in args.sides:
             out = Path(tmp) / f"{name}.json"
-            run = subprocess.run([sys.executable, __file__, "--side", name, "--student", str(student), "--teacher",
-                                  str(teacher), "--result", str(out), "--rows", str(args.rows), "--seq", str(args.seq),
-                                  "--prompt", str(args.prompt), "--warmup", str(args.warmup), "--repeats",
-                                  str(args.repeats)], capture_output=True, text=True)
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--side",
+                    name,
+                    "--student",
+                    str(student),
+                    "--teacher",
+                    str(teacher),
+                    "--result",
+                    str(out),
+                    "--rows",
+                    str(args.rows),
+                    "--seq",
+                    str(args.seq),
+                    "--prompt",
+                    str(args.prompt),
+                    "--warmup",
+                    str(args.warmup),
+                    "--repeats",
+                    str(args.repeats),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if run.returncode != 0:
                 lines = (run.stderr or run.stdout).strip().splitlines()
                 tail = [line for line in lines if "Error" in line][-1:] or lines[-1:] or ["no output"]
@@ -212,30 +253,42 @@ def main() -> int:
             r = json.loads(out.read_text())
             r["median_s"] = statistics.median(r["step_s"])
             results[name] = r
-            print(f"{name}: {r['median_s']:.3f} s/step, peak {r['peak_gb']:.1f} GB, first loss {r['first_loss']:.5f}",
-                  flush=True)
-    result = {"source": source, "settings": {k: v for k, v in vars(args).items()
-                                             if k not in ("side", "student", "teacher", "result")},
-              "device": torch.cuda.get_device_name(0), "sides": results}
+            print(
+                f"{name}: {r['median_s']:.3f} s/step, peak {r['peak_gb']:.1f} GB, first loss {r['first_loss']:.5f}",
+                flush=True,
+            )
+    result = {
+        "source": source,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("side", "student", "teacher", "result")},
+        "device": torch.cuda.get_device_name(0),
+        "sides": results,
+    }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "mopd_teacher_gpu.json").write_text(json.dumps(result, indent=1) + "\n")
     trained = args.rows * (args.seq - args.prompt)
-    lines = [f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape (151,936-token vocabulary), "
-             f"student and teacher random bf16; {args.rows} x {args.seq} tokens a step, {trained} trained; generalised "
-             f"JSD (beta {BETA}) over the full vocabulary; median of {args.repeats} after {args.warmup} warm-up steps",
-             "", "| side | s/step (min-max) | of which teacher outside the step | peak GB | host bytes a step | "
-             "first loss |", "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape (151,936-token vocabulary), "
+        f"student and teacher random bf16; {args.rows} x {args.seq} tokens a step, {trained} trained; generalised "
+        f"JSD (beta {BETA}) over the full vocabulary; median of {args.repeats} after {args.warmup} warm-up steps",
+        "",
+        "| side | s/step (min-max) | of which teacher outside the step | peak GB | host bytes a step | first loss |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error'][:120]} | | | | |")
             continue
         teacher_s = f"{statistics.median(r['teacher_s']):.3f}" if "teacher_s" in r else "-"
-        lines.append(f"| {name} | {r['median_s']:.3f} ({min(r['step_s']):.3f}-{max(r['step_s']):.3f}) | {teacher_s} | "
-                     f"{r['peak_gb']:.1f} | {r['host_bytes'] / 1e9:.2f} GB | {r['first_loss']:.5f} |")
+        lines.append(
+            f"| {name} | {r['median_s']:.3f} ({min(r['step_s']):.3f}-{max(r['step_s']):.3f}) | {teacher_s} | "
+            f"{r['peak_gb']:.1f} | {r['host_bytes'] / 1e9:.2f} GB | {r['first_loss']:.5f} |"
+        )
     if "held" in results and "trl" in results and "error" not in results["held"] and "error" not in results["trl"]:
-        lines.append(f"\nheld / TRL step time: {results['held']['median_s'] / results['trl']['median_s']:.2f}x "
-                     "(the held side also scores the sampled tokens for the PG branch, which TRL's GKD does not)")
+        lines.append(
+            f"\nheld / TRL step time: {results['held']['median_s'] / results['trl']['median_s']:.2f}x "
+            "(the held side also scores the sampled tokens for the PG branch, which TRL's GKD does not)"
+        )
     (out_dir / "mopd_teacher_gpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -46,14 +46,24 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from _source import source_state  # noqa: E402
 
-WORKLOADS = {"exec true": "true", "exec python -c pass": "/usr/bin/python3 -c pass", "lifecycle": "true",
-             "create+delete": None}
+WORKLOADS = {
+    "exec true": "true",
+    "exec python -c pass": "/usr/bin/python3 -c pass",
+    "lifecycle": "true",
+    "create+delete": None,
+}
 
 
 async def plain_exec(cmd: str, cwd: str) -> None:
-    proc = await asyncio.create_subprocess_exec("/bin/sh", "-c", cmd, stdin=asyncio.subprocess.DEVNULL,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                cwd=cwd)
+    proc = await asyncio.create_subprocess_exec(
+        "/bin/sh",
+        "-c",
+        cmd,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=cwd,
+    )
     await proc.communicate()
     assert proc.returncode == 0
 
@@ -90,13 +100,23 @@ class Sides:
         from loongsage.sandbox.docker_backend import host_mounts
 
         lim = self.backend.limits  # a container's limits cost nothing per call; some hosts need them set
-        ulimits = [Ulimit(name="nofile", soft=lim.open_files, hard=lim.open_files),
-                   Ulimit(name="nproc", soft=lim.processes, hard=lim.processes)]
-        container = self.backend.client.containers.create(ulimits=ulimits, pids_limit=lim.processes,
-                                                          mem_limit=lim.memory_mb << 20,
-            image=self.backend.image, command=["/bin/sh", "-c", "sleep infinity"], network_mode="none", read_only=True,
-            volumes=host_mounts(), tmpfs={"/work": "size=16m", "/tmp": "size=16m"}, labels={"loongsage.bench": "1"},
-            **({"runtime": self.backend.runtime} if self.backend.runtime else {}))
+        ulimits = [
+            Ulimit(name="nofile", soft=lim.open_files, hard=lim.open_files),
+            Ulimit(name="nproc", soft=lim.processes, hard=lim.processes),
+        ]
+        container = self.backend.client.containers.create(
+            ulimits=ulimits,
+            pids_limit=lim.processes,
+            mem_limit=lim.memory_mb << 20,
+            image=self.backend.image,
+            command=["/bin/sh", "-c", "sleep infinity"],
+            network_mode="none",
+            read_only=True,
+            volumes=host_mounts(),
+            tmpfs={"/work": "size=16m", "/tmp": "size=16m"},
+            labels={"loongsage.bench": "1"},
+            **({"runtime": self.backend.runtime} if self.backend.runtime else {}),
+        )
         container.start()
         return container
 
@@ -144,15 +164,26 @@ class Sides:
             await self.op(side, workload)
             latencies.append(time.perf_counter() - t)
         wall = time.perf_counter() - start
-        return {"side": side, "workload": workload, "ops": ops, "wall_s": wall, "ops_per_s": ops / wall,
-                "latency_s": latencies, "cpu_s_this_process": time.process_time() - cpu0,
-                "loadavg_1m": os.getloadavg()[0]}
+        return {
+            "side": side,
+            "workload": workload,
+            "ops": ops,
+            "wall_s": wall,
+            "ops_per_s": ops / wall,
+            "latency_s": latencies,
+            "cpu_s_this_process": time.process_time() - cpu0,
+            "loadavg_1m": os.getloadavg()[0],
+        }
 
 
 def stats(values: list[float]) -> dict[str, float]:
     ordered = sorted(values)
-    return {"median": statistics.median(ordered), "p90": ordered[int(0.9 * (len(ordered) - 1))],
-            "min": ordered[0], "max": ordered[-1]}
+    return {
+        "median": statistics.median(ordered),
+        "p90": ordered[int(0.9 * (len(ordered) - 1))],
+        "min": ordered[0],
+        "max": ordered[-1],
+    }
 
 
 async def run(args) -> dict[str, Any]:
@@ -169,9 +200,11 @@ async def run(args) -> dict[str, Any]:
                     for side in sides.names if repeat % 2 == 0 else reversed(sides.names):
                         r = await sides.round(side, workload, args.ops)
                         rounds.append({**r, "warmup": False, "repeat": repeat})
-                        print(f"repeat {repeat} {workload:22s} {side:8s} {r['ops_per_s']:8.1f} ops/s, "
-                              f"median {1000 * statistics.median(r['latency_s']):.1f} ms, load {r['loadavg_1m']:.1f}",
-                              flush=True)
+                        print(
+                            f"repeat {repeat} {workload:22s} {side:8s} {r['ops_per_s']:8.1f} ops/s, "
+                            f"median {1000 * statistics.median(r['latency_s']):.1f} ms, load {r['loadavg_1m']:.1f}",
+                            flush=True,
+                        )
         finally:
             await sides.close()
     return {"rounds": rounds, "sides": list(sides.names)}
@@ -181,51 +214,78 @@ def summarize(rounds: list[dict[str, Any]], sides: list[str]) -> dict[str, Any]:
     timed = [r for r in rounds if not r["warmup"]]
     out: dict[str, Any] = {}
     for workload in WORKLOADS:
-        per = {side: sorted([r for r in timed if r["workload"] == workload and r["side"] == side],
-                            key=lambda r: r["repeat"]) for side in sides}
-        entry = {side: {"ops_per_s": stats([r["ops_per_s"] for r in rs]),
-                        "latency_s": stats([x for r in rs for x in r["latency_s"]])} for side, rs in per.items()}
+        per = {
+            side: sorted(
+                [r for r in timed if r["workload"] == workload and r["side"] == side], key=lambda r: r["repeat"]
+            )
+            for side in sides
+        }
+        entry = {
+            side: {
+                "ops_per_s": stats([r["ops_per_s"] for r in rs]),
+                "latency_s": stats([x for r in rs for x in r["latency_s"]]),
+            }
+            for side, rs in per.items()
+        }
         for peer in sides[1:]:
             suffix = "" if peer == "plain" else f"_vs_{peer}"
-            entry[f"latency_ratio_of_medians{suffix}"] = (entry["sandbox"]["latency_s"]["median"]
-                                                         / entry[peer]["latency_s"]["median"])
+            entry[f"latency_ratio_of_medians{suffix}"] = (
+                entry["sandbox"]["latency_s"]["median"] / entry[peer]["latency_s"]["median"]
+            )
             entry[f"latency_ratio_per_repeat{suffix}"] = [
                 statistics.median(s["latency_s"]) / statistics.median(p["latency_s"])
-                for s, p in zip(per["sandbox"], per[peer])]
-            entry[f"added_ms_median{suffix}"] = 1000 * (entry["sandbox"]["latency_s"]["median"]
-                                                        - entry[peer]["latency_s"]["median"])
+                for s, p in zip(per["sandbox"], per[peer])
+            ]
+            entry[f"added_ms_median{suffix}"] = 1000 * (
+                entry["sandbox"]["latency_s"]["median"] - entry[peer]["latency_s"]["median"]
+            )
         out[workload] = entry
     return out
 
 
 def write_markdown(path: Path, result: dict[str, Any]) -> None:
     src, st = result["source"], result["settings"]
-    lines = [f"commit `{src['commit'][:10]}` (uncommitted files: {src['uncommitted_files']}); {st['ops']} operations "
-             f"per round, {st['repeats']} interleaved repeats after {st['warmup']} warm-up operations per side and "
-             f"workload; sequential; {result['machine']['cpus']} cores; load (1 min) "
-             f"{result['loadavg_1m_before_after'][0]:.1f} before, {result['loadavg_1m_before_after'][1]:.1f} after", "",
-             "| workload | sandbox ops/s (min-max) | plain ops/s (min-max) | sandbox latency median (p90) ms | "
-             "plain latency median (p90) ms | added ms | latency ratio sandbox/plain (per repeat) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"commit `{src['commit'][:10]}` (uncommitted files: {src['uncommitted_files']}); {st['ops']} operations "
+        f"per round, {st['repeats']} interleaved repeats after {st['warmup']} warm-up operations per side and "
+        f"workload; sequential; {result['machine']['cpus']} cores; load (1 min) "
+        f"{result['loadavg_1m_before_after'][0]:.1f} before, {result['loadavg_1m_before_after'][1]:.1f} after",
+        "",
+        "| workload | sandbox ops/s (min-max) | plain ops/s (min-max) | sandbox latency median (p90) ms | "
+        "plain latency median (p90) ms | added ms | latency ratio sandbox/plain (per repeat) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
     ms = lambda x: f"{1000 * x:.1f}"  # noqa: E731
     for workload, e in result["summary"].items():
         s, p = e["sandbox"], e["plain"]
-        lines.append(f"| {workload} | {s['ops_per_s']['median']:.1f} ({s['ops_per_s']['min']:.1f}-{s['ops_per_s']['max']:.1f}) | "
-                     f"{p['ops_per_s']['median']:.1f} ({p['ops_per_s']['min']:.1f}-{p['ops_per_s']['max']:.1f}) | "
-                     f"{ms(s['latency_s']['median'])} ({ms(s['latency_s']['p90'])}) | "
-                     f"{ms(p['latency_s']['median'])} ({ms(p['latency_s']['p90'])}) | {e['added_ms_median']:.1f} | "
-                     f"{e['latency_ratio_of_medians']:.2f}x ({', '.join(f'{x:.2f}' for x in e['latency_ratio_per_repeat'])}) |")
+        lines.append(
+            f"| {workload} | {s['ops_per_s']['median']:.1f} "
+            f"({s['ops_per_s']['min']:.1f}-{s['ops_per_s']['max']:.1f}) | "
+            f"{p['ops_per_s']['median']:.1f} ({p['ops_per_s']['min']:.1f}-{p['ops_per_s']['max']:.1f}) | "
+            f"{ms(s['latency_s']['median'])} ({ms(s['latency_s']['p90'])}) | "
+            f"{ms(p['latency_s']['median'])} ({ms(p['latency_s']['p90'])}) | {e['added_ms_median']:.1f} | "
+            f"{e['latency_ratio_of_medians']:.2f}x ({', '.join(f'{x:.2f}' for x in e['latency_ratio_per_repeat'])}) |"
+        )
     if "raw" in result["sides"]:
-        lines += ["", "| workload | raw client ops/s | raw latency median (p90) ms | sandbox/raw latency (per repeat) |",
-                  "|---|---:|---:|---|"]
+        lines += [
+            "",
+            "| workload | raw client ops/s | raw latency median (p90) ms | sandbox/raw latency (per repeat) |",
+            "|---|---:|---:|---|",
+        ]
         for workload, e in result["summary"].items():
             r = e["raw"]
-            lines.append(f"| {workload} | {r['ops_per_s']['median']:.1f} | {ms(r['latency_s']['median'])} "
-                         f"({ms(r['latency_s']['p90'])}) | {e['latency_ratio_of_medians_vs_raw']:.2f}x "
-                         f"({', '.join(f'{x:.2f}' for x in e['latency_ratio_per_repeat_vs_raw'])}) |")
-    lines += ["", f"backend `{result['settings']['backend']}`. `plain`: `asyncio.create_subprocess_exec('/bin/sh', "
-              "'-c', cmd)` with the same pipes; for the lifecycles a temporary directory made and removed. `raw` "
-              "(docker): the `docker` client alone, the same container options, `exec_run`.", ""]
+            lines.append(
+                f"| {workload} | {r['ops_per_s']['median']:.1f} | {ms(r['latency_s']['median'])} "
+                f"({ms(r['latency_s']['p90'])}) | {e['latency_ratio_of_medians_vs_raw']:.2f}x "
+                f"({', '.join(f'{x:.2f}' for x in e['latency_ratio_per_repeat_vs_raw'])}) |"
+            )
+    lines += [
+        "",
+        f"backend `{result['settings']['backend']}`. `plain`: `asyncio.create_subprocess_exec('/bin/sh', "
+        "'-c', cmd)` with the same pipes; for the lifecycles a temporary directory made and removed. `raw` "
+        "(docker): the `docker` client alone, the same container options, `exec_run`.",
+        "",
+    ]
     path.write_text("\n".join(lines))
 
 
@@ -243,11 +303,19 @@ def main() -> int:
     source = source_state()  # the commit measured, taken before anything runs
     load_start = os.getloadavg()[0]
     out = asyncio.run(run(args))
-    result = {"source": source, "settings": vars(args),
-              "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                          "cpus": len(os.sched_getaffinity(0))},
-              "loadavg_1m_before_after": [load_start, os.getloadavg()[0]],
-              "sides": out["sides"], "summary": summarize(out["rounds"], out["sides"]), "rounds": out["rounds"]}
+    result = {
+        "source": source,
+        "settings": vars(args),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": len(os.sched_getaffinity(0)),
+        },
+        "loadavg_1m_before_after": [load_start, os.getloadavg()[0]],
+        "sides": out["sides"],
+        "summary": summarize(out["rounds"], out["sides"]),
+        "rounds": out["rounds"],
+    }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "sandbox" if args.backend == "local" else f"sandbox.{args.backend}"

@@ -5,8 +5,9 @@ its budget) is served by one SGLang server that the engine starts. On that same 
 
 * **rollout**: ``--batch`` prompts of ``--prompt`` random tokens, exactly ``--new-tokens`` sampled
   tokens each (temperature 1, log-probs returned). Ours: the engine's ``generate``, one call per
-  prompt, all concurrent (what the engine router does; the engine batches them). Raw: one batched ``POST /generate`` of the
-  same prompts and parameters straight to the server. Tokens per second, ours / raw (goal >= 0.95).
+  prompt, all concurrent (what the engine router does; the engine batches them). Raw: one batched
+  ``POST /generate`` of the same prompts and parameters straight to the server. Tokens per second,
+  ours / raw (goal >= 0.95).
 * **weight update** of all 3.44 GB: ours, ``update_weights`` (names and shapes checked, packed into
   one buffer, ``/update_weights_from_tensor`` loaded by one batched copy into the parameters, the
   new version); raw, SGLang's own
@@ -62,9 +63,16 @@ def ours_rollout(engine, prompts: list[list[int]], new_tokens: int) -> tuple[flo
     from loongsage.core.types import GenerationRequest, SamplingParams
 
     async def run():
-        return await asyncio.gather(*(engine.generate(GenerationRequest(
-            f"b{time.monotonic_ns()}-{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new_tokens)))
-            for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(
+                engine.generate(
+                    GenerationRequest(
+                        f"b{time.monotonic_ns()}-{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
+                    )
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
 
     start = time.perf_counter()
     results = asyncio.run(run())
@@ -76,8 +84,12 @@ def ours_rollout(engine, prompts: list[list[int]], new_tokens: int) -> tuple[flo
 def raw_rollout(url: str, prompts: list[list[int]], new_tokens: int) -> float:
     import httpx
 
-    body = {"input_ids": prompts, "return_logprob": True, "logprob_start_len": -1,
-            "sampling_params": [{"temperature": 1.0, "max_new_tokens": new_tokens} for _ in prompts]}
+    body = {
+        "input_ids": prompts,
+        "return_logprob": True,
+        "logprob_start_len": -1,
+        "sampling_params": [{"temperature": 1.0, "max_new_tokens": new_tokens} for _ in prompts],
+    }
     start = time.perf_counter()
     answer = httpx.post(url + "/generate", json=body, timeout=None, trust_env=False)
     seconds = time.perf_counter() - start
@@ -96,8 +108,12 @@ def raw_update(url: str, named: list[tuple[str, torch.Tensor]], version: str) ->
     buffer = io.BytesIO()
     ForkingPickler(buffer).dump(named)
     payload = base64.b64encode(buffer.getvalue()).decode()
-    answer = httpx.post(url + "/update_weights_from_tensor", timeout=None, trust_env=False,
-                        json={"serialized_named_tensors": [payload], "weight_version": version, "flush_cache": True})
+    answer = httpx.post(
+        url + "/update_weights_from_tensor",
+        timeout=None,
+        trust_env=False,
+        json={"serialized_named_tensors": [payload], "weight_version": version, "flush_cache": True},
+    )
     seconds = time.perf_counter() - start
     assert answer.json().get("success"), answer.text
     return seconds
@@ -127,13 +143,23 @@ def k3_against(trainer, prompts: list[list[int]], results: list) -> dict[str, fl
     ids = torch.tensor([q + r.output_ids for q, r in zip(prompts, results)])
     mask = torch.zeros(ids.shape)
     mask[:, p:] = 1
-    batch = TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
-                       rollout_logprobs=torch.zeros(ids.shape), advantages=torch.zeros(ids.shape),
-                       rewards=torch.zeros(n), group_ids=torch.arange(n))
+    batch = TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(ids.shape),
+        advantages=torch.zeros(ids.shape),
+        rewards=torch.zeros(n),
+        group_ids=torch.arange(n),
+    )
     lp, _ = trainer.logprobs(batch, token_budget=16 * ids.shape[1])
     delta = (lp[:, p:] - torch.tensor([r.logprobs for r in results])).double()
-    return {"k3_kl": (torch.exp(delta) - delta - 1).mean().item(), "mean_abs_logprob_diff": delta.abs().mean().item(),
-            "max_abs_logprob_diff": delta.abs().max().item(), "tokens": float(delta.numel())}
+    return {
+        "k3_kl": (torch.exp(delta) - delta - 1).mean().item(),
+        "mean_abs_logprob_diff": delta.abs().mean().item(),
+        "max_abs_logprob_diff": delta.abs().max().item(),
+        "tokens": float(delta.numel()),
+    }
 
 
 def main() -> int:
@@ -143,9 +169,14 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--mem-fraction", type=float, default=0.5)
-    ap.add_argument("--server-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="an SGLang server flag for the run, e.g. rl_on_policy_target=fsdp (SGLang's kernels "
-                         "made to compute as an HF/FSDP trainer does: the KL line with it)")
+    ap.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an SGLang server flag for the run, e.g. rl_on_policy_target=fsdp (SGLang's kernels "
+        "made to compute as an HF/FSDP trainer does: the KL line with it)",
+    )
     ap.add_argument("--name", default="sglang_overhead", help="the results' file name")
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     args = ap.parse_args()
@@ -166,8 +197,15 @@ def main() -> int:
         del del_model
         torch.cuda.empty_cache()
         without_eos(path)
-        engine = SGLangEngine(str(path), dtype="bfloat16", fp32_lm_head=True, seed=1, server_args=server_args,
-                              mem_fraction_static=args.mem_fraction, release_tags=[])
+        engine = SGLangEngine(
+            str(path),
+            dtype="bfloat16",
+            fp32_lm_head=True,
+            seed=1,
+            server_args=server_args,
+            mem_fraction_static=args.mem_fraction,
+            release_tags=[],
+        )
         try:
             g = torch.Generator().manual_seed(0)
             prompts = [torch.randint(3, 150_000, (args.prompt,), generator=g).tolist() for _ in range(args.batch)]
@@ -180,7 +218,9 @@ def main() -> int:
                 ours_s, results = ours_rollout(engine, prompts, args.new_tokens)
                 raw_s = raw_rollout(engine.url, prompts, args.new_tokens)
                 rows.append({"repeat": repeat, "ours_s": ours_s, "raw_s": raw_s})
-                print(f"rollout {repeat}: ours {tokens / ours_s:8.0f} tok/s, raw {tokens / raw_s:8.0f} tok/s", flush=True)
+                print(
+                    f"rollout {repeat}: ours {tokens / ours_s:8.0f} tok/s, raw {tokens / raw_s:8.0f} tok/s", flush=True
+                )
             from loongsage.core.trainer.torch_trainer import TorchTrainer
 
             trainer = TorchTrainer(str(path), dtype="bfloat16", device="cuda", fp32_lm_head=True)
@@ -207,31 +247,50 @@ def main() -> int:
     med = {k: statistics.median(r[k] for r in rows) for k in ("ours_s", "raw_s")}
     umed = {k: statistics.median(r[k] for r in updates) for k in ("ours_s", "raw_s")}
     summary = {
-        "rollout_ours_tok_s": tokens / med["ours_s"], "rollout_raw_tok_s": tokens / med["raw_s"],
-        "rollout_ratio": med["raw_s"] / med["ours_s"], "update_ours_s": umed["ours_s"], "update_raw_s": umed["raw_s"],
-        "update_ours_gb_s": nbytes / umed["ours_s"] / 1e9, "update_raw_gb_s": nbytes / umed["raw_s"] / 1e9,
-        "copy_ceiling_s": ceiling_s, "update_of_ceiling": ceiling_s / umed["ours_s"],
-        **consistency, "server_startup_s": startup_s}
-    result = {"source": source, "settings": vars(args), "device": torch.cuda.get_device_name(0), "bytes": nbytes,
-              "goals": GOALS, "summary": summary, "rollout": rows, "updates": updates}
+        "rollout_ours_tok_s": tokens / med["ours_s"],
+        "rollout_raw_tok_s": tokens / med["raw_s"],
+        "rollout_ratio": med["raw_s"] / med["ours_s"],
+        "update_ours_s": umed["ours_s"],
+        "update_raw_s": umed["raw_s"],
+        "update_ours_gb_s": nbytes / umed["ours_s"] / 1e9,
+        "update_raw_gb_s": nbytes / umed["raw_s"] / 1e9,
+        "copy_ceiling_s": ceiling_s,
+        "update_of_ceiling": ceiling_s / umed["ours_s"],
+        **consistency,
+        "server_startup_s": startup_s,
+    }
+    result = {
+        "source": source,
+        "settings": vars(args),
+        "device": torch.cuda.get_device_name(0),
+        "bytes": nbytes,
+        "goals": GOALS,
+        "summary": summary,
+        "rollout": rows,
+        "updates": updates,
+    }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     s = summary
-    lines = [f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape, random bf16 weights; one SGLang "
-             f"server; {args.batch} prompts x {args.prompt} tokens, exactly {args.new_tokens} sampled; median of "
-             f"{args.repeats} after a warm-up on each side"
-             + (f"; server flags {server_args}" if server_args else ""), "",
-             "| measure | ours (the `sglang` engine) | raw (the same server) | ratio | goal |", "|---|---:|---:|---:|---|",
-             f"| rollout tokens/s | {s['rollout_ours_tok_s']:.0f} | {s['rollout_raw_tok_s']:.0f} | "
-             f"{s['rollout_ratio']:.3f} | >= {GOALS['rollout_ratio']} |",
-             f"| weight update of {nbytes / 1e9:.2f} GB | {s['update_ours_s'] * 1e3:.1f} ms ({s['update_ours_gb_s']:.0f} GB/s) | "
-             f"{s['update_raw_s'] * 1e3:.1f} ms (SGLang's own, {s['update_raw_gb_s']:.0f} GB/s) | "
-             f"{s['update_raw_s'] / s['update_ours_s']:.2f} | |",
-             f"| the update against one on-card copy of the same bytes ({s['copy_ceiling_s'] * 1e3:.2f} ms, the floor) | "
-             f"{s['update_of_ceiling']:.2f} of it | {s['copy_ceiling_s'] / s['update_raw_s']:.2f} of it | | "
-             f">= {GOALS['update_of_ceiling']} |",
-             f"| k3 KL vs the trainer (bf16, FP32 head) | {s['k3_kl']:.2e} | | | <= {GOALS['k3_kl']:g} |"]
+    lines = [
+        f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape, random bf16 weights; one SGLang "
+        f"server; {args.batch} prompts x {args.prompt} tokens, exactly {args.new_tokens} sampled; median of "
+        f"{args.repeats} after a warm-up on each side" + (f"; server flags {server_args}" if server_args else ""),
+        "",
+        "| measure | ours (the `sglang` engine) | raw (the same server) | ratio | goal |",
+        "|---|---:|---:|---:|---|",
+        f"| rollout tokens/s | {s['rollout_ours_tok_s']:.0f} | {s['rollout_raw_tok_s']:.0f} | "
+        f"{s['rollout_ratio']:.3f} | >= {GOALS['rollout_ratio']} |",
+        f"| weight update of {nbytes / 1e9:.2f} GB | "
+        f"{s['update_ours_s'] * 1e3:.1f} ms ({s['update_ours_gb_s']:.0f} GB/s) | "
+        f"{s['update_raw_s'] * 1e3:.1f} ms (SGLang's own, {s['update_raw_gb_s']:.0f} GB/s) | "
+        f"{s['update_raw_s'] / s['update_ours_s']:.2f} | |",
+        f"| the update against one on-card copy of the same bytes ({s['copy_ceiling_s'] * 1e3:.2f} ms, the floor) | "
+        f"{s['update_of_ceiling']:.2f} of it | {s['copy_ceiling_s'] / s['update_raw_s']:.2f} of it | | "
+        f">= {GOALS['update_of_ceiling']} |",
+        f"| k3 KL vs the trainer (bf16, FP32 head) | {s['k3_kl']:.2e} | | | <= {GOALS['k3_kl']:g} |",
+    ]
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

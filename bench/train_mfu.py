@@ -36,8 +36,12 @@ from _source import source_state  # noqa: E402
 from engine_gpu import build  # noqa: E402
 from gpu_rl_step import matmul_params, matmul_tflops  # noqa: E402
 
-SIDES = {"megatron": ("megatron", {"layer_spec": "sdpa"}), "megatron_te": ("megatron", {"layer_spec": "te"}),
-         "megatron_local": ("megatron", {"layer_spec": "local"}), "torch": ("torch", {})}
+SIDES = {
+    "megatron": ("megatron", {"layer_spec": "sdpa"}),
+    "megatron_te": ("megatron", {"layer_spec": "te"}),
+    "megatron_local": ("megatron", {"layer_spec": "local"}),
+    "torch": ("torch", {}),
+}
 GOAL = 0.45
 
 
@@ -57,9 +61,15 @@ def side(name: str, model_path: str, rows: int, seq: int, warmup: int, repeats: 
     ids = torch.randint(3, vocab, (rows, seq), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(rows, seq)
     mask[:, 0] = 0
-    batch = TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
-                       rollout_logprobs=torch.zeros(rows, seq), advantages=torch.ones(rows, seq),
-                       rewards=torch.zeros(rows), group_ids=torch.arange(rows))
+    batch = TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(rows, seq),
+        advantages=torch.ones(rows, seq),
+        rewards=torch.zeros(rows),
+        group_ids=torch.arange(rows),
+    )
 
     def loss_fn(lp: torch.Tensor, mb: TrainBatch) -> tuple[torch.Tensor, Metrics]:
         return -(lp * mb.response_mask.to(lp.device)).sum() / mask.sum(), Metrics()
@@ -90,8 +100,9 @@ def main() -> int:
     if args.repeats < 3:
         ap.error("--repeats: at least 3")
     if args.side:
-        Path(args.result).write_text(json.dumps(side(args.side, args.model, args.rows, args.seq, args.warmup,
-                                                     args.repeats)))
+        Path(args.result).write_text(
+            json.dumps(side(args.side, args.model, args.rows, args.seq, args.warmup, args.repeats))
+        )
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return 0
@@ -105,13 +116,39 @@ def main() -> int:
         torch.cuda.empty_cache()
         config = json.loads((model_path / "config.json").read_text())
         tokens = args.rows * args.seq
-        flops = (6 * matmul_params(str(model_path)) * tokens + 6 * config["num_hidden_layers"]
-                 * config["num_attention_heads"] * config["head_dim"] * args.seq**2 * args.rows)
+        flops = (
+            6 * matmul_params(str(model_path)) * tokens
+            + 6
+            * config["num_hidden_layers"]
+            * config["num_attention_heads"]
+            * config["head_dim"]
+            * args.seq**2
+            * args.rows
+        )
         for name in args.sides:
             out = Path(tmp) / f"{name}.json"
-            run = subprocess.run([sys.executable, __file__, "--side", name, "--model", str(model_path), "--result",
-                                  str(out), "--rows", str(args.rows), "--seq", str(args.seq), "--warmup",
-                                  str(args.warmup), "--repeats", str(args.repeats)], capture_output=True, text=True)
+            run = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--side",
+                    name,
+                    "--model",
+                    str(model_path),
+                    "--result",
+                    str(out),
+                    "--rows",
+                    str(args.rows),
+                    "--seq",
+                    str(args.seq),
+                    "--warmup",
+                    str(args.warmup),
+                    "--repeats",
+                    str(args.repeats),
+                ],
+                capture_output=True,
+                text=True,
+            )
             if run.returncode != 0:
                 lines = (run.stderr or run.stdout).strip().splitlines()
                 tail = [line for line in lines if "Error" in line][-1:] or lines[-1:] or ["no output"]
@@ -122,26 +159,43 @@ def main() -> int:
             step = statistics.median(r["step_s"])
             r |= {"median_s": step, "tok_s": tokens / step, "mfu": flops / step / (peak * 1e12)}
             results[name] = r
-            print(f"{name}: {step:.3f} s/step, {tokens / step:,.0f} tok/s, MFU {r['mfu']:.1%}, "
-                  f"peak {r['peak_gb']:.1f} GB", flush=True)
-    result = {"source": source, "settings": {k: v for k, v in vars(args).items() if k not in ("side", "model", "result")},
-              "device": torch.cuda.get_device_name(0), "matmul_tflops": peak, "flops_per_step": flops,
-              "goal_mfu": GOAL, "sides": results}
+            print(
+                f"{name}: {step:.3f} s/step, {tokens / step:,.0f} tok/s, MFU {r['mfu']:.1%}, "
+                f"peak {r['peak_gb']:.1f} GB",
+                flush=True,
+            )
+    result = {
+        "source": source,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("side", "model", "result")},
+        "device": torch.cuda.get_device_name(0),
+        "matmul_tflops": peak,
+        "flops_per_step": flops,
+        "goal_mfu": GOAL,
+        "sides": results,
+    }
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train_mfu.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape, random bf16 weights; "
-             f"{args.rows} x {args.seq} tokens per optimizer step (one micro-batch); median of {args.repeats} after "
-             f"{args.warmup} warm-up steps; bf16 matmul rate measured here {peak:.0f} TFLOP/s", "",
-             "| trainer | s/step (min-max) | tokens/s | MFU | peak GB |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape, random bf16 weights; "
+        f"{args.rows} x {args.seq} tokens per optimizer step (one micro-batch); median of {args.repeats} after "
+        f"{args.warmup} warm-up steps; bf16 matmul rate measured here {peak:.0f} TFLOP/s",
+        "",
+        "| trainer | s/step (min-max) | tokens/s | MFU | peak GB |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, r in results.items():
         if "error" in r:
             lines.append(f"| {name} | failed: {r['error'][:120]} | | | |")
         else:
-            lines.append(f"| {name} | {r['median_s']:.3f} ({min(r['step_s']):.3f}-{max(r['step_s']):.3f}) | "
-                         f"{r['tok_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} |")
-    lines.append(f"\nGoal: MFU >= {GOAL:.0%} for `megatron` (`megatron_te`: Transformer Engine's layer; it needs "
-                 "`transformer_engine` with its torch extension built for this torch).")
+            lines.append(
+                f"| {name} | {r['median_s']:.3f} ({min(r['step_s']):.3f}-{max(r['step_s']):.3f}) | "
+                f"{r['tok_s']:,.0f} | {r['mfu']:.1%} | {r['peak_gb']:.1f} |"
+            )
+    lines.append(
+        f"\nGoal: MFU >= {GOAL:.0%} for `megatron` (`megatron_te`: Transformer Engine's layer; it needs "
+        "`transformer_engine` with its torch extension built for this torch)."
+    )
     (out_dir / "train_mfu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -65,8 +65,9 @@ class Trainer:
         from loongsage.core.model_math.state import state_tensors
         from loongsage.sync.ipc import IpcTransport
 
-        transport = self.transports.setdefault(bucket_mb, IpcTransport(bucket_mb=bucket_mb or 512,
-                                                                       in_place=bucket_mb is None))
+        transport = self.transports.setdefault(
+            bucket_mb, IpcTransport(bucket_mb=bucket_mb or 512, in_place=bucket_mb is None)
+        )
         torch.cuda.synchronize()
         start = time.perf_counter()
         stats = transport.push(state_tensors(self.model), [engine])  # listed as the torch trainer exports
@@ -127,10 +128,16 @@ def main() -> int:
         del_model = build(path)
         del del_model
         torch.cuda.empty_cache()
-        cfg, _ = load_config("tiny/grpo_arith_cpu", [
-            PLUGINS, "model.dtype=bfloat16", "rollout.transport={name: ipc}",
-            "rollout.engine={name: native, params: {device: cuda, max_model_len: 512, max_batch_size: 8, "
-            "cuda_graphs: false}}"])
+        cfg, _ = load_config(
+            "tiny/grpo_arith_cpu",
+            [
+                PLUGINS,
+                "model.dtype=bfloat16",
+                "rollout.transport={name: ipc}",
+                "rollout.engine={name: native, params: {device: cuda, max_model_len: 512, max_batch_size: 8, "
+                "cuda_graphs: false}}",
+            ],
+        )
         gpu = {"num_gpus": 0.3, "num_cpus": 0}
         engine = ray.remote(EngineWorker).options(**gpu, max_concurrency=8).remote(cfg, str(path), 0, 1)
         trainer = ray.remote(Trainer).options(**gpu).remote(str(path))
@@ -147,11 +154,22 @@ def main() -> int:
             for repeat in range(args.repeats):
                 stats = ray.get(trainer.push.remote(engine, mb))
                 raw_s = ray.get(trainer.raw.remote(receiver, nbytes))
-                rows.append({"repeat": repeat, "way": way_name(mb), "ours_s": stats["wall_s"], "raw_s": raw_s,
-                             "buckets": stats["sync/buckets"], "version": stats["sync/version"]})
-                print(f"repeat {repeat} {way_name(mb):>16}: ours {stats['wall_s'] * 1e3:7.1f} ms "
-                      f"({nbytes / stats['wall_s'] / 1e9:6.1f} GB/s), raw {raw_s * 1e3:6.1f} ms "
-                      f"({nbytes / raw_s / 1e9:6.1f} GB/s)", flush=True)
+                rows.append(
+                    {
+                        "repeat": repeat,
+                        "way": way_name(mb),
+                        "ours_s": stats["wall_s"],
+                        "raw_s": raw_s,
+                        "buckets": stats["sync/buckets"],
+                        "version": stats["sync/version"],
+                    }
+                )
+                print(
+                    f"repeat {repeat} {way_name(mb):>16}: ours {stats['wall_s'] * 1e3:7.1f} ms "
+                    f"({nbytes / stats['wall_s'] / 1e9:6.1f} GB/s), raw {raw_s * 1e3:6.1f} ms "
+                    f"({nbytes / raw_s / 1e9:6.1f} GB/s)",
+                    flush=True,
+                )
         equal = ray.get(engine.weight_checksums.remote())
         expected = ray.get(trainer.checksums.remote())
         bit_equal = all(equal.get(n) == v for n, v in expected.items())
@@ -159,24 +177,42 @@ def main() -> int:
     for way in map(way_name, ways):
         mine = [r for r in rows if r["way"] == way]
         ours, raw = statistics.median(r["ours_s"] for r in mine), statistics.median(r["raw_s"] for r in mine)
-        summary[way] = {"ours_s": ours, "raw_s": raw, "ours_gb_per_s": nbytes / ours / 1e9,
-                            "raw_gb_per_s": nbytes / raw / 1e9, "ours_over_raw_throughput": raw / ours,
-                            "buckets": mine[0]["buckets"], "ours_s_all": [r["ours_s"] for r in mine],
-                            "raw_s_all": [r["raw_s"] for r in mine]}
-    result = {"source": source, "settings": vars(args), "bytes": nbytes, "bit_equal_after_updates": bit_equal,
-              "device": torch.cuda.get_device_name(0), "summary": summary, "rows": rows}
+        summary[way] = {
+            "ours_s": ours,
+            "raw_s": raw,
+            "ours_gb_per_s": nbytes / ours / 1e9,
+            "raw_gb_per_s": nbytes / raw / 1e9,
+            "ours_over_raw_throughput": raw / ours,
+            "buckets": mine[0]["buckets"],
+            "ours_s_all": [r["ours_s"] for r in mine],
+            "raw_s_all": [r["raw_s"] for r in mine],
+        }
+    result = {
+        "source": source,
+        "settings": vars(args),
+        "bytes": nbytes,
+        "bit_equal_after_updates": bit_equal,
+        "device": torch.cuda.get_device_name(0),
+        "summary": summary,
+        "rows": rows,
+    }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "weight_sync.json").write_text(json.dumps(result, indent=1) + "\n")
-    lines = [f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape, bf16, {nbytes / 1e9:.2f} GB; "
-             f"ipc transport into the native engine (colocated, one GPU) vs the raw CUDA IPC hand-off + copy of the "
-             f"same bytes; median of {args.repeats} after a warm-up; engine weights bit-equal to the trainer's: "
-             f"{bit_equal}", "",
-             "| way | messages | ours ms | ours GB/s | raw ms | raw GB/s | ours / raw (throughput) |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"commit `{source['commit'][:10]}`; {result['device']}; Qwen3-1.7B shape, bf16, {nbytes / 1e9:.2f} GB; "
+        f"ipc transport into the native engine (colocated, one GPU) vs the raw CUDA IPC hand-off + copy of the "
+        f"same bytes; median of {args.repeats} after a warm-up; engine weights bit-equal to the trainer's: "
+        f"{bit_equal}",
+        "",
+        "| way | messages | ours ms | ours GB/s | raw ms | raw GB/s | ours / raw (throughput) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for way, s in summary.items():
-        lines.append(f"| {way} | {s['buckets']:.0f} | {s['ours_s'] * 1e3:.1f} | {s['ours_gb_per_s']:.1f} | "
-                     f"{s['raw_s'] * 1e3:.1f} | {s['raw_gb_per_s']:.1f} | {s['ours_over_raw_throughput']:.2f} |")
+        lines.append(
+            f"| {way} | {s['buckets']:.0f} | {s['ours_s'] * 1e3:.1f} | {s['ours_gb_per_s']:.1f} | "
+            f"{s['raw_s'] * 1e3:.1f} | {s['raw_gb_per_s']:.1f} | {s['ours_over_raw_throughput']:.2f} |"
+        )
     (out / "weight_sync.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     ray.shutdown()

@@ -64,8 +64,11 @@ class Sender:
         """The bytes a push moves (an alias such as a tied head is sent once) and this actor's threads."""
         from loongsage.core.buckets import plan_buckets
 
-        return {"bytes": sum(t.numel() * t.element_size() for b in plan_buckets(self.weights, 1 << 40) for _, t in b),
-                "tensors": len(self.weights), "torch_threads": torch.get_num_threads()}
+        return {
+            "bytes": sum(t.numel() * t.element_size() for b in plan_buckets(self.weights, 1 << 40) for _, t in b),
+            "tensors": len(self.weights),
+            "torch_threads": torch.get_num_threads(),
+        }
 
     def push(self, engine, side: str, bucket_mb: float) -> dict:
         from loongsage.core.buckets import bucket_bytes
@@ -93,12 +96,18 @@ class RawRank:
 
     def __init__(self, rank: int, nbytes: int):
         self.rank = rank
-        self.buf = (torch.randint(0, 256, (nbytes,), dtype=torch.uint8) if rank == 0
-                    else torch.empty(nbytes, dtype=torch.uint8))
+        self.buf = (
+            torch.randint(0, 256, (nbytes,), dtype=torch.uint8) if rank == 0 else torch.empty(nbytes, dtype=torch.uint8)
+        )
 
     def join(self, port: int) -> None:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=self.rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=self.rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=120),
+        )
 
     def broadcast(self) -> float:
         dist.barrier()  # both ready: the clock starts with the transfer, not with a late peer
@@ -129,19 +138,34 @@ def main() -> int:
     from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
     from loongsage.core.workers import EngineWorker
 
-    shape = {"hidden_size": args.hidden, "num_layers": args.layers, "heads": args.hidden // 64, "kv_heads": 4,
-             "head_dim": 64, "intermediate_size": args.hidden * 8 // 3 // 64 * 64}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}})  # gloo on loopback on every side
+    shape = {
+        "hidden_size": args.hidden,
+        "num_layers": args.layers,
+        "heads": args.hidden // 64,
+        "kv_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": args.hidden * 8 // 3 // 64 * 64,
+    }
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"GLOO_SOCKET_IFNAME": "lo"}}
+    )  # gloo on loopback on every side
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-cpu-") as tmp:
         build_tiny_qwen3(Path(tmp) / "model", seed=0, **shape)
         engines = {}
         for side, name in (("ours_cpu", "cpu"), ("ours_broadcast_gloo", "broadcast")):
-            cfg, _ = load_config("tiny/grpo_arith_cpu", [
-                f"model.dtype={args.dtype}", f"rollout.transport={{name: {name}}}",
-                "rollout.engine={name: native, params: {max_model_len: 256}}"])
-            engines[side] = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=4).remote(
-                cfg, str(Path(tmp) / "model"), 0, 1)
+            cfg, _ = load_config(
+                "tiny/grpo_arith_cpu",
+                [
+                    f"model.dtype={args.dtype}",
+                    f"rollout.transport={{name: {name}}}",
+                    "rollout.engine={name: native, params: {max_model_len: 256}}",
+                ],
+            )
+            engines[side] = (
+                ray.remote(EngineWorker)
+                .options(num_cpus=0, max_concurrency=4)
+                .remote(cfg, str(Path(tmp) / "model"), 0, 1)
+            )
         sender = ray.remote(Sender).options(num_cpus=0).remote(shape, args.dtype)
         info = ray.get(sender.info.remote())
         nbytes = info["bytes"]
@@ -163,10 +187,20 @@ def main() -> int:
             for mb in args.buckets:
                 for side in SIDES:
                     r = once(side, mb)
-                    rows.append({"repeat": repeat, "bucket_mb": mb, "side": side, "s": r["wall_s"],
-                                 **{k.removeprefix("sync/"): v for k, v in r.items() if k != "wall_s"}})
-                    print(f"repeat {repeat} bucket {mb:5.0f} MiB {side:20s} {r['wall_s'] * 1e3:8.1f} ms "
-                          f"({nbytes / r['wall_s'] / 1e9:5.2f} GB/s)", flush=True)
+                    rows.append(
+                        {
+                            "repeat": repeat,
+                            "bucket_mb": mb,
+                            "side": side,
+                            "s": r["wall_s"],
+                            **{k.removeprefix("sync/"): v for k, v in r.items() if k != "wall_s"},
+                        }
+                    )
+                    print(
+                        f"repeat {repeat} bucket {mb:5.0f} MiB {side:20s} {r['wall_s'] * 1e3:8.1f} ms "
+                        f"({nbytes / r['wall_s'] / 1e9:5.2f} GB/s)",
+                        flush=True,
+                    )
         expected = ray.get(sender.checksums.remote())
         bit_equal = {}
         for side, engine in engines.items():
@@ -177,32 +211,50 @@ def main() -> int:
     for mb in args.buckets:
         mine = {side: [r for r in rows if r["bucket_mb"] == mb and r["side"] == side] for side in SIDES}
         s = {side: statistics.median(r["s"] for r in mine[side]) for side in SIDES}
-        summary[f"{mb:g}"] = {"buckets": mine["ours_cpu"][0]["buckets"],
-                            **{f"{side}_s": s[side] for side in SIDES},
-                            **{f"{side}_gb_per_s": nbytes / s[side] / 1e9 for side in SIDES},
-                            **{f"{side}_over_raw_throughput": s["raw_broadcast"] / s[side] for side in SIDES[:2]},
-                            **{f"{side}_s_all": [r["s"] for r in mine[side]] for side in SIDES}}
-    result = {"source": source, "settings": {**vars(args), "shape": shape, "sender": info},
-              "bytes": nbytes, "bit_equal": bit_equal, "cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)),
-              "load_1min": {"before": load_before, "after": os.getloadavg()[0]},
-              "summary": summary, "rows": rows}
+        summary[f"{mb:g}"] = {
+            "buckets": mine["ours_cpu"][0]["buckets"],
+            **{f"{side}_s": s[side] for side in SIDES},
+            **{f"{side}_gb_per_s": nbytes / s[side] / 1e9 for side in SIDES},
+            **{f"{side}_over_raw_throughput": s["raw_broadcast"] / s[side] for side in SIDES[:2]},
+            **{f"{side}_s_all": [r["s"] for r in mine[side]] for side in SIDES},
+        }
+    result = {
+        "source": source,
+        "settings": {**vars(args), "shape": shape, "sender": info},
+        "bytes": nbytes,
+        "bit_equal": bit_equal,
+        "cpu": cpu_name(),
+        "cores": len(os.sched_getaffinity(0)),
+        "load_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        "summary": summary,
+        "rows": rows,
+    }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "weight_sync_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
     load = result["load_1min"]
-    lines = [f"commit `{source['commit'][:10]}`; {result['cores']} shared CPU cores ({result['cpu']}, 1-min load "
-             f"{load['before']:.1f} before, {load['after']:.1f} after); ratios hold, absolute times are noisy; "
-             f"Qwen3-shaped tiny model (hidden {args.hidden}, {args.layers} layers), {args.dtype}, "
-             f"{nbytes / 1e6:.1f} MB; "
-             f"the `cpu` and `broadcast` (gloo) transports into the native engine (staged, committed) vs a plain gloo "
-             f"broadcast of the same bytes between two processes; median of {args.repeats} after a warm-up; "
-             "bit-equal after the updates: " + ", ".join(f"{k} {v}" for k, v in bit_equal.items()), "",
-             "| bucket MiB | buckets | ours_cpu ms | GB/s | ours_broadcast_gloo ms | GB/s | raw_broadcast ms | GB/s "
-             "| cpu / raw | broadcast / raw |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"commit `{source['commit'][:10]}`; {result['cores']} shared CPU cores ({result['cpu']}, 1-min load "
+        f"{load['before']:.1f} before, {load['after']:.1f} after); ratios hold, absolute times are noisy; "
+        f"Qwen3-shaped tiny model (hidden {args.hidden}, {args.layers} layers), {args.dtype}, "
+        f"{nbytes / 1e6:.1f} MB; "
+        f"the `cpu` and `broadcast` (gloo) transports into the native engine (staged, committed) vs a plain gloo "
+        f"broadcast of the same bytes between two processes; median of {args.repeats} after a warm-up; "
+        "bit-equal after the updates: " + ", ".join(f"{k} {v}" for k, v in bit_equal.items()),
+        "",
+        "| bucket MiB | buckets | ours_cpu ms | GB/s | ours_broadcast_gloo ms | GB/s | raw_broadcast ms | GB/s "
+        "| cpu / raw | broadcast / raw |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for mb, s in summary.items():
         cells = [f"{s[f'{side}_s'] * 1e3:.1f} | {s[f'{side}_gb_per_s']:.2f}" for side in SIDES]
-        lines.append(f"| {float(mb):.0f} | {s['buckets']:.0f} | " + " | ".join(cells) + " | "
-                     + " | ".join(f"{s[f'{side}_over_raw_throughput']:.2f}" for side in SIDES[:2]) + " |")
+        lines.append(
+            f"| {float(mb):.0f} | {s['buckets']:.0f} | "
+            + " | ".join(cells)
+            + " | "
+            + " | ".join(f"{s[f'{side}_over_raw_throughput']:.2f}" for side in SIDES[:2])
+            + " |"
+        )
     (out / "weight_sync_cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     ray.shutdown()
@@ -210,8 +262,11 @@ def main() -> int:
 
 
 def cpu_name() -> str:
-    names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-             if ln.startswith("model name")]
+    names = [
+        ln.split(":", 1)[1].strip()
+        for ln in Path("/proc/cpuinfo").read_text().splitlines()
+        if ln.startswith("model name")
+    ]
     return names[0] if names else "unknown CPU"
 
 

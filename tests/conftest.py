@@ -32,7 +32,8 @@ os.environ["RAY_ENABLE_UV_RUN_RUNTIME_ENV"] = "0"
 # checked against its source on every import, so an edited module is compiled again.
 if sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"):
     sys.pycache_prefix = os.environ.setdefault(
-        "PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / f"loongsage-tests-pycache-{os.getuid()}"))
+        "PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / f"loongsage-tests-pycache-{os.getuid()}")
+    )
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     sys.dont_write_bytecode = False
 
@@ -70,8 +71,12 @@ def ray_session(model_cache):
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"LOONGSAGE_CACHE": str(model_cache)}})
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"LOONGSAGE_CACHE": str(model_cache)}},
+        )
     yield ray
     ray.shutdown()
 
@@ -87,8 +92,12 @@ def ray_module(model_cache):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"LOONGSAGE_CACHE": str(model_cache)}})
+        ray.init(
+            num_cpus=4,
+            include_dashboard=False,
+            log_to_driver=False,
+            runtime_env={"env_vars": {"LOONGSAGE_CACHE": str(model_cache)}},
+        )
     yield ray
     if started:
         ray.shutdown()
@@ -126,8 +135,11 @@ def mini_program() -> Path:
     program = Path(sys.executable).parent / "mini"
     if not program.is_file():
         pytest.skip("mini-swe-agent is not installed here (`uv sync` installs it with the dev group)")
-    folders = [p for name in ("litellm", "minisweagent")
-               for p in (importlib.util.find_spec(name).submodule_search_locations or [])]
+    folders = [
+        p
+        for name in ("litellm", "minisweagent")
+        for p in (importlib.util.find_spec(name).submodule_search_locations or [])
+    ]
     subprocess.run([sys.executable, "-m", "compileall", "-q", *folders], capture_output=True, timeout=600)
     return program
 

@@ -10,9 +10,11 @@ from loongsage.agentflow.chat.messages import assistant, tool_call
 _CHARS = st.sampled_from(list("abcdefghijklmnopqrstuvwxyz ABCXYZ0123456789.,:;!?'\"-+=*/()[]{}\n") + ["é", "中", "ß"])
 words = st.text(_CHARS, min_size=1, max_size=30).map(str.strip).filter(bool)
 names = st.from_regex(r"[a-z][a-z_]{0,10}", fullmatch=True)
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-1000, 1000) | words,
-                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(names, inner, max_size=3),
-                           max_leaves=6)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-1000, 1000) | words,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(names, inner, max_size=3),
+    max_leaves=6,
+)
 arguments = st.dictionaries(names, json_values, max_size=3)
 
 
@@ -31,9 +33,16 @@ def reply_text(renderer, reply, tools=None) -> str:
     before = renderer.render(user, tools, generation_prompt=True)
     full = renderer.render([*user, reply], tools, generation_prompt=False)
     assert full.startswith(before) and full.endswith(renderer.closing)
-    return full[len(before):len(full) - len(renderer.closing)]
+    return full[len(before) : len(full) - len(renderer.closing)]
+
 
 # the tool the plumbing tests offer
 
-LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "look a number up",
-                                           "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "look a number up",
+        "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
+    },
+}

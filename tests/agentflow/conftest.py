@@ -94,9 +94,13 @@ class ScriptedToolParser:
     def parse(self, text):
         import json
 
-        return {"content": "", "reasoning_content": f"wrote {len(text)} characters",
-                "tool_calls": [{"type": "function", "function": {"name": "lookup",
-                                                                 "arguments": json.dumps({"n": len(text)})}}]}
+        return {
+            "content": "",
+            "reasoning_content": f"wrote {len(text)} characters",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "lookup", "arguments": json.dumps({"n": len(text)})}}
+            ],
+        }
 
 
 @pytest.fixture
@@ -106,4 +110,3 @@ def tool_parser(gateway):
     gateway.service.parser = ScriptedToolParser()
     yield
     gateway.service.parser = saved
-

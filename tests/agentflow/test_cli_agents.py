@@ -34,8 +34,11 @@ pytestmark = pytest.mark.timeout(180)
 PROGRAMS = Path(__file__).parent / "programs"
 _MISSING = jail.bwrap_problem() or netaudit.strace_problem()
 needs_audit = pytest.mark.skipif(_MISSING is not None, reason=f"no jail or no strace here: {_MISSING}")
-SESSION_ENV = {"OPENAI_BASE_URL": "http://127.0.0.1:9/t/0/v1", "OPENAI_API_KEY": "sk-session",
-               "LOONGSAGE_PROMPT_FILE": "/w/prompt.txt"}
+SESSION_ENV = {
+    "OPENAI_BASE_URL": "http://127.0.0.1:9/t/0/v1",
+    "OPENAI_API_KEY": "sk-session",
+    "LOONGSAGE_PROMPT_FILE": "/w/prompt.txt",
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,12 +51,20 @@ def long_engine(tiny):
 
 def run_group(engine, tokenizer, agent, prompt="2+2=", n=1):
     async def go():
-        gateway = Gateway(ChatService(DirectEngine(engine), tokenizer, parser=Qwen3ChatParser(),
-                                      budget=Budget(max_context_tokens=8192)))
+        gateway = Gateway(
+            ChatService(
+                DirectEngine(engine), tokenizer, parser=Qwen3ChatParser(), budget=Budget(max_context_tokens=8192)
+            )
+        )
         await gateway.start()
         try:
-            ctx = AgentContext(engine=None, tokenizer=tokenizer, sampling=SamplingParams(n=n), group_id=1,
-                               services={"gateway": gateway})
+            ctx = AgentContext(
+                engine=None,
+                tokenizer=tokenizer,
+                sampling=SamplingParams(n=n),
+                group_id=1,
+                services={"gateway": gateway},
+            )
             return await agent.run(DataRecord(source="cli", index=0, prompt=prompt), ctx)
         finally:
             await gateway.stop()
@@ -106,8 +117,11 @@ def test_the_audit_without_strace_fails_at_config_time(monkeypatch):
     netaudit.strace_problem.cache_clear()
     try:
         with pytest.raises(ConfigError) as exc:
-            load_registry().create("agent", {"name": "command", "params": {
-                "command": ["x"], "network": "host", "audit_network": True}}, "a")
+            load_registry().create(
+                "agent",
+                {"name": "command", "params": {"command": ["x"], "network": "host", "audit_network": True}},
+                "a",
+            )
         assert "\n" not in str(exc.value) and "apt-get install -y strace" in str(exc.value)
     finally:
         netaudit.strace_problem.cache_clear()
@@ -116,8 +130,16 @@ def test_the_audit_without_strace_fails_at_config_time(monkeypatch):
 # ------------------------------------------------------------------------- what they write
 def test_opencode_is_pointed_at_its_session_with_every_fetch_switched_off(tmp_path):
     install = fake_opencode(tmp_path / "install")
-    agent = OpenCodeAgent(install_dir=str(install), network="host", max_tokens=16, context_tokens=2048,
-                          max_steps=2, tools=["bash"], system_prompt="Be brief.", config={"share": "manual"})
+    agent = OpenCodeAgent(
+        install_dir=str(install),
+        network="host",
+        max_tokens=16,
+        context_tokens=2048,
+        max_steps=2,
+        tools=["bash"],
+        system_prompt="Be brief.",
+        config={"share": "manual"},
+    )
     workdir, env = tmp_path / "ep", dict(SESSION_ENV)
     workdir.mkdir()
     argv = agent.prepare(workdir, [{"role": "user", "content": "-2+2="}], list(agent.command), env)
@@ -150,23 +172,46 @@ def test_opencode_keeps_the_web_tools_off_with_its_own_tool_set(tmp_path):
 
 
 def test_mini_is_configured_for_its_session_by_its_own_files(tmp_path):
-    agent = MiniSweAgent(program=sys.executable, network="host", step_limit=3, cost_limit=0.5, max_tokens=12,
-                         temperature=0.7, config={"agent": {"instance_template": "{{task}}"}})
+    agent = MiniSweAgent(
+        program=sys.executable,
+        network="host",
+        step_limit=3,
+        cost_limit=0.5,
+        max_tokens=12,
+        temperature=0.7,
+        config={"agent": {"instance_template": "{{task}}"}},
+    )
     workdir, env = tmp_path / "ep", dict(SESSION_ENV)
     workdir.mkdir()
     argv = agent.prepare(workdir, "12+34=", list(agent.command), env)
     home = workdir / "home"
-    assert argv == [sys.executable, "-c", "mini.yaml", "-c", str(home / "loongsage.yaml"),
-                    "-o", str(home / "trajectory.json")]
+    assert argv == [
+        sys.executable,
+        "-c",
+        "mini.yaml",
+        "-c",
+        str(home / "loongsage.yaml"),
+        "-o",
+        str(home / "trajectory.json"),
+    ]
     overlay = json.loads((home / "loongsage.yaml").read_text())
     assert overlay["run"] == {"task": "12+34="}
-    assert overlay["agent"] == {"agent_class": "default", "step_limit": 3, "cost_limit": 0.5,
-                                "instance_template": "{{task}}"}
+    assert overlay["agent"] == {
+        "agent_class": "default",
+        "step_limit": 3,
+        "cost_limit": 0.5,
+        "instance_template": "{{task}}",
+    }
     assert overlay["environment"] == {"environment_class": "local", "cwd": str(workdir / "project"), "timeout": 60}
     model = overlay["model"]
     assert model["model_name"] == "openai/loongsage" and model["model_class"] == "litellm"
-    assert model["model_kwargs"] == {"api_base": SESSION_ENV["OPENAI_BASE_URL"], "api_key": "sk-session",
-                                     "drop_params": True, "max_tokens": 12, "temperature": 0.7}
+    assert model["model_kwargs"] == {
+        "api_base": SESSION_ENV["OPENAI_BASE_URL"],
+        "api_key": "sk-session",
+        "drop_params": True,
+        "max_tokens": 12,
+        "temperature": 0.7,
+    }
     registry = json.loads(Path(model["litellm_model_registry"]).read_text())
     assert registry["openai/loongsage"]["litellm_provider"] == "openai"
     assert registry["openai/loongsage"]["input_cost_per_token"] > 0  # mini refuses a cost of 0 without a flag
@@ -178,28 +223,36 @@ def test_mini_is_configured_for_its_session_by_its_own_files(tmp_path):
 # --------------------------------------------------------------------------------- the audit
 def test_the_audit_reads_destinations_by_kind(tmp_path):
     log = tmp_path / "trace"
-    log.write_text("\n".join([
-        '7 connect(5, {sa_family=AF_INET, sin_port=htons(41234), sin_addr=inet_addr("127.0.0.1")}, 16)'
-        ' = -1 EINPROGRESS (Operation now in progress)',
-        '7 connect(5, {sa_family=AF_INET, sin_port=htons(41234), sin_addr=inet_addr("127.0.0.1")}, 16) = 0',
-        '8 connect(6, {sa_family=AF_INET, sin_port=htons(53), sin_addr=inet_addr("10.0.0.53")}, 16)'
-        ' = -1 ENETUNREACH (Network is unreachable)',
-        '8 sendto(6, "\\x12", 30, MSG_NOSIGNAL, {sa_family=AF_INET, sin_port=htons(53), '
-        'sin_addr=inet_addr("127.0.0.53")}, 16) = -1 ECONNREFUSED (Connection refused)',
-        '9 connect(7, {sa_family=AF_INET6, sin6_port=htons(443), sin6_flowinfo=htonl(0), '
-        'inet_pton(AF_INET6, "2606:4700::1", &sin6_addr), sin6_scope_id=0}, 28 <unfinished ...>',
-        '9 connect(8, {sa_family=AF_INET6, sin6_port=htons(80), sin6_flowinfo=htonl(0), '
-        'inet_pton(AF_INET6, "::ffff:127.0.0.1", &sin6_addr), sin6_scope_id=0}, 28) = 0',
-        '9 connect(9, {sa_family=AF_UNIX, sun_path="/var/run/nscd/socket"}, 110) = -1 ENOENT (No such file)',
-        '9 sendto(10, "GET / HTTP/1.1"..., 14, 0, NULL, 0) = 14',
-        '9 sendmsg(11, {msg_name={sa_family=AF_NETLINK, nl_pid=0, nl_groups=00000000}, ...}, 0) = 20',
-    ]))
+    log.write_text(
+        "\n".join(
+            [
+                '7 connect(5, {sa_family=AF_INET, sin_port=htons(41234), sin_addr=inet_addr("127.0.0.1")}, 16)'
+                " = -1 EINPROGRESS (Operation now in progress)",
+                '7 connect(5, {sa_family=AF_INET, sin_port=htons(41234), sin_addr=inet_addr("127.0.0.1")}, 16) = 0',
+                '8 connect(6, {sa_family=AF_INET, sin_port=htons(53), sin_addr=inet_addr("10.0.0.53")}, 16)'
+                " = -1 ENETUNREACH (Network is unreachable)",
+                '8 sendto(6, "\\x12", 30, MSG_NOSIGNAL, {sa_family=AF_INET, sin_port=htons(53), '
+                'sin_addr=inet_addr("127.0.0.53")}, 16) = -1 ECONNREFUSED (Connection refused)',
+                "9 connect(7, {sa_family=AF_INET6, sin6_port=htons(443), sin6_flowinfo=htonl(0), "
+                'inet_pton(AF_INET6, "2606:4700::1", &sin6_addr), sin6_scope_id=0}, 28 <unfinished ...>',
+                "9 connect(8, {sa_family=AF_INET6, sin6_port=htons(80), sin6_flowinfo=htonl(0), "
+                'inet_pton(AF_INET6, "::ffff:127.0.0.1", &sin6_addr), sin6_scope_id=0}, 28) = 0',
+                '9 connect(9, {sa_family=AF_UNIX, sun_path="/var/run/nscd/socket"}, 110) = -1 ENOENT (No such file)',
+                '9 sendto(10, "GET / HTTP/1.1"..., 14, 0, NULL, 0) = 14',
+                "9 sendmsg(11, {msg_name={sa_family=AF_NETLINK, nl_pid=0, nl_groups=00000000}, ...}, 0) = 20",
+            ]
+        )
+    )
     assert netaudit.report(log) == {
-        "outside": {"10.0.0.53:53": {"calls": 1, "result": "ENETUNREACH"},
-                    "127.0.0.53:53": {"calls": 1, "result": "ECONNREFUSED"},  # a lookup, even through loopback
-                    "[2606:4700::1]:443": {"calls": 1, "result": None}},
-        "loopback": {"127.0.0.1:41234": {"calls": 2, "result": "ok"},
-                     "[::ffff:127.0.0.1]:80": {"calls": 1, "result": "ok"}},
+        "outside": {
+            "10.0.0.53:53": {"calls": 1, "result": "ENETUNREACH"},
+            "127.0.0.53:53": {"calls": 1, "result": "ECONNREFUSED"},  # a lookup, even through loopback
+            "[2606:4700::1]:443": {"calls": 1, "result": None},
+        },
+        "loopback": {
+            "127.0.0.1:41234": {"calls": 2, "result": "ok"},
+            "[::ffff:127.0.0.1]:80": {"calls": 1, "result": "ok"},
+        },
         "unix": {"/var/run/nscd/socket": {"calls": 1, "result": "ENOENT"}},
     }
     assert netaudit.report(tmp_path / "missing")["error"].startswith("no strace log")
@@ -207,8 +260,12 @@ def test_the_audit_reads_destinations_by_kind(tmp_path):
 
 @needs_audit
 def test_the_audit_catches_a_program_that_phones_home(long_engine, tokenizer, tmp_path):
-    agent = CommandAgent(command=[sys.executable, str(PROGRAMS / "phone_home.py")], network="loopback_only",
-                         audit_network=True, log_dir=str(tmp_path))
+    agent = CommandAgent(
+        command=[sys.executable, str(PROGRAMS / "phone_home.py")],
+        network="loopback_only",
+        audit_network=True,
+        log_dir=str(tmp_path),
+    )
     (t,) = run_group(long_engine, tokenizer, agent)
     program = t.metadata["program"]
     assert t.status is Status.OK and program["exit_code"] == 0, program["stderr_tail"]
@@ -230,8 +287,15 @@ def test_opencode_unprepared_tries_npm_and_the_audit_sees_it(long_engine, tokeni
             os.unlink(workdir / "home" / ".config" / "opencode" / "node_modules")  # as OpenCode left to itself
             return argv
 
-    params = dict(install_dir=str(opencode_dir), max_tokens=4, context_tokens=8192, tools=["bash"],
-                  system_prompt="Be brief.", audit_network=True, timeout_s=120)
+    params = dict(
+        install_dir=str(opencode_dir),
+        max_tokens=4,
+        context_tokens=8192,
+        tools=["bash"],
+        system_prompt="Be brief.",
+        audit_network=True,
+        timeout_s=120,
+    )
     prepared, unprepared = OpenCodeAgent(**params), Unprepared(**params)
     (good,) = run_group(long_engine, tokenizer, prepared)
     (bad,) = run_group(long_engine, tokenizer, unprepared)

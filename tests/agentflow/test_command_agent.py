@@ -64,8 +64,13 @@ def run_agent(native, tokenizer, agent, record, n=1):
         gateway = Gateway(ChatService(engine, tokenizer, parser=Qwen3ChatParser()))
         await gateway.start()
         try:
-            ctx = AgentContext(engine=None, tokenizer=tokenizer, sampling=SamplingParams(n=n), group_id=7,
-                               services={"gateway": gateway})
+            ctx = AgentContext(
+                engine=None,
+                tokenizer=tokenizer,
+                sampling=SamplingParams(n=n),
+                group_id=7,
+                services={"gateway": gateway},
+            )
             return await agent.run(record, ctx), gateway
         finally:
             await gateway.stop()
@@ -84,8 +89,9 @@ def record(prompt="2+2="):
 
 # ------------------------------------------------------------------------------ conversation
 def test_a_two_turn_openai_program_leaves_exact_trajectories(native, tokenizer):
-    group, gateway, engine = run_agent(native, tokenizer, agent("chat2.py", "{prompt_file}", network="host"),
-                                       record(), n=2)
+    group, gateway, engine = run_agent(
+        native, tokenizer, agent("chat2.py", "{prompt_file}", network="host"), record(), n=2
+    )
     assert [t.sample_index for t in group] == [0, 1] and len(engine.outputs) == 4
     sampled = sorted(out for (out,) in engine.outputs)
     mine = []
@@ -118,8 +124,10 @@ def test_a_program_without_chat_requests_yields_a_failed_trajectory(native, toke
 
 
 def test_max_concurrency_bounds_the_programs_running_at_once(native, tokenizer, tmp_path):
-    script = ("import os, sys, time; start = time.time(); time.sleep(0.3)\n"
-              "open(os.path.join(sys.argv[1], str(os.getpid())), 'w').write(f'{start} {time.time()}')")
+    script = (
+        "import os, sys, time; start = time.time(); time.sleep(0.3)\n"
+        "open(os.path.join(sys.argv[1], str(os.getpid())), 'w').write(f'{start} {time.time()}')"
+    )
     serial = CommandAgent(command=[sys.executable, "-c", script, str(tmp_path)], network="host", max_concurrency=1)
     group, _, _ = run_agent(native, tokenizer, serial, record(), n=3)
     assert [t.sample_index for t in group] == [0, 1, 2] and {t.status for t in group} == {Status.FAILED}
@@ -136,12 +144,20 @@ def test_a_missing_program_is_a_failed_trajectory_not_a_crash(native, tokenizer)
 # ---------------------------------------------------------------------------------- hostile
 @pytest.mark.parametrize("network", NETWORKS)
 @pytest.mark.parametrize("script", ["sleeper.py", "forker.py", "flooder.py"])
-def test_hostile_programs_are_killed_at_the_timeout_and_leave_nothing(native, tokenizer, tmp_path, tag, script,
-                                                                    network):
+def test_hostile_programs_are_killed_at_the_timeout_and_leave_nothing(
+    native, tokenizer, tmp_path, tag, script, network
+):
     pids, logs = tmp_path / "pids", tmp_path / "logs"
     pids.mkdir()
-    hostile = agent(script, network=network, timeout_s=1.5, grace_s=0.5, max_output_bytes=10_000,
-                    log_dir=str(logs), env={"LOONGSAGE_TEST_TAG": tag, "PIDS_DIR": str(pids)})
+    hostile = agent(
+        script,
+        network=network,
+        timeout_s=1.5,
+        grace_s=0.5,
+        max_output_bytes=10_000,
+        log_dir=str(logs),
+        env={"LOONGSAGE_TEST_TAG": tag, "PIDS_DIR": str(pids)},
+    )
     start = time.monotonic()
     (t,), _, _ = run_agent(native, tokenizer, hostile, record())
     elapsed = time.monotonic() - start
@@ -150,8 +166,7 @@ def test_hostile_programs_are_killed_at_the_timeout_and_leave_nothing(native, to
     assert t.status is Status.FAILED and "timed out True" in t.metadata["failure"]
     assert elapsed < 1.5 + 0.5 + 8, elapsed
     started = sorted(p.name.split("-")[0] for p in pids.iterdir())
-    assert started == {"sleeper.py": ["sleeper"], "forker.py": ["daemon", "parent"],
-                       "flooder.py": ["flooder"]}[script]
+    assert started == {"sleeper.py": ["sleeper"], "forker.py": ["daemon", "parent"], "flooder.py": ["flooder"]}[script]
     assert survivors(tag) == []
     if network == "host":  # the pids the programs wrote are this machine's (inside the jail: its own)
         for p in pids.iterdir():
@@ -169,8 +184,13 @@ def test_hostile_programs_are_killed_at_the_timeout_and_leave_nothing(native, to
 def test_a_program_that_kills_its_supervisor_is_still_ended(native, tokenizer, tmp_path, tag, network):
     pids = tmp_path / "pids"
     pids.mkdir()
-    hostile = agent("parricide.py", network=network, timeout_s=30, grace_s=0.5,
-                    env={"LOONGSAGE_TEST_TAG": tag, "PIDS_DIR": str(pids)})
+    hostile = agent(
+        "parricide.py",
+        network=network,
+        timeout_s=30,
+        grace_s=0.5,
+        env={"LOONGSAGE_TEST_TAG": tag, "PIDS_DIR": str(pids)},
+    )
     start = time.monotonic()
     (t,), _, _ = run_agent(native, tokenizer, hostile, record())
     assert time.monotonic() - start < 10  # ended with its supervisor, not at the timeout
@@ -214,8 +234,11 @@ def test_loopback_only_without_bubblewrap_fails_at_config_time(monkeypatch, capl
     jail.bwrap_problem.cache_clear()
     try:
         with pytest.raises(ConfigError) as exc:
-            registry.create("agent", {"name": "command", "params": {"command": ["x"], "network": "loopback_only"}},
-                            "data_sources[0].agent")
+            registry.create(
+                "agent",
+                {"name": "command", "params": {"command": ["x"], "network": "loopback_only"}},
+                "data_sources[0].agent",
+            )
         assert "\n" not in str(exc.value) and "bubblewrap" in str(exc.value)
         assert str(exc.value).startswith("data_sources[0].agent.params.network='loopback_only': ")
         with caplog.at_level(logging.WARNING, logger="loongsage.agentflow"):
@@ -231,17 +254,20 @@ def test_host_network_warns_that_the_program_may_reach_the_network(caplog):
     assert "network=host" in caplog.text and "may reach the network" in caplog.text
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"command": []}, "params.command=[]: must be a non-empty list"),
-    ({"command": ["a", ""]}, "params.command=['a', '']: must be a non-empty list"),
-    ({"command": ["a"], "timeout_s": 0}, "params.timeout_s=0.0: must be > 0"),
-    ({"command": ["a"], "timeout_s": -5}, "params.timeout_s=-5.0: must be > 0"),
-    ({"command": ["a"], "grace_s": -1}, "params.grace_s=-1.0: must be >= 0"),
-    ({"command": ["a"], "max_concurrency": 0}, "params.max_concurrency=0: must be >= 1"),
-    ({"command": ["a"], "network": "none"}, "params.network: got 'none'; allowed: 'auto', 'loopback_only', 'host'"),
-    ({"command": ["a"], "env": {"A=B": "1"}}, "params.env="),
-    ({}, "command"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"command": []}, "params.command=[]: must be a non-empty list"),
+        ({"command": ["a", ""]}, "params.command=['a', '']: must be a non-empty list"),
+        ({"command": ["a"], "timeout_s": 0}, "params.timeout_s=0.0: must be > 0"),
+        ({"command": ["a"], "timeout_s": -5}, "params.timeout_s=-5.0: must be > 0"),
+        ({"command": ["a"], "grace_s": -1}, "params.grace_s=-1.0: must be >= 0"),
+        ({"command": ["a"], "max_concurrency": 0}, "params.max_concurrency=0: must be >= 1"),
+        ({"command": ["a"], "network": "none"}, "params.network: got 'none'; allowed: 'auto', 'loopback_only', 'host'"),
+        ({"command": ["a"], "env": {"A=B": "1"}}, "params.env="),
+        ({}, "command"),
+    ],
+)
 def test_bad_params_fail_at_config_time_in_one_line(params, message):
     with pytest.raises(ConfigError) as exc:
         load_registry().create("agent", {"name": "command", "params": {"network": "host", **params}}, "agent")

@@ -11,8 +11,11 @@ import pytest
 
 pytestmark = pytest.mark.timeout(120)
 
-LOOKUP = {"name": "lookup", "description": "look a number up",
-          "input_schema": {"type": "object", "properties": {"n": {"type": "integer"}}}}
+LOOKUP = {
+    "name": "lookup",
+    "description": "look a number up",
+    "input_schema": {"type": "object", "properties": {"n": {"type": "integer"}}},
+}
 
 
 def _client(session) -> anthropic.Anthropic:
@@ -21,8 +24,13 @@ def _client(session) -> anthropic.Anthropic:
 
 def test_a_message_and_its_stream(gateway, session):
     client = _client(session)
-    kwargs = dict(model="tiny", max_tokens=8, system="be brief", messages=[{"role": "user", "content": "hi"}],
-                  metadata={"user_id": "u1"})
+    kwargs = dict(
+        model="tiny",
+        max_tokens=8,
+        system="be brief",
+        messages=[{"role": "user", "content": "hi"}],
+        metadata={"user_id": "u1"},
+    )
     message = client.messages.create(**kwargs)
     assert message.type == "message" and message.role == "assistant" and message.model == "tiny"
     assert [b.type for b in message.content] == ["text"]
@@ -40,14 +48,22 @@ def test_a_message_and_its_stream(gateway, session):
 def test_tool_use_round_trip_appends(gateway, session, tool_parser):
     client = _client(session)
     messages = [{"role": "user", "content": "look up 7"}]
-    first = client.messages.create(model="tiny", max_tokens=5, tools=[LOOKUP], messages=messages,
-                                   thinking={"type": "disabled"})
+    first = client.messages.create(
+        model="tiny", max_tokens=5, tools=[LOOKUP], messages=messages, thinking={"type": "disabled"}
+    )
     assert first.stop_reason == "tool_use" and [b.type for b in first.content] == ["thinking", "tool_use"]
     use = first.content[1]
     assert use.name == "lookup" and set(use.input) == {"n"}
-    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
-                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "49"},
-                                              {"type": "text", "text": "and now?"}]}]
+    messages += [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": use.id, "content": "49"},
+                {"type": "text", "text": "and now?"},
+            ],
+        },
+    ]
     with client.messages.stream(model="tiny", max_tokens=5, tools=[LOOKUP], messages=messages) as stream:
         second = stream.get_final_message()
     assert second.content[-1].type == "tool_use"
@@ -60,14 +76,24 @@ def test_tool_use_round_trip_appends(gateway, session, tool_parser):
 
 def test_errors_come_in_anthropic_shape(gateway, session):
     with pytest.raises(anthropic.BadRequestError) as err:
-        _client(session).messages.create(model="tiny", max_tokens=4, messages=[
-            {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
-                                                                       "data": "AAAA"}}]}])
+        _client(session).messages.create(
+            model="tiny",
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+                    ],
+                }
+            ],
+        )
     assert err.value.status_code == 400 and err.value.body["type"] == "error"
     assert "image" in err.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
         anthropic.Anthropic(base_url=f"{gateway.url}/nobody/0", api_key="k", max_retries=0).messages.create(
-            model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+            model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
 
 
 class BrokenParser:
@@ -81,9 +107,11 @@ class BrokenParser:
 
 def test_route_errors_and_failures_come_in_anthropic_shape(gateway, session):
     base = session.anthropic_base_url
-    for resp, status in [(httpx.get(f"{base}/v1/messages"), 405),  # a route's own errors
-                         (httpx.post(f"{gateway.url}/v1/messages", json={}), 404),
-                         (httpx.post(f"{base}/v1/messages/count_tokens", json={}), 404)]:
+    for resp, status in [
+        (httpx.get(f"{base}/v1/messages"), 405),  # a route's own errors
+        (httpx.post(f"{gateway.url}/v1/messages", json={}), 404),
+        (httpx.post(f"{base}/v1/messages/count_tokens", json={}), 404),
+    ]:
         assert resp.status_code == status and resp.json()["type"] == "error", resp.text
         assert resp.json()["error"]["type"] == ("not_found_error" if status == 404 else "api_error")
     records: list[logging.LogRecord] = []
@@ -105,7 +133,9 @@ def test_route_errors_and_failures_come_in_anthropic_shape(gateway, session):
         for logger in loggers:
             logger.removeHandler(handler)
     assert err.value.status_code == 500 and err.value.body == {
-        "type": "error", "error": {"type": "api_error", "message": "internal error: RuntimeError"}}
+        "type": "error",
+        "error": {"type": "api_error", "message": "internal error: RuntimeError"},
+    }
     assert openai_err.value.body["message"] == "internal error: RuntimeError"
     # each failure is one traceback in the log, not one per layer
     assert [r.exc_info[0] for r in records if r.exc_info] == [RuntimeError, RuntimeError]

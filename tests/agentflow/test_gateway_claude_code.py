@@ -21,9 +21,13 @@ pytestmark = pytest.mark.timeout(180)
 FIRST_REQUEST = json.loads((Path(__file__).parent / "data" / "claude_code_first_request.json").read_text())
 # the CLI asks for 32000 new tokens: the session's budget cuts a turn to a few dozen
 BUDGET = Budget(max_context_tokens=4096, max_response_tokens=72)
-HEADERS = {"anthropic-version": "2023-06-01", "x-app": "cli", "user-agent": "claude-cli/2.1.42 (external, cli)",
-           "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27",
-           "content-type": "application/json"}
+HEADERS = {
+    "anthropic-version": "2023-06-01",
+    "x-app": "cli",
+    "user-agent": "claude-cli/2.1.42 (external, cli)",
+    "anthropic-beta": "claude-code-20250219,interleaved-thinking-2025-05-14,context-management-2025-06-27",
+    "content-type": "application/json",
+}
 BLOCK_DELTAS = {"text": "text_delta", "thinking": "thinking_delta", "tool_use": "input_json_delta"}
 
 
@@ -76,8 +80,9 @@ def _accumulate(events: list[tuple[str, dict]]) -> list[dict]:
             blocks[-1]["partial_json"] = ""
         elif name == "content_block_delta":
             delta, block = data["delta"], blocks[data["index"]]
-            key = {"text_delta": "text", "thinking_delta": "thinking",
-                   "input_json_delta": "partial_json"}[delta["type"]]
+            key = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial_json"}[
+                delta["type"]
+            ]
             block[key] += delta[key]
     for block in blocks:
         partial = block.pop("partial_json")
@@ -96,8 +101,12 @@ def test_the_cli_probes_its_base_url_with_head(wide_gateway):
 
 def test_a_recorded_first_request_is_accepted_and_streams_a_well_formed_answer(wide_gateway):
     info = _open(wide_gateway, "cc-raw")
-    resp = httpx.post(f"{info.anthropic_base_url}/v1/messages?beta=true", content=json.dumps(FIRST_REQUEST),
-                      headers={**HEADERS, "x-api-key": info.api_key}, timeout=120)
+    resp = httpx.post(
+        f"{info.anthropic_base_url}/v1/messages?beta=true",
+        content=json.dumps(FIRST_REQUEST),
+        headers={**HEADERS, "x-api-key": info.api_key},
+        timeout=120,
+    )
     assert resp.status_code == 200, resp.text
     assert resp.headers["content-type"].startswith("text/event-stream")
     events = _events(resp)
@@ -116,8 +125,12 @@ def test_a_later_turn_keeps_the_system_message_in_place_and_extends_the_line(wid
     info = _open(wide_gateway, "cc-two-turns")
 
     def post(body):
-        return httpx.post(f"{info.anthropic_base_url}/v1/messages?beta=true", content=json.dumps(body),
-                          headers={**HEADERS, "x-api-key": info.api_key}, timeout=120)
+        return httpx.post(
+            f"{info.anthropic_base_url}/v1/messages?beta=true",
+            content=json.dumps(body),
+            headers={**HEADERS, "x-api-key": info.api_key},
+            timeout=120,
+        )
 
     first = {**FIRST_REQUEST, "max_tokens": 8}
     resp = post(first)
@@ -125,11 +138,14 @@ def test_a_later_turn_keeps_the_system_message_in_place_and_extends_the_line(wid
     # the next request as the CLI sends it: the history (its system message where it was), the
     # reply, the results of its tool calls and a new question
     reply = _accumulate(_events(resp))
-    results = [{"type": "tool_result", "tool_use_id": b["id"], "content": "5"}
-               for b in reply if b["type"] == "tool_use"]
+    results = [
+        {"type": "tool_result", "tool_use_id": b["id"], "content": "5"} for b in reply if b["type"] == "tool_use"
+    ]
     follow = copy.deepcopy(first)
-    follow["messages"] += [{"role": "assistant", "content": reply},
-                           {"role": "user", "content": [*results, {"type": "text", "text": "And add(1, 1)?"}]}]
+    follow["messages"] += [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": [*results, {"type": "text", "text": "And add(1, 1)?"}]},
+    ]
     again = post(follow)
     assert again.status_code == 200, again.text
     _assert_well_formed(_events(again))
@@ -140,8 +156,13 @@ def test_a_later_turn_keeps_the_system_message_in_place_and_extends_the_line(wid
 def test_the_official_client_streams_the_same_request(wide_gateway):
     info = _open(wide_gateway, "cc-sdk")
     seen = []  # the requests the client sent
-    client = anthropic.Anthropic(base_url=info.anthropic_base_url, api_key=info.api_key, max_retries=0, timeout=120,
-                                 http_client=anthropic.DefaultHttpxClient(event_hooks={"request": [seen.append]}))
+    client = anthropic.Anthropic(
+        base_url=info.anthropic_base_url,
+        api_key=info.api_key,
+        max_retries=0,
+        timeout=120,
+        http_client=anthropic.DefaultHttpxClient(event_hooks={"request": [seen.append]}),
+    )
     body = {k: v for k, v in FIRST_REQUEST.items() if k != "stream"}
     betas = ["claude-code-20250219", "context-management-2025-06-27"]
     with client.beta.messages.stream(**body, betas=betas, extra_query={"beta": "true"}) as stream:  # as the CLI
@@ -156,22 +177,35 @@ def test_the_official_client_streams_the_same_request(wide_gateway):
 def test_system_messages_join_the_system_prompt_at_its_head(wide_gateway):
     info = _open(wide_gateway, "cc-head-system")
     client = anthropic.Anthropic(base_url=info.anthropic_base_url, api_key=info.api_key, max_retries=0, timeout=60)
-    client.messages.create(model="m", max_tokens=2, system="be brief", messages=[
-        {"role": "system", "content": "answer in French"},
-        {"role": "system", "content": [{"type": "text", "text": "no lists"}]},
-        {"role": "user", "content": "hi"}])
+    client.messages.create(
+        model="m",
+        max_tokens=2,
+        system="be brief",
+        messages=[
+            {"role": "system", "content": "answer in French"},
+            {"role": "system", "content": [{"type": "text", "text": "no lists"}]},
+            {"role": "user", "content": "hi"},
+        ],
+    )
     (trajectory,) = wide_gateway.close_session_threadsafe(info.trajectory).trajectories()
     assert trajectory.metadata["messages"][:2] == [
-        {"role": "system", "content": "be brief\n\nanswer in French\n\nno lists"}, {"role": "user", "content": "hi"}]
+        {"role": "system", "content": "be brief\n\nanswer in French\n\nno lists"},
+        {"role": "user", "content": "hi"},
+    ]
 
 
-@pytest.mark.parametrize("extra, field", [
-    ({"output_config": {"effort": "low", "format": {"type": "json_schema", "schema": {"type": "object"}}}},
-     "output_config.format"),
-    ({"output_format": {"type": "json_schema", "schema": {"type": "object"}}}, "output_format"),
-    ({"output_config": "high"}, "output_config"),
-    ({"messages": [{"role": "developer", "content": "x"}]}, "messages.0"),
-])
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        (
+            {"output_config": {"effort": "low", "format": {"type": "json_schema", "schema": {"type": "object"}}}},
+            "output_config.format",
+        ),
+        ({"output_format": {"type": "json_schema", "schema": {"type": "object"}}}, "output_format"),
+        ({"output_config": "high"}, "output_config"),
+        ({"messages": [{"role": "developer", "content": "x"}]}, "messages.0"),
+    ],
+)
 def test_what_cannot_be_honoured_is_one_400(wide_gateway, extra, field):
     info = _open(wide_gateway, f"cc-refused-{field.replace('.', '-')}")
     body = {"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **extra}

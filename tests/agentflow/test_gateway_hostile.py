@@ -36,28 +36,31 @@ def _error(resp, status):
     return message
 
 
-@pytest.mark.parametrize("body, field", [
-    ({"messages": "hi"}, "messages"),
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
-    ({"messages": USER, "temperature": "hot"}, "temperature"),
-    ({"messages": USER, "temperature": True}, "temperature"),
-    ({"messages": USER, "n": 0}, "n"),
-    ({"messages": USER, "n": 17}, "n"),
-    ({"messages": USER, "max_tokens": -1}, "max_tokens"),
-    ({"messages": USER, "top_p": 0}, "top_p"),
-    ({"messages": USER, "stop": [""]}, "stop"),
-    ({"messages": USER, "tools": {"a": 1}}, "tools"),
-    ({"messages": USER, "tools": [{"type": "function", "function": {}}]}, "name"),
-    ({"messages": USER, "tool_choice": 3}, "tool_choice"),
-    ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
-    ({"messages": USER, "stream": "yes"}, "stream"),
-    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": "f"}]}]}, "tool_calls"),
-])
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "content"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "image_url"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+        ({"messages": USER, "temperature": "hot"}, "temperature"),
+        ({"messages": USER, "temperature": True}, "temperature"),
+        ({"messages": USER, "n": 0}, "n"),
+        ({"messages": USER, "n": 17}, "n"),
+        ({"messages": USER, "max_tokens": -1}, "max_tokens"),
+        ({"messages": USER, "top_p": 0}, "top_p"),
+        ({"messages": USER, "stop": [""]}, "stop"),
+        ({"messages": USER, "tools": {"a": 1}}, "tools"),
+        ({"messages": USER, "tools": [{"type": "function", "function": {}}]}, "name"),
+        ({"messages": USER, "tool_choice": 3}, "tool_choice"),
+        ({"messages": USER, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": USER, "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": USER, "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"function": "f"}]}]}, "tool_calls"),
+    ],
+)
 def test_malformed_openai_requests_are_400s_naming_the_field(session, body, field):
     assert field in _error(_post(session, "/v1/chat/completions", body), 400)
 
@@ -71,12 +74,17 @@ def test_bodies_that_are_no_json_object_are_400s(session, raw):
 def test_oversized_bodies_are_413s(gateway, session):
     big = {"messages": [{"role": "user", "content": "x" * (gateway.max_body_bytes + 1)}]}
     _error(_post(session, "/v1/chat/completions", big), 413)
+
     # a client that lies about the length is cut off while streaming the body
     def chunks():
         for _ in range(gateway.max_body_bytes // 65536 + 2):
             yield b" " * 65536
-    resp = httpx.post(f"{session.openai_base_url}/chat/completions", content=chunks(),
-                      headers={"authorization": f"Bearer {session.api_key}"})
+
+    resp = httpx.post(
+        f"{session.openai_base_url}/chat/completions",
+        content=chunks(),
+        headers={"authorization": f"Bearer {session.api_key}"},
+    )
     _error(resp, 413)
 
 
@@ -99,15 +107,34 @@ def test_sessions_are_closed_to_strangers(gateway, session):
 
 
 def test_unknown_fields_real_clients_send_are_accepted(session):
-    body = {"messages": USER, "max_completion_tokens": 2, "reasoning_effort": "high", "metadata": {"a": "b"},
-            "prompt_cache_key": "k", "parallel_tool_calls": False, "store": False, "user": "u", "service_tier": "auto",
-            "frequency_penalty": 0.5, "logit_bias": {"5": 1}, "tools": [{"type": "web_search"}],
-            "tool_choice": "required", "response_format": {"type": "text"}, "modalities": ["text"]}
+    body = {
+        "messages": USER,
+        "max_completion_tokens": 2,
+        "reasoning_effort": "high",
+        "metadata": {"a": "b"},
+        "prompt_cache_key": "k",
+        "parallel_tool_calls": False,
+        "store": False,
+        "user": "u",
+        "service_tier": "auto",
+        "frequency_penalty": 0.5,
+        "logit_bias": {"5": 1},
+        "tools": [{"type": "web_search"}],
+        "tool_choice": "required",
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+    }
     resp = _post(session, "/v1/chat/completions", body)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] <= 2
-    anthropic_body = {"model": "m", "max_tokens": 2, "messages": USER, "thinking": {"type": "enabled", "budget_tokens": 9},
-                      "service_tier": "auto", "tools": [{"type": "web_search_20250305", "name": "web_search"}],
-                      "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}]}
+    anthropic_body = {
+        "model": "m",
+        "max_tokens": 2,
+        "messages": USER,
+        "thinking": {"type": "enabled", "budget_tokens": 9},
+        "service_tier": "auto",
+        "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+        "system": [{"type": "text", "text": "s", "cache_control": {"type": "ephemeral"}}],
+    }
     assert _post(session, "/v1/messages", anthropic_body).status_code == 200
 
 
@@ -127,13 +154,17 @@ def test_budgets_end_in_an_api_error_and_a_truncated_trajectory(gateway):
 
 
 def test_a_client_gone_mid_stream_leaves_no_lock_held(gateway, session):
-    body = json.dumps({"messages": [{"role": "user", "content": "long"}], "max_tokens": 200, "temperature": 0,
-                       "stream": True}).encode()
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "long"}], "max_tokens": 200, "temperature": 0, "stream": True}
+    ).encode()
     host, port = gateway.host, gateway.port
     with socket.create_connection((host, port)) as sock:  # sends the request, reads nothing, hangs up
-        sock.sendall(f"POST /{session.trajectory}/0/v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
-                     f"authorization: Bearer {session.api_key}\r\ncontent-type: application/json\r\n"
-                     f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        sock.sendall(
+            f"POST /{session.trajectory}/0/v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
+            f"authorization: Bearer {session.api_key}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         time.sleep(0.3)
     started = time.monotonic()
     resp = _post(session, "/v1/chat/completions", {"messages": [{"role": "user", "content": "next"}], "max_tokens": 2})
@@ -150,26 +181,62 @@ def test_a_client_gone_mid_stream_leaves_no_lock_held(gateway, session):
 _odd = st.sampled_from(["\ud83d", "\ude00", "\ud800", "\udfff", "\ufffe", "\uffff", "\U0010ffff", "\x00"])
 # (a list joined: st.text over this union would draw from the characters strategy alone)
 _strings = st.lists(st.characters(exclude_categories=()) | _odd, max_size=8).map("".join)
-_json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _strings,
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_strings, inner, max_size=3),
-                     max_leaves=10)
-_keys = st.sampled_from(["messages", "model", "max_tokens", "n", "tools", "stop", "temperature", "stream", "seed",
-                         "tool_choice", "system", "stop_sequences", "top_k", "stream_options", "logprobs",
-                         "input", "instructions", "max_output_tokens", "text", "previous_response_id"])
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _strings,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_strings, inner, max_size=3),
+    max_leaves=10,
+)
+_keys = st.sampled_from(
+    [
+        "messages",
+        "model",
+        "max_tokens",
+        "n",
+        "tools",
+        "stop",
+        "temperature",
+        "stream",
+        "seed",
+        "tool_choice",
+        "system",
+        "stop_sequences",
+        "top_k",
+        "stream_options",
+        "logprobs",
+        "input",
+        "instructions",
+        "max_output_tokens",
+        "text",
+        "previous_response_id",
+    ]
+)
 
 
 # well-formed fields too (any protocol's), so odd text gets past validation into a turn
-_fields = st.fixed_dictionaries({"model": _strings, "max_tokens": st.just(2)}, optional={
-    "system": _strings, "instructions": _strings, "stop": st.lists(_strings.filter(bool), max_size=2),
-    "stop_sequences": st.lists(_strings.filter(bool), max_size=2)})
+_fields = st.fixed_dictionaries(
+    {"model": _strings, "max_tokens": st.just(2)},
+    optional={
+        "system": _strings,
+        "instructions": _strings,
+        "stop": st.lists(_strings.filter(bool), max_size=2),
+        "stop_sequences": st.lists(_strings.filter(bool), max_size=2),
+    },
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(body=st.dictionaries(_keys, _json, max_size=6) | _fields, messages=st.lists(st.dictionaries(
-    st.sampled_from(["role", "content", "tool_calls", "tool_call_id"]), _json | st.sampled_from(["user", "assistant",
-                                                                                               "tool", "system"]))
-    | st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": _strings}),
-    max_size=3), path=st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/responses"]))
+@given(
+    body=st.dictionaries(_keys, _json, max_size=6) | _fields,
+    messages=st.lists(
+        st.dictionaries(
+            st.sampled_from(["role", "content", "tool_calls", "tool_call_id"]),
+            _json | st.sampled_from(["user", "assistant", "tool", "system"]),
+        )
+        | st.fixed_dictionaries({"role": st.sampled_from(["user", "system"]), "content": _strings}),
+        max_size=3,
+    ),
+    path=st.sampled_from(["/v1/chat/completions", "/v1/messages", "/v1/responses"]),
+)
 def test_no_body_makes_a_5xx(gateway, body, messages, path):
     session = gateway.open_session(f"fuzz-{time.monotonic_ns()}", budget=Budget(default_max_tokens=2))
     body = {**body, "messages": messages} if messages else body
@@ -190,23 +257,66 @@ CUT = "cut \ud83d"  # a text cut after the first half of an emoji: a lone high s
 PARAMS = {"type": "object", "properties": {"x\udfff": {"type": "string"}}}
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", {"model": CUT, "messages": [{"role": "system", "content": CUT},
-                                                        {"role": "user", "content": [{"type": "text", "text": CUT}]}],
-                              "stop": [CUT, "\udfff"], "max_tokens": 2,
-                              "tools": [{"type": "function", "function": {"name": "f" + CUT, "parameters": PARAMS}}]}),
-    ("/v1/chat/completions", {"max_tokens": 2, "messages": [
-        {"role": "user", "content": "go"},
-        {"role": "assistant", "content": "", "tool_calls": [{"id": "c\ud800", "type": "function", "function": {
-            "name": "f", "arguments": json.dumps({"x": "\ud800"})}}]},  # escaped twice: decoded only in arguments
-        {"role": "tool", "tool_call_id": "c\ud800", "content": "\ude00 tail"}]}),
-    ("/v1/messages", {"model": CUT, "max_tokens": 2, "system": [{"type": "text", "text": CUT}],
-                      "stop_sequences": [CUT], "messages": [{"role": "user", "content": CUT}],
-                      "tools": [{"name": "t" + CUT, "input_schema": PARAMS}]}),
-    ("/v1/responses", {"model": CUT, "instructions": CUT, "input": [{"role": "user", "content": CUT}],
-                       "max_output_tokens": 2,
-                       "tools": [{"type": "function", "name": "t" + CUT, "parameters": PARAMS}]}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (
+            "/v1/chat/completions",
+            {
+                "model": CUT,
+                "messages": [
+                    {"role": "system", "content": CUT},
+                    {"role": "user", "content": [{"type": "text", "text": CUT}]},
+                ],
+                "stop": [CUT, "\udfff"],
+                "max_tokens": 2,
+                "tools": [{"type": "function", "function": {"name": "f" + CUT, "parameters": PARAMS}}],
+            },
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "max_tokens": 2,
+                "messages": [
+                    {"role": "user", "content": "go"},
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {
+                                "id": "c\ud800",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": json.dumps({"x": "\ud800"})},
+                            }
+                        ],
+                    },  # escaped twice: decoded only in arguments
+                    {"role": "tool", "tool_call_id": "c\ud800", "content": "\ude00 tail"},
+                ],
+            },
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": CUT,
+                "max_tokens": 2,
+                "system": [{"type": "text", "text": CUT}],
+                "stop_sequences": [CUT],
+                "messages": [{"role": "user", "content": CUT}],
+                "tools": [{"name": "t" + CUT, "input_schema": PARAMS}],
+            },
+        ),
+        (
+            "/v1/responses",
+            {
+                "model": CUT,
+                "instructions": CUT,
+                "input": [{"role": "user", "content": CUT}],
+                "max_output_tokens": 2,
+                "tools": [{"type": "function", "name": "t" + CUT, "parameters": PARAMS}],
+            },
+        ),
+    ],
+)
 def test_lone_surrogates_are_read_as_replacement_characters(gateway, path, body):
     session = gateway.open_session(f"surrogates-{time.monotonic_ns()}")
     resp = _post(session, path, body)  # json.dumps writes each lone surrogate as its \\u escape
@@ -232,8 +342,10 @@ def test_a_client_gone_while_sending_its_body_is_one_log_line(gateway, session):
         logger.setLevel(logging.INFO)
     try:
         with socket.create_connection((gateway.host, gateway.port)) as sock:  # promises 1000 bytes, sends 10
-            sock.sendall(f"POST /{session.trajectory}/0/v1/messages HTTP/1.1\r\nhost: x\r\n"
-                         f"x-api-key: {session.api_key}\r\ncontent-length: 1000\r\n\r\n{{\"model\": ".encode())
+            sock.sendall(
+                f"POST /{session.trajectory}/0/v1/messages HTTP/1.1\r\nhost: x\r\n"
+                f'x-api-key: {session.api_key}\r\ncontent-length: 1000\r\n\r\n{{"model": '.encode()
+            )
             time.sleep(0.3)
         deadline = time.monotonic() + 5
         while not records and time.monotonic() < deadline:

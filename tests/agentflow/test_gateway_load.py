@@ -76,9 +76,11 @@ def _while_posting(session, body: bytes, other) -> tuple[httpx.Response, list[fl
     sender_client = httpx.Client(timeout=240)  # made here: a new client loads its certificates (~50 ms of CPU)
 
     def post() -> None:
-        answer["resp"] = sender_client.post(f"{session.openai_base_url}/chat/completions", content=body,
-                                            headers={"authorization": f"Bearer {session.api_key}",
-                                                     "content-type": "application/json"})
+        answer["resp"] = sender_client.post(
+            f"{session.openai_base_url}/chat/completions",
+            content=body,
+            headers={"authorization": f"Bearer {session.api_key}", "content-type": "application/json"},
+        )
 
     sender = threading.Thread(target=post)
     sender.start()
@@ -109,8 +111,9 @@ def _assert_no_stall(gateway, name: str, text: str, check, budget: Budget | None
         resp, before, during = _while_posting(gateway.open_session(f"{name}-{trial}", budget=budget), body, other)
         check(resp)
         typical, slowdown = sorted(before)[len(before) // 2], _slowdown(body)
-        seen.append({"usual": round(typical, 3), "slowdown": round(slowdown, 2),
-                     "during": [round(s, 3) for s in during]})
+        seen.append(
+            {"usual": round(typical, 3), "slowdown": round(slowdown, 2), "during": [round(s, 3) for s in during]}
+        )
         if during and max(during) < typical + STALL * slowdown:
             return
     pytest.fail(f"another session's turns were stalled (seconds): {seen}")
@@ -149,8 +152,10 @@ def test_a_follow_up_refused_before_tokenizing_marks_its_line_truncated(wide_gat
     client = openai_client(info)
     messages = [{"role": "user", "content": "hi"}]
     first = client.chat.completions.create(model="m", messages=messages, max_tokens=2)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "user", "content": _text(100_000, seed=3)}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": _text(100_000, seed=3)},
+    ]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model="m", messages=messages, max_tokens=2)
     assert err.value.code == "context_length_exceeded" and "prompt of at least" in err.value.message
@@ -173,9 +178,26 @@ def _normalizers():
 
 
 # what shrinks most under normalization, what spells longest, the special tokens, runs
-_PIECES = st.sampled_from(["\U0001d400", "\u1100\u1161\u11a8", "\uff21", "\u212a", "a\u0301", "<|im_start|>",
-                           "<|im_end|>", "assistant", " ", "\n", "😀", "中", "\ufffd", "x" * 40, " " * 40,
-                           "0123456789"])
+_PIECES = st.sampled_from(
+    [
+        "\U0001d400",
+        "\u1100\u1161\u11a8",
+        "\uff21",
+        "\u212a",
+        "a\u0301",
+        "<|im_start|>",
+        "<|im_end|>",
+        "assistant",
+        " ",
+        "\n",
+        "😀",
+        "中",
+        "\ufffd",
+        "x" * 40,
+        " " * 40,
+        "0123456789",
+    ]
+)
 _TEXTS = st.lists(_PIECES | st.text(max_size=6), max_size=60).map("".join)
 
 

@@ -21,19 +21,23 @@ pytestmark = pytest.mark.timeout(120)
 def test_a_completion_records_exactly_the_engines_tokens(gateway, session):
     calls = gateway.service.engine.calls
     before = len(calls)
-    r = _client(session).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1+1="}],
-                                                 max_tokens=12, temperature=0, logprobs=True)
-    (prompt, sampling, (result,)), = calls[before:]
+    r = _client(session).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "1+1="}], max_tokens=12, temperature=0, logprobs=True
+    )
+    ((prompt, sampling, (result,)),) = calls[before:]
     assert r.object == "chat.completion" and r.model == "tiny" and r.id.startswith("chatcmpl-")
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == len(result.output_ids)
     assert [t.logprob for t in r.choices[0].logprobs.content] == result.logprobs
     assert sampling.max_new_tokens == 12 and sampling.temperature == 0
     (trajectory,) = _close(gateway, session).trajectories(source="chat", group_id=5)
-    assert trajectory.prompt_ids == prompt == gateway.service.renderer.prompt([{"role": "user", "content": "1+1="}], None)
+    assert (
+        trajectory.prompt_ids == prompt == gateway.service.renderer.prompt([{"role": "user", "content": "1+1="}], None)
+    )
     assert trajectory.response_ids == result.output_ids and trajectory.loss_mask == [1] * len(result.output_ids)
     assert trajectory.rollout_logprobs == result.logprobs and trajectory.versions == result.versions == [0] * len(
-        result.output_ids)
+        result.output_ids
+    )
     assert (trajectory.source, trajectory.group_id, trajectory.sample_index) == ("chat", 5, 0)
 
 
@@ -43,25 +47,30 @@ def test_multi_turn_with_tool_calls_appends_to_one_segment(gateway, session, too
     messages = [{"role": "system", "content": "use tools"}, {"role": "user", "content": "what is 2+2?"}]
     r1 = client.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP], max_tokens=6, temperature=0)
     (call,) = r1.choices[0].message.tool_calls
-    assert r1.choices[0].finish_reason == "tool_calls" and call.function.name == "lookup" and call.id.startswith("call_")
+    assert (
+        r1.choices[0].finish_reason == "tool_calls" and call.function.name == "lookup" and call.id.startswith("call_")
+    )
     assert json.loads(call.function.arguments)["n"] >= 0
-    messages += [r1.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "4"}]
+    messages += [
+        r1.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "4"},
+    ]
     r2 = client.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP], max_tokens=6, temperature=0)
     messages += [r2.choices[0].message, {"role": "user", "content": "thanks"}]  # the SDK object as it is
     client.chat.completions.create(model="tiny", messages=messages, tools=[LOOKUP], max_tokens=6, temperature=0)
     turns = calls[before:]
     assert len(turns) == 3
     for (prompt, _, (out,)), (next_prompt, _, _) in zip(turns, turns[1:]):
-        assert next_prompt[:len(prompt) + len(out.output_ids)] == prompt + out.output_ids  # never re-tokenized
+        assert next_prompt[: len(prompt) + len(out.output_ids)] == prompt + out.output_ids  # never re-tokenized
     decode = gateway.service.renderer.decode
     assert "<tools>" in decode(turns[0][0]) and '"name": "lookup"' in decode(turns[0][0])
-    appended = decode(turns[1][0][len(turns[0][0]) + len(turns[0][2][0].output_ids):])
+    appended = decode(turns[1][0][len(turns[0][0]) + len(turns[0][2][0].output_ids) :])
     assert "<tool_response>\n4\n</tool_response>" in appended and appended.endswith("<|im_start|>assistant\n")
     (trajectory,) = _close(gateway, session).trajectories()
     assert trajectory.metadata["segment_categories"] == ["first"] and len(trajectory.metadata["turns"]) == 3
     assert [t for t, m in zip(trajectory.response_ids, trajectory.loss_mask) if m] == [
-        t for _, _, (out,) in turns for t in out.output_ids]
+        t for _, _, (out,) in turns for t in out.output_ids
+    ]
     assert gateway.service.metrics()["agentflow/turns_appended"] >= 2
 
 
@@ -70,8 +79,9 @@ def test_n_samples_fork_the_line_and_the_one_continued_grows(gateway, session):
     messages = [{"role": "user", "content": "pick"}]
     r = client.chat.completions.create(model="tiny", messages=messages, n=3, max_tokens=5, temperature=1.0, seed=11)
     assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens >= 3
-    client.chat.completions.create(model="tiny", messages=[*messages, r.choices[2].message,
-                                                           {"role": "user", "content": "go on"}], max_tokens=4)
+    client.chat.completions.create(
+        model="tiny", messages=[*messages, r.choices[2].message, {"role": "user", "content": "go on"}], max_tokens=4
+    )
     lines = _close(gateway, session).trajectories()
     assert [len(t.metadata["turns"]) for t in lines] == [1, 1, 2] and [t.sample_index for t in lines] == [0, 1, 2]
     assert all(t.prompt_ids == lines[0].prompt_ids for t in lines)
@@ -79,8 +89,14 @@ def test_n_samples_fork_the_line_and_the_one_continued_grows(gateway, session):
 
 
 def test_streaming_chunks_follow_the_openai_format(gateway, session):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}], "max_tokens": 8, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     headers = {"authorization": f"Bearer {session.api_key}"}
     with httpx.stream("POST", f"{session.openai_base_url}/chat/completions", json=body, headers=headers) as resp:
         assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
@@ -100,8 +116,9 @@ def test_streaming_chunks_follow_the_openai_format(gateway, session):
 
 
 def test_streamed_tool_calls_accumulate_in_the_sdk(gateway, session, tool_parser):
-    stream = _client(session).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "n?"}],
-                                                      tools=[LOOKUP], max_tokens=4, stream=True)
+    stream = _client(session).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "n?"}], tools=[LOOKUP], max_tokens=4, stream=True
+    )
     deltas = [c.choices[0].delta for c in stream if c.choices]
     (first,) = [d.tool_calls[0] for d in deltas if d.tool_calls and d.tool_calls[0].id]
     args = "".join(d.tool_calls[0].function.arguments or "" for d in deltas if d.tool_calls)
@@ -117,7 +134,7 @@ def test_stop_strings_cut_the_reply_and_its_tokens(gateway, session):
     assert stops, f"the greedy reply {text!r} holds no character to stop at"
     cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, seed=3, stop=[stops[0]])
     assert cut.choices[0].finish_reason == "stop"
-    assert cut.choices[0].message.content == text[:text.index(stops[0])].strip()
+    assert cut.choices[0].message.content == text[: text.index(stops[0])].strip()
     assert cut.usage.completion_tokens < full.usage.completion_tokens
 
 

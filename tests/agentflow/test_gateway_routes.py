@@ -28,8 +28,11 @@ def moe_gateway(tmp_path_factory):
     from loongsage.core.engine.native import NativeEngine
     from loongsage.core.tinytask.shapes import RandomInitModel
 
-    path = str(RandomInitModel(preset="qwen3-moe-tiny", dtype="float32", device="cpu", max_position_embeddings=512)
-               .build_into(tmp_path_factory.mktemp("moe") / "m"))
+    path = str(
+        RandomInitModel(preset="qwen3-moe-tiny", dtype="float32", device="cpu", max_position_embeddings=512).build_into(
+            tmp_path_factory.mktemp("moe") / "m"
+        )
+    )
     engine = NativeEngine(path, return_routed_experts=True, max_model_len=512, max_batch_size=8)
     gw = Gateway(ChatService(DirectEngine(engine), AutoTokenizer.from_pretrained(path)), max_body_bytes=1 << 20)
     gw.start_background()
@@ -45,8 +48,10 @@ def test_a_multi_turn_line_carries_the_routes_of_all_its_tokens(moe_gateway):
     client = openai_client(session)
     history = [{"role": "user", "content": "12+30="}]
     first = client.chat.completions.create(model="m", messages=history, max_tokens=6, n=2, temperature=1.0, seed=1)
-    history += [{"role": "assistant", "content": first.choices[0].message.content or ""},
-                {"role": "user", "content": "and 7?"}]
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "and 7?"},
+    ]
     client.chat.completions.create(model="m", messages=history, max_tokens=6, temperature=1.0, seed=2)
     lines = close(gateway, session).trajectories()
     assert len(lines) == 2 and len(lines[0].metadata["turns"]) == 2 and len(lines[1].metadata["turns"]) == 1
@@ -69,8 +74,10 @@ def test_a_line_of_several_segments_carries_each_segments_routes(moe_gateway):
     client = openai_client(session)
     history = [{"role": "user", "content": "12+30="}]
     first = client.chat.completions.create(model="m", messages=history, max_tokens=6, temperature=1.0, seed=1)
-    history += [{"role": "assistant", "content": (first.choices[0].message.content or "") + " (edited)"},
-                {"role": "user", "content": "and 7?"}]
+    history += [
+        {"role": "assistant", "content": (first.choices[0].message.content or "") + " (edited)"},
+        {"role": "user", "content": "and 7?"},
+    ]
     client.chat.completions.create(model="m", messages=history, max_tokens=6, temperature=1.0, seed=2)
     (line,) = close(gateway, session).trajectories()
     assert [s.kind for s in line.segments] == ["turn", "rewritten"]
@@ -78,5 +85,5 @@ def test_a_line_of_several_segments_carries_each_segments_routes(moe_gateway):
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokens = line.prompt_ids + line.response_ids
     for segment, record in zip(line.segments, line.routed_experts):
-        seg = tokens[segment.start:segment.end]
+        seg = tokens[segment.start : segment.end]
         assert torch.equal(torch.as_tensor(record).long(), hf_routes(reference, seg[:-1]))

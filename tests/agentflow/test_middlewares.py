@@ -41,8 +41,10 @@ def limited(tiny, tmp_path_factory):
     log = tmp_path_factory.mktemp("mw") / "requests.jsonl"
     rewriter = ShortAnswers()
     engine = DirectEngine(NativeEngine(path, max_model_len=MAX_MODEL_LEN, max_batch_size=8))
-    gw = Gateway(ChatService(engine, tokenizer), middlewares=[
-        RequestLog(path=str(log)), rewriter, RateLimit(requests_per_second=0.2, burst=2)])
+    gw = Gateway(
+        ChatService(engine, tokenizer),
+        middlewares=[RequestLog(path=str(log)), rewriter, RateLimit(requests_per_second=0.2, burst=2)],
+    )
     gw.start_background()
     yield gw, log, rewriter
     gw.stop_background()
@@ -56,10 +58,12 @@ def test_a_middleware_rewrites_the_request(limited):
     gw, _, rewriter = limited
     info = gw.open_session("rewrite")
     client = _openai(info)
-    long = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=12,
-                                          temperature=1.0, seed=3)
-    short = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2+2="}], max_tokens=12,
-                                           temperature=1.0, seed=3, user="short")
+    long = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=12, temperature=1.0, seed=3
+    )
+    short = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "2+2="}], max_tokens=12, temperature=1.0, seed=3, user="short"
+    )
     assert short.usage.completion_tokens == 1 and short.choices[0].finish_reason == "length"
     assert long.usage.completion_tokens > 1
     assert ("openai", "rewrite") in rewriter.seen
@@ -82,8 +86,9 @@ def test_rate_limit_answers_429_in_each_protocol_without_reaching_the_model(limi
     # another session has a bucket of its own
     other = _openai(gw.open_session("other"))
     lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
-    other.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=2,
-                                  tools=[lookup])
+    other.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "1+1="}], max_tokens=2, tools=[lookup]
+    )
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     mine = [r for r in rows if r["trajectory"] == "limited"]
     assert [r["status"] for r in mine] == [200, 200, 429, 429]
@@ -127,8 +132,9 @@ class BrokenParser:
 def test_request_log_records_failures_and_responses_input(limited):
     gw, log, _ = limited
     client = _openai(gw.open_session("logged"))
-    client.responses.create(model="m", input=[{"role": "user", "content": "1+1="}, {"role": "user", "content": "2+2="}],
-                            max_output_tokens=2)
+    client.responses.create(
+        model="m", input=[{"role": "user", "content": "1+1="}, {"role": "user", "content": "2+2="}], max_output_tokens=2
+    )
     saved, gw.service.parser = gw.service.parser, BrokenParser()
     try:
         with pytest.raises(openai.InternalServerError):

@@ -29,8 +29,11 @@ def test_plain_text_is_content():
 
 
 def test_reasoning_with_and_without_the_opening_tag():
-    assert P.parse("<think>\nstep 1\n</think>\n\nanswer") == {"content": "answer", "reasoning_content": "step 1",
-                                                               "tool_calls": []}
+    assert P.parse("<think>\nstep 1\n</think>\n\nanswer") == {
+        "content": "answer",
+        "reasoning_content": "step 1",
+        "tool_calls": [],
+    }
     # the opening tag sat in the generation prompt
     assert P.parse("step 1\n</think>\n\nanswer")["reasoning_content"] == "step 1"
     # cut off by the length limit while reasoning
@@ -38,10 +41,15 @@ def test_reasoning_with_and_without_the_opening_tag():
 
 
 def test_tool_calls_are_taken_out_of_the_content():
-    text = ('Let me look.\n<tool_call>\n{"name": "search", "arguments": {"q": "ß 中"}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, 3]}}\n</tool_call>')
-    assert P.parse(text) == {"content": "Let me look.", "reasoning_content": None,
-                             "tool_calls": [_call("search", {"q": "ß 中"}), _call("add", {"a": 1, "b": [2, 3]})]}
+    text = (
+        'Let me look.\n<tool_call>\n{"name": "search", "arguments": {"q": "ß 中"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2, 3]}}\n</tool_call>'
+    )
+    assert P.parse(text) == {
+        "content": "Let me look.",
+        "reasoning_content": None,
+        "tool_calls": [_call("search", {"q": "ß 中"}), _call("add", {"a": 1, "b": [2, 3]})],
+    }
 
 
 def test_blocks_that_are_no_calls_stay_text():
@@ -52,11 +60,12 @@ def test_blocks_that_are_no_calls_stay_text():
         assert P.parse(text) == {"content": text.strip(), "reasoning_content": None, "tool_calls": []}
     # string arguments pass through as they are
     assert P.parse('<tool_call>{"name": "f", "arguments": "raw"}</tool_call>')["tool_calls"] == [
-        {"type": "function", "function": {"name": "f", "arguments": "raw"}}]
+        {"type": "function", "function": {"name": "f", "arguments": "raw"}}
+    ]
 
 
 def test_switches():
-    text = "<think>r</think>a<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call>"
+    text = '<think>r</think>a<tool_call>{"name": "f", "arguments": {}}</tool_call>'
     assert Qwen3ChatParser(reasoning=False, tool_calls=False).parse(text)["content"] == text
     assert Qwen3ChatParser(tool_calls=False).parse(text)["reasoning_content"] == "r"
 

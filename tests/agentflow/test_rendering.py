@@ -5,10 +5,24 @@ from __future__ import annotations
 
 from loongsage.agentflow.trajectories.rendering import ChatRenderer
 
-TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "look a number up",
-                                           "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}}}}]
-TEXTS = ["", "plain words", "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n", "  spaced\n\n out\t",
-         "unicode: \u00e9\u4e2d\u6587 \U0001f600", "<|im_end|><|im_end|>x<|endoftext|>"]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "look a number up",
+            "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
+        },
+    }
+]
+TEXTS = [
+    "",
+    "plain words",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "  spaced\n\n out\t",
+    "unicode: \u00e9\u4e2d\u6587 \U0001f600",
+    "<|im_end|><|im_end|>x<|endoftext|>",
+]
 
 
 def _conversation(k: int, system: str = "You are careful.") -> list[dict]:

@@ -18,8 +18,16 @@ from loongsage.core.types import Status
 sys.path.insert(0, str(Path(__file__).parent))
 from _conversations import replies, reply_text, words  # noqa: E402
 
-TOOLS = [{"type": "function", "function": {"name": "search", "description": "look it up",
-                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "look it up",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
 
 
 @st.composite
@@ -29,8 +37,10 @@ def conversations(draw):
     system = [{"role": "system", "content": draw(words)}] if draw(st.booleans()) else []
     turns, previous = [], None
     for _ in range(draw(st.integers(1, 4))):
-        new = [{"role": "tool", "content": draw(words), "tool_call_id": c["id"]}
-               for c in (previous or {}).get("tool_calls", [])]
+        new = [
+            {"role": "tool", "content": draw(words), "tool_call_id": c["id"]}
+            for c in (previous or {}).get("tool_calls", [])
+        ]
         if not new or draw(st.booleans()):
             new.append({"role": "user", "content": draw(words)})
         previous = draw(replies(tools=tools is not None))
@@ -43,8 +53,14 @@ def _play(session, renderer, tools, history, new, reply, stopped, eos):
     messages = [*history, *new]
     plan = plan_turn(session.lines, messages, tools, renderer)
     ids = renderer.encode(reply_text(renderer, reply, tools)) + ([eos] if stopped else [])
-    sample = Sample(ids, [-0.25] * len(ids), [7] * len(ids), "stop" if stopped else "length", reply,
-                    renderer.tail(eos if stopped else None))
+    sample = Sample(
+        ids,
+        [-0.25] * len(ids),
+        [7] * len(ids),
+        "stop" if stopped else "length",
+        reply,
+        renderer.tail(eos if stopped else None),
+    )
     session.commit(plan, messages, tools, [sample], [False])
     return plan, ids, [*messages, reply]
 
@@ -68,8 +84,9 @@ def test_appended_turns_keep_the_sampled_tokens_and_render_like_the_template(tok
     (line,) = session.lines
     assert [s[2] for s in line.segments] == ["first"] and line.segments[0][:2] == [0, len(line.tokens)]
     assert [t for t, m in zip(line.tokens, line.mask) if m] == [t for ids in outputs for t in ids]
-    assert all((v == 7) == bool(m) and (lp == -0.25) == bool(m)
-               for v, m, lp in zip(line.versions, line.mask, line.logprobs))
+    assert all(
+        (v == 7) == bool(m) and (lp == -0.25) == bool(m) for v, m, lp in zip(line.versions, line.mask, line.logprobs)
+    )
     # appended text = the template's rendering of the whole conversation (tokens never re-derived)
     assert renderer.decode(line.tokens) + line.tail == renderer.render(history, tools, generation_prompt=False)
     (trajectory,) = session.trajectories(source="s", group_id=3)
@@ -80,9 +97,13 @@ def test_appended_turns_keep_the_sampled_tokens_and_render_like_the_template(tok
 
 
 @settings(max_examples=25, deadline=None)
-@given(conv=conversations(), change=st.sampled_from(["rewritten", "reasoning_dropped", "compaction",
-                                                      "tools_changed", "reply_edited", "rewound"]),
-       data=st.data())
+@given(
+    conv=conversations(),
+    change=st.sampled_from(
+        ["rewritten", "reasoning_dropped", "compaction", "tools_changed", "reply_edited", "rewound"]
+    ),
+    data=st.data(),
+)
 def test_anything_else_starts_a_new_segment_counted_by_category(tokenizer, conv, change, data):
     tools, system, turns = conv
     assume(len(turns) >= 2)
@@ -111,21 +132,26 @@ def test_anything_else_starts_a_new_segment_counted_by_category(tokenizer, conv,
     elif change == "reply_edited":
         sent[last]["content"] += " (edited)"
     elif change == "rewound":
-        sent = sent[:len(system) + len(turns[0][0]) + 1]  # on from the first reply
+        sent = sent[: len(system) + len(turns[0][0]) + 1]  # on from the first reply
     sent.append({"role": "user", "content": "next"})
     plan = plan_turn(session.lines, sent, sent_tools, renderer)
     assert plan.category == change
     # the new segment's prompt is the whole conversation's rendering
     assert plan.prompt == plan.appended == renderer.prompt(sent, sent_tools)
     ids = renderer.encode("fine")
-    session.commit(plan, sent, sent_tools, [Sample(ids, [0.0] * len(ids), [1] * len(ids), "length", {"role": "assistant",
-                                                                                      "content": "fine"}, "")], [False])
+    session.commit(
+        plan,
+        sent,
+        sent_tools,
+        [Sample(ids, [0.0] * len(ids), [1] * len(ids), "length", {"role": "assistant", "content": "fine"}, "")],
+        [False],
+    )
     assert session.categories[change] == 1
     if change in ("rewound", "new_conversation"):  # a branch, or another conversation: a line of its own
         assert len(session.lines) == 2 and session.lines[1].tokens == plan.prompt + ids
         return
     (line,) = session.lines
-    assert line.tokens[:len(old.tokens)] == old.tokens and line.mask[:len(old.mask)] == old.mask
+    assert line.tokens[: len(old.tokens)] == old.tokens and line.mask[: len(old.mask)] == old.mask
     assert line.segments[-1] == [len(old.tokens), len(line.tokens), change]
     trajectory = session.trajectories()[0]
     assert [s.kind for s in trajectory.segments] == ["turn", "compaction" if change == "compaction" else "rewritten"]
@@ -146,8 +172,9 @@ def test_reasoning_may_be_optional(tokenizer):
     renderer = ChatRenderer(tokenizer)
     session = Session("t", 0, Budget(), None)
     reply = {"role": "assistant", "content": "4", "reasoning_content": "2+2"}
-    _, _, history = _play(session, renderer, None, [], [{"role": "user", "content": "2+2?"}], reply, True,
-                          tokenizer.eos_token_id)
+    _, _, history = _play(
+        session, renderer, None, [], [{"role": "user", "content": "2+2?"}], reply, True, tokenizer.eos_token_id
+    )
     sent = [history[0], {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]
     assert plan_turn(session.lines, sent, None, renderer).category == "reasoning_dropped"
     assert plan_turn(session.lines, sent, None, renderer, reasoning_optional=True).category is None
@@ -158,5 +185,5 @@ def test_stop_strings_cut_the_tokens_at_the_shortest_prefix(tokenizer):
     ids = renderer.encode("The answer is 42. Done here. More text")
     kept, text, stop = cut_at_stop(renderer.decode, ids, ["Done", "nothing"])
     assert stop == "Done" and text == "The answer is 42. "
-    assert "Done" in renderer.decode(ids[:kept]) and "Done" not in renderer.decode(ids[:kept - 1])
+    assert "Done" in renderer.decode(ids[:kept]) and "Done" not in renderer.decode(ids[: kept - 1])
     assert cut_at_stop(renderer.decode, ids, ["absent"]) == (len(ids), renderer.decode(ids), None)

@@ -59,8 +59,12 @@ def test_multi_turn_episodes_export_the_engines_exact_tokens(warm_start):
 
     async def main():
         async with local_gateway(warm_start, engine_client=Recorder) as gateway:
-            groups = await asyncio.gather(*(agent.run(r, c) for r, c in zip(
-                records, contexts(gateway, sampling, list(range(len(records))), seed=7))))
+            groups = await asyncio.gather(
+                *(
+                    agent.run(r, c)
+                    for r, c in zip(records, contexts(gateway, sampling, list(range(len(records))), seed=7))
+                )
+            )
             return groups, gateway.service.engine.calls, gateway.service.renderer, gateway.service.store.sessions()
 
     groups, calls, renderer, still_open = asyncio.run(main())
@@ -77,13 +81,14 @@ def test_multi_turn_episodes_export_the_engines_exact_tokens(warm_start):
             sampled = [tok for tok, m in zip(t.response_ids, t.loss_mask) if m]
             assert sampled == [tok for _, _, (out,) in session_calls for tok in out.output_ids]
             assert [lp for lp, m in zip(t.rollout_logprobs, t.loss_mask) if m] == [
-                lp for _, _, (out,) in session_calls for lp in out.logprobs]
+                lp for _, _, (out,) in session_calls for lp in out.logprobs
+            ]
             assert all(v == -1 for v, m in zip(t.versions, t.loss_mask) if not m)
             assert all(lp == 0.0 for lp, m in zip(t.rollout_logprobs, t.loss_mask) if not m)
             # each later turn's prompt is everything so far: nothing was re-tokenized
             full = t.prompt_ids + t.response_ids
             for prompt, _, _ in session_calls[1:]:
-                assert full[:len(prompt)] == prompt
+                assert full[: len(prompt)] == prompt
             messages = t.metadata["messages"]
             results = [m["content"] for m in messages if m["role"] == "tool"]
             assert len(results) == t.metadata["tool_calls"]
@@ -137,8 +142,14 @@ def test_the_warm_start_leaves_rl_headroom(warm_start):
 
     async def main():
         async with local_gateway(warm_start) as gateway:
-            return await evaluate(ToolAgent(tools=params.tools), ToolCalcReward(), records, gateway,
-                                  SamplingParams(temperature=1.0, max_new_tokens=48), pass_k=8)
+            return await evaluate(
+                ToolAgent(tools=params.tools),
+                ToolCalcReward(),
+                records,
+                gateway,
+                SamplingParams(temperature=1.0, max_new_tokens=48),
+                pass_k=8,
+            )
 
     metrics = asyncio.run(main())
     assert metrics["accuracy"] <= 0.2 and metrics["tool_use_greedy"] <= 0.2, metrics

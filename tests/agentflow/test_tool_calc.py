@@ -75,8 +75,10 @@ def test_the_teacher_skips_the_tool_with_drop_prob_and_guesses():
             direct["right"] += guess == m["value"]  # only when every number is round
         else:
             call, result, answer = messages[1:]
-            assert call["tool_calls"][0]["function"] == {"name": "calculator",
-                                                         "arguments": {"expression": record.metadata["expression"]}}
+            assert call["tool_calls"][0]["function"] == {
+                "name": "calculator",
+                "arguments": {"expression": record.metadata["expression"]},
+            }
             assert result == {"role": "tool", "content": record.label}
             assert answer == {"role": "assistant", "content": record.label}
     plain = sum(task[i].metadata["kind"] == "plain" for i in range(4000))
@@ -85,34 +87,76 @@ def test_the_teacher_skips_the_tool_with_drop_prob_and_guesses():
     assert estimate(347, 29) == 9000 and estimate(951, 15) == 20000 and estimate(347, 29, 118) == 9100
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("10081", ["10081"]), ("The answer is 10,081.", ["10081"]), ("347*29+18 = 10081", ["347", "29", "18", "10081"]),
-    ("-12", ["-12"]), ("3-5", ["3", "5"]), ("x = -7", ["-7"]), ("10081.0", ["10081.0"]), ("3.50", ["3.50"]),
-    ("1,2", []), ("5, 6", ["5", "6"]), ("no number", []), ("a1b", []), ("١٠٠٨١", []), ("(-4)", ["-4"]),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("10081", ["10081"]),
+        ("The answer is 10,081.", ["10081"]),
+        ("347*29+18 = 10081", ["347", "29", "18", "10081"]),
+        ("-12", ["-12"]),
+        ("3-5", ["3", "5"]),
+        ("x = -7", ["-7"]),
+        ("10081.0", ["10081.0"]),
+        ("3.50", ["3.50"]),
+        ("1,2", []),
+        ("5, 6", ["5", "6"]),
+        ("no number", []),
+        ("a1b", []),
+        ("١٠٠٨١", []),
+        ("(-4)", ["-4"]),
+    ],
+)
 def test_numbers_are_read_with_one_normalisation(text, expected):
     assert [str(n) for n in numbers(text)] == expected
 
 
-@pytest.mark.parametrize("answer, reward", [
-    ("10081", 1.0), ("10,081", 1.0), ("The answer is 10081.", 1.0), ("347*29+18 = 10081", 1.0), ("10081.0", 1.0),
-    ("10081<|im_end|>", 1.0), (" 10081 \n", 1.0), ("10081 or 10082", 0.0), ("10080", 0.0), ("100810", 0.0),
-    ("10081 is close to 9000", 0.0), ("", 0.0), (None, 0.0), ("-10081", 0.0),
-])
+@pytest.mark.parametrize(
+    "answer, reward",
+    [
+        ("10081", 1.0),
+        ("10,081", 1.0),
+        ("The answer is 10081.", 1.0),
+        ("347*29+18 = 10081", 1.0),
+        ("10081.0", 1.0),
+        ("10081<|im_end|>", 1.0),
+        (" 10081 \n", 1.0),
+        ("10081 or 10082", 0.0),
+        ("10080", 0.0),
+        ("100810", 0.0),
+        ("10081 is close to 9000", 0.0),
+        ("", 0.0),
+        (None, 0.0),
+        ("-10081", 0.0),
+    ],
+)
 def test_the_score_is_the_last_number_against_the_label(answer, reward):
     assert score(answer, "10081") == reward
 
 
 def _trajectory(messages, text=""):
-    return Trajectory(source="tool_calc", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[], loss_mask=[],
-                      rollout_logprobs=[], versions=[], response_text=text, metadata={"messages": messages} if messages
-                      else {})
+    return Trajectory(
+        source="tool_calc",
+        group_id=0,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[],
+        loss_mask=[],
+        rollout_logprobs=[],
+        versions=[],
+        response_text=text,
+        metadata={"messages": messages} if messages else {},
+    )
 
 
 def test_the_reward_reads_the_final_answer_of_the_conversation():
     reward, record = ToolCalcReward(), DataRecord("tool_calc", 0, [{"role": "user", "content": "What is 3*4?"}], "12")
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "3*4"}}}]}
+    call = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "3*4"}}}
+        ],
+    }
     done = [*record.prompt, call, {"role": "tool", "content": "12"}, {"role": "assistant", "content": "12"}]
     assert reward(_trajectory(done), record) == 1.0
     assert reward(_trajectory([*record.prompt, {"role": "assistant", "content": "13"}]), record) == 0.0

@@ -46,8 +46,9 @@ def test_the_tokenizer_holds_the_tool_template(params, tokenizer):
     for tag in TAGS:
         (token,) = tokenizer.encode(tag, add_special_tokens=False)
         assert tokenizer.decode([token]) == tag
-    text = tokenizer.apply_chat_template(_transcripts(params, tokenizer, 1)[0], tools=offered_tools(params.tools),
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        _transcripts(params, tokenizer, 1)[0], tools=offered_tools(params.tools), tokenize=False
+    )
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(ids) == text and len(ids) < 260  # the embedded tokenizer needs ~900
     assert [tokenizer.decode([t]) for t in tokenizer.encode("347*29", add_special_tokens=False)] == list("347*29")
@@ -59,7 +60,7 @@ def test_transcripts_are_tokenized_as_the_gateway_records_them(params, tokenizer
         ids, mask = transcript_tokens(renderer, messages, tools, tokenizer.eos_token_id)
         # the whole transcript as the template writes it, less the newline after the last reply
         assert tokenizer.decode(ids) + "\n" == renderer.render(messages, tools, generation_prompt=False)
-        assert ids[:mask.index(1)] == renderer.prompt(messages[:1], tools)
+        assert ids[: mask.index(1)] == renderer.prompt(messages[:1], tools)
         replies = [m for m in messages if m["role"] == "assistant"]
         trained, start = [], None
         for i, m in enumerate(mask + [0]):
@@ -81,7 +82,9 @@ def test_the_shared_prefix_loss_equals_hf_and_its_gradient(params, tokenizer):
     model, _ = build_tiny_qwen3(tokenizer=tokenizer, max_position_embeddings=512)
     model.train()
     renderer, tools = ChatRenderer(tokenizer), offered_tools(params.tools)
-    examples = [transcript_tokens(renderer, m, tools, tokenizer.eos_token_id) for m in _transcripts(params, tokenizer, 8)]
+    examples = [
+        transcript_tokens(renderer, m, tools, tokenizer.eos_token_id) for m in _transcripts(params, tokenizer, 8)
+    ]
     assert shared_prefix(examples) > 150  # the system turn with the tool's schema
     ids, attention, labels = sft_batch(examples, tokenizer.pad_token_id)
     reference = model(input_ids=ids, attention_mask=attention, labels=labels).loss
@@ -103,7 +106,9 @@ def test_a_short_build_goes_through_the_cache(tmp_path):
 
     assert AutoTokenizer.from_pretrained(path).chat_template == QWEN3_TOOLS_TEMPLATE
     assert cached_tool_calc_warm_start(params, tmp_path) == path  # found, not rebuilt
-    assert ToolCalcWarmStartParams(tools=["calculator", "read_file"]).cache_key() != ToolCalcWarmStartParams().cache_key()
+    assert (
+        ToolCalcWarmStartParams(tools=["calculator", "read_file"]).cache_key() != ToolCalcWarmStartParams().cache_key()
+    )
     with pytest.raises(ValueError, match="must be offered"):
         ToolCalcWarmStartParams(tools=["read_file"])
     with pytest.raises(ValueError, match="unknown tool"):

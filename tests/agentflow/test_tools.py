@@ -21,45 +21,61 @@ from loongsage.agentflow.agents.tools import (
 )
 
 
-@pytest.mark.parametrize("expression, value", [
-    ("347*29+18", "10081"), ("2+3*4", "14"), ("(2+3)*4", "20"), ("7/2", "3.5"), ("6/3", "2"),
-    ("-5+2", "-3"), ("+4", "4"), ("1.5*2", "3"), ("  12 * ( 3 + 4 )  ", "84"), ("10-20", "-10"),
-    ("999999999*999999999", "999999998000000001"), ("1/3", "0.333333333333"),
-    ("123456789012*1000", "123456789012000"),
-])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("347*29+18", "10081"),
+        ("2+3*4", "14"),
+        ("(2+3)*4", "20"),
+        ("7/2", "3.5"),
+        ("6/3", "2"),
+        ("-5+2", "-3"),
+        ("+4", "4"),
+        ("1.5*2", "3"),
+        ("  12 * ( 3 + 4 )  ", "84"),
+        ("10-20", "-10"),
+        ("999999999*999999999", "999999998000000001"),
+        ("1/3", "0.333333333333"),
+        ("123456789012*1000", "123456789012000"),
+    ],
+)
 def test_the_calculator_evaluates_arithmetic(expression, value):
     assert calculator(expression) == value
 
 
-@pytest.mark.parametrize("expression, reason", [
-    ("9**9**9**9", "unsupported operator **"),
-    ("2**100000", "unsupported operator **"),
-    ("1e308*10", "exceeds"), ("1e17*1e17", "exceeds"),
-    ("1e999", "not a finite number"),
-    ("9" * 150, "exceeds"),
-    ("999999999*999999999*999999999", "exceeds"),
-    ("__import__('os').system('echo hi')", "unsupported syntax"),
-    ("os.system", "unsupported syntax"),
-    ("().__class__.__bases__[0].__subclasses__()", "unsupported syntax"),
-    ("x+1", "unknown name 'x'"),
-    ("open('/etc/passwd')", "unsupported syntax"),
-    ("[1, 2]", "unsupported syntax"),
-    ("lambda: 1", "unsupported syntax"),
-    ("'a'*10", "unsupported constant"),
-    ("True+1", "unsupported constant"),
-    ("1j*2", "unsupported constant"),
-    ("1/0", "division by zero"),
-    ("5//2", "unsupported operator //"),
-    ("5%2", "unsupported operator %"),
-    ("1 if 1 else 2", "unsupported syntax"),
-    ("(" * 100 + "1" + ")" * 100, ""),  # too long, or parsed and computed: never an exception
-    ("(" * 5000 + "1" + ")" * 5000, "longer than"),
-    ("-" * 199 + "1", ""),
-    ("1+", "cannot parse"),
-    ("", "empty expression"),
-    ("1\x00+2", "cannot parse"),
-    ("a = 1", "cannot parse"),
-])
+@pytest.mark.parametrize(
+    "expression, reason",
+    [
+        ("9**9**9**9", "unsupported operator **"),
+        ("2**100000", "unsupported operator **"),
+        ("1e308*10", "exceeds"),
+        ("1e17*1e17", "exceeds"),
+        ("1e999", "not a finite number"),
+        ("9" * 150, "exceeds"),
+        ("999999999*999999999*999999999", "exceeds"),
+        ("__import__('os').system('echo hi')", "unsupported syntax"),
+        ("os.system", "unsupported syntax"),
+        ("().__class__.__bases__[0].__subclasses__()", "unsupported syntax"),
+        ("x+1", "unknown name 'x'"),
+        ("open('/etc/passwd')", "unsupported syntax"),
+        ("[1, 2]", "unsupported syntax"),
+        ("lambda: 1", "unsupported syntax"),
+        ("'a'*10", "unsupported constant"),
+        ("True+1", "unsupported constant"),
+        ("1j*2", "unsupported constant"),
+        ("1/0", "division by zero"),
+        ("5//2", "unsupported operator //"),
+        ("5%2", "unsupported operator %"),
+        ("1 if 1 else 2", "unsupported syntax"),
+        ("(" * 100 + "1" + ")" * 100, ""),  # too long, or parsed and computed: never an exception
+        ("(" * 5000 + "1" + ")" * 5000, "longer than"),
+        ("-" * 199 + "1", ""),
+        ("1+", "cannot parse"),
+        ("", "empty expression"),
+        ("1\x00+2", "cannot parse"),
+        ("a = 1", "cannot parse"),
+    ],
+)
 def test_hostile_expressions_get_an_error_string_at_once(expression, reason):
     start = time.perf_counter()
     result = calculator(expression)
@@ -85,12 +101,21 @@ def test_read_file_reads_inside_its_folder_and_refuses_escapes(tmp_path):
     assert read_inside(root, "note.txt") == "18"
     assert read_inside(root, "./sub/data.txt") == "hello"
     box = ToolBox(("calculator", "read_file"), root)
-    for path, reason in [("../secret.txt", "'..' is not allowed"), ("sub/../../secret.txt", "'..' is not allowed"),
-                         (str(tmp_path / "secret.txt"), "absolute paths"), ("/etc/passwd", "absolute paths"),
-                         ("~/x", "absolute paths"), ("link.txt", "outside the working directory"),
-                         ("up/secret.txt", "outside the working directory"), ("missing.txt", "no such file"),
-                         ("sub", "not a regular file"), ("pipe", "not a regular file"), ("a\x00b", "NUL"),
-                         ("..\\secret.txt", "'..' is not allowed"), ("", "non-empty")]:
+    for path, reason in [
+        ("../secret.txt", "'..' is not allowed"),
+        ("sub/../../secret.txt", "'..' is not allowed"),
+        (str(tmp_path / "secret.txt"), "absolute paths"),
+        ("/etc/passwd", "absolute paths"),
+        ("~/x", "absolute paths"),
+        ("link.txt", "outside the working directory"),
+        ("up/secret.txt", "outside the working directory"),
+        ("missing.txt", "no such file"),
+        ("sub", "not a regular file"),
+        ("pipe", "not a regular file"),
+        ("a\x00b", "NUL"),
+        ("..\\secret.txt", "'..' is not allowed"),
+        ("", "non-empty"),
+    ]:
         result = box.execute("read_file", json.dumps({"path": path}))
         assert result.startswith("error: ") and reason in result, (path, result)
         assert "top secret" not in result

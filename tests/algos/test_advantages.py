@@ -79,9 +79,7 @@ def test_non_finite_rewards_are_left_out_of_group_statistics() -> None:
 
 @settings(deadline=None, max_examples=60)
 @given(
-    data=st.lists(
-        st.tuples(st.floats(-10, 10, allow_nan=False, width=32), st.integers(0, 4)), min_size=1, max_size=24
-    ),
+    data=st.lists(st.tuples(st.floats(-10, 10, allow_nan=False, width=32), st.integers(0, 4)), min_size=1, max_size=24),
     std_normalize=st.booleans(),
 )
 def test_advantages_sum_to_zero_per_group(data, std_normalize) -> None:
@@ -108,7 +106,7 @@ def right_padded_mask(prompt_lens: list[int], response_lens: list[int], T: int) 
     """[B, T] mask that is 1 on each row's response span [p, p + r), 0 on prompt and padding."""
     mask = torch.zeros(len(prompt_lens), T)
     for i, (p, r) in enumerate(zip(prompt_lens, response_lens, strict=True)):
-        mask[i, p:p + r] = 1.0
+        mask[i, p : p + r] = 1.0
     return mask
 
 
@@ -187,9 +185,7 @@ def test_rloo_matches_loop_formula_with_nan_rows_and_mask() -> None:
 
 @settings(deadline=None, max_examples=60)
 @given(
-    data=st.lists(
-        st.tuples(st.floats(-10, 10, allow_nan=False, width=32), st.integers(0, 3)), min_size=1, max_size=20
-    ),
+    data=st.lists(st.tuples(st.floats(-10, 10, allow_nan=False, width=32), st.integers(0, 3)), min_size=1, max_size=20),
 )
 def test_rloo_advantages_of_a_group_sum_to_zero(data) -> None:
     rewards = torch.tensor([r for r, _ in data])
@@ -224,8 +220,13 @@ def test_discounted_cumsum_matches_loop_across_block_boundaries(T: int, c: float
 
 
 def reference_reinforce_pp(
-    rewards: list[float], groups: list[int], mask: torch.Tensor, token_rewards: torch.Tensor | None,
-    gamma: float, baseline: bool, eps: float = 1e-6,
+    rewards: list[float],
+    groups: list[int],
+    mask: torch.Tensor,
+    token_rewards: torch.Tensor | None,
+    gamma: float,
+    baseline: bool,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     B = len(rewards)
     valid = []
@@ -287,9 +288,14 @@ def test_reinforce_pp_matches_loop_formula(baseline: bool, gamma: float) -> None
     mask[1, 4] = 0.0  # a tool token inside the response
     token_rewards = 0.1 * torch.randn(B, T, generator=g)
     token_rewards[mask == 0] = float("nan")  # garbage outside the mask must not leak
-    got = ReinforcePP(gamma=gamma, baseline=baseline)(AdvantageInput(
-        rewards=rewards, group_ids=groups, response_mask=mask, token_rewards=token_rewards,
-    ))
+    got = ReinforcePP(gamma=gamma, baseline=baseline)(
+        AdvantageInput(
+            rewards=rewards,
+            group_ids=groups,
+            response_mask=mask,
+            token_rewards=token_rewards,
+        )
+    )
     expected = reference_reinforce_pp(rewards.tolist(), groups.tolist(), mask, token_rewards, gamma, baseline)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-5)
@@ -298,10 +304,9 @@ def test_reinforce_pp_matches_loop_formula(baseline: bool, gamma: float) -> None
 @settings(deadline=None, max_examples=50)
 @given(
     rows=st.lists(
-        st.tuples(
-            st.floats(-5, 5, allow_nan=False, width=32), st.integers(0, 2), st.integers(0, 3), st.integers(0, 6)
-        ),
-        min_size=1, max_size=10,
+        st.tuples(st.floats(-5, 5, allow_nan=False, width=32), st.integers(0, 2), st.integers(0, 3), st.integers(0, 6)),
+        min_size=1,
+        max_size=10,
     ),
     baseline=st.booleans(),
     gamma=st.sampled_from([1.0, 0.95, 0.5]),
@@ -330,8 +335,12 @@ def test_reinforce_pp_params() -> None:
 
 
 def reference_gae(
-    rewards: list[float], values: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor | None,
-    gamma: float, lam: float,
+    rewards: list[float],
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    token_rewards: torch.Tensor | None,
+    gamma: float,
+    lam: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     adv: dict[tuple[int, int], float] = {}
     ret: dict[tuple[int, int], float] = {}
@@ -372,8 +381,9 @@ def test_gae_matches_loop_formula_on_ragged_rows(gamma: float, lam: float) -> No
     token_rewards = 0.05 * torch.randn(B, T, generator=g)
     values[mask == 0] = float("nan")
     token_rewards[mask == 0] = float("inf")
-    inp = AdvantageInput(rewards=rewards, group_ids=torch.arange(B), response_mask=mask,
-                         token_rewards=token_rewards, values=values)
+    inp = AdvantageInput(
+        rewards=rewards, group_ids=torch.arange(B), response_mask=mask, token_rewards=token_rewards, values=values
+    )
     est = GAE(gamma=gamma, lam=lam)
     exp_adv, exp_ret = reference_gae(rewards.tolist(), values, mask, token_rewards, gamma, lam)
     torch.testing.assert_close(est(inp).double(), exp_adv, rtol=1e-4, atol=1e-5)
@@ -384,7 +394,8 @@ def test_gae_matches_loop_formula_on_ragged_rows(gamma: float, lam: float) -> No
 @given(
     rows=st.lists(
         st.tuples(st.floats(-5, 5, allow_nan=False, width=32), st.integers(0, 3), st.integers(0, 6)),
-        min_size=1, max_size=8,
+        min_size=1,
+        max_size=8,
     ),
     seed=st.integers(0, 2**16),
 )
@@ -413,9 +424,14 @@ def test_gae_non_finite_row_and_normalize() -> None:
     torch.testing.assert_close(adv[:1], alone)  # the bad rows changed nothing for the good one
     ret = gae_returns(rewards, values, mask, gamma=0.9, lam=0.9)
     assert ret[2].tolist() == pytest.approx([0.0, 0.1, 0.2, 0.3])  # left-out row: returns = V
-    norm = GAE(gamma=0.9, lam=0.9, normalize=True)(AdvantageInput(
-        rewards=rewards, group_ids=torch.arange(3), response_mask=mask, values=values,
-    ))
+    norm = GAE(gamma=0.9, lam=0.9, normalize=True)(
+        AdvantageInput(
+            rewards=rewards,
+            group_ids=torch.arange(3),
+            response_mask=mask,
+            values=values,
+        )
+    )
     assert torch.isfinite(norm).all() and abs(norm[0, :3].sum().item()) < 1e-5  # only row 0 is valid
 
 
@@ -431,8 +447,15 @@ def test_gae_params_and_missing_values() -> None:
 # ------------------------------------------------------------------------------ all estimators
 
 
-ESTIMATORS = [GRPO(), GRPO(scope="batch"), GRPO(std_normalize=False), RLOO(), ReinforcePP(),
-              ReinforcePP(baseline=True, gamma=0.9), GAE(gamma=0.95, lam=0.9)]
+ESTIMATORS = [
+    GRPO(),
+    GRPO(scope="batch"),
+    GRPO(std_normalize=False),
+    RLOO(),
+    ReinforcePP(),
+    ReinforcePP(baseline=True, gamma=0.9),
+    GAE(gamma=0.95, lam=0.9),
+]
 
 
 @pytest.mark.parametrize("est", ESTIMATORS, ids=repr)
@@ -441,7 +464,9 @@ def test_zero_outside_mask_and_finite_with_garbage_padding(est) -> None:
     mask = right_padded_mask([1, 2, 0, 3], [3, 1, 5, 0], 6)
     garbage = torch.full((4, 6), float("nan"))
     inp = AdvantageInput(
-        rewards=torch.tensor([1.0, 0.0, 2.0, 1.0]), group_ids=torch.tensor([0, 0, 1, 1]), response_mask=mask,
+        rewards=torch.tensor([1.0, 0.0, 2.0, 1.0]),
+        group_ids=torch.tensor([0, 0, 1, 1]),
+        response_mask=mask,
         token_rewards=torch.where(mask != 0, 0.1 * torch.randn(4, 6, generator=g), garbage),
         values=torch.where(mask != 0, torch.randn(4, 6, generator=g), garbage),
     )

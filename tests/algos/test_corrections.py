@@ -1,4 +1,5 @@
-"""IS (token/sequence/geometric x clip/mask, veto), decoupled PPO's behaviour weight, M2PO and OPSM against hand values and float64 loops."""
+"""IS (token/sequence/geometric x clip/mask, veto), decoupled PPO's behaviour weight, M2PO and OPSM against
+hand values and float64 loops."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def reference_m2po(values: list[float], tau: float) -> set[int]:
     for removed in range(len(values) + 1):
         kept = order[: len(values) - removed]
         if not kept or sum(values[k] for k in kept) / len(kept) <= tau:
-            return set(order[len(values) - removed:])
+            return set(order[len(values) - removed :])
     raise AssertionError("unreachable")
 
 
@@ -174,8 +175,7 @@ def test_m2po_hand_values() -> None:
     # harmful_only with A = +1: only delta > 0 (r > 1) may go; delta = -1 (r < 1) stays and is not counted.
     harmful = M2PO(tau=0.1, harmful_only=True)(c)
     assert harmful.response_mask[0].tolist() == [1.0, 0.0, 1.0, 0.0]
-    flipped = M2PO(tau=0.1, harmful_only=True)(inp(c.old_logprobs, c.rollout_logprobs, -c.advantages,
-                                                     c.response_mask))
+    flipped = M2PO(tau=0.1, harmful_only=True)(inp(c.old_logprobs, c.rollout_logprobs, -c.advantages, c.response_mask))
     assert flipped.response_mask[0].tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
@@ -187,11 +187,19 @@ def test_m2po_masks_everything_when_even_the_smallest_exceeds_tau() -> None:
 @pytest.mark.parametrize("harmful_only", [False, True])
 def test_m2po_matches_loop_formula_over_the_whole_mini_batch(harmful_only: bool) -> None:
     c = random_input(3, rows=8, cols=12, scale=0.3)
-    out = m2po_correction(c.old_logprobs, c.rollout_logprobs, c.advantages, c.response_mask,
-                          tau=0.04, harmful_only=harmful_only)
+    out = m2po_correction(
+        c.old_logprobs, c.rollout_logprobs, c.advantages, c.response_mask, tau=0.04, harmful_only=harmful_only
+    )
     positions, values = [], []
-    for i, (old, ro, adv, m) in enumerate(zip(c.old_logprobs.tolist(), c.rollout_logprobs.tolist(),
-                                              c.advantages.tolist(), c.response_mask.tolist(), strict=True)):
+    for i, (old, ro, adv, m) in enumerate(
+        zip(
+            c.old_logprobs.tolist(),
+            c.rollout_logprobs.tolist(),
+            c.advantages.tolist(),
+            c.response_mask.tolist(),
+            strict=True,
+        )
+    ):
         for t in range(len(m)):
             d = max(-20.0, min(20.0, old[t] - ro[t]))
             harmful = (adv[t] > 0 and d > 0) or (adv[t] < 0 and d < 0)
@@ -200,8 +208,10 @@ def test_m2po_matches_loop_formula_over_the_whole_mini_batch(harmful_only: bool)
                 values.append(d * d)
     removed = {positions[k] for k in reference_m2po(values, 0.04)}
     assert 0 < len(removed) < len(values)
-    expected = [[0.0 if (i, t) in removed or not m else 1.0 for t, m in enumerate(row)]
-                for i, row in enumerate(c.response_mask.tolist())]
+    expected = [
+        [0.0 if (i, t) in removed or not m else 1.0 for t, m in enumerate(row)]
+        for i, row in enumerate(c.response_mask.tolist())
+    ]
     assert out.response_mask.tolist() == expected
 
 
@@ -237,8 +247,11 @@ def test_opsm_hand_values() -> None:
     # engine mismatch alone (current = old): the old reference sees no drift, the rollout one does
     assert OPSM(delta=0.1)(inp(old, ro, adv, mask, logprobs=old)).token_weights.tolist() == [[1.0] * 3] * 3
     assert OPSM(delta=0.1)(inp(old, ro, adv, mask)).token_weights.tolist() == [[1.0] * 3] * 3  # target = old
-    assert OPSM(delta=0.1, reference="rollout")(inp(old, ro, adv, mask, logprobs=old)).token_weights[0].tolist() \
-        == [0.0, 0.0, 1.0]
+    assert OPSM(delta=0.1, reference="rollout")(inp(old, ro, adv, mask, logprobs=old)).token_weights[0].tolist() == [
+        0.0,
+        0.0,
+        1.0,
+    ]
 
 
 @pytest.mark.parametrize("reference", ["old", "rollout"])
@@ -249,8 +262,9 @@ def test_opsm_matches_loop_formula_with_token_level_advantages(reference: str) -
     current = c.old_logprobs + 0.05 * torch.randn(c.advantages.shape, generator=g, dtype=torch.float64)
     source = (c.old_logprobs if reference == "old" else c.rollout_logprobs).tolist()
     for target in (None, current) if reference == "rollout" else (current,):
-        out = opsm_correction(c.old_logprobs, c.rollout_logprobs, adv, c.response_mask, logprobs=target,
-                              delta=1e-3, reference=reference)
+        out = opsm_correction(
+            c.old_logprobs, c.rollout_logprobs, adv, c.response_mask, logprobs=target, delta=1e-3, reference=reference
+        )
         ref_target = (c.old_logprobs if target is None else target).tolist()
         n_zero = 0
         for i, m in enumerate(c.response_mask.tolist()):
@@ -273,10 +287,12 @@ def test_decoupled_hand_values() -> None:
     masked = Decoupled()(inp(proximal, behaviour, [[1.0] * 4], mask))
     torch.testing.assert_close(masked.response_mask, torch.tensor([[1.0, 1.0, 0.0, 0.0]], dtype=torch.float64))
     torch.testing.assert_close(masked.token_weights, torch.tensor([[1.0, 0.25, 5.0, 1.0]], dtype=torch.float64))
-    torch.testing.assert_close(masked.metrics["decoupled_maskfrac"],
-                               torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64))
-    torch.testing.assert_close(masked.metrics["decoupled_weight_mean"],
-                               torch.tensor([[1.0, 0.25, 8.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        masked.metrics["decoupled_maskfrac"], torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        masked.metrics["decoupled_weight_mean"], torch.tensor([[1.0, 0.25, 8.0, 0.0]], dtype=torch.float64)
+    )
     clipped = Decoupled(mode="clip")(inp(proximal, behaviour, [[1.0] * 4], mask))
     assert torch.equal(clipped.response_mask, masked.response_mask.new_tensor(mask))  # denominator kept
     torch.testing.assert_close(clipped.token_weights, torch.tensor([[1.0, 0.25, 5.0, 1.0]], dtype=torch.float64))
@@ -307,8 +323,12 @@ def test_decoupled_matches_a_float64_loop(seed, cap, mode) -> None:
 # ----------------------------------------------------------- properties over all the corrections
 
 CORRECTIONS = [
-    *[ImportanceSampling(level=lv, mode=md, veto=vt)
-      for lv in ("token", "sequence", "geometric") for md in ("clip", "mask") for vt in (None, 0.5)],
+    *[
+        ImportanceSampling(level=lv, mode=md, veto=vt)
+        for lv in ("token", "sequence", "geometric")
+        for md in ("clip", "mask")
+        for vt in (None, 0.5)
+    ],
     ImportanceSampling(low=0.0, high=1.0),
     Decoupled(),
     Decoupled(mode="clip", cap=1.5),
@@ -356,8 +376,9 @@ def test_masks_only_turn_tokens_off_and_padding_is_ignored(seed, rows, cols, sca
     mask = (torch.rand(rows, cols, generator=g) < 0.6).float()
     pad = mask == 0
     clean = CorrectionInput(old, ro, adv, mask, logprobs=cur)
-    dirty = CorrectionInput(*(x.masked_fill(pad, garbage) for x in (old, ro, adv)), mask,
-                            logprobs=cur.masked_fill(pad, garbage))
+    dirty = CorrectionInput(
+        *(x.masked_fill(pad, garbage) for x in (old, ro, adv)), mask, logprobs=cur.masked_fill(pad, garbage)
+    )
     for correction in CORRECTIONS:
         out, ref = correction(dirty), correction(clean)
         assert torch.equal(out.response_mask, ref.response_mask), correction
@@ -389,8 +410,14 @@ def test_opsm_only_touches_negative_advantages_and_never_the_mask(seed, rows, co
 
 
 @settings(deadline=None, max_examples=40)
-@given(seed=st.integers(0, 2**16), rows=rows_st, cols=cols_st, veto=st.sampled_from([0.05, 0.5, 0.9]),
-       mode=st.sampled_from(["clip", "mask"]), level=st.sampled_from(["token", "sequence", "geometric"]))
+@given(
+    seed=st.integers(0, 2**16),
+    rows=rows_st,
+    cols=cols_st,
+    veto=st.sampled_from([0.05, 0.5, 0.9]),
+    mode=st.sampled_from(["clip", "mask"]),
+    level=st.sampled_from(["token", "sequence", "geometric"]),
+)
 def test_veto_drops_exactly_the_sequences_with_a_small_token_weight(seed, rows, cols, veto, mode, level) -> None:
     g = torch.Generator().manual_seed(seed)
     ro = -3 * torch.rand(rows, cols, generator=g)
@@ -408,8 +435,13 @@ def test_veto_drops_exactly_the_sequences_with_a_small_token_weight(seed, rows, 
 
 
 @settings(deadline=None, max_examples=40)
-@given(seed=st.integers(0, 2**16), rows=rows_st, cols=cols_st, tau=st.sampled_from([0.001, 0.04, 0.5]),
-       harmful_only=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    rows=rows_st,
+    cols=cols_st,
+    tau=st.sampled_from([0.001, 0.04, 0.5]),
+    harmful_only=st.booleans(),
+)
 def test_m2po_keeps_the_budget_with_the_fewest_removals(seed, rows, cols, tau, harmful_only) -> None:
     g = torch.Generator().manual_seed(seed)
     ro = -3 * torch.rand(rows, cols, generator=g, dtype=torch.float64)
@@ -440,9 +472,14 @@ def test_denominators_through_loss_pipeline() -> None:
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
     adv = torch.tensor([[1.0] * 4, [-1.0] * 4])
     batch = TrainBatch(
-        input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 4, dtype=torch.long),
-        response_mask=mask, rollout_logprobs=torch.zeros(2, 4), advantages=adv, rewards=torch.zeros(2),
-        group_ids=torch.arange(2), old_logprobs=old,
+        input_ids=torch.zeros(2, 4, dtype=torch.long),
+        attention_mask=torch.ones(2, 4, dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(2, 4),
+        advantages=adv,
+        rewards=torch.zeros(2),
+        group_ids=torch.arange(2),
+        old_logprobs=old,
     )
 
     def prepare(correction, aggregation="token-mean"):
@@ -454,16 +491,18 @@ def test_denominators_through_loss_pipeline() -> None:
     # kept tokens carry their raw weight: w = e^0.5 on token (0, 0) multiplies its 1/6 share
     batch.old_logprobs = old + torch.tensor([[0.5, 0.0, 0.0, 0.0], [0.0] * 4])
     mis, _ = prepare(ImportanceSampling(mode="mask"))
-    torch.testing.assert_close(mis.loss_weights, torch.tensor([[math.exp(0.5) / 6] + [1 / 6] * 2 + [0.0],
-                                                               [1 / 6, 0.0, 1 / 6, 1 / 6]]))
+    torch.testing.assert_close(
+        mis.loss_weights, torch.tensor([[math.exp(0.5) / 6] + [1 / 6] * 2 + [0.0], [1 / 6, 0.0, 1 / 6, 1 / 6]])
+    )
     batch.old_logprobs = old
 
     tis, _ = prepare(ImportanceSampling())  # clipped to 2, denominator still 7 tokens
     torch.testing.assert_close(tis.loss_weights, torch.tensor([[1 / 7] * 3 + [0.0], [1 / 7, 2 / 7, 1 / 7, 1 / 7]]))
 
     # OPSM needs the current policy: it is applied per micro-batch inside the loss, weights only
-    pipeline = LossPlan(policy_loss=PPOClip(), aggregation="seq-mean-token-mean",
-                            corrections=[OPSM(delta=0.1, reference="rollout")])
+    pipeline = LossPlan(
+        policy_loss=PPOClip(), aggregation="seq-mean-token-mean", corrections=[OPSM(delta=0.1, reference="rollout")]
+    )
     batch.old_logprobs = -old  # row 1: KL(rollout || current) = 0.5 > 0.1 and A < 0
     prepared, sums = pipeline.prepare(batch)
     torch.testing.assert_close(prepared.loss_weights, torch.tensor([[1 / 6] * 3 + [0.0], [1 / 8] * 4]))  # untouched
@@ -478,13 +517,21 @@ def test_denominators_through_loss_pipeline() -> None:
 
 @pytest.mark.parametrize(
     ("factory", "params", "key"),
-    [(ImportanceSampling, {"level": "row"}, "is.level"), (ImportanceSampling, {"mode": "drop"}, "is.mode"),
-     (ImportanceSampling, {"low": 1.5}, "is.low"), (ImportanceSampling, {"low": -0.1}, "is.low"),
-     (ImportanceSampling, {"high": 0.9}, "is.high"), (ImportanceSampling, {"veto": 0.0}, "is.veto"),
-     (ImportanceSampling, {"veto": 1.5}, "is.veto"), (M2PO, {"tau": 0.0}, "m2po.tau"),
-     (Decoupled, {"cap": 1.0}, "decoupled.cap"), (Decoupled, {"cap": 0.5}, "decoupled.cap"),
-     (Decoupled, {"mode": "drop"}, "decoupled.mode"),
-     (OPSM, {"delta": -1e-4}, "opsm.delta"), (OPSM, {"reference": "engine"}, "opsm.reference")],
+    [
+        (ImportanceSampling, {"level": "row"}, "is.level"),
+        (ImportanceSampling, {"mode": "drop"}, "is.mode"),
+        (ImportanceSampling, {"low": 1.5}, "is.low"),
+        (ImportanceSampling, {"low": -0.1}, "is.low"),
+        (ImportanceSampling, {"high": 0.9}, "is.high"),
+        (ImportanceSampling, {"veto": 0.0}, "is.veto"),
+        (ImportanceSampling, {"veto": 1.5}, "is.veto"),
+        (M2PO, {"tau": 0.0}, "m2po.tau"),
+        (Decoupled, {"cap": 1.0}, "decoupled.cap"),
+        (Decoupled, {"cap": 0.5}, "decoupled.cap"),
+        (Decoupled, {"mode": "drop"}, "decoupled.mode"),
+        (OPSM, {"delta": -1e-4}, "opsm.delta"),
+        (OPSM, {"reference": "engine"}, "opsm.reference"),
+    ],
 )
 def test_params_are_validated(factory, params: dict, key: str) -> None:
     with pytest.raises(ValueError, match=rf"^{key}="):

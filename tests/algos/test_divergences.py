@@ -73,8 +73,9 @@ def test_matches_float64_formulas() -> None:
             assert got_full[b, t].item() == pytest.approx(_ref_kl(q, p), rel=1e-4, abs=1e-6)
             assert got_jsd[b, t].item() == pytest.approx(_ref_jsd(p, q, 0.3), rel=1e-4, abs=1e-6)
             assert got_topk[b, t].item() == pytest.approx(_ref_kl(_renorm(qk), _renorm(pk)), rel=1e-4, abs=1e-6)
-            assert got_topk_jsd[b, t].item() == pytest.approx(_ref_jsd(_renorm(pk), _renorm(qk), 0.3),
-                                                              rel=1e-4, abs=1e-6)
+            assert got_topk_jsd[b, t].item() == pytest.approx(
+                _ref_jsd(_renorm(pk), _renorm(qk), 0.3), rel=1e-4, abs=1e-6
+            )
 
 
 def test_topk_over_the_whole_vocabulary_is_the_full_kl() -> None:
@@ -87,9 +88,12 @@ def test_topk_over_the_whole_vocabulary_is_the_full_kl() -> None:
 
 
 @settings(deadline=None, max_examples=50)
-@given(a=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=14, max_size=14),
-       b=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=14, max_size=14),
-       cut=st.integers(1, 6), beta=st.floats(0.05, 0.95))
+@given(
+    a=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=14, max_size=14),
+    b=st.lists(st.floats(-8, 8, allow_nan=False, width=32), min_size=14, max_size=14),
+    cut=st.integers(1, 6),
+    beta=st.floats(0.05, 0.95),
+)
 def test_parts_of_the_vocabulary_add_up_to_the_divergence(a, b, cut, beta) -> None:
     """A vocabulary split over tensor-parallel ranks: each rank's ``partial`` over its shard of the
     log-softmax, summed, is the divergence (a shard's sum may be negative: it is not clamped)."""
@@ -151,10 +155,14 @@ def test_closed_form_gradients_match_autograd_through_the_formulas(monkeypatch, 
         log_m = torch.logsumexp(torch.stack([p + math.log(beta), q + math.log1p(-beta)]), dim=0)
         return beta * plain_kl(p, log_m) + (1 - beta) * plain_kl(q, log_m)
 
-    cases = [(lambda q: full_vocab_kl(q, teacher, part=True), lambda q: plain_kl(q, teacher)),
-             (lambda q: jsd(q, teacher, beta=0.3, part=True), lambda q: plain_jsd(q, teacher, 0.3)),
-             (lambda q: topk_kl(q[..., :4], teacher[..., :4]),
-              lambda q: plain_kl(*(x - torch.logsumexp(x, -1, keepdim=True) for x in (q[..., :4], teacher[..., :4]))))]
+    cases = [
+        (lambda q: full_vocab_kl(q, teacher, part=True), lambda q: plain_kl(q, teacher)),
+        (lambda q: jsd(q, teacher, beta=0.3, part=True), lambda q: plain_jsd(q, teacher, 0.3)),
+        (
+            lambda q: topk_kl(q[..., :4], teacher[..., :4]),
+            lambda q: plain_kl(*(x - torch.logsumexp(x, -1, keepdim=True) for x in (q[..., :4], teacher[..., :4]))),
+        ),
+    ]
     for ours, plain in cases:
         grads = []
         for fn in (ours, plain):
@@ -192,10 +200,17 @@ def test_gradient_reaches_the_student_only() -> None:
 
 def test_entries_declare_what_they_consume_and_check_params() -> None:
     assert (TopKKL.consumes, FullVocabKL.consumes, JSD.consumes, TopKJSD.consumes) == (
-        "topk", "full_vocab", "full_vocab", "topk")
+        "topk",
+        "full_vocab",
+        "full_vocab",
+        "topk",
+    )
     assert TopKKL(k=4).k == 4 and TopKJSD(k=2).k == 2
-    for bad, match in ((lambda: TopKKL(k=0), r"topk_kl\.k=0"), (lambda: JSD(beta=1.0), r"jsd\.beta=1\.0"),
-                       (lambda: TopKJSD(beta=0.0), r"topk_jsd\.beta=0\.0")):
+    for bad, match in (
+        (lambda: TopKKL(k=0), r"topk_kl\.k=0"),
+        (lambda: JSD(beta=1.0), r"jsd\.beta=1\.0"),
+        (lambda: TopKJSD(beta=0.0), r"topk_jsd\.beta=0\.0"),
+    ):
         with pytest.raises(ValueError, match=match):
             bad()
     with pytest.raises(ValueError, match="shapes must match"):
@@ -211,10 +226,17 @@ def _distill_batch(seed: int, *, garbage: float = 0.0) -> tuple[TrainBatch, torc
     teacher = torch.log_softmax(torch.randn(B, T, V, generator=g), -1)
     teacher = torch.where(mask.unsqueeze(-1) != 0, teacher, torch.full_like(teacher, garbage))
     batch = TrainBatch(
-        input_ids=torch.randint(0, V, (B, T), generator=g), attention_mask=torch.ones(B, T, dtype=torch.long),
-        response_mask=mask, rollout_logprobs=torch.zeros(B, T), advantages=torch.zeros(B, T),
-        rewards=torch.zeros(B), group_ids=torch.arange(B), loss_weights=mask / mask.sum(),
-        teacher_logprobs=torch.zeros(B, T), teacher_dist_logprobs=teacher, sources=["add", "sub"],
+        input_ids=torch.randint(0, V, (B, T), generator=g),
+        attention_mask=torch.ones(B, T, dtype=torch.long),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(B, T),
+        advantages=torch.zeros(B, T),
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B),
+        loss_weights=mask / mask.sum(),
+        teacher_logprobs=torch.zeros(B, T),
+        teacher_dist_logprobs=teacher,
+        sources=["add", "sub"],
     )
     return batch, torch.log_softmax(torch.randn(B, T - 1, V, generator=g), -1)  # student on positions 1..4
 
@@ -236,7 +258,8 @@ def test_masked_positions_contribute_nothing(garbage) -> None:
     sums = m_clean.ratios
     assert sums["train/gkd"][1] == 5.0 and sums["train_per_ds/sub/gkd"][1] == 2.0
     assert sums["train_per_ds/add/gkd"][0] + sums["train_per_ds/sub/gkd"][0] == pytest.approx(
-        sums["train/gkd"][0], rel=1e-6)
+        sums["train/gkd"][0], rel=1e-6
+    )
 
 
 def test_gkd_mix_and_pg_shaping() -> None:

@@ -21,9 +21,16 @@ from loongsage.core.types import Status, Trajectory
 
 def traj(reward: float | None = 1.0, status: Status = Status.OK, length: int = 3, index: int = 0) -> Trajectory:
     return Trajectory(
-        source="s", group_id=0, sample_index=index, prompt_ids=[1], response_ids=[2] * length,
-        loss_mask=[1] * length, rollout_logprobs=[0.0] * length, versions=[0] * length,
-        status=status, reward=reward,
+        source="s",
+        group_id=0,
+        sample_index=index,
+        prompt_ids=[1],
+        response_ids=[2] * length,
+        loss_mask=[1] * length,
+        rollout_logprobs=[0.0] * length,
+        versions=[0] * length,
+        status=status,
+        reward=reward,
     )
 
 
@@ -96,8 +103,12 @@ def test_overlong_filter_keeps_every_group_and_masks_truncated_samples() -> None
     cut = traj(status=Status.TRUNCATED)
     for group in ([cut, cut, cut], [cut, traj(), cut], [traj(None, Status.FAILED)], []):
         assert f(group) is True  # never drops (or refills) a group
-    assert [f.excludes_from_loss(t) for t in (cut, traj(), traj(length=100), traj(None, Status.FAILED))] \
-        == [True, False, False, False]  # without max_length only the status counts
+    assert [f.excludes_from_loss(t) for t in (cut, traj(), traj(length=100), traj(None, Status.FAILED))] == [
+        True,
+        False,
+        False,
+        False,
+    ]  # without max_length only the status counts
 
 
 def test_overlong_filter_max_length() -> None:
@@ -126,6 +137,8 @@ def test_a_recipe_naming_length_gets_the_one_line_error_at_validation() -> None:
 
     registry = load_registry()
     with pytest.raises(ConfigError, match=r"^algorithm\.filters\[0\]\.params: the 'length' filter is now 'overlong'"):
-        registry.create("data_filter", {"name": "length", "params": {"max_truncated_frac": 0.5}}, "algorithm.filters[0]")
+        registry.create(
+            "data_filter", {"name": "length", "params": {"max_truncated_frac": 0.5}}, "algorithm.filters[0]"
+        )
     built = registry.create("data_filter", {"name": "overlong", "params": {"max_length": 8}}, "algorithm.filters[0]")
     assert built == OverlongFilter(max_length=8)

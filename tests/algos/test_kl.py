@@ -80,8 +80,10 @@ def test_unbiased_multiplies_by_the_detached_ratio() -> None:
     ref, old = -3 * torch.rand(4, 6, generator=g), -3 * torch.rand(4, 6, generator=g)
     for plain, unbiased in zip(ESTIMATORS, UNBIASED, strict=True):
         assert not plain.needs_old_logprobs and unbiased.needs_old_logprobs
-        ratio = [math.exp(a - b) for a, b in zip(lp.detach().double().flatten().tolist(),
-                                                 old.double().flatten().tolist(), strict=True)]
+        ratio = [
+            math.exp(a - b)
+            for a, b in zip(lp.detach().double().flatten().tolist(), old.double().flatten().tolist(), strict=True)
+        ]
         base = plain(lp, ref)
         got = unbiased(lp, ref, old_logprobs=old)
         expected = [r * x for r, x in zip(ratio, base.detach().flatten().tolist(), strict=True)]

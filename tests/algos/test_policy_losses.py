@@ -129,13 +129,16 @@ def test_masked_tokens_contribute_nothing(seed, garbage, clip_c) -> None:
         return out, lp.grad
 
     losses = {
-        "ppo": lambda lp: ppo_clip_loss(lp, old.masked_fill(pad, garbage), a.masked_fill(pad, garbage), mask,
-                                        clip_c=clip_c),
+        "ppo": lambda lp: ppo_clip_loss(
+            lp, old.masked_fill(pad, garbage), a.masked_fill(pad, garbage), mask, clip_c=clip_c
+        ),
         "nll": lambda lp: nll_loss(lp, mask),
-        "gspo": lambda lp: gspo_loss(lp, old.masked_fill(pad, garbage), a.masked_fill(pad, garbage), mask,
-                                     clip_low=0.1, clip_high=0.1),
-        "cispo": lambda lp: cispo_loss(lp, old.masked_fill(pad, garbage), a.masked_fill(pad, garbage), mask,
-                                       clip_low=0.2, clip_high=0.2),
+        "gspo": lambda lp: gspo_loss(
+            lp, old.masked_fill(pad, garbage), a.masked_fill(pad, garbage), mask, clip_low=0.1, clip_high=0.1
+        ),
+        "cispo": lambda lp: cispo_loss(
+            lp, old.masked_fill(pad, garbage), a.masked_fill(pad, garbage), mask, clip_low=0.2, clip_high=0.2
+        ),
     }
     for fn in losses.values():
         clean, clean_grad = run(None, fn)
@@ -161,10 +164,16 @@ def test_nll() -> None:
 
 @pytest.mark.parametrize(
     ("factory", "params", "key"),
-    [(PPOClip, {"clip_low": 1.0}, "ppo_clip.clip_low"), (PPOClip, {"clip_low": -0.1}, "ppo_clip.clip_low"),
-     (PPOClip, {"clip_high": -1.0}, "ppo_clip.clip_high"), (PPOClip, {"clip_c": 1.0}, "ppo_clip.clip_c"),
-     (GSPO, {"clip_low": 1.0}, "gspo.clip_low"), (GSPO, {"clip_high": -1e-4}, "gspo.clip_high"),
-     (CISPO, {"clip_low": -0.1}, "cispo.clip_low"), (CISPO, {"clip_high": -0.1}, "cispo.clip_high")],
+    [
+        (PPOClip, {"clip_low": 1.0}, "ppo_clip.clip_low"),
+        (PPOClip, {"clip_low": -0.1}, "ppo_clip.clip_low"),
+        (PPOClip, {"clip_high": -1.0}, "ppo_clip.clip_high"),
+        (PPOClip, {"clip_c": 1.0}, "ppo_clip.clip_c"),
+        (GSPO, {"clip_low": 1.0}, "gspo.clip_low"),
+        (GSPO, {"clip_high": -1e-4}, "gspo.clip_high"),
+        (CISPO, {"clip_low": -0.1}, "cispo.clip_low"),
+        (CISPO, {"clip_high": -0.1}, "cispo.clip_high"),
+    ],
 )
 def test_params_are_validated(factory, params: dict, key: str) -> None:
     with pytest.raises(ValueError, match=rf"^{key}="):
@@ -284,8 +293,10 @@ def test_gspo_ratio_one_is_the_on_policy_ppo_gradient(old, advs, bits, rows, cli
     base = torch.tensor(old[:n]).reshape(shape)
     a, mask = torch.tensor(advs[:n]).reshape(shape), torch.tensor(bits[:n], dtype=torch.float32).reshape(shape)
     grads, losses = [], []
-    for fn in (lambda lp: gspo_loss(lp, base, a, mask, clip_low=clip_low, clip_high=clip_high),
-               lambda lp: ppo_clip_loss(lp, base, a, mask, clip_low=clip_low, clip_high=clip_high)):
+    for fn in (
+        lambda lp: gspo_loss(lp, base, a, mask, clip_low=clip_low, clip_high=clip_high),
+        lambda lp: ppo_clip_loss(lp, base, a, mask, clip_low=clip_low, clip_high=clip_high),
+    ):
         lp = base.clone().requires_grad_(True)
         out = fn(lp)
         out.loss.sum().backward()
@@ -308,7 +319,8 @@ def test_cispo_hand_values() -> None:
     out = CISPO()(PolicyLossInput(lp, old, a, torch.ones(1, 3)))
     weights = [1.28, 0.5, 1.0]
     assert out.loss[0].tolist() == pytest.approx(
-        [-w * at * x for w, at, x in zip(weights, a[0].tolist(), lp[0].tolist(), strict=True)], rel=1e-6)
+        [-w * at * x for w, at, x in zip(weights, a[0].tolist(), lp[0].tolist(), strict=True)], rel=1e-6
+    )
     assert out.metrics["clipfrac"][0].tolist() == [1.0, 0.0, 0.0]
     out.loss.sum().backward()
     assert lp.grad[0].tolist() == pytest.approx([-1.28 * 2.0, 0.5, -1.0], rel=1e-6)  # the clipped token keeps it
@@ -331,13 +343,17 @@ def test_cispo_gradient_is_clipped_weight_times_advantage_times_grad_logprob() -
     out = cispo_loss(lp, old, a, mask, clip_low=lo, clip_high=hi)
     (grad,) = torch.autograd.grad(out.loss.sum(), logits)
 
-    clipped = [[min(max(math.exp(p - o), 1 - lo), 1 + hi) for p, o in zip(pr, orow, strict=True)]
-               for pr, orow in zip(lp.tolist(), old.tolist(), strict=True)]
+    clipped = [
+        [min(max(math.exp(p - o), 1 - lo), 1 + hi) for p, o in zip(pr, orow, strict=True)]
+        for pr, orow in zip(lp.tolist(), old.tolist(), strict=True)
+    ]
     coef = -torch.tensor(clipped, dtype=torch.float64) * a * mask
     lp_again = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
     (expected,) = torch.autograd.grad((coef * lp_again).sum(), logits)
     torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
-    outside = sum(m * (not 1 - lo <= math.exp(p - o) <= 1 + hi)
-                  for pr, orow, mr in zip(lp.tolist(), old.tolist(), mask.tolist(), strict=True)
-                  for p, o, m in zip(pr, orow, mr, strict=True))
+    outside = sum(
+        m * (not 1 - lo <= math.exp(p - o) <= 1 + hi)
+        for pr, orow, mr in zip(lp.tolist(), old.tolist(), mask.tolist(), strict=True)
+        for p, o, m in zip(pr, orow, mr, strict=True)
+    )
     assert 0 < outside == out.metrics["clipfrac"].sum().item()

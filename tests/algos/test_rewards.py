@@ -36,8 +36,15 @@ from loongsage.core.types import ConfigError, DataRecord, RewardInfraError, Traj
 
 def score(reward: ExactMatch, text: str, label: object) -> float:
     traj = Trajectory(
-        source="s", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
-        rollout_logprobs=[0.0], versions=[0], response_text=text,
+        source="s",
+        group_id=0,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[2],
+        loss_mask=[1],
+        rollout_logprobs=[0.0],
+        versions=[0],
+        response_text=text,
     )
     return reward(traj, DataRecord(source="s", index=3, prompt="p", label=label))
 
@@ -76,8 +83,15 @@ def test_errors() -> None:
 
 def traj_of(length: int, text: str = "") -> Trajectory:
     return Trajectory(
-        source="s", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[2] * length, loss_mask=[1] * length,
-        rollout_logprobs=[0.0] * length, versions=[0] * length, response_text=text,
+        source="s",
+        group_id=0,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[2] * length,
+        loss_mask=[1] * length,
+        rollout_logprobs=[0.0] * length,
+        versions=[0] * length,
+        response_text=text,
     )
 
 
@@ -156,7 +170,9 @@ def test_a_reward_taking_ctx_gets_the_context_through_wrappers() -> None:
         return 1.0
 
     ctx = RewardContext(services={"sandboxes": "handle"})
-    wrapped = FormatReward(pattern="7", bonus=0.5).bind(OverlongShaping(max_length=10, buffer=4).bind(declared(in_sandbox, takes_context=True)))
+    wrapped = FormatReward(pattern="7", bonus=0.5).bind(
+        OverlongShaping(max_length=10, buffer=4).bind(declared(in_sandbox, takes_context=True))
+    )
     assert wrapped.takes_context and in_sandbox.takes_context and not ExactMatch().takes_context
     assert asyncio.run(call_reward(wrapped, traj_of(8, "7"), RECORD, ctx)) == pytest.approx(1.0)  # 1 - 0.5 + 0.5
     assert seen == ["handle"]  # once, through both wrappers
@@ -191,9 +207,17 @@ def test_format_reward() -> None:
 
 
 def test_nested_wrappers_build_depth_first() -> None:
-    spec = {"name": "format", "params": {"bonus": 0.5, "penalty": 0.0, "inner": {
-        "name": "overlong_shaping", "params": {"max_length": 10, "buffer": 2, "inner": {"name": "math"}},
-    }}}
+    spec = {
+        "name": "format",
+        "params": {
+            "bonus": 0.5,
+            "penalty": 0.0,
+            "inner": {
+                "name": "overlong_shaping",
+                "params": {"max_length": 10, "buffer": 2, "inner": {"name": "math"}},
+            },
+        },
+    }
     reward = create(spec)
     bad = {"name": "format", "params": {"inner": {"name": "overlong_shaping", "params": {"inner": {"name": "nope"}}}}}
     with pytest.raises(ConfigError, match=r"^reward\.params\.inner\.params\.inner\.name: unknown reward 'nope'"):

@@ -24,8 +24,10 @@ def plugin_module(tmp_path, monkeypatch):
 
     def write(body: str) -> str:
         name = f"loongsage_test_plugin_{next(_counter)}"
-        header = ("from dataclasses import dataclass\nfrom typing import ClassVar\n"
-                  "from loongsage.core.hookspecs import hookimpl\n")
+        header = (
+            "from dataclasses import dataclass\nfrom typing import ClassVar\n"
+            "from loongsage.core.hookspecs import hookimpl\n"
+        )
         (tmp_path / f"{name}.py").write_text(header + textwrap.dedent(body))
         monkeypatch.syspath_prepend(str(tmp_path))
         monkeypatch.delitem(sys.modules, name, raising=False)

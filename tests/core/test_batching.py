@@ -15,9 +15,17 @@ from loongsage.core.types import Segment, Status, TrainBatch, Trajectory
 
 
 def _traj(source: str, group: int, k: int, prompt_len: int, resp_len: int, reward: float = 1.0) -> Trajectory:
-    return Trajectory(source=source, group_id=group, sample_index=k, prompt_ids=list(range(1, prompt_len + 1)),
-                      response_ids=[7] * resp_len, loss_mask=[1] * resp_len, rollout_logprobs=[-0.5] * resp_len,
-                      versions=[0] * resp_len, reward=reward)
+    return Trajectory(
+        source=source,
+        group_id=group,
+        sample_index=k,
+        prompt_ids=list(range(1, prompt_len + 1)),
+        response_ids=[7] * resp_len,
+        loss_mask=[1] * resp_len,
+        rollout_logprobs=[-0.5] * resp_len,
+        versions=[0] * resp_len,
+        reward=reward,
+    )
 
 
 def test_to_batch_layout():
@@ -90,8 +98,10 @@ class FakeTrainer:
 
     def _logprobs(self, batch):
         self.logprob_calls += 1
-        return {"old_logprobs": torch.full(batch.input_ids.shape, POLICY_LP),
-                "entropy": torch.zeros(batch.input_ids.shape)}
+        return {
+            "old_logprobs": torch.full(batch.input_ids.shape, POLICY_LP),
+            "entropy": torch.zeros(batch.input_ids.shape),
+        }
 
     def _train_step(self, mb):
         self.steps.append(mb)
@@ -121,32 +131,61 @@ def _controller(monkeypatch, recipe: str, overrides: list[str], critic: bool = F
     cfg, registry = load_config(recipe, ["tracking.progress=false", *overrides])
     plan = build_loss_plan(cfg, registry)
     estimator = registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
-    filters = [registry.create("data_filter", f, f"algorithm.filters[{i}]") for i, f in enumerate(cfg.algorithm.filters)]
+    filters = [
+        registry.create("data_filter", f, f"algorithm.filters[{i}]") for i, f in enumerate(cfg.algorithm.filters)
+    ]
     trainer = TrainerGroup(WorkerGroup("trainer", [FakeTrainer(plan.closure())]))
     critic_group = CriticGroup(WorkerGroup("critic", [FakeCritic()] if critic else []))
-    features = step_features(plan, filters, trainer, critic_group, TeacherGroup(WorkerGroup("teacher", [])),
-                             distilling=False, audit_dir=None)
-    step = TrainStep(plan, estimator, filters, trainer, features, pad_id=0,
-                     mini_batches=cfg.trainer.mini_batches_per_step,
-                     quotas={s.name: s.prompts_per_step for s in cfg.data_sources})
-    return SimpleNamespace(train=lambda groups: step(groups, step=1, version=0), trainer=trainer,
-                           critic=critic_group, filters=filters)
+    features = step_features(
+        plan, filters, trainer, critic_group, TeacherGroup(WorkerGroup("teacher", [])), distilling=False, audit_dir=None
+    )
+    step = TrainStep(
+        plan,
+        estimator,
+        filters,
+        trainer,
+        features,
+        pad_id=0,
+        mini_batches=cfg.trainer.mini_batches_per_step,
+        quotas={s.name: s.prompts_per_step for s in cfg.data_sources},
+    )
+    return SimpleNamespace(
+        train=lambda groups: step(groups, step=1, version=0), trainer=trainer, critic=critic_group, filters=filters
+    )
 
 
-def _sampled(group: int, k: int, length: int, reward: float, delta: float = 0.1,
-             status: Status = Status.OK) -> Trajectory:
+def _sampled(
+    group: int, k: int, length: int, reward: float, delta: float = 0.1, status: Status = Status.OK
+) -> Trajectory:
     """An engine-sampled trajectory whose rollout log-probs sit ``delta`` below the fake policy's."""
-    return Trajectory(source="arith", group_id=group, sample_index=k, prompt_ids=[1, 2, 3],
-                      response_ids=[7] * length, loss_mask=[1] * length,
-                      rollout_logprobs=[POLICY_LP - delta] * length, versions=[0] * length,
-                      status=status, reward=reward)
+    return Trajectory(
+        source="arith",
+        group_id=group,
+        sample_index=k,
+        prompt_ids=[1, 2, 3],
+        response_ids=[7] * length,
+        loss_mask=[1] * length,
+        rollout_logprobs=[POLICY_LP - delta] * length,
+        versions=[0] * length,
+        status=status,
+        reward=reward,
+    )
 
 
 def _teacher_forced(group: int, length: int) -> Trajectory:
     """What the sft agent makes: no engine call, placeholder log-probs 0, versions -1."""
-    return Trajectory(source="arith", group_id=group, sample_index=0, prompt_ids=[1, 2, 3],
-                      response_ids=[7] * length, loss_mask=[1] * length, rollout_logprobs=[0.0] * length,
-                      versions=[-1] * length, reward=1.0, metadata={"teacher_forced": True})
+    return Trajectory(
+        source="arith",
+        group_id=group,
+        sample_index=0,
+        prompt_ids=[1, 2, 3],
+        response_ids=[7] * length,
+        loss_mask=[1] * length,
+        rollout_logprobs=[0.0] * length,
+        versions=[-1] * length,
+        reward=1.0,
+        metadata={"teacher_forced": True},
+    )
 
 
 def _k3(delta: float) -> float:
@@ -164,10 +203,15 @@ def test_engine_sampled_marks_only_generated_trained_tokens():
 
 def test_overlong_filter_masks_truncated_samples_after_group_advantages(monkeypatch):
     """DAPO overlong filtering: truncated samples count in the group's baseline, then leave the loss."""
-    ctrl = _controller(monkeypatch, "tiny/dapo_arith_cpu",
-                       ["algorithm.filters=[{name: dynamic_sampling}, {name: overlong}]"])
-    group = [_sampled(0, 0, 3, 1.0), _sampled(0, 1, 8, 0.0, status=Status.TRUNCATED),
-             _sampled(0, 2, 2, 0.0), _sampled(0, 3, 8, 1.0, status=Status.TRUNCATED)]
+    ctrl = _controller(
+        monkeypatch, "tiny/dapo_arith_cpu", ["algorithm.filters=[{name: dynamic_sampling}, {name: overlong}]"]
+    )
+    group = [
+        _sampled(0, 0, 3, 1.0),
+        _sampled(0, 1, 8, 0.0, status=Status.TRUNCATED),
+        _sampled(0, 2, 2, 0.0),
+        _sampled(0, 3, 8, 1.0, status=Status.TRUNCATED),
+    ]
     assert all(f(group) for f in ctrl.filters)  # the group is kept
     metrics = ctrl.train([group])
     (mb,) = ctrl.trainer.actors[0].steps
@@ -223,8 +267,11 @@ SEQ_MEAN = {"k3": (_k3(0.1) + _k3(0.3)) / 2, "abs": (0.1 + 0.3) / 2}
 @pytest.mark.parametrize("mini_batches", [1, 2])  # 1: from the training forward (in the loss); 2: recomputed
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_consistency_metrics_follow_the_aggregation(monkeypatch, aggregation, mini_batches):
-    ctrl = _controller(monkeypatch, RECIPE_GRPO, [f"algorithm.aggregation={aggregation}",
-                                                  f"trainer.mini_batches_per_step={mini_batches}"])
+    ctrl = _controller(
+        monkeypatch,
+        RECIPE_GRPO,
+        [f"algorithm.aggregation={aggregation}", f"trainer.mini_batches_per_step={mini_batches}"],
+    )
     metrics = ctrl.train([_mismatched(g) for g in range(mini_batches)])
     assert (ctrl.trainer.actors[0].logprob_calls > 0) == (mini_batches > 1)
     want = SEQ_MEAN if aggregation.startswith("seq-mean") else TOKEN_MEAN

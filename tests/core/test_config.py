@@ -26,8 +26,19 @@ from loongsage.core.types import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = "tiny/grpo_arith_cpu"
-TOP_LEVEL = ("checkpoint", "data_sources", "evaluation", "model", "placement", "plugins", "rollout", "run",
-             "tracking", "trainer", "algorithm")
+TOP_LEVEL = (
+    "checkpoint",
+    "data_sources",
+    "evaluation",
+    "model",
+    "placement",
+    "plugins",
+    "rollout",
+    "run",
+    "tracking",
+    "trainer",
+    "algorithm",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -78,9 +89,16 @@ def test_tiny_recipe_validates(at_repo) -> None:
 
 
 def test_overrides_reach_keys_the_recipe_leaves_to_defaults(at_repo) -> None:
-    cfg, _ = load_config(RECIPE, ["tracking.progress=false", "trainer.world_size=2",
-                                  "trainer.mini_batches_per_step=4", "algorithm.advantage.params.std_normalize=false",
-                                  "model.builder.params.steps=40"])
+    cfg, _ = load_config(
+        RECIPE,
+        [
+            "tracking.progress=false",
+            "trainer.world_size=2",
+            "trainer.mini_batches_per_step=4",
+            "algorithm.advantage.params.std_normalize=false",
+            "model.builder.params.steps=40",
+        ],
+    )
     assert cfg.tracking.progress is False
     assert (cfg.trainer.world_size, cfg.trainer.mini_batches_per_step) == (2, 4)  # 8 prompts = 2 x 4
     assert cfg.algorithm.advantage == {"name": "grpo", "params": {"std_normalize": False}}
@@ -97,7 +115,11 @@ def test_overrides_reach_keys_the_recipe_leaves_to_defaults(at_repo) -> None:
         ("rollout.engine.name=vllm", "rollout.engine.name: unknown engine 'vllm'; known: ", "native"),
         ("data_sources.0.reward.name=nope", "data_sources[0].reward.name: unknown reward 'nope'", "exact_match"),
         ("data_sources.0.agent.name=nope", "data_sources[0].agent.name: unknown agent 'nope'", "single_turn"),
-        ("data_sources.0.reader.name=csv", "data_sources[0].reader.name: unknown data_source 'csv'", "arith, digit_sort, file"),
+        (
+            "data_sources.0.reader.name=csv",
+            "data_sources[0].reader.name: unknown data_source 'csv'",
+            "arith, digit_sort, file",
+        ),
         ("model.builder.name=nope", "model.builder.name: unknown model_builder 'nope'", "tiny_arith"),
         ("tracking.backends=[jsonl,nope]", "tracking.backends[1].name: unknown tracker 'nope'", "tensorboard"),
         ("++algorithm.filters=[{name: nope}]", "algorithm.filters[0].name: unknown data_filter 'nope'", ""),
@@ -121,7 +143,8 @@ def test_plugin_params_are_checked_against_the_factory(at_repo) -> None:
     msg = config_error(["rollout.engine.params.model_path=/x"])  # supplied by the framework, not settable
     assert msg.startswith("rollout.engine.params.model_path: unknown key; allowed: ")
     assert config_error(["algorithm.advantage={name: grpo, parms: {}}"]) == (
-        "algorithm.advantage.parms: unknown key; allowed: name, params")
+        "algorithm.advantage.parms: unknown key; allowed: name, params"
+    )
 
 
 @pytest.mark.parametrize(
@@ -151,7 +174,8 @@ def test_missing_required_key_from_a_recipe_file(at_repo, tmp_path) -> None:
     del raw["data_sources"][0]["name"]
     write_recipe(tmp_path, "no_name", raw)
     assert config_error([], recipe="no_name", config_dir=str(tmp_path)).startswith(
-        "config.data_sources[0].name: missing required key (type str)")
+        "config.data_sources[0].name: missing required key (type str)"
+    )
 
 
 def test_unknown_top_level_key(at_repo, tmp_path) -> None:
@@ -168,8 +192,11 @@ def test_unknown_top_level_key(at_repo, tmp_path) -> None:
     ("override", "path", "allowed"),
     [
         ("trainer.optimizer.lrr=0.1", "config.trainer.optimizer.lrr", {"betas", "eps", "grad_clip", "lr"}),
-        ("data_sources.0.prompts_per_stp=4", "config.data_sources[0].prompts_per_stp",
-         {"prompts_per_step", "samples_per_prompt", "reader", "sampling"}),
+        (
+            "data_sources.0.prompts_per_stp=4",
+            "config.data_sources[0].prompts_per_stp",
+            {"prompts_per_step", "samples_per_prompt", "reader", "sampling"},
+        ),
         ("run.nmae=x", "config.run.nmae", {"name", "seed", "total_steps", "output_dir"}),
     ],
 )
@@ -257,8 +284,9 @@ def test_prompts_per_step_divisible_by_dp_times_mini_batches(at_repo, overrides,
 
 
 def test_divisible_split_is_accepted(at_repo) -> None:
-    cfg, _ = load_config(RECIPE, ["trainer.world_size=2", "trainer.mini_batches_per_step=2",
-                                  "data_sources.0.prompts_per_step=12"])
+    cfg, _ = load_config(
+        RECIPE, ["trainer.world_size=2", "trainer.mini_batches_per_step=2", "data_sources.0.prompts_per_step=12"]
+    )
     assert cfg.data_sources[0].prompts_per_step == 12
 
 
@@ -270,8 +298,10 @@ def test_divisible_split_is_accepted(at_repo) -> None:
         ("data_sources.0.sampling.top_k=-2", "data_sources[0].sampling.top_k=-2: must be >= 0"),
         ("data_sources.0.sampling.min_p=1", "data_sources[0].sampling.min_p=1.0: must be in [0, 1)"),
         ("data_sources.0.sampling.max_new_tokens=0", "data_sources[0].sampling.max_new_tokens=0: must be > 0"),
-        ("data_sources.0.sampling.temperature=hot",
-         "data_sources[0].sampling.temperature: got 'hot'; expected a number"),
+        (
+            "data_sources.0.sampling.temperature=hot",
+            "data_sources[0].sampling.temperature: got 'hot'; expected a number",
+        ),
         ("data_sources.0.sampling.n=4", "data_sources[0].sampling.n: set data_sources[0].samples_per_prompt instead"),
         ("data_sources.0.sampling.temprature=0.5", "data_sources[0].sampling.temprature: unknown key; allowed: "),
     ],
@@ -306,10 +336,15 @@ def test_hydra_syntax_error_is_one_line(at_repo) -> None:
     [
         (["data_sources.5.prompts_per_step=4"], "data_sources.5: the recipe has 1 data source; only index 0 exists"),
         (["~data_sources.1"], "data_sources.1: the recipe has 1 data source; only index 0 exists"),
-        (["data_sources.x.name=y"], "data_sources.x: data_sources is a list, indexed by number; the recipe has 1 data "
-                                    "source; only index 0 exists"),
-        (["trainer.optimizer.betas.2=0.5"], "trainer.optimizer.betas.2: trainer.optimizer.betas has 2 items; "
-                                            "indices 0 to 1 exist"),
+        (
+            ["data_sources.x.name=y"],
+            "data_sources.x: data_sources is a list, indexed by number; the recipe has 1 data "
+            "source; only index 0 exists",
+        ),
+        (
+            ["trainer.optimizer.betas.2=0.5"],
+            "trainer.optimizer.betas.2: trainer.optimizer.betas has 2 items; indices 0 to 1 exist",
+        ),
         # counted after the overrides before it: the list an earlier override set
         (["data_sources=[]", "data_sources.0.name=a"], "data_sources.0: the recipe has 0 data sources; it is empty"),
     ],
@@ -321,13 +356,16 @@ def test_list_index_past_the_end_names_the_count(at_repo, overrides, expected) -
 def test_malformed_recipe_yaml_names_file_line_and_column(tmp_path) -> None:
     bad = tmp_path / "broken.yaml"
     bad.write_text("run: {name: x\n")
-    expected = (f"{bad}: invalid YAML at line 2, column 1: expected ',' or '}}', but got '<stream end>' "
-                "(while parsing a flow mapping at line 1, column 6)")
+    expected = (
+        f"{bad}: invalid YAML at line 2, column 1: expected ',' or '}}', but got '<stream end>' "
+        "(while parsing a flow mapping at line 1, column 6)"
+    )
     assert config_error([], recipe=str(bad)) == expected
     assert config_error([], recipe="broken", config_dir=str(tmp_path)) == expected
     (tmp_path / "tabs.yaml").write_text("run:\n\tname: x\n")
     assert config_error([], recipe="tabs", config_dir=str(tmp_path)).startswith(
-        f"{tmp_path / 'tabs.yaml'}: invalid YAML at line 2, column 1: found character '\\t'")
+        f"{tmp_path / 'tabs.yaml'}: invalid YAML at line 2, column 1: found character '\\t'"
+    )
 
 
 def test_nonexistent_config_dir_is_refused(tmp_path) -> None:
@@ -355,7 +393,10 @@ def test_nonexistent_config_dir_is_refused(tmp_path) -> None:
         ("placement.num_cpus=0", "config.placement.num_cpus=0: must be >= 1"),
         ("placement.torch_threads=-1", "config.placement.torch_threads=-1: must be >= 0 (0 = every core)"),
         ("rollout.max_refill_rounds=-1", "config.rollout.max_refill_rounds=-1: must be >= 0 (0 = no refill)"),
-        ("trainer.optimizer.warmup_steps=-1", "config.trainer.optimizer.warmup_steps=-1: must be >= 0 (0 = no warm-up)"),
+        (
+            "trainer.optimizer.warmup_steps=-1",
+            "config.trainer.optimizer.warmup_steps=-1: must be >= 0 (0 = no warm-up)",
+        ),
         ("trainer.optimizer.eps=0", "config.trainer.optimizer.eps=0.0: must be > 0"),
         ("trainer.optimizer.weight_decay=-0.1", "config.trainer.optimizer.weight_decay=-0.1: must be >= 0"),
         ("trainer.optimizer.grad_clip=0", "config.trainer.optimizer.grad_clip=0.0: must be > 0"),
@@ -373,18 +414,32 @@ def test_every_numeric_key_has_a_range(at_repo, override, expected) -> None:
 
 
 def test_zero_still_means_never(at_repo) -> None:
-    cfg, _ = load_config(RECIPE, ["evaluation.every_steps=0", "checkpoint.every_steps=0", "checkpoint.keep_last=0",
-                                  "evaluation.pass_k=0", "placement.torch_threads=0", "trainer.optimizer.grad_clip=inf"])
+    cfg, _ = load_config(
+        RECIPE,
+        [
+            "evaluation.every_steps=0",
+            "checkpoint.every_steps=0",
+            "checkpoint.keep_last=0",
+            "evaluation.pass_k=0",
+            "placement.torch_threads=0",
+            "trainer.optimizer.grad_clip=inf",
+        ],
+    )
     assert (cfg.evaluation.every_steps, cfg.checkpoint.every_steps, cfg.checkpoint.keep_last) == (0, 0, 0)
 
 
 @pytest.mark.parametrize(
     ("overrides", "need"),
     [
-        (["colocate=false", "placement.num_cpus=1"], "needs 2 CPUs, 2 bundles (disaggregated: trainer.world_size=1 + "
-                                                     "rollout.num_engines=1) x placement.cpus_per_actor=1"),
-        (["placement.cpus_per_actor=3", "placement.num_cpus=2"], "needs 3 CPUs, 1 bundle (colocated: "
-                                                                 "max(trainer.world_size=1, rollout.num_engines=1))"),
+        (
+            ["colocate=false", "placement.num_cpus=1"],
+            "needs 2 CPUs, 2 bundles (disaggregated: trainer.world_size=1 + "
+            "rollout.num_engines=1) x placement.cpus_per_actor=1",
+        ),
+        (
+            ["placement.cpus_per_actor=3", "placement.num_cpus=2"],
+            "needs 3 CPUs, 1 bundle (colocated: max(trainer.world_size=1, rollout.num_engines=1))",
+        ),
         (["rollout.num_engines=3", "placement.num_cpus=2"], "needs 3 CPUs"),
         (["colocate=false", "placement.cpus_per_actor=0.5", "placement.num_cpus=0"], "num_cpus=0: must be >= 1"),
     ],
@@ -442,12 +497,15 @@ def test_packaged_recipe_dir_matches_the_wheel_layout() -> None:
     wheel built straight from the repository) puts them and packaged_recipe_dir() looks."""
     core = REPO / "packages" / "loongsage-core"
     meta = tomllib.loads((core / "pyproject.toml").read_text())
-    (source, target), = meta["tool"]["hatch"]["build"]["targets"]["sdist"]["force-include"].items()
+    ((source, target),) = meta["tool"]["hatch"]["build"]["targets"]["sdist"]["force-include"].items()
     assert (core / source).resolve() == REPO / "recipes" / "tiny"
     assert target == "src/loongsage/core/recipes/tiny"
     assert 'PACKAGED = "loongsage/core/recipes/tiny"' in (core / "hatch_build.py").read_text()  # hatchling's hook
     # installed from a wheel: inside the package; editable: the repository's recipes/ itself
-    assert packaged_recipe_dir().parts[-3:] == ("loongsage", "core", "recipes") or packaged_recipe_dir() == REPO / "recipes"
+    assert (
+        packaged_recipe_dir().parts[-3:] == ("loongsage", "core", "recipes")
+        or packaged_recipe_dir() == REPO / "recipes"
+    )
 
 
 def test_packaged_recipe_found_from_any_directory(tmp_path, monkeypatch) -> None:
@@ -524,8 +582,7 @@ def test_cli_validation_never_imports_ray(tmp_path) -> None:
         print(json.dumps({{"results": results, "ray": "ray" in sys.modules}}))
         """
     )
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["ray"] is False
@@ -535,8 +592,9 @@ def test_cli_validation_never_imports_ray(tmp_path) -> None:
 
 
 def test_plugins_key_loads_modules(at_repo, tmp_path, monkeypatch) -> None:
-    (tmp_path / "loongsage_cfg_plugin_ok.py").write_text(textwrap.dedent(
-        """
+    (tmp_path / "loongsage_cfg_plugin_ok.py").write_text(
+        textwrap.dedent(
+            """
         from dataclasses import dataclass
         from loongsage.core.hookspecs import hookimpl
 
@@ -548,20 +606,24 @@ def test_plugins_key_loads_modules(at_repo, tmp_path, monkeypatch) -> None:
         @hookimpl
         def loongsage_data_filters():
             return {"non_empty": NonEmpty}
-        """))
-    (tmp_path / "loongsage_cfg_plugin_dup.py").write_text(textwrap.dedent(
         """
+        )
+    )
+    (tmp_path / "loongsage_cfg_plugin_dup.py").write_text(
+        textwrap.dedent(
+            """
         from loongsage.core.hookspecs import hookimpl
 
         @hookimpl
         def loongsage_advantage_estimators():
             return {"grpo": object}
-        """))
+        """
+        )
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in ("loongsage_cfg_plugin_ok", "loongsage_cfg_plugin_dup"):
         monkeypatch.delitem(sys.modules, name, raising=False)
-    cfg, registry = load_config(RECIPE, ["plugins=[loongsage_cfg_plugin_ok]",
-                                         "algorithm.filters=[{name: non_empty}]"])
+    cfg, registry = load_config(RECIPE, ["plugins=[loongsage_cfg_plugin_ok]", "algorithm.filters=[{name: non_empty}]"])
     assert cfg.plugins == ["loongsage_cfg_plugin_ok"]
     assert registry.entry("data_filter", "non_empty").provider == "config plugins: loongsage_cfg_plugin_ok"
     msg = config_error(["plugins=[loongsage_cfg_plugin_dup]"])
@@ -572,8 +634,14 @@ def test_plugins_key_loads_modules(at_repo, tmp_path, monkeypatch) -> None:
 def test_incompatible_algorithm_combinations_are_refused() -> None:
     msg = config_error(["algorithm.policy_loss.name=gspo"])  # the recipe aggregates token-mean
     assert msg == ("algorithm.aggregation='token-mean' is not supported by 'gspo'; allowed: seq-mean-token-mean")
-    cfg, _ = load_config(RECIPE, ["algorithm.policy_loss.name=gspo", "algorithm.policy_loss.params={}",
-                                  "algorithm.aggregation=seq-mean-token-mean"])
+    cfg, _ = load_config(
+        RECIPE,
+        [
+            "algorithm.policy_loss.name=gspo",
+            "algorithm.policy_loss.params={}",
+            "algorithm.aggregation=seq-mean-token-mean",
+        ],
+    )
     assert cfg.algorithm.policy_loss["name"] == "gspo"
     msg = config_error(["algorithm.advantage.name=gae"])
     assert msg.startswith("algorithm.advantage.name='gae' needs critic values")
@@ -583,15 +651,24 @@ def test_nested_reward_specs_are_validated_before_anything_starts() -> None:
     bad = "data_sources.0.reward={name: overlong_shaping, params: {inner: {name: exact_match, params: {nope: 1}}}}"
     msg = config_error([bad])
     assert msg.startswith("data_sources[0].reward.params.inner.params.nope: unknown key; allowed: ")
-    good = "data_sources.0.reward={name: overlong_shaping, params: {inner: {name: exact_match}, max_length: 5, buffer: 2}}"
+    good = (
+        "data_sources.0.reward={name: overlong_shaping, params: {inner: {name: exact_match}, max_length: 5, buffer: 2}}"
+    )
     load_config(RECIPE, [good])
 
 
 def test_kl_in_reward_needs_an_estimator_that_reads_token_rewards() -> None:
     msg = config_error(["algorithm.kl={name: k3}", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true"])
     assert msg.startswith("algorithm.kl_in_reward=true: advantage 'grpo' ignores token rewards")
-    load_config(RECIPE, ["algorithm.kl={name: k3}", "algorithm.kl_coef=0.1", "algorithm.kl_in_reward=true",
-                         "algorithm.advantage.name=reinforce_pp"])
+    load_config(
+        RECIPE,
+        [
+            "algorithm.kl={name: k3}",
+            "algorithm.kl_coef=0.1",
+            "algorithm.kl_in_reward=true",
+            "algorithm.advantage.name=reinforce_pp",
+        ],
+    )
 
 
 def test_critic_and_value_estimators_go_together() -> None:
@@ -602,12 +679,15 @@ def test_critic_and_value_estimators_go_together() -> None:
     assert msg.startswith("config.trainer.critic.value_clip=0.0: must be > 0")
 
 
-@pytest.mark.parametrize(("overrides", "expected"), [
-    ([], "cpu"),
-    (["placement.gpus_per_actor=1"], "ipc"),  # colocated on GPUs: every engine on its trainer's card
-    (["placement.gpus_per_actor=1", "colocate=false"], "broadcast"),  # cards of their own: NCCL
-    (["placement.gpus_per_actor=1", "rollout.transport={name: cpu}"], "cpu"),  # the config can force one
-])
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], "cpu"),
+        (["placement.gpus_per_actor=1"], "ipc"),  # colocated on GPUs: every engine on its trainer's card
+        (["placement.gpus_per_actor=1", "colocate=false"], "broadcast"),  # cards of their own: NCCL
+        (["placement.gpus_per_actor=1", "rollout.transport={name: cpu}"], "cpu"),  # the config can force one
+    ],
+)
 def test_the_weight_transport_follows_the_placement(overrides, expected) -> None:
     cfg, _ = load_config(RECIPE, overrides)
     assert cfg.rollout.transport == {"name": expected} or cfg.rollout.transport["name"] == expected

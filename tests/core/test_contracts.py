@@ -1,4 +1,5 @@
-"""The contracts (core/contracts/) as the registry enforces them (core/contract_check.py): every entry against its Protocol.
+"""The contracts (core/contracts/) as the registry enforces them (core/contract_check.py): every entry
+against its Protocol.
 
 A plugin that misses a member, whose method cannot take the contract's call or whose capability
 flag has the wrong type is refused in one line naming the entry, its provider and the member;
@@ -49,8 +50,9 @@ def test_missing_member_is_refused_at_load_naming_entry_provider_and_member(plug
             return {"my_adv": NoCall}
         """
     )
-    assert load_error(mod) == (f"advantage 'my_adv' (from config plugins: {mod}): "
-                               "missing __call__(inp) of AdvantageEstimator")
+    assert load_error(mod) == (
+        f"advantage 'my_adv' (from config plugins: {mod}): missing __call__(inp) of AdvantageEstimator"
+    )
 
 
 def test_a_protocol_subclass_does_not_satisfy_it_with_the_protocols_stub(plugin_module) -> None:
@@ -110,8 +112,10 @@ def test_flag_values_outside_a_literal_and_tuples_of_the_wrong_shape(plugin_modu
             return {"full_kl": FullKL}
         """
     )
-    assert load_error(mod, "kl") == (f"kl 'full_kl' (from config plugins: {mod}): consumes='full': expected one of "
-                                     "'logprobs', 'topk', 'full_vocab' (KLEstimator.consumes)")
+    assert load_error(mod, "kl") == (
+        f"kl 'full_kl' (from config plugins: {mod}): consumes='full': expected one of "
+        "'logprobs', 'topk', 'full_vocab' (KLEstimator.consumes)"
+    )
     mod = plugin_module(
         """
         class SeqOnly:
@@ -142,8 +146,10 @@ def test_a_method_that_cannot_take_the_contracts_call(plugin_module) -> None:
             return {"scorer": Scorer}
         """
     )
-    assert load_error(mod, "reward") == (f"reward 'scorer' (from config plugins: {mod}): __call__(trajectory) "
-                                         "does not take __call__(trajectory, record) of Reward")
+    assert load_error(mod, "reward") == (
+        f"reward 'scorer' (from config plugins: {mod}): __call__(trajectory) "
+        "does not take __call__(trajectory, record) of Reward"
+    )
 
 
 def test_a_member_a_flag_asks_for(plugin_module) -> None:
@@ -161,8 +167,10 @@ def test_a_member_a_flag_asks_for(plugin_module) -> None:
             return {"valued": Valued}
         """
     )
-    assert load_error(mod) == (f"advantage 'valued' (from config plugins: {mod}): missing returns(AdvantageInput) "
-                               "of AdvantageEstimator (needs_values=True)")
+    assert load_error(mod) == (
+        f"advantage 'valued' (from config plugins: {mod}): missing returns(AdvantageInput) "
+        "of AdvantageEstimator (needs_values=True)"
+    )
 
 
 def test_a_wrong_member_fails_the_whole_table_like_a_duplicate(plugin_module) -> None:
@@ -248,8 +256,9 @@ def test_a_factory_function_is_checked_on_what_it_builds(plugin_module) -> None:
     assert reg.names("tracker")  # loads: a function's product is unknown until it is built
     with pytest.raises(ConfigError) as exc:
         reg.create("tracker", {"name": "printer"}, "tracking.backends[0]", run_dir="/nowhere")
-    assert one_line(exc) == (f"tracking.backends[0]: tracker 'printer' (from config plugins: {mod}): "
-                             "missing close() of Tracker")
+    assert one_line(exc) == (
+        f"tracking.backends[0]: tracker 'printer' (from config plugins: {mod}): missing close() of Tracker"
+    )
     estimate = reg.create("advantage", {"name": "fn_adv", "params": {"scale": 3.0}}, "algorithm.advantage")
     assert estimate.needs_values is False and estimate.uses_token_rewards is False  # set on the function
     assert reg.entry("advantage", "fn_adv").preflight is None
@@ -285,8 +294,10 @@ def test_a_flag_that_follows_the_params_is_judged_when_built(plugin_module) -> N
     assert reg.create("kl", {"name": "switch"}, "algorithm.kl").needs_old_logprobs is False
     with pytest.raises(ConfigError) as exc:
         reg.create("kl", {"name": "switch", "params": {"unbiased": True}}, "algorithm.kl")
-    assert one_line(exc) == (f"algorithm.kl: kl 'switch' (from config plugins: {mod}): needs_old_logprobs='yes': "
-                             "expected bool (KLEstimator.needs_old_logprobs)")
+    assert one_line(exc) == (
+        f"algorithm.kl: kl 'switch' (from config plugins: {mod}): needs_old_logprobs='yes': "
+        "expected bool (KLEstimator.needs_old_logprobs)"
+    )
     with pytest.raises(ConfigError) as exc:
         reg.create("kl", {"name": "topk_no_k"}, "algorithm.distill.divergence")
     assert one_line(exc).endswith("missing k: int of KLEstimator (consumes='topk')")
@@ -324,16 +335,20 @@ def test_a_role_may_ask_for_more_than_the_category(plugin_module) -> None:
     supplied = {"model_path": "/m", "dtype": "float32", "fp32_lm_head": True}
     trainer = reg.create("trainer", {"name": "fake"}, "trainer.backend", **supplied)
     assert trainer.holds_reference is False and trainer.supports_lora is False and trainer.preflight is None
-    expected = (f"trainer.critic.backend: trainer 'fake' (from config plugins: {mod}): "
-                "missing values(batch, token_budget) of Critic")
+    expected = (
+        f"trainer.critic.backend: trainer 'fake' (from config plugins: {mod}): "
+        "missing values(batch, token_budget) of Critic"
+    )
     with pytest.raises(ConfigError) as exc:
         reg.create("trainer", {"name": "fake"}, "trainer.critic.backend", contract=Critic, **supplied)
     assert one_line(exc) == expected
     with pytest.raises(ConfigError) as exc:  # at config validation, before anything is built
         reg.check("trainer", {"name": "fake"}, "trainer.critic.backend", skip=tuple(supplied), contract=Critic)
     assert one_line(exc) == expected
-    assert reg.check("trainer", {"name": "torch_critic"}, "trainer.critic.backend", skip=tuple(supplied),
-                     contract=Critic) == {}
+    assert (
+        reg.check("trainer", {"name": "torch_critic"}, "trainer.critic.backend", skip=tuple(supplied), contract=Critic)
+        == {}
+    )
 
 
 def test_a_factory_functions_flags_read_before_it_builds_are_its_own_attributes(plugin_module) -> None:
@@ -380,7 +395,9 @@ def test_a_factory_functions_flags_read_before_it_builds_are_its_own_attributes(
         """
     )
     msg = load_error(bad, "tracker")
-    assert msg.startswith(f"tracker 'wrong' (from config plugins: {bad}): receives=('run_dir', 'the_weather'): expected ")
+    assert msg.startswith(
+        f"tracker 'wrong' (from config plugins: {bad}): receives=('run_dir', 'the_weather'): expected "
+    )
     assert msg.endswith("(Tracker.receives)")
 
 
@@ -445,9 +462,11 @@ def test_a_reward_takes_the_context_when_it_declares_so(plugin_module) -> None:
             return {"forgets": Forgets}
         """
     )
-    assert load_error(forgets, "reward") == (f"reward 'forgets' (from config plugins: {forgets}): __call__(trajectory, "
-                                             "record) does not take __call__(trajectory, record, *, ctx) of Reward "
-                                             "(takes_context=True)")
+    assert load_error(forgets, "reward") == (
+        f"reward 'forgets' (from config plugins: {forgets}): __call__(trajectory, "
+        "record) does not take __call__(trajectory, record, *, ctx) of Reward "
+        "(takes_context=True)"
+    )
 
 
 def test_a_sandbox_backends_close_is_an_optional_method(registry, plugin_module) -> None:
@@ -521,12 +540,19 @@ def test_builtin_flags_as_the_framework_reads_them(registry) -> None:
     assert not advantage["grpo"].needs_values and advantage["grpo"].returns is None
     kl = {n: registry.entry("kl", n).factory for n in registry.names("kl")}
     assert {n: f.consumes for n, f in kl.items() if f.consumes != "logprobs"} == {
-        "topk_kl": "topk", "topk_jsd": "topk", "full_vocab_kl": "full_vocab", "jsd": "full_vocab"}
+        "topk_kl": "topk",
+        "topk_jsd": "topk",
+        "full_vocab_kl": "full_vocab",
+        "jsd": "full_vocab",
+    }
     assert registry.create("kl", {"name": "k3", "params": {"unbiased": True}}, "k").needs_old_logprobs is True
     filters = {n: registry.entry("data_filter", n).factory for n in registry.names("data_filter")}
     assert [n for n, f in filters.items() if f.excludes_from_loss is not None] == ["overlong"]
     assert registry.entry("trainer", "torch").preflight is not None
-    assert registry.entry("tracker", "wandb").preflight is not None and registry.entry("tracker", "jsonl").preflight is None
+    assert (
+        registry.entry("tracker", "wandb").preflight is not None
+        and registry.entry("tracker", "jsonl").preflight is None
+    )
     assert registry.entry("trainer", "torch").factory.supports_lora is True
     assert registry.entry("trainer", "torch_critic").factory.supports_lora is False
 
@@ -546,11 +572,22 @@ def test_loss_functions() -> None:
 
 def test_members_are_read_from_the_protocols() -> None:
     roles = {m.name: m.role for m in contract_check.members(contracts.KLEstimator)}
-    assert roles == {"consumes": "flag", "needs_old_logprobs": "flag", "k": "attribute", "partial": "flag",
-                     "__call__": "method"}
+    assert roles == {
+        "consumes": "flag",
+        "needs_old_logprobs": "flag",
+        "k": "attribute",
+        "partial": "flag",
+        "__call__": "method",
+    }
     flags = contract_check.flags(contracts.Trainer)
-    assert flags == {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None,
-                     "add_teacher": None, "data_parallel": None}
+    assert flags == {
+        "kind": "trainer",
+        "supports_lora": False,
+        "holds_reference": False,
+        "preflight": None,
+        "add_teacher": None,
+        "data_parallel": None,
+    }
     critic = {m.name for m in contract_check.members(Critic)}
     assert critic == {m.name for m in contract_check.members(contracts.Trainer)} | {"values"}
     for protocol in (*HOOKS.values(), *BACKENDS.values(), Critic, LossFunction):

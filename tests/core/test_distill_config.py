@@ -62,39 +62,69 @@ def test_unknown_divergence_lists_the_known_ones() -> None:
         assert name in text
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["algorithm.distill.gkd_coef=1.5"], "algorithm.distill.gkd_coef=1.5: must be in [0, 1]"),
-    (["algorithm.distill.pg_coef=-1"], "algorithm.distill.pg_coef=-1.0: must be >= 0"),
-    (["algorithm.distill.pg_coef=0", "algorithm.distill.gkd_coef=0", "algorithm.distill.divergence=null"],
-     "pg_coef=0 and gkd_coef=0: distillation would do nothing"),
-    (["algorithm.distill.gkd_coef=0.5", "algorithm.distill.divergence=null"],
-     "algorithm.distill.divergence=null: gkd_coef=0.5 needs one"),
-    (["algorithm.distill.gkd_coef=0"], "divergence: set but gkd_coef=0"),
-    (["algorithm.distill.divergence.name=topk_kl", "~algorithm.distill.divergence.params.beta",
-      "++algorithm.distill.divergence.params.k=0"], "algorithm.distill.divergence.params.k=0: must be >= 1"),
-    (["algorithm.distill.divergence={name: jsd, params: {beta: 1.0}}"], "algorithm.distill.divergence.params.beta=1.0: must be in (0, 1)"),
-    (["algorithm.kl={name: topk_kl}", "algorithm.kl_coef=0.1"], "algorithm.kl.name='topk_kl' consumes 'topk'"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["algorithm.distill.gkd_coef=1.5"], "algorithm.distill.gkd_coef=1.5: must be in [0, 1]"),
+        (["algorithm.distill.pg_coef=-1"], "algorithm.distill.pg_coef=-1.0: must be >= 0"),
+        (
+            ["algorithm.distill.pg_coef=0", "algorithm.distill.gkd_coef=0", "algorithm.distill.divergence=null"],
+            "pg_coef=0 and gkd_coef=0: distillation would do nothing",
+        ),
+        (
+            ["algorithm.distill.gkd_coef=0.5", "algorithm.distill.divergence=null"],
+            "algorithm.distill.divergence=null: gkd_coef=0.5 needs one",
+        ),
+        (["algorithm.distill.gkd_coef=0"], "divergence: set but gkd_coef=0"),
+        (
+            [
+                "algorithm.distill.divergence.name=topk_kl",
+                "~algorithm.distill.divergence.params.beta",
+                "++algorithm.distill.divergence.params.k=0",
+            ],
+            "algorithm.distill.divergence.params.k=0: must be >= 1",
+        ),
+        (
+            ["algorithm.distill.divergence={name: jsd, params: {beta: 1.0}}"],
+            "algorithm.distill.divergence.params.beta=1.0: must be in (0, 1)",
+        ),
+        (["algorithm.kl={name: topk_kl}", "algorithm.kl_coef=0.1"], "algorithm.kl.name='topk_kl' consumes 'topk'"),
+    ],
+)
 def test_bad_distill_values(overrides, expected) -> None:
     assert expected in config_error(overrides)
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    (["data_sources.0.teacher.name=nope"], "data_sources[0].teacher.name: unknown teacher 'nope'; known: embedded"),
-    (["++data_sources.0.teacher.params.path=/models/t"], "set exactly one of path (an HF folder) or builder"),
-    (["data_sources.0.teacher.params.builder=null"], "got neither"),
-    (["~data_sources.0.teacher.params.builder", "++data_sources.0.teacher.params.path=/nonexistent"],
-     "data_sources[0].teacher.params.path='/nonexistent': not an HF model folder"),
-    (["++data_sources.0.teacher.params.lr=0.1"], "data_sources[0].teacher.params.lr: unknown key; allowed: device, dtype"),
-    (["++data_sources.0.teacher.params.model_path=/x"], "data_sources[0].teacher.params.model_path: unknown key"),
-    (["data_sources.1.teacher.params.builder.params.init_from={hidden_size: 32}"],
-     "hidden_size=64: must equal the init_from model's (32)"),
-    (["data_sources.1.teacher.params.builder.params.init_from={depth: 3}"], "init_from.depth: unknown key"),
-    (["data_sources.0.teacher={name: trainer, params: {builder: {name: tiny_arith}, dtype: float32}}"],
-     "data_sources[0].teacher.params.dtype: a teacher held by the trainer is built like the policy"),
-    (["data_sources.0.teacher={name: trainer, params: {builder: {name: tiny_arith}}}"],
-     "data_sources: some teachers are held by the trainer (name: trainer) and some run in teacher workers"),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["data_sources.0.teacher.name=nope"], "data_sources[0].teacher.name: unknown teacher 'nope'; known: embedded"),
+        (["++data_sources.0.teacher.params.path=/models/t"], "set exactly one of path (an HF folder) or builder"),
+        (["data_sources.0.teacher.params.builder=null"], "got neither"),
+        (
+            ["~data_sources.0.teacher.params.builder", "++data_sources.0.teacher.params.path=/nonexistent"],
+            "data_sources[0].teacher.params.path='/nonexistent': not an HF model folder",
+        ),
+        (
+            ["++data_sources.0.teacher.params.lr=0.1"],
+            "data_sources[0].teacher.params.lr: unknown key; allowed: device, dtype",
+        ),
+        (["++data_sources.0.teacher.params.model_path=/x"], "data_sources[0].teacher.params.model_path: unknown key"),
+        (
+            ["data_sources.1.teacher.params.builder.params.init_from={hidden_size: 32}"],
+            "hidden_size=64: must equal the init_from model's (32)",
+        ),
+        (["data_sources.1.teacher.params.builder.params.init_from={depth: 3}"], "init_from.depth: unknown key"),
+        (
+            ["data_sources.0.teacher={name: trainer, params: {builder: {name: tiny_arith}, dtype: float32}}"],
+            "data_sources[0].teacher.params.dtype: a teacher held by the trainer is built like the policy",
+        ),
+        (
+            ["data_sources.0.teacher={name: trainer, params: {builder: {name: tiny_arith}}}"],
+            "data_sources: some teachers are held by the trainer (name: trainer) and some run in teacher workers",
+        ),
+    ],
+)
 def test_bad_teacher_specs(overrides, expected) -> None:
     assert expected in config_error(overrides)
 
@@ -115,8 +145,9 @@ def test_warm_start_keys_with_init_from() -> None:
     # the field's default leaves every existing key unchanged (no cache invalidated)
     assert WarmStartParams().cache_key() == "tiny-qwen3-arith-588138b29ec65304"
     teacher = WarmStartParams(name="t", operations="-", drop_prob=0.0, steps=10, init_from={})
-    spelled = WarmStartParams(name="t", operations="-", drop_prob=0.0, steps=10,
-                              init_from={"name": "tiny-qwen3-arith", "steps": 1000})
+    spelled = WarmStartParams(
+        name="t", operations="-", drop_prob=0.0, steps=10, init_from={"name": "tiny-qwen3-arith", "steps": 1000}
+    )
     assert teacher.cache_key() == spelled.cache_key()  # {} and the spelled-out defaults: one base
     other_base = WarmStartParams(name="t", operations="-", drop_prob=0.0, steps=10, init_from={"steps": 999})
     assert other_base.cache_key() != teacher.cache_key()

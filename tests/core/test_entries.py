@@ -20,9 +20,15 @@ from loongsage.core.schema import check_params, describe_params, ranged
 from loongsage.core.types import AdvantageInput, ConfigError, CorrectionOutput, LossOutput, PolicyLossInput
 
 
-def scaled_loss(logprobs: Tensor, advantages: Tensor, response_mask: Tensor, *,
-                scale: Annotated[float, Range(gt=0)] = 1.0, mode: Literal["plain", "negated"] = "plain",
-                floor: Annotated[float | None, Range(ge=0, note="null = off")] = None) -> LossOutput:
+def scaled_loss(
+    logprobs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    scale: Annotated[float, Range(gt=0)] = 1.0,
+    mode: Literal["plain", "negated"] = "plain",
+    floor: Annotated[float | None, Range(ge=0, note="null = off")] = None,
+) -> LossOutput:
     """``-scale * A * logprobs`` on the response tokens (negated: the opposite sign)."""
     loss = -scale * advantages * logprobs * response_mask
     if floor is not None:
@@ -48,8 +54,10 @@ def test_the_function_keyword_parameters_are_the_params_of_a_frozen_dataclass() 
     assert Scaled() == Scaled(scale=1.0, mode="plain", floor=None)
     assert Scaled.name == "scaled" and Scaled.needs_old_logprobs is False
     assert Scaled.__doc__ == "``scaled``: a loss of the tests."
-    assert describe_params(Scaled) == ("scale: float = 1.0 [must be > 0], mode: 'plain' | 'negated' = 'plain', "
-                                       "floor: float | null = None [must be >= 0 (null = off)]")
+    assert describe_params(Scaled) == (
+        "scale: float = 1.0 [must be > 0], mode: 'plain' | 'negated' = 'plain', "
+        "floor: float | null = None [must be >= 0 (null = off)]"
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         Scaled().scale = 2.0  # type: ignore[misc]
     with pytest.raises(TypeError):
@@ -62,8 +70,11 @@ def test_the_call_gives_exactly_what_the_function_gives() -> None:
         got = Scaled(**params)(inp)
         expected = scaled_loss(inp.logprobs, inp.advantages, inp.response_mask, **params)
         assert torch.equal(got.loss, expected.loss)
-    assert Scaled(scale=3.0).apply(inp.logprobs, inp.advantages, inp.response_mask).loss.equal(
-        scaled_loss(inp.logprobs, inp.advantages, inp.response_mask, scale=3.0).loss)
+    assert (
+        Scaled(scale=3.0)
+        .apply(inp.logprobs, inp.advantages, inp.response_mask)
+        .loss.equal(scaled_loss(inp.logprobs, inp.advantages, inp.response_mask, scale=3.0).loss)
+    )
     assert scaled_loss(inp.logprobs, inp.advantages, inp.response_mask).loss.shape == (2, 3)  # still pure
     assert Scaled.__call__.__doc__ == scaled_loss.__doc__
 
@@ -105,8 +116,14 @@ def test_the_entry_satisfies_its_contract_and_pickles() -> None:
 # ----------------------------------------------------------------------------- how the inputs are fed
 
 
-def needs_values(rewards: Tensor, values: Tensor, response_mask: Tensor, *, token_rewards: Tensor | None = None,
-                 gamma: Annotated[float, Range(ge=0, le=1)] = 1.0) -> Tensor:
+def needs_values(
+    rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    *,
+    token_rewards: Tensor | None = None,
+    gamma: Annotated[float, Range(ge=0, le=1)] = 1.0,
+) -> Tensor:
     extra = 0.0 if token_rewards is None else token_rewards
     return (rewards[:, None] + gamma * values + extra) * response_mask
 
@@ -121,14 +138,22 @@ class Valued(AdvantageEstimator):
 
 
 def test_record_fields_feed_the_inputs_of_the_same_names_keyword_ones_included() -> None:
-    inp = AdvantageInput(rewards=torch.tensor([1.0, 2.0]), group_ids=torch.zeros(2), response_mask=torch.ones(2, 2),
-                         token_rewards=torch.full((2, 2), 0.5), values=torch.full((2, 2), 3.0))
+    inp = AdvantageInput(
+        rewards=torch.tensor([1.0, 2.0]),
+        group_ids=torch.zeros(2),
+        response_mask=torch.ones(2, 2),
+        token_rewards=torch.full((2, 2), 0.5),
+        values=torch.full((2, 2), 3.0),
+    )
     assert [f.name for f in dataclasses.fields(Valued)] == ["gamma"]  # token_rewards is an input, not a param
-    assert torch.equal(Valued(gamma=0.5)(inp), needs_values(inp.rewards, inp.values, inp.response_mask,
-                                                            token_rewards=inp.token_rewards, gamma=0.5))
+    assert torch.equal(
+        Valued(gamma=0.5)(inp),
+        needs_values(inp.rewards, inp.values, inp.response_mask, token_rewards=inp.token_rewards, gamma=0.5),
+    )
     # an optional method given a pure function is fed the same way, with the params it takes
-    assert torch.equal(Valued(gamma=0.5).returns(inp), value_targets(inp.rewards, inp.values, inp.response_mask,
-                                                                     gamma=0.5))
+    assert torch.equal(
+        Valued(gamma=0.5).returns(inp), value_targets(inp.rewards, inp.values, inp.response_mask, gamma=0.5)
+    )
     assert contract_check.check_object(Valued(), AdvantageEstimator) is None
     # a field that may be None but that the function needs is refused in one line
     bare = AdvantageInput(rewards=torch.ones(1), group_ids=torch.zeros(1), response_mask=torch.ones(1, 2))
@@ -151,8 +176,10 @@ def test_inputs_renames_a_function_parameter_to_a_record_field() -> None:
     from loongsage.core.types import CorrectionInput
 
     inp = CorrectionInput(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.0]]), torch.zeros(1, 2), torch.ones(1, 2))
-    assert torch.equal(Weighted(cap=1.5)(inp).token_weights,
-                       weighted(inp.old_logprobs, inp.rollout_logprobs, inp.response_mask, cap=1.5).token_weights)
+    assert torch.equal(
+        Weighted(cap=1.5)(inp).token_weights,
+        weighted(inp.old_logprobs, inp.rollout_logprobs, inp.response_mask, cap=1.5).token_weights,
+    )
 
 
 def gap(student: Tensor, teacher: Tensor, *, power: Annotated[int, Range(ge=1)] = 1, part: bool = False) -> Tensor:

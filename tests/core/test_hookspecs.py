@@ -16,11 +16,7 @@ SPEC_ATTR = f"{hookspecs.PROJECT}_spec"
 
 
 def _specs_in_module() -> dict[str, typing.Callable]:
-    return {
-        name: fn
-        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
-        if hasattr(fn, SPEC_ATTR)
-    }
+    return {name: fn for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if hasattr(fn, SPEC_ATTR)}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +43,9 @@ def test_the_hook_table_is_the_specs() -> None:
     categories = [hook.category for hook in hookspecs.HOOKS.values()]
     assert len(categories) == len(set(categories)), "two hooks share a category"
     assert [h.name for h in hookspecs.HOOKS.values() if h.category == hookspecs.BACKEND] == ["loongsage_backends"]
-    assert hookspecs.CATEGORIES == {h.category: n for n, h in hookspecs.HOOKS.items() if h.category != hookspecs.BACKEND}
+    assert hookspecs.CATEGORIES == {
+        h.category: n for n, h in hookspecs.HOOKS.items() if h.category != hookspecs.BACKEND
+    }
     assert all((h.contract is None) == (h.category == hookspecs.BACKEND) for h in hookspecs.HOOKS.values())
 
 
@@ -138,17 +136,39 @@ CONTRACT_CALLS = {
     "Correction": {"__call__": ("inp",)},
     "DataFilter": {"__call__": ("group",)},
     "RolloutScheduler": {"groups_to_dispatch": ("state",)},
-    "Sandbox": {"create": ("owner", "deadline"), "exec": ("sandbox_id", "cmd", "timeout"), "put": ("sandbox_id", "path", "data"),
-                "get": ("sandbox_id", "path"), "delete": ("sandbox_id",)},
+    "Sandbox": {
+        "create": ("owner", "deadline"),
+        "exec": ("sandbox_id", "cmd", "timeout"),
+        "put": ("sandbox_id", "path", "data"),
+        "get": ("sandbox_id", "path"),
+        "delete": ("sandbox_id",),
+    },
     "GatewayMiddleware": {"__call__": ("request", "call_next")},
-    "Trainer": {"setup_optimizer": ("lr", "betas", "eps", "weight_decay", "grad_clip", "warmup_steps"),
-                "logprobs": ("batch", "token_budget"), "reference_logprobs": ("batch", "token_budget"),
-                "train_step": ("mini_batch", "loss_fn", "token_budget"), "export_weights": (), "save": ("path",),
-                "load": ("path",), "export_hf": ("path", "tokenizer"), "offload": ("weights",), "onload": (),
-                "param_checksum": ()},
-    "Engine": {"generate": ("request",), "abort": ("request_ids",), "pause": (), "resume": (), "flush_cache": (),
-               "update_weights": ("named_tensors",), "release_memory": (), "resume_memory": (),
-               "set_version": ("version",), "health": ()},
+    "Trainer": {
+        "setup_optimizer": ("lr", "betas", "eps", "weight_decay", "grad_clip", "warmup_steps"),
+        "logprobs": ("batch", "token_budget"),
+        "reference_logprobs": ("batch", "token_budget"),
+        "train_step": ("mini_batch", "loss_fn", "token_budget"),
+        "export_weights": (),
+        "save": ("path",),
+        "load": ("path",),
+        "export_hf": ("path", "tokenizer"),
+        "offload": ("weights",),
+        "onload": (),
+        "param_checksum": (),
+    },
+    "Engine": {
+        "generate": ("request",),
+        "abort": ("request_ids",),
+        "pause": (),
+        "resume": (),
+        "flush_cache": (),
+        "update_weights": ("named_tensors",),
+        "release_memory": (),
+        "resume_memory": (),
+        "set_version": ("version",),
+        "health": (),
+    },
     "Teacher": {"score": ("batch", "topk", "full_vocab")},
     "Transport": {"push": ("named_tensors", "receivers"), "receiver": ()},
     "Tracker": {"log": ("step", "metrics"), "close": ()},
@@ -166,10 +186,23 @@ CONTRACT_FLAGS = {
     "Correction": {"needs_logprobs": False},
     "DataFilter": {"excludes_from_loss": None},
     "RolloutScheduler": {"asynchronous": False, "max_staleness": 0, "collectable": None},
-    "Sandbox": {"reusable": False, "reset": None, "reap_orphans": None, "put_archive": None, "host_path": None,
-                "adopt": None, "close": None},
-    "Trainer": {"kind": "trainer", "supports_lora": False, "holds_reference": False, "preflight": None,
-                "add_teacher": None, "data_parallel": None},
+    "Sandbox": {
+        "reusable": False,
+        "reset": None,
+        "reap_orphans": None,
+        "put_archive": None,
+        "host_path": None,
+        "adopt": None,
+        "close": None,
+    },
+    "Trainer": {
+        "kind": "trainer",
+        "supports_lora": False,
+        "holds_reference": False,
+        "preflight": None,
+        "add_teacher": None,
+        "data_parallel": None,
+    },
     "Engine": {"kind": "engine", "named_weights": None, "weight_receiver": None},
     "Teacher": {"kind": "teacher"},
     "Transport": {"kind": "transport"},
@@ -207,7 +240,8 @@ def test_contract_signatures_are_pinned() -> None:
     protocols = {p.__name__: p for p in (*contracts.HOOKS.values(), *contracts.BACKENDS.values())}
     assert set(protocols) == set(CONTRACT_CALLS)
     for name, calls in CONTRACT_CALLS.items():
-        methods = {m.name: tuple(m.signature.parameters) for m in contract_check.members(protocols[name])
-                   if m.role == "method"}
+        methods = {
+            m.name: tuple(m.signature.parameters) for m in contract_check.members(protocols[name]) if m.role == "method"
+        }
         assert methods == calls, name
         assert contract_check.flags(protocols[name]) == CONTRACT_FLAGS.get(name, {}), name

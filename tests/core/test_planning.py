@@ -13,9 +13,17 @@ from loongsage.core.types import ConfigError, Trajectory
 
 
 def _traj(source: str, group: int, k: int, prompt_len: int, resp_len: int) -> Trajectory:
-    return Trajectory(source=source, group_id=group, sample_index=k, prompt_ids=list(range(1, prompt_len + 1)),
-                      response_ids=[7] * resp_len, loss_mask=[1] * resp_len, rollout_logprobs=[-0.5] * resp_len,
-                      versions=[0] * resp_len, reward=1.0)
+    return Trajectory(
+        source=source,
+        group_id=group,
+        sample_index=k,
+        prompt_ids=list(range(1, prompt_len + 1)),
+        response_ids=[7] * resp_len,
+        loss_mask=[1] * resp_len,
+        rollout_logprobs=[-0.5] * resp_len,
+        versions=[0] * resp_len,
+        reward=1.0,
+    )
 
 
 def _mixed(counts: dict[str, int], samples: int = 4) -> list[list[Trajectory]]:
@@ -125,12 +133,20 @@ def test_a_short_step_is_dealt_as_evenly_as_it_allows():
     assert sorted(len(rows) for rank in plan.rows for rows in rank) == [1, 2, 2, 2]
 
 
-@pytest.mark.parametrize("quotas,world,mbs,numbers", [
-    ({"a": 6}, 2, 2, "6 groups per step cannot be shared exactly by trainer.world_size x "
-                     "trainer.mini_batches_per_step = 2 x 2 = 4 parts"),
-    ({"a": 8, "b": 3}, 1, 2, "'b': 3 groups per step"),
-    ({"a": 8}, 3, 1, "= 3 x 1 = 3 parts"),
-])
+@pytest.mark.parametrize(
+    "quotas,world,mbs,numbers",
+    [
+        (
+            {"a": 6},
+            2,
+            2,
+            "6 groups per step cannot be shared exactly by trainer.world_size x "
+            "trainer.mini_batches_per_step = 2 x 2 = 4 parts",
+        ),
+        ({"a": 8, "b": 3}, 1, 2, "'b': 3 groups per step"),
+        ({"a": 8}, 3, 1, "= 3 x 1 = 3 parts"),
+    ],
+)
 def test_indivisible_counts_are_refused_naming_the_numbers(quotas, world, mbs, numbers):
     groups = _mixed(quotas, samples=1)
     with pytest.raises(ValueError) as exc:
@@ -154,8 +170,12 @@ def test_bad_sizes_and_empty_groups_are_refused():
 @pytest.mark.parametrize("prompts,world,mbs", [(8, 1, 1), (8, 2, 2), (8, 3, 1), (6, 2, 2), (12, 2, 3), (9, 1, 2)])
 def test_config_validation_refuses_exactly_what_the_planner_refuses(prompts, world, mbs):
     """The startup check (config validation) and the planner agree on every split."""
-    overrides = ["tracking.progress=false", f"data_sources.0.prompts_per_step={prompts}",
-                 f"trainer.world_size={world}", f"trainer.mini_batches_per_step={mbs}"]
+    overrides = [
+        "tracking.progress=false",
+        f"data_sources.0.prompts_per_step={prompts}",
+        f"trainer.world_size={world}",
+        f"trainer.mini_batches_per_step={mbs}",
+    ]
     try:
         load_config("tiny/grpo_arith_cpu", overrides)
         config_ok = True

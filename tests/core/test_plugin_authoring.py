@@ -27,8 +27,10 @@ def test_a_misspelt_hook_names_the_module_and_the_closest_hook(plugin_module) ->
             return {}
         """
     )
-    assert load_error(mod) == (f"plugins: module {mod!r}: @hookimpl loongsage_reward() is not a LoongSage hook "
-                               "(did you mean loongsage_rewards?), so it would never be called")
+    assert load_error(mod) == (
+        f"plugins: module {mod!r}: @hookimpl loongsage_reward() is not a LoongSage hook "
+        "(did you mean loongsage_rewards?), so it would never be called"
+    )
 
 
 def test_a_hook_name_far_from_any_lists_the_hooks(plugin_module) -> None:
@@ -40,12 +42,15 @@ def test_a_hook_name_far_from_any_lists_the_hooks(plugin_module) -> None:
         """
     )
     msg = load_error(mod)
-    assert msg.startswith(f"plugins: module {mod!r}: @hookimpl my_scores() is not a LoongSage hook (the hooks: "
-                          "loongsage_agents, loongsage_rewards, ")
+    assert msg.startswith(
+        f"plugins: module {mod!r}: @hookimpl my_scores() is not a LoongSage hook (the hooks: "
+        "loongsage_agents, loongsage_rewards, "
+    )
 
 
-@pytest.mark.parametrize(("name", "hint"), [("loongsage_rewards", ""),
-                                            ("loongsage_rewads", " (did you mean loongsage_rewards?)")])
+@pytest.mark.parametrize(
+    ("name", "hint"), [("loongsage_rewards", ""), ("loongsage_rewads", " (did you mean loongsage_rewards?)")]
+)
 def test_a_hook_without_hookimpl_is_refused(plugin_module, name, hint) -> None:
     mod = plugin_module(
         f"""
@@ -57,9 +62,11 @@ def test_a_hook_without_hookimpl_is_refused(plugin_module, name, hint) -> None:
             return {{"mine": object}}
         """
     )
-    assert load_error(mod) == (f"plugins: module {mod!r}: function {name}(){hint} is not marked @hookimpl, so it "
-                               "registers nothing; decorate it with @hookimpl (from loongsage.core.hookspecs import "
-                               "hookimpl)")
+    assert load_error(mod) == (
+        f"plugins: module {mod!r}: function {name}(){hint} is not marked @hookimpl, so it "
+        "registers nothing; decorate it with @hookimpl (from loongsage.core.hookspecs import "
+        "hookimpl)"
+    )
 
 
 def test_a_module_without_any_hookimpl_is_refused(plugin_module) -> None:
@@ -70,8 +77,10 @@ def test_a_module_without_any_hookimpl_is_refused(plugin_module) -> None:
         """
     )
     msg = load_error(mod)
-    assert msg.startswith(f"plugins: module {mod!r}: provides no @hookimpl function, so it adds nothing; a plugin "
-                          "module defines functions named after the hooks (loongsage_agents, ")
+    assert msg.startswith(
+        f"plugins: module {mod!r}: provides no @hookimpl function, so it adds nothing; a plugin "
+        "module defines functions named after the hooks (loongsage_agents, "
+    )
 
 
 def test_helpers_and_imported_functions_are_not_mistaken_for_hooks(plugin_module) -> None:
@@ -106,9 +115,11 @@ def test_a_hookimpl_imported_under_another_name_is_refused_saying_so(plugin_modu
             return {}
         """
     )
-    assert load_error(mod) == (f"plugins: module {mod!r}: @hookimpl core_agents() (imported from "
-                               "loongsage.core.builtin_plugins) is not a LoongSage hook (did you mean "
-                               "loongsage_agents?), so it would never be called")
+    assert load_error(mod) == (
+        f"plugins: module {mod!r}: @hookimpl core_agents() (imported from "
+        "loongsage.core.builtin_plugins) is not a LoongSage hook (did you mean "
+        "loongsage_agents?), so it would never be called"
+    )
 
 
 def test_a_hook_taking_arguments_is_refused_naming_the_module(plugin_module) -> None:
@@ -123,16 +134,26 @@ def test_a_hook_taking_arguments_is_refused_naming_the_module(plugin_module) -> 
     assert msg.startswith(f"plugins: module {mod!r}: ") and "config" in msg and "loongsage_rewards" in msg
 
 
-@pytest.mark.parametrize(("body", "said"), [
-    ('return [("mine", Zero)]', "returned a list; a hook returns a mapping of entry names to factories, e.g. "
-                                "{'my_entry': MyClass}"),
-    ("return Zero", "returned a type; a hook returns a mapping of entry names to factories, e.g. {'my_entry': "
-                    "MyClass}"),
-    ('return {"mine": Zero()}', "maps 'mine' to a Zero, which is not callable; map it to the factory (a class or a "
-                                "function) that builds the entry"),
-    ("return {1: Zero}", "returned the key 1 (int); entry names are strings"),
-    ('raise RuntimeError("no config file")', "raised RuntimeError: no config file"),
-])
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        (
+            'return [("mine", Zero)]',
+            "returned a list; a hook returns a mapping of entry names to factories, e.g. {'my_entry': MyClass}",
+        ),
+        (
+            "return Zero",
+            "returned a type; a hook returns a mapping of entry names to factories, e.g. {'my_entry': MyClass}",
+        ),
+        (
+            'return {"mine": Zero()}',
+            "maps 'mine' to a Zero, which is not callable; map it to the factory (a class or a "
+            "function) that builds the entry",
+        ),
+        ("return {1: Zero}", "returned the key 1 (int); entry names are strings"),
+        ('raise RuntimeError("no config file")', "raised RuntimeError: no config file"),
+    ],
+)
 def test_what_a_hook_returns_is_checked_naming_the_plugin(plugin_module, body, said) -> None:
     mod = plugin_module(
         f"""
@@ -150,13 +171,17 @@ def test_what_a_hook_returns_is_checked_naming_the_plugin(plugin_module, body, s
 def test_every_registered_module_is_checked_not_only_plugins_modules() -> None:
     """An entry point's module goes through the same checks (here registered as the loader does)."""
     module = types.ModuleType("someones_plugin")
-    exec("from loongsage.core.hookspecs import hookimpl\n\n@hookimpl\ndef loongsage_backend():\n    return {}\n",
-         module.__dict__)
+    exec(
+        "from loongsage.core.hookspecs import hookimpl\n\n@hookimpl\ndef loongsage_backend():\n    return {}\n",
+        module.__dict__,
+    )
     registry = Registry()
     with pytest.raises(ConfigError) as exc:
         registry.register_module(module, "someones-plugin 1.0 (someones_plugin)")
-    assert str(exc.value) == ("plugin someones-plugin 1.0 (someones_plugin): @hookimpl loongsage_backend() is not a "
-                              "LoongSage hook (did you mean loongsage_backends?), so it would never be called")
+    assert str(exc.value) == (
+        "plugin someones-plugin 1.0 (someones_plugin): @hookimpl loongsage_backend() is not a "
+        "LoongSage hook (did you mean loongsage_backends?), so it would never be called"
+    )
     assert not registry.pm.is_registered(module)
 
 

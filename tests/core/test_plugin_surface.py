@@ -16,9 +16,13 @@ from loongsage.core.public import PLUGIN_SURFACE, allowed
 
 REPO = Path(__file__).resolve().parents[2]
 CORE = REPO / "packages" / "loongsage-core" / "src"
-PLUGIN_MODULES = sorted(p for package in (REPO / "packages").iterdir()
-                        if package.is_dir() and package.name != "loongsage-core"
-                        for p in package.rglob("*.py") if "__pycache__" not in p.parts)
+PLUGIN_MODULES = sorted(
+    p
+    for package in (REPO / "packages").iterdir()
+    if package.is_dir() and package.name != "loongsage-core"
+    for p in package.rglob("*.py")
+    if "__pycache__" not in p.parts
+)
 
 
 def core_imports(tree: ast.AST) -> list[tuple[int, str, str | None]]:
@@ -51,27 +55,33 @@ def violations(source: str) -> list[tuple[int, str]]:
 
 def test_plugins_import_only_the_published_core():
     assert PLUGIN_MODULES, "no plugin package found under packages/"
-    problems = [f"{path.relative_to(REPO)}:{line}: {what} is not in loongsage.core.public.PLUGIN_SURFACE"
-                for path in PLUGIN_MODULES for line, what in violations(path.read_text())]
+    problems = [
+        f"{path.relative_to(REPO)}:{line}: {what} is not in loongsage.core.public.PLUGIN_SURFACE"
+        for path in PLUGIN_MODULES
+        for line, what in violations(path.read_text())
+    ]
     assert not problems, "plugins import core modules outside the plugin surface:\n" + "\n".join(problems)
 
 
-@pytest.mark.parametrize(("source", "flagged"), [
-    ("from loongsage.core.types import Trajectory", False),
-    ("from loongsage.core.model_math.dtypes import DTYPES", False),
-    ("from loongsage.core.tinytask import warmstart", False),
-    ("from loongsage.core.schema import ranged", False),
-    ("def f():\n    from loongsage.core.rollout.seeds import request_seed", False),
-    ("import loongsage.core.contracts", False),
-    ("from loongsage.core.schema import Schema", True),
-    ("import loongsage.core.schema", True),
-    ("from loongsage.core.controller import Controller", True),
-    ("from loongsage.core import workers", True),
-    ("from loongsage.core.trainer.torch_trainer import _private", True),
-    ("from loongsage.core.model_math import _private", True),
-    ("from loongsage.core.model_math._private import name", True),
-    ("def f():\n    import loongsage.core.loss", True),
-])
+@pytest.mark.parametrize(
+    ("source", "flagged"),
+    [
+        ("from loongsage.core.types import Trajectory", False),
+        ("from loongsage.core.model_math.dtypes import DTYPES", False),
+        ("from loongsage.core.tinytask import warmstart", False),
+        ("from loongsage.core.schema import ranged", False),
+        ("def f():\n    from loongsage.core.rollout.seeds import request_seed", False),
+        ("import loongsage.core.contracts", False),
+        ("from loongsage.core.schema import Schema", True),
+        ("import loongsage.core.schema", True),
+        ("from loongsage.core.controller import Controller", True),
+        ("from loongsage.core import workers", True),
+        ("from loongsage.core.trainer.torch_trainer import _private", True),
+        ("from loongsage.core.model_math import _private", True),
+        ("from loongsage.core.model_math._private import name", True),
+        ("def f():\n    import loongsage.core.loss", True),
+    ],
+)
 def test_the_check_tells_public_from_private(source, flagged):
     assert bool(violations(source)) == flagged
 
@@ -81,7 +91,11 @@ def test_each_published_name_is_in_its_module(module):
     path = CORE / Path(*module.split("."))
     path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     tree = ast.parse(path.read_text())
-    bound = {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
-    bound |= {node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    bound = {
+        t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)
+    }
+    bound |= {
+        node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    }
     bound |= {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
     assert PLUGIN_SURFACE[module] <= bound, f"{module} has no {sorted(PLUGIN_SURFACE[module] - bound)}"

@@ -28,6 +28,8 @@ ALGOS_NAMES = {
     "kl": {"k1", "k2", "k3", "low_var_kl"},
     "reward": {"exact_match"},
 }
+
+
 def one_line(exc: pytest.ExceptionInfo) -> str:
     text = str(exc.value)
     assert "\n" not in text, f"error spans several lines: {text!r}"
@@ -95,8 +97,9 @@ def test_plugins_module_is_loaded_last_and_adds_names(registry, plugin_module) -
         ("loongsage_rollout_schedulers", "rollout_scheduler", "sync", re.escape(BUILTIN)),
     ],
 )
-def test_duplicate_name_from_plugins_module_names_both_providers(plugin_module, hook, category, name,
-                                                                  first_provider) -> None:
+def test_duplicate_name_from_plugins_module_names_both_providers(
+    plugin_module, hook, category, name, first_provider
+) -> None:
     mod = plugin_module(
         f"""
         class Impostor:
@@ -196,8 +199,10 @@ def test_misspelt_hookimpl_in_plugins_module_is_caught(plugin_module) -> None:
     )
     with pytest.raises(ConfigError) as exc:
         load_registry([mod])
-    assert one_line(exc) == (f"plugins: module {mod!r}: @hookimpl loongsage_advantage_estimator() is not a LoongSage "
-                             "hook (did you mean loongsage_advantage_estimators?), so it would never be called")
+    assert one_line(exc) == (
+        f"plugins: module {mod!r}: @hookimpl loongsage_advantage_estimator() is not a LoongSage "
+        "hook (did you mean loongsage_advantage_estimators?), so it would never be called"
+    )
 
 
 # ----------------------------------------------------------------------------- lookups and params
@@ -263,8 +268,9 @@ def test_params_are_coerced_and_framework_args_skipped(registry) -> None:
     # the trainer's model_path is supplied by the framework: required, but not the user's to set
     assert registry.check("trainer", {"name": "torch"}, "trainer.backend", skip=("model_path",)) == {}
     with pytest.raises(ConfigError) as exc:
-        registry.check("trainer", {"name": "torch", "params": {"model_path": "/x"}}, "trainer.backend",
-                       skip=("model_path",))
+        registry.check(
+            "trainer", {"name": "torch", "params": {"model_path": "/x"}}, "trainer.backend", skip=("model_path",)
+        )
     assert one_line(exc).startswith("trainer.backend.params.model_path: unknown key")
 
 

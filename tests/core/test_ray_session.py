@@ -18,8 +18,11 @@ import ray
 
 @ray.remote
 def _worker_view() -> dict:
-    return {"executable": sys.executable, "cwd": os.getcwd(),
-            "runtime_env": dict(ray.get_runtime_context().runtime_env)}
+    return {
+        "executable": sys.executable,
+        "cwd": os.getcwd(),
+        "runtime_env": dict(ray.get_runtime_context().runtime_env),
+    }
 
 
 def _size(folder: Path) -> int:

@@ -20,9 +20,13 @@ def _write(run_dir: Path, rows: list[dict]) -> Path:
 
 # one optimizer step per rollout: the PPO ratio is 1, so its KL and clip fraction are exactly 0
 GRPO_ROWS = _rows(
-    rollout__reward_mean=lambda s: 0.1 * s, train__entropy=lambda s: 1.0 / s, train__clipfrac=lambda s: 0.0,
-    train__ppo_kl=lambda s: 0.0, train__is_approx_k3_kl=lambda s: 1e-13 * s,
-    train__is_logprob_abs_diff=lambda s: 1e-7, timing__step_s=lambda s: 0.5,
+    rollout__reward_mean=lambda s: 0.1 * s,
+    train__entropy=lambda s: 1.0 / s,
+    train__clipfrac=lambda s: 0.0,
+    train__ppo_kl=lambda s: 0.0,
+    train__is_approx_k3_kl=lambda s: 1e-13 * s,
+    train__is_logprob_abs_diff=lambda s: 1e-7,
+    timing__step_s=lambda s: 0.5,
 )
 
 
@@ -37,16 +41,25 @@ def test_series_that_are_absent_or_zero_throughout_are_not_plotted():
 
 
 def test_reference_kl_and_clipping_are_plotted_when_they_say_something():
-    rows = _rows(train__kl=lambda s: 0.0 if s == 1 else 1e-3 * s, train__ppo_kl=lambda s: 2e-4,
-                 train__clipfrac=lambda s: 0.01, train__entropy=lambda s: 0.8, train__mopd_kl=lambda s: 0.5)
+    rows = _rows(
+        train__kl=lambda s: 0.0 if s == 1 else 1e-3 * s,
+        train__ppo_kl=lambda s: 2e-4,
+        train__clipfrac=lambda s: 0.01,
+        train__entropy=lambda s: 0.8,
+        train__mopd_kl=lambda s: 0.5,
+    )
     panels = panel_series(rows)
     assert panels["kl"] == ["train/kl", "train/mopd_kl", "train/ppo_kl"]
     assert panels["policy"] == ["train/clipfrac", "train/entropy"]
 
 
 def test_sft_run_has_no_consistency_panel(tmp_path):
-    rows = _rows(rollout__reward_mean=lambda s: 1.0, train__pg_loss=lambda s: 2.0 / s, train__entropy=lambda s: 2.0,
-                 eval__arith__accuracy=lambda s: 0.1 * s)
+    rows = _rows(
+        rollout__reward_mean=lambda s: 1.0,
+        train__pg_loss=lambda s: 2.0 / s,
+        train__entropy=lambda s: 2.0,
+        eval__arith__accuracy=lambda s: 0.1 * s,
+    )
     assert "consistency" not in panel_series(rows)
     paths = write_report(_write(tmp_path / "sft", rows))
     assert sorted(p.name for p in paths) == ["accuracy.png", "overview.png", "policy.png", "reward.png"]
@@ -55,5 +68,10 @@ def test_sft_run_has_no_consistency_panel(tmp_path):
 
 def test_write_report_draws_the_non_empty_panels(tmp_path):
     paths = write_report(_write(tmp_path / "grpo", GRPO_ROWS))
-    assert sorted(p.name for p in paths) == ["consistency.png", "overview.png", "policy.png", "reward.png",
-                                             "timing.png"]
+    assert sorted(p.name for p in paths) == [
+        "consistency.png",
+        "overview.png",
+        "policy.png",
+        "reward.png",
+        "timing.png",
+    ]

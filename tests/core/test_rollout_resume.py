@@ -39,8 +39,21 @@ def _perturbed(model_path: str) -> dict:
 def _key(group):
     """Everything a trained group carries but the log-probs (compared to a tolerance: what shares an
     engine batch moves them in the last bits)."""
-    return [(t.source, t.group_id, t.sample_index, t.prompt_ids, t.response_ids, t.versions, t.loss_mask,
-             t.status, t.reward, t.metadata) for t in group]
+    return [
+        (
+            t.source,
+            t.group_id,
+            t.sample_index,
+            t.prompt_ids,
+            t.response_ids,
+            t.versions,
+            t.loss_mask,
+            t.status,
+            t.reward,
+            t.metadata,
+        )
+        for t in group
+    ]
 
 
 def _same_logprobs(a, b):
@@ -53,11 +66,18 @@ def test_a_restored_rollout_goes_on_exactly_as_the_original(ray_session, in_tmp)
     from loongsage.core.transport import CpuTransport
 
     ray = ray_session
-    cfg, registry = load_config("tiny/grpo_arith_cpu", [
-        "run.name=resume", "colocate=false", "data_sources.0.prompts_per_step=2",
-        "data_sources.0.samples_per_prompt=2", f"data_sources.0.sampling.max_new_tokens={TOKENS}",
-        "rollout.scheduler={name: windowed_fifo, params: {max_staleness: 2}}",
-        "rollout.engine={name: native, params: {max_model_len: 256, eos_token_ids: [], max_batch_size: 4}}"])
+    cfg, registry = load_config(
+        "tiny/grpo_arith_cpu",
+        [
+            "run.name=resume",
+            "colocate=false",
+            "data_sources.0.prompts_per_step=2",
+            "data_sources.0.samples_per_prompt=2",
+            f"data_sources.0.sampling.max_new_tokens={TOKENS}",
+            "rollout.scheduler={name: windowed_fifo, params: {max_staleness: 2}}",
+            "rollout.engine={name: native, params: {max_model_len: 256, eos_token_ids: [], max_batch_size: 4}}",
+        ],
+    )
     model_path = resolve_model_path(cfg, registry)
     weights = _perturbed(model_path)
     reward = ray.remote(RewardWorker).options(num_cpus=0, max_concurrency=100).remote(cfg)
@@ -67,8 +87,9 @@ def test_a_restored_rollout_goes_on_exactly_as_the_original(ray_session, in_tmp)
         ctl = Controller(cfg, registry)
         ctl._build_local(model_path)
         engine = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=100).remote(cfg, model_path, 0, 1)
-        return RolloutService(router=EngineRouter([engine]), engines=[engine], reward=reward,
-                              **ctl._rollout_parts), engine
+        return RolloutService(
+            router=EngineRouter([engine]), engines=[engine], reward=reward, **ctl._rollout_parts
+        ), engine
 
     async def original():
         rollout, engine = service()
@@ -78,8 +99,9 @@ def test_a_restored_rollout_goes_on_exactly_as_the_original(ray_session, in_tmp)
         # quarter through, hold decoding (so that the update surely finds it there) and update the
         # weights, as a run does after training a batch
         # (and the second pair scored into the buffer: on a loaded machine its reward can lag its tokens)
-        while ((await engine.health.remote())["generated_tokens"] < 2 * 2 * B * TOKENS + B * TOKENS
-               or len(rollout.sources["arith"].buffer) < 2):
+        while (await engine.health.remote())["generated_tokens"] < 2 * 2 * B * TOKENS + B * TOKENS or len(
+            rollout.sources["arith"].buffer
+        ) < 2:
             await asyncio.sleep(0.002)
         await engine.pause.remote()
         await rollout.begin_update()  # the abort is answered while the engine holds decoding
@@ -90,8 +112,13 @@ def test_a_restored_rollout_goes_on_exactly_as_the_original(ray_session, in_tmp)
         batches = [await rollout.next_batch(1) for _ in range(3)]
         await rollout.close()
         ray.kill(engine)
-        return state, data, [b for b, _ in batches], [m["rollout/resumed_samples"] for _, m in batches], \
-            rollout.router.resumed_samples
+        return (
+            state,
+            data,
+            [b for b, _ in batches],
+            [m["rollout/resumed_samples"] for _, m in batches],
+            rollout.router.resumed_samples,
+        )
 
     state, data, later, resumed, continued = asyncio.run(original())
     # the four cut samples were continued once each, and each step reports those since the one before
@@ -102,8 +129,10 @@ def test_a_restored_rollout_goes_on_exactly_as_the_original(ray_session, in_tmp)
     assert [seq for seq, _ in cut] == [4, 5]
     for _, calls in cut:  # one call each (a single-turn agent), cut mid-generation
         (call,) = calls
-        assert all(r.finish_reason is FinishReason.ABORT and 0 < len(r.output_ids) < TOKENS
-                   and set(r.versions) == {0} for r in call.results)
+        assert all(
+            r.finish_reason is FinishReason.ABORT and 0 < len(r.output_ids) < TOKENS and set(r.versions) == {0}
+            for r in call.results
+        )
     assert state["next_group_id"] == 6 and state["consumed"] == 1
 
     # through a checkpoint file, as a resumed run reads it
@@ -140,8 +169,9 @@ def test_a_recorder_replays_a_multi_turn_group_and_continues_its_cut_turn(ray_se
 
     ray = ray_session
     model = build_engine_test_model(tmp_path / "m")
-    cfg, _ = load_config("tiny/grpo_arith_cpu",
-                         ["rollout.engine={name: native, params: {max_model_len: 512, eos_token_ids: []}}"])
+    cfg, _ = load_config(
+        "tiny/grpo_arith_cpu", ["rollout.engine={name: native, params: {max_model_len: 512, eos_token_ids: []}}"]
+    )
     weights = _perturbed(model)
     worker = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=100)
     (prompt,) = prompts(1, seed=3)

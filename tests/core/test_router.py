@@ -21,8 +21,9 @@ from _engine_helpers import build_engine_test_model, prompts  # noqa: E402
 def test_router_balances_replicas_and_keeps_a_session_on_one(ray_session, tmp_path):
     ray = ray_session
     model = build_engine_test_model(tmp_path / "m")
-    cfg, _ = load_config("tiny/grpo_arith_cpu",
-                         ["rollout.engine={name: native, params: {max_model_len: 128, eos_token_ids: []}}"])
+    cfg, _ = load_config(
+        "tiny/grpo_arith_cpu", ["rollout.engine={name: native, params: {max_model_len: 128, eos_token_ids: []}}"]
+    )
     worker = ray.remote(EngineWorker)
     engines = [worker.options(num_cpus=0, max_concurrency=100).remote(cfg, model, i, 1) for i in range(2)]
     router = EngineRouter(engines)
@@ -37,12 +38,17 @@ def test_router_balances_replicas_and_keeps_a_session_on_one(ray_session, tmp_pa
         (first_prompt,) = prompts(1, seed=61)
         (turn1,) = await router.generate(first_prompt, greedy, session="s")
         home = router.pick("s")
-        busy = [asyncio.create_task(router.generate(p, SamplingParams(temperature=0, max_new_tokens=60)))
-                for p in prompts(3, seed=62)]
+        busy = [
+            asyncio.create_task(router.generate(p, SamplingParams(temperature=0, max_new_tokens=60)))
+            for p in prompts(3, seed=62)
+        ]
         await asyncio.sleep(0)
         while router.in_flight[home] <= router.in_flight[1 - home]:  # load the session's replica most
-            busy.append(asyncio.create_task(router.generate(prompts(1, seed=len(busy) + 70)[0], greedy,
-                                                            session=f"filler{len(busy)}")))
+            busy.append(
+                asyncio.create_task(
+                    router.generate(prompts(1, seed=len(busy) + 70)[0], greedy, session=f"filler{len(busy)}")
+                )
+            )
             router._sticky[f"filler{len(busy) - 1}"] = home
             await asyncio.sleep(0)
         assert router.pick("s") == home and router.pick() == 1 - home
@@ -71,14 +77,17 @@ def test_a_weight_update_cuts_generations_that_then_continue_from_their_tokens(r
 
     ray = ray_session
     model = build_engine_test_model(tmp_path / "m")
-    cfg, _ = load_config("tiny/grpo_arith_cpu",
-                         ["rollout.engine={name: native, params: {max_model_len: 512, eos_token_ids: []}}"])
+    cfg, _ = load_config(
+        "tiny/grpo_arith_cpu", ["rollout.engine={name: native, params: {max_model_len: 512, eos_token_ids: []}}"]
+    )
     engine = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=100).remote(cfg, model, 0, 1)
     router = EngineRouter([engine])
     from transformers import AutoModelForCausalLM
 
-    weights = {n: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(3))
-               for n, t in AutoModelForCausalLM.from_pretrained(model).state_dict().items()}
+    weights = {
+        n: t + 0.05 * torch.randn(t.shape, generator=torch.Generator().manual_seed(3))
+        for n, t in AutoModelForCausalLM.from_pretrained(model).state_dict().items()
+    }
     budget = 300
 
     async def main():
@@ -103,8 +112,16 @@ def test_a_weight_update_cuts_generations_that_then_continue_from_their_tokens(r
     assert after.versions == [1] * 4
     # rollout.mask_old_tokens: such a sample trains only on its tokens of the newest version
     for k, r in enumerate(results):
-        t = Trajectory(source="s", group_id=0, sample_index=k, prompt_ids=[1], response_ids=list(r.output_ids),
-                       loss_mask=[1] * budget, rollout_logprobs=list(r.logprobs), versions=list(r.versions))
+        t = Trajectory(
+            source="s",
+            group_id=0,
+            sample_index=k,
+            prompt_ids=[1],
+            response_ids=list(r.output_ids),
+            loss_mask=[1] * budget,
+            rollout_logprobs=list(r.logprobs),
+            versions=list(r.versions),
+        )
         assert mask_old_versions(t) == r.versions.count(0)
         assert t.loss_mask == [int(v == 1) for v in r.versions]
     ray.kill(engine)
@@ -123,8 +140,9 @@ def test_a_lost_engine_is_replaced_and_its_requests_sampled_again(ray_session, t
 
     ray = ray_session
     model = build_engine_test_model(tmp_path / "m")
-    cfg, _ = load_config("tiny/grpo_arith_cpu",
-                         ["rollout.engine={name: native, params: {max_model_len: 512, eos_token_ids: []}}"])
+    cfg, _ = load_config(
+        "tiny/grpo_arith_cpu", ["rollout.engine={name: native, params: {max_model_len: 512, eos_token_ids: []}}"]
+    )
     worker = ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=100)
     engines = [worker.remote(cfg, model, i, 1) for i in range(2)]
     router = EngineRouter(engines, health_timeout_s=4)
@@ -137,8 +155,13 @@ def test_a_lost_engine_is_replaced_and_its_requests_sampled_again(ray_session, t
         started.append(engine)
         return engine
 
-    EngineRecovery(router, restart=restart, load=lambda engine, version: ray.get(engine.set_version.remote(version)),
-                   max_restarts=2, on_error=errors.append)
+    EngineRecovery(
+        router,
+        restart=restart,
+        load=lambda engine, version: ray.get(engine.set_version.remote(version)),
+        max_restarts=2,
+        on_error=errors.append,
+    )
     batch = prompts(6, seed=90)
     sampling = [SamplingParams(temperature=1.0, max_new_tokens=100, n=2, seed=100 + k) for k in range(6)]
 

@@ -44,15 +44,24 @@ def _ray_task_error(function_name: str, cause: BaseException) -> BaseException:
     """What ``ray.get`` raises for an exception in an actor method: Ray's own class, built as Ray builds it."""
     from ray.exceptions import RayTaskError
 
-    return RayTaskError(function_name, "Traceback (most recent call last):\n  ...", cause,
-                        proctitle=f"ray::{function_name}").as_instanceof_cause()
+    return RayTaskError(
+        function_name, "Traceback (most recent call last):\n  ...", cause, proctitle=f"ray::{function_name}"
+    ).as_instanceof_cause()
 
 
 def _checkpoint(run_dir: Path, step: int, sources=("arith",), *, trainer: bytes | None = None) -> Path:
     path = run_dir / "checkpoints" / f"step_{step:06d}"
     path.mkdir(parents=True)
-    (path / "controller.json").write_text(json.dumps({"step": step, "version": step, "next_group_id": 0,
-                                                      "mixer": {s: {"epoch": 0, "offset": 0} for s in sources}}))
+    (path / "controller.json").write_text(
+        json.dumps(
+            {
+                "step": step,
+                "version": step,
+                "next_group_id": 0,
+                "mixer": {s: {"epoch": 0, "offset": 0} for s in sources},
+            }
+        )
+    )
     torch.save({"model": {"w": torch.zeros(64)}, "steps": step}, path / "trainer.pt")
     torch.save({"rng": torch.zeros(4)}, path / "rng_rank0.pt")
     if trainer is not None:
@@ -88,8 +97,10 @@ def test_a_path_that_cannot_be_written_is_named(tmp_path) -> None:
     for code in (errno.EROFS, errno.EACCES):
         exc = OSError(code, os.strerror(code), str(tmp_path / "runs/r/metrics.jsonl"))
         out = explain(exc, run_dir=tmp_path / "runs/r", step=2, total_steps=3)
-        assert out.message.startswith(f"cannot write {tmp_path}/runs/r/metrics.jsonl: {os.strerror(code)} after 2 of 3 "
-                                      f"steps; make {tmp_path}/runs/r writable again"), out.message
+        assert out.message.startswith(
+            f"cannot write {tmp_path}/runs/r/metrics.jsonl: {os.strerror(code)} after 2 of 3 "
+            f"steps; make {tmp_path}/runs/r writable again"
+        ), out.message
         assert "resume=true to start it again (no checkpoint was written yet)" in out.message
 
 
@@ -97,23 +108,30 @@ def test_an_actors_exception_names_its_type_message_and_actor(tmp_path) -> None:
     cause = _raised(lambda: 1 / 0)
     out = explain(_ray_task_error("RewardWorker.score", cause), run_dir=tmp_path, step=3, total_steps=10)
     assert out.code == 1
-    assert out.message.startswith("the run failed after 3 of 10 steps: ZeroDivisionError: division by zero (in the "
-                                  "reward actor, RewardWorker.score); fix the cause, then run the same command with "
-                                  "resume=true"), out.message
+    assert out.message.startswith(
+        "the run failed after 3 of 10 steps: ZeroDivisionError: division by zero (in the "
+        "reward actor, RewardWorker.score); fix the cause, then run the same command with "
+        "resume=true"
+    ), out.message
 
 
 def test_signals_and_refusals_keep_their_exit_codes(tmp_path) -> None:
     _checkpoint(tmp_path, 2)
     out = explain(KeyboardInterrupt(), run_dir=tmp_path, step=2, total_steps=9)
-    assert (out.code, out.message) == (130, "stopped by SIGINT after 2 of 9 steps; Ray was shut down; run the same "
-                                       f"command with resume=true to continue from {tmp_path}/checkpoints/step_000002")
+    assert (out.code, out.message) == (
+        130,
+        "stopped by SIGINT after 2 of 9 steps; Ray was shut down; run the same "
+        f"command with resume=true to continue from {tmp_path}/checkpoints/step_000002",
+    )
     assert explain(Stopped(signal.SIGTERM), run_dir=tmp_path).code == 143
     # a refusal raised in an actor is still the refusal, in its own words
     out = explain(_ray_task_error("RewardWorker.score", BadRecordError("data.jsonl row 3: missing key 'prompt'")))
     assert (out.code, out.message) == (2, "data.jsonl row 3: missing key 'prompt'")
     out = explain(RunError("wandb tracker: wandb.init failed"), run_dir=tmp_path / "none")
-    assert out.message == ("wandb tracker: wandb.init failed; then run the same command with resume=true to start it "
-                           "again (no checkpoint was written yet)")
+    assert out.message == (
+        "wandb tracker: wandb.init failed; then run the same command with resume=true to start it "
+        "again (no checkpoint was written yet)"
+    )
 
 
 def test_ray_that_does_not_start_is_one_line(monkeypatch) -> None:
@@ -141,16 +159,20 @@ def test_resume_checks_the_latest_checkpoint_before_ray_starts(tmp_path) -> None
 
     with pytest.raises(ConfigError) as exc:
         check_resumable(run_dir, ["arith", "sort"], 10)
-    assert str(exc.value) == (f"resume: checkpoint {latest} was written by a run of the data sources [arith] and the "
-                              "config has [arith, sort] (not in the checkpoint: sort); resume with the checkpoint's "
-                              "data_sources, or start a new run (another run.name)")
+    assert str(exc.value) == (
+        f"resume: checkpoint {latest} was written by a run of the data sources [arith] and the "
+        "config has [arith, sort] (not in the checkpoint: sort); resume with the checkpoint's "
+        "data_sources, or start a new run (another run.name)"
+    )
     with pytest.raises(ConfigError, match=r"\(not in the config: arith; not in the checkpoint: other\)"):
         check_resumable(run_dir, ["other"], 10)
     for total in (4, 3):
         with pytest.raises(ConfigError) as exc:
             check_resumable(run_dir, ["arith"], total)
-        assert str(exc.value) == (f"resume: checkpoint {latest} is at step 4 and run.total_steps={total}, so there is "
-                                  "nothing left to train; set run.total_steps above 4 to train further")
+        assert str(exc.value) == (
+            f"resume: checkpoint {latest} is at step 4 and run.total_steps={total}, so there is "
+            "nothing left to train; set run.total_steps above 4 to train further"
+        )
 
 
 def test_resume_refuses_a_checkpoint_cut_short_and_names_the_one_before(tmp_path) -> None:
@@ -175,8 +197,9 @@ def test_resume_refuses_a_checkpoint_cut_short_and_names_the_one_before(tmp_path
     with pytest.raises(ConfigError) as exc:
         check_resumable(only, ["arith"], 10)
     assert str(exc.value).startswith(f"resume: checkpoint {lone} is damaged (controller.json: JSONDecodeError: ")
-    assert str(exc.value).endswith(f"it is the only checkpoint: delete {lone} to start over from step 0 (resume=true), "
-                                   "or use a new run.name")
+    assert str(exc.value).endswith(
+        f"it is the only checkpoint: delete {lone} to start over from step 0 (resume=true), or use a new run.name"
+    )
 
 
 # ----------------------------------------------------------------------------- config refusals
@@ -186,17 +209,24 @@ def test_a_placement_larger_than_the_machine_is_refused() -> None:
 
     with pytest.raises(ConfigError) as exc:
         check("placement.cpus_per_actor=64", cores=2)
-    assert str(exc.value) == ("placement.cpus_per_actor=64: this machine has 2 CPU cores, so one actor cannot have "
-                              "more; set placement.cpus_per_actor <= 2 (it starts Ray itself here; on a Ray cluster, "
-                              "start Ray there first)")
+    assert str(exc.value) == (
+        "placement.cpus_per_actor=64: this machine has 2 CPU cores, so one actor cannot have "
+        "more; set placement.cpus_per_actor <= 2 (it starts Ray itself here; on a Ray cluster, "
+        "start Ray there first)"
+    )
     with pytest.raises(ConfigError) as exc:
         check("placement.num_cpus=512", cores=2)
-    assert str(exc.value) == ("placement.num_cpus=512: this machine has 2 CPU cores and the placement needs 1; set "
-                              "placement.num_cpus <= 2, or leave it null (every core)")
+    assert str(exc.value) == (
+        "placement.num_cpus=512: this machine has 2 CPU cores and the placement needs 1; set "
+        "placement.num_cpus <= 2, or leave it null (every core)"
+    )
     check("placement.cpus_per_actor=2", cores=2)
     check("colocate=false", "placement.num_cpus=2", cores=1)  # two one-CPU bundles on one core: needed, allowed
-    with pytest.raises(ConfigError, match=r"^placement\.num_cpus=3: this machine has 1 CPU core and the placement "
-                                          r"needs 2; set placement\.num_cpus <= 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^placement\.num_cpus=3: this machine has 1 CPU core and the placement "
+        r"needs 2; set placement\.num_cpus <= 2",
+    ):
         check("colocate=false", "placement.num_cpus=3", cores=1)
 
 
@@ -208,14 +238,28 @@ def test_the_launcher_refuses_an_actor_larger_than_the_machine(tmp_path) -> None
     script = Path(sys.executable).parent / "loongsage"
     launcher = [str(script)] if script.is_file() else [sys.executable, "-m", "loongsage.core.cli"]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([*launcher, "train", RECIPE, f"placement.cpus_per_actor={cores + 1}",
-                           f"run.output_dir={tmp_path}/runs", f"run.log_dir={tmp_path}/log"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            *launcher,
+            "train",
+            RECIPE,
+            f"placement.cpus_per_actor={cores + 1}",
+            f"run.output_dir={tmp_path}/runs",
+            f"run.log_dir={tmp_path}/log",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
-    assert proc.stderr == (f"loongsage: error: placement.cpus_per_actor={cores + 1}: this machine has {cores} CPU "
-                           f"core{'' if cores == 1 else 's'}, so one actor cannot have more; set "
-                           f"placement.cpus_per_actor <= {cores} (it starts Ray itself here; on a Ray cluster, start "
-                           "Ray there first)\n")
+    assert proc.stderr == (
+        f"loongsage: error: placement.cpus_per_actor={cores + 1}: this machine has {cores} CPU "
+        f"core{'' if cores == 1 else 's'}, so one actor cannot have more; set "
+        f"placement.cpus_per_actor <= {cores} (it starts Ray itself here; on a Ray cluster, start "
+        "Ray there first)\n"
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -224,17 +268,22 @@ def test_a_group_relative_estimator_needs_two_samples_per_prompt(advantage) -> N
     with pytest.raises(ConfigError) as exc:
         load_config(RECIPE, [f"algorithm.advantage={advantage}", "data_sources.0.samples_per_prompt=1"])
     name = "rloo" if "rloo" in advantage else "grpo"
-    assert str(exc.value) == (f"data_sources[0].samples_per_prompt=1: advantage {name!r} compares the samples of a "
-                              "prompt with each other, so it needs >= 2 (with fewer every advantage is 0 and the run "
-                              "trains nothing); raise samples_per_prompt, or use an estimator with a batch baseline "
-                              "(e.g. reinforce_pp)")
+    assert str(exc.value) == (
+        f"data_sources[0].samples_per_prompt=1: advantage {name!r} compares the samples of a "
+        "prompt with each other, so it needs >= 2 (with fewer every advantage is 0 and the run "
+        "trains nothing); raise samples_per_prompt, or use an estimator with a batch baseline "
+        "(e.g. reinforce_pp)"
+    )
 
 
-@pytest.mark.parametrize("overrides", [
-    ["algorithm.advantage={name: grpo, params: {scope: batch}}", "data_sources.0.samples_per_prompt=1"],
-    ["algorithm.advantage={name: reinforce_pp}", "data_sources.0.samples_per_prompt=1"],
-    ["data_sources.0.samples_per_prompt=2"],
-])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.advantage={name: grpo, params: {scope: batch}}", "data_sources.0.samples_per_prompt=1"],
+        ["algorithm.advantage={name: reinforce_pp}", "data_sources.0.samples_per_prompt=1"],
+        ["data_sources.0.samples_per_prompt=2"],
+    ],
+)
 def test_one_sample_per_prompt_is_fine_where_the_baseline_is_not_the_group(overrides) -> None:
     load_config(RECIPE, overrides)
 
@@ -248,8 +297,14 @@ def test_sft_trains_one_sample_per_record() -> None:
 def test_evaluation_honours_on_bad_row(tmp_path) -> None:
     from loongsage.core.evaluation import Evaluator
 
-    rows = [{"prompt": "1+1=", "label": "2"}, {"label": "3"}, "not an object", {"prompt": "2+2=", "label": "4"},
-            {"prompt": "3+3=", "label": "6"}, {"prompt": "4+4=", "label": "8"}]
+    rows = [
+        {"prompt": "1+1=", "label": "2"},
+        {"label": "3"},
+        "not an object",
+        {"prompt": "2+2=", "label": "4"},
+        {"prompt": "3+3=", "label": "6"},
+        {"prompt": "4+4=", "label": "8"},
+    ]
     path = tmp_path / "eval.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
     eval_reader = f"data_sources.0.eval_reader={{name: file, params: {{path: {path}}}}}"
@@ -261,13 +316,18 @@ def test_evaluation_honours_on_bad_row(tmp_path) -> None:
     cfg, registry = load_config(RECIPE, [eval_reader, "data_sources.0.on_bad_row=error"])
     with pytest.raises(BadRecordError) as exc:
         Evaluator(cfg, registry)
-    assert str(exc.value) == (f"data source 'arith' (eval_reader): {path} row 1: missing key 'prompt'; present: label; "
-                              "fix the row, or set on_bad_row: skip")
+    assert str(exc.value) == (
+        f"data source 'arith' (eval_reader): {path} row 1: missing key 'prompt'; present: label; "
+        "fix the row, or set on_bad_row: skip"
+    )
 
     path.write_text('{"label": "1"}\n[]\n')
     cfg, registry = load_config(RECIPE, [eval_reader])
-    with pytest.raises(BadRecordError, match=r"^data source 'arith' \(eval_reader\): no valid evaluation row \(all 2 "
-                                             r"bad\); fix the file, or drop eval_reader$"):
+    with pytest.raises(
+        BadRecordError,
+        match=r"^data source 'arith' \(eval_reader\): no valid evaluation row \(all 2 "
+        r"bad\); fix the file, or drop eval_reader$",
+    ):
         Evaluator(cfg, registry)
 
 
@@ -283,18 +343,30 @@ def never_runs(monkeypatch):
     monkeypatch.setattr(Controller, "run", started)
 
 
-@pytest.mark.parametrize(("files", "what"), [
-    (["config.yaml", "metrics.jsonl", "final/config.json", "checkpoints/step_000100/controller.json"],
-     "a finished run; train it further with resume=true and a larger run.total_steps"),
-    (["config.yaml", "metrics.jsonl", "checkpoints/step_000100/controller.json"],  # checkpoint.export_hf=false
-     "a finished run; train it further with resume=true and a larger run.total_steps"),
-    (["config.yaml", "metrics.jsonl", "checkpoints/step_000004/controller.json"],
-     "a run stopped after its checkpoint step_000004; continue it with resume=true"),
-    (["config.yaml", "metrics.jsonl"], "a run that stopped before its first checkpoint; start it again there with "
-                                       "resume=true"),
-])
-def test_a_folder_that_holds_a_run_is_refused_unless_resuming(tmp_path, monkeypatch, capsys, never_runs, files,
-                                                              what) -> None:
+@pytest.mark.parametrize(
+    ("files", "what"),
+    [
+        (
+            ["config.yaml", "metrics.jsonl", "final/config.json", "checkpoints/step_000100/controller.json"],
+            "a finished run; train it further with resume=true and a larger run.total_steps",
+        ),
+        (
+            ["config.yaml", "metrics.jsonl", "checkpoints/step_000100/controller.json"],  # checkpoint.export_hf=false
+            "a finished run; train it further with resume=true and a larger run.total_steps",
+        ),
+        (
+            ["config.yaml", "metrics.jsonl", "checkpoints/step_000004/controller.json"],
+            "a run stopped after its checkpoint step_000004; continue it with resume=true",
+        ),
+        (
+            ["config.yaml", "metrics.jsonl"],
+            "a run that stopped before its first checkpoint; start it again there with resume=true",
+        ),
+    ],
+)
+def test_a_folder_that_holds_a_run_is_refused_unless_resuming(
+    tmp_path, monkeypatch, capsys, never_runs, files, what
+) -> None:
     monkeypatch.chdir(tmp_path)
     run_dir = tmp_path / "runs" / "grpo_arith_cpu"
     for name in files:
@@ -303,8 +375,10 @@ def test_a_folder_that_holds_a_run_is_refused_unless_resuming(tmp_path, monkeypa
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     assert cli.main(["train", RECIPE, f"run.output_dir={tmp_path}/runs", f"run.log_dir={tmp_path}/log"]) == 2
     err = capsys.readouterr().err
-    assert err == (f"loongsage: error: run.name=grpo_arith_cpu: {run_dir} already holds {what}, give this run its own "
-                   "folder (another run.name=... or run.output_dir=...), or remove that folder\n")
+    assert err == (
+        f"loongsage: error: run.name=grpo_arith_cpu: {run_dir} already holds {what}, give this run its own "
+        "folder (another run.name=... or run.output_dir=...), or remove that folder\n"
+    )
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing written
 
 
@@ -333,22 +407,37 @@ def test_wandb_without_an_account_is_one_line_before_ray(model_cache, tmp_path, 
 
     for key in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_BASE_URL"):
         monkeypatch.delenv(key, raising=False)
-    for key, value in (("WANDB_MODE", "online"), ("WANDB_SILENT", "true"), ("WANDB_ERROR_REPORTING", "false"),
-                       ("HOME", str(tmp_path / "home")), ("WANDB_CONFIG_DIR", str(tmp_path / "home" / "config")),
-                       ("NETRC", str(tmp_path / "home" / ".netrc"))):
+    for key, value in (
+        ("WANDB_MODE", "online"),
+        ("WANDB_SILENT", "true"),
+        ("WANDB_ERROR_REPORTING", "false"),
+        ("HOME", str(tmp_path / "home")),
+        ("WANDB_CONFIG_DIR", str(tmp_path / "home" / "config")),
+        ("NETRC", str(tmp_path / "home" / ".netrc")),
+    ):
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(tmp_path)
     ray_before = ray.is_initialized()
     try:
-        rc = cli.main(["train", RECIPE, "tracking.backends=[jsonl,wandb]", "tracking.progress=false",
-                       f"run.output_dir={tmp_path}/runs", f"run.log_dir={tmp_path}/log"])
+        rc = cli.main(
+            [
+                "train",
+                RECIPE,
+                "tracking.backends=[jsonl,wandb]",
+                "tracking.progress=false",
+                f"run.output_dir={tmp_path}/runs",
+                f"run.log_dir={tmp_path}/log",
+            ]
+        )
     finally:
         wandb.teardown()
     err = capsys.readouterr().err.splitlines()
     assert rc == 1, err
     assert err[-1].startswith("loongsage: error: wandb tracker: wandb.init failed: "), err
-    assert "(log in with `wandb login` or set WANDB_API_KEY; to log without an account or network, use mode offline: " \
-           "WANDB_MODE=offline); then run the same command with resume=true to start it again" in err[-1]
+    assert (
+        "(log in with `wandb login` or set WANDB_API_KEY; to log without an account or network, use mode offline: "
+        "WANDB_MODE=offline); then run the same command with resume=true to start it again" in err[-1]
+    )
     assert err[-1].endswith(f"; the traceback is in {tmp_path}/runs/grpo_arith_cpu/run.log")
     assert all(line.startswith("[loongsage] ") for line in err[:-1]), err
     assert ray.is_initialized() == ray_before  # it stopped before Ray

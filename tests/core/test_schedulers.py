@@ -17,8 +17,15 @@ B = 4
 
 
 def state(version=0, in_flight=0, buffered=0, consumed=0, dispatched=0, oldest=0) -> SchedulerState:
-    return SchedulerState(version=version, groups_per_step=B, in_flight=in_flight, buffered=buffered,
-                          consumed=consumed, dispatched=dispatched, oldest_unconsumed=oldest)
+    return SchedulerState(
+        version=version,
+        groups_per_step=B,
+        in_flight=in_flight,
+        buffered=buffered,
+        consumed=consumed,
+        dispatched=dispatched,
+        oldest_unconsumed=oldest,
+    )
 
 
 def test_sync_dispatches_one_step_once_the_last_is_consumed():
@@ -54,8 +61,12 @@ def test_window_gated_waits_for_a_straggler():
     # 8 dispatched, only one still running but it is the oldest (seq 0): the window is full
     assert s.groups_to_dispatch(state(version=2, consumed=2 * B, in_flight=1, dispatched=16, oldest=8)) == 0
     # no_window would dispatch here
-    assert NoWindowScheduler(max_staleness=1).groups_to_dispatch(
-        state(version=2, consumed=2 * B, in_flight=1, dispatched=16, oldest=8)) == 2 * B - 1
+    assert (
+        NoWindowScheduler(max_staleness=1).groups_to_dispatch(
+            state(version=2, consumed=2 * B, in_flight=1, dispatched=16, oldest=8)
+        )
+        == 2 * B - 1
+    )
     assert s.groups_to_dispatch(state(version=2, consumed=2 * B, in_flight=1, dispatched=16, oldest=12)) == 4
 
 
@@ -70,10 +81,26 @@ def test_mask_old_versions_keeps_only_the_newest_version_and_untouched_tokens():
     from loongsage.core.rollout.service import mask_old_versions
     from loongsage.core.types import Trajectory
 
-    t = Trajectory(source="s", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[5, 6, 7, 8, 9, 10],
-                   loss_mask=[1, 1, 0, 1, 1, 0], rollout_logprobs=[0.0] * 6, versions=[3, 3, -1, 4, 4, 4])
+    t = Trajectory(
+        source="s",
+        group_id=0,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[5, 6, 7, 8, 9, 10],
+        loss_mask=[1, 1, 0, 1, 1, 0],
+        rollout_logprobs=[0.0] * 6,
+        versions=[3, 3, -1, 4, 4, 4],
+    )
     assert mask_old_versions(t) == 2
     assert t.loss_mask == [0, 0, 0, 1, 1, 0]  # the prompt-side token (-1) and a masked one stay as they were
-    whole = Trajectory(source="s", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[5, 6],
-                       loss_mask=[1, 1], rollout_logprobs=[0.0] * 2, versions=[2, 2])
+    whole = Trajectory(
+        source="s",
+        group_id=0,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[5, 6],
+        loss_mask=[1, 1],
+        rollout_logprobs=[0.0] * 2,
+        versions=[2, 2],
+    )
     assert mask_old_versions(whole) == 0 and whole.loss_mask == [1, 1]

@@ -20,24 +20,43 @@ def _traj(group: int, k: int, reward: float, segments: bool) -> Trajectory:
     """Prompt of 3, answer of 4, new prompt of 3, answer of 2: two segments [0, 7) and [7, 12)."""
     mask = [1, 1, 1, 1, 0, 0, 0, 1, 1]
     return Trajectory(
-        source="s", group_id=group, sample_index=k, prompt_ids=[5, 6, 7], response_ids=list(range(10, 19)),
-        loss_mask=mask, rollout_logprobs=[-0.5 * m for m in mask], versions=[0 if m else -1 for m in mask],
-        reward=reward, segments=[Segment(0, 7), Segment(7, 12, "compaction")] if segments else [],
+        source="s",
+        group_id=group,
+        sample_index=k,
+        prompt_ids=[5, 6, 7],
+        response_ids=list(range(10, 19)),
+        loss_mask=mask,
+        rollout_logprobs=[-0.5 * m for m in mask],
+        versions=[0 if m else -1 for m in mask],
+        reward=reward,
+        segments=[Segment(0, 7), Segment(7, 12, "compaction")] if segments else [],
     )
 
 
 def _single(group: int, k: int, reward: float, answer: int) -> Trajectory:
-    return Trajectory(source="s", group_id=group, sample_index=k, prompt_ids=[5, 6], response_ids=[9] * answer,
-                      loss_mask=[1] * answer, rollout_logprobs=[-1.0] * answer, versions=[0] * answer, reward=reward)
+    return Trajectory(
+        source="s",
+        group_id=group,
+        sample_index=k,
+        prompt_ids=[5, 6],
+        response_ids=[9] * answer,
+        loss_mask=[1] * answer,
+        rollout_logprobs=[-1.0] * answer,
+        versions=[0] * answer,
+        reward=reward,
+    )
 
 
-@pytest.mark.parametrize("segments, message", [
-    ([Segment(0, 5), Segment(6, 12)], "must tile tokens [0, 12)"),
-    ([Segment(0, 7), Segment(7, 7), Segment(7, 12)], "none empty"),
-    ([Segment(7, 12), Segment(0, 7)], "in order"),
-    ([Segment(0, 7), Segment(7, 11)], "end at 11, not at the trajectory's 12 tokens"),
-    ([Segment(0, 5), Segment(5, 12)], "segment 1 starts at token 5, which is trained"),
-])
+@pytest.mark.parametrize(
+    "segments, message",
+    [
+        ([Segment(0, 5), Segment(6, 12)], "must tile tokens [0, 12)"),
+        ([Segment(0, 7), Segment(7, 7), Segment(7, 12)], "none empty"),
+        ([Segment(7, 12), Segment(0, 7)], "in order"),
+        ([Segment(0, 7), Segment(7, 11)], "end at 11, not at the trajectory's 12 tokens"),
+        ([Segment(0, 5), Segment(5, 12)], "segment 1 starts at token 5, which is trained"),
+    ],
+)
 def test_bad_segments_are_one_line_errors(segments, message):
     trajectory = _traj(3, 1, 1.0, segments=False)
     trajectory.segments = segments
@@ -117,8 +136,9 @@ def test_planning_with_one_sequence_per_row_is_the_plain_plan():
     lengths = [5, 40, 7, 33, 12, 12, 60, 3]
     for budget in (40, 100, 1000):
         for grouped in (True, False):
-            assert (plan_micro_batches(lengths, budget, group_by_length=grouped, widths=[1] * 8)
-                    == plan_micro_batches(lengths, budget, group_by_length=grouped))
+            assert plan_micro_batches(lengths, budget, group_by_length=grouped, widths=[1] * 8) == plan_micro_batches(
+                lengths, budget, group_by_length=grouped
+            )
     # a row of three sequences costs three rows
     assert plan_micro_batches([10, 10], 30, group_by_length=False, widths=[3, 1]) == [[0], [1]]
     assert plan_micro_batches([10, 10], 40, group_by_length=False, widths=[3, 1]) == [[0, 1]]

@@ -12,7 +12,9 @@ import pytest
 from loongsage.core.config import load_config
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-NAMES = sorted(str(p.relative_to(RECIPES).with_suffix("")) for d in ("tiny", "gpu") for p in (RECIPES / d).rglob("*.yaml"))
+NAMES = sorted(
+    str(p.relative_to(RECIPES).with_suffix("")) for d in ("tiny", "gpu") for p in (RECIPES / d).rglob("*.yaml")
+)
 
 
 def test_recipes_are_found():

@@ -24,8 +24,15 @@ def composed(overrides: list[str], recipe: str = MIXED, config_dir: str | None =
     return compose(find_recipe(recipe, config_dir), overrides)
 
 
-@pytest.mark.parametrize("override", ["rollout.scheduler={name: sync}", "rollout.scheduler.name=sync",
-                                      "rollout={scheduler: {name: sync}}", "++rollout.scheduler={name: sync}"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "rollout.scheduler={name: sync}",
+        "rollout.scheduler.name=sync",
+        "rollout={scheduler: {name: sync}}",
+        "++rollout.scheduler={name: sync}",
+    ],
+)
 def test_an_override_with_another_name_replaces_the_entry(override) -> None:
     assert composed([override])["rollout"]["scheduler"] == {"name": "sync"}
     cfg, _ = load_config(MIXED, [override, "algorithm.corrections=[]"])  # valid: no max_staleness for sync
@@ -42,7 +49,9 @@ def test_the_replacing_entry_keeps_its_own_params() -> None:
 
 def test_the_old_way_of_dropping_params_still_works() -> None:
     assert composed(["rollout.scheduler={name: sync, params: null}"])["rollout"]["scheduler"] == {
-        "name": "sync", "params": None}
+        "name": "sync",
+        "params": None,
+    }
     for dropped in ("rollout.scheduler.params", "rollout.scheduler.params.max_staleness"):
         assert composed(["rollout.scheduler.name=sync", f"~{dropped}"])["rollout"]["scheduler"] == {"name": "sync"}
     # a key the rename did not remove is still Hydra's to refuse
@@ -56,16 +65,23 @@ def test_the_same_name_keeps_merging_params() -> None:
     out = composed(["algorithm.policy_loss={params: {clip_low: 0.1}}", "algorithm.policy_loss.name=ppo_clip"])
     assert out["algorithm"]["policy_loss"] == {"name": "ppo_clip", "params": {**CLIP, "clip_low": 0.1}}
     assert composed(["rollout.scheduler.params.max_staleness=2"])["rollout"]["scheduler"]["params"] == {
-        "max_staleness": 2}
+        "max_staleness": 2
+    }
 
 
 def test_overrides_apply_in_order() -> None:
-    out = composed(["rollout.scheduler={name: sync}", "rollout.scheduler={name: no_window, params: {max_staleness: 2}}",
-                    "rollout.scheduler.params.max_staleness=4"])
+    out = composed(
+        [
+            "rollout.scheduler={name: sync}",
+            "rollout.scheduler={name: no_window, params: {max_staleness: 2}}",
+            "rollout.scheduler.params.max_staleness=4",
+        ]
+    )
     assert out["rollout"]["scheduler"] == {"name": "no_window", "params": {"max_staleness": 4}}
     # a spec deleted first is added anew
     assert composed(["~rollout.scheduler", "+rollout.scheduler={name: sync}"])["rollout"]["scheduler"] == {
-        "name": "sync"}
+        "name": "sync"
+    }
 
 
 def test_a_mapping_that_is_not_a_spec_still_merges() -> None:
@@ -83,8 +99,10 @@ def test_an_override_error_still_names_the_override() -> None:
     assert str(exc.value).startswith("override 'rollout.scheduler.params.max_staleness=[1': "), str(exc.value)
     # what the replaced entry had is gone: a param of the old scheduler is refused by the new one
     with pytest.raises(ConfigError) as exc:
-        load_config(MIXED, ["rollout.scheduler={name: sync}", "rollout.scheduler.params.max_staleness=1",
-                            "algorithm.corrections=[]"])
+        load_config(
+            MIXED,
+            ["rollout.scheduler={name: sync}", "rollout.scheduler.params.max_staleness=1", "algorithm.corrections=[]"],
+        )
     assert "rollout.scheduler.params.max_staleness" in str(exc.value), str(exc.value)
 
 
@@ -113,8 +131,11 @@ def test_a_recipe_layer_with_another_name_replaces_the_parents_entry(layered) ->
     name = child(layered, "sft", {"policy_loss": {"name": "nll"}})
     assert composed([], name, str(layered))["algorithm"]["policy_loss"] == {"name": "nll"}
     # (the parent's made-up nested advantage spec replaced too, so that it validates)
-    cfg, _ = load_config(name, ["rollout.scheduler={name: sync}", "algorithm.corrections=[]",
-                                "algorithm.advantage={name: rloo}"], config_dir=str(layered))
+    cfg, _ = load_config(
+        name,
+        ["rollout.scheduler={name: sync}", "algorithm.corrections=[]", "algorithm.advantage={name: rloo}"],
+        config_dir=str(layered),
+    )
     assert cfg.algorithm.policy_loss == {"name": "nll"}
 
     name = child(layered, "other", {"policy_loss": {"name": "vanilla", "params": {"a": 1}}})
@@ -128,7 +149,9 @@ def test_a_recipe_layer_with_another_name_replaces_the_parents_entry(layered) ->
 def test_a_recipe_layer_with_the_same_name_merges(layered) -> None:
     name = child(layered, "same", {"policy_loss": {"name": "ppo_clip", "params": {"clip_high": 0.4}}})
     assert composed([], name, str(layered))["algorithm"]["policy_loss"] == {
-        "name": "ppo_clip", "params": {"clip_low": 0.1, "clip_high": 0.4}}
+        "name": "ppo_clip",
+        "params": {"clip_low": 0.1, "clip_high": 0.4},
+    }
 
 
 def test_layers_over_layers_and_nested_specs(layered) -> None:
@@ -137,16 +160,21 @@ def test_layers_over_layers_and_nested_specs(layered) -> None:
     child(layered, "middle", {"advantage": {"name": "grpo", "params": {"norm": {"name": "mean"}}}})
     name = child(layered, "top", {"advantage": {"params": {"extra": True}}}, parents=("middle",))
     assert composed([], name, str(layered))["algorithm"]["advantage"] == {
-        "name": "grpo", "params": {"norm": {"name": "mean"}, "extra": True}}
+        "name": "grpo",
+        "params": {"norm": {"name": "mean"}, "extra": True},
+    }
     # a rename in the top layer drops what both earlier layers gave
     name = child(layered, "top2", {"advantage": {"name": "rloo"}}, parents=("middle",))
     assert composed([], name, str(layered))["algorithm"]["advantage"] == {"name": "rloo"}
     # ... nested specs included, even one renamed in between
     child(layered, "middle3", {"advantage": {"params": {"norm": {"name": "mean", "params": {"k": 2}}}}})
-    name = child(layered, "top3", {"advantage": {"name": "rloo", "params": {"norm": {"name": "mean"}}}},
-                 parents=("middle3",))
+    name = child(
+        layered, "top3", {"advantage": {"name": "rloo", "params": {"norm": {"name": "mean"}}}}, parents=("middle3",)
+    )
     assert composed([], name, str(layered))["algorithm"]["advantage"] == {
-        "name": "rloo", "params": {"norm": {"name": "mean"}}}
+        "name": "rloo",
+        "params": {"norm": {"name": "mean"}},
+    }
 
 
 def test_the_packaged_sft_recipe_replaces_grpo_s_policy_loss() -> None:

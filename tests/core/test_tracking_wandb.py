@@ -23,8 +23,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 def offline_env(monkeypatch: pytest.MonkeyPatch, home: Path, wandb_dir: Path | None) -> None:
     """W&B offline and quiet, every file it writes under ``home``; ``wandb_dir`` is WANDB_DIR (None: unset)."""
-    for key in ("WANDB_API_KEY", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_NAME",
-                "WANDB_RUN_GROUP", "WANDB_TAGS", "WANDB_DIR"):
+    for key in (
+        "WANDB_API_KEY",
+        "WANDB_PROJECT",
+        "WANDB_ENTITY",
+        "WANDB_RUN_ID",
+        "WANDB_RESUME",
+        "WANDB_NAME",
+        "WANDB_RUN_GROUP",
+        "WANDB_TAGS",
+        "WANDB_DIR",
+    ):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -64,10 +73,10 @@ def _records(path: Path):
         if left < 7:  # a block's tail too short for a record header is zero padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if length == 0 and kind == 0:
             break
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST: a whole record
             record = wandb_internal_pb2.Record()
@@ -108,8 +117,14 @@ def read_offline_runs(root: Path) -> list[dict]:
 
 # ----------------------------------------------------------------------------- the tracker itself
 def _metrics(step: int) -> dict[str, float]:
-    return {"train/loss": 1.0 / step, "rollout/reward_mean": 0.25 * step, "eval/arith/accuracy": 0.5,
-            "train/inf": math.inf, "train/nan": math.nan, "flag": True}
+    return {
+        "train/loss": 1.0 / step,
+        "rollout/reward_mean": 0.25 * step,
+        "eval/arith/accuracy": 0.5,
+        "train/inf": math.inf,
+        "train/nan": math.nan,
+        "flag": True,
+    }
 
 
 def test_offline_run_resumes_into_the_same_wandb_run(wandb_offline, tmp_path):
@@ -123,8 +138,7 @@ def test_offline_run_resumes_into_the_same_wandb_run(wandb_offline, tmp_path):
     assert len(run_id) == 8 and run_id.isalnum()
 
     resumed_config = {"run": {"name": "unit", "total_steps": 5}, "checkpoint": {"resume": True}}
-    tracker = WandbTracker(run_dir=str(run_dir), run_name="unit", config=resumed_config, resume=True,
-                           project="tests")
+    tracker = WandbTracker(run_dir=str(run_dir), run_name="unit", config=resumed_config, resume=True, project="tests")
     for step in (4, 5):
         tracker.log(step, _metrics(step))
     tracker.close()
@@ -144,8 +158,9 @@ def test_offline_run_resumes_into_the_same_wandb_run(wandb_offline, tmp_path):
     assert [sorted(s["history"]) for s in sessions] == [[1, 2, 3], [4, 5]]
     for step, row in history.items():
         # finite scalars only: inf, nan and booleans are not metrics
-        assert row == pytest.approx({"train/loss": 1.0 / step, "rollout/reward_mean": 0.25 * step,
-                                     "eval/arith/accuracy": 0.5}), row
+        assert row == pytest.approx(
+            {"train/loss": 1.0 / step, "rollout/reward_mean": 0.25 * step, "eval/arith/accuracy": 0.5}
+        ), row
 
     # a run started again without resume is a new W&B run (and the file names it)
     tracker = WandbTracker(run_dir=str(run_dir), run_name="unit", config=config, resume=False, project="tests")
@@ -184,8 +199,12 @@ def test_a_runs_trackers_and_their_resume_log_one_wandb_run_beside_metrics_jsonl
     logged = {0: {"eval/arith/accuracy": 0.25}, 1: _metrics(1), 2: _metrics(2), 3: _metrics(3)}
     try:
         for steps, resume, total in (((0, 1, 2), "false", 2), ((3,), "true", 3)):
-            overrides = ["run.name=wired", "tracking.backends=[jsonl,wandb]", f"run.total_steps={total}",
-                         f"checkpoint.resume={resume}"]
+            overrides = [
+                "run.name=wired",
+                "tracking.backends=[jsonl,wandb]",
+                f"run.total_steps={total}",
+                f"checkpoint.resume={resume}",
+            ]
             cfg, registry = load_config("tiny/grpo_arith_cpu", overrides)
             trackers = create_trackers(registry, cfg, run_dir)
             assert [type(t).__name__ for t in trackers] == ["JsonlTracker", "WandbTracker"]
@@ -232,9 +251,10 @@ def test_config_takes_names_and_specs(at_repo):
     assert cfg.tracking.backends == ["jsonl", "wandb"]
     spec = "{name: wandb, params: {project: p, entity: team, mode: offline, group: g, tags: [x, y], name: n}}"
     cfg, _ = load_config("tiny/grpo_arith_cpu", [f"tracking.backends=[jsonl,{spec}]"])
-    assert cfg.tracking.backends[1] == {"name": "wandb", "params": {"project": "p", "entity": "team",
-                                                                  "mode": "offline", "group": "g",
-                                                                  "tags": ["x", "y"], "name": "n"}}
+    assert cfg.tracking.backends[1] == {
+        "name": "wandb",
+        "params": {"project": "p", "entity": "team", "mode": "offline", "group": "g", "tags": ["x", "y"], "name": "n"},
+    }
     cfg, _ = load_config("tiny/grpo_arith_cpu")
     assert cfg.tracking.backends == ["jsonl", "tensorboard"]
 
@@ -242,10 +262,14 @@ def test_config_takes_names_and_specs(at_repo):
 @pytest.mark.parametrize(
     ("entry", "expected"),
     [
-        ("{name: wandb, params: {projct: p}}",
-         "tracking.backends[1].params.projct: unknown key; allowed: entity, group, mode, name, project, tags"),
-        ("{name: wandb, params: {mode: sometimes}}",
-         "tracking.backends[1].params.mode: got 'sometimes'; allowed: 'online', 'offline', 'disabled'"),
+        (
+            "{name: wandb, params: {projct: p}}",
+            "tracking.backends[1].params.projct: unknown key; allowed: entity, group, mode, name, project, tags",
+        ),
+        (
+            "{name: wandb, params: {mode: sometimes}}",
+            "tracking.backends[1].params.mode: got 'sometimes'; allowed: 'online', 'offline', 'disabled'",
+        ),
         ("{name: wandb, params: {tags: x}}", "tracking.backends[1].params.tags: got 'x'; expected a list"),
         # what the framework supplies is not a user's to set
         ("{name: wandb, params: {run_dir: /x}}", "tracking.backends[1].params.run_dir: unknown key; allowed: "),
@@ -280,8 +304,13 @@ def test_without_wandb_the_core_imports_and_config_names_the_extra():
         except ImportError as exc:
             print("BUILD", exc)
     """)
-    out = subprocess.run([sys.executable, "-c", script, str(REPO / "runs" / "never")], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script, str(REPO / "runs" / "never")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert f"CONFIG tracking.backends[1]: {WANDB_MISSING}" in lines

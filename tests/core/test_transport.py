@@ -52,8 +52,12 @@ def test_checksums_see_one_flipped_bit():
 
 def test_an_alias_is_sent_once():
     embed = torch.randn(10, 4)
-    tensors = [("model.embed_tokens.weight", embed), ("model.norm.weight", torch.ones(4)), ("lm_head.weight", embed),
-               ("copy.weight", embed.clone())]  # equal values in other memory: sent
+    tensors = [
+        ("model.embed_tokens.weight", embed),
+        ("model.norm.weight", torch.ones(4)),
+        ("lm_head.weight", embed),
+        ("copy.weight", embed.clone()),
+    ]  # equal values in other memory: sent
     names = [n for bucket in plan_buckets(tensors, 1 << 20) for n, _ in bucket]
     assert names == ["model.embed_tokens.weight", "model.norm.weight", "copy.weight"]
 

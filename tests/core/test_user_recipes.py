@@ -73,14 +73,18 @@ def hf_folder(tmp_path) -> Path:
 
 # ----------------------------------------------------------------------------- defaults: a shipped recipe
 def test_a_recipe_in_any_folder_extends_a_shipped_one(elsewhere) -> None:
-    mine = write(elsewhere / "mine", "grpo_short.yaml", """
+    mine = write(
+        elsewhere / "mine",
+        "grpo_short.yaml",
+        """
         defaults:
           - tiny/grpo_arith_cpu
           - _self_
         run: {name: grpo_short, total_steps: 3}
         algorithm:
           advantage: {name: rloo}
-        """)
+        """,
+    )
     cfg, _ = load_config(str(mine))
     assert (cfg.run.name, cfg.run.total_steps, cfg.run.seed) == ("grpo_short", 3, 1)  # seed from the shipped one
     assert cfg.model.builder == TINY_BUILDER and cfg.algorithm.advantage == {"name": "rloo"}
@@ -88,12 +92,16 @@ def test_a_recipe_in_any_folder_extends_a_shipped_one(elsewhere) -> None:
 
 
 def test_a_shipped_recipe_with_defaults_of_its_own_is_extended_whole(elsewhere) -> None:
-    mine = write(elsewhere / "mine", "dapo.yaml", """
+    mine = write(
+        elsewhere / "mine",
+        "dapo.yaml",
+        """
         defaults:
           - tiny/dapo_arith_cpu
           - _self_
         rollout: {max_refill_rounds: 1}
-        """)
+        """,
+    )
     raw = compose(mine.resolve(), ["run.total_steps=2"])
     assert raw["run"] == {"name": "dapo_arith_cpu", "seed": 1, "total_steps": 2}  # dapo over grpo, then mine
     assert raw["algorithm"]["filters"] == [{"name": "dynamic_sampling"}]
@@ -102,28 +110,37 @@ def test_a_shipped_recipe_with_defaults_of_its_own_is_extended_whole(elsewhere) 
 
 
 def test_a_recipe_renaming_a_shipped_spec_drops_its_params(elsewhere) -> None:
-    mine = write(elsewhere / "mine", "gspo.yaml", """
+    mine = write(
+        elsewhere / "mine",
+        "gspo.yaml",
+        """
         defaults:
           - tiny/grpo_arith_cpu
           - _self_
         algorithm:
           policy_loss: {name: gspo}
           aggregation: seq-mean-token-mean
-        """)
+        """,
+    )
     assert compose(mine.resolve(), [])["algorithm"]["policy_loss"] == {"name": "gspo"}  # not ppo_clip's clip_high
 
 
 def test_a_default_that_names_no_recipe_says_where_it_looked(elsewhere) -> None:
-    mine = write(elsewhere / "mine", "typo.yaml", """
+    mine = write(
+        elsewhere / "mine",
+        "typo.yaml",
+        """
         defaults:
           - tiny/grpo_arith_cpuu
           - _self_
-        """)
+        """,
+    )
     with pytest.raises(ConfigError) as exc:
         load_config(str(mine))
     msg = one_line(exc)
-    assert msg.startswith(f"{mine.resolve()}: defaults: recipe 'tiny/grpo_arith_cpuu' not found; looked in "
-                          f"{mine.resolve().parent}, ")
+    assert msg.startswith(
+        f"{mine.resolve()}: defaults: recipe 'tiny/grpo_arith_cpuu' not found; looked in {mine.resolve().parent}, "
+    )
     assert str(REPO / "recipes") in msg and "`loongsage recipes` lists the recipes" in msg
 
 
@@ -131,14 +148,18 @@ def test_a_default_that_names_no_recipe_says_where_it_looked(elsewhere) -> None:
 def test_a_plugins_module_beside_the_recipe_is_found(elsewhere) -> None:
     folder = elsewhere / "mine"
     write(folder, "my_filters_beside.py", PLUGIN)
-    mine = write(folder, "with_plugin.yaml", """
+    mine = write(
+        folder,
+        "with_plugin.yaml",
+        """
         defaults:
           - tiny/grpo_arith_cpu
           - _self_
         plugins: [my_filters_beside]
         algorithm:
           filters: [{name: keep_all_mine}]
-        """)
+        """,
+    )
     try:
         cfg, registry = load_config(str(mine))
         assert registry.entry("data_filter", "keep_all_mine").provider == "config plugins: my_filters_beside"
@@ -151,12 +172,16 @@ def test_a_plugins_module_beside_the_recipe_is_found(elsewhere) -> None:
 
 def test_a_plugins_module_in_the_working_directory_is_found(elsewhere) -> None:
     write(Path.cwd(), "my_filters_cwd.py", PLUGIN)
-    mine = write(elsewhere / "mine", "cwd_plugin.yaml", """
+    mine = write(
+        elsewhere / "mine",
+        "cwd_plugin.yaml",
+        """
         defaults:
           - tiny/grpo_arith_cpu
           - _self_
         plugins: [my_filters_cwd]
-        """)
+        """,
+    )
     try:
         _, registry = load_config(str(mine))
         assert "keep_all_mine" in registry.names("data_filter")
@@ -165,19 +190,24 @@ def test_a_plugins_module_in_the_working_directory_is_found(elsewhere) -> None:
 
 
 def test_a_plugins_module_found_nowhere_says_where_it_looked(elsewhere) -> None:
-    mine = write(elsewhere / "mine", "missing_plugin.yaml", """
+    mine = write(
+        elsewhere / "mine",
+        "missing_plugin.yaml",
+        """
         defaults:
           - tiny/grpo_arith_cpu
           - _self_
         plugins: [my_filters_nowhere]
-        """)
+        """,
+    )
     with pytest.raises(ConfigError) as exc:
         load_config(str(mine))
     assert one_line(exc) == (
         "plugins: module 'my_filters_nowhere' failed to import: ModuleNotFoundError: No module named "
         f"'my_filters_nowhere'; looked in the installed packages (sys.path) and in {mine.resolve().parent}, "
         f"{Path.cwd()}; a plugins: module must be importable: put my_filters_nowhere.py beside the recipe or in the "
-        "working directory, pip install its package, or add its folder to PYTHONPATH")
+        "working directory, pip install its package, or add its folder to PYTHONPATH"
+    )
 
 
 def test_loongsage_plugins_finds_a_module_in_the_working_directory(tmp_path) -> None:
@@ -186,8 +216,14 @@ def test_loongsage_plugins_finds_a_module_in_the_working_directory(tmp_path) -> 
     write(tmp_path, "my_listed_filters.py", PLUGIN)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     loongsage = Path(sys.executable).parent / "loongsage"
-    proc = subprocess.run([str(loongsage), "plugins", "--plugin", "my_listed_filters"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [str(loongsage), "plugins", "--plugin", "my_listed_filters"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"data_filter +keep_all_mine +config plugins: my_listed_filters", proc.stdout), proc.stdout
 
@@ -197,19 +233,29 @@ def test_the_launcher_runs_a_recipe_from_another_folder_with_its_plugin(tmp_path
     the shipped one and its plugin loads, so the only error is the invalid step count given last."""
     folder = tmp_path / "my_recipes"
     write(folder, "my_launcher_filters.py", PLUGIN)
-    write(folder, "mine.yaml", """
+    write(
+        folder,
+        "mine.yaml",
+        """
         defaults:
           - tiny/grpo_arith_cpu
           - _self_
         plugins: [my_launcher_filters]
         algorithm:
           filters: [{name: keep_all_mine}]
-        """)
+        """,
+    )
     cwd = tmp_path / "somewhere"
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-m", "loongsage.core.cli", "train", str(folder / "mine.yaml"),
-                           "run.total_steps=0"], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loongsage.core.cli", "train", str(folder / "mine.yaml"), "run.total_steps=0"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert (proc.returncode, proc.stderr) == (2, "loongsage: error: config.run.total_steps=0: must be >= 1\n")
     assert not any(cwd.iterdir())
 
@@ -223,13 +269,17 @@ def test_a_model_path_override_wins_over_the_recipes_builder(hf_folder) -> None:
 
 
 def test_a_builder_override_wins_over_the_recipes_path(elsewhere, hf_folder) -> None:
-    mine = write(elsewhere / "mine", "own_model.yaml", f"""
+    mine = write(
+        elsewhere / "mine",
+        "own_model.yaml",
+        f"""
         defaults:
           - tiny/grpo_arith_cpu
           - _self_
         model:
           path: {hf_folder}
-        """)
+        """,
+    )
     raw = compose(mine.resolve(), [])
     assert raw["model"]["path"] == str(hf_folder) and raw["model"]["builder"] is None  # the later layer's
     raw = compose(mine.resolve(), ["model.builder={name: tiny_arith}"])
@@ -239,19 +289,25 @@ def test_a_builder_override_wins_over_the_recipes_path(elsewhere, hf_folder) -> 
 
 
 def test_one_recipe_file_setting_both_is_refused(elsewhere, hf_folder) -> None:
-    mine = write(elsewhere / "mine", "both.yaml", f"""
+    mine = write(
+        elsewhere / "mine",
+        "both.yaml",
+        f"""
         defaults:
           - tiny/grpo_arith_cpu
           - _self_
         model:
           path: {hf_folder}
           builder: {{name: tiny_arith}}
-        """)
+        """,
+    )
     with pytest.raises(ConfigError) as exc:
         load_config(str(mine))
-    assert one_line(exc) == (f"{mine.resolve()}: model.path and model.builder are both set, and a run starts from "
-                             "one model: keep model.path (an HF folder) or model.builder (a model_builder that "
-                             "makes one)")
+    assert one_line(exc) == (
+        f"{mine.resolve()}: model.path and model.builder are both set, and a run starts from "
+        "one model: keep model.path (an HF folder) or model.builder (a model_builder that "
+        "makes one)"
+    )
     # an override settles it: the command line is a later layer
     cfg, _ = load_config(str(mine), ["model.builder=null"])
     assert cfg.model.path == str(hf_folder)

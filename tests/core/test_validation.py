@@ -55,8 +55,9 @@ def test_defaults_are_resolved_in_a_step_of_their_own_on_a_copy(raw, registry) -
     assert resolved is not cfg
     assert cfg.rollout.transport is None and cfg.placement.release_engine_memory is None  # unchanged
     assert resolved.rollout.transport == {"name": "cpu"} and resolved.placement.release_engine_memory is False
-    gpus = validation.resolve_defaults(dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement,
-                                                                                              gpus_per_actor=1.0)))
+    gpus = validation.resolve_defaults(
+        dataclasses.replace(cfg, placement=dataclasses.replace(cfg.placement, gpus_per_actor=1.0))
+    )
     assert gpus.rollout.transport == {"name": "ipc"} and gpus.placement.release_engine_memory is True
     given = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, transport={"name": "cpu", "params": {}}))
     assert validation.resolve_defaults(given).rollout.transport == {"name": "cpu", "params": {}}  # a given one stays
@@ -85,13 +86,16 @@ def test_a_rule_stops_validation_with_its_one_line(raw, registry) -> None:
 
 def test_an_implied_transport_that_is_not_installed_is_named(raw, registry, monkeypatch) -> None:
     raw["placement"] = {**raw.get("placement", {}), "gpus_per_actor": 1.0}
-    monkeypatch.setitem(registry.tables, "transport", {k: v for k, v in registry.tables["transport"].items()
-                                                      if k == "cpu"})
+    monkeypatch.setitem(
+        registry.tables, "transport", {k: v for k, v in registry.tables["transport"].items() if k == "cpu"}
+    )
     with pytest.raises(ConfigError) as exc:
         validation.validate(raw, registry)
-    assert one_line(exc) == ("rollout.transport: placement on GPUs (colocate=True) uses the 'ipc' transport of "
-                             "loongsage-sync, which is not installed: pip install loongsage-sync, or set "
-                             "rollout.transport={name: cpu}")
+    assert one_line(exc) == (
+        "rollout.transport: placement on GPUs (colocate=True) uses the 'ipc' transport of "
+        "loongsage-sync, which is not installed: pip install loongsage-sync, or set "
+        "rollout.transport={name: cpu}"
+    )
 
 
 def test_a_registered_rule_runs_after_the_built_in_ones(raw, registry, monkeypatch) -> None:
@@ -148,8 +152,9 @@ def test_a_tracker_gets_only_what_it_receives_and_one_needing_more_is_refused(at
     )
     from loongsage.core.tracking import create_trackers
 
-    cfg, registry = load_config(RECIPE, [f"plugins=[{mod}]", "tracking.backends=[{name: named, params: {prefix: p}}]",
-                                         "run.name=mine"])
+    cfg, registry = load_config(
+        RECIPE, [f"plugins=[{mod}]", "tracking.backends=[{name: named, params: {prefix: p}}]", "run.name=mine"]
+    )
     [tracker] = create_trackers(registry, cfg, Path("/nowhere"))
     assert (tracker.run_name, tracker.prefix) == ("mine", "p")
     with pytest.raises(ConfigError) as exc:

@@ -43,8 +43,9 @@ STUB = textwrap.dedent(
 
 def _start(code: str, *args: str, tag: str, progress: str = "30") -> subprocess.Popen:
     env = dict(os.environ, LOONGSAGE_PROGRESS_SECONDS=progress, **{TAG_VARIABLE: tag})
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def _read_until(stream, pattern: str, lines: list[str], timeout: float = 300) -> str:
@@ -80,16 +81,22 @@ def test_a_build_reports_progress_and_a_sigterm_removes_its_folder(tmp_path, tag
     try:
         header = _read_until(proc.stderr, r"building tiny-qwen3-arith-", lines)
         models = tmp_path / "models"
-        assert re.fullmatch(rf"\[loongsage\] building tiny-qwen3-arith-[0-9a-f]{{16}} into {re.escape(str(models))} "
-                            r"\(once; later runs find it there\): 100000 SFT steps of 4 examples on 2 threads\n",
-                            header), header
+        assert re.fullmatch(
+            rf"\[loongsage\] building tiny-qwen3-arith-[0-9a-f]{{16}} into {re.escape(str(models))} "
+            r"\(once; later runs find it there\): 100000 SFT steps of 4 examples on 2 threads\n",
+            header,
+        ), header
         key = header.split()[2]
         steps = [_read_until(proc.stderr, r"SFT: step [1-9]", lines) for _ in range(2)]
         for line in steps:
-            assert re.fullmatch(r"\[loongsage\] tiny-qwen3-arith SFT: step \d+/100000, \d+ (s|min \d\d s) elapsed, "
-                                r"about .+ left\n", line), line
-        assert [name.startswith(f".{key}.building-{socket.gethostname()}-{proc.pid}-")
-                for name in _temporary(models)] == [True]
+            assert re.fullmatch(
+                r"\[loongsage\] tiny-qwen3-arith SFT: step \d+/100000, \d+ (s|min \d\d s) elapsed, "
+                r"about .+ left\n",
+                line,
+            ), line
+        assert [
+            name.startswith(f".{key}.building-{socket.gethostname()}-{proc.pid}-") for name in _temporary(models)
+        ] == [True]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == -signal.SIGTERM
     finally:
@@ -106,9 +113,11 @@ def test_a_process_waiting_for_a_build_says_for_whom_then_uses_it(tmp_path, tag)
         second = _start(STUB, str(tmp_path), tag=tag)
         lines: list[str] = []
         waiting = _read_until(second.stderr, "waiting for", lines)
-        assert waiting == (f"[loongsage] waiting for {KEY}: another process is building it (pid {first.pid} on "
-                           f"{socket.gethostname()}, building since {waiting.split('building since ')[1][:8]}); "
-                           "this one uses it once built\n")
+        assert waiting == (
+            f"[loongsage] waiting for {KEY}: another process is building it (pid {first.pid} on "
+            f"{socket.gethostname()}, building since {waiting.split('building since ')[1][:8]}); "
+            "this one uses it once built\n"
+        )
         (tmp_path / "go").touch()
         out, err = second.communicate(timeout=120)
         assert second.returncode == 0, err

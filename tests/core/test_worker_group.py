@@ -65,7 +65,10 @@ def test_calls_return_in_rank_order_with_shared_and_per_rank_arguments(ray_sessi
         # rank 0 answers last, and still comes first
         assert group.call("echo", 2, delay=per_rank([0.3, 0.1, 0.0])) == [(0, 2), (1, 2), (2, 2)]
         assert group.call("echo", per_rank(["a", "b", "c"]), scale=per_rank([1, 2, 3])) == [
-            (0, "a"), (1, "bb"), (2, "ccc")]
+            (0, "a"),
+            (1, "bb"),
+            (2, "ccc"),
+        ]
         # some ranks, in the order given; per-rank values follow that order
         assert group.call("echo", per_rank([10, 20]), ranks=[2, 0]) == [(2, 10), (0, 20)]
         assert group.call("echo", per_rank([]), ranks=[]) == []
@@ -99,8 +102,13 @@ def test_replace_starts_the_member_again_from_its_slot(ray_session) -> None:
 
     pg = placement_group([{"CPU": 0.5}, {"CPU": 0.5}])
     ray.get(pg.ready(), timeout=60)
-    options = [{"num_cpus": 0.25, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=b)} for b in range(2)]
+    options = [
+        {
+            "num_cpus": 0.25,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=b),
+        }
+        for b in range(2)
+    ]
     group = _start(2, options=options)
     try:
         before = group.call("who")

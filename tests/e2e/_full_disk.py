@@ -22,12 +22,19 @@ def main() -> None:
     out: dict[str, dict] = {}
 
     def train(key: str, *args: str) -> None:
-        proc = subprocess.run([*launcher, "train", "tiny/grpo_arith_cpu", f"run.output_dir={mnt}", *common, *args],
-                              capture_output=True, text=True, timeout=1200)
+        proc = subprocess.run(
+            [*launcher, "train", "tiny/grpo_arith_cpu", f"run.output_dir={mnt}", *common, *args],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         log = mnt / "disk" / "run.log"
-        out[key] = {"rc": proc.returncode, "stderr": proc.stderr,
-                    "files": sorted(str(p.relative_to(mnt)) for p in mnt.rglob("*")),
-                    "run_log": log.read_text(errors="replace") if log.is_file() else ""}
+        out[key] = {
+            "rc": proc.returncode,
+            "stderr": proc.stderr,
+            "files": sorted(str(p.relative_to(mnt)) for p in mnt.rglob("*")),
+            "run_log": log.read_text(errors="replace") if log.is_file() else "",
+        }
 
     # 1. the disk fills up while step 2's checkpoint is written (one checkpoint fits, not two)
     train("fills", "run.name=disk")

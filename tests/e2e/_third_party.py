@@ -24,8 +24,18 @@ def install_third_party_plugin(target_dir: str | os.PathLike) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     uv = os.environ.get("UV") or shutil.which("uv")
     if uv:
-        cmd = [uv, "pip", "install", "--quiet", "--no-deps", "--target", str(target), "--python", sys.executable,
-               str(FIXTURE)]
+        cmd = [
+            uv,
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--target",
+            str(target),
+            "--python",
+            sys.executable,
+            str(FIXTURE),
+        ]
     else:
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(FIXTURE)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -22,10 +22,14 @@ def _trained(run_dir: Path) -> list[dict]:
 # the rollout around it is the same. Through the launcher, no_window is also trained, resumed and held
 # to its bound by test_kill_resume.py's test_a_resumed_run_keeps_the_staleness_budget and
 # test_mixed_tiny.py's audited run; one_step_off by nothing else.
-@pytest.mark.parametrize("scheduler,eta", [pytest.param("{name: no_window, params: {max_staleness: 1}}", 1,
-                                                        marks=pytest.mark.slow),
-                                           (WINDOWED, 2),
-                                           pytest.param("{name: one_step_off}", 1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "scheduler,eta",
+    [
+        pytest.param("{name: no_window, params: {max_staleness: 1}}", 1, marks=pytest.mark.slow),
+        (WINDOWED, 2),
+        pytest.param("{name: one_step_off}", 1, marks=pytest.mark.slow),
+    ],
+)
 def test_async_schedulers_train_within_the_staleness_bound(launched, scheduler, eta):
     trained = _trained(launched(audited("whole", scheduler)) / "runs" / "whole")
     assert [r["step"] for r in trained] == list(range(1, STEPS + 1))

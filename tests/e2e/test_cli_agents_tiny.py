@@ -29,12 +29,17 @@ pytestmark = [
 
 TIMEOUT_S = 90  # one episode; the episodes here take seconds
 CONTEXT = 8192  # OpenCode's prompt with its bash tool is ~4.7k tokens of the tiny tokenizer
-COMMON = ["run.total_steps=2", "data_sources.0.prompts_per_step=1", "data_sources.0.samples_per_prompt=2",
-          "data_sources.0.eval_reader=null", "tracking.progress=false", "tracking.batches=true",
-          "checkpoint.export_hf=false",
-          f"rollout.engine={{name: native, params: {{max_model_len: {CONTEXT}, max_batch_size: 4}}}}",
-          f"+services=[{{name: gateway, params: {{max_context_tokens: {CONTEXT}, "
-          "middlewares: [{name: request_log}]}}]"]
+COMMON = [
+    "run.total_steps=2",
+    "data_sources.0.prompts_per_step=1",
+    "data_sources.0.samples_per_prompt=2",
+    "data_sources.0.eval_reader=null",
+    "tracking.progress=false",
+    "tracking.batches=true",
+    "checkpoint.export_hf=false",
+    f"rollout.engine={{name: native, params: {{max_model_len: {CONTEXT}, max_batch_size: 4}}}}",
+    f"+services=[{{name: gateway, params: {{max_context_tokens: {CONTEXT}, middlewares: [{{name: request_log}}]}}}}]",
+]
 
 
 def _hydra(value) -> str:
@@ -54,8 +59,14 @@ def _hydra(value) -> str:
 
 def _train(run_dir_root: Path, agent: str, params: dict, tag: str) -> tuple[Path, Path]:
     logs = run_dir_root / f"{agent}_episodes"
-    params = {**params, "timeout_s": TIMEOUT_S, "audit_network": True, "log_dir": str(logs), "max_concurrency": 2,
-              "env": {"LOONGSAGE_TEST_TAG": tag}}
+    params = {
+        **params,
+        "timeout_s": TIMEOUT_S,
+        "audit_network": True,
+        "log_dir": str(logs),
+        "max_concurrency": 2,
+        "env": {"LOONGSAGE_TEST_TAG": tag},
+    }
     spec = _hydra({"name": agent, "params": params})
     assert main(["train", "tiny/grpo_arith_cpu", f"run.name={agent}", *COMMON, f"data_sources.0.agent={spec}"]) == 0
     return run_dir_root / "runs" / agent, logs
@@ -96,9 +107,10 @@ def _check_run(run_dir: Path, logs: Path, tag: str, tools: list[str], stream: bo
 
 def test_mini_swe_agent_episodes_through_the_launcher(ray_session, in_tmp, mini_program, tag):
     # mini's own prompts are long for a 256-token model; the CI-sized run keeps them short
-    short = {"agent": {"system_template": "You run bash commands with the bash tool.",
-                       "instance_template": "{{task}}"},
-             "model": {"format_error_template": "Call the bash tool."}}
+    short = {
+        "agent": {"system_template": "You run bash commands with the bash tool.", "instance_template": "{{task}}"},
+        "model": {"format_error_template": "Call the bash tool."},
+    }
     run_dir, logs = _train(in_tmp, "mini_swe_agent", {"step_limit": 2, "max_tokens": 8, "config": short}, tag)
     episodes = _check_run(run_dir, logs, tag, tools=["bash"], stream=False)
     # mini leaves a reply without a tool call out of its history (it sends the format error after
@@ -112,8 +124,14 @@ def test_mini_swe_agent_episodes_through_the_launcher(ray_session, in_tmp, mini_
 
 
 def test_opencode_episodes_through_the_launcher(ray_session, in_tmp, opencode_dir, tag):
-    params = {"install_dir": str(opencode_dir), "max_tokens": 8, "context_tokens": CONTEXT, "max_steps": 2,
-              "tools": ["bash"], "system_prompt": "You are a terse coding agent."}
+    params = {
+        "install_dir": str(opencode_dir),
+        "max_tokens": 8,
+        "context_tokens": CONTEXT,
+        "max_steps": 2,
+        "tools": ["bash"],
+        "system_prompt": "You are a terse coding agent.",
+    }
     run_dir, logs = _train(in_tmp, "opencode", params, tag)
     episodes = _check_run(run_dir, logs, tag, tools=["bash"], stream=True)
     for ep in episodes:

@@ -16,8 +16,10 @@ from loongsage.sandbox.jail import jail_problem
 from loongsage.sandbox.store import default_root
 from tests._procs import sandbox_processes
 
-pytestmark = [pytest.mark.timeout(900),
-              pytest.mark.skipif(jail_problem() is not None, reason=f"no sandbox here: {jail_problem()}")]
+pytestmark = [
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(jail_problem() is not None, reason=f"no sandbox here: {jail_problem()}"),
+]
 
 
 def _sandbox_dirs() -> list[str]:
@@ -27,10 +29,18 @@ def _sandbox_dirs() -> list[str]:
 
 def test_agent_program_works_in_a_sandbox_and_its_reward_tests_there(ray_session, in_tmp):
     before = _sandbox_dirs()
-    args = ["train", "tiny/code_agent_sandbox_cpu", "run.name=agent", "run.total_steps=2",
-            "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4",
-            "evaluation.every_steps=0", "evaluation.max_prompts=8", "tracking.progress=false",
-            "checkpoint.export_hf=false"]
+    args = [
+        "train",
+        "tiny/code_agent_sandbox_cpu",
+        "run.name=agent",
+        "run.total_steps=2",
+        "data_sources.0.prompts_per_step=4",
+        "data_sources.0.samples_per_prompt=4",
+        "evaluation.every_steps=0",
+        "evaluation.max_prompts=8",
+        "tracking.progress=false",
+        "checkpoint.export_hf=false",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (in_tmp / "runs" / "agent" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]

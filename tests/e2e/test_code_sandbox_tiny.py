@@ -15,14 +15,27 @@ from loongsage.core.cli import main
 from loongsage.sandbox.jail import jail_problem
 from tests._procs import sandbox_processes
 
-pytestmark = [pytest.mark.timeout(900),
-              pytest.mark.skipif(jail_problem() is not None, reason=f"no sandbox here: {jail_problem()}")]
+pytestmark = [
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(jail_problem() is not None, reason=f"no sandbox here: {jail_problem()}"),
+]
 
 
 def test_code_recipe_trains_on_sandboxed_unit_tests(ray_session, in_tmp):
-    args = ["train", "tiny/code_sandbox_cpu", "run.name=code", "run.total_steps=2", "data_sources.0.prompts_per_step=4",
-            "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=0", "evaluation.max_prompts=16",
-            "evaluation.pass_k=4", "tracking.progress=false", "checkpoint.every_steps=0", "checkpoint.export_hf=false"]
+    args = [
+        "train",
+        "tiny/code_sandbox_cpu",
+        "run.name=code",
+        "run.total_steps=2",
+        "data_sources.0.prompts_per_step=4",
+        "data_sources.0.samples_per_prompt=4",
+        "evaluation.every_steps=0",
+        "evaluation.max_prompts=16",
+        "evaluation.pass_k=4",
+        "tracking.progress=false",
+        "checkpoint.every_steps=0",
+        "checkpoint.export_hf=false",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (in_tmp / "runs" / "code" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]

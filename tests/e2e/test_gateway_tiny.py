@@ -17,12 +17,26 @@ import pytest
 from loongsage.core.cli import main
 from tests.e2e.test_sync_regression import ARGS as GOLDEN
 
-COMMON = ["data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "run.total_steps=3",
-          "evaluation.every_steps=0", "evaluation.max_prompts=8", "evaluation.pass_k=0", "tracking.progress=false",
-          "checkpoint.export_hf=false"]
+COMMON = [
+    "data_sources.0.prompts_per_step=4",
+    "data_sources.0.samples_per_prompt=4",
+    "run.total_steps=3",
+    "evaluation.every_steps=0",
+    "evaluation.max_prompts=8",
+    "evaluation.pass_k=0",
+    "tracking.progress=false",
+    "checkpoint.export_hf=false",
+]
 GATEWAY = ["data_sources.0.agent={name: chat}", "+services=[{name: gateway, params: {chat_template: tokenizer}}]"]
-COMPARED = ("rollout/reward_mean", "rollout/response_length_mean", "rollout/truncated_frac", "train/loss",
-            "train/grad_norm", "train/entropy", "eval/arith/accuracy")
+COMPARED = (
+    "rollout/reward_mean",
+    "rollout/response_length_mean",
+    "rollout/truncated_frac",
+    "train/loss",
+    "train/grad_norm",
+    "train/entropy",
+    "eval/arith/accuracy",
+)
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -53,8 +67,15 @@ def test_chat_agent_through_the_gateway_trains_on_the_same_tokens_as_token_ids(l
 
 
 def test_asynchronous_training_through_the_gateway(ray_session, in_tmp):
-    args = ["train", "tiny/grpo_arith_cpu", "run.name=gw_async", *COMMON, *GATEWAY, "colocate=false",
-            "rollout.scheduler={name: no_window, params: {max_staleness: 1}}"]
+    args = [
+        "train",
+        "tiny/grpo_arith_cpu",
+        "run.name=gw_async",
+        *COMMON,
+        *GATEWAY,
+        "colocate=false",
+        "rollout.scheduler={name: no_window, params: {max_staleness: 1}}",
+    ]
     assert main(args) == 0
     rows = [r for r in _rows(in_tmp / "runs" / "gw_async") if "train/loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -72,5 +93,7 @@ def test_an_agent_that_needs_the_gateway_is_refused_at_validation_without_it():
 
     with pytest.raises(ConfigError) as err:
         load_config("tiny/grpo_arith_cpu", ["data_sources.0.agent={name: chat}"])
-    assert str(err.value) == ("data_sources[0].agent: agent 'chat' needs the run service 'gateway'; add services: "
-                              "[{name: gateway}] (services now: none)")
+    assert str(err.value) == (
+        "data_sources[0].agent: agent 'chat' needs the run service 'gateway'; add services: "
+        "[{name: gateway}] (services now: none)"
+    )

@@ -15,9 +15,19 @@ from tests.e2e._runs import grpo_loop
 
 def _short_run(recipe: str, name: str, steps: int, *extra: str) -> list[str]:
     """``loongsage train`` arguments for a CI-sized run: 4 prompts x 4 samples, a small evaluation."""
-    return ["train", recipe, f"run.name={name}", f"run.total_steps={steps}", "data_sources.0.prompts_per_step=4",
-            "data_sources.0.samples_per_prompt=4", "evaluation.max_prompts=8", "evaluation.pass_k=0",
-            "tracking.progress=false", "checkpoint.export_hf=false", *extra]
+    return [
+        "train",
+        recipe,
+        f"run.name={name}",
+        f"run.total_steps={steps}",
+        "data_sources.0.prompts_per_step=4",
+        "data_sources.0.samples_per_prompt=4",
+        "evaluation.max_prompts=8",
+        "evaluation.pass_k=0",
+        "tracking.progress=false",
+        "checkpoint.export_hf=false",
+        *extra,
+    ]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -89,10 +99,24 @@ def test_dapo_recipe_refills_filtered_groups(ray_session, in_tmp):
 
 
 # A deterministic engine and a KL term in the loss touch different parts of the step: one run shows both.
-EXACT = _short_run("tiny/grpo_arith_cpu", "exact", 2, "rollout.engine={name: native, params: {deterministic: true}}",
-                   "trainer.micro_batch_tokens=1", "algorithm.kl={name: k3}", "algorithm.kl_coef=0.05")
-KL_IN_REWARD = _short_run("tiny/grpo_arith_cpu", "kl_reward", 2, "algorithm.kl={name: k3}", "algorithm.kl_coef=0.05",
-                          "algorithm.kl_in_reward=true", "algorithm.advantage.name=reinforce_pp")
+EXACT = _short_run(
+    "tiny/grpo_arith_cpu",
+    "exact",
+    2,
+    "rollout.engine={name: native, params: {deterministic: true}}",
+    "trainer.micro_batch_tokens=1",
+    "algorithm.kl={name: k3}",
+    "algorithm.kl_coef=0.05",
+)
+KL_IN_REWARD = _short_run(
+    "tiny/grpo_arith_cpu",
+    "kl_reward",
+    2,
+    "algorithm.kl={name: k3}",
+    "algorithm.kl_coef=0.05",
+    "algorithm.kl_in_reward=true",
+    "algorithm.advantage.name=reinforce_pp",
+)
 
 
 @pytest.mark.parametrize("where", ["loss", "reward"])

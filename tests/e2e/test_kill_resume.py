@@ -63,7 +63,7 @@ def _processes() -> dict[int, tuple[int, str, str]]:
             continue
         fields = stat.rsplit(")", 1)[1].split()
         if fields[0] != "Z":
-            table[int(name)] = (int(fields[1]), fields[19], cmdline or stat[stat.index("(") + 1:stat.rindex(")")])
+            table[int(name)] = (int(fields[1]), fields[19], cmdline or stat[stat.index("(") + 1 : stat.rindex(")")])
     return table
 
 
@@ -103,15 +103,25 @@ def test_a_launcher_killed_mid_run_leaves_nothing_and_resumes_the_same_prompts(l
     run_dir, log = in_tmp / "runs" / "killed", in_tmp / "killed.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as from a shell
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "loongsage.core.cli", *audited_run("killed", scheduler)],
-                                cwd=in_tmp, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "loongsage.core.cli", *audited_run("killed", scheduler)],
+            cwd=in_tmp,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         # every process of the run exists once it trains (Ray's head, its agents, the actors)
-        _wait_for("step 1", lambda: any(r["step"] >= 1 for r in _rows(run_dir / "metrics.jsonl")), proc, log,
-                  every=0.05)
+        _wait_for(
+            "step 1", lambda: any(r["step"] >= 1 for r in _rows(run_dir / "metrics.jsonl")), proc, log, every=0.05
+        )
         recorded = _descendants(proc.pid)
-        _wait_for(f"step {KILL_AT}'s training", lambda: any(r["step"] >= KILL_AT for r in
-                                                            _rows(run_dir / "batches.jsonl")), proc, log)
+        _wait_for(
+            f"step {KILL_AT}'s training",
+            lambda: any(r["step"] >= KILL_AT for r in _rows(run_dir / "batches.jsonl")),
+            proc,
+            log,
+        )
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()

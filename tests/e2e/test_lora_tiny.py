@@ -16,8 +16,15 @@ from test_grpo_tiny import _metrics, _model_path, _short_run, _trained  # noqa: 
 
 def test_lora_recipe_trains_pushes_merged_weights_and_resumes(ray_session, in_tmp):
     # with a k3 KL penalty: its frozen reference is the base model with the adapters switched off
-    args = _short_run("tiny/grpo_lora_cpu", "lora", 3, "checkpoint.every_steps=3", "checkpoint.export_hf=true",
-                      "algorithm.kl={name: k3}", "algorithm.kl_coef=0.05")
+    args = _short_run(
+        "tiny/grpo_lora_cpu",
+        "lora",
+        3,
+        "checkpoint.every_steps=3",
+        "checkpoint.export_hf=true",
+        "algorithm.kl={name: k3}",
+        "algorithm.kl_coef=0.05",
+    )
     assert main(args) == 0
     run_dir = in_tmp / "runs" / "lora"
     trained = _trained(_metrics(run_dir))

@@ -16,9 +16,18 @@ MIXED = "tiny/mixed_async_cpu"
 CI = ["data_sources.1.prompts_per_step=4", "data_sources.1.samples_per_prompt=4", "model.builder.params.steps=20"]
 # One run for both tests: the recipe fully asynchronous (no_window, eta = 1, as it ships) on 2 DP
 # ranks x 2 mini-batches, its trained batches audited, evaluated at its start and end
-RUN = _short_run(MIXED, "mixed", 4, *CI, "rollout.scheduler={name: no_window, params: {max_staleness: 1}}",
-                 "trainer.world_size=2", "trainer.mini_batches_per_step=2", "tracking.batches=true",
-                 "evaluation.every_steps=0", "evaluation.max_prompts=4")
+RUN = _short_run(
+    MIXED,
+    "mixed",
+    4,
+    *CI,
+    "rollout.scheduler={name: no_window, params: {max_staleness: 1}}",
+    "trainer.world_size=2",
+    "trainer.mini_batches_per_step=2",
+    "tracking.batches=true",
+    "evaluation.every_steps=0",
+    "evaluation.max_prompts=4",
+)
 
 
 def test_two_sources_train_one_policy_with_their_own_rewards_and_lengths(launched):

@@ -20,14 +20,19 @@ MOPD = "tiny/mopd_two_teachers_cpu"
 SECOND_SOURCE = ["data_sources.1.prompts_per_step=4", "data_sources.1.samples_per_prompt=4"]
 # CI-sized models: the student and both teachers fine-tuned for 20 steps each from the default warm
 # start instead of the recipe's 300 / 150 / 300 (cached by these params, so built once)
-CHEAP_MODELS = ["model.builder.params.steps=20", *(f"data_sources.{i}.teacher.params.builder.params.steps=20"
-                                                   for i in (0, 1))]
+CHEAP_MODELS = [
+    "model.builder.params.steps=20",
+    *(f"data_sources.{i}.teacher.params.builder.params.steps=20" for i in (0, 1)),
+]
 
 
 def _divergence(name: str, **params) -> list[str]:
     """Overrides that replace the recipe's divergence (Hydra would merge a new mapping into the old params)."""
-    return [f"algorithm.distill.divergence.name={name}", "~algorithm.distill.divergence.params",
-            *(f"++algorithm.distill.divergence.params.{k}={v}" for k, v in params.items())]
+    return [
+        f"algorithm.distill.divergence.name={name}",
+        "~algorithm.distill.divergence.params",
+        *(f"++algorithm.distill.divergence.params.{k}={v}" for k, v in params.items()),
+    ]
 
 
 def _two_teachers(name: str, *extra: str) -> list[str]:
@@ -64,8 +69,11 @@ def test_two_teachers_score_their_own_sources(launched, divergence):
             assert math.isfinite(kl) and lp < 0  # teacher log-probs of the student's tokens
             assert r[f"train_per_ds/{source}/gkd"] > 0  # a different model: the divergence is positive
         # the step-level values are the token-weighted mix of the two sources'
-        assert min(r["train_per_ds/add/gkd"], r["train_per_ds/sub/gkd"]) <= r["train/gkd"] <= max(
-            r["train_per_ds/add/gkd"], r["train_per_ds/sub/gkd"])
+        assert (
+            min(r["train_per_ds/add/gkd"], r["train_per_ds/sub/gkd"])
+            <= r["train/gkd"]
+            <= max(r["train_per_ds/add/gkd"], r["train_per_ds/sub/gkd"])
+        )
         assert r["train/grad_norm"] > 0
     for key in ("eval/add/accuracy", "eval/sub/accuracy"):
         assert key in rows[0] and key in rows[-1]
@@ -75,8 +83,9 @@ def test_self_distillation_starts_at_zero(ray_session, in_tmp, model_cache):
     """The student as its own teacher (one actor shared by both sources): before the first update the
     teacher scores exactly the engine's policy, so the sampled-token KL and the divergence are 0."""
     student = cached_warm_start(WarmStartParams(), model_cache)  # the default warm start, shared with other tests
-    args = _short_run(MOPD, "self", 2, *SECOND_SOURCE, "model.builder=null", f"model.path={student}",
-                      *_divergence("topk_kl", k=8))
+    args = _short_run(
+        MOPD, "self", 2, *SECOND_SOURCE, "model.builder=null", f"model.path={student}", *_divergence("topk_kl", k=8)
+    )
     for i in (0, 1):
         args += [f"~data_sources.{i}.teacher.params.builder", f"++data_sources.{i}.teacher.params.path={student}"]
     assert main(args) == 0
@@ -101,8 +110,10 @@ def _held_teachers() -> list[str]:
     """Both sources' teachers held by the trainer's ranks (``name: trainer``), built as in the recipe (a
     new name replaces a spec's params, so the builder is given again)."""
     recipe = yaml.safe_load((Path(__file__).parents[2] / "recipes" / f"{MOPD}.yaml").read_text())
-    return [f"data_sources.{i}.teacher={_hydra({'name': 'trainer', 'params': src['teacher']['params']})}"
-            for i, src in enumerate(recipe["data_sources"])]
+    return [
+        f"data_sources.{i}.teacher={_hydra({'name': 'trainer', 'params': src['teacher']['params']})}"
+        for i, src in enumerate(recipe["data_sources"])
+    ]
 
 
 HELD = _held_teachers()
@@ -118,8 +129,14 @@ def test_teachers_held_by_the_trainer_score_as_teacher_workers(launched):
         steps[name] = _trained(_metrics(launched(_two_teachers(f"mopd_{name}", *extra)) / "runs" / f"mopd_{name}"))[0]
     workers, held = steps["jsd"], steps["held"]
     assert workers["rollout/trajectories"] == held["rollout/trajectories"] == 32
-    for key in ("train_per_ds/add/mopd_teacher_logprob", "train_per_ds/sub/mopd_teacher_logprob",
-                "train_per_ds/add/gkd", "train_per_ds/sub/gkd", "train/loss", "train/grad_norm"):
+    for key in (
+        "train_per_ds/add/mopd_teacher_logprob",
+        "train_per_ds/sub/mopd_teacher_logprob",
+        "train_per_ds/add/gkd",
+        "train_per_ds/sub/gkd",
+        "train/loss",
+        "train/grad_norm",
+    ):
         assert held[key] == pytest.approx(workers[key], rel=1e-5, abs=1e-7), key
     assert held["train_per_ds/sub/gkd"] > 0
 
@@ -128,8 +145,17 @@ def test_held_teachers_under_two_sharded_trainer_ranks_resume(ray_session, in_tm
     """MOPD with DP 2 under FSDP2 (each rank gets both sources' rows), the teachers held by the trainer
     ranks and sharded as the policy is, the top-k divergence, and a resume: teachers hold no state, so
     the resumed run just goes on scoring with the same teachers."""
-    args = _short_run(MOPD, "mopd_dp2", 2, *SECOND_SOURCE, *HELD, *CHEAP_MODELS, *_divergence("topk_kl", k=4),
-                      "trainer.world_size=2", "checkpoint.every_steps=2")
+    args = _short_run(
+        MOPD,
+        "mopd_dp2",
+        2,
+        *SECOND_SOURCE,
+        *HELD,
+        *CHEAP_MODELS,
+        *_divergence("topk_kl", k=4),
+        "trainer.world_size=2",
+        "checkpoint.every_steps=2",
+    )
     assert main(args) == 0
     assert main([*args, "run.total_steps=3", "resume=true"]) == 0
     trained = _trained(_metrics(in_tmp / "runs" / "mopd_dp2"))

@@ -23,7 +23,9 @@ TINY = sorted(p.name for p in (REPO / "recipes" / "tiny").glob("*.yaml"))
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, **kw)
-    assert proc.returncode == 0, f"{' '.join(map(str, cmd))}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(map(str, cmd))}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
     return proc
 
 
@@ -84,8 +86,10 @@ def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache, dist):
     # Same third-party versions as the lock (so the downloads come from uv's cache), but the two
     # packages themselves only from their wheels: pip semantics, nothing from the workspace.
     constraints = tmp_path / "constraints.txt"
-    exported = _run(["uv", "export", "--no-hashes", "--no-emit-workspace", "--no-dev", "--frozen",
-                     "--format", "requirements-txt"], cwd=REPO).stdout
+    exported = _run(
+        ["uv", "export", "--no-hashes", "--no-emit-workspace", "--no-dev", "--frozen", "--format", "requirements-txt"],
+        cwd=REPO,
+    ).stdout
     constraints.write_text(exported)
     venv = tmp_path / "venv"
     _run(["uv", "venv", "--python", sys.executable, str(venv)])
@@ -96,29 +100,67 @@ def test_wheels_run_the_packaged_tiny_recipe(tmp_path, model_cache, dist):
     user.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHONPATH", "UV_"))}
     env["LOONGSAGE_CACHE"] = str(model_cache)
-    probe = _run([str(python), "-c", "import loongsage.core, loongsage.algos; print(loongsage.core.__file__)"],
-                 cwd=user, env=env)
+    probe = _run(
+        [str(python), "-c", "import loongsage.core, loongsage.algos; print(loongsage.core.__file__)"], cwd=user, env=env
+    )
     assert str(venv) in probe.stdout
     listing = _run([str(venv / "bin" / "loongsage"), "plugins"], cwd=user, env=env).stdout
     assert "grpo" in listing and "loongsage-algos 0.1.0" in listing
     # on GPUs the weight transport comes from loongsage-sync, which these two packages do not pull
-    gpus = subprocess.run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "placement.gpus_per_actor=1"],
-                          cwd=user, env=env, capture_output=True, text=True, timeout=300)
+    gpus = subprocess.run(
+        [str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "placement.gpus_per_actor=1"],
+        cwd=user,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert gpus.returncode == 2 and "uses the 'ipc' transport of loongsage-sync, which is not installed" in gpus.stderr
     # and the SGLang engine from loongsage-sglang: the miss names the package
-    sgl = subprocess.run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "rollout.engine.name=sglang"],
-                         cwd=user, env=env, capture_output=True, text=True, timeout=300)
-    assert sgl.returncode == 2 and "unknown engine 'sglang'; known: native (the 'sglang' engine is in loongsage-sglang: " \
-        "pip install loongsage-sglang)" in sgl.stderr, sgl.stderr
+    sgl = subprocess.run(
+        [str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "rollout.engine.name=sglang"],
+        cwd=user,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        sgl.returncode == 2
+        and "unknown engine 'sglang'; known: native (the 'sglang' engine is in loongsage-sglang: "
+        "pip install loongsage-sglang)"
+        in sgl.stderr
+    ), sgl.stderr
     # packaged recipes that need another package say which, whatever the entry's kind
-    for recipe, miss, package in (("tiny/tool_calc_cpu", "unknown model_builder 'tiny_tool_calc'", "loongsage-agentflow"),
-                                  ("tiny/grpo_moe_r3_cpu", "unknown trainer 'megatron'", "loongsage-megatron")):
-        done = subprocess.run([str(venv / "bin" / "loongsage"), "train", recipe], cwd=user, env=env,
-                              capture_output=True, text=True, timeout=300)
+    for recipe, miss, package in (
+        ("tiny/tool_calc_cpu", "unknown model_builder 'tiny_tool_calc'", "loongsage-agentflow"),
+        ("tiny/grpo_moe_r3_cpu", "unknown trainer 'megatron'", "loongsage-megatron"),
+    ):
+        done = subprocess.run(
+            [str(venv / "bin" / "loongsage"), "train", recipe],
+            cwd=user,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 2 and miss in done.stderr and f"pip install {package})" in done.stderr, done.stderr
-    _run([str(venv / "bin" / "loongsage"), "train", "tiny/grpo_arith_cpu", "run.name=pkg",
-          "run.total_steps=2", "data_sources.0.prompts_per_step=2", "data_sources.0.samples_per_prompt=2",
-          "evaluation.max_prompts=8", "evaluation.pass_k=0", "tracking.progress=false"], cwd=user, env=env)
+    _run(
+        [
+            str(venv / "bin" / "loongsage"),
+            "train",
+            "tiny/grpo_arith_cpu",
+            "run.name=pkg",
+            "run.total_steps=2",
+            "data_sources.0.prompts_per_step=2",
+            "data_sources.0.samples_per_prompt=2",
+            "evaluation.max_prompts=8",
+            "evaluation.pass_k=0",
+            "tracking.progress=false",
+        ],
+        cwd=user,
+        env=env,
+    )
     rows = [json.loads(line) for line in (user / "runs" / "pkg" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
     assert (user / "runs" / "pkg" / "final" / "config.json").is_file()

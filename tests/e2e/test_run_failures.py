@@ -29,9 +29,17 @@ from tests._procs import TAG_VARIABLE, survivors
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, sends signals")
 
-COMMON = ("data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=0",
-          "evaluation.max_prompts=4", "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false",
-          "checkpoint.every_steps=1", "checkpoint.keep_last=0")
+COMMON = (
+    "data_sources.0.prompts_per_step=4",
+    "data_sources.0.samples_per_prompt=4",
+    "evaluation.every_steps=0",
+    "evaluation.max_prompts=4",
+    "evaluation.pass_k=0",
+    "tracking.progress=false",
+    "checkpoint.export_hf=false",
+    "checkpoint.every_steps=1",
+    "checkpoint.keep_last=0",
+)
 RESUME_HINT = "run the same command with resume=true to continue from runs/{name}/checkpoints/step_(\\d{{6}})"
 
 
@@ -66,14 +74,21 @@ class Launch:
         self.stderr = cwd / f"launch_{time.monotonic_ns()}.err"
         environ = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as from a shell
         with open(self.stderr, "w") as err:
-            self.proc = subprocess.Popen([*_launcher(), *argv], cwd=cwd, env={**environ, TAG_VARIABLE: tag, **env},
-                                         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [*_launcher(), *argv],
+                cwd=cwd,
+                env={**environ, TAG_VARIABLE: tag, **env},
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
 
     def wait_for(self, what: str, ready, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
-            assert self.proc.poll() is None, f"the launcher exited ({self.proc.returncode}) before {what}:\n" \
-                                             f"{self.stderr.read_text()[-3000:]}"
+            assert self.proc.poll() is None, (
+                f"the launcher exited ({self.proc.returncode}) before {what}:\n{self.stderr.read_text()[-3000:]}"
+            )
             assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
             time.sleep(0.2)
 
@@ -122,8 +137,11 @@ def test_sigterm_and_sigint_stop_a_run_in_one_line_and_a_wrong_resume_is_refused
     os.kill(first.proc.pid, signal.SIGTERM)  # as a process manager stops a service
     rc, err = first.finish()
     line = _one_line(err)
-    found = re.fullmatch(r"loongsage: error: stopped by SIGTERM after (\d+) of 40 steps; Ray was shut down; "
-                         + RESUME_HINT.format(name="sig"), line)
+    found = re.fullmatch(
+        r"loongsage: error: stopped by SIGTERM after (\d+) of 40 steps; Ray was shut down; "
+        + RESUME_HINT.format(name="sig"),
+        line,
+    )
     assert rc == 143 and found, (rc, err)
     saved = _checkpoints(run_dir)[-1]
     assert int(found[2]) == saved <= int(found[1])
@@ -137,23 +155,28 @@ def test_sigterm_and_sigint_stop_a_run_in_one_line_and_a_wrong_resume_is_refused
     files = sorted(in_tmp.rglob("*"))
     assert _refused(capsys, _train("sig", "run.total_steps=40")) == (
         f"run.name=sig: runs/sig already holds a run stopped after its checkpoint step_{saved:06d}; continue it with "
-        "resume=true, give this run its own folder (another run.name=... or run.output_dir=...), or remove that folder")
+        "resume=true, give this run its own folder (another run.name=... or run.output_dir=...), or remove that folder"
+    )
     assert _refused(capsys, _train("sig", "run.total_steps=2", "resume=true")) == (
         f"resume: checkpoint {ckpt} is at step {saved} and run.total_steps=2, so there is nothing left to train; set "
-        f"run.total_steps above {saved} to train further")
+        f"run.total_steps above {saved} to train further"
+    )
     assert _refused(capsys, _train("sig", "run.total_steps=40", "resume=true", "data_sources.0.name=sums")) == (
         f"resume: checkpoint {ckpt} was written by a run of the data sources [arith] and the config has [sums] (not in "
         "the config: arith; not in the checkpoint: sums); resume with the checkpoint's data_sources, or start a new "
-        "run (another run.name)")
+        "run (another run.name)"
+    )
     assert sorted(in_tmp.rglob("*")) == files
     shutil.copytree(run_dir, in_tmp / "runs" / "cut")  # a copy stopped part-way: its last trainer.pt cut short
     trainer = in_tmp / "runs" / "cut" / "checkpoints" / f"step_{saved:06d}" / "trainer.pt"
     trainer.write_bytes(trainer.read_bytes()[: trainer.stat().st_size // 2])
     message = _refused(capsys, _train("cut", "run.total_steps=40", "resume=true"))
-    assert message.startswith(f"resume: checkpoint runs/cut/checkpoints/step_{saved:06d} is damaged (trainer.pt: cut "
-                              "short ("), message
-    assert message.endswith(f"delete runs/cut/checkpoints/step_{saved:06d} to resume from step_{saved - 1:06d}, the "
-                            "checkpoint before it")
+    assert message.startswith(
+        f"resume: checkpoint runs/cut/checkpoints/step_{saved:06d} is damaged (trainer.pt: cut short ("
+    ), message
+    assert message.endswith(
+        f"delete runs/cut/checkpoints/step_{saved:06d} to resume from step_{saved - 1:06d}, the checkpoint before it"
+    )
 
     # the run resumes from its checkpoint; Ctrl-C (SIGINT to the terminal's process group) stops it
     second = Launch(in_tmp, tag, _train("sig", "run.total_steps=40", "resume=true"))
@@ -161,8 +184,11 @@ def test_sigterm_and_sigint_stop_a_run_in_one_line_and_a_wrong_resume_is_refused
     os.killpg(second.proc.pid, signal.SIGINT)
     rc, err = second.finish()
     line = _one_line(err)
-    found = re.fullmatch(r"loongsage: error: stopped by SIGINT after (\d+) of 40 steps; Ray was shut down; "
-                         + RESUME_HINT.format(name="sig"), line)
+    found = re.fullmatch(
+        r"loongsage: error: stopped by SIGINT after (\d+) of 40 steps; Ray was shut down; "
+        + RESUME_HINT.format(name="sig"),
+        line,
+    )
     assert rc == 130 and found, (rc, err)
     assert int(found[1]) > saved and int(found[2]) == _checkpoints(run_dir)[-1] > saved
     _nothing_left(tag, run_dir)
@@ -215,8 +241,10 @@ def test_a_raising_reward_and_a_dead_trainer_each_end_in_one_line_and_the_run_re
     assert rc == 1, err
     assert line.startswith("loongsage: error: the run failed after 1 of 40 steps: "), line
     assert "ValueError: flaky reward: cannot score a sample of version 1" in line and "(in the reward actor, " in line
-    assert line.endswith("; fix the cause, then run the same command with resume=true to continue from "
-                         "runs/flaky/checkpoints/step_000001; the traceback is in runs/flaky/run.log"), line
+    assert line.endswith(
+        "; fix the cause, then run the same command with resume=true to continue from "
+        "runs/flaky/checkpoints/step_000001; the traceback is in runs/flaky/run.log"
+    ), line
     _nothing_left(tag, run_dir)
     log = (run_dir / "run.log").read_text()
     assert "Traceback" in log and "flaky reward: cannot score" in log and re.search(r"step 1: .*train/loss=", log)
@@ -228,9 +256,13 @@ def test_a_raising_reward_and_a_dead_trainer_each_end_in_one_line_and_the_run_re
     os.kill(pid, signal.SIGKILL)
     rc, err = resumed.finish()
     line = _one_line(err)
-    found = re.fullmatch(rf"loongsage: error: the trainer actor \(pid {pid}\) died after (\d+) of 40 steps: its process "
-                         r"exited unexpectedly \(killed by a signal or the OOM killer, or crashed\); "
-                         + RESUME_HINT.format(name="flaky") + "; the traceback is in runs/flaky/run.log", line)
+    found = re.fullmatch(
+        rf"loongsage: error: the trainer actor \(pid {pid}\) died after (\d+) of 40 steps: its process "
+        r"exited unexpectedly \(killed by a signal or the OOM killer, or crashed\); "
+        + RESUME_HINT.format(name="flaky")
+        + "; the traceback is in runs/flaky/run.log",
+        line,
+    )
     assert rc == 1 and found, (rc, err)
     assert int(found[2]) == _checkpoints(run_dir)[-1] >= 2
     _nothing_left(tag, run_dir)
@@ -239,8 +271,9 @@ def test_a_raising_reward_and_a_dead_trainer_each_end_in_one_line_and_the_run_re
 def _can_mount_tmpfs(where: Path) -> bool:
     if shutil.which("unshare") is None or shutil.which("mount") is None:
         return False
-    probe = subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)],
-                           capture_output=True)
+    probe = subprocess.run(
+        ["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(where)], capture_output=True
+    )
     return probe.returncode == 0
 
 
@@ -255,9 +288,24 @@ def test_a_full_or_read_only_disk_is_one_line_and_leaves_the_checkpoints_resumab
     result = in_tmp / "result.json"
     helper = Path(__file__).with_name("_full_disk.py")
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, TAG_VARIABLE: tag}
-    proc = subprocess.run(["unshare", "-rm", sys.executable, str(helper), str(mnt), str(result), "3000",
-                           json.dumps(_launcher()), json.dumps([*COMMON, "run.total_steps=3"])],
-                          cwd=in_tmp, env=env, capture_output=True, text=True, timeout=3000)
+    proc = subprocess.run(
+        [
+            "unshare",
+            "-rm",
+            sys.executable,
+            str(helper),
+            str(mnt),
+            str(result),
+            "3000",
+            json.dumps(_launcher()),
+            json.dumps([*COMMON, "run.total_steps=3"]),
+        ],
+        cwd=in_tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(result.read_text())
     disk = f"{mnt}/disk"
@@ -265,11 +313,14 @@ def test_a_full_or_read_only_disk_is_one_line_and_leaves_the_checkpoints_resumab
     fills = out["fills"]
     line = _one_line(fills["stderr"])
     assert fills["rc"] == 1, fills
-    assert re.fullmatch(rf"loongsage: error: no space left on device while writing checkpoint {disk}/checkpoints/"
-                        r"step_000002 \([\d.]+ \w+ free on its file system; the partial checkpoint was removed and "
-                        rf"{disk}/checkpoints/step_000001 is intact\); free some space there \(or set run.output_dir "
-                        rf"elsewhere\); then run the same command with resume=true to continue from {disk}/checkpoints/"
-                        rf"step_000001; the traceback is in {disk}/run.log", line), line
+    assert re.fullmatch(
+        rf"loongsage: error: no space left on device while writing checkpoint {disk}/checkpoints/"
+        r"step_000002 \([\d.]+ \w+ free on its file system; the partial checkpoint was removed and "
+        rf"{disk}/checkpoints/step_000001 is intact\); free some space there \(or set run.output_dir "
+        rf"elsewhere\); then run the same command with resume=true to continue from {disk}/checkpoints/"
+        rf"step_000001; the traceback is in {disk}/run.log",
+        line,
+    ), line
     assert "disk/checkpoints/step_000001/trainer.pt" in fills["files"]
     assert not [f for f in fills["files"] if "step_000002" in f], fills["files"]  # no half checkpoint
     assert "Traceback" in fills["run_log"] and "unexpected pos" in fills["run_log"]
@@ -281,9 +332,11 @@ def test_a_full_or_read_only_disk_is_one_line_and_leaves_the_checkpoints_resumab
     read_only = out["read_only"]
     line = _one_line(read_only["stderr"])
     assert read_only["rc"] == 1, read_only
-    assert line.startswith(f"loongsage: error: cannot write {disk}/run.log: Read-only file system; make {disk} "
-                           f"writable again (or set run.output_dir elsewhere), then run the same command with "
-                           f"resume=true to continue from {disk}/checkpoints/step_000001"), line
+    assert line.startswith(
+        f"loongsage: error: cannot write {disk}/run.log: Read-only file system; make {disk} "
+        f"writable again (or set run.output_dir elsewhere), then run the same command with "
+        f"resume=true to continue from {disk}/checkpoints/step_000001"
+    ), line
 
     resumed = out["resumed"]
     assert resumed["rc"] == 0, resumed["stderr"][-3000:]

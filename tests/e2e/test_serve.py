@@ -52,8 +52,9 @@ def _until(lines: queue.Queue, prefix: str, log: Path, timeout: float = 600.0) -
         try:
             line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            raise AssertionError(f"no {prefix!r} line within {timeout:g} s: {seen}\n"
-                                 f"{log.read_text()[-3000:]}") from None
+            raise AssertionError(
+                f"no {prefix!r} line within {timeout:g} s: {seen}\n{log.read_text()[-3000:]}"
+            ) from None
         assert line is not None, f"the launcher ended before {prefix!r}: {seen}\n{log.read_text()[-3000:]}"
         seen.append(line)
         if line.startswith(prefix):
@@ -74,13 +75,22 @@ def test_serve_answers_openai_and_anthropic_clients_and_records_their_sessions(m
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own Ray, as from a shell
     env[TAG_VARIABLE] = tag
     with open(log, "w") as err:
-        proc = subprocess.Popen([str(LAUNCHER), "serve", "tiny/grpo_arith_cpu", "--record", str(record)], cwd=tmp_path,
-                                env=env, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(LAUNCHER), "serve", "tiny/grpo_arith_cpu", "--record", str(record)],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
     try:
         lines = _lines(proc)
         printed = _until(lines, "one session per agent run", log)
-        first = {**_exports(next(line for line in printed if line.startswith("export OPENAI_"))),
-                 **_exports(next(line for line in printed if line.startswith("export ANTHROPIC_")))}
+        first = {
+            **_exports(next(line for line in printed if line.startswith("export OPENAI_"))),
+            **_exports(next(line for line in printed if line.startswith("export ANTHROPIC_"))),
+        }
         assert first["OPENAI_API_KEY"] == first["ANTHROPIC_API_KEY"]  # one session, one key
         assert first["OPENAI_BASE_URL"].startswith("http://127.0.0.1:")  # loopback by default
 
@@ -101,8 +111,12 @@ def test_serve_answers_openai_and_anthropic_clients_and_records_their_sessions(m
         assert second["api_key"] != first["OPENAI_API_KEY"]
         messages = anthropic.Anthropic(base_url=second["anthropic_base_url"], api_key=second["api_key"], max_retries=0)
         # this client's Messages.create takes no temperature argument; the API's field still works
-        message = messages.messages.create(model="loongsage", max_tokens=5, extra_body={"temperature": 0.0},
-                                           messages=[{"role": "user", "content": "21+43="}])
+        message = messages.messages.create(
+            model="loongsage",
+            max_tokens=5,
+            extra_body={"temperature": 0.0},
+            messages=[{"role": "user", "content": "21+43="}],
+        )
         assert [block.text for block in message.content] == ["46"]
         # a session's key opens that session only
         intruder = openai.OpenAI(base_url=first["OPENAI_BASE_URL"], api_key=second["api_key"], max_retries=0)
@@ -145,6 +159,7 @@ def test_serve_refuses_what_it_cannot_serve_in_one_line(tmp_path, capsys):
     assert main(["serve", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"loongsage: error: serve: {str(tmp_path)!r} is a folder without config.json; pass a recipe (e.g. "
-        "tiny/grpo_arith_cpu) or an HF model folder")
+        "tiny/grpo_arith_cpu) or an HF model folder"
+    )
     assert main(["serve", "tiny/grpo_arith_cpu", "--port", "70000"]) == 2
     assert capsys.readouterr().err.strip() == "loongsage: error: --port 70000: must be in 0..65535 (0: a free port)"

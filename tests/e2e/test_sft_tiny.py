@@ -9,9 +9,18 @@ from loongsage.core.cli import main
 
 
 def test_sft_recipe_trains_the_nll_down(ray_session, in_tmp):
-    args = ["train", "tiny/sft_chat_cpu", "run.name=sft", "run.total_steps=3", "data_sources.0.prompts_per_step=16",
-            "evaluation.every_steps=3", "evaluation.max_prompts=8", "tracking.progress=false",
-            "checkpoint.export_hf=false", "checkpoint.every_steps=3"]
+    args = [
+        "train",
+        "tiny/sft_chat_cpu",
+        "run.name=sft",
+        "run.total_steps=3",
+        "data_sources.0.prompts_per_step=16",
+        "evaluation.every_steps=3",
+        "evaluation.max_prompts=8",
+        "tracking.progress=false",
+        "checkpoint.export_hf=false",
+        "checkpoint.every_steps=3",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (in_tmp / "runs" / "sft" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]

@@ -33,16 +33,39 @@ from pathlib import Path
 import pytest
 
 GOLDEN = Path(__file__).parent / "golden" / "grpo_sync.json"
-ARGS = ["train", "tiny/grpo_arith_cpu", "run.name=golden", "run.total_steps=4", "data_sources.0.prompts_per_step=4",
-        "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=2", "evaluation.max_prompts=16",
-        "evaluation.pass_k=2", "checkpoint.every_steps=0", "checkpoint.export_hf=false", "tracking.progress=false",
-        "placement.torch_threads=2"]
+ARGS = [
+    "train",
+    "tiny/grpo_arith_cpu",
+    "run.name=golden",
+    "run.total_steps=4",
+    "data_sources.0.prompts_per_step=4",
+    "data_sources.0.samples_per_prompt=4",
+    "evaluation.every_steps=2",
+    "evaluation.max_prompts=16",
+    "evaluation.pass_k=2",
+    "checkpoint.every_steps=0",
+    "checkpoint.export_hf=false",
+    "tracking.progress=false",
+    "placement.torch_threads=2",
+]
 NOISY = ("timing/", "perf/")
 # the same on any machine: none depends on the weights (a synchronous step of one mini-batch is on
 # policy, so its ratio is exactly 1 and nothing is clipped)
-INDEPENDENT = ("rollout/trajectories", "rollout/failed", "rollout/groups_filtered", "rollout/refill_rounds",
-               "rollout/groups_trained", "train/lr", "train/ratio", "train/clipfrac", "train/ppo_kl",
-               "sync/bytes", "sync/buckets", "sync/version", "engine/version")
+INDEPENDENT = (
+    "rollout/trajectories",
+    "rollout/failed",
+    "rollout/groups_filtered",
+    "rollout/refill_rounds",
+    "rollout/groups_trained",
+    "train/lr",
+    "train/ratio",
+    "train/clipfrac",
+    "train/ppo_kl",
+    "sync/bytes",
+    "sync/buckets",
+    "sync/version",
+    "engine/version",
+)
 
 
 def _machine(run_dir: Path) -> dict:
@@ -57,8 +80,11 @@ def _machine(run_dir: Path) -> dict:
         for name in sorted(tensors):
             digest.update(name.encode())
             digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
-    return {"warm_start_sha256": digest.hexdigest()[:16], "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__}
+    return {
+        "warm_start_sha256": digest.hexdigest()[:16],
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +112,24 @@ def test_sync_run_keeps_the_numbers_no_machine_changes(run):
 def test_sync_run_reproduces_the_recorded_metrics(run):
     rows, machine = run
     if os.environ.get("LOONGSAGE_WRITE_GOLDEN") == "1":
-        GOLDEN.write_text(json.dumps({"commit": os.environ.get("LOONGSAGE_COMMIT", "unknown"), "args": ARGS,
-                                      "machine": machine, "rows": rows}, indent=1) + "\n")
+        GOLDEN.write_text(
+            json.dumps(
+                {
+                    "commit": os.environ.get("LOONGSAGE_COMMIT", "unknown"),
+                    "args": ARGS,
+                    "machine": machine,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     golden = json.loads(GOLDEN.read_text())
     if machine != golden["machine"]:
-        pytest.skip(f"the recorded numbers are those of another warm start or CPU kernels ({golden['machine']}; "
-                    f"here {machine}): only the machine-independent ones are checked")
+        pytest.skip(
+            f"the recorded numbers are those of another warm start or CPU kernels ({golden['machine']}; "
+            f"here {machine}): only the machine-independent ones are checked"
+        )
     for got, want in zip(rows, golden["rows"]):
         for key, value in want.items():
             # counts, rewards and accuracies are exact; losses and norms to float32 rounding

@@ -101,8 +101,14 @@ VALIDATE = textwrap.dedent(
 def validated(plugin_dir, tmp_path_factory) -> dict:
     """One fresh interpreter that sees the install: `loongsage plugins`, then validation, then refusals."""
     cwd = tmp_path_factory.mktemp("third_party_cwd")
-    proc = subprocess.run([sys.executable, "-c", VALIDATE, str(REPO / "recipes")], cwd=cwd,
-                          env=third_party.env_with(plugin_dir), capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", VALIDATE, str(REPO / "recipes")],
+        cwd=cwd,
+        env=third_party.env_with(plugin_dir),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     assert not any(cwd.iterdir()), "validation wrote files"
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -141,8 +147,9 @@ def test_estimator_math_in_process(monkeypatch) -> None:
     module = _load("loongsage_centered_reward_direct", third_party.FIXTURE / f"{third_party.MODULE}.py")
     mask = torch.tensor([[0, 1, 1], [0, 1, 0], [1, 1, 1], [0, 0, 1]], dtype=torch.float32)
     rewards = torch.tensor([1.0, 0.0, float("nan"), 0.5])
-    adv = module.CenteredReward(scale=2.0)(AdvantageInput(rewards=rewards, group_ids=torch.arange(4),
-                                                           response_mask=mask))
+    adv = module.CenteredReward(scale=2.0)(
+        AdvantageInput(rewards=rewards, group_ids=torch.arange(4), response_mask=mask)
+    )
     expected = torch.tensor([1.0, -1.0, 0.0, 0.0])[:, None] * mask  # mean of the finite rewards is 0.5
     assert torch.allclose(adv, expected, atol=0, rtol=1e-6), adv  # (torch.testing's first call costs seconds)
     assert adv.dtype == torch.float32 and module.CenteredReward.needs_values is False
@@ -155,11 +162,28 @@ def test_a_recipe_trains_with_it_by_name(plugin_dir, model_cache, tmp_path) -> N
     """The real launcher, its own Ray, a short GRPO run whose advantage comes from the plugin."""
     (tmp_path / "recipes").symlink_to(REPO / "recipes")
     proc = subprocess.run(
-        [sys.executable, "-m", "loongsage.core.cli", "train", "tiny/grpo_arith_cpu", "run.name=third_party",
-         "algorithm.advantage.name=centered_reward", "algorithm.advantage.params.scale=0.5",
-         "run.total_steps=2", "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4",
-         "evaluation.max_prompts=8", "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false"],
-        cwd=tmp_path, env=third_party.env_with(plugin_dir), capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "loongsage.core.cli",
+            "train",
+            "tiny/grpo_arith_cpu",
+            "run.name=third_party",
+            "algorithm.advantage.name=centered_reward",
+            "algorithm.advantage.params.scale=0.5",
+            "run.total_steps=2",
+            "data_sources.0.prompts_per_step=4",
+            "data_sources.0.samples_per_prompt=4",
+            "evaluation.max_prompts=8",
+            "evaluation.pass_k=0",
+            "tracking.progress=false",
+            "checkpoint.export_hf=false",
+        ],
+        cwd=tmp_path,
+        env=third_party.env_with(plugin_dir),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = (tmp_path / "runs" / "third_party" / "config.yaml").read_text()

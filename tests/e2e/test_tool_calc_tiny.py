@@ -22,10 +22,20 @@ pytestmark = pytest.mark.timeout(1500)  # the first test to need the warm start 
 
 
 def test_tool_calc_recipe_trains_through_the_gateway(ray_session, in_tmp):
-    args = ["train", "tiny/tool_calc_cpu", "run.name=tool_calc", "run.total_steps=2",
-            "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=0",
-            "evaluation.max_prompts=8", "evaluation.pass_k=4", "tracking.progress=false",
-            "checkpoint.every_steps=0", "checkpoint.export_hf=false"]
+    args = [
+        "train",
+        "tiny/tool_calc_cpu",
+        "run.name=tool_calc",
+        "run.total_steps=2",
+        "data_sources.0.prompts_per_step=4",
+        "data_sources.0.samples_per_prompt=4",
+        "evaluation.every_steps=0",
+        "evaluation.max_prompts=8",
+        "evaluation.pass_k=4",
+        "tracking.progress=false",
+        "checkpoint.every_steps=0",
+        "checkpoint.export_hf=false",
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (in_tmp / "runs" / "tool_calc" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]

@@ -11,20 +11,34 @@ import pytest
 from loongsage.core.cli import main
 from loongsage.core.tracking import WANDB_RUN_ID_FILE
 
-_spec = importlib.util.spec_from_file_location("_wandb_offline", Path(__file__).parents[1] / "core" / "test_tracking_wandb.py")
+_spec = importlib.util.spec_from_file_location(
+    "_wandb_offline", Path(__file__).parents[1] / "core" / "test_tracking_wandb.py"
+)
 _helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_helpers)
 
 
 def _args(steps: int, *extra: str) -> list[str]:
-    return ["train", "tiny/grpo_arith_cpu", "run.name=wandb_e2e", f"run.total_steps={steps}",
-            "data_sources.0.prompts_per_step=2", "data_sources.0.samples_per_prompt=2", "evaluation.max_prompts=4",
-            "evaluation.pass_k=0", "checkpoint.every_steps=1", "checkpoint.export_hf=false", "tracking.progress=false",
-            "tracking.backends=[jsonl,wandb]", *extra]
+    return [
+        "train",
+        "tiny/grpo_arith_cpu",
+        "run.name=wandb_e2e",
+        f"run.total_steps={steps}",
+        "data_sources.0.prompts_per_step=2",
+        "data_sources.0.samples_per_prompt=2",
+        "evaluation.max_prompts=4",
+        "evaluation.pass_k=0",
+        "checkpoint.every_steps=1",
+        "checkpoint.export_hf=false",
+        "tracking.progress=false",
+        "tracking.backends=[jsonl,wandb]",
+        *extra,
+    ]
 
 
 # the trackers the launcher builds from the run's config, for a run and its resume, are checked without
-# Ray by tests/core/test_tracking_wandb.py's test_a_runs_trackers_and_their_resume_log_one_wandb_run_beside_metrics_jsonl
+# Ray by tests/core/test_tracking_wandb.py's
+# test_a_runs_trackers_and_their_resume_log_one_wandb_run_beside_metrics_jsonl
 @pytest.mark.slow
 def test_wandb_run_continues_across_resume(ray_session, in_tmp, monkeypatch):
     # offline, WANDB_DIR unset: W&B's files go to the run directory

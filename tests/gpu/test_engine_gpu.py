@@ -38,8 +38,9 @@ def test_cuda_graph_decode_matches_eager_and_a_full_forward(model_dir):
     for p, (g,), (e,) in zip(batch, got, want):
         assert g.output_ids == e.output_ids
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
-        torch.testing.assert_close(torch.tensor(g.logprobs), full_logprobs(hf.cpu(), p, g.output_ids), atol=1e-4,
-                                   rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(g.logprobs), full_logprobs(hf.cpu(), p, g.output_ids), atol=1e-4, rtol=0
+        )
         hf.cuda()
 
 
@@ -50,8 +51,10 @@ def test_requests_joining_a_graphed_batch_get_the_same_samples(model_dir):
     (alone,) = engine.generate_batch([req("alone", probe, **sampling)])[0]
 
     async def crowded():
-        others = [asyncio.create_task(engine.generate(req(f"o{i}", p, max_new_tokens=40)))
-                  for i, p in enumerate(prompts(20, seed=52))]
+        others = [
+            asyncio.create_task(engine.generate(req(f"o{i}", p, max_new_tokens=40)))
+            for i, p in enumerate(prompts(20, seed=52))
+        ]
         while engine.health()["generated_tokens"] < 60:
             await asyncio.sleep(0)
         result = await engine.generate(req("crowded", probe, **sampling))

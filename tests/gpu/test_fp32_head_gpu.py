@@ -38,8 +38,16 @@ def test_trainer_and_engine_heads_agree_on_the_same_rows():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
     model = Qwen3ForCausalLM(config).cuda().to(torch.bfloat16)
     ids = torch.randint(0, 512, (2, 16), device="cuda")
     with torch.no_grad():

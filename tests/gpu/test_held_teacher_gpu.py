@@ -86,16 +86,20 @@ def test_a_held_teacher_steps_as_a_teacher_worker(qwen3_1024_dir, tmp_path_facto
     shipped_s = time.perf_counter() - start
     mask = b.response_mask.bool()
     diff = (lp_held - scored["logprobs"])[mask].abs().max().item()
-    print(f"{backend}: held teacher grad norm {norm_held:.6f} vs shipped {norm_shipped:.6f}; teacher log-prob "
-          f"max |diff| {diff:.2e}; held step {held_s:.2f} s (peak {held_peak / 1e9:.2f} GB), teacher worker + "
-          f"step {shipped_s:.2f} s; shipped distribution {scored['dist_logprobs'].numel() * 4 / 1e9:.2f} GB on the host")
+    print(
+        f"{backend}: held teacher grad norm {norm_held:.6f} vs shipped {norm_shipped:.6f}; teacher log-prob "
+        f"max |diff| {diff:.2e}; held step {held_s:.2f} s (peak {held_peak / 1e9:.2f} GB), teacher worker + "
+        f"step {shipped_s:.2f} s; shipped distribution {scored['dist_logprobs'].numel() * 4 / 1e9:.2f} GB on the host"
+    )
     assert diff < 1e-4
     assert norm_held == pytest.approx(norm_shipped, rel=1e-3)
 
 
-ARITH4 = ('name: tiny_arith, params: {name: arith4-qwen3-25m-teacher, digits: 4, operations: "+-", hidden_size: 512, '
-          'num_layers: 8, heads: 8, kv_heads: 4, intermediate_size: 1536, drop_prob: 0.0, steps: 2000, '
-          'batch_size: 256, lr: 1.0e-3, warmup_steps: 100, device: cuda}')
+ARITH4 = (
+    'name: tiny_arith, params: {name: arith4-qwen3-25m-teacher, digits: 4, operations: "+-", hidden_size: 512, '
+    "num_layers: 8, heads: 8, kv_heads: 4, intermediate_size: 1536, drop_prob: 0.0, steps: 2000, "
+    "batch_size: 256, lr: 1.0e-3, warmup_steps: 100, device: cuda}"
+)
 
 
 @pytest.mark.timeout(1500)
@@ -106,17 +110,26 @@ def test_mopd_with_a_teacher_held_by_the_megatron_trainer_through_the_launcher(t
     pytest.importorskip("megatron.core")
     from test_megatron_gpu import MEGATRON_CUDA, _launch
 
-    rows = _launch("gpu/grpo_arith4_h200", tmp_path / "mopd", MEGATRON_CUDA,
-                   f"data_sources.0.teacher={{name: trainer, params: {{builder: {{{ARITH4}}}}}}}",
-                   "algorithm.distill={pg_coef: 0.5, gkd_coef: 0.5, divergence: {name: jsd}}",
-                   "placement.offload_trainer=true", "run.total_steps=3", "evaluation.every_steps=0",
-                   "checkpoint.every_steps=0")
+    rows = _launch(
+        "gpu/grpo_arith4_h200",
+        tmp_path / "mopd",
+        MEGATRON_CUDA,
+        f"data_sources.0.teacher={{name: trainer, params: {{builder: {{{ARITH4}}}}}}}",
+        "algorithm.distill={pg_coef: 0.5, gkd_coef: 0.5, divergence: {name: jsd}}",
+        "placement.offload_trainer=true",
+        "run.total_steps=3",
+        "evaluation.every_steps=0",
+        "checkpoint.every_steps=0",
+    )
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["engine/version"] for r in rows] == [1.0, 2.0, 3.0]  # every step's weights reached the engine
     for r in rows:
         assert torch.isfinite(torch.tensor(r["train/loss"])) and r["train/grad_norm"] > 0, r
         assert r["train/gkd"] > 0 and r["train/mopd_teacher_logprob"] < 0, r
         assert r["timing/trainer_offload_s"] > 0, r
-    print(f"\nMOPD on megatron with a held teacher: gkd {[round(r['train/gkd'], 4) for r in rows]}, "
-          f"mopd_kl {[round(r['train/mopd_kl'], 4) for r in rows]}, step s {[round(r['timing/step_s'], 2) for r in rows]}, "
-          f"offload s {[round(r['timing/trainer_offload_s'], 2) for r in rows]}")
+    print(
+        f"\nMOPD on megatron with a held teacher: gkd {[round(r['train/gkd'], 4) for r in rows]}, "
+        f"mopd_kl {[round(r['train/mopd_kl'], 4) for r in rows]}, "
+        f"step s {[round(r['timing/step_s'], 2) for r in rows]}, "
+        f"offload s {[round(r['timing/trainer_offload_s'], 2) for r in rows]}"
+    )

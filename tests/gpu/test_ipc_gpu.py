@@ -29,8 +29,16 @@ class Sender:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).cuda()
         self.transports = {}  # one per way, kept across pushes as a trainer keeps its transport
 
-    def push(self, engine, seed: int, bucket_mb: float, *, in_place: bool = False, extra: dict | None = None,
-             copies: bool = False) -> tuple[dict, dict, int]:
+    def push(
+        self,
+        engine,
+        seed: int,
+        bucket_mb: float,
+        *,
+        in_place: bool = False,
+        extra: dict | None = None,
+        copies: bool = False,
+    ) -> tuple[dict, dict, int]:
         """Change the weights, push them; ``copies``: push fresh copies (new tensors at every push)."""
         from loongsage.core.buckets import checksums
         from loongsage.sync.ipc import IpcTransport
@@ -41,7 +49,9 @@ class Sender:
                 p.add_(0.01 * torch.randn(p.shape, generator=g, device="cuda", dtype=p.dtype))
         weights = {n: t.clone() if copies else t for n, t in self.model.state_dict().items()}
         weights.update({n: t.cuda() for n, t in (extra or {}).items()})
-        transport = self.transports.setdefault((bucket_mb, in_place), IpcTransport(bucket_mb=bucket_mb, in_place=in_place))
+        transport = self.transports.setdefault(
+            (bucket_mb, in_place), IpcTransport(bucket_mb=bucket_mb, in_place=in_place)
+        )
         stats = transport.push(weights.items(), [engine])
         return stats, checksums(self.model.state_dict().items()), transport._shares
 
@@ -66,8 +76,15 @@ def test_ipc_updates_arrive_bit_for_bit_and_a_bad_one_changes_nothing(cluster, t
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(model).to(torch.bfloat16).save_pretrained(model)
-    cfg, _ = load_config("tiny/grpo_arith_cpu", [PLUGINS, "model.dtype=bfloat16", "rollout.transport={name: ipc}",
-                                                 "rollout.engine={name: native, params: {device: cuda, max_model_len: 256}}"])
+    cfg, _ = load_config(
+        "tiny/grpo_arith_cpu",
+        [
+            PLUGINS,
+            "model.dtype=bfloat16",
+            "rollout.transport={name: ipc}",
+            "rollout.engine={name: native, params: {device: cuda, max_model_len: 256}}",
+        ],
+    )
     gpu = {"num_gpus": 0.4, "num_cpus": 0}
     engine = ray.remote(EngineWorker).options(**gpu, max_concurrency=8).remote(cfg, model, 0, 1)
     sender = ray.remote(Sender).options(**gpu).remote(model)

@@ -23,9 +23,15 @@ def _batch(vocab: int):
     ids = torch.randint(0, vocab, (4, 256), generator=g)
     response = torch.zeros(ids.shape)
     response[:, 64:] = 1
-    return TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=response,
-                      rollout_logprobs=torch.zeros(ids.shape), advantages=torch.randn(ids.shape, generator=g),
-                      rewards=torch.zeros(4), group_ids=torch.arange(4))
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=response,
+        rollout_logprobs=torch.zeros(ids.shape),
+        advantages=torch.randn(ids.shape, generator=g),
+        rewards=torch.zeros(4),
+        group_ids=torch.arange(4),
+    )
 
 
 def _loss(lp, mb):
@@ -76,9 +82,11 @@ def test_offload_frees_the_card_and_the_next_step_is_unchanged(qwen3_1024_dir, b
     again_s = time.perf_counter() - start
     moved.onload()
     torch.cuda.synchronize()
-    print(f"{backend}: {n / 1e6:.0f}M parameters; offload(weights=False) freed {optimizer_freed / 1e9:.2f} GB in "
-          f"{optimizer_s:.2f} s (pinning), offload() {all_freed / 1e9:.2f} GB; onload {onload_s:.2f} s; "
-          f"offload again {again_s:.2f} s")
+    print(
+        f"{backend}: {n / 1e6:.0f}M parameters; offload(weights=False) freed {optimizer_freed / 1e9:.2f} GB in "
+        f"{optimizer_s:.2f} s (pinning), offload() {all_freed / 1e9:.2f} GB; onload {onload_s:.2f} s; "
+        f"offload again {again_s:.2f} s"
+    )
     # bf16 weights 2 bytes a parameter; float32 masters 4 and AdamW's moments 8 (the megatron
     # trainer's flat gradient vector 4 more)
     assert optimizer_freed >= 12 * n * 0.98

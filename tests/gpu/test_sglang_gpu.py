@@ -36,8 +36,15 @@ def model_dir(qwen3_1024_dir):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    eng = SGLangEngine(model_dir, dtype="bfloat16", fp32_lm_head=True, seed=1, mem_fraction_static=0.3,
-                       cuda_graphs=False, max_model_len=1024)
+    eng = SGLangEngine(
+        model_dir,
+        dtype="bfloat16",
+        fp32_lm_head=True,
+        seed=1,
+        mem_fraction_static=0.3,
+        cuda_graphs=False,
+        max_model_len=1024,
+    )
     yield eng
     eng.close()
 
@@ -48,9 +55,16 @@ def run(coro):
 
 def sample(engine: SGLangEngine, prompts: list[list[int]], new_tokens: int, tag: str) -> list:
     async def all_of_them():
-        return await asyncio.gather(*(engine.generate(GenerationRequest(
-            f"{tag}{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=[])))
-            for i, p in enumerate(prompts)))
+        return await asyncio.gather(
+            *(
+                engine.generate(
+                    GenerationRequest(
+                        f"{tag}{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, stop_token_ids=[])
+                    )
+                )
+                for i, p in enumerate(prompts)
+            )
+        )
 
     return [r[0] for r in run(all_of_them())]
 
@@ -85,8 +99,9 @@ def test_tokens_and_logprobs_agree_with_the_trainer(engine, trainer):
 
 def test_abort_keeps_partial_output_and_resume_continues_it(engine):
     async def cut():
-        task = asyncio.ensure_future(engine.generate(GenerationRequest(
-            "a", [5, 6, 7], SamplingParams(max_new_tokens=900, stop_token_ids=[]))))
+        task = asyncio.ensure_future(
+            engine.generate(GenerationRequest("a", [5, 6, 7], SamplingParams(max_new_tokens=900, stop_token_ids=[])))
+        )
         await asyncio.sleep(0.5)
         aborted = await engine.abort(["a"])
         return aborted, await task
@@ -96,8 +111,13 @@ def test_abort_keeps_partial_output_and_resume_continues_it(engine):
     assert partial.finish_reason is FinishReason.ABORT and 0 < len(partial.output_ids) < 900
     assert aborted[0].output_ids == partial.output_ids
     n = len(partial.output_ids)
-    more = run(engine.generate(GenerationRequest("a2", [5, 6, 7], SamplingParams(max_new_tokens=n + 8, stop_token_ids=[]),
-                                                 resume_from=partial)))[0]
+    more = run(
+        engine.generate(
+            GenerationRequest(
+                "a2", [5, 6, 7], SamplingParams(max_new_tokens=n + 8, stop_token_ids=[]), resume_from=partial
+            )
+        )
+    )[0]
     assert more.output_ids[:n] == partial.output_ids
     assert len(more.output_ids) == n + 8 and more.finish_reason is FinishReason.LENGTH
 
@@ -122,8 +142,9 @@ def test_the_trainers_weights_land_a_bad_update_changes_nothing_and_pause_holds_
     assert engine.version == version
 
     async def paused_update():
-        task = asyncio.ensure_future(engine.generate(GenerationRequest(
-            "p", [9, 10], SamplingParams(max_new_tokens=400, stop_token_ids=[]))))
+        task = asyncio.ensure_future(
+            engine.generate(GenerationRequest("p", [9, 10], SamplingParams(max_new_tokens=400, stop_token_ids=[])))
+        )
         await asyncio.sleep(0.3)
         await asyncio.to_thread(engine.pause)
         again = await asyncio.to_thread(engine.update_weights, list(without_aliases(trainer.export_weights())))
@@ -139,8 +160,13 @@ def test_the_trainers_weights_land_a_bad_update_changes_nothing_and_pause_holds_
 
 def test_memory_release_and_resume_keep_the_weights(engine):
     def greedy(tag: str):
-        return run(engine.generate(GenerationRequest(tag, [5, 6, 7, 8], SamplingParams(
-            temperature=0.0, max_new_tokens=48, stop_token_ids=[]))))[0]
+        return run(
+            engine.generate(
+                GenerationRequest(
+                    tag, [5, 6, 7, 8], SamplingParams(temperature=0.0, max_new_tokens=48, stop_token_ids=[])
+                )
+            )
+        )[0]
 
     before = greedy("m0")
     engine.release_memory()

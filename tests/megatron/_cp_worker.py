@@ -57,8 +57,9 @@ def run(rank: int, cp: int, tp: int, pp: int, model_dir: str, work: str, port: s
     dist.all_gather_object(outs, out)
     if rank == 0:
         leader = next(o for o in outs if o["layout"][2])
-        torch.save({**leader, "exported": out["exported"], "layouts": [o["layout"] for o in outs]},
-                   Path(work) / f"{name}.pt")
+        torch.save(
+            {**leader, "exported": out["exported"], "layouts": [o["layout"] for o in outs]}, Path(work) / f"{name}.pt"
+        )
     dist.barrier()
     dist.destroy_process_group()
 

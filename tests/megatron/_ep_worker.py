@@ -35,8 +35,9 @@ def rows_of(rank: int):
     return b, routes
 
 
-def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port: str, pp: int = 1,
-        etp: int | None = None) -> None:
+def run(
+    rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port: str, pp: int = 1, etp: int | None = None
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -48,8 +49,9 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     from loongsage.megatron.trainer import MegatronTrainer
 
     def trainer_(**extra):
-        return MegatronTrainer(model_dir, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp,
-                               expert_tensor_parallel=etp, **extra)
+        return MegatronTrainer(
+            model_dir, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp, expert_tensor_parallel=etp, **extra
+        )
 
     trainer = trainer_()
     out: dict = {"layout": trainer.data_parallel}
@@ -86,8 +88,9 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     recomputed.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     replayed = dataclasses.replace(b, routed_experts=routes)
     out["replayed_grad_norm"] = recomputed.train_step(replayed, loss_fn, BUDGET).gauges["train/grad_norm"]
-    out["expert_rows"] = next(p.shape[0] for n, p in trainer.model.named_parameters() if "local_experts" in n
-                              and "fc1" in n)  # gate and up: 2 x moe_intermediate_size, or this rank's slice
+    out["expert_rows"] = next(
+        p.shape[0] for n, p in trainer.model.named_parameters() if "local_experts" in n and "fc1" in n
+    )  # gate and up: 2 x moe_intermediate_size, or this rank's slice
     out["local_experts"] = sum(1 for n, _ in trainer.model.named_parameters() if "local_experts" in n and "fc1" in n)
     # two MOPD teachers held by the trainer (split as it is), rank 1 without rows of the second: its
     # teacher runs a filler there, as Megatron's expert dispatch needs every rank's forward
@@ -97,7 +100,7 @@ def run(rank: int, tp: int, ep: int, world: int, model_dir: str, work: str, port
     for source in ("a", "b"):
         student.add_teacher([source], str(Path(work) / "teacher"))
     student.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
-    taught = dataclasses.replace(b, sources=["a", "b", "a"][:len(b)] if out["layout"][0] == 0 else ["a"] * len(b))
+    taught = dataclasses.replace(b, sources=["a", "b", "a"][: len(b)] if out["layout"][0] == 0 else ["a"] * len(b))
     out["teacher_logprobs"] = student.teacher_logprobs(taught, BUDGET)
     out["distill_grad_norm"] = student.train_step(taught, distill_loss(0), BUDGET).gauges["train/grad_norm"]
     results = [None] * world

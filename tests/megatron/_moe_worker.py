@@ -24,10 +24,23 @@ EXPERTS, TOPK, LAYERS = 8, 2, 2
 def build(path: Path) -> str:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(vocab_size=200, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                            num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_experts=EXPERTS, num_experts_per_tok=TOPK, norm_topk_prob=True, decoder_sparse_step=1,
-                            mlp_only_layers=[], tie_word_embeddings=False, initializer_range=0.2)
+    config = Qwen3MoeConfig(
+        vocab_size=200,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOPK,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         Qwen3MoeForCausalLM(config).save_pretrained(str(path))
@@ -37,8 +50,9 @@ def build(path: Path) -> str:
 def hf_routes(model: torch.nn.Module, b: TrainBatch) -> list[torch.Tensor]:
     """Per row, the experts HF's routers chose for each of its real tokens: ``[tokens, layers, topk]``."""
     chosen: list[torch.Tensor] = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2]))
-             for layer in model.model.layers]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _m, _a, out: chosen.append(out[2])) for layer in model.model.layers
+    ]
     with torch.no_grad():
         model(input_ids=b.input_ids, attention_mask=b.attention_mask)
     for hook in hooks:
@@ -58,20 +72,35 @@ def segments_replayed(trainer: MegatronTrainer, b: TrainBatch) -> dict:
     trained[0, 5:10], trained[0, 13:20] = 1, 1  # a segment's first tokens are its prompt
     g = torch.Generator().manual_seed(4)
     records = [torch.randint(0, EXPERTS, (9, LAYERS, TOPK), generator=g) for _ in range(2)]
-    row = TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=trained,
-                     rollout_logprobs=torch.zeros(1, 20), advantages=torch.zeros(1, 20), rewards=torch.zeros(1),
-                     group_ids=torch.arange(1), segments=[[Segment(0, 10, "turn"), Segment(10, 20, "rewritten")]],
-                     routed_experts=[records])
-    apart = TrainBatch(input_ids=ids.view(2, 10), attention_mask=torch.ones(2, 10, dtype=torch.long),
-                       response_mask=trained.view(2, 10), rollout_logprobs=torch.zeros(2, 10),
-                       advantages=torch.zeros(2, 10), rewards=torch.zeros(2), group_ids=torch.arange(2),
-                       routed_experts=records)
+    row = TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=trained,
+        rollout_logprobs=torch.zeros(1, 20),
+        advantages=torch.zeros(1, 20),
+        rewards=torch.zeros(1),
+        group_ids=torch.arange(1),
+        segments=[[Segment(0, 10, "turn"), Segment(10, 20, "rewritten")]],
+        routed_experts=[records],
+    )
+    apart = TrainBatch(
+        input_ids=ids.view(2, 10),
+        attention_mask=torch.ones(2, 10, dtype=torch.long),
+        response_mask=trained.view(2, 10),
+        rollout_logprobs=torch.zeros(2, 10),
+        advantages=torch.zeros(2, 10),
+        rewards=torch.zeros(2),
+        group_ids=torch.arange(2),
+        routed_experts=records,
+    )
     joined = trainer.logprobs(row, 4096)[0].view(2, 10)
     separate = trainer.logprobs(apart, 4096)[0]
     unreplayed = trainer.logprobs(dataclasses.replace(row, routed_experts=[]), 4096)[0].view(2, 10)
     mask = trained.view(2, 10).bool()
-    out = {"segments_replay_diff": (joined - separate)[mask].abs().max().item(),
-           "segments_replay_changes": (joined - unreplayed)[mask].abs().max().item()}
+    out = {
+        "segments_replay_diff": (joined - separate)[mask].abs().max().item(),
+        "segments_replay_changes": (joined - unreplayed)[mask].abs().max().item(),
+    }
     try:
         trainer.logprobs(dataclasses.replace(row, routed_experts=[records[0]]), 4096)
         out["segments_one_record_error"] = ""
@@ -90,8 +119,10 @@ def packed_replay(model_dir: str, hf_model: torch.nn.Module) -> dict:
         trainer = MegatronTrainer(model_dir, pack_sequences=packed)
         trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
         out[packed] = trainer.logprobs(rows, 4096)[0], trainer.train_step(rows, loss_fn, 4096).gauges["train/grad_norm"]
-    return {"packed_replay_diff": (out[False][0] - out[True][0])[mask].abs().max().item(),
-            "packed_replay_grad_rel_diff": abs(out[False][1] - out[True][1]) / out[False][1]}
+    return {
+        "packed_replay_diff": (out[False][0] - out[True][0])[mask].abs().max().item(),
+        "packed_replay_grad_rel_diff": abs(out[False][1] - out[True][1]) / out[False][1],
+    }
 
 
 def main(work: str) -> None:
@@ -124,8 +155,9 @@ def main(work: str) -> None:
     for trainer in (plain, recomputed):
         trainer.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     shifted_batch = dataclasses.replace(b, routed_experts=shifted)
-    g_plain, g_recomputed = (t.train_step(shifted_batch, loss_fn, 4096).gauges["train/grad_norm"]
-                             for t in (plain, recomputed))
+    g_plain, g_recomputed = (
+        t.train_step(shifted_batch, loss_fn, 4096).gauges["train/grad_norm"] for t in (plain, recomputed)
+    )
     out["recompute_grad_norm_rel_diff"] = abs(g_plain - g_recomputed) / g_plain
     out["recompute_logprob_diff"] = (plain.logprobs(b, 4096)[0] - recomputed.logprobs(b, 4096)[0]).abs().max().item()
     ours.export_hf(Path(work) / "hf")

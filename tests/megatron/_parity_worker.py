@@ -40,7 +40,7 @@ def run(rank: int, world: int, model_dir: str, out: str, port: str) -> None:
     tokens = torch.randint(0, shape.vocab, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the trainer's forward: [b, s, this rank's vocabulary rows]
         local = gpt_logits(model, tokens, torch.ones_like(tokens), 1, vocab=shape.padded_vocab(world))
-        logits = tensor_parallel.gather_from_tensor_model_parallel_region(local)[..., :shape.vocab]
+        logits = tensor_parallel.gather_from_tensor_model_parallel_region(local)[..., : shape.vocab]
     shards = [None] * world
     dist.all_gather_object(shards, {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)})
     if rank == 0:
@@ -51,12 +51,18 @@ def run(rank: int, world: int, model_dir: str, out: str, port: str) -> None:
             expected = reference(tokens).logits
         back = dict(mcore_to_hf(shards, shape))
         wanted = {n: t for n, t in hf.items() if not (shape.tied and n == "lm_head.weight")}
-        Path(out).write_text(json.dumps({
-            "max_abs_logit_diff": (logits - expected).abs().max().item(),
-            "logit_scale": expected.abs().max().item(),
-            "local_vocab_rows": local.shape[-1],
-            "round_trip_exact": back.keys() == wanted.keys() and all(torch.equal(back[n], wanted[n]) for n in wanted),
-            "core_attention": type(model.decoder.layers[0].self_attention.core_attention).__name__}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "max_abs_logit_diff": (logits - expected).abs().max().item(),
+                    "logit_scale": expected.abs().max().item(),
+                    "local_vocab_rows": local.shape[-1],
+                    "round_trip_exact": back.keys() == wanted.keys()
+                    and all(torch.equal(back[n], wanted[n]) for n in wanted),
+                    "core_attention": type(model.decoder.layers[0].self_attention.core_attention).__name__,
+                }
+            )
+        )
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

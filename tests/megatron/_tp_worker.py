@@ -92,7 +92,9 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
     half = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp, dtype="bfloat16")
     half.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     out["bf16_grad_norm"] = half.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
-    split = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp, dtype="bfloat16", distributed_optimizer=True)
+    split = MegatronTrainer(
+        model_dir, tensor_parallel=tp, pipeline_parallel=pp, dtype="bfloat16", distributed_optimizer=True
+    )
     split.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     out["bf16_split_grad_norm"] = split.train_step(b, loss_fn, BUDGET).gauges["train/grad_norm"]
     out["bf16_masters"] = half.masters is not None and all(m.dtype == torch.float32 for m in half.masters.masters)
@@ -103,8 +105,9 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
     student.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
     taught = replace(b, sources=["s"] * len(b))
     out["teacher_logprobs"] = student.teacher_logprobs(taught, BUDGET)
-    out["distill_grad_norms"] = [student.train_step(taught, distill_loss(k), BUDGET).gauges["train/grad_norm"]
-                                 for k in (0, 5)]
+    out["distill_grad_norms"] = [
+        student.train_step(taught, distill_loss(k), BUDGET).gauges["train/grad_norm"] for k in (0, 5)
+    ]
     # the same first step on a teacher worker's whole distribution, shipped in the batch (each
     # tensor-parallel rank takes its shard of it)
     from loongsage.core.trainer.teacher import EmbeddedTeacher
@@ -112,14 +115,22 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
     scored = EmbeddedTeacher(str(Path(work) / "teacher")).score(taught, full_vocab=True)
     shipped = MegatronTrainer(model_dir, tensor_parallel=tp, pipeline_parallel=pp)
     shipped.setup_optimizer(1e-3, [0.9, 0.99], 1e-8, 0.0, 1.0, 0)
-    out["shipped_grad_norm"] = shipped.train_step(replace(taught, teacher_dist_logprobs=scored["dist_logprobs"]),
-                                                  distill_loss(0), BUDGET).gauges["train/grad_norm"]
+    out["shipped_grad_norm"] = shipped.train_step(
+        replace(taught, teacher_dist_logprobs=scored["dist_logprobs"]), distill_loss(0), BUDGET
+    ).gauges["train/grad_norm"]
     outs = [None] * (tp * pp)
     dist.all_gather_object(outs, out)
     if rank == 0:  # the leader's answers (the last stage computes them); rank 0's exports
         leader = next(o for o in outs if o["layout"][2])
-        torch.save({**leader, "exported": out["exported"], "layouts": [o["layout"] for o in outs],
-                    "others_exported": [o["exported"] for o in outs[1:]]}, Path(work) / f"{name}.pt")
+        torch.save(
+            {
+                **leader,
+                "exported": out["exported"],
+                "layouts": [o["layout"] for o in outs],
+                "others_exported": [o["exported"] for o in outs[1:]],
+            },
+            Path(work) / f"{name}.pt",
+        )
     dist.barrier()
     dist.destroy_process_group()
 

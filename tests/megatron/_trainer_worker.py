@@ -24,9 +24,15 @@ def batch() -> TrainBatch:
     response = torch.zeros(ids.shape)
     response[:, 8:] = 1
     response *= attention
-    return TrainBatch(input_ids=ids, attention_mask=attention, response_mask=response,
-                      rollout_logprobs=torch.zeros(ids.shape), advantages=torch.ones(ids.shape) * 0.5,
-                      rewards=torch.zeros(3), group_ids=torch.arange(3))
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        response_mask=response,
+        rollout_logprobs=torch.zeros(ids.shape),
+        advantages=torch.ones(ids.shape) * 0.5,
+        rewards=torch.zeros(3),
+        group_ids=torch.arange(3),
+    )
 
 
 def right_padded_batch(lengths: tuple[int, ...], *, first_trained: int, seed: int) -> TrainBatch:
@@ -40,10 +46,15 @@ def right_padded_batch(lengths: tuple[int, ...], *, first_trained: int, seed: in
     response = torch.zeros(ids.shape)
     response[:, first_trained:] = 1
     response *= attention
-    return TrainBatch(input_ids=ids, attention_mask=attention, response_mask=response,
-                      rollout_logprobs=torch.zeros(ids.shape),
-                      advantages=torch.linspace(-1, 1, rows * width).view(rows, width),
-                      rewards=torch.zeros(rows), group_ids=torch.arange(rows))
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        response_mask=response,
+        rollout_logprobs=torch.zeros(ids.shape),
+        advantages=torch.linspace(-1, 1, rows * width).view(rows, width),
+        rewards=torch.zeros(rows),
+        group_ids=torch.arange(rows),
+    )
 
 
 def loss_fn(lp: torch.Tensor, mb: TrainBatch) -> tuple[torch.Tensor, Metrics]:
@@ -90,7 +101,9 @@ def main(model_dir: str, work: str) -> None:
     half_ref = TorchTrainer(model_dir, dtype="bfloat16")
     half = MegatronTrainer(model_dir, dtype="bfloat16")
     out["bf16_head_float32"] = half.adapter.logits(b.input_ids, b.attention_mask).dtype == torch.float32
-    out["bf16_logprob_mean_diff"] = (half_ref.logprobs(b, 4096)[0] - half.logprobs(b, 4096)[0])[mask].abs().mean().item()
+    out["bf16_logprob_mean_diff"] = (
+        (half_ref.logprobs(b, 4096)[0] - half.logprobs(b, 4096)[0])[mask].abs().mean().item()
+    )
     # the teachers: the megatron one scores as the embedded one (log-probs, top-k, full log-softmax)
     from loongsage.core.trainer.teacher import EmbeddedTeacher
     from loongsage.megatron.teacher import MegatronTeacher

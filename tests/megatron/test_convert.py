@@ -28,15 +28,25 @@ def hf_state(shape: Shape, *, bias: bool = False, seed: int = 0) -> dict[str, to
         out["lm_head.weight"] = r(shape.vocab, HIDDEN)
     for i in range(shape.layers):
         p = f"model.layers.{i}."
-        out |= {p + "input_layernorm.weight": r(HIDDEN), p + "post_attention_layernorm.weight": r(HIDDEN),
-                p + "self_attn.q_proj.weight": r(q_rows, HIDDEN), p + "self_attn.k_proj.weight": r(kv_rows, HIDDEN),
-                p + "self_attn.v_proj.weight": r(kv_rows, HIDDEN), p + "self_attn.o_proj.weight": r(HIDDEN, q_rows),
-                p + "self_attn.q_norm.weight": r(d), p + "self_attn.k_norm.weight": r(d),
-                p + "mlp.gate_proj.weight": r(FFN, HIDDEN), p + "mlp.up_proj.weight": r(FFN, HIDDEN),
-                p + "mlp.down_proj.weight": r(HIDDEN, FFN)}
+        out |= {
+            p + "input_layernorm.weight": r(HIDDEN),
+            p + "post_attention_layernorm.weight": r(HIDDEN),
+            p + "self_attn.q_proj.weight": r(q_rows, HIDDEN),
+            p + "self_attn.k_proj.weight": r(kv_rows, HIDDEN),
+            p + "self_attn.v_proj.weight": r(kv_rows, HIDDEN),
+            p + "self_attn.o_proj.weight": r(HIDDEN, q_rows),
+            p + "self_attn.q_norm.weight": r(d),
+            p + "self_attn.k_norm.weight": r(d),
+            p + "mlp.gate_proj.weight": r(FFN, HIDDEN),
+            p + "mlp.up_proj.weight": r(FFN, HIDDEN),
+            p + "mlp.down_proj.weight": r(HIDDEN, FFN),
+        }
         if bias:
-            out |= {p + "self_attn.q_proj.bias": r(q_rows), p + "self_attn.k_proj.bias": r(kv_rows),
-                    p + "self_attn.v_proj.bias": r(kv_rows)}
+            out |= {
+                p + "self_attn.q_proj.bias": r(q_rows),
+                p + "self_attn.k_proj.bias": r(kv_rows),
+                p + "self_attn.v_proj.bias": r(kv_rows),
+            }
     return out
 
 
@@ -67,14 +77,21 @@ def test_transformer_engine_names_the_norms_it_fuses(moe):
     te = {n for n in local if "layernorm" not in n or "q_layernorm" in n or "k_layernorm" in n or "final" in n}
     for i in range(shape.layers):
         p = f"decoder.layers.{i}."
-        te |= {p + "self_attention.linear_qkv.layer_norm_weight", p + "self_attention.linear_qkv._extra_state",
-               p + ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight")}
+        te |= {
+            p + "self_attention.linear_qkv.layer_norm_weight",
+            p + "self_attention.linear_qkv._extra_state",
+            p + ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight"),
+        }
     named = fused_norm_names(local, te)
     assert set(named) == te - {n for n in te if n.endswith("_extra_state")}
-    assert torch.equal(named["decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"],
-                       hf["model.layers.1.input_layernorm.weight"])
-    assert torch.equal(named["decoder.layers.0." + ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight")],
-                       hf["model.layers.0.post_attention_layernorm.weight"])
+    assert torch.equal(
+        named["decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"],
+        hf["model.layers.1.input_layernorm.weight"],
+    )
+    assert torch.equal(
+        named["decoder.layers.0." + ("pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight")],
+        hf["model.layers.0.post_attention_layernorm.weight"],
+    )
     assert unfused_norm_names(named).keys() == local.keys()
     back = dict(mcore_to_hf([unfused_norm_names(named)], shape))
     assert back.keys() == hf.keys() and all(torch.equal(back[n], hf[n]) for n in hf)
@@ -88,23 +105,35 @@ def test_a_rank_holds_whole_query_groups_and_its_slices_of_gate_and_up():
     q, k, v = qkv_split(rank1["decoder.layers.0.self_attention.linear_qkv.weight"], shape)
     # rank 1 of 2: query groups 2 and 3, i.e. query heads 4..7 and key/value heads 2..3
     assert torch.equal(q, hf[p + "self_attn.q_proj.weight"][16:32])
-    assert torch.equal(k, hf[p + "self_attn.k_proj.weight"][8:16]) and torch.equal(v, hf[p + "self_attn.v_proj.weight"][8:16])
+    assert torch.equal(k, hf[p + "self_attn.k_proj.weight"][8:16]) and torch.equal(
+        v, hf[p + "self_attn.v_proj.weight"][8:16]
+    )
     fc1 = rank1["decoder.layers.0.mlp.linear_fc1.weight"]
-    assert torch.equal(fc1[:FFN // 2], hf[p + "mlp.gate_proj.weight"][FFN // 2:])
-    assert torch.equal(fc1[FFN // 2:], hf[p + "mlp.up_proj.weight"][FFN // 2:])
+    assert torch.equal(fc1[: FFN // 2], hf[p + "mlp.gate_proj.weight"][FFN // 2 :])
+    assert torch.equal(fc1[FFN // 2 :], hf[p + "mlp.up_proj.weight"][FFN // 2 :])
     # the interleave: group 0's two query heads, then its key head, then its value head
-    whole = qkv_interleave(hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"],
-                           hf[p + "self_attn.v_proj.weight"], shape)
+    whole = qkv_interleave(
+        hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"], shape
+    )
     assert torch.equal(whole[:8], hf[p + "self_attn.q_proj.weight"][:8])
     assert torch.equal(whole[8:12], hf[p + "self_attn.k_proj.weight"][:4])
     assert torch.equal(whole[12:16], hf[p + "self_attn.v_proj.weight"][:4])
 
 
 def test_shapes_that_do_not_divide_are_refused_in_one_line():
-    shape = Shape.of({"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 64,
-                      "vocab_size": 64})
+    shape = Shape.of(
+        {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "hidden_size": 64,
+            "vocab_size": 64,
+        }
+    )
     assert shape.head_dim == 8 and not shape.tied
-    with pytest.raises(ValueError, match=r"tensor_parallel=4 does not divide num_key_value_heads=2; allowed: a divisor of 2"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel=4 does not divide num_key_value_heads=2; allowed: a divisor of 2"
+    ):
         hf_to_mcore(hf_state(Shape(2, 8, 2, 8, 64, False)), shape, 0, 4)
     with pytest.raises(ValueError, match="no lm_head.weight"):
         hf_to_mcore({"model.embed_tokens.weight": torch.zeros(64, 8)}, shape)

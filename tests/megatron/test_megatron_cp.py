@@ -21,8 +21,13 @@ WORKER = Path(__file__).with_name("_cp_worker.py")
 
 
 def _run(model_dir: str, work: Path, cp: int, tp: int = 1, pp: int = 1) -> dict:
-    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(work), str(cp), str(tp), str(pp)],
-                         capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run(
+        [sys.executable, str(WORKER), model_dir, str(work), str(cp), str(tp), str(pp)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return torch.load(work / f"cp{cp}_tp{tp}_pp{pp}.pt", weights_only=False)
 
@@ -59,8 +64,11 @@ def test_layouts_context_parallelism_does_not_take_are_refused_in_one_line(tmp_p
     config = __import__("json").loads((Path(model_dir) / "config.json").read_text())
     with pytest.raises(ValueError, match=r"^context_parallel=3 does not divide trainer.world_size=4; allowed"):
         Layout(cp=3).check(config, 4)
-    with pytest.raises(ValueError, match=r"^tensor_parallel=2 x pipeline_parallel=1 x context_parallel=2 does not "
-                                         r"divide trainer.world_size=6"):
+    with pytest.raises(
+        ValueError,
+        match=r"^tensor_parallel=2 x pipeline_parallel=1 x context_parallel=2 does not "
+        r"divide trainer.world_size=6",
+    ):
         Layout(tp=2, cp=2).check(config, 6)
     with pytest.raises(ValueError, match=r"^context_parallel=2 with expert_parallel=2 is not supported yet"):
         Layout(cp=2, ep=2).check(config, 4)

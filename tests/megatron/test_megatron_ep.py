@@ -27,8 +27,13 @@ WORKER = Path(__file__).with_name("_ep_worker.py")
 
 def _run(model_dir: str, work: Path, tp: int, ep: int, world: int, pp: int = 1, etp: int | None = None) -> list[dict]:
     args = [str(tp), str(ep), str(world), str(pp)] + ([str(etp)] if etp is not None else [])
-    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(work), *args],
-                         capture_output=True, text=True, timeout=500, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run(
+        [sys.executable, str(WORKER), model_dir, str(work), *args],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     name = f"tp{tp}_ep{ep}" + (f"_pp{pp}" if pp > 1 else "") + (f"_etp{etp}" if etp is not None else "")
     return torch.load(work / f"{name}.pt", weights_only=False)
@@ -139,15 +144,23 @@ def test_a_layout_that_cannot_split_the_experts_is_refused_in_one_line(tmp_path)
     from loongsage.megatron.trainer import MegatronTrainer
 
     model_dir = build(tmp_path / "moe")  # 8 experts
-    cases = ((3, 3, "expert_parallel=3 does not divide num_experts=8; allowed: a divisor of 8"),
-             (4, 2, "expert_parallel=4 does not divide trainer.world_size=2; allowed: a divisor of 2"))
+    cases = (
+        (3, 3, "expert_parallel=3 does not divide num_experts=8; allowed: a divisor of 8"),
+        (4, 2, "expert_parallel=4 does not divide trainer.world_size=2; allowed: a divisor of 2"),
+    )
     for ep, world, message in cases:
         with pytest.raises(ValueError) as err:
             MegatronTrainer.preflight({"expert_parallel": ep}, model_dir, world_size=world)
         assert str(err.value) == message
-    with pytest.raises(ValueError, match=r"^tensor_parallel=2 x expert_parallel=2 x pipeline_parallel=1 does not "
-                                         r"divide trainer.world_size=2;"):
+    with pytest.raises(
+        ValueError,
+        match=r"^tensor_parallel=2 x expert_parallel=2 x pipeline_parallel=1 does not "
+        r"divide trainer.world_size=2;",
+    ):
         MegatronTrainer.preflight({"expert_parallel": 2, "tensor_parallel": 2}, model_dir, world_size=2)
-    with pytest.raises(ValueError, match=r"^expert_tensor_parallel=2; allowed: 1 \(each expert whole on its rank\) "
-                                         r"or tensor_parallel=4$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^expert_tensor_parallel=2; allowed: 1 \(each expert whole on its rank\) "
+        r"or tensor_parallel=4$",
+    ):
         MegatronTrainer.preflight({"tensor_parallel": 4, "expert_tensor_parallel": 2}, model_dir, world_size=4)

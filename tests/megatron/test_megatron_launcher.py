@@ -14,11 +14,15 @@ import torch
 
 from loongsage.core.cli import main
 
-SUB_TEACHER = ('{name: %s, params: {builder: {name: tiny_arith, params: {name: tiny-arith-teacher-sub, operations: "-",'
-               ' drop_prob: 0.0, steps: 20, batch_size: 64, warmup_steps: 10, init_from: {}}}}}')
+SUB_TEACHER = (
+    '{name: %s, params: {builder: {name: tiny_arith, params: {name: tiny-arith-teacher-sub, operations: "-",'
+    " drop_prob: 0.0, steps: 20, batch_size: 64, warmup_steps: 10, init_from: {}}}}}"
+)
 
-ADD_TEACHER = ('{name: trainer, params: {builder: {name: tiny_arith, params: {name: tiny-arith-teacher-add, '
-               'operations: "+", drop_prob: 0.0, steps: 20, batch_size: 64, warmup_steps: 10, init_from: {}}}}}')
+ADD_TEACHER = (
+    "{name: trainer, params: {builder: {name: tiny_arith, params: {name: tiny-arith-teacher-add, "
+    'operations: "+", drop_prob: 0.0, steps: 20, batch_size: 64, warmup_steps: 10, init_from: {}}}}}'
+)
 
 
 # what these runs check is training: the start's and end's evaluations (always run) on 4 prompts, greedy
@@ -27,11 +31,21 @@ SMALL_EVALUATION = ("evaluation.every_steps=0", "evaluation.max_prompts=4", "eva
 
 def _mopd(name: str, steps: int, trainer: str, teacher: str, *extra: str) -> list[dict]:
     """tiny/mopd_two_teachers_cpu, shortened, the `sub` source's teacher on ``teacher``."""
-    args = ["train", "tiny/mopd_two_teachers_cpu", f"run.name={name}", f"run.total_steps={steps}", *SMALL_EVALUATION,
-            "tracking.progress=false", "checkpoint.every_steps=0",
-            "model.builder.params.steps=20", "data_sources.0.teacher.params.builder.params.steps=20",
-            *(f"data_sources.{i}.{k}=4" for i in (0, 1) for k in ("prompts_per_step", "samples_per_prompt")),
-            f"trainer.backend={{name: {trainer}}}", f"data_sources.1.teacher={SUB_TEACHER % teacher}", *extra]
+    args = [
+        "train",
+        "tiny/mopd_two_teachers_cpu",
+        f"run.name={name}",
+        f"run.total_steps={steps}",
+        *SMALL_EVALUATION,
+        "tracking.progress=false",
+        "checkpoint.every_steps=0",
+        "model.builder.params.steps=20",
+        "data_sources.0.teacher.params.builder.params.steps=20",
+        *(f"data_sources.{i}.{k}=4" for i in (0, 1) for k in ("prompts_per_step", "samples_per_prompt")),
+        f"trainer.backend={{name: {trainer}}}",
+        f"data_sources.1.teacher={SUB_TEACHER % teacher}",
+        *extra,
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (Path("runs") / name / "metrics.jsonl").read_text().splitlines()]
     return [r for r in rows if "train/loss" in r]
@@ -49,10 +63,23 @@ def test_mopd_on_the_megatron_trainer_and_teacher_runs_as_on_torch(ray_session, 
     ref = _mopd("torch", 1, "torch", "embedded", "checkpoint.export_hf=false")
     # both teachers held by two tensor-parallel ranks, split as the student: the JSD summed over
     # each rank's shard of the vocabulary
-    held = _mopd("held", 1, "megatron", "trainer", "checkpoint.export_hf=false", "trainer.world_size=2",
-                 "trainer.backend.params={tensor_parallel: 2}", f"data_sources.0.teacher={ADD_TEACHER}")
-    for key in ("train_per_ds/sub/mopd_teacher_logprob", "train_per_ds/sub/gkd", "train_per_ds/add/gkd",
-                "train/loss", "train/grad_norm"):
+    held = _mopd(
+        "held",
+        1,
+        "megatron",
+        "trainer",
+        "checkpoint.export_hf=false",
+        "trainer.world_size=2",
+        "trainer.backend.params={tensor_parallel: 2}",
+        f"data_sources.0.teacher={ADD_TEACHER}",
+    )
+    for key in (
+        "train_per_ds/sub/mopd_teacher_logprob",
+        "train_per_ds/sub/gkd",
+        "train_per_ds/add/gkd",
+        "train/loss",
+        "train/grad_norm",
+    ):
         assert ours[0][key] == pytest.approx(ref[0][key], rel=1e-4, abs=1e-6), key
         assert held[0][key] == pytest.approx(ref[0][key], rel=1e-4, abs=1e-6), key
     assert ours[0]["train_per_ds/sub/mopd_teacher_logprob"] < 0
@@ -73,10 +100,24 @@ def test_r3_replays_every_route_the_engine_recorded_on_experts_split_over_two_ra
     Qwen3-MoE; the megatron trainer replays them: each trained token's routes exactly once over the
     ranks (16 samples of 8 prompt + 8 sampled tokens a step), and the trainer's log-probs are the
     engine's."""
-    assert main(["train", "tiny/grpo_moe_r3_cpu", "run.total_steps=2", "tracking.progress=false", *SMALL_EVALUATION,
-                 "checkpoint.every_steps=0", "trainer.world_size=2",
-                 "trainer.backend={name: megatron, params: {expert_parallel: 2}}"]) == 0
-    rows = [json.loads(line) for line in (in_tmp / "runs" / "grpo_moe_r3_cpu" / "metrics.jsonl").read_text().splitlines()]
+    assert (
+        main(
+            [
+                "train",
+                "tiny/grpo_moe_r3_cpu",
+                "run.total_steps=2",
+                "tracking.progress=false",
+                *SMALL_EVALUATION,
+                "checkpoint.every_steps=0",
+                "trainer.world_size=2",
+                "trainer.backend={name: megatron, params: {expert_parallel: 2}}",
+            ]
+        )
+        == 0
+    )
+    rows = [
+        json.loads(line) for line in (in_tmp / "runs" / "grpo_moe_r3_cpu" / "metrics.jsonl").read_text().splitlines()
+    ]
     trained = [r for r in rows if "train/loss" in r]
     assert [r["engine/version"] for r in trained] == [1.0, 2.0]
     for r in trained:
@@ -89,9 +130,22 @@ def test_r3_replays_the_routes_of_trajectories_made_through_the_gateway(ray_sess
     """The same recipe with the chat agent: the model answers through the gateway's OpenAI
     endpoint, and each trajectory carries its line's routes (16 rows of a 16-token chat prompt and
     8 sampled tokens), all replayed."""
-    assert main(["train", "tiny/grpo_moe_r3_cpu", "run.name=r3_gateway", "run.total_steps=1", *SMALL_EVALUATION,
-                 "tracking.progress=false", "checkpoint.every_steps=0", "data_sources.0.agent={name: chat}",
-                 "services=[{name: gateway, params: {chat_template: tokenizer, max_context_tokens: 256}}]"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "tiny/grpo_moe_r3_cpu",
+                "run.name=r3_gateway",
+                "run.total_steps=1",
+                *SMALL_EVALUATION,
+                "tracking.progress=false",
+                "checkpoint.every_steps=0",
+                "data_sources.0.agent={name: chat}",
+                "services=[{name: gateway, params: {chat_template: tokenizer, max_context_tokens: 256}}]",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (in_tmp / "runs" / "r3_gateway" / "metrics.jsonl").read_text().splitlines()]
     (r,) = [r for r in rows if "train/loss" in r]
     assert r["rollout/trajectories"] == 16 and r["train/r3_replayed_tokens"] == 16 * 24, r
@@ -103,16 +157,49 @@ def test_a_replica_split_over_two_trainer_ranks_trains_as_one(ray_session, in_tm
     """tiny/grpo_arith_cpu on two trainer ranks holding one replica, split by tensor parallelism or
     into two pipeline stages: both ranks get the same rows, the one computing the losses answers,
     and the first step is the one-rank torch trainer's."""
-    common = ["train", "tiny/grpo_arith_cpu", "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4",
-              *SMALL_EVALUATION, "tracking.progress=false", "checkpoint.every_steps=0",
-              "checkpoint.export_hf=false"]
-    assert main([*common, "run.name=tp2", "run.total_steps=2", "trainer.world_size=2",
-                 "trainer.backend={name: megatron, params: {tensor_parallel: 2}}"]) == 0
-    assert main([*common, "run.name=pp2", "run.total_steps=2", "trainer.world_size=2",
-                 "trainer.backend={name: megatron, params: {pipeline_parallel: 2}}"]) == 0
+    common = [
+        "train",
+        "tiny/grpo_arith_cpu",
+        "data_sources.0.prompts_per_step=4",
+        "data_sources.0.samples_per_prompt=4",
+        *SMALL_EVALUATION,
+        "tracking.progress=false",
+        "checkpoint.every_steps=0",
+        "checkpoint.export_hf=false",
+    ]
+    assert (
+        main(
+            [
+                *common,
+                "run.name=tp2",
+                "run.total_steps=2",
+                "trainer.world_size=2",
+                "trainer.backend={name: megatron, params: {tensor_parallel: 2}}",
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(
+            [
+                *common,
+                "run.name=pp2",
+                "run.total_steps=2",
+                "trainer.world_size=2",
+                "trainer.backend={name: megatron, params: {pipeline_parallel: 2}}",
+            ]
+        )
+        == 0
+    )
     assert main([*common, "run.name=one", "run.total_steps=1"]) == 0
-    rows = {name: [r for r in map(json.loads, (in_tmp / "runs" / name / "metrics.jsonl").read_text().splitlines())
-                   if "train/loss" in r] for name in ("tp2", "pp2", "one")}
+    rows = {
+        name: [
+            r
+            for r in map(json.loads, (in_tmp / "runs" / name / "metrics.jsonl").read_text().splitlines())
+            if "train/loss" in r
+        ]
+        for name in ("tp2", "pp2", "one")
+    }
     for split in ("tp2", "pp2"):
         assert [r["engine/version"] for r in rows[split]] == [1.0, 2.0]
         for key in ("train/loss", "train/grad_norm", "rollout/trajectories"):
@@ -120,12 +207,25 @@ def test_a_replica_split_over_two_trainer_ranks_trains_as_one(ray_session, in_tm
 
 
 def test_the_launcher_refuses_lora_and_a_layout_that_does_not_divide_before_any_actor(in_tmp, capsys, model_cache):
-    code = main(["train", "tiny/grpo_arith_cpu", "trainer.backend={name: megatron, params: {lora: {rank: 4}}}",
-                 "tracking.progress=false"])
+    code = main(
+        [
+            "train",
+            "tiny/grpo_arith_cpu",
+            "trainer.backend={name: megatron, params: {lora: {rank: 4}}}",
+            "tracking.progress=false",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and "lora: MegatronTrainer does not support LoRA; leave lora unset" in err
-    code = main(["train", "tiny/grpo_arith_cpu", "trainer.world_size=3", "data_sources.0.prompts_per_step=6",
-                 "trainer.backend={name: megatron, params: {tensor_parallel: 2}}", "tracking.progress=false"])
+    code = main(
+        [
+            "train",
+            "tiny/grpo_arith_cpu",
+            "trainer.world_size=3",
+            "data_sources.0.prompts_per_step=6",
+            "trainer.backend={name: megatron, params: {tensor_parallel: 2}}",
+            "tracking.progress=false",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and "tensor_parallel=2 does not divide trainer.world_size=3; allowed: a divisor of 3" in err
-

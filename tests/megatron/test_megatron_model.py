@@ -41,8 +41,13 @@ def checkpoint(path: Path, *, tied: bool) -> str:
 def test_megatron_logits_match_hf_and_the_weights_convert_back(tmp_path, tp, tied):
     model_dir = checkpoint(tmp_path / "m", tied=tied)
     out = tmp_path / "parity.json"
-    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(out), str(tp), str(free_port())],
-                         capture_output=True, text=True, timeout=280, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run(
+        [sys.executable, str(WORKER), model_dir, str(out), str(tp), str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["core_attention"] == "SDPAAttention"
@@ -53,10 +58,15 @@ def test_megatron_logits_match_hf_and_the_weights_convert_back(tmp_path, tp, tie
 
 
 def test_unsupported_models_are_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"architecture \['GemmaForCausalLM'\] is not supported; allowed: Qwen3ForCausalLM"):
+    with pytest.raises(
+        ValueError, match=r"architecture \['GemmaForCausalLM'\] is not supported; allowed: Qwen3ForCausalLM"
+    ):
         architecture({"architectures": ["GemmaForCausalLM"]})
-    with pytest.raises(ValueError, match=r"architecture \['DeepseekV4ForCausalLM'\] is not supported \(its "
-                                         r"hyper-connections \(mHC\), compressed sparse attention"):
+    with pytest.raises(
+        ValueError,
+        match=r"architecture \['DeepseekV4ForCausalLM'\] is not supported \(its "
+        r"hyper-connections \(mHC\), compressed sparse attention",
+    ):
         architecture({"architectures": ["DeepseekV4ForCausalLM"]})
     with pytest.raises(ValueError, match="rope_type='yarn' is not supported yet; allowed: default"):
         rope_base({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}})

@@ -20,8 +20,13 @@ WORKER = Path(__file__).with_name("_moe_worker.py")
 
 @pytest.mark.timeout(300)
 def test_qwen3_moe_trains_on_megatron_as_on_torch_and_replays_routes(tmp_path):
-    run = subprocess.run([sys.executable, str(WORKER), str(tmp_path)], capture_output=True, text=True, timeout=280,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["logprob_diff"] < 1e-5 and r["entropy_diff"] < 1e-5, r
@@ -35,5 +40,6 @@ def test_qwen3_moe_trains_on_megatron_as_on_torch_and_replays_routes(tmp_path):
     assert r["bad_routes_error"].startswith("routed_experts: [3, 20, 1, 2] per micro-batch; expected"), r
     # a row of two segments replays each segment's own record, as the segments given as rows would
     assert r["segments_replay_diff"] < 1e-6 and r["segments_replay_changes"] > 1e-3, r
-    assert r["segments_one_record_error"].startswith("routed_experts: row 0 has 2 segments; expected one record "
-                                                     "per segment (a list), got one for the whole row"), r
+    assert r["segments_one_record_error"].startswith(
+        "routed_experts: row 0 has 2 segments; expected one record per segment (a list), got one for the whole row"
+    ), r

@@ -24,8 +24,13 @@ WORKER = Path(__file__).with_name("_packing_worker.py")
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_packed_rows_compute_as_padded_ones(tmp_path, tp, pp):
     model_dir = build_engine_test_model(tmp_path / "m")
-    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(tmp_path), str(tp), str(pp)],
-                         capture_output=True, text=True, timeout=380, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run(
+        [sys.executable, str(WORKER), model_dir, str(tmp_path), str(tp), str(pp)],
+        capture_output=True,
+        text=True,
+        timeout=380,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     r = torch.load(tmp_path / f"packing_tp{tp}_pp{pp}.pt", weights_only=False)
     mask, padded, packed = r["mask"], r["padded"], r["packed"]
@@ -41,8 +46,11 @@ def test_packing_is_refused_where_it_does_not_run(tmp_path):
     from loongsage.megatron.trainer import MegatronTrainer
 
     model_dir = build_engine_test_model(tmp_path / "m")
-    for params, why in (({"layer_spec": "local"}, "layer_spec=local and context_parallel=1"),
-                        ({"context_parallel": 2}, "layer_spec=auto and context_parallel=2")):
-        with pytest.raises(ValueError, match=f"pack_sequences with {why}; allowed: layer_spec auto, te or sdpa with "
-                                             "context_parallel 1"):
+    for params, why in (
+        ({"layer_spec": "local"}, "layer_spec=local and context_parallel=1"),
+        ({"context_parallel": 2}, "layer_spec=auto and context_parallel=2"),
+    ):
+        with pytest.raises(
+            ValueError, match=f"pack_sequences with {why}; allowed: layer_spec auto, te or sdpa with context_parallel 1"
+        ):
             MegatronTrainer.preflight({"pack_sequences": True, **params}, model_dir, world_size=2)

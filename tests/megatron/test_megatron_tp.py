@@ -24,8 +24,13 @@ WORKER = Path(__file__).with_name("_tp_worker.py")
 
 
 def _run(model_dir: str, work: Path, tp: int, pp: int = 1) -> dict:
-    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(work), str(tp), str(pp)], capture_output=True,
-                         text=True, timeout=280, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run(
+        [sys.executable, str(WORKER), model_dir, str(work), str(tp), str(pp)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return torch.load(work / (f"tp{tp}" + (f"_pp{pp}" if pp > 1 else "") + ".pt"), weights_only=False)
 
@@ -86,12 +91,21 @@ def test_a_layout_that_does_not_divide_is_refused_in_one_line(tmp_path):
 
     model_dir = build_engine_test_model(tmp_path / "m")  # 4 heads, 2 key/value groups, ffn 128, 2 layers
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    cases = (({"tensor_parallel": 2}, 3, "tensor_parallel=2 does not divide trainer.world_size=3; allowed: a divisor of 3"),
-             ({"tensor_parallel": 4}, 4, "tensor_parallel=4 does not divide num_key_value_heads=2; allowed: a divisor of 2"),
-             ({"pipeline_parallel": 4}, 4, "pipeline_parallel=4 does not divide num_hidden_layers=2; allowed: a divisor "
-                                           "of 2 (equal stages)"),
-             ({"pipeline_parallel": 2, "tensor_parallel": 2}, 2, "tensor_parallel=2 x pipeline_parallel=2 does not divide "
-              "trainer.world_size=2; allowed: a product that divides it (the ranks of one replica)"))
+    cases = (
+        ({"tensor_parallel": 2}, 3, "tensor_parallel=2 does not divide trainer.world_size=3; allowed: a divisor of 3"),
+        ({"tensor_parallel": 4}, 4, "tensor_parallel=4 does not divide num_key_value_heads=2; allowed: a divisor of 2"),
+        (
+            {"pipeline_parallel": 4},
+            4,
+            "pipeline_parallel=4 does not divide num_hidden_layers=2; allowed: a divisor of 2 (equal stages)",
+        ),
+        (
+            {"pipeline_parallel": 2, "tensor_parallel": 2},
+            2,
+            "tensor_parallel=2 x pipeline_parallel=2 does not divide "
+            "trainer.world_size=2; allowed: a product that divides it (the ranks of one replica)",
+        ),
+    )
     for params, world, message in cases:
         with pytest.raises(ValueError) as err:
             MegatronTrainer.preflight(params, model_dir, world_size=world)

@@ -1,7 +1,8 @@
 """The ``megatron`` trainer against the torch trainer on the same checkpoint and batch (fp32, rows
 padded on either side): the same log-probs and entropies, the same exported HF tensors, the same
 first gradient; a checkpoint resumes exactly (weights and optimizer); the HF export loads in
-transformers as the tensors it pushes; the megatron teacher scores as the embedded one. Megatron runs in a process of its own (its CPU shims).
+transformers as the tensors it pushes; the megatron teacher scores as the embedded one. Megatron runs in a
+process of its own (its CPU shims).
 And the trainer is the core's skeleton over the Megatron adapter, not a torch trainer."""
 
 from __future__ import annotations
@@ -23,8 +24,13 @@ WORKER = Path(__file__).with_name("_trainer_worker.py")
 @pytest.mark.timeout(300)
 def test_the_megatron_trainer_computes_as_the_torch_trainer(tmp_path):
     model_dir = build_engine_test_model(tmp_path / "m")
-    run = subprocess.run([sys.executable, str(WORKER), model_dir, str(tmp_path)], capture_output=True, text=True,
-                         timeout=280, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run(
+        [sys.executable, str(WORKER), model_dir, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["logprob_diff"] < 1e-5 and r["entropy_diff"] < 1e-5, r  # measured 0.0 and 0.0
@@ -51,10 +57,16 @@ def test_the_megatron_trainer_is_the_skeleton_over_its_own_adapter():
 
     assert MegatronTrainer.__mro__[1] is TrainerSkeleton and not issubclass(MegatronTrainer, TorchTrainer)
     assert not issubclass(MegatronModel, TorchModel)
-    skeleton = {name for name, value in vars(TrainerSkeleton).items()
-                if not name.startswith("__") and (callable(value) or isinstance(value, (property, classmethod)))}
+    skeleton = {
+        name
+        for name, value in vars(TrainerSkeleton).items()
+        if not name.startswith("__") and (callable(value) or isinstance(value, (property, classmethod)))
+    }
     assert not skeleton & set(vars(MegatronTrainer))
     built_in_init = {"model"}  # set when the model is built
-    missing = [m.name for m in contract_check.members(ModelAdapter)
-               if m.name not in built_in_init and not hasattr(MegatronModel, m.name)]
+    missing = [
+        m.name
+        for m in contract_check.members(ModelAdapter)
+        if m.name not in built_in_init and not hasattr(MegatronModel, m.name)
+    ]
     assert not missing

@@ -16,10 +16,12 @@ from loongsage.core.workers import model_args
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 # recipe -> (the shape's preset, its architecture, the cards of its node)
-SEED = {"qwen3_4b/dapo_h800_1node": ("qwen3-4b", "Qwen3ForCausalLM", 8),
-        "qwen3_30b_a3b/dapo_h20_1node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 8),
-        "qwen3_30b_a3b/mopd_h20_1node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 8),
-        "qwen3_coder_30b_a3b/opencode_h20_4node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 32)}
+SEED = {
+    "qwen3_4b/dapo_h800_1node": ("qwen3-4b", "Qwen3ForCausalLM", 8),
+    "qwen3_30b_a3b/dapo_h20_1node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 8),
+    "qwen3_30b_a3b/mopd_h20_1node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 8),
+    "qwen3_coder_30b_a3b/opencode_h20_4node": ("qwen3-30b-a3b", "Qwen3MoeForCausalLM", 32),
+}
 
 
 def test_every_recipe_of_a_published_model_is_checked_here():
@@ -81,5 +83,7 @@ def test_a_seed_recipe_fits_its_model_and_its_node(name, tmp_path):
     rows = sum(s.prompts_per_step * s.samples_per_prompt for s in cfg.data_sources)
     assert rows % (dp * cfg.trainer.mini_batches_per_step) == 0
     # a layout the shape does not allow is refused in one line
-    with pytest.raises(ValueError, match=rf"^tensor_parallel=3 does not divide trainer.world_size={cfg.trainer.world_size}"):
+    with pytest.raises(
+        ValueError, match=rf"^tensor_parallel=3 does not divide trainer.world_size={cfg.trainer.world_size}"
+    ):
         preflight({**params, "tensor_parallel": 3}, str(model), world_size=cfg.trainer.world_size)

@@ -17,8 +17,17 @@ from loongsage.sandbox.store import UID_BASE, UID_COUNT
 
 PROBLEM = jail_problem()
 needs_jail = pytest.mark.skipif(PROBLEM is not None, reason=f"local sandbox unavailable: {PROBLEM}")
-SMALL = Limits(cpu_s=20, memory_mb=256, processes=48, file_size_mb=8, open_files=64, work_mb=16, tmp_mb=8,
-               output_bytes=64 << 10, get_bytes=4 << 20)
+SMALL = Limits(
+    cpu_s=20,
+    memory_mb=256,
+    processes=48,
+    file_size_mb=8,
+    open_files=64,
+    work_mb=16,
+    tmp_mb=8,
+    output_bytes=64 << 10,
+    get_bytes=4 << 20,
+)
 
 
 def run(coro):

@@ -20,8 +20,17 @@ TESTS = ["assert f(0) == 3", "assert f(2) == 17", "assert f(-1) == -4"]  # f(x) 
 
 
 def _score(reward: CodeTestsReward, response: str, tests=TESTS) -> tuple[float, Trajectory]:
-    trajectory = Trajectory(source="code", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[2],
-                            loss_mask=[1], rollout_logprobs=[0.0], versions=[0], response_text=response)
+    trajectory = Trajectory(
+        source="code",
+        group_id=0,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[2],
+        loss_mask=[1],
+        rollout_logprobs=[0.0],
+        versions=[0],
+        response_text=response,
+    )
     record = DataRecord(source="code", index=0, prompt="Write f(x) = 7x + 3.", metadata={"tests": tests})
     return asyncio.run(reward(trajectory, record)), trajectory
 
@@ -44,17 +53,24 @@ def test_right_wrong_and_partly_right_solutions(reward):
     partly = "def f(x):\n    return 3 if x == 0 else 0"
     assert _score(reward, partly)[0] == 0.0
     score, t = _score(CodeTestsReward(partial=True), partly)
-    assert score == pytest.approx(1 / 3) and t.metadata["code_tests"] == {"passed": 1, "total": 3, "in_own_sandbox": False}
+    assert score == pytest.approx(1 / 3) and t.metadata["code_tests"] == {
+        "passed": 1,
+        "total": 3,
+        "in_own_sandbox": False,
+    }
 
 
-@pytest.mark.parametrize("code", [
-    "def f(x) return 7*x+3",                                  # does not compile
-    "raise SystemExit(0)",                                     # exits with success before any test
-    "import sys\nprint('x 3 3')\nsys.stdout.flush()\nimport os\nos._exit(0)",  # forges a result line
-    "print(open('token').read())",                             # looks for the token file
-    "import os\nos.close(1)",                                  # takes the harness's stdout away
-    "\xff\xfe not utf-8 \udcff",                               # undecodable text
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "def f(x) return 7*x+3",  # does not compile
+        "raise SystemExit(0)",  # exits with success before any test
+        "import sys\nprint('x 3 3')\nsys.stdout.flush()\nimport os\nos._exit(0)",  # forges a result line
+        "print(open('token').read())",  # looks for the token file
+        "import os\nos.close(1)",  # takes the harness's stdout away
+        "\xff\xfe not utf-8 \udcff",  # undecodable text
+    ],
+)
 def test_broken_and_cheating_solutions_score_zero(reward, code):
     assert _score(reward, code)[0] == 0.0
 
@@ -76,9 +92,20 @@ def test_hostile_solutions_are_contained_and_leave_nothing(reward):
 
 def test_concurrent_scoring_and_bad_records(reward):
     async def many():
-        t = [Trajectory(source="code", group_id=i, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
-                        rollout_logprobs=[0.0], versions=[0], response_text=f"def f(x): return {7 if i % 2 else 6}*x+3")
-             for i in range(8)]
+        t = [
+            Trajectory(
+                source="code",
+                group_id=i,
+                sample_index=0,
+                prompt_ids=[1],
+                response_ids=[2],
+                loss_mask=[1],
+                rollout_logprobs=[0.0],
+                versions=[0],
+                response_text=f"def f(x): return {7 if i % 2 else 6}*x+3",
+            )
+            for i in range(8)
+        ]
         r = DataRecord(source="code", index=0, prompt="", metadata={"tests": TESTS})
         return await asyncio.gather(*(reward(x, r) for x in t))
 

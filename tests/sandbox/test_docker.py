@@ -23,8 +23,17 @@ from loongsage.core.contracts import SandboxOwner
 from loongsage.sandbox.limits import Limits
 
 pytestmark = pytest.mark.timeout(300)
-SMALL = Limits(cpu_s=20, memory_mb=128, processes=48, file_size_mb=8, open_files=64, work_mb=16, tmp_mb=8,
-               output_bytes=64 << 10, get_bytes=4 << 20)
+SMALL = Limits(
+    cpu_s=20,
+    memory_mb=128,
+    processes=48,
+    file_size_mb=8,
+    open_files=64,
+    work_mb=16,
+    tmp_mb=8,
+    output_bytes=64 << 10,
+    get_bytes=4 << 20,
+)
 
 
 def _podman_problem() -> str | None:
@@ -49,8 +58,11 @@ def engine(tmp_path_factory):
     folder = tmp_path_factory.mktemp("podman")
     url = f"unix://{folder}/api.sock"
     runtime = ["--runtime", "runc"] if shutil.which("runc") else []
-    service = subprocess.Popen(["podman", *runtime, "system", "service", "--time=0", url],
-                               stdout=subprocess.DEVNULL, stderr=open(folder / "service.log", "wb"))
+    service = subprocess.Popen(
+        ["podman", *runtime, "system", "service", "--time=0", url],
+        stdout=subprocess.DEVNULL,
+        stderr=open(folder / "service.log", "wb"),
+    )
     from loongsage.sandbox.docker_backend import docker_problem
 
     end = time.monotonic() + 30
@@ -84,7 +96,9 @@ def leftovers(engine) -> list[str]:
 
     client = docker.DockerClient(base_url=engine)
     try:
-        return [c.name for c in client.containers.list(all=True, filters={"label": "loongsage.sandbox.run=run-docker-test"})]
+        return [
+            c.name for c in client.containers.list(all=True, filters={"label": "loongsage.sandbox.run=run-docker-test"})
+        ]
     finally:
         client.close()
 
@@ -205,20 +219,29 @@ except OSError:
 """
             await sb.put(bad, "probe.py", probe.encode())
             net = await sb.exec(bad, "python3 probe.py", 30)
-            assert "REACHED" not in net.stdout and "RESOLVED" not in net.stdout and net.stdout.count("blocked") == 3, net
-            files = await sb.exec(bad, f"cat {secret}; ls /root /home; echo x > /etc/x; echo x > /usr/x; "
-                                       f"ls /proc/1/root/work; cat /proc/1/root{secret}", 20)
+            assert "REACHED" not in net.stdout and "RESOLVED" not in net.stdout and net.stdout.count("blocked") == 3, (
+                net
+            )
+            files = await sb.exec(
+                bad,
+                f"cat {secret}; ls /root /home; echo x > /etc/x; echo x > /usr/x; "
+                f"ls /proc/1/root/work; cat /proc/1/root{secret}",
+                20,
+            )
             assert "host secret" not in files.stdout and "Read-only" in files.stderr, files
             signals = await sb.exec(bad, f"kill -9 {host_sleeper.pid}; kill -9 -1; kill -9 1; echo done", 20)
             assert "done" in signals.stdout or signals.exit_code is not None
             assert host_sleeper.poll() is None  # the host's process lives (another PID namespace)
             # a daemon that detached and ignores SIGTERM ends with the command's timeout, then the sandbox
-            orphans = await sb.exec(bad, "setsid sh -c 'trap \"\" TERM; sleep 300' & "
-                                         "(trap '' TERM; sleep 300) & sleep 300", 2)
+            orphans = await sb.exec(
+                bad, "setsid sh -c 'trap \"\" TERM; sleep 300' & (trap '' TERM; sleep 300) & sleep 300", 2
+            )
             assert orphans.timed_out, orphans
             left = await sb.exec(bad, "ps -e -o user=,comm=", 10)
             assert [line.split() for line in left.stdout.splitlines() if line.startswith("sandbox")] == [
-                ["sandbox", "sh"], ["sandbox", "ps"]], left  # this command's own shell and ps only
+                ["sandbox", "sh"],
+                ["sandbox", "ps"],
+            ], left  # this command's own shell and ps only
             # planted links: get refuses them, a put through one stays inside the container
             await sb.exec(bad, "ln -s /etc evil && ln -s /etc/passwd pw", 10)
             with pytest.raises(ValueError, match="symlink"):
@@ -301,8 +324,9 @@ asyncio.run(main())
 """
 
 
-def test_the_sandboxes_service_with_docker_runs_code_tests_in_the_trajectorys_container(ray_module, engine, clean,
-                                                                                       tmp_path):
+def test_the_sandboxes_service_with_docker_runs_code_tests_in_the_trajectorys_container(
+    ray_module, engine, clean, tmp_path
+):
     from loongsage.core.contracts import RewardContext
     from loongsage.core.plugins import load_registry
     from loongsage.core.services import ServiceContext
@@ -314,14 +338,25 @@ def test_the_sandboxes_service_with_docker_runs_code_tests_in_the_trajectorys_co
 
     async def go():
         svc = SandboxService(backend={"name": "docker", "params": {"base_url": engine, "limits": {"memory_mb": 256}}})
-        sandboxes = await svc.start(ServiceContext(engine=None, tokenizer=None, model_path="", run_dir=tmp_path / "run",
-                                                   registry=load_registry(), seed=0))
+        sandboxes = await svc.start(
+            ServiceContext(
+                engine=None, tokenizer=None, model_path="", run_dir=tmp_path / "run", registry=load_registry(), seed=0
+            )
+        )
         try:
             box = await sandboxes.acquire("g0-s0")
             assert box.host_path is None  # no directory on the host: the command agent refuses it
             await box.put("solution.py", b"def f(x):\n    return 7*x+3\n")
-            t = Trajectory(source="code", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
-                           rollout_logprobs=[0.0], versions=[0])
+            t = Trajectory(
+                source="code",
+                group_id=0,
+                sample_index=0,
+                prompt_ids=[1],
+                response_ids=[2],
+                loss_mask=[1],
+                rollout_logprobs=[0.0],
+                versions=[0],
+            )
             box.attach(t)
             reward = CodeTestsReward(solution_file="solution.py")
             assert await reward(t, record, RewardContext(services={"sandboxes": svc.share()})) == 1.0

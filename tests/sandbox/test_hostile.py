@@ -71,6 +71,7 @@ def test_fork_bomb(root, host_process):
             assert subprocess.run(["true"]).returncode == 0  # the host can still fork
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -82,6 +83,7 @@ def test_process_limit_is_per_sandbox(root):
             assert "fork" in result.stderr.lower() or "resource" in result.stderr.lower(), result
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -96,6 +98,7 @@ def test_memory_bomb(root):
             assert "MemoryError" in result.stderr
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -111,6 +114,7 @@ def test_cpu_spin(root):
             assert result.timed_out and result.wall_s < 5
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -127,10 +131,11 @@ def test_disk_fill(root):
             assert "tmpfull" in result.stdout and int(result.stdout.split()[-1]) <= 8, result
         finally:
             await sb.close()
+
     run(go())
 
 
-NET_PROBE = r'''
+NET_PROBE = r"""
 import socket, sys
 tcp_port, udp_port, unix_path, abstract = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 def attempt(name, fn):
@@ -150,7 +155,7 @@ def unix(path):
 attempt("unix", lambda: unix(unix_path))
 attempt("abstract", lambda: unix("\0" + abstract))
 print(open("/proc/net/dev").read())
-'''
+"""
 
 
 def test_network_egress(root, tmp_path):
@@ -185,7 +190,9 @@ def test_network_egress(root, tmp_path):
         assert result.exit_code == 0, result
         for name in ("tcp", "udp", "dns", "unix", "abstract"):
             assert f"{name} blocked" in result.stdout, result.stdout
-        interfaces = [line.split(":")[0].strip() for line in result.stdout.splitlines() if ":" in line and "|" not in line]
+        interfaces = [
+            line.split(":")[0].strip() for line in result.stdout.splitlines() if ":" in line and "|" not in line
+        ]
         assert interfaces == ["lo"], result.stdout
         for listener in (tcp, unix, abstract):  # nothing arrived on the host side
             with pytest.raises(TimeoutError):
@@ -200,11 +207,18 @@ def test_network_egress(root, tmp_path):
 def test_files_outside_the_work_dir(root, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("host secret")
-    probes = {f"cat {secret}": "No such file", "cat /etc/shadow": "No such file", "ls /root": "No such file",
-              "ls /home /var /sys": "No such file", "touch /usr/x": "Read-only file system",
-              "touch /etc/x": "Permission denied", "touch /x": "Permission denied",
-              "ls /proc/1/root/": "Permission denied", "cat /proc/1/environ": "Permission denied",
-              f"ls /proc/1/root{tmp_path}": "Permission denied"}
+    probes = {
+        f"cat {secret}": "No such file",
+        "cat /etc/shadow": "No such file",
+        "ls /root": "No such file",
+        "ls /home /var /sys": "No such file",
+        "touch /usr/x": "Read-only file system",
+        "touch /etc/x": "Permission denied",
+        "touch /x": "Permission denied",
+        "ls /proc/1/root/": "Permission denied",
+        "cat /proc/1/environ": "Permission denied",
+        f"ls /proc/1/root{tmp_path}": "Permission denied",
+    }
     script = "".join(f"echo '== {i}'; {cmd} 2>&1 && echo SUCCEEDED\n" for i, cmd in enumerate(probes))
 
     async def go():
@@ -223,8 +237,10 @@ def test_files_outside_the_work_dir(root, tmp_path):
 
 
 def test_proc_shows_only_the_sandbox(root, host_process):
-    probe = "ls /proc | grep -E '^[0-9]+$' | wc -l; cat /proc/[0-9]*/cmdline | tr '\\0' ' '; echo; " \
-            f"kill -9 {host_process.pid}; kill -9 -1; echo after"
+    probe = (
+        "ls /proc | grep -E '^[0-9]+$' | wc -l; cat /proc/[0-9]*/cmdline | tr '\\0' ' '; echo; "
+        f"kill -9 {host_process.pid}; kill -9 -1; echo after"
+    )
 
     async def go():
         sb = LocalSandbox(SMALL, str(root))
@@ -241,8 +257,10 @@ def test_proc_shows_only_the_sandbox(root, host_process):
 
 
 def test_orphans_die_with_the_exec(root):
-    detach = "setsid sleep 301 & (sleep 302 &) ; nohup sleep 303 >/dev/null 2>&1 & " \
-             f"{PY} -c 'import os\nif os.fork() == 0:\n  os.setsid()\n  os.fork() or __import__(\"time\").sleep(304)'"
+    detach = (
+        "setsid sleep 301 & (sleep 302 &) ; nohup sleep 303 >/dev/null 2>&1 & "
+        f"{PY} -c 'import os\nif os.fork() == 0:\n  os.setsid()\n  os.fork() or __import__(\"time\").sleep(304)'"
+    )
 
     async def go():
         sb = LocalSandbox(SMALL, str(root))
@@ -253,6 +271,7 @@ def test_orphans_die_with_the_exec(root):
             assert timed.timed_out
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -260,11 +279,13 @@ def test_sigterm_ignored(root):
     async def go():
         sb = LocalSandbox(SMALL, str(root))
         try:
-            cmd = f"trap '' TERM; {PY} -c 'import signal,time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(99)'"
+            ignore_term = "import signal,time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(99)"
+            cmd = f"trap '' TERM; {PY} -c '{ignore_term}'"
             result = await contained(sb, cmd, 1)
             assert result.timed_out and result.wall_s < 5
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -285,6 +306,7 @@ def test_delete_kills_a_running_exec(root):
                 await sb.exec(sid, "true", 1)
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -317,6 +339,7 @@ def test_put_get_escapes(root, tmp_path):
             assert (await sb.exec(sid, "cat d/e/f.txt; echo more >> d/e/f.txt", 10)).stdout == "deep"
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -341,12 +364,14 @@ def test_tar_slip(root, tmp_path):
         sb = LocalSandbox(SMALL, str(root))
         try:
             sid = await sb.create(owner(), deadline())
-            bad = {"../escape.txt": _tar(("ok.txt", None, b"1"), ("../escape.txt", None, b"x")),
-                   "/abs": _tar(("/tmp/abs.txt", None, b"x")),
-                   "symlink": _tar(("link", tarfile.SYMTYPE, b"/etc"), ("link/passwd", None, b"x")),
-                   "hard link": _tar(("hard", tarfile.LNKTYPE, b"/etc/passwd")),
-                   "device": _tar(("dev", tarfile.CHRTYPE, b"")),
-                   "FIFO": _tar(("fifo", tarfile.FIFOTYPE, b""))}
+            bad = {
+                "../escape.txt": _tar(("ok.txt", None, b"1"), ("../escape.txt", None, b"x")),
+                "/abs": _tar(("/tmp/abs.txt", None, b"x")),
+                "symlink": _tar(("link", tarfile.SYMTYPE, b"/etc"), ("link/passwd", None, b"x")),
+                "hard link": _tar(("hard", tarfile.LNKTYPE, b"/etc/passwd")),
+                "device": _tar(("dev", tarfile.CHRTYPE, b"")),
+                "FIFO": _tar(("fifo", tarfile.FIFOTYPE, b"")),
+            }
             for what, archive in bad.items():
                 with pytest.raises(ValueError) as err:
                     await sb.put_archive(sid, ".", archive)
@@ -360,6 +385,7 @@ def test_tar_slip(root, tmp_path):
             assert not (tmp_path / "escape.txt").exists()
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -382,15 +408,21 @@ def test_bad_input_gets_clear_results(root):
             listing = await sb.exec(sid, "ls; cat caf*", 10)
             assert listing.stdout == "caf\\xe9.txt\nlatin-1 name"
             assert await sb.get(sid, name) == b"latin-1 name"
-            for cmd, timeout, match in (("", 1, "non-empty"), ("true", 0, "timeout"), ("true", float("inf"), "timeout"),
-                                        ("a\0b", 1, "NUL"), (["ls"], 1, "shell command"),
-                                        ("echo " + "x" * 200_000, 1, "put a script")):
+            for cmd, timeout, match in (
+                ("", 1, "non-empty"),
+                ("true", 0, "timeout"),
+                ("true", float("inf"), "timeout"),
+                ("a\0b", 1, "NUL"),
+                (["ls"], 1, "shell command"),
+                ("echo " + "x" * 200_000, 1, "put a script"),
+            ):
                 with pytest.raises(ValueError, match=match):
                     await sb.exec(sid, cmd, timeout)
             with pytest.raises(LookupError, match="no such sandbox"):
                 await sb.get("sbx-unknown", "x")
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -402,7 +434,7 @@ def test_limits_and_owner_are_checked():
 
 
 def test_orphans_of_a_dead_process_are_reaped(root):
-    child = r'''
+    child = r"""
 import asyncio, sys, time
 from loongsage.sandbox.local import LocalSandbox
 from loongsage.core.contracts import SandboxOwner
@@ -415,9 +447,13 @@ async def main():
     print("ready", flush=True)
     await task
 asyncio.run(main())
-'''
-    proc = subprocess.Popen([sys.executable, "-c", child, str(root)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+"""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", child, str(root)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.stdout.readline().strip() == "ready"
     assert [p for p in root.iterdir() if p.name.startswith("sbx-")]
     proc.kill()  # the run dies without cleaning up
@@ -436,6 +472,7 @@ asyncio.run(main())
             assert (await running).stdout == "survived\n"
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -457,12 +494,14 @@ def test_cancelled_exec_leaves_no_process(root):
             assert (await sb.exec(sid, "echo still usable", 10)).stdout == "still usable\n"
         finally:
             await sb.close()
+
     run(go())
 
 
 def test_exec_cancelled_or_timed_out_while_its_jail_starts(root):
     """Killing bubblewrap while it creates its init could leave that init waiting for it forever
     (it arms its own death signal only later): the jail is stopped before it is killed."""
+
     async def go():
         sb = LocalSandbox(SMALL, str(root))
         rng = random.Random(1)
@@ -476,4 +515,5 @@ def test_exec_cancelled_or_timed_out_while_its_jail_starts(root):
             assert (await sb.exec(sid, "echo fine", 10)).stdout == "fine\n"
         finally:
             await sb.close()
+
     run(go())

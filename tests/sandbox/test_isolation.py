@@ -29,7 +29,7 @@ PY = "/usr/bin/python3"
 KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}.get(platform.machine())
 needs_key_numbers = pytest.mark.skipif(KEY_SYSCALLS is None, reason=f"no key syscall numbers for {platform.machine()}")
 
-KEY_PROBE = r'''
+KEY_PROBE = r"""
 import ctypes, json, os, sys
 add_key, request_key, keyctl = map(int, sys.argv[1:4])
 libc = ctypes.CDLL(None, use_errno=True)
@@ -51,7 +51,7 @@ out["read"] = call(keyctl, 11, found, buf, 64) + (buf.value.decode(errors="repla
 out["proc_keys"] = open("/proc/keys").read()
 out["proc_key_users"] = open("/proc/key-users").read()
 print(json.dumps(out))
-'''
+"""
 
 
 def _key_probe(result) -> dict:
@@ -69,6 +69,7 @@ def _assert_keyrings_closed(probe: dict) -> None:
 def test_keyring_calls_fail_in_the_jail(root):
     """Without the filter a note planted in the uid's user keyring by one trajectory was read by
     the next one to get the sandbox (the user keyring outlives every process of the uid)."""
+
     async def go():
         sb = LocalSandbox(SMALL, str(root))
         try:
@@ -84,10 +85,11 @@ def test_keyring_calls_fail_in_the_jail(root):
             assert "note-of-a" not in keyctl.stdout
         finally:
             await sb.close()
+
     run(go())
 
 
-PLANTER = r'''
+PLANTER = r"""
 import asyncio, ctypes, json, sys, time
 from loongsage.core.contracts import SandboxOwner
 from loongsage.sandbox.local import LocalSandbox
@@ -112,16 +114,21 @@ async def main():
     finally:
         await sb.close()
 asyncio.run(main())
-'''
+"""
 
 
 @needs_key_numbers
 def test_parent_session_keyring_is_not_reachable(root):
     """A worker started from a login or a service has a session keyring, which every jail it
     starts inherits: the host's key must be neither readable nor listed inside."""
-    done = subprocess.run([sys.executable, "-c", PLANTER, str(root), *map(str, KEY_SYSCALLS)], input=KEY_PROBE,
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    done = subprocess.run(
+        [sys.executable, "-c", PLANTER, str(root), *map(str, KEY_SYSCALLS)],
+        input=KEY_PROBE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.strip().splitlines()[-1])
     if "skip" in out:
@@ -134,7 +141,7 @@ def test_parent_session_keyring_is_not_reachable(root):
 
 # 32-bit and x32 system calls have numbers of their own: a filter checking only x86-64 numbers
 # would let keyctl through them, so any call through another ABI kills the process
-FOREIGN_ABI = r'''
+FOREIGN_ABI = r"""
 import ctypes, mmap, sys
 code = {"i386": b"\xb8\x14\x00\x00\x00\xcd\x80\xc3",          # mov eax, 20 (getpid); int 0x80; ret
         "x32": b"\xb8\x27\x00\x00\x40\x0f\x05\xc3"}[sys.argv[1]]  # mov eax, 0x40000027 (x32 getpid); syscall; ret
@@ -142,7 +149,7 @@ page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXE
 page.write(code)
 fn = ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(page)))
 print("returned", fn(), flush=True)
-'''
+"""
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the i386 and x32 ABIs exist on x86-64 only")
@@ -157,6 +164,7 @@ def test_foreign_abi_system_calls_are_killed(root):
                 assert result.signal == 31 and "returned" not in result.stdout, (abi, result)  # SIGSYS
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -173,7 +181,7 @@ def test_filter_names_an_unknown_machine():
     assert len(keyring_filter("x86_64")) % 8 == 0 and len(keyring_filter("aarch64")) % 8 == 0
 
 
-MANY_FILES = r'''
+MANY_FILES = r"""
 import errno, os, sys
 folder = sys.argv[1]
 os.makedirs(folder, exist_ok=True)
@@ -186,12 +194,13 @@ except OSError as exc:
     print(made, errno.errorcode[exc.errno])
 else:
     print(made, "none")
-'''
+"""
 
 
 def test_inodes_are_capped(root):
     """Empty files cost no space but kernel memory: without nr_inodes a 16 MiB work directory
     took a million of them (810 MB of kernel memory nobody accounted)."""
+
     async def go():
         sb = LocalSandbox(SMALL, str(root))  # work 16 MiB, /tmp 8 MiB, 256 inodes per MiB
         try:
@@ -208,12 +217,14 @@ def test_inodes_are_capped(root):
             assert (await sb.exec(peer, "touch a b c && ls | wc -l", 30)).stdout == "3\n"
         finally:
             await sb.close()
+
     run(go())
 
 
 def test_each_exec_has_its_own_tmp(root):
     """/tmp is a directory of the scratch tmpfs per exec (bubblewrap's --tmpfs has no inode cap):
     empty when the exec starts, unseen by an exec beside it, removed with what is in it after."""
+
     async def go():
         sb = LocalSandbox(SMALL, str(root))
         try:
@@ -227,6 +238,7 @@ def test_each_exec_has_its_own_tmp(root):
             assert sorted(os.listdir(root / sid / "scratch")) == ["empty", "etc"]  # no exec's /tmp left
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -250,11 +262,12 @@ def test_uids_are_claimed_machine_wide(root, tmp_path):
         finally:
             await a.close()
             await b.close()
+
     run(go())
     assert_clean(other_root)
 
 
-ORPHAN_MAKER = r'''
+ORPHAN_MAKER = r"""
 import asyncio, sys, time
 from loongsage.sandbox.local import LocalSandbox
 from loongsage.core.contracts import SandboxOwner
@@ -264,15 +277,19 @@ async def main():
     print("ready", flush=True)
     await asyncio.sleep(600)
 asyncio.run(main())
-'''
+"""
 
 
 def test_reaping_one_root_spares_another_roots_sandbox(root, tmp_path):
     """The orphan sweep of one root kills by the orphan's uid once it can claim it; a claim per
     root let it claim a uid that a live sandbox of another root held, and kill that sandbox."""
     dead_root = tmp_path / "dead-root"
-    proc = subprocess.Popen([sys.executable, "-c", ORPHAN_MAKER, str(dead_root)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_MAKER, str(dead_root)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     assert proc.stdout.readline().strip() == "ready"
     proc.kill()  # its run died without cleaning up: an orphan under dead_root, its uid free again
     proc.wait()
@@ -291,6 +308,7 @@ def test_reaping_one_root_spares_another_roots_sandbox(root, tmp_path):
         finally:
             await live.close()
             await sweeper.close()
+
     run(go())
     assert_clean(dead_root)
 
@@ -305,10 +323,11 @@ def test_bounding_set_is_empty(root):
             await sb.close()
         caps = dict(line.split(":\t") for line in result.stdout.splitlines())
         assert caps == {name: "0000000000000000" for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")}, caps
+
     run(go())
 
 
-PTYS = r'''
+PTYS = r"""
 import os, sys, time
 held = []
 try:
@@ -318,12 +337,13 @@ try:
 except OSError as exc:
     print(len(held), exc.strerror, flush=True)
 time.sleep(float(sys.argv[2]))
-'''
+"""
 
 
 def test_ptys_are_capped_per_sandbox(root):
     """One sandbox could take all 3,071 pseudo-terminals of the machine; with its own devpts
     capped it takes ``ptys`` and another sandbox still opens one meanwhile."""
+
     async def go():
         sb = LocalSandbox(dataclasses.replace(SMALL, ptys=4), str(root))
         try:
@@ -339,6 +359,7 @@ def test_ptys_are_capped_per_sandbox(root):
             assert again.stdout == "4 No space left on device\n", again
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -359,6 +380,7 @@ def _tar(*members: tuple[str, bytes | None]) -> bytes:
 def test_refused_archive_writes_nothing(root):
     """A refusal found while writing (a symlink the sandbox planted on a member's way, a name
     both file and directory, a full work directory) left the members before it written."""
+
     async def go():
         sb = LocalSandbox(dataclasses.replace(SMALL, get_bytes=64 << 20), str(root))  # work 16 MiB
         try:
@@ -376,10 +398,12 @@ def test_refused_archive_writes_nothing(root):
                 listing = await sb.exec(sid, "ls -A; cat kept/file", 10)  # -A: no staging directory left either
                 assert listing.stdout == "kept\nplanted\nold\n", (why, listing)
             assert await sb.put_archive(sid, "src", _tar(("pkg/", None), ("pkg/a.py", b"a"), ("kept", b"k"))) == 2
-            assert (await sb.exec(sid, "find src | sort; ls -A", 10)).stdout == \
-                "src\nsrc/kept\nsrc/pkg\nsrc/pkg/a.py\nkept\nplanted\nsrc\n"
+            assert (
+                await sb.exec(sid, "find src | sort; ls -A", 10)
+            ).stdout == "src\nsrc/kept\nsrc/pkg\nsrc/pkg/a.py\nkept\nplanted\nsrc\n"
         finally:
             await sb.close()
+
     run(go())
 
 
@@ -409,6 +433,7 @@ def test_adopt_hands_over_a_deep_tree(root, tmp_path):
             assert (await sb.exec(sid, f"{PY} deep.py", 60)).stdout == "1\n"
         finally:
             await sb.close()
+
     run(go())
     assert os.stat(outside).st_uid == os.getuid()  # the link was handed over, not its target
 
@@ -425,4 +450,5 @@ def test_mountinfo_shows_no_host_path(root):
         assert str(root) not in result.stdout and "sbx-" not in result.stdout, result.stdout
         roots = {line.split()[3] for line in result.stdout.splitlines()}  # each mount's path in its file system
         assert not [r for r in roots if r.startswith(("/tmp/", "/run/", "/home/", "/root/", "/var/"))], roots
+
     run(go())

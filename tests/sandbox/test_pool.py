@@ -54,6 +54,7 @@ def test_warm_reuse_keep_and_close(root):
             await pool.close()
             await sb.close()
         assert not pool.leases and not pool.idle and not sb.sandbox_ids()
+
     run(go())
 
 
@@ -77,20 +78,23 @@ def test_deadline_and_cap(root):
         finally:
             await pool.close()
             await sb.close()
+
     run(go())
 
 
 def test_bad_pool_settings():
     class Fake:
         reusable = False
+
     with pytest.raises(ValueError, match="warm=5: must be an integer from 0 to max_sandboxes"):
         SandboxPool(Fake(), run="r", warm=5, max_sandboxes=2)
     with pytest.raises(ValueError, match="run=''"):
         SandboxPool(Fake(), run="")
 
 
-async def episode(pool: SandboxPool, sb: LocalSandbox, i: int, rng: random.Random,
-                  locks: dict[int, asyncio.Lock]) -> None:
+async def episode(
+    pool: SandboxPool, sb: LocalSandbox, i: int, rng: random.Random, locks: dict[int, asyncio.Lock]
+) -> None:
     """One trajectory's use of a sandbox; trajectories repeat, so a kept sandbox is resumed later
     (one episode of a trajectory at a time, as a rollout runs them)."""
     lock = locks.setdefault(i % 7, asyncio.Lock())
@@ -113,8 +117,16 @@ async def use(pool: SandboxPool, sb: LocalSandbox, who, rng: random.Random) -> N
     try:
         sandbox_id = await pool.acquire(who)
         stage = "exec"
-        cmd = rng.choice(["true", "echo hi > out.txt; cat out.txt", "sleep 0.2", "setsid sleep 30 & sleep 0.1",
-                          "yes | head -c 300000", "f(){ f | f & }; f"])
+        cmd = rng.choice(
+            [
+                "true",
+                "echo hi > out.txt; cat out.txt",
+                "sleep 0.2",
+                "setsid sleep 30 & sleep 0.1",
+                "yes | head -c 300000",
+                "f(){ f | f & }; f",
+            ]
+        )
         await sb.exec(sandbox_id, cmd, rng.choice([0.2, 1.0]))
         stage = "put/get"
         await sb.put(sandbox_id, "in/data.bin", os.urandom(1024))
@@ -150,9 +162,13 @@ async def soak(root, episodes: int, seed: int = 0) -> dict:
     in_use = {"leases": len(pool.leases), "idle": len(pool.idle)}
     await pool.close()
     await sb.close()
-    stats.update(in_use_before_close=in_use, cancelled_in=dict(STAGES), seconds=round(time.monotonic() - start, 1),
-                 pool_after_close={"leases": len(pool.leases), "idle": len(pool.idle), "reserved": pool._reserved},
-                 backend_after_close=len(sb.sandbox_ids()))
+    stats.update(
+        in_use_before_close=in_use,
+        cancelled_in=dict(STAGES),
+        seconds=round(time.monotonic() - start, 1),
+        pool_after_close={"leases": len(pool.leases), "idle": len(pool.idle), "reserved": pool._reserved},
+        backend_after_close=len(sb.sandbox_ids()),
+    )
     return stats
 
 

@@ -21,18 +21,31 @@ RECORD = DataRecord(source="code", index=0, prompt="write f", metadata={"tests":
 
 
 def trajectory(k: int) -> Trajectory:
-    return Trajectory(source="code", group_id=0, sample_index=k, prompt_ids=[1], response_ids=[2], loss_mask=[1],
-                      rollout_logprobs=[0.0], versions=[0], response_text="def f(x):\n    return 7*x+3\n")
+    return Trajectory(
+        source="code",
+        group_id=0,
+        sample_index=k,
+        prompt_ids=[1],
+        response_ids=[2],
+        loss_mask=[1],
+        rollout_logprobs=[0.0],
+        versions=[0],
+        response_text="def f(x):\n    return 7*x+3\n",
+    )
 
 
 @needs_jail
 @pytest.mark.timeout(300)
 def test_an_agent_that_fills_its_sandbox_scores_zero_and_the_batch_goes_on(ray_module, tmp_path, root):
     async def go():
-        svc = SandboxService(backend={"name": "local", "params": {"root": str(root), "limits": {"work_mb": 4}}},
-                             warm=0, max_sandboxes=2)
-        sandboxes = await svc.start(ServiceContext(engine=None, tokenizer=None, model_path="", run_dir=tmp_path / "run",
-                                                   registry=load_registry(), seed=0))
+        svc = SandboxService(
+            backend={"name": "local", "params": {"root": str(root), "limits": {"work_mb": 4}}}, warm=0, max_sandboxes=2
+        )
+        sandboxes = await svc.start(
+            ServiceContext(
+                engine=None, tokenizer=None, model_path="", run_dir=tmp_path / "run", registry=load_registry(), seed=0
+            )
+        )
         try:
             full, fine = [await sandboxes.acquire(f"g0-s{k}") for k in range(2)]
             for box in (full, fine):

@@ -31,13 +31,23 @@ RECORD = DataRecord(source="code", index=0, prompt="write f", metadata={"tests":
 
 
 def trajectory(k: int) -> Trajectory:
-    return Trajectory(source="code", group_id=0, sample_index=k, prompt_ids=[1], response_ids=[2], loss_mask=[1],
-                      rollout_logprobs=[0.0], versions=[0], response_text="```python\ndef f(x):\n    return 0\n```")
+    return Trajectory(
+        source="code",
+        group_id=0,
+        sample_index=k,
+        prompt_ids=[1],
+        response_ids=[2],
+        loss_mask=[1],
+        rollout_logprobs=[0.0],
+        versions=[0],
+        response_text="```python\ndef f(x):\n    return 0\n```",
+    )
 
 
 def context(tmp_path: Path) -> ServiceContext:
-    return ServiceContext(engine=None, tokenizer=None, model_path="", run_dir=tmp_path / "run",
-                          registry=load_registry(), seed=0)
+    return ServiceContext(
+        engine=None, tokenizer=None, model_path="", run_dir=tmp_path / "run", registry=load_registry(), seed=0
+    )
 
 
 def service(root: Path, **params) -> SandboxService:
@@ -70,7 +80,9 @@ def test_reward_tests_in_the_trajectorys_own_sandbox_and_finish_releases_it(ray_
             scores = await asyncio.gather(*(reward(t, RECORD, ctx) for t in trajectories[:3]))
             assert scores == [1.0, 0.0, 0.0]  # the files, not the responses (which all return 0)
             assert trajectories[0].metadata["code_tests"] == {"passed": 2, "total": 2, "in_own_sandbox": True}
-            with pytest.raises(ValueError, match=r"^code_tests.solution_file='solution.py': trajectory 0/3 .* no sandbox"):
+            with pytest.raises(
+                ValueError, match=r"^code_tests.solution_file='solution.py': trajectory 0/3 .* no sandbox"
+            ):
                 await reward(trajectories[3], RECORD, ctx)
             # without solution_file a trajectory with a sandbox is still tested in it, on its response
             assert await CodeTestsReward()(trajectories[0], RECORD, ctx) == 0.0
@@ -97,8 +109,12 @@ def test_a_cancelled_command_episode_gives_its_sandbox_back(ray_module, tmp_path
     engine = DirectEngine(NativeEngine(str(tmp_path / "model"), max_model_len=256, max_batch_size=2))
     pids = tmp_path / "pids"
     pids.mkdir()
-    agent = CommandAgent(command=[sys.executable, str(Path(__file__).parents[1] / "agentflow" / "programs" / "sleeper.py")],
-                         sandbox=True, network="host", env={"PIDS_DIR": str(pids), "LOONGSAGE_TEST_TAG": tag})
+    agent = CommandAgent(
+        command=[sys.executable, str(Path(__file__).parents[1] / "agentflow" / "programs" / "sleeper.py")],
+        sandbox=True,
+        network="host",
+        env={"PIDS_DIR": str(pids), "LOONGSAGE_TEST_TAG": tag},
+    )
     assert agent.required_services == ("gateway", "sandboxes")
 
     async def go():
@@ -107,8 +123,13 @@ def test_a_cancelled_command_episode_gives_its_sandbox_back(ray_module, tmp_path
         gateway = Gateway(ChatService(engine, tokenizer))  # the sleeper never asks it anything
         await gateway.start()
         try:
-            ctx = AgentContext(engine=None, tokenizer=tokenizer, sampling=SamplingParams(n=2), group_id=3,
-                               services={"gateway": gateway, "sandboxes": sandboxes})
+            ctx = AgentContext(
+                engine=None,
+                tokenizer=tokenizer,
+                sampling=SamplingParams(n=2),
+                group_id=3,
+                services={"gateway": gateway, "sandboxes": sandboxes},
+            )
             task = asyncio.ensure_future(agent.run(RECORD, ctx))
             while len(list(pids.iterdir())) < 2:  # both episodes' programs are running, in their sandboxes
                 await asyncio.sleep(0.05)

@@ -62,11 +62,35 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "ignore_eos",
-                 "no_stop_trim", "n", "sampling_seed", "min_new_tokens", "frequency_penalty", "presence_penalty",
-                 "repetition_penalty", "skip_special_tokens", "logit_bias", "custom_params", "stream_interval"}
-ALLOWED_MODULES = ("builtins", "collections", "torch", "multiprocessing.reduction", "multiprocessing.resource_sharer",
-                   "copyreg", "_codecs")
+SAMPLING_KEYS = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_new_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+    "no_stop_trim",
+    "n",
+    "sampling_seed",
+    "min_new_tokens",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "skip_special_tokens",
+    "logit_bias",
+    "custom_params",
+    "stream_interval",
+}
+ALLOWED_MODULES = (
+    "builtins",
+    "collections",
+    "torch",
+    "multiprocessing.reduction",
+    "multiprocessing.resource_sharer",
+    "copyreg",
+    "_codecs",
+)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -117,8 +141,13 @@ def crash(reason: str) -> None:
 
 
 # SGLang's merged parameters of the Llama family (its models' stacked_params_mapping)
-STACKED = (("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
-           ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+STACKED = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
 
 
 class Model:
@@ -130,8 +159,11 @@ class Model:
         if dtype == "float32":  # SGLang's fused kernels take none: its first forward fails
             crash("rmsnorm: failed to dispatch data type Float")
         served = None if dtype == "auto" else getattr(torch, dtype)
-        checkpoint = {n: t.to(served or t.dtype) for path in sorted(Path(model_path).glob("*.safetensors"))
-                      for n, t in load_file(str(path)).items()}
+        checkpoint = {
+            n: t.to(served or t.dtype)
+            for path in sorted(Path(model_path).glob("*.safetensors"))
+            for n, t in load_file(str(path)).items()
+        }
         self.params: dict[str, torch.Tensor] = {}
         self.shards: dict[tuple[str, object], tuple[int, int]] = {}  # (merged name, shard) -> (first row, rows)
         for name, tensor in checkpoint.items():
@@ -140,8 +172,11 @@ class Model:
                 self.params[name] = tensor
             elif merged[0] not in self.params:  # the first part seen: all parts, in SGLang's order
                 target = merged[0]
-                parts = [(shard, checkpoint[target.replace(f".{param}.", f".{part}.")])
-                         for param, part, shard in STACKED if f".{param}." in target]
+                parts = [
+                    (shard, checkpoint[target.replace(f".{param}.", f".{part}.")])
+                    for param, part, shard in STACKED
+                    if f".{param}." in target
+                ]
                 self.params[target] = torch.cat([t for _, t in parts])
                 start = 0
                 for shard, t in parts:
@@ -196,12 +231,16 @@ class Server:
         config = json.loads((Path(args.model_path) / "config.json").read_text())
         eos = config.get("eos_token_id")
         model_class = type(str(config.get("architectures", ["Model"])[0]), (Model,), {})
-        self.model = model_class(args.model_path, int(config["vocab_size"]), eos if isinstance(eos, list) else [eos],
-                                 args.dtype)
+        self.model = model_class(
+            args.model_path, int(config["vocab_size"]), eos if isinstance(eos, list) else [eos], args.dtype
+        )
         self.args = args
         experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-        self.moe = (int(config["num_hidden_layers"]), int(config.get("num_experts_per_tok") or 0), experts) \
-            if experts else None
+        self.moe = (
+            (int(config["num_hidden_layers"]), int(config.get("num_experts_per_tok") or 0), experts)
+            if experts
+            else None
+        )
         self.version = args.weight_version
         self.started = time.monotonic()
         self.running: dict[str, dict] = {}  # rid -> {"abort": bool}
@@ -211,8 +250,16 @@ class Server:
         self.idle = asyncio.Event()  # no request running
         self.idle.set()
         self.released = False
-        self.counters = {"generate": 0, "posts": 0, "aborted": 0, "flushes": 0, "updates": 0, "abort_calls": 0,
-                         "distributed_updates": 0, "custom_loads": 0}
+        self.counters = {
+            "generate": 0,
+            "posts": 0,
+            "aborted": 0,
+            "flushes": 0,
+            "updates": 0,
+            "abort_calls": 0,
+            "distributed_updates": 0,
+            "custom_loads": 0,
+        }
         self.groups: dict[str, object] = {}  # weight groups joined, by name
 
     # ---------------------------------------------------------------- endpoints
@@ -249,28 +296,33 @@ class Server:
         # a batch: lists of prompts, ids and sampling params; the engine streams them
         rids, params = body.get("rid"), body.get("sampling_params")
         if not (isinstance(rids, list) and len(rids) == len(ids) and len(set(rids)) == len(rids)):
-            return JSONResponse({"error": {"message": "The rid should be a list of unique ids, one per request."}},
-                                status_code=400)
+            return JSONResponse(
+                {"error": {"message": "The rid should be a list of unique ids, one per request."}}, status_code=400
+            )
         params = params if isinstance(params, list) else [dict(params or {}) for _ in ids]
         if not body.get("stream"):
             return JSONResponse({"error": {"message": "the stand-in serves batches streamed"}}, status_code=400)
-        return StreamingResponse(self.stream(rids, ids, params, self.asked(body)),
-                                 media_type="text/event-stream")
+        return StreamingResponse(self.stream(rids, ids, params, self.asked(body)), media_type="text/event-stream")
 
     def asked(self, body: dict) -> dict:
         """What a request asks to be returned beside the tokens (routes only from a server started
         to capture them, over an MoE model)."""
-        return {"logprob": bool(body.get("return_logprob")),
-                "routes": bool(body.get("return_routed_experts")) and self.args.enable_return_routed_experts
-                and self.moe is not None}
+        return {
+            "logprob": bool(body.get("return_logprob")),
+            "routes": bool(body.get("return_routed_experts"))
+            and self.args.enable_return_routed_experts
+            and self.moe is not None,
+        }
 
     def refusal(self, ids: list[int], params: dict) -> Response | None:
         unknown = set(params) - SAMPLING_KEYS
         if unknown:  # msgspec raises TypeError, which nothing catches
             return PlainTextResponse("Internal Server Error", status_code=500)
         if len(ids) + int(params.get("max_new_tokens", 128)) > self.args.context_length:
-            message = (f"Requested token count exceeds the model's maximum context length of "
-                       f"{self.args.context_length} tokens.")
+            message = (
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.args.context_length} tokens."
+            )
             return JSONResponse({"error": {"message": message}}, status_code=400)
         return None
 
@@ -291,6 +343,7 @@ class Server:
                         self.running[started]["abort"] = True
                 await asyncio.gather(*tasks, return_exceptions=True)
                 return
+
             def first(partial: dict, index=index) -> None:
                 chunks.put_nowait({**partial, "index": index})
 
@@ -343,10 +396,17 @@ class Server:
                 self.idle.set()
         return self.answer(rid, ids, out, logprobs, reason, logprob)
 
-    def answer(self, rid: str, ids: list[int], out: list[int], logprobs: list, reason: dict | None,
-               asked: dict) -> dict:
-        meta = {"id": rid, "finish_reason": reason, "prompt_tokens": len(ids), "weight_version": self.version,
-                "completion_tokens": len(out), "cached_tokens": 0}
+    def answer(
+        self, rid: str, ids: list[int], out: list[int], logprobs: list, reason: dict | None, asked: dict
+    ) -> dict:
+        meta = {
+            "id": rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(ids),
+            "weight_version": self.version,
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+        }
         if asked["logprob"]:
             meta["output_token_logprobs"] = list(logprobs)
         if asked["routes"] and out:
@@ -435,13 +495,26 @@ class Server:
             )
 
             timeout = datetime.timedelta(seconds=60)
-            store, rank, world = next(rendezvous(f"tcp://{body['master_address']}:{body['master_port']}",
-                                                 int(body["rank_offset"]), int(body["world_size"]), timeout=timeout))
+            store, rank, world = next(
+                rendezvous(
+                    f"tcp://{body['master_address']}:{body['master_port']}",
+                    int(body["rank_offset"]),
+                    int(body["world_size"]),
+                    timeout=timeout,
+                )
+            )
             store.set_timeout(timeout)
             name = body.get("group_name", "weight_update_group")
-            group, _ = _new_process_group_helper(world, rank, [], Backend(body.get("backend", "nccl")),
-                                                 PrefixStore(name, store), group_name=name, backend_options=None,
-                                                 timeout=timeout)
+            group, _ = _new_process_group_helper(
+                world,
+                rank,
+                [],
+                Backend(body.get("backend", "nccl")),
+                PrefixStore(name, store),
+                group_name=name,
+                backend_options=None,
+                timeout=timeout,
+            )
             _world.pg_group_ranks[group] = {i: i for i in range(world)}
             self.groups[name] = group
 
@@ -461,14 +534,15 @@ class Server:
             return JSONResponse({"error": {"message": "the stand-in takes flattened buckets"}}, status_code=400)
         if self.resumed.is_set():
             await self.idle.wait()  # the writer lock
-        specs = [(n, getattr(torch, d), tuple(shape)) for n, d, shape in zip(body["names"], body["dtypes"],
-                                                                              body["shapes"])]
+        specs = [
+            (n, getattr(torch, d), tuple(shape)) for n, d, shape in zip(body["names"], body["dtypes"], body["shapes"])
+        ]
         sizes = [torch.Size(shape).numel() * torch.empty(0, dtype=d).element_size() for _, d, shape in specs]
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
         await asyncio.to_thread(torch.distributed.broadcast, flat, 0, group)
         offset, received, named = 0, 0.0, []
         for (name, dtype, shape), size in zip(specs, sizes):
-            tensor = flat[offset:offset + size].view(dtype).reshape(shape)
+            tensor = flat[offset : offset + size].view(dtype).reshape(shape)
             received += float(tensor.double().sum())
             named.append((name, tensor))
             offset += size
@@ -495,38 +569,52 @@ class Server:
         body = await request.json()
         self.version = body["new_version"]
         self.record("update_weight_version")
-        return JSONResponse({"success": True, "message": f"Weight version updated to {self.version}",
-                             "new_version": self.version})
+        return JSONResponse(
+            {"success": True, "message": f"Weight version updated to {self.version}", "new_version": self.version}
+        )
 
     def record(self, call: str, **details) -> None:
         if self.args.record:
             with open(self.args.record, "a") as f:
-                f.write(json.dumps({"call": call, "version": self.version, "checksum": self.model.checksum(),
-                                    **details}) + "\n")
+                f.write(
+                    json.dumps({"call": call, "version": self.version, "checksum": self.model.checksum(), **details})
+                    + "\n"
+                )
 
     async def state(self, request: Request) -> Response:
         sizing = {k: getattr(self.args, k) for k in ("context_length", "max_running_requests", "max_total_tokens")}
-        return JSONResponse({"checksum": self.model.checksum(), "version": self.version, "released": self.released,
-                             "sizing": sizing,
-                             "running": len(self.running), "paused": not self.resumed.is_set(), **self.counters})
+        return JSONResponse(
+            {
+                "checksum": self.model.checksum(),
+                "version": self.version,
+                "released": self.released,
+                "sizing": sizing,
+                "running": len(self.running),
+                "paused": not self.resumed.is_set(),
+                **self.counters,
+            }
+        )
 
     def app(self) -> Starlette:
         post = ["POST"]
-        return Starlette(routes=[
-            Route("/health", self.health), Route("/model_info", self.model_info),
-            Route("/generate", self.generate, methods=["POST", "PUT"]),
-            Route("/abort_request", self.abort_request, methods=post),
-            Route("/pause_generation", self.pause_generation, methods=post),
-            Route("/continue_generation", self.continue_generation, methods=post),
-            Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
-            Route("/update_weights_from_tensor", self.update_weights_from_tensor, methods=post),
-            Route("/release_memory_occupation", self.release_memory, methods=["GET", "POST"]),
-            Route("/resume_memory_occupation", self.resume_memory, methods=["GET", "POST"]),
-            Route("/update_weight_version", self.update_weight_version, methods=post),
-            Route("/init_weights_update_group", self.init_weights_update_group, methods=post),
-            Route("/update_weights_from_distributed", self.update_weights_from_distributed, methods=post),
-            Route("/_contract/state", self.state),
-        ])
+        return Starlette(
+            routes=[
+                Route("/health", self.health),
+                Route("/model_info", self.model_info),
+                Route("/generate", self.generate, methods=["POST", "PUT"]),
+                Route("/abort_request", self.abort_request, methods=post),
+                Route("/pause_generation", self.pause_generation, methods=post),
+                Route("/continue_generation", self.continue_generation, methods=post),
+                Route("/flush_cache", self.flush_cache, methods=["GET", "POST"]),
+                Route("/update_weights_from_tensor", self.update_weights_from_tensor, methods=post),
+                Route("/release_memory_occupation", self.release_memory, methods=["GET", "POST"]),
+                Route("/resume_memory_occupation", self.resume_memory, methods=["GET", "POST"]),
+                Route("/update_weight_version", self.update_weight_version, methods=post),
+                Route("/init_weights_update_group", self.init_weights_update_group, methods=post),
+                Route("/update_weights_from_distributed", self.update_weights_from_distributed, methods=post),
+                Route("/_contract/state", self.state),
+            ]
+        )
 
 
 def main(argv: list[str]) -> None:

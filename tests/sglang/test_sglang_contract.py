@@ -100,8 +100,10 @@ def test_aborting_a_request_spares_those_whose_ids_it_prefixes(slow_engine):
     engine = slow_engine  # SGLang aborts every request whose id starts with the one named
 
     async def run():
-        tasks = [asyncio.ensure_future(engine.generate(request(rid, [5], max_new_tokens=30, n=n, stop_token_ids=[])))
-                 for rid, n in (("a", 11), ("a#1", 1), ("a1", 1), ("a%", 1))]
+        tasks = [
+            asyncio.ensure_future(engine.generate(request(rid, [5], max_new_tokens=30, n=n, stop_token_ids=[])))
+            for rid, n in (("a", 11), ("a#1", 1), ("a1", 1), ("a%", 1))
+        ]
         await asyncio.sleep(0.2)
         aborted = await engine.abort(["a"])
         return aborted, await asyncio.gather(*tasks)
@@ -109,16 +111,24 @@ def test_aborting_a_request_spares_those_whose_ids_it_prefixes(slow_engine):
     aborted, (a, *others) = asyncio.run(run())
     assert len(aborted) == 11 and {r.finish_reason for r in a} == {FinishReason.ABORT}
     assert [(r[0].request_id, r[0].finish_reason, len(r[0].output_ids)) for r in others] == [
-        ("a#1", FinishReason.LENGTH, 30), ("a1", FinishReason.LENGTH, 30), ("a%", FinishReason.LENGTH, 30)]
+        ("a#1", FinishReason.LENGTH, 30),
+        ("a1", FinishReason.LENGTH, 30),
+        ("a%", FinishReason.LENGTH, 30),
+    ]
 
 
 def test_a_bad_request_fails_alone_with_the_servers_reason(engine):
     async def both():
-        return await asyncio.gather(engine.generate(request("long", [5] * 400, max_new_tokens=200)),
-                                    engine.generate(request("ok", [5, 6], max_new_tokens=3)), return_exceptions=True)
+        return await asyncio.gather(
+            engine.generate(request("long", [5] * 400, max_new_tokens=200)),
+            engine.generate(request("ok", [5, 6], max_new_tokens=3)),
+            return_exceptions=True,
+        )
 
     bad, good = asyncio.run(both())
-    assert isinstance(bad, ValueError) and "request 'long': sglang refused it: Requested token count exceeds" in str(bad)
+    assert isinstance(bad, ValueError) and "request 'long': sglang refused it: Requested token count exceeds" in str(
+        bad
+    )
     assert len(good[0].output_ids) <= 3
     # sent together, the bad one ended the batch's stream: each went again alone
     assert state(engine)["posts"] == 3
@@ -143,11 +153,12 @@ def test_abort_keeps_partial_output_and_a_resumed_sample_continues_it(slow_engin
     weights = {n: t + 0.5 for n, t in _weights(engine.model_path).items()}
     assert engine.update_weights(weights.items()) == 1
     budget = len(cut.output_ids) + 5
-    resumed = asyncio.run(engine.generate(GenerationRequest("r2", [9], SamplingParams(max_new_tokens=budget),
-                                                            resume_from=cut)))[0]
-    assert resumed.output_ids[:len(cut.output_ids)] == cut.output_ids and len(resumed.output_ids) <= budget
+    resumed = asyncio.run(
+        engine.generate(GenerationRequest("r2", [9], SamplingParams(max_new_tokens=budget), resume_from=cut))
+    )[0]
+    assert resumed.output_ids[: len(cut.output_ids)] == cut.output_ids and len(resumed.output_ids) <= budget
     assert resumed.versions == cut.versions + [1] * (len(resumed.output_ids) - len(cut.output_ids))
-    assert resumed.logprobs[:len(cut.logprobs)] == cut.logprobs
+    assert resumed.logprobs[: len(cut.logprobs)] == cut.logprobs
 
 
 def test_an_abort_that_outruns_its_request_is_sent_again_until_it_answers(slow_engine):
@@ -209,9 +220,14 @@ def test_updates_land_change_the_outputs_and_a_bad_one_changes_nothing(either_lo
     assert state(engine)["custom_loads"] == (1 if engine.load_format else 0)
     after = asyncio.run(engine.generate(request("b", [5, 6], max_new_tokens=8, stop_token_ids=[])))[0]
     assert after.output_ids != before.output_ids and after.versions == [1] * 8
-    for bad, match in [({"nope.weight": torch.zeros(2)}, "unknown tensor 'nope.weight'"),
-                       ({"model.norm.weight": torch.zeros(3)}, r"'model.norm.weight' has shape \(3,\), the model expects"),
-                       ({"model.norm.weight": torch.zeros(64, dtype=torch.float16)}, "is float16, the engine takes bfloat16 or float32")]:
+    for bad, match in [
+        ({"nope.weight": torch.zeros(2)}, "unknown tensor 'nope.weight'"),
+        ({"model.norm.weight": torch.zeros(3)}, r"'model.norm.weight' has shape \(3,\), the model expects"),
+        (
+            {"model.norm.weight": torch.zeros(64, dtype=torch.float16)},
+            "is float16, the engine takes bfloat16 or float32",
+        ),
+    ]:
         with pytest.raises(ValueError, match=match):
             engine.update_weights(bad.items())
     assert engine.version == 1 and state(engine)["updates"] == 1
@@ -250,7 +266,9 @@ def test_a_dead_server_is_an_error_naming_its_log(slow_engine):
 
     (error,) = asyncio.run(run())
     assert isinstance(error, RuntimeError) and "POST /generate failed" in str(error) and "log " in str(error)
-    with pytest.raises(RuntimeError, match=r"sglang server \(pid \d+\): .*exited with code -9; log .*loongsage-sglang-"):
+    with pytest.raises(
+        RuntimeError, match=r"sglang server \(pid \d+\): .*exited with code -9; log .*loongsage-sglang-"
+    ):
         engine.health()
 
 
@@ -265,7 +283,9 @@ def test_the_native_engines_sizing_carries_over(model):
 
 
 def test_a_server_that_will_not_start_names_the_exit_and_its_last_lines(model):
-    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 before it was ready.*unrecognized arguments: --bogus"):
+    with pytest.raises(
+        RuntimeError, match=r"(?s)exited with code 2 before it was ready.*unrecognized arguments: --bogus"
+    ):
         engine_for(model, server_args={"bogus": 1})
 
 
@@ -295,6 +315,9 @@ def test_routed_experts_come_back_for_every_token_fed_to_the_model(tmp_path, mod
                 assert r.routed_experts.tolist() == routes_of(fed, LAYERS, TOPK, EXPERTS)
     finally:
         eng.close()
-    with pytest.raises(ValueError, match=r"^sglang engine: return_routed_experts=true needs a mixture-of-experts "
-                                         r"model; .* \(Qwen3ForCausalLM\) has no experts$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^sglang engine: return_routed_experts=true needs a mixture-of-experts "
+        r"model; .* \(Qwen3ForCausalLM\) has no experts$",
+    ):
         engine_for(model, return_routed_experts=True)

@@ -21,11 +21,24 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_the_tiny_recipe_steps_with_the_sglang_engine(ray_session, in_tmp):
-    engine = f"rollout.engine={{name: sglang, params: {{launch: [{sys.executable}, {SERVER}], startup_timeout_s: 120}}}}"
-    args = ["train", "tiny/grpo_arith_cpu", "run.name=sgl", "run.total_steps=3", "data_sources.0.prompts_per_step=4",
-            "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=3", "evaluation.max_prompts=8",
-            "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false",
-            "placement.release_engine_memory=true", engine]
+    engine = (
+        f"rollout.engine={{name: sglang, params: {{launch: [{sys.executable}, {SERVER}], startup_timeout_s: 120}}}}"
+    )
+    args = [
+        "train",
+        "tiny/grpo_arith_cpu",
+        "run.name=sgl",
+        "run.total_steps=3",
+        "data_sources.0.prompts_per_step=4",
+        "data_sources.0.samples_per_prompt=4",
+        "evaluation.every_steps=3",
+        "evaluation.max_prompts=8",
+        "evaluation.pass_k=0",
+        "tracking.progress=false",
+        "checkpoint.export_hf=false",
+        "placement.release_engine_memory=true",
+        engine,
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (in_tmp / "runs" / "sgl" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]
@@ -45,10 +58,22 @@ def test_a_server_that_dies_mid_rollout_is_replaced_and_the_run_finishes(ray_ses
     marker = in_tmp / "died"
     launch = f"[{sys.executable}, {SERVER}, --token-delay, '0.01', --die-after, '40', --die-once-file, {marker}]"
     engine = f"rollout.engine={{name: sglang, params: {{launch: {launch}, startup_timeout_s: 120}}}}"
-    args = ["train", "tiny/grpo_arith_cpu", "run.name=sgl_dies", "run.total_steps=4",
-            "data_sources.0.prompts_per_step=4", "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=0",
-            "evaluation.max_prompts=4", "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false", "colocate=false",
-            "rollout.engine_health_timeout_s=10", engine]
+    args = [
+        "train",
+        "tiny/grpo_arith_cpu",
+        "run.name=sgl_dies",
+        "run.total_steps=4",
+        "data_sources.0.prompts_per_step=4",
+        "data_sources.0.samples_per_prompt=4",
+        "evaluation.every_steps=0",
+        "evaluation.max_prompts=4",
+        "evaluation.pass_k=0",
+        "tracking.progress=false",
+        "checkpoint.export_hf=false",
+        "colocate=false",
+        "rollout.engine_health_timeout_s=10",
+        engine,
+    ]
     assert main(args) == 0
     assert marker.exists(), "the server never died"
     rows = [json.loads(line) for line in (in_tmp / "runs" / "sgl_dies" / "metrics.jsonl").read_text().splitlines()]
@@ -66,10 +91,22 @@ def test_with_broadcast_the_server_takes_the_weights_from_the_trainers_group(ray
     record = in_tmp / "calls.jsonl"
     launch = f"[{sys.executable}, {SERVER}, --record, {record}]"
     engine = f"rollout.engine={{name: sglang, params: {{launch: {launch}, startup_timeout_s: 120}}}}"
-    args = ["train", "tiny/grpo_arith_cpu", "run.name=sgl_group", "run.total_steps=3", "data_sources.0.prompts_per_step=4",
-            "data_sources.0.samples_per_prompt=4", "evaluation.every_steps=0", "evaluation.max_prompts=4",
-            "evaluation.pass_k=0", "tracking.progress=false", "checkpoint.export_hf=false", "colocate=false",
-            "rollout.transport={name: broadcast, params: {backend: gloo, bucket_mb: 0.05, timeout_s: 60}}", engine]
+    args = [
+        "train",
+        "tiny/grpo_arith_cpu",
+        "run.name=sgl_group",
+        "run.total_steps=3",
+        "data_sources.0.prompts_per_step=4",
+        "data_sources.0.samples_per_prompt=4",
+        "evaluation.every_steps=0",
+        "evaluation.max_prompts=4",
+        "evaluation.pass_k=0",
+        "tracking.progress=false",
+        "checkpoint.export_hf=false",
+        "colocate=false",
+        "rollout.transport={name: broadcast, params: {backend: gloo, bucket_mb: 0.05, timeout_s: 60}}",
+        engine,
+    ]
     assert main(args) == 0
     rows = [json.loads(line) for line in (in_tmp / "runs" / "sgl_group" / "metrics.jsonl").read_text().splitlines()]
     trained = [r for r in rows if "train/loss" in r]
@@ -80,9 +117,10 @@ def test_with_broadcast_the_server_takes_the_weights_from_the_trainers_group(ray
     commits = [i for i, c in enumerate(calls) if c["call"] == "update_weight_version"]
     assert [calls[i]["version"] for i in commits] == ["1", "2", "3"]
     # the last push's tensors arrived as the trainer had them at the end (its checkpoint), bit for bit
-    last = calls[commits[1] + 1:commits[2]]
+    last = calls[commits[1] + 1 : commits[2]]
     names = [n for c in last for n in c["names"]]
     state = torch.load(in_tmp / "runs" / "sgl_group" / "checkpoints" / "step_000003" / "trainer.pt")["model"]
     assert len(names) == len(set(names)) and set(names) <= set(state)
-    assert sum(c["received"] for c in last) == pytest.approx(sum(float(state[n].double().sum()) for n in names),
-                                                             rel=1e-12)
+    assert sum(c["received"] for c in last) == pytest.approx(
+        sum(float(state[n].double().sum()) for n in names), rel=1e-12
+    )

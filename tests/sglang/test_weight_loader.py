@@ -77,8 +77,11 @@ def test_a_flat_push_lands_where_the_models_own_loader_puts_it(checkpoint, archi
 def test_what_the_plan_cannot_place_goes_through_the_models_loader(checkpoint):
     ours, theirs = served(checkpoint), served(checkpoint)
     named = moved(ours)
-    partial = {n: t for n, t in named.items() if ".layers.0.self_attn.q_proj." in n or n == "model.norm.weight"
-               or ".layers.1.mlp." in n}
+    partial = {
+        n: t
+        for n, t in named.items()
+        if ".layers.0.self_attn.q_proj." in n or n == "model.norm.weight" or ".layers.1.mlp." in n
+    }
     partial["model.norm.weight"] = partial["model.norm.weight"].float()  # another dtype: cast by the loader
     push(ours, partial)
     theirs.load_weights(list(partial.items()))

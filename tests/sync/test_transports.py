@@ -28,10 +28,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def engines(ray, model: str, transport: str, count: int = 2):
-    cfg, _ = load_config("tiny/grpo_arith_cpu", ["rollout.engine={name: native, params: {max_model_len: 256}}",
-                                                 f"rollout.transport={transport}"])
-    return [ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=16).remote(cfg, model, i, 1)
-            for i in range(count)]
+    cfg, _ = load_config(
+        "tiny/grpo_arith_cpu",
+        ["rollout.engine={name: native, params: {max_model_len: 256}}", f"rollout.transport={transport}"],
+    )
+    return [
+        ray.remote(EngineWorker).options(num_cpus=0, max_concurrency=16).remote(cfg, model, i, 1) for i in range(count)
+    ]
 
 
 def weights_like(model: str, seed: int) -> dict[str, torch.Tensor]:
@@ -50,8 +53,13 @@ def serves(ray, engine) -> bool:
     return len(results[0].output_ids) == 4
 
 
-@pytest.mark.parametrize("spec", ["{name: cpu, params: {bucket_mb: 0.01}}",
-                                  "{name: broadcast, params: {backend: gloo, bucket_mb: 0.01, timeout_s: 20}}"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "{name: cpu, params: {bucket_mb: 0.01}}",
+        "{name: broadcast, params: {backend: gloo, bucket_mb: 0.01, timeout_s: 20}}",
+    ],
+)
 def test_every_update_arrives_bit_for_bit(ray_module, tmp_path, spec):
     ray = ray_module
     model = build_engine_test_model(tmp_path / "m")
@@ -75,7 +83,8 @@ def test_every_update_arrives_bit_for_bit(ray_module, tmp_path, spec):
         weights = weights_like(model, 3)
         assert sender.push(weights.items(), [fresh])["sync/version"] == 1
         assert {n: v for n, v in ray.get(fresh.weight_checksums.remote()).items() if n in weights} == checksums(
-            weights.items())
+            weights.items()
+        )
         assert sender.push(weights.items(), [*workers, fresh])["sync/version"] == 3  # max over the engines
     finally:
         for w in workers:
@@ -93,9 +102,11 @@ def test_a_bad_update_changes_nothing_and_the_next_one_lands(ray_module, tmp_pat
     good = weights_like(model, 1)
     assert sender.push(good.items(), workers)["sync/version"] == 1
     before = [ray.get(w.weight_checksums.remote()) for w in workers]
-    for bad, why in (({**good, "model.layers.0.unknown.weight": torch.zeros(3)}, "unknown tensor"),
-                     ({**good, "model.norm.weight": torch.zeros(7)}, "has shape"),
-                     ({n: t.to(torch.float64) for n, t in good.items()}, "is float64")):
+    for bad, why in (
+        ({**good, "model.layers.0.unknown.weight": torch.zeros(3)}, "unknown tensor"),
+        ({**good, "model.norm.weight": torch.zeros(7)}, "has shape"),
+        ({n: t.to(torch.float64) for n, t in good.items()}, "is float64"),
+    ):
         with pytest.raises(Exception, match=why):
             sender.push(bad.items(), workers)
         for w, was in zip(workers, before):

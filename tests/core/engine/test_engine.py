@@ -29,13 +29,19 @@ def hf_greedy(model, batch: list[list[int]], max_new: int) -> list[list[int]]:
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(batch):
-        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                             eos_token_id=EOS, pad_token_id=0)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=EOS,
+            pad_token_id=0,
+        )
     rows = []
     for row in out[:, width:].tolist():
-        rows.append(row[:row.index(EOS) + 1] if EOS in row else row)
+        rows.append(row[: row.index(EOS) + 1] if EOS in row else row)
     return rows
 
 
@@ -58,8 +64,9 @@ def test_chunked_prefill_gives_the_same_tokens(engine, model_dir):
     requests = [req(f"c{i}", p, temperature=0, max_new_tokens=12, n=2) for i, p in enumerate(prompts(5, seed=13))]
     whole = engine.generate_batch(requests)
     # Prompts split over several steps (4 tokens each), interleaved with other rows' decoding.
-    chunked = NativeEngine(model_dir, max_batch_size=64, max_model_len=128, prefill_chunk_tokens=4,
-                           prefix_cache=False).generate_batch(requests)
+    chunked = NativeEngine(
+        model_dir, max_batch_size=64, max_model_len=128, prefill_chunk_tokens=4, prefix_cache=False
+    ).generate_batch(requests)
     for a, b in zip(whole, chunked):
         assert [r.output_ids for r in a] == [r.output_ids for r in b]
         for x, y in zip(a, b):  # other matmul shapes: equal up to float rounding
@@ -69,8 +76,10 @@ def test_chunked_prefill_gives_the_same_tokens(engine, model_dir):
 def test_logprobs_are_the_raw_policy_of_a_full_forward(engine, hf_model):
     batch = prompts(5, seed=2)
     # Temperature and filters shape the sampling only; returned log-probs stay the raw policy's.
-    requests = [req(f"r{i}", p, temperature=1.7, top_k=20, top_p=0.8, max_new_tokens=20, n=2, seed=i)
-                for i, p in enumerate(batch)]
+    requests = [
+        req(f"r{i}", p, temperature=1.7, top_k=20, top_p=0.8, max_new_tokens=20, n=2, seed=i)
+        for i, p in enumerate(batch)
+    ]
     for p, samples in zip(batch, engine.generate_batch(requests)):
         for r in samples:
             assert len(r.logprobs) == len(r.output_ids) == len(r.versions) > 0
@@ -107,9 +116,9 @@ def test_stop_tokens_max_new_tokens_and_max_model_len(model_dir, engine):
     stop = greedy.output_ids[4]
     first = greedy.output_ids.index(stop)
     (stopped,) = engine.generate_batch([req("s", p, temperature=0, max_new_tokens=12, stop_token_ids=[stop])])[0]
-    assert stopped.output_ids == greedy.output_ids[:first + 1]  # the stop token is returned
+    assert stopped.output_ids == greedy.output_ids[: first + 1]  # the stop token is returned
     # (abs 1e-5: "s" reuses the cached prompt of "g", so other matmul shapes)
-    assert stopped.logprobs == pytest.approx(greedy.logprobs[:first + 1], abs=1e-5)
+    assert stopped.logprobs == pytest.approx(greedy.logprobs[: first + 1], abs=1e-5)
     assert stopped.finish_reason == FinishReason.STOP
 
     (short,) = engine.generate_batch([req("l", p, temperature=0, max_new_tokens=3)])[0]
@@ -296,8 +305,10 @@ def test_alone_or_joining_a_crowded_running_batch_gives_the_same_samples(model_d
     # Crowded: 8 slots, other requests of mixed lengths arriving while rows decode and finish, so
     # the target lands in a reused slot of a running batch, and rows move down as others leave.
     engine = NativeEngine(model_dir, max_batch_size=8, max_model_len=128, prefill_chunk_tokens=8, **mode)
-    others = [req(f"o{i}", q, max_new_tokens=3 + 7 * (i % 5), temperature=1.0, n=1 + i % 2)
-              for i, q in enumerate(prompts(10, seed=21))]
+    others = [
+        req(f"o{i}", q, max_new_tokens=3 + 7 * (i % 5), temperature=1.0, n=1 + i % 2)
+        for i, q in enumerate(prompts(10, seed=21))
+    ]
     results = asyncio.run(_staggered(engine, others[:6] + [target] + others[6:], gap_steps=2))
     crowded = results[6]
     assert [r.output_ids for r in crowded] == [r.output_ids for r in alone]
@@ -355,14 +366,22 @@ def test_a_caller_whose_next_request_takes_several_loop_rounds_joins_the_next_st
 def test_a_thousand_mixed_requests_run_in_bounded_memory(model_dir):
     engine = NativeEngine(model_dir, max_batch_size=16, max_model_len=64, eos_token_ids=[EOS], prefill_chunk_tokens=32)
     rng = random.Random(23)
-    requests = [req(f"m{i}", p, max_new_tokens=rng.randrange(1, 30), n=rng.choice([1, 1, 2]),
-                    temperature=rng.choice([0.0, 1.0]), seed=rng.choice([None, i]))
-                for i, p in enumerate(prompts(1000, seed=24, lo=2, hi=30))]
+    requests = [
+        req(
+            f"m{i}",
+            p,
+            max_new_tokens=rng.randrange(1, 30),
+            n=rng.choice([1, 1, 2]),
+            temperature=rng.choice([0.0, 1.0]),
+            seed=rng.choice([None, i]),
+        )
+        for i, p in enumerate(prompts(1000, seed=24, lo=2, hi=30))
+    ]
 
     async def main():
         sizes, tasks = set(), []
         for k in range(0, len(requests), 100):  # waves of 100
-            tasks += [asyncio.create_task(engine.generate(r)) for r in requests[k:k + 100]]
+            tasks += [asyncio.create_task(engine.generate(r)) for r in requests[k : k + 100]]
             while sum(t.done() for t in tasks) < k + 50:
                 await asyncio.sleep(0)
                 sizes.add(engine.health()["kv_cache_bytes"])
@@ -396,8 +415,9 @@ def test_next_turn_of_a_session_prefills_only_the_new_suffix(model_dir, hf_model
     assert after["prefill_tokens"] - before["prefill_tokens"] == len(turn2) - cached
     (ref,) = fresh.generate_batch([req("turn2", turn2, max_new_tokens=10, temperature=0)])[0]
     assert second.output_ids == ref.output_ids
-    torch.testing.assert_close(torch.tensor(second.logprobs), full_logprobs(hf_model, turn2, second.output_ids),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(second.logprobs), full_logprobs(hf_model, turn2, second.output_ids), atol=1e-5, rtol=0
+    )
     # A flushed cache is not reused either: the next turn computes as on a fresh engine.
     assert engine.flush_cache() >= 1 and engine.flush_cache() == 0
     before = engine.health()
@@ -416,14 +436,16 @@ def test_next_turns_of_many_sessions_are_prefilled_together(model_dir, hf_model)
     # one batched forward prefills every new suffix on top of its cached prefix.
     engine = NativeEngine(model_dir, max_batch_size=32, max_model_len=128, eos_token_ids=[])
     firsts = prompts(6, seed=27, lo=4, hi=30)
-    turn1 = engine.generate_batch([req(f"a{i}", p, max_new_tokens=3 + 2 * i, temperature=0)
-                                   for i, p in enumerate(firsts)])
+    turn1 = engine.generate_batch(
+        [req(f"a{i}", p, max_new_tokens=3 + 2 * i, temperature=0) for i, p in enumerate(firsts)]
+    )
     turn2 = [p + r.output_ids + list(range(10, 12 + i)) for i, (p, (r,)) in enumerate(zip(firsts, turn1))]
     fresh_prompts = prompts(3, seed=28)
     before = engine.health()
     requests = [req(f"b{i}", p, max_new_tokens=8, temperature=0, n=1 + i % 2) for i, p in enumerate(turn2)]
-    results = engine.generate_batch(requests + [req(f"f{i}", p, max_new_tokens=8, temperature=0)
-                                                for i, p in enumerate(fresh_prompts)])
+    results = engine.generate_batch(
+        requests + [req(f"f{i}", p, max_new_tokens=8, temperature=0) for i, p in enumerate(fresh_prompts)]
+    )
     after = engine.health()
     cached = sum(len(p) + len(r.output_ids) - 1 for p, (r,) in zip(firsts, turn1))
     assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == cached
@@ -432,8 +454,9 @@ def test_next_turns_of_many_sessions_are_prefilled_together(model_dir, hf_model)
     for prompt, samples in zip(turn2 + fresh_prompts, results):
         for r in samples:  # every sample row of a session got the whole history
             assert r.output_ids == hf_greedy(hf_model, [prompt], 8)[0]
-            torch.testing.assert_close(torch.tensor(r.logprobs), full_logprobs(hf_model, prompt, r.output_ids),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(r.logprobs), full_logprobs(hf_model, prompt, r.output_ids), atol=1e-5, rtol=0
+            )
 
 
 def test_a_row_that_filled_max_model_len_does_not_break_its_neighbours(model_dir, hf_model):
@@ -441,8 +464,12 @@ def test_a_row_that_filled_max_model_len_does_not_break_its_neighbours(model_dir
     # equals max_model_len, and later decode steps must not write past the cache.
     engine = NativeEngine(model_dir, max_batch_size=4, max_model_len=32, eos_token_ids=[])
     long_prompt, short_prompt = prompts(2, seed=40, lo=20, hi=21)[0], prompts(1, seed=41, lo=3, hi=4)[0]
-    results = engine.generate_batch([req("full", long_prompt, temperature=0, max_new_tokens=100),
-                                     req("short", short_prompt, temperature=0, max_new_tokens=25)])
+    results = engine.generate_batch(
+        [
+            req("full", long_prompt, temperature=0, max_new_tokens=100),
+            req("short", short_prompt, temperature=0, max_new_tokens=25),
+        ]
+    )
     (full,), (short,) = results
     assert full.finish_reason == FinishReason.LENGTH and len(long_prompt) + len(full.output_ids) == 32
     assert short.finish_reason == FinishReason.LENGTH and len(short.output_ids) == 25

@@ -52,8 +52,12 @@ def test_an_aborted_sample_resumes_with_new_weights_and_keeps_its_tokens(model_d
     assert result.output_ids[k:] == expected[0].output_ids
     updated = type(hf_model).from_pretrained(model_dir).eval()
     updated.load_state_dict(new_weights)
-    torch.testing.assert_close(torch.tensor(result.logprobs[k:]),
-                               full_logprobs(updated, p + partial.output_ids, result.output_ids[k:]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(result.logprobs[k:]),
+        full_logprobs(updated, p + partial.output_ids, result.output_ids[k:]),
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 def test_bad_resumes_fail_alone(model_dir):
@@ -65,15 +69,26 @@ def test_bad_resumes_fail_alone(model_dir):
         "only an aborted sample": GenerationRequest("s", p, SamplingParams(max_new_tokens=8), resume_from=done),
         "continues one sample": GenerationRequest("n", p, SamplingParams(max_new_tokens=8, n=2), resume_from=aborted),
         "nothing left": GenerationRequest("m", p, SamplingParams(max_new_tokens=2), resume_from=aborted),
-        "equal lengths": GenerationRequest("l", p, SamplingParams(max_new_tokens=8), resume_from=GenerationResult(
-            "x", [5, 6], [-0.1], [0, 0], FinishReason.ABORT)),
-        "too long": GenerationRequest("t", p, SamplingParams(max_new_tokens=80), resume_from=GenerationResult(
-            "x", [5] * 60, [-0.1] * 60, [0] * 60, FinishReason.ABORT)),
+        "equal lengths": GenerationRequest(
+            "l",
+            p,
+            SamplingParams(max_new_tokens=8),
+            resume_from=GenerationResult("x", [5, 6], [-0.1], [0, 0], FinishReason.ABORT),
+        ),
+        "too long": GenerationRequest(
+            "t",
+            p,
+            SamplingParams(max_new_tokens=80),
+            resume_from=GenerationResult("x", [5] * 60, [-0.1] * 60, [0] * 60, FinishReason.ABORT),
+        ),
     }
 
     async def main():
-        outcomes = await asyncio.gather(*(engine.generate(r) for r in cases.values()),
-                                        engine.generate(req("ok", p, max_new_tokens=4)), return_exceptions=True)
+        outcomes = await asyncio.gather(
+            *(engine.generate(r) for r in cases.values()),
+            engine.generate(req("ok", p, max_new_tokens=4)),
+            return_exceptions=True,
+        )
         return outcomes
 
     outcomes = asyncio.run(main())
@@ -119,12 +134,19 @@ def _trainer_logprobs(model_dir: str, rows: list[tuple[list[int], list[int]]]) -
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     attention, mask = torch.zeros_like(ids), torch.zeros(len(rows), width)
     for i, (p, o) in enumerate(rows):
-        ids[i, :len(p) + len(o)] = torch.tensor(p + o)
-        attention[i, :len(p) + len(o)] = 1
-        mask[i, len(p):len(p) + len(o)] = 1
-    batch = TrainBatch(input_ids=ids, attention_mask=attention, response_mask=mask,
-                       rollout_logprobs=torch.zeros(len(rows), width), advantages=torch.zeros(len(rows), width),
-                       rewards=torch.zeros(len(rows)), group_ids=torch.arange(len(rows)), sources=["s"] * len(rows))
+        ids[i, : len(p) + len(o)] = torch.tensor(p + o)
+        attention[i, : len(p) + len(o)] = 1
+        mask[i, len(p) : len(p) + len(o)] = 1
+    batch = TrainBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(len(rows), width),
+        advantages=torch.zeros(len(rows), width),
+        rewards=torch.zeros(len(rows)),
+        group_ids=torch.arange(len(rows)),
+        sources=["s"] * len(rows),
+    )
     trainer = TorchTrainer(model_dir)
     trainer.setup_optimizer(lr=0.0, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, grad_clip=1.0)
     no_grad, _ = trainer.logprobs(batch, token_budget=1)
@@ -137,7 +159,7 @@ def _trainer_logprobs(model_dir: str, rows: list[tuple[list[int], list[int]]]) -
     trainer.train_step(batch, loss_fn, token_budget=1)
     training = torch.zeros(len(rows), width)
     for i, lp in enumerate(seen):
-        training[i, :lp.shape[1]] = lp[0]
+        training[i, : lp.shape[1]] = lp[0]
     return no_grad * mask, training * mask
 
 
@@ -158,8 +180,8 @@ def test_deterministic_mode_logprobs_equal_the_trainers_exactly(model_dir):
     diffs = []
     for i, (p, o) in enumerate(rows):
         got = torch.tensor(engine_lp[i])
-        assert torch.equal(got, no_grad[i, len(p):len(p) + len(o)]), i
-        assert torch.equal(got, training[i, len(p):len(p) + len(o)]), i
+        assert torch.equal(got, no_grad[i, len(p) : len(p) + len(o)]), i
+        assert torch.equal(got, training[i, len(p) : len(p) + len(o)]), i
         diffs.append((torch.tensor(fast_out[i // 2][i % 2].logprobs) - got).abs().max())
     # The batched fast path is close but not bitwise equal: the mode is what makes the difference 0.
     assert max(diffs) < 1e-4

@@ -23,8 +23,11 @@ from _engine_helpers import hf_routes  # noqa: E402
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory) -> str:
-    return str(RandomInitModel(preset="qwen3-moe-tiny", dtype="float32", device="cpu").build_into(
-        tmp_path_factory.mktemp("moe") / "m"))
+    return str(
+        RandomInitModel(preset="qwen3-moe-tiny", dtype="float32", device="cpu").build_into(
+            tmp_path_factory.mktemp("moe") / "m"
+        )
+    )
 
 
 def test_routes_are_those_of_a_plain_forward_over_the_same_tokens(moe_dir):
@@ -35,8 +38,16 @@ def test_routes_are_those_of_a_plain_forward_over_the_same_tokens(moe_dir):
     prompts = [torch.randint(3, 384, (n,), generator=gen).tolist() for n in (5, 9, 30, 12)]  # 30: chunked
 
     async def run(batch, first=0):
-        return await asyncio.gather(*(engine.generate(GenerationRequest(f"r{first + i}", p, SamplingParams(
-            n=2, max_new_tokens=6, temperature=1.0, seed=first + i))) for i, p in enumerate(batch)))
+        return await asyncio.gather(
+            *(
+                engine.generate(
+                    GenerationRequest(
+                        f"r{first + i}", p, SamplingParams(n=2, max_new_tokens=6, temperature=1.0, seed=first + i)
+                    )
+                )
+                for i, p in enumerate(batch)
+            )
+        )
 
     async def turns():
         results = await run(prompts)

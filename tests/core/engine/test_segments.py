@@ -43,10 +43,15 @@ def _two_segment(engine, group: int = 0, index: int = 0) -> tuple[Trajectory, li
     response = first.output_ids + second_prompt + second.output_ids
     boundary = len(first_prompt) + len(first.output_ids)
     trajectory = Trajectory(
-        source="s", group_id=group, sample_index=index, prompt_ids=first_prompt, response_ids=response,
+        source="s",
+        group_id=group,
+        sample_index=index,
+        prompt_ids=first_prompt,
+        response_ids=response,
         loss_mask=[1] * NEW + [0] * len(second_prompt) + [1] * NEW,
         rollout_logprobs=first.logprobs + [0.0] * len(second_prompt) + second.logprobs,
-        versions=[0] * NEW + [-1] * len(second_prompt) + [0] * NEW, reward=1.0,
+        versions=[0] * NEW + [-1] * len(second_prompt) + [0] * NEW,
+        reward=1.0,
         segments=[Segment(0, boundary), Segment(boundary, len(first_prompt) + len(response), "compaction")],
     )
     return trajectory, second_prompt, second.output_ids
@@ -55,9 +60,18 @@ def _two_segment(engine, group: int = 0, index: int = 0) -> tuple[Trajectory, li
 def _one_segment(engine, group: int, segments: bool) -> Trajectory:
     prompt = prompts(1, seed=100 + group, lo=5, hi=12)[0]
     out = _answer(engine, prompt, seed=50 + group)
-    return Trajectory(source="s", group_id=group, sample_index=0, prompt_ids=prompt, response_ids=out.output_ids,
-                      loss_mask=[1] * NEW, rollout_logprobs=out.logprobs, versions=[0] * NEW, reward=0.0,
-                      segments=[Segment(0, len(prompt) + NEW)] if segments else [])
+    return Trajectory(
+        source="s",
+        group_id=group,
+        sample_index=0,
+        prompt_ids=prompt,
+        response_ids=out.output_ids,
+        loss_mask=[1] * NEW,
+        rollout_logprobs=out.logprobs,
+        versions=[0] * NEW,
+        reward=0.0,
+        segments=[Segment(0, len(prompt) + NEW)] if segments else [],
+    )
 
 
 def _positions(trajectory: Trajectory) -> tuple[slice, slice]:
@@ -79,7 +93,7 @@ def test_trainer_scores_each_segment_as_the_engine_generated_it(engine, model_di
     torch.testing.assert_close(old[0, first_at], batch.rollout_logprobs[0, first_at], atol=1e-5, rtol=0)
     # the flat sequence, what the model saw before segments were honoured, gives other log-probs
     flat_ids = trajectory.prompt_ids + trajectory.response_ids
-    flat = full_logprobs(hf_model, flat_ids[:second_at.start], flat_ids[second_at])
+    flat = full_logprobs(hf_model, flat_ids[: second_at.start], flat_ids[second_at])
     assert (old[0, second_at] - flat).abs().max() > 1e-2
     assert (entropy[0, second_at] > 0).all()
 
@@ -102,8 +116,9 @@ def test_split_rows_are_planned_at_what_their_segments_cost(engine):
 def test_training_on_policy_measures_no_mismatch_and_splits_alike(engine, model_dir):
     """On-policy, the rollout log-probs are the trainer's: train/is_approx_k3_kl about 0 with a split
     row in the batch, and the gradients do not depend on how the batch is cut into micro-batches."""
-    batch = to_batch([_two_segment(engine)[0], _one_segment(engine, 1, segments=False),
-                      _two_segment(engine, group=2)[0]], pad_id=0)
+    batch = to_batch(
+        [_two_segment(engine)[0], _one_segment(engine, 1, segments=False), _two_segment(engine, group=2)[0]], pad_id=0
+    )
     batch.advantages = batch.response_mask * torch.tensor([[1.0], [-0.5], [0.25]])
     pipeline = LossPlan(policy_loss=PPOClip(), aggregation="seq-mean-token-mean")
     grads, mismatch = [], []
@@ -128,8 +143,9 @@ def test_one_segment_and_no_segment_batches_are_unchanged(engine, model_dir):
         lp_plain, ent_plain = trainer.logprobs(plain, budget)
         lp_marked, ent_marked = trainer.logprobs(marked, budget)
         assert torch.equal(lp_plain, lp_marked) and torch.equal(ent_plain, ent_marked)
-        assert ([rows for rows, _ in planned_micro_batches(plain, budget, group_by_length=True)]
-                == [rows for rows, _ in planned_micro_batches(marked, budget, group_by_length=True)])
+        assert [rows for rows, _ in planned_micro_batches(plain, budget, group_by_length=True)] == [
+            rows for rows, _ in planned_micro_batches(marked, budget, group_by_length=True)
+        ]
 
 
 def test_critic_values_of_a_segment_are_its_own(engine, model_dir):
@@ -140,7 +156,7 @@ def test_critic_values_of_a_segment_are_its_own(engine, model_dir):
     values = critic.values(to_batch([trajectory], pad_id=0), token_budget=10_000)
     with torch.no_grad():
         ids = torch.tensor([second_prompt + second_answer])
-        alone = critic.model(ids, torch.ones_like(ids))[0, len(second_prompt) - 1:-1]
+        alone = critic.model(ids, torch.ones_like(ids))[0, len(second_prompt) - 1 : -1]
     torch.testing.assert_close(values[0, _positions(trajectory)[1]], alone, atol=1e-5, rtol=0)
 
 
@@ -150,12 +166,13 @@ def test_teacher_and_student_distribution_score_each_segment_alone(engine, model
     second_at = _positions(trajectory)[1]
     with torch.no_grad():
         logits = hf_model(torch.tensor([second_prompt + second_answer])).logits[0].float()
-    alone = torch.log_softmax(logits[len(second_prompt) - 1:-1], dim=-1)  # [NEW, V]: answer positions
+    alone = torch.log_softmax(logits[len(second_prompt) - 1 : -1], dim=-1)  # [NEW, V]: answer positions
 
     teacher = EmbeddedTeacher(model_dir)
     scores = teacher.score(batch, topk=4)
-    torch.testing.assert_close(scores["logprobs"][0, second_at], full_logprobs(hf_model, second_prompt, second_answer),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        scores["logprobs"][0, second_at], full_logprobs(hf_model, second_prompt, second_answer), atol=1e-5, rtol=0
+    )
     top_values, top_ids = alone.topk(4, dim=-1)
     assert torch.equal(scores["dist_ids"][0, second_at], top_ids)
     torch.testing.assert_close(scores["dist_logprobs"][0, second_at], top_values, atol=1e-5, rtol=0)
@@ -174,8 +191,8 @@ def test_teacher_and_student_distribution_score_each_segment_alone(engine, model
     trainer = TorchTrainer(model_dir)
     trainer.setup_optimizer(lr=1e-30, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, grad_clip=1e9)
     trainer.train_step(plan.prepare(batch)[0], Recording(plan), 10_000)
-    (mb, dist), = seen
+    ((mb, dist),) = seen
     row = next(i for i, s in enumerate(mb.segments) if len(s) > 1)
     offset = mb.input_ids.shape[1] - dist.shape[1]  # the support's log-probs start at the first trained token
-    got = dist[row, second_at.start - offset:second_at.stop - offset]
+    got = dist[row, second_at.start - offset : second_at.stop - offset]
     torch.testing.assert_close(got, top_values, atol=1e-5, rtol=0)

@@ -21,8 +21,17 @@ from loongsage.core.types import ConfigError, DataRecord, DataSource, Trajectory
 
 
 def _trajectory(text: str) -> Trajectory:
-    return Trajectory(source="sort", group_id=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
-                      rollout_logprobs=[0.0], versions=[0], response_text=text)
+    return Trajectory(
+        source="sort",
+        group_id=0,
+        sample_index=0,
+        prompt_ids=[1],
+        response_ids=[2],
+        loss_mask=[1],
+        rollout_logprobs=[0.0],
+        versions=[0],
+        response_text=text,
+    )
 
 
 def _record(label, digits: str = "") -> DataRecord:
@@ -81,9 +90,18 @@ def test_held_out_split_is_distinct():
     assert DigitSortTask(split="train", size=50_000).num_distinct() is None
 
 
-@pytest.mark.parametrize("kwargs", [{"min_len": 0}, {"min_len": 5, "max_len": 4}, {"max_len": 65},
-                                    {"split": "val"}, {"test_fraction": 1.0}, {"size": 0},
-                                    {"prompt_format": "xml"}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"min_len": 0},
+        {"min_len": 5, "max_len": 4},
+        {"max_len": 65},
+        {"split": "val"},
+        {"test_fraction": 1.0},
+        {"size": 0},
+        {"prompt_format": "xml"},
+    ],
+)
 def test_bad_params_are_refused(kwargs):
     with pytest.raises(ValueError):
         DigitSortTask(**kwargs)
@@ -170,8 +188,24 @@ def test_reward_is_exact_match_after_normalisation():
     reward = DigitSortReward()
     for text in ("01479", " 01479\n", "01479<|im_end|>", "0 1 4 7 9", "0,1,4,7,9", "0, 1, 4, 7, 9"):
         assert reward(_trajectory(text), _record("01479")) == 1.0, text
-    for text in ("0147", "014799", "01497", "1479", "", " ", "x01479", "01479.", "-01479", "01479\n01479",
-                 "sorted: 01479", "0\t1479", "0;1;4;7;9", "٠١٤٧٩", "０１４７９", "01479 " + "9" * 5000):
+    for text in (
+        "0147",
+        "014799",
+        "01497",
+        "1479",
+        "",
+        " ",
+        "x01479",
+        "01479.",
+        "-01479",
+        "01479\n01479",
+        "sorted: 01479",
+        "0\t1479",
+        "0;1;4;7;9",
+        "٠١٤٧٩",
+        "０１４７９",
+        "01479 " + "9" * 5000,
+    ):
         assert reward(_trajectory(text), _record("01479")) == 0.0, text
     assert score("01479", "01479") == 1.0 and extract_answer("0 1 4") == "014" and extract_answer("a") is None
 
@@ -179,8 +213,15 @@ def test_reward_is_exact_match_after_normalisation():
 def test_reward_survives_hostile_outputs():
     reward = DigitSortReward(partial_credit=0.5)
     label = "0123456789"
-    for text in ("\x00" * 100, "<|im_end|>" * 1000, "9" * 100_000, "🙂" * 50, "0" + "," * 10_000 + "1",
-                 "\ud800", "<|im_start|>assistant\n0123456789"):
+    for text in (
+        "\x00" * 100,
+        "<|im_end|>" * 1000,
+        "9" * 100_000,
+        "🙂" * 50,
+        "0" + "," * 10_000 + "1",
+        "\ud800",
+        "<|im_start|>assistant\n0123456789",
+    ):
         value = reward(_trajectory(text), _record(label))
         assert 0.0 <= value < 1.0, text[:20]
     with pytest.raises(ValueError, match="no label"):
@@ -229,11 +270,25 @@ def test_existing_warm_start_cache_keys_are_unchanged():
     assert BUILDER_VERSION == 1
     assert WarmStartParams().cache_key() == "tiny-qwen3-arith-588138b29ec65304"
     assert WarmStartParams(sort=None).cache_key() == "tiny-qwen3-arith-588138b29ec65304"
-    student = WarmStartParams(name="tiny-arith-mopd-student", operations="+-", drop_prob=0.6, steps=300,
-                              batch_size=64, warmup_steps=10, init_from={})
+    student = WarmStartParams(
+        name="tiny-arith-mopd-student",
+        operations="+-",
+        drop_prob=0.6,
+        steps=300,
+        batch_size=64,
+        warmup_steps=10,
+        init_from={},
+    )
     assert student.cache_key() == "tiny-arith-mopd-student-a3dcd604ef5754a6"
-    teacher = WarmStartParams(name="tiny-arith-teacher-add", operations="+", drop_prob=0.0, steps=150,
-                              batch_size=64, warmup_steps=10, init_from={})
+    teacher = WarmStartParams(
+        name="tiny-arith-teacher-add",
+        operations="+",
+        drop_prob=0.0,
+        steps=150,
+        batch_size=64,
+        warmup_steps=10,
+        init_from={},
+    )
     assert teacher.cache_key() == "tiny-arith-teacher-add-5bf14114af861bfe"
 
 
@@ -250,8 +305,15 @@ def test_two_task_warm_start_params_have_keys_of_their_own():
     assert on_mixed.cache_key() != WarmStartParams(steps=10, init_from={}).cache_key()
     task = mixed.sort_task("test", 16)
     assert isinstance(task, DigitSortTask) and (task.min_len, task.max_len) == (3, 20)
-    for bad in ({"fraction": 1.0}, {"fraction": 0}, {"drop_prob": 1.5}, {"min_len": 0}, {"max_len": 99},
-                {"lenght": 3}, [1]):
+    for bad in (
+        {"fraction": 1.0},
+        {"fraction": 0},
+        {"drop_prob": 1.5},
+        {"min_len": 0},
+        {"max_len": 99},
+        {"lenght": 3},
+        [1],
+    ):
         with pytest.raises(ValueError):
             WarmStartParams(sort=bad)
     with pytest.raises(ValueError, match="arithmetic only"):
@@ -266,8 +328,17 @@ def test_two_task_warm_start_trains_on_both_tasks(tmp_path, monkeypatch):
     seen = []
     real = warmstart.sft_tensors
     monkeypatch.setattr(warmstart, "sft_tensors", lambda tok, p, a: seen.append(list(p)) or real(tok, p, a))
-    params = warmstart.WarmStartParams(hidden_size=16, num_layers=1, heads=2, kv_heads=1, intermediate_size=32,
-                                       steps=2, batch_size=8, warmup_steps=1, sort={"fraction": 0.25})
+    params = warmstart.WarmStartParams(
+        hidden_size=16,
+        num_layers=1,
+        heads=2,
+        kv_heads=1,
+        intermediate_size=32,
+        steps=2,
+        batch_size=8,
+        warmup_steps=1,
+        sort={"fraction": 0.25},
+    )
     path = warmstart.cached_warm_start(params, tmp_path)
     assert path.name == params.cache_key() and (path / "model.safetensors").is_file()
     assert len(seen) == 2

@@ -25,11 +25,14 @@ def test_random_digits_are_exactly_length_tokens_and_reproducible():
         source[50]
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"preset": "qwen9-1t"}, "preset='qwen9-1t': unknown; allowed: qwen3-0.6b"),
-    ({"dtype": "int8"}, "dtype='int8': allowed: float32, bfloat16, float16"),
-    ({"num_layers": 0}, "num_layers=0: a positive number of layers"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"preset": "qwen9-1t"}, "preset='qwen9-1t': unknown; allowed: qwen3-0.6b"),
+        ({"dtype": "int8"}, "dtype='int8': allowed: float32, bfloat16, float16"),
+        ({"num_layers": 0}, "num_layers=0: a positive number of layers"),
+    ],
+)
 def test_bad_builder_params_are_one_line_errors(params, message):
     with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
         RandomInitModel(**params)
@@ -37,8 +40,13 @@ def test_bad_builder_params_are_one_line_errors(params, message):
 
 def test_the_cache_key_follows_every_param():
     base = RandomInitModel(device="cpu")
-    keys = {base.cache_key(), RandomInitModel(device="cuda").cache_key(), RandomInitModel(device="cpu", seed=1).cache_key(),
-            RandomInitModel(device="cpu", num_layers=2).cache_key(), RandomInitModel(device="cpu", preset="qwen3-4b").cache_key()}
+    keys = {
+        base.cache_key(),
+        RandomInitModel(device="cuda").cache_key(),
+        RandomInitModel(device="cpu", seed=1).cache_key(),
+        RandomInitModel(device="cpu", num_layers=2).cache_key(),
+        RandomInitModel(device="cpu", preset="qwen3-4b").cache_key(),
+    }
     assert len(keys) == 5 and base.cache_key() == RandomInitModel(device="cpu").cache_key()
 
 

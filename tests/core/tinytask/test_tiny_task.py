@@ -60,7 +60,9 @@ def test_tiny_model_round_trips(tmp_path):
 
     from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 
-    model, tok = build_tiny_qwen3(tmp_path, hidden_size=32, num_layers=1, heads=2, kv_heads=1, intermediate_size=64, seed=7)
+    model, tok = build_tiny_qwen3(
+        tmp_path, hidden_size=32, num_layers=1, heads=2, kv_heads=1, intermediate_size=64, seed=7
+    )
     again, _ = build_tiny_qwen3(None, hidden_size=32, num_layers=1, heads=2, kv_heads=1, intermediate_size=64, seed=7)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert type(loaded).__name__ == "Qwen3ForCausalLM"
@@ -133,8 +135,9 @@ def counted_builds(monkeypatch):
     """A tiny warm start's params and the list of builds run (one entry per build)."""
     from loongsage.core.tinytask import warmstart
 
-    params = warmstart.WarmStartParams(hidden_size=16, num_layers=1, heads=2, kv_heads=1, intermediate_size=32,
-                                       steps=2, batch_size=4, warmup_steps=1)
+    params = warmstart.WarmStartParams(
+        hidden_size=16, num_layers=1, heads=2, kv_heads=1, intermediate_size=32, steps=2, batch_size=4, warmup_steps=1
+    )
     calls = []
     real_build = warmstart.build_warm_start
     monkeypatch.setattr(warmstart, "build_warm_start", lambda *a, **k: calls.append(1) or real_build(*a, **k))

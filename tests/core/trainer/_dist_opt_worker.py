@@ -21,9 +21,15 @@ def batch():
     ids = torch.randint(3, 200, (4, 12), generator=g)
     mask = torch.ones(4, 12)
     mask[:, :4] = 0
-    return TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
-                      rollout_logprobs=torch.zeros(4, 12), advantages=torch.randn(4, 12, generator=g) * mask,
-                      rewards=torch.zeros(4), group_ids=torch.arange(4))
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(4, 12),
+        advantages=torch.randn(4, 12, generator=g) * mask,
+        rewards=torch.zeros(4),
+        group_ids=torch.arange(4),
+    )
 
 
 def loss_fn(lp, mb):

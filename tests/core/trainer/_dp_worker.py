@@ -53,8 +53,7 @@ EXTRAS = {
     # sequence masking from the current policy, applied per micro-batch
     "opsm": {"corrections": [OPSM(delta=1e-4)]},
 }
-LOSS_CASES = ("ppo_clip", "cispo", "nll", "gspo", "ppo_clip+k3", "ppo_clip+is_mask", "ppo_clip+m2po",
-              "ppo_clip+opsm")
+LOSS_CASES = ("ppo_clip", "cispo", "nll", "gspo", "ppo_clip+k3", "ppo_clip+is_mask", "ppo_clip+m2po", "ppo_clip+opsm")
 
 
 def pipeline_for(case: str, aggregation: str) -> LossPlan:
@@ -81,9 +80,13 @@ def build_batch(model_dir: str) -> TrainBatch:
     attn = (pos < torch.tensor(LENGTHS)[:, None]).long()
     mask = (attn.bool() & (pos >= torch.tensor(PROMPTS)[:, None])).float()
     batch = TrainBatch(
-        input_ids=torch.randint(3, VOCAB, (B, T), generator=g) * attn, attention_mask=attn, response_mask=mask,
-        rollout_logprobs=torch.zeros(B, T), advantages=torch.randn(B, T, generator=g) * mask,
-        rewards=torch.zeros(B), group_ids=torch.arange(B) // 4,
+        input_ids=torch.randint(3, VOCAB, (B, T), generator=g) * attn,
+        attention_mask=attn,
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(B, T),
+        advantages=torch.randn(B, T, generator=g) * mask,
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B) // 4,
     )
     current, _ = TorchTrainer(model_dir).logprobs(batch, token_budget=10_000)
     noise = lambda scale: torch.randn(B, T, generator=g) * scale  # noqa: E731
@@ -107,8 +110,9 @@ def _gathered(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_case(trainer: TorchTrainer, batch: TrainBatch, case: str, aggregation: str, rows: list[int],
-             budget: int) -> dict[str, Any]:
+def run_case(
+    trainer: TorchTrainer, batch: TrainBatch, case: str, aggregation: str, rows: list[int], budget: int
+) -> dict[str, Any]:
     """One step (lr 0) on ``rows`` of ``batch``, prepared over the whole batch as the controller does.
 
     Returns the step's loss, grad norm, every ratio's numerator and denominator (as ``<name>_sum`` /
@@ -124,8 +128,13 @@ def run_case(trainer: TorchTrainer, batch: TrainBatch, case: str, aggregation: s
         every: list[dict[str, float]] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(every, sums)
         sums = {k: sum(s.get(k, 0.0) for s in every) for k in set().union(*every)}
-    return {"loss": sums.pop("train/loss"), "grad_norm": metrics.gauges["train/grad_norm"], "metrics": sums,
-            "corrections": corrections, "grads": _gathered(trainer)}
+    return {
+        "loss": sums.pop("train/loss"),
+        "grad_norm": metrics.gauges["train/grad_norm"],
+        "metrics": sums,
+        "corrections": corrections,
+        "grads": _gathered(trainer),
+    }
 
 
 def new_trainer(model_dir: str, dp_mode: str = "fsdp2") -> TorchTrainer:
@@ -144,10 +153,13 @@ def main() -> None:
     results = {}
     for dp_mode in dp_modes.split(","):
         trainer = new_trainer(model_dir, dp_mode)
-        results[dp_mode] = {f"{case}/{mode}": run_case(trainer, batch, case, mode, DP_ROWS[rank], DP_BUDGET)
-                            for case, mode in CASES}
-        results[f"{dp_mode}+idle"] = {case_id: run_case(trainer, batch, *case_id.split("/"), IDLE_ROWS[rank], DP_BUDGET)
-                                      for case_id in IDLE_CASE_IDS}
+        results[dp_mode] = {
+            f"{case}/{mode}": run_case(trainer, batch, case, mode, DP_ROWS[rank], DP_BUDGET) for case, mode in CASES
+        }
+        results[f"{dp_mode}+idle"] = {
+            case_id: run_case(trainer, batch, *case_id.split("/"), IDLE_ROWS[rank], DP_BUDGET)
+            for case_id in IDLE_CASE_IDS
+        }
         del trainer
     if rank == 0:
         torch.save(results, out_file)

@@ -23,9 +23,13 @@ def lora_batch(B: int = 8, vocab: int = 200) -> TrainBatch:
     mask = attn.float().clone()
     mask[:, :4] = 0
     return TrainBatch(
-        input_ids=torch.randint(3, vocab, (B, T), generator=g) * attn, attention_mask=attn, response_mask=mask,
-        rollout_logprobs=torch.zeros(B, T), advantages=torch.randn(B, T, generator=g) * mask,
-        rewards=torch.zeros(B), group_ids=torch.arange(B) // 4,
+        input_ids=torch.randint(3, vocab, (B, T), generator=g) * attn,
+        attention_mask=attn,
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(B, T),
+        advantages=torch.randn(B, T, generator=g) * mask,
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B) // 4,
         old_logprobs=(torch.randn(B, T, generator=g) * 0.1 - 2.0) * mask,
     )
 

@@ -28,8 +28,13 @@ def run(tmp_path_factory):
     work = tmp_path_factory.mktemp("dist_opt")
     build_tiny_qwen3(work / "m", hidden_size=32, num_layers=1, heads=2, kv_heads=1, intermediate_size=64, seed=3)
     model_dir = str(work / "m")
-    proc = subprocess.run([sys.executable, str(WORKER), model_dir, str(work)], capture_output=True, text=True,
-                          timeout=280, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), model_dir, str(work)],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return model_dir, work, torch.load(work / "dp2.pt", weights_only=False)
 

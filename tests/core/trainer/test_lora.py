@@ -59,8 +59,11 @@ def test_export_is_the_base_model_at_init_and_only_adapters_train(model_dir):
     trainer = _trainer(model_dir, target_modules=["q_proj", "v_proj", "down_proj"])
     exported = dict(trainer.export_weights())
     # only the targeted weights travel, under the base checkpoint's names
-    assert sorted(exported) == sorted(f"model.layers.{i}.{m}.weight" for i in range(2)
-                                      for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"))
+    assert sorted(exported) == sorted(
+        f"model.layers.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj")
+    )
     for name, tensor in exported.items():  # lora_B starts at zero: merged == base, bit for bit
         assert torch.equal(tensor, base[name]), name
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
@@ -85,8 +88,10 @@ def test_merged_export_equals_peft_merge_and_unload(model_dir, tmp_path):
     trainer = _trainer(model_dir, target_modules=["q_proj", "up_proj"])
     _steps(trainer, lora_batch())
     # an independent reference: peft's own model wrapper, given our adapters, merged and unloaded
-    ref = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
-                              peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=["q_proj", "up_proj"]))
+    ref = peft.get_peft_model(
+        AutoModelForCausalLM.from_pretrained(model_dir),
+        peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=["q_proj", "up_proj"]),
+    )
     adapters = {n: p for n, p in trainer.model.named_parameters() if ".lora_" in n}
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -138,24 +143,36 @@ def test_engine_logprobs_after_a_push_equal_the_trainers(model_dir):
     g = torch.Generator().manual_seed(9)
     vocab = trainer.model.config.vocab_size
     prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 9, 7)]
-    requests = [GenerationRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=8, seed=i))
-                for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=8, seed=i))
+        for i, p in enumerate(prompts)
+    ]
     results = [r for (r,) in pushed.generate_batch(requests)]
 
     T = max(len(p) + len(r.output_ids) for p, r in zip(prompts, results))
     ids, attn, mask = torch.zeros(3, T, dtype=torch.long), torch.zeros(3, T, dtype=torch.long), torch.zeros(3, T)
     for i, (p, r) in enumerate(zip(prompts, results)):
         seq = p + r.output_ids
-        ids[i, :len(seq)], attn[i, :len(seq)], mask[i, len(p):len(seq)] = torch.tensor(seq), 1, 1
-    batch = TrainBatch(input_ids=ids, attention_mask=attn, response_mask=mask, rollout_logprobs=torch.zeros(3, T),
-                       advantages=torch.zeros(3, T), rewards=torch.zeros(3), group_ids=torch.arange(3))
+        ids[i, : len(seq)], attn[i, : len(seq)], mask[i, len(p) : len(seq)] = torch.tensor(seq), 1, 1
+    batch = TrainBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(3, T),
+        advantages=torch.zeros(3, T),
+        rewards=torch.zeros(3),
+        group_ids=torch.arange(3),
+    )
     lp, _ = trainer.logprobs(batch, 10_000)
     for i, (p, r) in enumerate(zip(prompts, results)):
-        torch.testing.assert_close(torch.tensor(r.logprobs), lp[i, len(p):len(p) + len(r.output_ids)],
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(r.logprobs), lp[i, len(p) : len(p) + len(r.output_ids)], atol=1e-5, rtol=0
+        )
     # the push mattered: the base model scores the same tokens differently
-    forced = [GenerationRequest(f"s{i}", p + r.output_ids[:-1], SamplingParams(temperature=0, max_new_tokens=1))
-              for i, (p, r) in enumerate(zip(prompts, results))]
+    forced = [
+        GenerationRequest(f"s{i}", p + r.output_ids[:-1], SamplingParams(temperature=0, max_new_tokens=1))
+        for i, (p, r) in enumerate(zip(prompts, results))
+    ]
     new = [r.logprobs[0] for (r,) in pushed.generate_batch(forced)]
     old = [r.logprobs[0] for (r,) in stale.generate_batch(forced)]
     assert max(abs(a - b) for a, b in zip(new, old)) > 1e-3
@@ -167,15 +184,18 @@ def test_config_errors_are_one_line(model_dir, monkeypatch):
     for params, expected in [
         ({"lora": {"rank": 0}}, "trainer.backend.params.lora.rank=0: must be >= 1"),
         ({"lora": {"rank": 4, "dropout": 1.0}}, "lora.dropout=1.0: must be in [0, 1)"),
-        ({"lora": {"target_modules": ["qproj"]}},
-         f"'qproj' is not a linear layer of the decoder; allowed: {', '.join(LINEARS)}"),
+        (
+            {"lora": {"target_modules": ["qproj"]}},
+            f"'qproj' is not a linear layer of the decoder; allowed: {', '.join(LINEARS)}",
+        ),
     ]:
         with pytest.raises(ConfigError) as err:
             registry.create("trainer", {"name": "torch", "params": params}, "trainer.backend", **supplied)
         assert expected in str(err.value) and "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="does not support LoRA"):
-        registry.create("trainer", {"name": "torch_critic", "params": {"lora": {}}}, "trainer.critic.backend",
-                        **supplied)
+        registry.create(
+            "trainer", {"name": "torch_critic", "params": {"lora": {}}}, "trainer.critic.backend", **supplied
+        )
 
     import importlib.util
 
@@ -199,16 +219,20 @@ def test_launcher_refuses_a_bad_target_before_any_actor_starts(model_cache, in_t
 
     monkeypatch.setattr(Controller, "_start_actors", started)
 
-    code = main(["train", "tiny/grpo_lora_cpu", "trainer.backend.params.lora.target_modules=[qproj]",
-                 "tracking.progress=false"])
+    code = main(
+        ["train", "tiny/grpo_lora_cpu", "trainer.backend.params.lora.target_modules=[qproj]", "tracking.progress=false"]
+    )
     err = capsys.readouterr().err.strip().splitlines()[-1]  # the launcher's log lines come first
     assert code == 2
-    assert err.startswith("loongsage: error: trainer.backend.params.lora.target_modules: 'qproj' is not a linear "
-                          "layer of the decoder; allowed: down_proj")
+    assert err.startswith(
+        "loongsage: error: trainer.backend.params.lora.target_modules: 'qproj' is not a linear "
+        "layer of the decoder; allowed: down_proj"
+    )
     code = main(["train", "tiny/grpo_lora_cpu", "trainer.world_size=2", "tracking.progress=false"])
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert code == 2 and err.startswith("loongsage: error: trainer.backend.params.lora: dp_mode='fsdp2' is not "
-                                        "supported with LoRA")
+    assert code == 2 and err.startswith(
+        "loongsage: error: trainer.backend.params.lora: dp_mode='fsdp2' is not supported with LoRA"
+    )
     assert ray.is_initialized() == ray_was_up
 
 
@@ -216,8 +240,16 @@ def test_replicated_dp2_equals_dp1_and_fsdp2_is_refused(model_dir, tmp_path):
     """Two replicas (different seeds, uneven rows) end where one process on all rows ends."""
     port, prefix = str(free_port()), str(tmp_path / "dp")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, model_dir, prefix],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), "2", port, model_dir, prefix],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for p in procs:
         output, _ = p.communicate(timeout=300)
         assert p.returncode == 0, output[-3000:]

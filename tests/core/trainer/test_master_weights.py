@@ -30,9 +30,15 @@ def _batch() -> TrainBatch:
     ids = torch.randint(3, 200, (4, 12), generator=g)
     mask = torch.ones(4, 12)
     mask[:, :4] = 0
-    return TrainBatch(input_ids=ids, attention_mask=torch.ones_like(ids), response_mask=mask,
-                      rollout_logprobs=torch.zeros(4, 12), advantages=torch.ones(4, 12), rewards=torch.zeros(4),
-                      group_ids=torch.arange(4))
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(4, 12),
+        advantages=torch.ones(4, 12),
+        rewards=torch.zeros(4),
+        group_ids=torch.arange(4),
+    )
 
 
 def _loss(lp: torch.Tensor, mb: TrainBatch) -> tuple[torch.Tensor, Metrics]:

@@ -96,17 +96,29 @@ def model_dir(tmp_path_factory):
 def _mixed_batch(vocab: int, seed: int = 0) -> TrainBatch:
     """Short and long rows interleaved (two sources), right-padded."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.tensor([6 + int(torch.randint(0, 3, (1,), generator=g)) if i % 2 else
-                            30 + int(torch.randint(0, 4, (1,), generator=g)) for i in range(16)])
+    lengths = torch.tensor(
+        [
+            6 + int(torch.randint(0, 3, (1,), generator=g))
+            if i % 2
+            else 30 + int(torch.randint(0, 4, (1,), generator=g))
+            for i in range(16)
+        ]
+    )
     B, T = len(lengths), int(lengths.max())
     ids = torch.randint(3, vocab, (B, T), generator=g)
     attn = (torch.arange(T)[None] < lengths[:, None]).long()
     mask = attn.float().clone()
     mask[:, :4] = 0
-    return TrainBatch(input_ids=ids * attn, attention_mask=attn, response_mask=mask,
-                      rollout_logprobs=torch.zeros(B, T), advantages=torch.randn(B, T, generator=g) * mask,
-                      rewards=torch.zeros(B), group_ids=torch.arange(B) // 4,
-                      old_logprobs=(torch.randn(B, T, generator=g) * 0.1 - 2.0) * mask)
+    return TrainBatch(
+        input_ids=ids * attn,
+        attention_mask=attn,
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(B, T),
+        advantages=torch.randn(B, T, generator=g) * mask,
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B) // 4,
+        old_logprobs=(torch.randn(B, T, generator=g) * 0.1 - 2.0) * mask,
+    )
 
 
 def test_the_trainer_computes_the_same_under_either_plan(model_dir):

@@ -16,9 +16,12 @@ from loongsage.core.trainer.torch_trainer import TorchTrainer
 
 def skeleton_overrides(cls: type) -> list[str]:
     """The skeleton's methods and properties that ``cls`` or a class between it and the skeleton defines again."""
-    own = {name for name, value in vars(TrainerSkeleton).items()
-           if not name.startswith("__") and (callable(value) or isinstance(value, (property, classmethod)))}
-    between = cls.__mro__[:cls.__mro__.index(TrainerSkeleton)]
+    own = {
+        name
+        for name, value in vars(TrainerSkeleton).items()
+        if not name.startswith("__") and (callable(value) or isinstance(value, (property, classmethod)))
+    }
+    between = cls.__mro__[: cls.__mro__.index(TrainerSkeleton)]
     return sorted({name for klass in between for name in vars(klass) if name in own})
 
 
@@ -41,6 +44,11 @@ def test_the_torch_adapters_implement_every_member_of_the_contract(model_dir, tr
     assert not missing
     members = {m.name: m for m in contract_check.members(ModelAdapter)}
     assert {name for name, m in members.items() if m.role == "method"} >= {
-        "sequence_logprobs", "sequence_distribution", "run_micro_batches", "clip_grad_norm", "write_hf"}
+        "sequence_logprobs",
+        "sequence_distribution",
+        "run_micro_batches",
+        "clip_grad_norm",
+        "write_hf",
+    }
     assert adapter.sharded is False and adapter.vocab_split is None and adapter.optimizer_file is None
     assert adapter.reference is None  # no LoRA: the reference is a model of its own

@@ -42,8 +42,13 @@ def _batch(vocab: int, B: int = 6, seed: int = 0) -> TrainBatch:
     mask[:, :4] = 0  # prompt
     mask[0, 4:] = 0  # a row with no response token at all
     return TrainBatch(
-        input_ids=ids * attn, attention_mask=attn, response_mask=mask, rollout_logprobs=torch.zeros(B, T),
-        advantages=torch.randn(B, T, generator=g) * mask, rewards=torch.zeros(B), group_ids=torch.arange(B) // 2,
+        input_ids=ids * attn,
+        attention_mask=attn,
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(B, T),
+        advantages=torch.randn(B, T, generator=g) * mask,
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B) // 2,
         sources=["add", "sub"] * (B // 2),
     )
 

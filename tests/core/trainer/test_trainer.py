@@ -31,9 +31,13 @@ def _batch(vocab: int, B: int = 8, seed: int = 0) -> TrainBatch:
     mask = attn.float().clone()
     mask[:, :4] = 0  # prompt
     return TrainBatch(
-        input_ids=ids * attn, attention_mask=attn, response_mask=mask,
-        rollout_logprobs=torch.zeros(B, T), advantages=torch.randn(B, T, generator=g) * mask,
-        rewards=torch.zeros(B), group_ids=torch.arange(B) // 4,
+        input_ids=ids * attn,
+        attention_mask=attn,
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(B, T),
+        advantages=torch.randn(B, T, generator=g) * mask,
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B) // 4,
         old_logprobs=(torch.randn(B, T, generator=g) * 0.1 - 2.0) * mask,
     )
 
@@ -100,9 +104,18 @@ def test_exported_weights_are_the_state_dict_in_order_and_in_place(model_dir, ti
 
     from loongsage.core.model_math.state import state_tensors
 
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                         tie_word_embeddings=tied))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            tie_word_embeddings=tied,
+        )
+    )
     expected = model.state_dict()
     listed = list(state_tensors(model))
     assert [name for name, _ in listed] == list(expected)

@@ -85,8 +85,10 @@ def single(model_dir, batch) -> dict[str, dict[str, dict]]:
     trainer = new_trainer(model_dir)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     rows = list(range(len(batch)))
-    out = {split: {f"{case}/{mode}": run_case(trainer, batch, case, mode, rows, budget) for case, mode in CASES}
-           for split, (budget, _) in SPLITS.items()}
+    out = {
+        split: {f"{case}/{mode}": run_case(trainer, batch, case, mode, rows, budget) for case, mode in CASES}
+        for split, (budget, _) in SPLITS.items()
+    }
     for name, p in trainer.model.named_parameters():
         assert torch.equal(p, before[name]), f"lr 0 moved {name}: cases would not share a point"
     return out
@@ -102,9 +104,15 @@ def dp2(model_dir, batch_file, tmp_path_factory) -> dict[str, dict[str, dict]]:
         port = str(s.getsockname()[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
     logs = [open(work / f"rank{r}.log", "w+") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", port, model_dir, ",".join(DP_MODES),
-                               str(batch_file), str(out)], env=env, stdout=logs[r], stderr=subprocess.STDOUT)
-             for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), "2", port, model_dir, ",".join(DP_MODES), str(batch_file), str(out)],
+            env=env,
+            stdout=logs[r],
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(2)
+    ]
     deadline = time.monotonic() + 600
     while any(p.poll() is None for p in procs):  # a rank that dies leaves the other in a collective
         if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -146,8 +154,11 @@ def test_batch_is_nontrivial(batch):
 
 
 def _frac(result: dict, key: str) -> float:
-    sums = {**result["metrics"], **{f"{k}_sum": v[0] for k, v in result["corrections"].ratios.items()},
-            **{f"{k}_count": v[1] for k, v in result["corrections"].ratios.items()}}
+    sums = {
+        **result["metrics"],
+        **{f"{k}_sum": v[0] for k, v in result["corrections"].ratios.items()},
+        **{f"{k}_count": v[1] for k, v in result["corrections"].ratios.items()},
+    }
     return sums[f"train/{key}_sum"] / sums[f"train/{key}_count"]
 
 
@@ -176,9 +187,13 @@ def test_aggregation_modes_give_different_gradients(single, case):
     """Each mode really weights differently here, so the invariance below is not vacuous."""
     refs = [single["1x8"][f"{case}/{mode}"] for mode in AGGREGATION_MODES if f"{case}/{mode}" in single["1x8"]]
     for i, a in enumerate(refs):
-        for b in refs[i + 1:]:
-            assert not torch.allclose(a["grads"]["model.embed_tokens.weight"], b["grads"]["model.embed_tokens.weight"],
-                                      atol=GRAD_ATOL, rtol=GRAD_RTOL)
+        for b in refs[i + 1 :]:
+            assert not torch.allclose(
+                a["grads"]["model.embed_tokens.weight"],
+                b["grads"]["model.embed_tokens.weight"],
+                atol=GRAD_ATOL,
+                rtol=GRAD_RTOL,
+            )
 
 
 @pytest.mark.parametrize("case_id", ["ppo_clip/token-mean", "ppo_clip/seq-mean-token-mean", "ppo_clip+m2po/token-mean"])
@@ -195,7 +210,8 @@ def test_shard_local_preparation_would_be_caught(model_dir, batch, single, case_
             grads[name] = grads.get(name, 0) + p.grad
     ref = single["1x8"][case_id]
     assert loss != pytest.approx(ref["loss"], rel=100 * LOSS_RTOL, abs=100 * LOSS_ATOL) or not all(
-        torch.allclose(grads[n], g, atol=GRAD_ATOL, rtol=GRAD_RTOL) for n, g in ref["grads"].items())
+        torch.allclose(grads[n], g, atol=GRAD_ATOL, rtol=GRAD_RTOL) for n, g in ref["grads"].items()
+    )
 
 
 # ---------------------------------------------------------------- the invariances

@@ -112,8 +112,14 @@ def install(install_dir: str | Path | None = None, version: str = VERSION) -> Pa
 def _npm(npm: str, prefix: Path, package: str) -> None:
     env = {**os.environ, "npm_config_update_notifier": "false"}
     try:
-        done = subprocess.run([npm, "install", "--prefix", str(prefix), *_NPM_FLAGS, package], cwd=prefix, env=env,
-                              capture_output=True, text=True, timeout=_NPM_TIMEOUT_S)
+        done = subprocess.run(
+            [npm, "install", "--prefix", str(prefix), *_NPM_FLAGS, package],
+            cwd=prefix,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=_NPM_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"npm install {package} took over {_NPM_TIMEOUT_S} s") from None
     if done.returncode != 0:
@@ -129,10 +135,13 @@ def _avx2() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loongsage.agentflow.opencode_install",
-                                     description="Install the pinned OpenCode CLI for the 'opencode' agent.")
-    parser.add_argument("--dir", help="npm prefix to install into "
-                                      "(default: $LOONGSAGE_CACHE/agents/opencode-<version>)")
+    parser = argparse.ArgumentParser(
+        prog="python -m loongsage.agentflow.opencode_install",
+        description="Install the pinned OpenCode CLI for the 'opencode' agent.",
+    )
+    parser.add_argument(
+        "--dir", help="npm prefix to install into (default: $LOONGSAGE_CACHE/agents/opencode-<version>)"
+    )
     parser.add_argument("--version", default=VERSION)
     opts = parser.parse_args(argv)
     try:

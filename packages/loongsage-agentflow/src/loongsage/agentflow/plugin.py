@@ -27,8 +27,13 @@ def loongsage_agents() -> Factories:
     # chat: one chat completion per group; tool_agent: multi-turn tool calling (agents/tool_agent.py);
     # command: any program, black box (agents/blackbox.py); mini_swe_agent, opencode: those CLIs
     # unmodified, configured for the gateway (agents/mini_swe.py, agents/opencode.py)
-    return {"chat": ChatAgent, "tool_agent": ToolAgent, "command": CommandAgent, "mini_swe_agent": MiniSweAgent,
-            "opencode": OpenCodeAgent}
+    return {
+        "chat": ChatAgent,
+        "tool_agent": ToolAgent,
+        "command": CommandAgent,
+        "mini_swe_agent": MiniSweAgent,
+        "opencode": OpenCodeAgent,
+    }
 
 
 @hookimpl

@@ -39,8 +39,11 @@ from loongsage.core.entries import Range, entry
 from loongsage.core.types import CorrectionOutput
 
 LOG_RATIO_CLAMP = 20.0
-DECOUPLED_METRICS = {"is_weight_mean": "decoupled_weight_mean", "is_clipfrac": "decoupled_clipfrac",
-                     "is_maskfrac": "decoupled_maskfrac"}
+DECOUPLED_METRICS = {
+    "is_weight_mean": "decoupled_weight_mean",
+    "is_clipfrac": "decoupled_clipfrac",
+    "is_maskfrac": "decoupled_maskfrac",
+}
 OPSM_REFERENCES = ("old", "rollout")
 
 
@@ -150,8 +153,15 @@ def decoupled_correction(
     defaults and the metrics (``decoupled_weight_mean``, ``decoupled_maskfrac`` /
     ``decoupled_clipfrac``) are those of the decoupled objective.
     """
-    out = is_correction(proximal_logprobs, behaviour_logprobs, response_mask, level="token", mode=mode,
-                        low=0.0, high=math.inf if cap is None else cap)
+    out = is_correction(
+        proximal_logprobs,
+        behaviour_logprobs,
+        response_mask,
+        level="token",
+        mode=mode,
+        low=0.0,
+        high=math.inf if cap is None else cap,
+    )
     metrics = {DECOUPLED_METRICS[k]: v for k, v in out.metrics.items()}
     return CorrectionOutput(token_weights=out.token_weights, response_mask=out.response_mask, metrics=metrics)
 
@@ -266,8 +276,11 @@ class ImportanceSampling(Correction):
     """``is``: token / sequence / geometric IS weight, clipped (TIS) or masked (MIS, IcePop), optional veto."""
 
 
-@entry("decoupled", decoupled_correction, inputs={"proximal_logprobs": "old_logprobs",
-                                                  "behaviour_logprobs": "rollout_logprobs"})
+@entry(
+    "decoupled",
+    decoupled_correction,
+    inputs={"proximal_logprobs": "old_logprobs", "behaviour_logprobs": "rollout_logprobs"},
+)
 class Decoupled(Correction):
     """``decoupled``: decoupled PPO's behaviour weight pi_proximal / pi_behaviour per token, tokens
     above ``cap`` masked (``mode: mask``, AReaL's) or clipped to it (``mode: clip``).
@@ -291,7 +304,8 @@ class OPSM(Correction):
 
     ``reference: old`` (default, with ``delta`` 0.1: upstream LoongSage's) measures the drift from
     the trainer's policy before the step's first update; ``reference: rollout`` measures from the
-    engine's log-probs (mismatch and staleness included). slime's default ``delta`` is 1e-4. Applied by the framework per micro-batch with the current policy's
+    engine's log-probs (mismatch and staleness included). slime's default ``delta`` is 1e-4. Applied by the
+    framework per micro-batch with the current policy's
     (detached) log-probs, which it may do because it only sets weights of whole sequences and
     leaves the mask alone.
     """

@@ -40,8 +40,10 @@ from loongsage.core.entries import Range, entry
 
 def _prepare(student: Tensor, teacher: Tensor, renormalise: bool) -> tuple[Tensor, Tensor]:
     if student.shape != teacher.shape:
-        raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} log-probs: "
-                         "shapes must match (the same support at every position)")
+        raise ValueError(
+            f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} log-probs: "
+            "shapes must match (the same support at every position)"
+        )
     dtype = torch.promote_types(student.dtype, torch.float32)
     q, p = student.to(dtype), teacher.detach().to(dtype)
     if renormalise:
@@ -136,8 +138,14 @@ def full_vocab_kl(student_logprobs: Tensor, teacher_logprobs: Tensor, *, part: b
     return out if part else out.clamp(min=0.0)
 
 
-def jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, *, beta: Annotated[float, Range(gt=0, lt=1)] = 0.5,
-        renormalise: bool = False, part: bool = False) -> Tensor:
+def jsd(
+    student_logprobs: Tensor,
+    teacher_logprobs: Tensor,
+    *,
+    beta: Annotated[float, Range(gt=0, lt=1)] = 0.5,
+    renormalise: bool = False,
+    part: bool = False,
+) -> Tensor:
     """Generalised Jensen-Shannon divergence ``beta KL(P || M) + (1 - beta) KL(Q || M)``.
 
     ``M = beta P + (1 - beta) Q``, formed in log space (``logsumexp`` of ``log beta + log P`` and
@@ -150,8 +158,9 @@ def jsd(student_logprobs: Tensor, teacher_logprobs: Tensor, *, beta: Annotated[f
     if not 0.0 < beta < 1.0:
         raise ValueError(f"beta={beta}: must be in (0, 1)")
     if part and renormalise:
-        raise ValueError("part=True sums a part of the vocabulary's terms; renormalising over that part would "
-                         "change them")
+        raise ValueError(
+            "part=True sums a part of the vocabulary's terms; renormalising over that part would change them"
+        )
     q, p = _prepare(student_logprobs, teacher_logprobs, renormalise=renormalise)
     out = _Divergence.apply(q, p, beta)
     return out if part else out.clamp(min=0.0)
@@ -169,14 +178,24 @@ class TopKKL(KLEstimator):
     k: _TopK = 16
 
 
-@entry("full_vocab_kl", full_vocab_kl, fixed={"part": False}, consumes="full_vocab",
-       partial=functools.partial(full_vocab_kl, part=True))
+@entry(
+    "full_vocab_kl",
+    full_vocab_kl,
+    fixed={"part": False},
+    consumes="full_vocab",
+    partial=functools.partial(full_vocab_kl, part=True),
+)
 class FullVocabKL(KLEstimator):
     """``full_vocab_kl``: reverse KL(student || teacher) over the whole vocabulary."""
 
 
-@entry("jsd", jsd, fixed={"renormalise": False, "part": False}, consumes="full_vocab",
-       partial=functools.partial(jsd, part=True))
+@entry(
+    "jsd",
+    jsd,
+    fixed={"renormalise": False, "part": False},
+    consumes="full_vocab",
+    partial=functools.partial(jsd, part=True),
+)
 class JSD(KLEstimator):
     """``jsd``: generalised Jensen-Shannon divergence over the whole vocabulary (GKD)."""
 

@@ -51,7 +51,8 @@ def is_truncated(trajectory: Trajectory, max_length: int | None = None) -> bool:
     if trajectory.status is Status.FAILED:
         return False
     return trajectory.status is Status.TRUNCATED or (
-        max_length is not None and len(trajectory.response_ids) >= max_length)
+        max_length is not None and len(trajectory.response_ids) >= max_length
+    )
 
 
 def truncated_fraction(group: Sequence[Trajectory], max_length: int | None = None) -> float | None:

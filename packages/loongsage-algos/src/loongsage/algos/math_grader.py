@@ -48,13 +48,23 @@ class IsolatedGrader:
             except (OSError, ValueError, KeyError, TimeoutError) as exc:
                 self._stop()
                 self.kills += 1
-                _log.warning("math grading gave up on a response of %d characters (%s): scored 0", len(response),
-                             exc or type(exc).__name__)
+                _log.warning(
+                    "math grading gave up on a response of %d characters (%s): scored 0",
+                    len(response),
+                    exc or type(exc).__name__,
+                )
                 return False
 
     def _start(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      text=True, encoding="utf-8", errors="surrogatepass", bufsize=1)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", __name__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            encoding="utf-8",
+            errors="surrogatepass",
+            bufsize=1,
+        )
         try:  # its start-up (importing SymPy: seconds on a loaded machine) is not an answer's time
             self._answer(self._proc, time.monotonic() + _START_S)
         except (OSError, TimeoutError) as exc:

@@ -29,9 +29,17 @@ def loongsage_policy_losses() -> Factories:
 
 @hookimpl
 def loongsage_kl_estimators() -> Factories:
-    return {"k1": K1, "k2": K2, "k3": K3, "low_var_kl": LowVarKL,
-            # distribution divergences of MOPD's GKD term (algorithm.distill.divergence)
-            "topk_kl": TopKKL, "full_vocab_kl": FullVocabKL, "jsd": JSD, "topk_jsd": TopKJSD}
+    return {
+        "k1": K1,
+        "k2": K2,
+        "k3": K3,
+        "low_var_kl": LowVarKL,
+        # distribution divergences of MOPD's GKD term (algorithm.distill.divergence)
+        "topk_kl": TopKKL,
+        "full_vocab_kl": FullVocabKL,
+        "jsd": JSD,
+        "topk_jsd": TopKJSD,
+    }
 
 
 @hookimpl
@@ -46,5 +54,9 @@ def loongsage_corrections() -> Factories:
 
 @hookimpl
 def loongsage_data_filters() -> Factories:
-    return {"dynamic_sampling": DynamicSampling, "status": StatusFilter, "overlong": OverlongFilter,
-            "length": RenamedLengthFilter}  # the old name answers with one line pointing to overlong
+    return {
+        "dynamic_sampling": DynamicSampling,
+        "status": StatusFilter,
+        "overlong": OverlongFilter,
+        "length": RenamedLengthFilter,
+    }  # the old name answers with one line pointing to overlong

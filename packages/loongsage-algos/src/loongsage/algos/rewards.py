@@ -86,6 +86,7 @@ class ExactMatch(Reward):
 def _then(value: float | Awaitable[float], fn: Callable[[float], float]) -> float | Awaitable[float]:
     """``fn(value)``, awaiting ``value`` first if the inner reward is asynchronous."""
     if inspect.isawaitable(value):
+
         async def later() -> float:
             return fn(float(await value))
 
@@ -118,14 +119,13 @@ class _Wrapper(Reward):
         object.__setattr__(bound, "_inner_reward", inner)
         return bound
 
-    def _base(self, trajectory: Trajectory, record: DataRecord,
-              ctx: RewardContext | None = None) -> float | Awaitable[float]:
+    def _base(
+        self, trajectory: Trajectory, record: DataRecord, ctx: RewardContext | None = None
+    ) -> float | Awaitable[float]:
         if self._inner_reward is not None:
             return call_reward(self._inner_reward, trajectory, record, ctx)
         if self.inner is not None:
-            raise RuntimeError(
-                f"{self.name}.inner={dict(self.inner)!r}: not built; build it through the registry"
-            )
+            raise RuntimeError(f"{self.name}.inner={dict(self.inner)!r}: not built; build it through the registry")
         return 0.0
 
 
@@ -159,8 +159,9 @@ class OverlongShaping(_Wrapper):
         if self.buffer > self.max_length:
             raise ValueError(f"overlong_shaping.buffer={self.buffer}: must be in [1, max_length={self.max_length}]")
 
-    def __call__(self, trajectory: Trajectory, record: DataRecord,
-                 ctx: RewardContext | None = None) -> float | Awaitable[float]:
+    def __call__(
+        self, trajectory: Trajectory, record: DataRecord, ctx: RewardContext | None = None
+    ) -> float | Awaitable[float]:
         penalty = overlong_penalty(len(trajectory.response_ids), self.max_length, self.buffer)
         return _then(self._base(trajectory, record, ctx), lambda base: base + penalty)
 
@@ -193,8 +194,9 @@ class FormatReward(_Wrapper):
         compiled: re.Pattern[str] = self._compiled  # type: ignore[attr-defined]
         return (compiled.fullmatch(text) if self.full_match else compiled.search(text)) is not None
 
-    def __call__(self, trajectory: Trajectory, record: DataRecord,
-                 ctx: RewardContext | None = None) -> float | Awaitable[float]:
+    def __call__(
+        self, trajectory: Trajectory, record: DataRecord, ctx: RewardContext | None = None
+    ) -> float | Awaitable[float]:
         matched = self.matches(trajectory.response_text)
         if self.gate and not matched:
             return self.penalty
@@ -231,7 +233,7 @@ def extract_boxed(text: str) -> str | None:
         start = match.end()
         if text.startswith("{", start):
             if start in closing:
-                return text[start + 1:closing[start]]
+                return text[start + 1 : closing[start]]
             continue
         token = _TOKEN.match(text, start)
         if token:

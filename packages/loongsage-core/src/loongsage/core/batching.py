@@ -33,8 +33,13 @@ def to_batch(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
     if not trajectories:
         raise ValueError("to_batch: no trajectories")
     for t in trajectories:
-        check_segments(t.segments, len(t.prompt_ids) + len(t.response_ids), t.loss_mask, len(t.prompt_ids),
-                       f"trajectory {t.group_id}/{t.sample_index}")
+        check_segments(
+            t.segments,
+            len(t.prompt_ids) + len(t.response_ids),
+            t.loss_mask,
+            len(t.prompt_ids),
+            f"trajectory {t.group_id}/{t.sample_index}",
+        )
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajectories]
     B, T = len(trajectories), max(lengths)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -46,23 +51,29 @@ def to_batch(trajectories: list[Trajectory], pad_id: int) -> TrainBatch:
     token_rewards = torch.zeros(B, T) if has_token_rewards else None
     for i, t in enumerate(trajectories):
         p, r = len(t.prompt_ids), len(t.response_ids)
-        input_ids[i, :p + r] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
-        attention[i, :p + r] = 1
-        mask[i, p:p + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
-        rollout_lp[i, p:p + r] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
-        versions[i, p:p + r] = torch.tensor(t.versions, dtype=torch.int32)
+        input_ids[i, : p + r] = torch.tensor(t.prompt_ids + t.response_ids, dtype=torch.long)
+        attention[i, : p + r] = 1
+        mask[i, p : p + r] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        rollout_lp[i, p : p + r] = torch.tensor(t.rollout_logprobs, dtype=torch.float32)
+        versions[i, p : p + r] = torch.tensor(t.versions, dtype=torch.int32)
         if token_rewards is not None and t.token_rewards is not None:
-            token_rewards[i, p:p + r] = torch.tensor(t.token_rewards, dtype=torch.float32)
+            token_rewards[i, p : p + r] = torch.tensor(t.token_rewards, dtype=torch.float32)
     return TrainBatch(
-        input_ids=input_ids, attention_mask=attention, response_mask=mask, rollout_logprobs=rollout_lp,
-        advantages=torch.zeros(B, T), rewards=torch.tensor([float(t.reward) for t in trajectories]),
+        input_ids=input_ids,
+        attention_mask=attention,
+        response_mask=mask,
+        rollout_logprobs=rollout_lp,
+        advantages=torch.zeros(B, T),
+        rewards=torch.tensor([float(t.reward) for t in trajectories]),
         group_ids=torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
-        versions=versions, token_rewards=token_rewards,
+        versions=versions,
+        token_rewards=token_rewards,
         sample_indices=torch.tensor([t.sample_index for t in trajectories], dtype=torch.long),
         sources=[t.source for t in trajectories],
         segments=[list(t.segments) for t in trajectories] if any(t.segments for t in trajectories) else [],
-        routed_experts=([t.routed_experts for t in trajectories]
-                        if any(t.routed_experts is not None for t in trajectories) else []),
+        routed_experts=(
+            [t.routed_experts for t in trajectories] if any(t.routed_experts is not None for t in trajectories) else []
+        ),
     )
 
 
@@ -104,11 +115,17 @@ def exclude_rows(batch: TrainBatch, rows: torch.Tensor) -> TrainBatch:
     return batch
 
 
-def compute_advantages(batch: TrainBatch, estimator, values: torch.Tensor | None = None,
-                       token_rewards: torch.Tensor | None = None) -> TrainBatch:
+def compute_advantages(
+    batch: TrainBatch, estimator, values: torch.Tensor | None = None, token_rewards: torch.Tensor | None = None
+) -> TrainBatch:
     """Advantages over the whole step batch; with critic values also the critic's targets."""
-    inp = AdvantageInput(rewards=batch.rewards, group_ids=batch.group_ids, response_mask=batch.response_mask,
-                         token_rewards=token_rewards, values=values)
+    inp = AdvantageInput(
+        rewards=batch.rewards,
+        group_ids=batch.group_ids,
+        response_mask=batch.response_mask,
+        token_rewards=token_rewards,
+        values=values,
+    )
     batch.advantages = estimator(inp).float() * batch.response_mask
     if values is not None and estimator.returns is not None:
         batch.returns = estimator.returns(inp).float() * batch.response_mask

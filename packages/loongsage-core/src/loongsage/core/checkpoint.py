@@ -45,8 +45,15 @@ def latest(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save(run_dir: Path, step: int, state: dict[str, Any], trainer: TrainerGroup, critic: CriticGroup,
-         keep_last: int, rollout: dict[str, Any] | None = None) -> Path:
+def save(
+    run_dir: Path,
+    step: int,
+    state: dict[str, Any],
+    trainer: TrainerGroup,
+    critic: CriticGroup,
+    keep_last: int,
+    rollout: dict[str, Any] | None = None,
+) -> Path:
     """Write the checkpoint of ``step``: every trainer rank's state (and the critic's), as
     ``controller.json`` the step with ``state`` (the weight version and the rollout service's data
     position) and, when given, ``rollout`` (the asynchronous rollout's buffers and groups in flight)
@@ -70,9 +77,11 @@ def save(run_dir: Path, step: int, state: dict[str, Any], trainer: TrainerGroup,
         previous = latest(run_dir)
         kept = f"{previous} is intact" if previous is not None else "no earlier checkpoint exists"
         if disk_full(exc) is not None:
-            raise RunError(f"no space left on device while writing checkpoint {final} ({free} on its file system; "
-                           f"the partial checkpoint was removed and {kept}); free some space there (or set "
-                           "run.output_dir elsewhere)") from exc
+            raise RunError(
+                f"no space left on device while writing checkpoint {final} ({free} on its file system; "
+                f"the partial checkpoint was removed and {kept}); free some space there (or set "
+                "run.output_dir elsewhere)"
+            ) from exc
         raise
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -102,10 +111,11 @@ def restore(run_dir: Path, trainer: TrainerGroup, critic: CriticGroup) -> dict[s
         if type(exc).__name__ in ("ActorDiedError", "RayActorError"):  # not the checkpoint's fault
             raise
         cause = getattr(exc, "cause", None) or exc  # a trainer rank's own error, not Ray's wrapper
-        raise CheckpointError(f"resume: checkpoint {path} could not be loaded ({type(cause).__name__}: "
-                              f"{_first_line(cause)}); if the model or trainer settings differ from the run that wrote "
-                              f"it, resume with that run's; if the checkpoint is damaged, {_instead(run_dir, path)}"
-                              ) from exc
+        raise CheckpointError(
+            f"resume: checkpoint {path} could not be loaded ({type(cause).__name__}: "
+            f"{_first_line(cause)}); if the model or trainer settings differ from the run that wrote "
+            f"it, resume with that run's; if the checkpoint is damaged, {_instead(run_dir, path)}"
+        ) from exc
     log.info("resume: %s (step %d, version %d)", path, int(state["step"]), int(state["version"]))
     return state
 
@@ -122,8 +132,11 @@ def _first_line(exc: BaseException) -> str:
 
 def _instead(run_dir: Path, bad: Path) -> str:
     """What to do about the damaged checkpoint ``bad``: go back to the one before it, or start over."""
-    earlier = sorted(p for p in checkpoint_dir(run_dir).glob("step_*")
-                     if p.is_dir() and not p.name.endswith(".tmp") and p.name < bad.name)
+    earlier = sorted(
+        p
+        for p in checkpoint_dir(run_dir).glob("step_*")
+        if p.is_dir() and not p.name.endswith(".tmp") and p.name < bad.name
+    )
     if earlier:
         return f"delete {bad} to resume from {earlier[-1].name}, the checkpoint before it"
     return f"it is the only checkpoint: delete {bad} to start over from step 0 (resume=true), or use a new run.name"
@@ -157,25 +170,37 @@ def check_resumable(run_dir: Path, source_names: list[str], total_steps: int) ->
         state = json.loads((path / "controller.json").read_text())
         step, saved = int(state["step"]), sorted(state["mixer"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"resume: checkpoint {path} is damaged (controller.json: {type(exc).__name__}: "
-                          f"{_first_line(exc)}); {_instead(run_dir, path)}") from None
+        raise ConfigError(
+            f"resume: checkpoint {path} is damaged (controller.json: {type(exc).__name__}: "
+            f"{_first_line(exc)}); {_instead(run_dir, path)}"
+        ) from None
     for file in sorted(path.rglob("*.pt")):
         problem = _damaged_file(file)
         if problem is not None:
-            raise ConfigError(f"resume: checkpoint {path} is damaged ({file.relative_to(path)}: {problem}); "
-                              f"{_instead(run_dir, path)}")
+            raise ConfigError(
+                f"resume: checkpoint {path} is damaged ({file.relative_to(path)}: {problem}); {_instead(run_dir, path)}"
+            )
     if saved != sorted(source_names):
         missing = [n for n in saved if n not in source_names]
         extra = [n for n in source_names if n not in saved]
-        what = "; ".join(part for part in (
-            f"not in the config: {', '.join(missing)}" if missing else "",
-            f"not in the checkpoint: {', '.join(extra)}" if extra else "") if part)
-        raise ConfigError(f"resume: checkpoint {path} was written by a run of the data sources [{', '.join(saved)}] "
-                          f"and the config has [{', '.join(sorted(source_names))}] ({what}); resume with the "
-                          "checkpoint's data_sources, or start a new run (another run.name)")
+        what = "; ".join(
+            part
+            for part in (
+                f"not in the config: {', '.join(missing)}" if missing else "",
+                f"not in the checkpoint: {', '.join(extra)}" if extra else "",
+            )
+            if part
+        )
+        raise ConfigError(
+            f"resume: checkpoint {path} was written by a run of the data sources [{', '.join(saved)}] "
+            f"and the config has [{', '.join(sorted(source_names))}] ({what}); resume with the "
+            "checkpoint's data_sources, or start a new run (another run.name)"
+        )
     if step >= total_steps:
-        raise ConfigError(f"resume: checkpoint {path} is at step {step} and run.total_steps={total_steps}, so there is "
-                          f"nothing left to train; set run.total_steps above {step} to train further")
+        raise ConfigError(
+            f"resume: checkpoint {path} is at step {step} and run.total_steps={total_steps}, so there is "
+            f"nothing left to train; set run.total_steps above {step} to train further"
+        )
     return path
 
 

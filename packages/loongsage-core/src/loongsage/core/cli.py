@@ -1,10 +1,10 @@
 """The ``loongsage`` launcher.
 
-    loongsage train <recipe> [key=value ...] [--config-dir DIR]
-    loongsage plugins [--verbose]
-    loongsage recipes [--config-dir DIR]
-    loongsage report <run_dir>
-    loongsage serve <recipe | HF model folder> [key=value ...] [--port N] [--host H] [--record DIR]
+loongsage train <recipe> [key=value ...] [--config-dir DIR]
+loongsage plugins [--verbose]
+loongsage recipes [--config-dir DIR]
+loongsage report <run_dir>
+loongsage serve <recipe | HF model folder> [key=value ...] [--port N] [--host H] [--record DIR]
 """
 
 from __future__ import annotations
@@ -168,8 +168,13 @@ def reap_on_abnormal_exit() -> Iterator[None]:
     if not sys.platform.startswith("linux"):
         yield
         return
-    watchdog = subprocess.Popen([sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid())], stdin=subprocess.PIPE,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    watchdog = subprocess.Popen(
+        [sys.executable, "-S", "-c", _WATCHDOG, str(os.getpid())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         yield
     finally:
@@ -188,11 +193,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     from loongsage.core.validation import check_machine
 
     if args.recipe is None:
-        raise ConfigError("train: no recipe given; usage: loongsage train <recipe> [key=value ...], e.g. "
-                          "loongsage train tiny/grpo_arith_cpu; `loongsage recipes` lists the recipes")
+        raise ConfigError(
+            "train: no recipe given; usage: loongsage train <recipe> [key=value ...], e.g. "
+            "loongsage train tiny/grpo_arith_cpu; `loongsage recipes` lists the recipes"
+        )
     if "=" in args.recipe and not Path(args.recipe).is_file():
-        raise ConfigError(f"train: the recipe comes first, got the override {args.recipe!r}; usage: loongsage train "
-                          "<recipe> [key=value ...]; `loongsage recipes` lists the recipes")
+        raise ConfigError(
+            f"train: the recipe comes first, got the override {args.recipe!r}; usage: loongsage train "
+            "<recipe> [key=value ...]; `loongsage recipes` lists the recipes"
+        )
     cfg, registry = load_config(args.recipe, args.overrides, config_dir=args.config_dir)
     run_dir = cfg.run_dir
     if not ("ray" in sys.modules and sys.modules["ray"].is_initialized()):  # this run starts Ray on this machine
@@ -221,12 +230,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             summary = controller.run()
     except (Exception, KeyboardInterrupt, Stopped) as exc:
         training = controller is not None and controller.training
-        outcome = explain(exc, run_dir=run_dir, step=controller.step if training else None,
-                          total_steps=cfg.run.total_steps)
+        outcome = explain(
+            exc, run_dir=run_dir, step=controller.step if training else None, total_steps=cfg.run.total_steps
+        )
         # the traceback goes to the log files only; the terminal gets the one line, naming a log
         # that took it (not run.log on a full disk)
         kept = _log_to_files("run stopped: " + outcome.message, exc)
-        traceback = f"; the traceback is in {kept}" if kept and not isinstance(exc, (KeyboardInterrupt, Stopped)) else ""
+        traceback = (
+            f"; the traceback is in {kept}" if kept and not isinstance(exc, (KeyboardInterrupt, Stopped)) else ""
+        )
         print(f"loongsage: error: {outcome.message}{traceback}", file=sys.stderr)
         return outcome.code
     finally:
@@ -243,8 +255,11 @@ def _refuse_previous_run(run_dir: Path, name: str, total_steps: int) -> None:
     step's metrics, a checkpoint or the final model is there (a run that failed before logging
     anything left nothing to mix with)."""
     metrics = run_dir / "metrics.jsonl"
-    if not ((metrics.is_file() and metrics.stat().st_size > 0) or (run_dir / "checkpoints").is_dir()
-            or (run_dir / "final").exists()):
+    if not (
+        (metrics.is_file() and metrics.stat().st_size > 0)
+        or (run_dir / "checkpoints").is_dir()
+        or (run_dir / "final").exists()
+    ):
         return
     from loongsage.core.checkpoint import latest
 
@@ -255,8 +270,10 @@ def _refuse_previous_run(run_dir: Path, name: str, total_steps: int) -> None:
         what, resume = f"a run stopped after its checkpoint {checkpoint.name}", "continue it with resume=true"
     else:
         what, resume = "a run that stopped before its first checkpoint", "start it again there with resume=true"
-    raise ConfigError(f"run.name={name}: {run_dir} already holds {what}; {resume}, give this run its own folder "
-                      "(another run.name=... or run.output_dir=...), or remove that folder")
+    raise ConfigError(
+        f"run.name={name}: {run_dir} already holds {what}; {resume}, give this run its own folder "
+        "(another run.name=... or run.output_dir=...), or remove that folder"
+    )
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -268,8 +285,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     registry = load_registry(args.plugin or [])
     rows = []
     for hook in HOOKS.values():  # a backend's table is its kind's, listed as backend:<kind>
-        tables = ([(f"{BACKEND}:{kind}", kind) for kind in BACKENDS] if hook.category == BACKEND
-                  else [(hook.category, hook.category)])
+        tables = (
+            [(f"{BACKEND}:{kind}", kind) for kind in BACKENDS]
+            if hook.category == BACKEND
+            else [(hook.category, hook.category)]
+        )
         for label, category in tables:
             entries = [registry.tables[category][n] for n in registry.names(category)]
             if not entries:
@@ -301,15 +321,18 @@ def cmd_report(args: argparse.Namespace) -> int:
         what = "is not a directory" if run_dir.exists() else "no such directory"
         raise ConfigError(f"report: {args.run_dir!r}: {what}; pass a run's output directory (e.g. runs/grpo_arith_cpu)")
     if not (run_dir / "metrics.jsonl").is_file():
-        raise ConfigError(f"report: no metrics.jsonl in {args.run_dir!r}; pass a run's output directory "
-                          "(e.g. runs/grpo_arith_cpu)")
+        raise ConfigError(
+            f"report: no metrics.jsonl in {args.run_dir!r}; pass a run's output directory (e.g. runs/grpo_arith_cpu)"
+        )
     from loongsage.core.report import write_report
 
     try:
         paths = write_report(run_dir)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ConfigError(f"report: {run_dir / 'metrics.jsonl'} is not a run's metrics (one JSON object with a "
-                          f"'step' per line): {type(exc).__name__}: {exc}") from None
+        raise ConfigError(
+            f"report: {run_dir / 'metrics.jsonl'} is not a run's metrics (one JSON object with a "
+            f"'step' per line): {type(exc).__name__}: {exc}"
+        ) from None
     for path in paths:
         print(path)
     return 0
@@ -366,8 +389,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         args.overrides = [*args.overrides, *(a for a in extra if not a.startswith("-"))]
         extra = [a for a in extra if a.startswith("-")]
     if extra:
-        raise UsageError(f"{args.command}: unrecognized arguments: {' '.join(extra)} "
-                         f"(see `loongsage {args.command} --help`)")
+        raise UsageError(
+            f"{args.command}: unrecognized arguments: {' '.join(extra)} (see `loongsage {args.command} --help`)"
+        )
     return args
 
 

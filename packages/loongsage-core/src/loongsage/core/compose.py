@@ -36,10 +36,11 @@ def _expand_aliases(overrides: list[str]) -> list[str]:
     for item in overrides:
         key, sep, value = item.partition("=")
         bare = key.lstrip("+~")
-        prefix = key[:len(key) - len(bare)]
+        prefix = key[: len(key) - len(bare)]
         if not sep and not prefix.startswith("~"):
-            raise ConfigError(f"override {item!r}: no '='; write key=value (e.g. run.total_steps=5), "
-                              "or ~key to delete a key")
+            raise ConfigError(
+                f"override {item!r}: no '='; write key=value (e.g. run.total_steps=5), or ~key to delete a key"
+            )
         if sep and bare in OVERRIDE_ALIASES:
             item = f"{prefix}{OVERRIDE_ALIASES[bare]}={value}"
         out.append(f"++{item}" if sep and not prefix else item)  # set or add; validate() names unknown keys
@@ -129,8 +130,9 @@ def _at(node: Any, path: tuple[str, ...]) -> Any:
     return node
 
 
-def _layers(recipe: Path, config_name: str, search_dirs: list[Path],
-            searchpath: list[str]) -> list[tuple[Path, dict[str, Any]]] | None:
+def _layers(
+    recipe: Path, config_name: str, search_dirs: list[Path], searchpath: list[str]
+) -> list[tuple[Path, dict[str, Any]]] | None:
     """The recipe files Hydra merges for ``recipe`` (composed as ``config_name``), in merge order:
     each file and its content as written (no ``defaults``), placed at its package; None where one
     is not a recipe file."""
@@ -197,9 +199,12 @@ def _layered(recipe: Path, config_name: str, search_dirs: list[Path], searchpath
         if not _is_spec(spec):
             continue
         # the layers from the last rename of this spec or of one it is nested in
-        start = max(i for outer, i in renamed_at.items() if path[:len(outer)] == outer)
-        given = [_at(layer, path)["params"] for layer in layers[start:]
-                 if isinstance(_at(layer, path), dict) and "params" in _at(layer, path)]
+        start = max(i for outer, i in renamed_at.items() if path[: len(outer)] == outer)
+        given = [
+            _at(layer, path)["params"]
+            for layer in layers[start:]
+            if isinstance(_at(layer, path), dict) and "params" in _at(layer, path)
+        ]
         spec.pop("params", None)
         for params in given:  # merged as Hydra merges layers
             merged = OmegaConf.merge({"params": spec.get("params")}, {"params": params})
@@ -225,12 +230,13 @@ def _model_sources_set(item: str) -> set[str]:
     if key == "model" and isinstance(value, dict):
         return {k for k in MODEL_SOURCES if value.get(k) is not None}
     if key in ("model.path", "model.builder"):
-        return {key[len("model."):]} if value is not None else set()
+        return {key[len("model.") :]} if value is not None else set()
     return {"builder"} if key.startswith("model.builder.") else set()
 
 
-def _one_model_source(raw: dict[str, Any], recipe: Path, expanded: list[str],
-                      search_dirs: list[Path]) -> dict[str, Any]:
+def _one_model_source(
+    raw: dict[str, Any], recipe: Path, expanded: list[str], search_dirs: list[Path]
+) -> dict[str, Any]:
     """``raw`` with one of ``model.path`` and ``model.builder``: the one set last (recipe files in merge
     order, then the command line) wins and the other is dropped; one layer that sets both is refused."""
     from hydra import initialize_config_dir
@@ -238,8 +244,10 @@ def _one_model_source(raw: dict[str, Any], recipe: Path, expanded: list[str],
     model = raw.get("model")
     if not isinstance(model, dict) or any(model.get(k) is None for k in MODEL_SOURCES):
         return raw
-    both = ("model.path and model.builder are both set, and a run starts from one model: keep model.path (an HF "
-            "folder) or model.builder (a model_builder that makes one)")
+    both = (
+        "model.path and model.builder are both set, and a run starts from one model: keep model.path (an HF "
+        "folder) or model.builder (a model_builder that makes one)"
+    )
     last = None
     searchpath = _searchpath_override(recipe, search_dirs)
     with initialize_config_dir(config_dir=str(recipe.parent), version_base=None):
@@ -283,10 +291,13 @@ def _renamed_by(override: Any) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - reported by the compose itself
         return {}
     if isinstance(value, dict):
-        return {".".join((key, *path)): spec["name"] for path, spec in _specs(value)
-                if not isinstance(spec["name"], (dict, list))}
+        return {
+            ".".join((key, *path)): spec["name"]
+            for path, spec in _specs(value)
+            if not isinstance(spec["name"], (dict, list))
+        }
     if key.endswith(".name") and not isinstance(value, list):
-        return {key[:-len(".name")]: value}
+        return {key[: -len(".name")]: value}
     return {}
 
 
@@ -303,8 +314,11 @@ def _replacing_overrides(overrides: list[str], run: Any) -> list[str]:
     emptied: list[str] = []  # params a rename removed
     for item in overrides:
         override = _parse(item)
-        if override is not None and override.is_delete() and any(
-                override.key_or_group == p or override.key_or_group.startswith(f"{p}.") for p in emptied):
+        if (
+            override is not None
+            and override.is_delete()
+            and any(override.key_or_group == p or override.key_or_group.startswith(f"{p}.") for p in emptied)
+        ):
             try:
                 gone = OmegaConf.select(run(out), override.key_or_group, throw_on_missing=False) is None
             except Exception:  # noqa: BLE001 - kept: Hydra says what is wrong with it
@@ -317,8 +331,12 @@ def _replacing_overrides(overrides: list[str], run: Any) -> list[str]:
             for path, name in renamed.items():
                 try:
                     spec = OmegaConf.select(before, path, throw_on_missing=False)
-                    stale = (isinstance(spec, DictConfig) and "name" in spec and spec.get("params") is not None
-                             and spec.name != name)
+                    stale = (
+                        isinstance(spec, DictConfig)
+                        and "name" in spec
+                        and spec.get("params") is not None
+                        and spec.name != name
+                    )
                 except Exception:  # noqa: BLE001 - a path Hydra refuses: it says so when composing
                     stale = False
                 if stale:
@@ -380,7 +398,9 @@ def _yaml_error(recipe: Path, exc: Any) -> str:
         text += f" at line {mark.line + 1}, column {mark.column + 1}"
     text += f": {_one_line(problem)}"
     if context:
-        where = f" at line {context_mark.line + 1}, column {context_mark.column + 1}" if context_mark is not None else ""
+        where = (
+            f" at line {context_mark.line + 1}, column {context_mark.column + 1}" if context_mark is not None else ""
+        )
         text += f" ({_one_line(context)}{where})"
     return text
 
@@ -395,8 +415,13 @@ def _list_index_error(base: Any, key: str) -> str | None:
                 has = f"the recipe has {n} data source{'' if n == 1 else 's'}"
             else:
                 has = f"{where} has {n} item{'' if n == 1 else 's'}"
-            valid = ("it is empty; set the whole list instead" if n == 0 else "only index 0 exists" if n == 1
-                     else f"indices 0 to {n - 1} exist")
+            valid = (
+                "it is empty; set the whole list instead"
+                if n == 0
+                else "only index 0 exists"
+                if n == 1
+                else f"indices 0 to {n - 1} exist"
+            )
             if not part.isdigit():
                 return f"{where}.{part}: {where} is a list, indexed by number; {has}; {valid}"
             if int(part) >= n:
@@ -410,8 +435,9 @@ def _list_index_error(base: Any, key: str) -> str | None:
     return None
 
 
-def _explain_compose_error(recipe: Path, overrides: list[str], expanded: list[str], exc: Exception,
-                           search_dirs: list[Path]) -> str:
+def _explain_compose_error(
+    recipe: Path, overrides: list[str], expanded: list[str], exc: Exception, search_dirs: list[Path]
+) -> str:
     import yaml
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -422,8 +448,10 @@ def _explain_compose_error(recipe: Path, overrides: list[str], expanded: list[st
         try:
             parser.parse_override(item)
         except Exception:
-            return (f"override {given!r}: not valid override syntax; write key=value (quote a value with spaces "
-                    "or brackets), +key=value to add a key, or ~key to delete one")
+            return (
+                f"override {given!r}: not valid override syntax; write key=value (quote a value with spaces "
+                "or brackets), +key=value to add a key, or ~key to delete one"
+            )
     # the recipe composes alone? then find the first override that breaks it, on what came before it
     base: Any = None
     for k in range(len(expanded) + 1):
@@ -436,13 +464,17 @@ def _explain_compose_error(recipe: Path, overrides: list[str], expanded: list[st
                 missing = re.search(r"Could not load '([^']+?)(@_here_)?'", str(inner))
                 if missing:
                     looked = ", ".join(str(d) for d in dict.fromkeys([recipe.parent, *search_dirs]) if d.is_dir())
-                    return (f"{recipe}: defaults: recipe {missing.group(1)!r} not found; looked in {looked} "
-                            "(`loongsage recipes` lists the recipes; name one by its path there, e.g. "
-                            "tiny/grpo_arith_cpu)")
+                    return (
+                        f"{recipe}: defaults: recipe {missing.group(1)!r} not found; looked in {looked} "
+                        "(`loongsage recipes` lists the recipes; name one by its path there, e.g. "
+                        "tiny/grpo_arith_cpu)"
+                    )
                 if "must be a DictConfig" in str(inner):
                     kind = "list" if "ListConfig" in str(inner) else "single value"
-                    return (f"{recipe}: a recipe is a mapping of config sections (run, model, data_sources, ...); "
-                            f"this file holds a {kind}")
+                    return (
+                        f"{recipe}: a recipe is a mapping of config sections (run, model, data_sources, ...); "
+                        f"this file holds a {kind}"
+                    )
                 return f"{recipe.name}: {_first_line(inner)}"
             key = expanded[k - 1].partition("=")[0].lstrip("+~")
             return _list_index_error(base, key) or f"override {overrides[k - 1]!r}: {_first_line(inner)}"

@@ -97,14 +97,18 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         if self.pg_coef == 0 and self.gkd_coef == 0:
-            raise ValueError("pg_coef=0 and gkd_coef=0: distillation would do nothing; set either > 0 "
-                             "or drop algorithm.distill")
+            raise ValueError(
+                "pg_coef=0 and gkd_coef=0: distillation would do nothing; set either > 0 or drop algorithm.distill"
+            )
         if self.gkd_coef > 0 and self.divergence is None:
-            raise ValueError(f"divergence=null: gkd_coef={self.gkd_coef} needs one, e.g. {{name: jsd}}, "
-                             "{name: topk_kl, params: {k: 16}}, {name: k3}")
+            raise ValueError(
+                f"divergence=null: gkd_coef={self.gkd_coef} needs one, e.g. {{name: jsd}}, "
+                "{name: topk_kl, params: {k: 16}}, {name: k3}"
+            )
         if self.gkd_coef == 0 and self.divergence is not None:
-            raise ValueError("divergence: set but gkd_coef=0, so it would never be computed; set gkd_coef > 0 "
-                             "or drop the divergence")
+            raise ValueError(
+                "divergence: set but gkd_coef=0, so it would never be computed; set gkd_coef > 0 or drop the divergence"
+            )
 
 
 @dataclass
@@ -259,10 +263,16 @@ def placement_demand(cfg: Config) -> tuple[dict[str, float], dict[str, str]]:
         for key, amount in bundle.items():
             need[key] = need.get(key, 0.0) + amount
     world, engines = cfg.trainer.world_size, cfg.rollout.num_engines
-    layout = (f"colocated: max(trainer.world_size={world}, rollout.num_engines={engines})" if cfg.placement.colocate
-              else f"disaggregated: trainer.world_size={world} + rollout.num_engines={engines}")
+    layout = (
+        f"colocated: max(trainer.world_size={world}, rollout.num_engines={engines})"
+        if cfg.placement.colocate
+        else f"disaggregated: trainer.world_size={world} + rollout.num_engines={engines}"
+    )
     count = f"{len(bundles)} bundle{'' if len(bundles) == 1 else 's'} ({layout})"
-    per = {"CPU": ("cpus_per_actor", cfg.placement.cpus_per_actor), "GPU": ("gpus_per_actor", cfg.placement.gpus_per_actor)}
+    per = {
+        "CPU": ("cpus_per_actor", cfg.placement.cpus_per_actor),
+        "GPU": ("gpus_per_actor", cfg.placement.gpus_per_actor),
+    }
     how = {key: f"{count} x placement.{per[key][0]}={per[key][1]:g}" for key in need}
     return need, how
 
@@ -319,8 +329,9 @@ def list_recipes(config_dir: str | None = None) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- loading
-def load_config(recipe: str, overrides: list[str] | None = None, *, config_dir: str | None = None,
-                registry: Any = None) -> tuple[Config, Any]:
+def load_config(
+    recipe: str, overrides: list[str] | None = None, *, config_dir: str | None = None, registry: Any = None
+) -> tuple[Config, Any]:
     """Find, compose and validate a recipe (:func:`loongsage.core.validation.validate`); returns the
     config, its defaults resolved, and the plugin registry."""
     from loongsage.core.plugins import load_registry
@@ -332,4 +343,3 @@ def load_config(recipe: str, overrides: list[str] | None = None, *, config_dir: 
     if registry is None:  # a plugins: module may sit beside the recipe or in the working directory
         registry = load_registry(plugins if isinstance(plugins, list) else [], search_dirs=(path.parent, Path.cwd()))
     return validate(raw, registry), registry
-

@@ -81,7 +81,9 @@ def members(protocol: type) -> tuple[Member, ...]:
                 found[name] = Member(name, "attribute", typing.get_type_hints(value.fget).get("return", Any))
             elif inspect.isfunction(value):
                 sig = inspect.signature(value)
-                found[name] = Member(name, "method", signature=sig.replace(parameters=list(sig.parameters.values())[1:]))
+                found[name] = Member(
+                    name, "method", signature=sig.replace(parameters=list(sig.parameters.values())[1:])
+                )
     return tuple(found.values())
 
 
@@ -260,8 +262,9 @@ def _as_called(m: Member, protocol: type, flag_value: Callable[[str], Any]) -> t
     if isinstance(value, _INSTANCE_DESCRIPTORS) or not condition.holds(value):
         return m, ""
     added = [inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY) for k in keywords]
-    return replace(m, signature=m.signature.replace(parameters=[*m.signature.parameters.values(), *added])), \
-        f" ({condition.flag}={value!r})"
+    return replace(
+        m, signature=m.signature.replace(parameters=[*m.signature.parameters.values(), *added])
+    ), f" ({condition.flag}={value!r})"
 
 
 def _call_problem(m: Member, sig: inspect.Signature | None, protocol: type) -> str | None:

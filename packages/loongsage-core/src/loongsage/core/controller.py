@@ -78,41 +78,92 @@ class Controller:
         # generation and training overlap under an asynchronous scheduler: on CPU each actor then
         # gets cores of its own, so the two do not slow each other down
         cores = place.cores() if self._rollout_parts["scheduler"].asynchronous else {}
-        self.trainer = TrainerGroup(self._start_group("trainer", TrainerWorker, [
-            place.slot(b, (cfg, model_path, r, world, init_method, threads, cores.get(b), held))
-            for r, b in enumerate(place.trainer_bundles)], ready="param_checksum"), world)
+        self.trainer = TrainerGroup(
+            self._start_group(
+                "trainer",
+                TrainerWorker,
+                [
+                    place.slot(b, (cfg, model_path, r, world, init_method, threads, cores.get(b), held))
+                    for r, b in enumerate(place.trainer_bundles)
+                ],
+                ready="param_checksum",
+            ),
+            world,
+        )
         # a lost engine's replacement starts from its slot: same bundle, same constructor arguments
-        self.engines = EngineGroup(self._start_group("engine", EngineWorker, [
-            place.slot(b, (cfg, model_path, i, threads, cores.get(b)), max_concurrency=1000)
-            for i, b in enumerate(place.engine_bundles)], ready="version"))
-        reward = self._start_group("reward", RewardWorker, [Slot(None, {"num_cpus": 0, "max_concurrency": 1000}, (cfg,))])
+        self.engines = EngineGroup(
+            self._start_group(
+                "engine",
+                EngineWorker,
+                [
+                    place.slot(b, (cfg, model_path, i, threads, cores.get(b)), max_concurrency=1000)
+                    for i, b in enumerate(place.engine_bundles)
+                ],
+                ready="version",
+            )
+        )
+        reward = self._start_group(
+            "reward", RewardWorker, [Slot(None, {"num_cpus": 0, "max_concurrency": 1000}, (cfg,))]
+        )
         # the critic and the teachers share the trainer ranks' bundles without reserving CPUs: the
         # critic the first one; the teachers (forward only, in the train phase of a synchronous step)
         # round robin
         bundles = place.trainer_bundles
-        self.critic = CriticGroup(self._start_group("critic", CriticWorker, [
-            place.slot(bundles[0], (cfg, model_path, threads), num_cpus=0)] if cfg.trainer.critic is not None else []))
-        self.teachers = TeacherGroup(self._start_group("teacher", TeacherWorker, [
-            place.slot(bundles[j % len(bundles)], (cfg, plan.spec, plan.model_path, threads), num_cpus=0)
-            for j, plan in enumerate(teacher_plans)]), [plan.sources for plan in teacher_plans])
+        self.critic = CriticGroup(
+            self._start_group(
+                "critic",
+                CriticWorker,
+                [place.slot(bundles[0], (cfg, model_path, threads), num_cpus=0)]
+                if cfg.trainer.critic is not None
+                else [],
+            )
+        )
+        self.teachers = TeacherGroup(
+            self._start_group(
+                "teacher",
+                TeacherWorker,
+                [
+                    place.slot(bundles[j % len(bundles)], (cfg, plan.spec, plan.model_path, threads), num_cpus=0)
+                    for j, plan in enumerate(teacher_plans)
+                ],
+            ),
+            [plan.sources for plan in teacher_plans],
+        )
         wait_ready(self.groups)
         self.trainer.read_layout()
         rc = cfg.rollout
         engines = self.engines.actors  # the router swaps a ready replacement into this very list
-        self.rollout = RolloutService(router=EngineRouter(engines, health_timeout_s=rc.engine_health_timeout_s),
-                                      engines=engines, reward=reward.only(),
-                                      restart_engine=self._restart_engine, load_engine=self._load_engine,
-                                      max_engine_restarts=rc.max_engine_restarts, **self._rollout_parts)
+        self.rollout = RolloutService(
+            router=EngineRouter(engines, health_timeout_s=rc.engine_health_timeout_s),
+            engines=engines,
+            reward=reward.only(),
+            restart_engine=self._restart_engine,
+            load_engine=self._load_engine,
+            max_engine_restarts=rc.max_engine_restarts,
+            **self._rollout_parts,
+        )
         self.train_step = TrainStep(
-            self.loss_plan, self.estimator, self.filters, self.trainer,
-            step_features(self.loss_plan, self.filters, self.trainer, self.critic, self.teachers,
-                          distilling=bool(held or teacher_plans),
-                          audit_dir=self.run_dir if cfg.tracking.batches else None),
-            pad_id=self.pad_id, mini_batches=cfg.trainer.mini_batches_per_step,
-            quotas={s.name: s.prompts_per_step for s in cfg.data_sources})
+            self.loss_plan,
+            self.estimator,
+            self.filters,
+            self.trainer,
+            step_features(
+                self.loss_plan,
+                self.filters,
+                self.trainer,
+                self.critic,
+                self.teachers,
+                distilling=bool(held or teacher_plans),
+                audit_dir=self.run_dir if cfg.tracking.batches else None,
+            ),
+            pad_id=self.pad_id,
+            mini_batches=cfg.trainer.mini_batches_per_step,
+            quotas={s.name: s.prompts_per_step for s in cfg.data_sources},
+        )
 
-    def _start_group(self, role: str, worker_class: type, slots: list[Slot],
-                     ready: str = "__ray_ready__") -> WorkerGroup:
+    def _start_group(
+        self, role: str, worker_class: type, slots: list[Slot], ready: str = "__ray_ready__"
+    ) -> WorkerGroup:
         group = WorkerGroup.start(role, worker_class, slots, ready=ready)
         self.groups.append(group)
         return group
@@ -136,20 +187,32 @@ class Controller:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         cursors = [
-            SourceCursor(s.name, reg.create("data_source", s.reader, f"data_sources[{i}].reader"),
-                         seed=cfg.run.seed * 7919 + i, on_bad_row=s.on_bad_row)
+            SourceCursor(
+                s.name,
+                reg.create("data_source", s.reader, f"data_sources[{i}].reader"),
+                seed=cfg.run.seed * 7919 + i,
+                on_bad_row=s.on_bad_row,
+            )
             for i, s in enumerate(cfg.data_sources)
         ]
-        self.filters = [reg.create("data_filter", f, f"algorithm.filters[{i}]") for i, f in enumerate(cfg.algorithm.filters)]
+        self.filters = [
+            reg.create("data_filter", f, f"algorithm.filters[{i}]") for i, f in enumerate(cfg.algorithm.filters)
+        ]
         # what the rollout service is built from once the actors exist
         self._rollout_parts = dict(
-            tokenizer=self.tokenizer, mixer=Mixer(cursors, {s.name: s.prompts_per_step for s in cfg.data_sources}),
-            agents={s.name: reg.create("agent", s.agent, f"data_sources[{i}].agent")
-                    for i, s in enumerate(cfg.data_sources)},
-            sampling={s.name: cfg.sampling_for(s) for s in cfg.data_sources}, filters=self.filters,
-            scheduler=reg.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler"), seed=cfg.run.seed,
-            max_refill_rounds=cfg.rollout.max_refill_rounds, refill_oversample=cfg.rollout.refill_oversample,
-            mask_old_tokens=cfg.rollout.mask_old_tokens)
+            tokenizer=self.tokenizer,
+            mixer=Mixer(cursors, {s.name: s.prompts_per_step for s in cfg.data_sources}),
+            agents={
+                s.name: reg.create("agent", s.agent, f"data_sources[{i}].agent") for i, s in enumerate(cfg.data_sources)
+            },
+            sampling={s.name: cfg.sampling_for(s) for s in cfg.data_sources},
+            filters=self.filters,
+            scheduler=reg.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler"),
+            seed=cfg.run.seed,
+            max_refill_rounds=cfg.rollout.max_refill_rounds,
+            refill_oversample=cfg.rollout.refill_oversample,
+            mask_old_tokens=cfg.rollout.mask_old_tokens,
+        )
         self.estimator = reg.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
         self.loss_plan = build_loss_plan(cfg, reg)
         from loongsage.core.tracking import create_trackers
@@ -162,8 +225,10 @@ class Controller:
         a backend factory may define ``preflight(params, model_path, world_size=...)``."""
         cfg, reg = self.cfg, self.registry
         supplied = tuple(model_args(cfg, model_path))  # what the framework passes to trainer factories
-        for spec, path in ((cfg.trainer.backend, "trainer.backend"),
-                           (cfg.trainer.critic.backend if cfg.trainer.critic else None, "trainer.critic.backend")):
+        for spec, path in (
+            (cfg.trainer.backend, "trainer.backend"),
+            (cfg.trainer.critic.backend if cfg.trainer.critic else None, "trainer.critic.backend"),
+        ):
             if spec is None:
                 continue
             check = reg.entry("trainer", spec["name"], path).preflight
@@ -241,9 +306,16 @@ class Controller:
         self.services = RunServices(cfg.services, self.registry)
         try:
             self.rollout.services = self.services
-            await self.services.start(ServiceContext(
-                engine=self.rollout.router, tokenizer=self.tokenizer, model_path=self.model_path,
-                run_dir=self.run_dir, registry=self.registry, seed=cfg.run.seed))
+            await self.services.start(
+                ServiceContext(
+                    engine=self.rollout.router,
+                    tokenizer=self.tokenizer,
+                    model_path=self.model_path,
+                    run_dir=self.run_dir,
+                    registry=self.registry,
+                    seed=cfg.run.seed,
+                )
+            )
             return await self._steps(start, progress)
         finally:
             await self.services.stop()
@@ -274,14 +346,17 @@ class Controller:
             metrics.update(await asyncio.to_thread(self.train_step, groups, step=step + 1, version=self.version))
             if offload:  # the weights stay for the push
                 metrics["timing/trainer_offload_s"] = carried + await asyncio.to_thread(
-                    self._move_trainers, "offload", weights=False)
+                    self._move_trainers, "offload", weights=False
+                )
             if release:
                 resumed = time.perf_counter()
                 await asyncio.to_thread(self.engines.resume_memory)
                 metrics["timing/engine_memory_s"] = released + time.perf_counter() - resumed
             t2 = time.perf_counter()
-            save_now = bool(cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0) \
+            save_now = (
+                bool(cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0)
                 or step + 1 == cfg.run.total_steps
+            )
             await self.rollout.begin_update()  # asynchronous: generations in flight are cut here
             metrics.update(await asyncio.to_thread(self.push_weights))
             if save_now:  # the consistent cut: generation is held, the trainer holds what is saved
@@ -290,11 +365,17 @@ class Controller:
             t3 = time.perf_counter()
             self.step = step + 1
             n = sum(len(g) for g in groups)
-            metrics.update({
-                "timing/rollout_s": t1 - t0, "timing/train_s": t2 - t1, "timing/sync_s": t3 - t2,
-                "timing/step_s": t3 - t0, "perf/trajectories_per_s": n / max(t3 - t0, 1e-9),
-                "engine/version": float(self.version), **self.services.metrics(),
-            })
+            metrics.update(
+                {
+                    "timing/rollout_s": t1 - t0,
+                    "timing/train_s": t2 - t1,
+                    "timing/sync_s": t3 - t2,
+                    "timing/step_s": t3 - t0,
+                    "perf/trajectories_per_s": n / max(t3 - t0, 1e-9),
+                    "engine/version": float(self.version),
+                    **self.services.metrics(),
+                }
+            )
             last = self.step == cfg.run.total_steps
             if (ev.every_steps and self.step % ev.every_steps == 0) or last:
                 metrics.update(await self.evaluator.run(self.rollout, self.step, pass_k=last))
@@ -304,16 +385,28 @@ class Controller:
             if save_now:
                 state = {"version": self.version, **rollout_state}
                 async with self.rollout.trainer_in_use():  # no lost engine's replacement loads meanwhile
-                    await asyncio.to_thread(ckpt.save, self.run_dir, self.step, state, self.trainer, self.critic,
-                                            cfg.checkpoint.keep_last, rollout=rollout_data)
+                    await asyncio.to_thread(
+                        ckpt.save,
+                        self.run_dir,
+                        self.step,
+                        state,
+                        self.trainer,
+                        self.critic,
+                        cfg.checkpoint.keep_last,
+                        rollout=rollout_data,
+                    )
             if offload:  # after the push and the checkpoint, which read the weights on the device
                 carried = await asyncio.to_thread(self._move_trainers, "offload")
         progress.close()
         await self.rollout.close()
         if cfg.checkpoint.export_hf:
             await asyncio.to_thread(ckpt.export_final, self.run_dir, self.trainer)
-        return {"steps": self.step, "version": self.version, "run_dir": str(self.run_dir),
-                "last_metrics": history[-1] if history else {}}
+        return {
+            "steps": self.step,
+            "version": self.version,
+            "run_dir": str(self.run_dir),
+            "last_metrics": history[-1] if history else {},
+        }
 
     def _move_trainers(self, method: str, **kwargs: Any) -> float:
         """``offload`` or ``onload`` on every trainer and critic rank; returns the seconds it took."""
@@ -330,8 +423,12 @@ class Controller:
             tracker.log(step, metrics)
         # every number of the step in the run's log (not on the terminal): a failed run's log then
         # shows where its metrics were heading
-        log.info("step %d: %s", step, " ".join(f"{k}={v:.6g}" for k, v in sorted(metrics.items())
-                                               if isinstance(v, (int, float))), extra={"file_only": True})
+        log.info(
+            "step %d: %s",
+            step,
+            " ".join(f"{k}={v:.6g}" for k, v in sorted(metrics.items()) if isinstance(v, (int, float))),
+            extra={"file_only": True},
+        )
         shown = {k: v for k, v in metrics.items() if k.startswith("eval/")}
         if shown:
             log.info("step %d eval %s", step, " ".join(f"{k}={v:.3f}" for k, v in sorted(shown.items())))

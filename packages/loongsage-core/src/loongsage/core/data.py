@@ -67,8 +67,9 @@ class FileReader:
             raise BadRecordError(f"{where}: missing key {self.prompt_key!r}; present: {', '.join(sorted(row))}")
         prompt = row[self.prompt_key]
         if not (isinstance(prompt, str) and prompt) and not _is_messages(prompt):
-            raise BadRecordError(f"{where}: {self.prompt_key!r} must be a non-empty string or a list of "
-                                 "{role, content} messages")
+            raise BadRecordError(
+                f"{where}: {self.prompt_key!r} must be a non-empty string or a list of {{role, content}} messages"
+            )
         if self.label_key is not None and self.label_key not in row:
             raise BadRecordError(f"{where}: missing key {self.label_key!r}; present: {', '.join(sorted(row))}")
         label = row.get(self.label_key) if self.label_key else None
@@ -77,8 +78,12 @@ class FileReader:
 
 
 def _is_messages(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
     )
 
 

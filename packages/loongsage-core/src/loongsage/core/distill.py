@@ -60,18 +60,24 @@ def check_teacher(registry: Any, spec: dict[str, Any], path: str, trainer: dict[
         for key in sorted(set(spec) - {"name", "params"}):
             raise ConfigError(f"{path}.{key}: unknown key; allowed: name, params")
         for key in sorted(backend["params"]):
-            raise ConfigError(f"{path}.params.{key}: a teacher held by the trainer is built like the policy (the "
-                              "trainer's dtype, head and layout); allowed: path, builder")
+            raise ConfigError(
+                f"{path}.params.{key}: a teacher held by the trainer is built like the policy (the "
+                "trainer's dtype, head and layout); allowed: path, builder"
+            )
         factory = registry.entry("trainer", trainer["name"], "trainer.backend").factory
         if factory.add_teacher is None:  # a flag the registry filled in on the class when it loaded it
-            raise ConfigError(f"{path}.name={HELD_BY_TRAINER!r}: the {trainer['name']!r} trainer cannot hold teachers; "
-                              f"use a teacher backend ({', '.join(registry.names('teacher'))})")
+            raise ConfigError(
+                f"{path}.name={HELD_BY_TRAINER!r}: the {trainer['name']!r} trainer cannot hold teachers; "
+                f"use a teacher backend ({', '.join(registry.names('teacher'))})"
+            )
     else:
         registry.check("teacher", backend, path, skip=("model_path",))
     given = [k for k in SOURCE_KEYS if source.get(k) is not None]
     if len(given) != 1:
-        raise ConfigError(f"{path}.params: set exactly one of path (an HF folder) or builder (a model_builder "
-                          f"spec) for the teacher's weights; got {', '.join(given) or 'neither'}")
+        raise ConfigError(
+            f"{path}.params: set exactly one of path (an HF folder) or builder (a model_builder "
+            f"spec) for the teacher's weights; got {', '.join(given) or 'neither'}"
+        )
     if given == ["builder"]:
         registry.create("model_builder", source["builder"], f"{path}.params.builder")
     elif not isinstance(source["path"], str) or not (Path(source["path"]) / "config.json").is_file():
@@ -101,7 +107,9 @@ def plan_teachers(cfg: Config, registry: Any, student_path: str) -> list[Teacher
         if key not in plans:
             source, backend = split_teacher_spec(src.teacher)
             if source.get("builder") is not None:
-                builder = registry.create("model_builder", source["builder"], f"data_sources[{i}].teacher.params.builder")
+                builder = registry.create(
+                    "model_builder", source["builder"], f"data_sources[{i}].teacher.params.builder"
+                )
                 model_path = str(builder.build())
             else:
                 model_path = str(source["path"])
@@ -119,6 +127,8 @@ def check_same_vocabulary(student_path: str, teacher_path: str, where: str) -> N
     teacher = AutoTokenizer.from_pretrained(teacher_path).get_vocab()
     if student != teacher:
         differ = len(set(student.items()) ^ set(teacher.items()))
-        raise ConfigError(f"{where}: the teacher at {teacher_path} has another vocabulary than the student "
-                          f"({len(teacher)} vs {len(student)} tokens, {differ} entries differ); token-level "
-                          "distillation needs the student's tokenizer")
+        raise ConfigError(
+            f"{where}: the teacher at {teacher_path} has another vocabulary than the student "
+            f"({len(teacher)} vs {len(student)} tokens, {differ} entries differ); token-level "
+            "distillation needs the student's tokenizer"
+        )

@@ -131,29 +131,36 @@ class _Feed:
             (record,) = args
             for field in feed.required:
                 if getattr(record, field) is None:
-                    raise ValueError(f"{entry_name}: {type(record).__name__}.{field} is None; "
-                                     f"{entry_name} needs it")
+                    raise ValueError(f"{entry_name}: {type(record).__name__}.{field} is None; {entry_name} needs it")
             inputs = [getattr(record, f) for f in feed.positional]
             kwargs.update({arg: getattr(record, f) for arg, f in feed.keyword})
             return feed.fn(*inputs, **kwargs)
 
         names = ("self", *self.call_names)
         call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names])
+            [inspect.Parameter(n, inspect.Parameter.POSITIONAL_ONLY) for n in names]
+        )
         call.__doc__ = self.fn.__doc__
         call.__name__, call.__qualname__ = attr, f"{cls.__qualname__}.{attr}"
         return call
 
 
-def _feed(fn: Callable[..., Any], arg_types: tuple[Any, ...] | None, arg_names: tuple[str, ...] | None,
-          inputs: Mapping[str, str], *, where: str) -> tuple[_Feed, list[inspect.Parameter]]:
+def _feed(
+    fn: Callable[..., Any],
+    arg_types: tuple[Any, ...] | None,
+    arg_names: tuple[str, ...] | None,
+    inputs: Mapping[str, str],
+    *,
+    where: str,
+) -> tuple[_Feed, list[inspect.Parameter]]:
     """How a call with arguments of ``arg_types`` (None: unknown) feeds ``fn``, and ``fn``'s other
     parameters (the candidates for params)."""
     sig = inspect.signature(fn)
     parameters = list(sig.parameters.values())
     record = arg_types[0] if arg_types is not None and len(arg_types) == 1 else None
     fields: dict[str, dataclasses.Field] = (
-        {f.name: f for f in dataclasses.fields(record)} if dataclasses.is_dataclass(record) else {})
+        {f.name: f for f in dataclasses.fields(record)} if dataclasses.is_dataclass(record) else {}
+    )
     first = parameters[0].name if parameters else None
     if fields and first is not None and inputs.get(first, first) in fields:
         positional: list[str] = []
@@ -164,8 +171,10 @@ def _feed(fn: Callable[..., Any], arg_types: tuple[Any, ...] | None, arg_names: 
             field = inputs.get(p.name, p.name)
             if field not in fields:
                 if p.kind in _POSITIONAL and p.default is p.empty:
-                    raise TypeError(f"{where}: input {p.name!r} of {fn.__name__} is no field of "
-                                    f"{record.__name__}; rename it with inputs={{{p.name!r}: '<field>'}}")
+                    raise TypeError(
+                        f"{where}: input {p.name!r} of {fn.__name__} is no field of "
+                        f"{record.__name__}; rename it with inputs={{{p.name!r}: '<field>'}}"
+                    )
                 rest.append(p)
                 continue
             if p.kind in _POSITIONAL and not keyword and not rest:  # after a param, by name only
@@ -182,17 +191,21 @@ def _feed(fn: Callable[..., Any], arg_types: tuple[Any, ...] | None, arg_names: 
             break
         leading.append(p)
     if arg_types is not None and len(leading) != len(arg_types):
-        raise TypeError(f"{where}: {fn.__name__} takes {len(leading)} input(s) "
-                        f"({', '.join(p.name for p in leading)}); the call passes {len(arg_types)}")
-    return _Feed(fn, None, tuple(p.name for p in leading)), parameters[len(leading):]
+        raise TypeError(
+            f"{where}: {fn.__name__} takes {len(leading)} input(s) "
+            f"({', '.join(p.name for p in leading)}); the call passes {len(arg_types)}"
+        )
+    return _Feed(fn, None, tuple(p.name for p in leading)), parameters[len(leading) :]
 
 
 def _contract_of(cls: type) -> type:
     for klass in cls.__mro__[1:]:
         if getattr(klass, "_is_protocol", False) and klass is not typing.Protocol and klass is not typing.Generic:
             return klass
-    raise TypeError(f"{cls.__qualname__}: an entry subclasses the Protocol of its contract "
-                    "(loongsage.core.contracts), e.g. class PPOClip(PolicyLoss)")
+    raise TypeError(
+        f"{cls.__qualname__}: an entry subclasses the Protocol of its contract "
+        "(loongsage.core.contracts), e.g. class PPOClip(PolicyLoss)"
+    )
 
 
 def _defines(cls: type, name: str) -> bool:
@@ -212,8 +225,15 @@ def _check_values(entry: Any, name: str, checks: list[tuple[str, Range | None, A
                 raise ValueError(f"{name}.{param}={value!r}: allowed: {', '.join(repr(a) for a in allowed)}")
 
 
-def entry(name: str, fn: Callable[..., Any] | None = None, /, *, inputs: Mapping[str, str] | None = None,
-          fixed: Mapping[str, Any] | None = None, **flags: Any) -> Callable[[type], type]:
+def entry(
+    name: str,
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    inputs: Mapping[str, str] | None = None,
+    fixed: Mapping[str, Any] | None = None,
+    **flags: Any,
+) -> Callable[[type], type]:
     """Make the decorated class the registry entry ``name`` binding the pure function ``fn``.
 
     ``inputs``: ``{function parameter: record field}`` where the names differ; ``fixed``: arguments
@@ -240,10 +260,14 @@ def entry(name: str, fn: Callable[..., Any] | None = None, /, *, inputs: Mapping
                 hints = typing.get_type_hints(contract.__call__)
             except Exception:  # a contract's annotation that does not resolve: no record to unpack
                 hints = {}
-            required = [p for p in call.signature.parameters.values()
-                        if p.kind in _POSITIONAL and p.default is p.empty]
-            call_feed, rest = _feed(fn, tuple(hints.get(p.name, Any) for p in required),
-                                    tuple(p.name for p in required), inputs, where=where)
+            required = [p for p in call.signature.parameters.values() if p.kind in _POSITIONAL and p.default is p.empty]
+            call_feed, rest = _feed(
+                fn,
+                tuple(hints.get(p.name, Any) for p in required),
+                tuple(p.name for p in required),
+                inputs,
+                where=where,
+            )
             fn_hints = typing.get_type_hints(fn, include_extras=True)
             stray = sorted(set(fixed) - {p.name for p in rest})
             if stray:
@@ -269,8 +293,10 @@ def entry(name: str, fn: Callable[..., Any] | None = None, /, *, inputs: Mapping
             default = cls.__dict__.get(attr, dataclasses.MISSING)
             if isinstance(default, dataclasses.Field):  # e.g. schema.ranged(): its range is the param's
                 if rng is not None:
-                    raise TypeError(f"{where}: {attr!r}: give its range once, in Annotated with a plain "
-                                    "default or with schema.ranged()")
+                    raise TypeError(
+                        f"{where}: {attr!r}: give its range once, in Annotated with a plain "
+                        "default or with schema.ranged()"
+                    )
                 rng = default.metadata.get(RANGE)
             params[attr] = _Param(attr, tp, default, rng)
             annotations[attr] = tp
@@ -283,8 +309,11 @@ def entry(name: str, fn: Callable[..., Any] | None = None, /, *, inputs: Mapping
                 setattr(cls, p.name, p.default)
         cls.__annotations__ = annotations
 
-        checks = [(p.name, p.range, _literal(p.type)) for p in params.values()
-                  if p.range is not None or _literal(p.type) is not None]
+        checks = [
+            (p.name, p.range, _literal(p.type))
+            for p in params.values()
+            if p.range is not None or _literal(p.type) is not None
+        ]
         own_post_init = getattr(cls, "__post_init__", None)
 
         def __post_init__(self: Any) -> None:

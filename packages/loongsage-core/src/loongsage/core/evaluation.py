@@ -78,16 +78,19 @@ def _eval_rows(name: str, reader: Any, count: int, on_bad_row: str) -> list[Data
             record = reader[index]
         except BadRecordError as exc:
             if on_bad_row == "error":
-                raise BadRecordError(f"data source {name!r} (eval_reader): {exc}; fix the row, or set "
-                                     "on_bad_row: skip") from None
+                raise BadRecordError(
+                    f"data source {name!r} (eval_reader): {exc}; fix the row, or set on_bad_row: skip"
+                ) from None
             skipped.append(index)
             log.warning("data source %s: skipped evaluation row %d: %s", name, index, exc)
             continue
         record.source = name
         rows.append(record)
     if skipped and not rows:
-        raise BadRecordError(f"data source {name!r} (eval_reader): no valid evaluation row (all {len(skipped)} bad); "
-                             "fix the file, or drop eval_reader")
+        raise BadRecordError(
+            f"data source {name!r} (eval_reader): no valid evaluation row (all {len(skipped)} bad); "
+            "fix the file, or drop eval_reader"
+        )
     return rows
 
 

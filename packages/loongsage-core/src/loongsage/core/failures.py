@@ -126,8 +126,13 @@ def causes(exc: BaseException) -> Iterator[BaseException]:
 
 # torch's zip writer reports a short write (a full disk) as this, without the OSError
 _TORCH_SHORT_WRITE = re.compile(r"unexpected pos \d+ vs \d+|PytorchStreamWriter failed writing")
-_ACTOR_ROLES = {"TrainerWorker": "trainer", "EngineWorker": "engine", "RewardWorker": "reward",
-                "CriticWorker": "critic", "TeacherWorker": "teacher"}
+_ACTOR_ROLES = {
+    "TrainerWorker": "trainer",
+    "EngineWorker": "engine",
+    "RewardWorker": "reward",
+    "CriticWorker": "critic",
+    "TeacherWorker": "teacher",
+}
 
 
 def free_space(path: Path) -> str:
@@ -197,8 +202,9 @@ class Outcome:
     code: int
 
 
-def explain(exc: BaseException, *, run_dir: Path | None = None, step: int | None = None,
-            total_steps: int | None = None) -> Outcome:
+def explain(
+    exc: BaseException, *, run_dir: Path | None = None, step: int | None = None, total_steps: int | None = None
+) -> Outcome:
     """The one line (and exit code) for ``exc``, which stopped a run in ``run_dir`` after ``step``
     steps (None: before training began). The launcher adds which log holds the traceback."""
     from loongsage.core import checkpoint as ckpt
@@ -226,19 +232,25 @@ def explain(exc: BaseException, *, run_dir: Path | None = None, step: int | None
     if full is not None:
         target = getattr(full, "filename", None) or "the run's files"
         place = run_dir if run_dir is not None else Path(target if isinstance(target, str) else ".")
-        return Outcome(f"no space left on device while writing {target} ({free_space(place)} on the file system "
-                       f"of {place}){where}; free some space there (or set run.output_dir elsewhere), then {resume}",
-                       EXIT_FAILED)
+        return Outcome(
+            f"no space left on device while writing {target} ({free_space(place)} on the file system "
+            f"of {place}){where}; free some space there (or set run.output_dir elsewhere), then {resume}",
+            EXIT_FAILED,
+        )
     denied = not_writable(exc)
     if denied is not None:
         target = denied.filename or "the run's files"
-        return Outcome(f"cannot write {target}: {denied.strerror or os.strerror(denied.errno)}{where}; make "
-                       f"{run_dir or 'run.output_dir'} writable again (or set run.output_dir elsewhere), then {resume}",
-                       EXIT_FAILED)
+        return Outcome(
+            f"cannot write {target}: {denied.strerror or os.strerror(denied.errno)}{where}; make "
+            f"{run_dir or 'run.output_dir'} writable again (or set run.output_dir elsewhere), then {resume}",
+            EXIT_FAILED,
+        )
 
     for e in causes(exc):
-        if type(e).__name__ in ("ActorDiedError", "RayActorError", "ActorUnavailableError") \
-                and type(e).__module__ == "ray.exceptions":
+        if (
+            type(e).__name__ in ("ActorDiedError", "RayActorError", "ActorUnavailableError")
+            and type(e).__module__ == "ray.exceptions"
+        ):
             text = str(e)
             klass = re.search(r"class_name: (\w+)", text)
             pid = re.search(r"\bpid: (\d+)", text)
@@ -246,8 +258,10 @@ def explain(exc: BaseException, *, run_dir: Path | None = None, step: int | None
             ident = f" (pid {pid.group(1)})" if pid else ""
             if getattr(e, "_actor_init_failed", False):  # its constructor raised: the last line says what
                 last = [line.strip() for line in text.splitlines() if line.strip()][-1:] or ["(no message)"]
-                return Outcome(f"the {role} actor{ident} failed to start{where}: {last[0][:300]}; fix the cause, "
-                               f"then {resume}", EXIT_FAILED)
+                return Outcome(
+                    f"the {role} actor{ident} failed to start{where}: {last[0][:300]}; fix the cause, then {resume}",
+                    EXIT_FAILED,
+                )
             if "low on memory" in text:  # Ray's memory monitor
                 why = "Ray killed it because the machine ran low on memory"
             elif "ray.kill" in text:
@@ -259,4 +273,3 @@ def explain(exc: BaseException, *, run_dir: Path | None = None, step: int | None
     root = _root(exc)
     what = f"{type(root).__name__}: {_first_line(root)}" if _first_line(root) else type(root).__name__
     return Outcome(f"the run failed{where}: {what}{_where(exc)}; fix the cause, then {resume}", EXIT_FAILED)
-

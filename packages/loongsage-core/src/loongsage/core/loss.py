@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 # what is reported is the token mean over the step.
 
 
-def consistency_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor,
-                        aggregation: str = "token-mean") -> Metrics:
+def consistency_metrics(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, aggregation: str = "token-mean"
+) -> Metrics:
     """Train-inference mismatch: ``train/is_approx_k3_kl`` and ``train/is_logprob_abs_diff`` ratios.
 
     delta = log pi_old - log pi_rollout (clamped to +-20); k3 = e^delta - delta - 1 >= 0; the
@@ -146,10 +147,14 @@ class LossPlan:
         sums = Metrics()
         old = mini_batch.old_logprobs
         for correction in self.up_front_corrections:
-            out = correction(CorrectionInput(
-                old_logprobs=old, rollout_logprobs=mini_batch.rollout_logprobs,
-                advantages=mini_batch.advantages, response_mask=mask,
-            ))
+            out = correction(
+                CorrectionInput(
+                    old_logprobs=old,
+                    rollout_logprobs=mini_batch.rollout_logprobs,
+                    advantages=mini_batch.advantages,
+                    response_mask=mask,
+                )
+            )
             token_weights = token_weights * out.token_weights
             for key, value in out.metrics.items():
                 sums.add(f"train/{key}", float((value * mask).sum()), float(mask.sum()))
@@ -175,8 +180,13 @@ class LossClosure(LossFunction):
         self.reads_vocab_shards = consumes == "full_vocab" and plan.divergence.partial is not None
         self.teacher_support = plan.teacher_request()
 
-    def __call__(self, logprobs: Tensor, mb: TrainBatch, student_dist: Tensor | None = None,
-                 vocab_sum: Callable[[Tensor], Tensor] | None = None) -> tuple[Tensor, Metrics]:
+    def __call__(
+        self,
+        logprobs: Tensor,
+        mb: TrainBatch,
+        student_dist: Tensor | None = None,
+        vocab_sum: Callable[[Tensor], Tensor] | None = None,
+    ) -> tuple[Tensor, Metrics]:
         """Weighted loss sum of one micro-batch and its metrics.
 
         ``student_dist`` (only when :attr:`needs_student_distribution`): the student's log-probs on
@@ -192,17 +202,27 @@ class LossClosure(LossFunction):
             old = logprobs.detach()
             # measured on the tokens an engine sampled: teacher-forced ones have no rollout log-probs
             metrics.merge(consistency_metrics(old, mb.rollout_logprobs, mask * engine_sampled(mb), plan.aggregation))
-        out = plan.policy_loss(PolicyLossInput(
-            logprobs=logprobs, old_logprobs=old, advantages=mb.advantages, response_mask=mask,
-            rollout_logprobs=mb.rollout_logprobs,
-        ))
+        out = plan.policy_loss(
+            PolicyLossInput(
+                logprobs=logprobs,
+                old_logprobs=old,
+                advantages=mb.advantages,
+                response_mask=mask,
+                rollout_logprobs=mb.rollout_logprobs,
+            )
+        )
         per_token = out.loss
         count = float(mask.sum())
         for correction in plan.per_step_corrections:
-            corr = correction(CorrectionInput(
-                old_logprobs=old, rollout_logprobs=mb.rollout_logprobs, advantages=mb.advantages,
-                response_mask=mask, logprobs=logprobs.detach(),
-            ))
+            corr = correction(
+                CorrectionInput(
+                    old_logprobs=old,
+                    rollout_logprobs=mb.rollout_logprobs,
+                    advantages=mb.advantages,
+                    response_mask=mask,
+                    logprobs=logprobs.detach(),
+                )
+            )
             per_token = per_token * corr.token_weights
             for key, value in corr.metrics.items():
                 metrics.add(f"train/{key}", float((value * mask).sum()), count)
@@ -221,8 +241,14 @@ class LossClosure(LossFunction):
             metrics.add(f"train/{key}", float((value.detach() * mask).sum()), count)
         return loss, metrics
 
-    def _gkd(self, logprobs: Tensor, old: Tensor, mb: TrainBatch, student_dist: Tensor | None,
-             vocab_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    def _gkd(
+        self,
+        logprobs: Tensor,
+        old: Tensor,
+        mb: TrainBatch,
+        student_dist: Tensor | None,
+        vocab_sum: Callable[[Tensor], Tensor] | None = None,
+    ) -> Tensor:
         """The divergence to each row's teacher per token ``[B, T]``, zero outside the mask."""
         divergence, consumes = self.plan.divergence, self.plan.divergence_consumes
         if consumes == "logprobs":  # sampled-token forms (k2, k3): the teacher's log-prob of our token
@@ -230,13 +256,15 @@ class LossClosure(LossFunction):
             div = divergence(logprobs, mb.teacher_logprobs, **extra)
         else:
             if student_dist is None or mb.teacher_dist_logprobs is None:
-                raise ValueError(f"distill divergence consumes {consumes!r}: the trainer must pass "
-                                 "student_dist and the batch must carry the teacher's distribution")
+                raise ValueError(
+                    f"distill divergence consumes {consumes!r}: the trainer must pass "
+                    "student_dist and the batch must carry the teacher's distribution"
+                )
             T, t = logprobs.shape[1], student_dist.shape[1]
             # the teacher's distribution ends where the micro-batch ends: its last t positions are the
             # student's (a batch's is T wide, a held teacher's covers the trained positions only)
             teacher = mb.teacher_dist_logprobs
-            teacher = teacher[:, teacher.shape[1] - t:].to(student_dist.device)
+            teacher = teacher[:, teacher.shape[1] - t :].to(student_dist.device)
             if vocab_sum is None:
                 div = divergence(student_dist, teacher)
             else:  # this rank's shard of the vocabulary: its terms, then the sum over the shards
@@ -256,12 +284,16 @@ def build_loss_plan(cfg: Config, registry: Any) -> LossPlan:
         kl=registry.create("kl", alg.kl, "algorithm.kl") if alg.kl else None,
         kl_coef=alg.kl_coef,
         kl_in_reward=alg.kl_in_reward,
-        corrections=[registry.create("correction", c, f"algorithm.corrections[{i}]")
-                     for i, c in enumerate(alg.corrections)],
+        corrections=[
+            registry.create("correction", c, f"algorithm.corrections[{i}]") for i, c in enumerate(alg.corrections)
+        ],
         pg_coef=distill.pg_coef if distill else 0.0,
         gkd_coef=distill.gkd_coef if distill else 0.0,
-        divergence=(registry.create("kl", distill.divergence, "algorithm.distill.divergence")
-                    if distill and distill.divergence else None),
+        divergence=(
+            registry.create("kl", distill.divergence, "algorithm.distill.divergence")
+            if distill and distill.divergence
+            else None
+        ),
     )
 
 
@@ -292,8 +324,11 @@ class ValueLoss(LossFunction):
         per_token = 0.5 * torch.maximum(unclipped_err, clipped_err)
         loss = (per_token * mb.loss_weights).sum()
         count = float(mask.sum())
-        metrics = (Metrics().add("critic/value_loss", float((per_token.detach() * mask).sum()), count)
-                   .add("critic/clipfrac", float(((clipped_err > unclipped_err).float() * mask).sum()), count)
-                   .add("critic/values", float((values.detach() * mask).sum()), count)
-                   .add("critic/returns", float((target * mask).sum()), count))
+        metrics = (
+            Metrics()
+            .add("critic/value_loss", float((per_token.detach() * mask).sum()), count)
+            .add("critic/clipfrac", float(((clipped_err > unclipped_err).float() * mask).sum()), count)
+            .add("critic/values", float((values.detach() * mask).sum()), count)
+            .add("critic/returns", float((target * mask).sum()), count)
+        )
         return loss, metrics

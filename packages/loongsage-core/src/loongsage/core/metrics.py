@@ -57,11 +57,15 @@ class Metrics:
 
     def renamed(self, old_prefix: str, new_prefix: str) -> Metrics:
         """A copy whose names starting with ``old_prefix`` start with ``new_prefix`` instead."""
-        def name(key: str) -> str:
-            return new_prefix + key[len(old_prefix):] if key.startswith(old_prefix) else key
 
-        return Metrics({name(k): v for k, v in self.ratios.items()}, {name(k): v for k, v in self.totals.items()},
-                       {name(k): v for k, v in self.gauges.items()})
+        def name(key: str) -> str:
+            return new_prefix + key[len(old_prefix) :] if key.startswith(old_prefix) else key
+
+        return Metrics(
+            {name(k): v for k, v in self.ratios.items()},
+            {name(k): v for k, v in self.totals.items()},
+            {name(k): v for k, v in self.gauges.items()},
+        )
 
     def means(self) -> dict[str, float]:
         """What the trackers log: totals and gauges as they are, each ratio as its quotient (a ratio

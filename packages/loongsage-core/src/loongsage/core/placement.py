@@ -57,8 +57,9 @@ class Placement:
         riding = [0] * len(bundles)  # the riders take no CPUs but a share of the GPUs, as every member
         for i in riders or []:
             riding[i] += 1
-        self._gpu_share = ({i: p.gpus_per_actor / (n + r) for i, (n, r) in enumerate(zip(roles, riding))}
-                           if p.gpus_per_actor else {})
+        self._gpu_share = (
+            {i: p.gpus_per_actor / (n + r) for i, (n, r) in enumerate(zip(roles, riding))} if p.gpus_per_actor else {}
+        )
         self._check_resources(cfg)
         self.pg = placement_group(bundles, strategy="PACK")
         try:
@@ -67,8 +68,10 @@ class Placement:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.pg)
-            raise ConfigError(f"placement: Ray could not reserve the bundles {bundles} within 120 s; "
-                              f"free: {ray.available_resources()}, in all: {ray.cluster_resources()}") from None
+            raise ConfigError(
+                f"placement: Ray could not reserve the bundles {bundles} within 120 s; "
+                f"free: {ray.available_resources()}, in all: {ray.cluster_resources()}"
+            ) from None
 
     def _check_resources(self, cfg: Config) -> None:
         """Refuse bundles this Ray cannot hold, instead of waiting for them."""
@@ -78,10 +81,12 @@ class Placement:
         total = ray.cluster_resources()
         for key, amount in need.items():
             if total.get(key, 0.0) < amount - 1e-9:
-                raise ConfigError(f"placement: the run needs {amount:g} {key}{'' if amount == 1 else 's'} ({how[key]}) "
-                                  "and this Ray cluster has "
-                                  f"{total.get(key, 0.0):g} in all; lower placement.cpus_per_actor / gpus_per_actor, "
-                                  "trainer.world_size or rollout.num_engines, or start Ray with more")
+                raise ConfigError(
+                    f"placement: the run needs {amount:g} {key}{'' if amount == 1 else 's'} ({how[key]}) "
+                    "and this Ray cluster has "
+                    f"{total.get(key, 0.0):g} in all; lower placement.cpus_per_actor / gpus_per_actor, "
+                    "trainer.world_size or rollout.num_engines, or start Ray with more"
+                )
         deadline = time.monotonic() + self.free_wait_s
         while True:
             free = ray.available_resources()
@@ -90,11 +95,13 @@ class Placement:
                 return
             if time.monotonic() >= deadline:
                 key, has = next(iter(short.items()))
-                raise ConfigError(f"placement: the run needs {need[key]:g} {key}{'' if need[key] == 1 else 's'} "
-                                  f"({how[key]}) "
-                                  "and this Ray cluster has "
-                                  f"{has:g} free of {total.get(key, 0.0):g} (other work holds the rest); wait for "
-                                  "it to finish, or lower placement.cpus_per_actor")
+                raise ConfigError(
+                    f"placement: the run needs {need[key]:g} {key}{'' if need[key] == 1 else 's'} "
+                    f"({how[key]}) "
+                    "and this Ray cluster has "
+                    f"{has:g} free of {total.get(key, 0.0):g} (other work holds the rest); wait for "
+                    "it to finish, or lower placement.cpus_per_actor"
+                )
             time.sleep(0.2)
 
     def cores(self) -> dict[int, list[int]]:
@@ -106,11 +113,13 @@ class Placement:
         usable = sorted(os.sched_getaffinity(0))
         if self.colocate or self._gpus or bundles * per > len(usable):
             return {}
-        return {b: usable[b * per:(b + 1) * per] for b in range(bundles)}
+        return {b: usable[b * per : (b + 1) * per] for b in range(bundles)}
 
     def options(self, bundle: int) -> dict[str, Any]:
-        out = {"num_cpus": self._share[bundle],
-               "scheduling_strategy": self._strategy(placement_group=self.pg, placement_group_bundle_index=bundle)}
+        out = {
+            "num_cpus": self._share[bundle],
+            "scheduling_strategy": self._strategy(placement_group=self.pg, placement_group_bundle_index=bundle),
+        }
         if bundle in self._gpu_share:
             out["num_gpus"] = self._gpu_share[bundle]
         return out

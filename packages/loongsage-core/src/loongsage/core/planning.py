@@ -65,13 +65,16 @@ def check_divisible(group_counts: Mapping[str, int], world_size: int, mini_batch
     parts = world_size * mini_batches
     for source, count in group_counts.items():
         if count % parts:
-            raise ValueError(f"source {source!r}: {count} groups per step cannot be shared exactly by "
-                             f"trainer.world_size x trainer.mini_batches_per_step = {world_size} x {mini_batches} "
-                             f"= {parts} parts; make it a multiple of {parts}")
+            raise ValueError(
+                f"source {source!r}: {count} groups per step cannot be shared exactly by "
+                f"trainer.world_size x trainer.mini_batches_per_step = {world_size} x {mini_batches} "
+                f"= {parts} parts; make it a multiple of {parts}"
+            )
 
 
-def plan_step(groups: Sequence[Sequence[Trajectory]], world_size: int, mini_batches: int,
-              quotas: Mapping[str, int] | None = None) -> StepPlan:
+def plan_step(
+    groups: Sequence[Sequence[Trajectory]], world_size: int, mini_batches: int, quotas: Mapping[str, int] | None = None
+) -> StepPlan:
     """Deal the step's groups to ``world_size`` ranks x ``mini_batches`` mini-batches.
 
     ``quotas`` (groups per step of each source, its ``prompts_per_step``), when given, are checked
@@ -92,8 +95,10 @@ def plan_step(groups: Sequence[Sequence[Trajectory]], world_size: int, mini_batc
         check_divisible(quotas, world_size, mini_batches)
         for source, ks in sorted(by_source.items()):
             if len(ks) > quotas.get(source, 0):
-                raise ValueError(f"plan_step: source {source!r} has {len(ks)} groups, more than its quota of "
-                                 f"{quotas.get(source, 0)} per step")
+                raise ValueError(
+                    f"plan_step: source {source!r} has {len(ks)} groups, more than its quota of "
+                    f"{quotas.get(source, 0)} per step"
+                )
     rows: list[list[list[int]]] = [[[] for _ in range(mini_batches)] for _ in range(world_size)]
     for source in sorted(by_source):
         # longest first (a stable sort: equal loads keep their order), dealt in snake order

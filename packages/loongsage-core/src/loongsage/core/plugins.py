@@ -97,8 +97,7 @@ class Registry:
         self._providers[id(module)] = provider
         self._tables = None
 
-    def load(self, extra_modules: list[str] | tuple[str, ...] = (),
-             search_dirs: Iterable[str | Path] = ()) -> Registry:
+    def load(self, extra_modules: list[str] | tuple[str, ...] = (), search_dirs: Iterable[str | Path] = ()) -> Registry:
         """Register the built-ins, the entry points, then ``extra_modules`` (``plugins:``), each of
         those imported as installed or else from the first of ``search_dirs`` and the working
         directory that holds it."""
@@ -108,7 +107,9 @@ class Registry:
             try:
                 module = ep.load()
             except Exception as exc:
-                raise ConfigError(f"plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}") from exc
+                raise ConfigError(
+                    f"plugin {ep.name!r} from {dist} failed to load: {type(exc).__name__}: {exc}"
+                ) from exc
             self.register_module(module, f"{dist} ({ep.value})", f"plugin {ep.name!r} from {dist} ({ep.value})")
         for path in extra_modules:
             folders = list(dict.fromkeys(Path(d).resolve() for d in (*search_dirs, Path.cwd())))
@@ -133,7 +134,8 @@ class Registry:
                         cat = factory.kind
                         if cat not in BACKEND_KINDS:
                             raise ConfigError(
-                                f"backend {name!r} from {provider}: kind {cat!r} is not one of {', '.join(BACKEND_KINDS)}"
+                                f"backend {name!r} from {provider}: kind {cat!r} is not one of "
+                                f"{', '.join(BACKEND_KINDS)}"
                             )
                     table = tables[cat]
                     if name in table:
@@ -177,8 +179,15 @@ class Registry:
             raise ConfigError(f"{where}: unknown {category} {name!r}; known: {known}{hint}")
         return table[name]
 
-    def check(self, category: str, spec: dict[str, Any] | None, path: str, *, skip: tuple[str, ...] = (),
-              contract: type | None = None) -> dict:
+    def check(
+        self,
+        category: str,
+        spec: dict[str, Any] | None,
+        path: str,
+        *,
+        skip: tuple[str, ...] = (),
+        contract: type | None = None,
+    ) -> dict:
         """Validate a ``{name, params}`` spec without building it; return the coerced params.
 
         ``contract``: a role that asks for more than the category (a trainer used as the critic:
@@ -196,8 +205,9 @@ class Registry:
                 raise entry.refuse(problem, path)
         return check_params(entry.factory, spec.get("params") or {}, f"{path}.params", skip=skip)
 
-    def create(self, category: str, spec: dict[str, Any], path: str = "", *, contract: type | None = None,
-               **supplied: Any) -> Any:
+    def create(
+        self, category: str, spec: dict[str, Any], path: str = "", *, contract: type | None = None, **supplied: Any
+    ) -> Any:
         """Build the implementation a ``{name, params}`` spec names; ``supplied`` are framework args.
 
         What is built is checked against the category's contract, or against ``contract`` where
@@ -229,8 +239,7 @@ def _contract(category: str) -> type:
     return contracts.HOOKS[category] if category in contracts.HOOKS else contracts.BACKENDS[category]
 
 
-def load_registry(extra_modules: list[str] | tuple[str, ...] = (),
-                  search_dirs: Iterable[str | Path] = ()) -> Registry:
+def load_registry(extra_modules: list[str] | tuple[str, ...] = (), search_dirs: Iterable[str | Path] = ()) -> Registry:
     return Registry().load(extra_modules, search_dirs)
 
 
@@ -253,8 +262,10 @@ def _hook_problem(pm: pluggy.PluginManager, module: Any) -> str | None:
         hooklike = name in hookspecs.HOOK_NAMES or (name.startswith(f"{hookspecs.PROJECT}_") and _suggest(name))
         if hooklike and pm.parse_hookimpl_opts(module, name) is None:
             hint = "" if name in hookspecs.HOOK_NAMES else _suggest(name)
-            return (f"function {name}(){hint} is not marked @hookimpl, so it registers nothing; decorate it with "
-                    "@hookimpl (from loongsage.core.hookspecs import hookimpl)")
+            return (
+                f"function {name}(){hint} is not marked @hookimpl, so it registers nothing; decorate it with "
+                "@hookimpl (from loongsage.core.hookspecs import hookimpl)"
+            )
     callers = pm.get_hookcallers(module) or []
     for caller in sorted(callers, key=lambda c: c.name):
         optional = all(impl.optionalhook for impl in caller.get_hookimpls() if impl.plugin is module)
@@ -266,8 +277,10 @@ def _hook_problem(pm: pluggy.PluginManager, module: Any) -> str | None:
             origin = f" (imported from {source})" if source not in (None, getattr(module, "__name__", None)) else ""
             return f"@hookimpl {caller.name}(){origin} is not a LoongSage hook{hint}, so it would never be called"
     if not callers:
-        return (f"provides no @hookimpl function, so it adds nothing; a plugin module defines functions named after "
-                f"the hooks ({', '.join(hookspecs.HOOK_NAMES)}) marked @hookimpl (from loongsage.core.hookspecs)")
+        return (
+            f"provides no @hookimpl function, so it adds nothing; a plugin module defines functions named after "
+            f"the hooks ({', '.join(hookspecs.HOOK_NAMES)}) marked @hookimpl (from loongsage.core.hookspecs)"
+        )
     return None
 
 
@@ -281,14 +294,18 @@ def _hook_result(impl: Any, hook_name: str, provider: str) -> Mapping[str, Any]:
     if mapping is None:
         return {}
     if not isinstance(mapping, Mapping):
-        raise ConfigError(f"{where} returned a {type(mapping).__name__}; a hook returns a mapping of entry names to "
-                          "factories, e.g. {'my_entry': MyClass}")
+        raise ConfigError(
+            f"{where} returned a {type(mapping).__name__}; a hook returns a mapping of entry names to "
+            "factories, e.g. {'my_entry': MyClass}"
+        )
     for name, factory in mapping.items():
         if not isinstance(name, str):
             raise ConfigError(f"{where} returned the key {name!r} ({type(name).__name__}); entry names are strings")
         if not callable(factory):
-            raise ConfigError(f"{where} maps {name!r} to a {type(factory).__name__}, which is not callable; map it to "
-                              "the factory (a class or a function) that builds the entry")
+            raise ConfigError(
+                f"{where} maps {name!r} to a {type(factory).__name__}, which is not callable; map it to "
+                "the factory (a class or a function) that builds the entry"
+            )
     return mapping
 
 
@@ -311,13 +328,16 @@ def _import_plugin(path: str, search_dirs: list[Path]) -> Any:
             try:
                 return importlib.import_module(path)
             except Exception as exc:
-                raise ConfigError(f"plugins: module {path!r} (in {folder}) failed to import: "
-                                  f"{type(exc).__name__}: {exc}") from exc
+                raise ConfigError(
+                    f"plugins: module {path!r} (in {folder}) failed to import: {type(exc).__name__}: {exc}"
+                ) from exc
     looked = f" and in {', '.join(str(folder) for folder in search_dirs)}" if search_dirs else ""
-    raise ConfigError(f"plugins: module {path!r} failed to import: {type(missing).__name__}: {missing}; looked in "
-                      f"the installed packages (sys.path){looked}; a plugins: module must be importable: put "
-                      f"{top}.py beside the recipe or in the working directory, pip install its package, or add its "
-                      "folder to PYTHONPATH")
+    raise ConfigError(
+        f"plugins: module {path!r} failed to import: {type(missing).__name__}: {missing}; looked in "
+        f"the installed packages (sys.path){looked}; a plugins: module must be importable: put "
+        f"{top}.py beside the recipe or in the working directory, pip install its package, or add its "
+        "folder to PYTHONPATH"
+    )
 
 
 def _add_to_path(folder: Path) -> None:

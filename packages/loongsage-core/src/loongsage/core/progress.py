@@ -14,8 +14,9 @@ class StepProgress:
         if enabled:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=start, desc="train", unit="step", file=sys.stderr,
-                             dynamic_ncols=True, leave=True)
+            self._bar = tqdm(
+                total=total, initial=start, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True, leave=True
+            )
 
     def update(self, metrics: dict[str, Any]) -> None:
         if self._bar is None:

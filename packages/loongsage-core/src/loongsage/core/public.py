@@ -19,19 +19,19 @@ from __future__ import annotations
 
 PLUGIN_SURFACE: dict[str, frozenset[str] | None] = {
     # what plugins implement and exchange
-    "loongsage.core.contracts": None,        # one Protocol per extension point and backend kind
-    "loongsage.core.types": None,            # the data that crosses them (records, trajectories, batches)
-    "loongsage.core.hookspecs": None,        # the hooks a plugin module implements
-    "loongsage.core.entries": None,          # registry entries made from pure functions (@entry)
+    "loongsage.core.contracts": None,  # one Protocol per extension point and backend kind
+    "loongsage.core.types": None,  # the data that crosses them (records, trajectories, batches)
+    "loongsage.core.hookspecs": None,  # the hooks a plugin module implements
+    "loongsage.core.entries": None,  # registry entries made from pure functions (@entry)
     "loongsage.core.schema": frozenset({"ranged"}),  # bounds on a dataclass param
     # building blocks
-    "loongsage.core.buckets": None,          # weights in flat buffers: the bucketing every transport shares
-    "loongsage.core.transport": None,        # a push's commit and statistics; the ``cpu`` transport
-    "loongsage.core.segments": None,         # multi-segment trajectories in a model's forward
-    "loongsage.core.metrics": None,          # the metrics a step returns
-    "loongsage.core.rollout.seeds": None,    # sampling seeds that follow the data stream
-    "loongsage.core.model_math": None,       # log-probs, entropies, the FP32 head, dtypes, rank sums, RNG state
-    "loongsage.core.tinytask": None,         # tokenizer, tiny model, tasks, warm starts and the builds cache
+    "loongsage.core.buckets": None,  # weights in flat buffers: the bucketing every transport shares
+    "loongsage.core.transport": None,  # a push's commit and statistics; the ``cpu`` transport
+    "loongsage.core.segments": None,  # multi-segment trajectories in a model's forward
+    "loongsage.core.metrics": None,  # the metrics a step returns
+    "loongsage.core.rollout.seeds": None,  # sampling seeds that follow the data stream
+    "loongsage.core.model_math": None,  # log-probs, entropies, the FP32 head, dtypes, rank sums, RNG state
+    "loongsage.core.tinytask": None,  # tokenizer, tiny model, tasks, warm starts and the builds cache
     # a trainer backend: the trainer skeleton and the contract of the model adapter it drives; the
     # LoRA params a trainer refuses by type; the embedded teacher a teacher backend specialises
     "loongsage.core.trainer.skeleton": frozenset({"TrainerSkeleton", "check_dtype"}),

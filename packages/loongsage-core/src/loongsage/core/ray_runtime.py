@@ -65,8 +65,10 @@ def start_ray(num_cpus: int) -> None:
             hint = f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} is set: unset it so that the run starts a Ray of its own"
         elif isinstance(exc, TimeoutError) or "timed out" in str(exc):
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-            hint = (f"the machine is too busy for Ray to come up in time (load average {load:.1f} on {os.cpu_count()} "
-                    "cores); try again when it is less busy")
+            hint = (
+                f"the machine is too busy for Ray to come up in time (load average {load:.1f} on {os.cpu_count()} "
+                "cores); try again when it is less busy"
+            )
         else:
             hint = "see the traceback"
         raise RunError(f"Ray did not start: {first}; {hint}") from exc
@@ -123,5 +125,3 @@ def init_ray_environment() -> None:
     Workers run in this very environment (same interpreter, same site-packages); Ray's `uv run` hook
     would instead try to rebuild a uv project inside every worker's working directory."""
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-
-

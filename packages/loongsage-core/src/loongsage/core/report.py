@@ -21,7 +21,9 @@ PANELS: dict[str, Callable[[str], bool]] = {
     "policy": lambda k: k in ("train/entropy", "train/clipfrac", "train/dual_clipfrac"),
     "kl": lambda k: k in ("train/kl", "train/ppo_kl", "train/mopd_kl"),
     "consistency": lambda k: k in ("train/is_approx_k3_kl", "train/is_logprob_abs_diff"),
-    "response_length": lambda k: k == "rollout/response_length_mean" or (k.startswith("eval/") and k.endswith("/response_length")),
+    "response_length": lambda k: (
+        k == "rollout/response_length_mean" or (k.startswith("eval/") and k.endswith("/response_length"))
+    ),
     "timing": lambda k: k.startswith("timing/"),
 }
 TITLES = {

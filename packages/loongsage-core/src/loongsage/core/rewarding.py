@@ -15,8 +15,9 @@ from loongsage.core.contracts import RewardContext
 from loongsage.core.types import DataRecord, Trajectory
 
 
-def call_reward(reward: Any, trajectory: Trajectory, record: DataRecord,
-                ctx: RewardContext | None) -> float | Awaitable[float]:
+def call_reward(
+    reward: Any, trajectory: Trajectory, record: DataRecord, ctx: RewardContext | None
+) -> float | Awaitable[float]:
     """``reward(trajectory, record[, ctx=ctx])``: the context only to a reward that declares
     ``takes_context`` (an empty one when the caller has none). ``reward`` is an entry the registry
     built, so its flags are set (the defaults of those it left out)."""

@@ -148,11 +148,13 @@ class TeacherGroup(RoleGroup):
 
     def score(self, batch: TrainBatch, topk: int, full_vocab: bool) -> list[tuple[list[int], dict[str, Any]]]:
         """``(rows, scores)`` per teacher with rows in ``batch``, the teachers scoring concurrently."""
-        rows_of = {j: [i for i, s in enumerate(batch.sources) if s in sources]
-                   for j, sources in enumerate(self.sources)}
+        rows_of = {
+            j: [i for i, s in enumerate(batch.sources) if s in sources] for j, sources in enumerate(self.sources)
+        }
         rows_of = {j: rows for j, rows in rows_of.items() if rows}  # a teacher with no row is not called
-        scores = self.group.call("score", per_rank([batch.select(rows) for rows in rows_of.values()]),
-                                 topk, full_vocab, ranks=list(rows_of))
+        scores = self.group.call(
+            "score", per_rank([batch.select(rows) for rows in rows_of.values()]), topk, full_vocab, ranks=list(rows_of)
+        )
         return list(zip(rows_of.values(), scores))
 
 

@@ -31,8 +31,12 @@ class Range:
 
     def allows(self, value: float) -> bool:
         # written as "not (ok)" so that NaN, which fails every comparison, is refused
-        return not ((self.ge is not None and not value >= self.ge) or (self.gt is not None and not value > self.gt)
-                    or (self.le is not None and not value <= self.le) or (self.lt is not None and not value < self.lt))
+        return not (
+            (self.ge is not None and not value >= self.ge)
+            or (self.gt is not None and not value > self.gt)
+            or (self.le is not None and not value <= self.le)
+            or (self.lt is not None and not value < self.lt)
+        )
 
     def describe(self) -> str:
         low = f"[{self.ge:g}" if self.ge is not None else f"({self.gt:g}" if self.gt is not None else ""
@@ -48,9 +52,16 @@ class Range:
         return f"{text} ({self.note})" if self.note else text
 
 
-def ranged(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
-           le: float | None = None, lt: float | None = None, note: str = "",
-           default_factory: Any = dataclasses.MISSING) -> Any:
+def ranged(
+    default: Any = dataclasses.MISSING,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    note: str = "",
+    default_factory: Any = dataclasses.MISSING,
+) -> Any:
     """A dataclass field with an allowed range, checked by :func:`check_params` (so by ``build_dataclass``
     and every plugin's params) with the usual one-line error::
 

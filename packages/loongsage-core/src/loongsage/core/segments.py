@@ -36,8 +36,9 @@ from torch import Tensor
 from loongsage.core.types import Segment, TrainBatch
 
 
-def check_segments(segments: Sequence[Segment], length: int, loss_mask: Sequence[int], prompt_length: int,
-                   where: str) -> None:
+def check_segments(
+    segments: Sequence[Segment], length: int, loss_mask: Sequence[int], prompt_length: int, where: str
+) -> None:
     """Raise ``ValueError`` (one line naming ``where``) unless ``segments`` tile ``[0, length)`` in
     order, none empty, and no segment after the first starts on a trained token.
 
@@ -49,16 +50,20 @@ def check_segments(segments: Sequence[Segment], length: int, loss_mask: Sequence
     expected = 0
     for k, (start, end) in enumerate(spans):
         if start != expected or end <= start:
-            raise ValueError(f"{where}: segments {spans} must tile tokens [0, {length}) in order, none empty "
-                             f"(segment {k} is [{start}, {end}))")
+            raise ValueError(
+                f"{where}: segments {spans} must tile tokens [0, {length}) in order, none empty "
+                f"(segment {k} is [{start}, {end}))"
+            )
         expected = end
     if expected != length:
         raise ValueError(f"{where}: segments {spans} end at {expected}, not at the trajectory's {length} tokens")
     for k, (start, _) in enumerate(spans[1:], start=1):
         # the first segment's head is position 0, as for a trajectory without segments
         if start >= prompt_length and loss_mask[start - prompt_length]:
-            raise ValueError(f"{where}: segment {k} starts at token {start}, which is trained; a segment "
-                             "starts with its prompt (its first token has nothing before it to be predicted from)")
+            raise ValueError(
+                f"{where}: segment {k} starts at token {start}, which is trained; a segment "
+                "starts with its prompt (its first token has nothing before it to be predicted from)"
+            )
 
 
 def is_split(segments: Sequence[Sequence[Segment]]) -> bool:
@@ -158,8 +163,10 @@ class SegmentLayout:
                 out += list(record)
             else:
                 got = f"{len(record)} records" if isinstance(record, (list, tuple)) else "one for the whole row"
-                raise ValueError(f"routed_experts: row {row} has {count} segments; expected one record per "
-                                 f"segment (a list), got {got}")
+                raise ValueError(
+                    f"routed_experts: row {row} has {count} segments; expected one record per "
+                    f"segment (a list), got {got}"
+                )
         return out
 
 
@@ -176,5 +183,9 @@ def segment_layout(batch: TrainBatch) -> SegmentLayout | None:
             if s.end > length:
                 raise ValueError(f"row {i}: segment [{s.start}, {s.end}) reaches past its {int(length)} tokens")
             rows.append(i), starts.append(int(s.start)), sizes.append(int(s.end) - int(s.start))
-    return SegmentLayout(torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long),
-                         torch.tensor(sizes, dtype=torch.long), len(lengths))
+    return SegmentLayout(
+        torch.tensor(rows, dtype=torch.long),
+        torch.tensor(starts, dtype=torch.long),
+        torch.tensor(sizes, dtype=torch.long),
+        len(lengths),
+    )

@@ -61,8 +61,9 @@ class RunServices:
     """The run's services, started in order and stopped in reverse (each stop on its own)."""
 
     def __init__(self, specs: list[dict[str, Any]], registry: Any):
-        self.entries = [(spec["name"], registry.create("service", spec, f"services.{i}"))
-                        for i, spec in enumerate(specs)]
+        self.entries = [
+            (spec["name"], registry.create("service", spec, f"services.{i}")) for i, spec in enumerate(specs)
+        ]
         self.handles: dict[str, Any] = {}
         self.shared: dict[str, Any] = {}  # share() of the services that have it: for rewards
         self._started: list[tuple[str, Any]] = []

@@ -50,12 +50,15 @@ def load_serve_config(target: str | None, overrides: list[str], *, config_dir: s
         raise ConfigError(f"serve: the recipe or model comes first, got the override {target!r}; {usage}")
     if folder.is_dir():
         if not (folder / "config.json").is_file():
-            raise ConfigError(f"serve: {target!r} is a folder without config.json; pass a recipe (e.g. "
-                              "tiny/grpo_arith_cpu) or an HF model folder")
+            raise ConfigError(
+                f"serve: {target!r} is a folder without config.json; pass a recipe (e.g. "
+                "tiny/grpo_arith_cpu) or an HF model folder"
+            )
         with tempfile.TemporaryDirectory() as tmp:  # a one-key recipe, so overrides compose as on a recipe
             recipe = Path(tmp) / "model.yaml"
-            recipe.write_text(f"run: {{name: {_quoted(folder.resolve().name)}}}\n"
-                              f"model: {{path: {_quoted(str(folder.resolve()))}}}\n")
+            recipe.write_text(
+                f"run: {{name: {_quoted(folder.resolve().name)}}}\nmodel: {{path: {_quoted(str(folder.resolve()))}}}\n"
+            )
             raw = compose(recipe, overrides)
     else:
         raw = compose(find_recipe(target, config_dir), overrides)
@@ -74,8 +77,10 @@ def load_serve_config(target: str | None, overrides: list[str], *, config_dir: s
     names = [spec.get("name") if isinstance(spec, dict) else None for spec in cfg.services]
     if GATEWAY not in names:
         if GATEWAY not in registry.tables["service"]:
-            raise ConfigError(f"serve: no provider of the run service {GATEWAY!r} is installed; pip install "
-                              f"loongsage-agentflow (services installed: {registry.names('service') or 'none'})")
+            raise ConfigError(
+                f"serve: no provider of the run service {GATEWAY!r} is installed; pip install "
+                f"loongsage-agentflow (services installed: {registry.names('service') or 'none'})"
+            )
         cfg.services.append(dict(DEFAULT_GATEWAY))
         names.append(GATEWAY)
     for j, spec in enumerate(cfg.services):
@@ -86,8 +91,9 @@ def load_serve_config(target: str | None, overrides: list[str], *, config_dir: s
 
 
 def _port_error(port: int, exc: OSError) -> str:
-    what = ("already in use on this machine" if exc.errno == errno.EADDRINUSE
-            else f"cannot listen: {exc.strerror or exc}")
+    what = (
+        "already in use on this machine" if exc.errno == errno.EADDRINUSE else f"cannot listen: {exc.strerror or exc}"
+    )
     return f"--port {port}: {what}; choose another, or leave --port out for a free one"
 
 
@@ -125,16 +131,33 @@ def serve(cfg: Config, registry: Any, *, record_dir: Path, port: int = 0, host: 
         total = cluster_resources()
         for key, amount in need.items():
             if total.get(key, 0.0) < amount - 1e-9:
-                raise ConfigError(f"serve: {count} engine{'s' if count > 1 else ''} need {amount:g} {key} "
-                                  f"(rollout.num_engines x placement.{key.lower()}s_per_actor) and this Ray has "
-                                  f"{total.get(key, 0.0):g}; lower rollout.num_engines or the per-actor resources")
-        options = {"num_cpus": p.cpus_per_actor, "max_concurrency": 1000,
-                   **({"num_gpus": p.gpus_per_actor} if p.gpus_per_actor else {})}
-        engines = WorkerGroup.start("engine", EngineWorker, [
-            Slot(None, options, (cfg, model_path, i, p.torch_threads, None)) for i in range(count)], ready="version")
+                raise ConfigError(
+                    f"serve: {count} engine{'s' if count > 1 else ''} need {amount:g} {key} "
+                    f"(rollout.num_engines x placement.{key.lower()}s_per_actor) and this Ray has "
+                    f"{total.get(key, 0.0):g}; lower rollout.num_engines or the per-actor resources"
+                )
+        options = {
+            "num_cpus": p.cpus_per_actor,
+            "max_concurrency": 1000,
+            **({"num_gpus": p.gpus_per_actor} if p.gpus_per_actor else {}),
+        }
+        engines = WorkerGroup.start(
+            "engine",
+            EngineWorker,
+            [Slot(None, options, (cfg, model_path, i, p.torch_threads, None)) for i in range(count)],
+            ready="version",
+        )
         wait_ready([engines])
-        summary = asyncio.run(_serve(cfg, registry, engines.actors, tokenizer, model_path,
-                                     Serving(record_dir=Path(record_dir), port=int(port), host=host)))
+        summary = asyncio.run(
+            _serve(
+                cfg,
+                registry,
+                engines.actors,
+                tokenizer,
+                model_path,
+                Serving(record_dir=Path(record_dir), port=int(port), host=host),
+            )
+        )
     except KeyboardInterrupt:
         pass  # a signal during start-up: the summary says so
     finally:
@@ -153,8 +176,9 @@ def serve(cfg: Config, registry: Any, *, record_dir: Path, port: int = 0, host: 
     return summary
 
 
-async def _serve(cfg: Config, registry: Any, engines: list[Any], tokenizer: Any, model_path: str,
-                 serving: Serving) -> str:
+async def _serve(
+    cfg: Config, registry: Any, engines: list[Any], tokenizer: Any, model_path: str, serving: Serving
+) -> str:
     """The services over the engine router until a signal; returns the line to end with."""
     from loongsage.core.rollout import EngineRouter
 
@@ -165,9 +189,17 @@ async def _serve(cfg: Config, registry: Any, engines: list[Any], tokenizer: Any,
     services = RunServices(cfg.services, registry)
     try:
         try:
-            await services.start(ServiceContext(
-                engine=router, tokenizer=tokenizer, model_path=model_path, run_dir=cfg.run_dir.resolve(),
-                registry=registry, seed=cfg.run.seed, serving=serving))
+            await services.start(
+                ServiceContext(
+                    engine=router,
+                    tokenizer=tokenizer,
+                    model_path=model_path,
+                    run_dir=cfg.run_dir.resolve(),
+                    registry=registry,
+                    seed=cfg.run.seed,
+                    serving=serving,
+                )
+            )
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
@@ -199,4 +231,3 @@ def prepare(cfg: Config, record: str | None, port: int, host: str | None = None)
         except OSError as exc:
             raise ConfigError(f"{key}: cannot create the directory {str(path)!r}: {exc.strerror or exc}") from None
     return record_dir
-

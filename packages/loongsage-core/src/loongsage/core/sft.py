@@ -41,8 +41,10 @@ def conversation_of(record: DataRecord) -> list[dict[str, Any]]:
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
     if not any(m.get("role") == "assistant" for m in messages):
         if not isinstance(record.label, str):
-            raise ValueError(f"sft: record {record.source}[{record.index}] has no assistant message "
-                             f"and no string label to use as one")
+            raise ValueError(
+                f"sft: record {record.source}[{record.index}] has no assistant message "
+                f"and no string label to use as one"
+            )
         messages.append({"role": "assistant", "content": record.label})
     return messages
 
@@ -50,8 +52,11 @@ def conversation_of(record: DataRecord) -> list[dict[str, Any]]:
 def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool = False) -> list[int]:
     if not messages and not generation_prompt:
         return []
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                              tokenize=True, return_dict=False))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+        )
+    )
 
 
 def _extends(prefix: list[int], tokens: list[int], what: str) -> None:
@@ -79,7 +84,7 @@ def teacher_forced_tokens(tokenizer: Any, messages: list[dict[str, Any]]) -> tup
             header = _render(tokenizer, messages[:k], generation_prompt=True)
             _extends(tokens, header, f"the header of message {k}")
             _extends(header, full, f"message {k} after its header")
-            own = full[len(header):]
+            own = full[len(header) :]
             ends = [i for i, t in enumerate(own) if t == eos]
             stop = ends[-1] + 1 if ends else len(own)  # through the end-of-turn token
             mask += [0] * (len(header) - len(tokens)) + [1] * stop + [0] * (len(own) - stop)
@@ -101,13 +106,21 @@ class SFTAgent(Agent):
             raise ValueError(f"sft: record {record.source}[{record.index}] renders no assistant token")
         split = mask.index(1)
         response = tokens[split:]
-        return [Trajectory(
-            source=record.source, group_id=ctx.group_id, sample_index=0, prompt_ids=tokens[:split],
-            response_ids=response, loss_mask=mask[split:], rollout_logprobs=[0.0] * len(response),
-            versions=[-1] * len(response), status=Status.OK,
-            response_text=ctx.tokenizer.decode(tokens[start:end], skip_special_tokens=True),
-            metadata={"record_index": record.index, "teacher_forced": True},
-        )]
+        return [
+            Trajectory(
+                source=record.source,
+                group_id=ctx.group_id,
+                sample_index=0,
+                prompt_ids=tokens[:split],
+                response_ids=response,
+                loss_mask=mask[split:],
+                rollout_logprobs=[0.0] * len(response),
+                versions=[-1] * len(response),
+                status=Status.OK,
+                response_text=ctx.tokenizer.decode(tokens[start:end], skip_special_tokens=True),
+                metadata={"record_index": record.index, "teacher_forced": True},
+            )
+        ]
 
 
 @dataclass(frozen=True)

@@ -140,9 +140,11 @@ class WandbTracker(Tracker):
             )
         except Exception as exc:
             first = (str(exc).strip().splitlines() or [""])[0]
-            raise RunError(f"wandb tracker: wandb.init failed: {type(exc).__name__}: {first} (log in with `wandb login` "
-                           "or set WANDB_API_KEY; to log without an account or network, use mode offline: "
-                           "WANDB_MODE=offline)") from exc
+            raise RunError(
+                f"wandb tracker: wandb.init failed: {type(exc).__name__}: {first} (log in with `wandb login` "
+                "or set WANDB_API_KEY; to log without an account or network, use mode offline: "
+                "WANDB_MODE=offline)"
+            ) from exc
         id_file.write_text(run_id + "\n")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -181,8 +183,12 @@ def check_trackers(registry: Any, backends: list[Any]) -> None:
 
 def create_trackers(registry: Any, cfg: Any, run_dir: Path) -> list[Any]:
     """Build the trackers of ``cfg.tracking.backends`` for the run in ``run_dir``."""
-    available = {"run_dir": str(run_dir), "run_name": cfg.run.name, "config": cfg.to_dict(),
-                 "resume": cfg.checkpoint.resume}
+    available = {
+        "run_dir": str(run_dir),
+        "run_name": cfg.run.name,
+        "config": cfg.to_dict(),
+        "resume": cfg.checkpoint.resume,
+    }
     trackers: list[Any] = []
     try:
         for j, entry in enumerate(cfg.tracking.backends):

@@ -31,7 +31,11 @@ class CpuReceiver(TransportReceiver):
         with warnings.catch_warnings():
             # A shared-memory view is read-only; it is only read here and every tensor is copied out.
             warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(memoryview(buffer), dtype=torch.uint8) if buffer.size else torch.empty(0, dtype=torch.uint8)
+            flat = (
+                torch.frombuffer(memoryview(buffer), dtype=torch.uint8)
+                if buffer.size
+                else torch.empty(0, dtype=torch.uint8)
+            )
         return unpack(metas, flat, copy=True)
 
 

@@ -155,16 +155,20 @@ def abort_targets(request_ids: list[str] | str | None, in_flight: Iterable[str])
 def check_resumable(prefix: str, request: GenerationRequest, prior: GenerationResult) -> None:
     """One-line errors (``prefix`` first) for a ``resume_from`` that cannot be continued."""
     if prior.finish_reason is not FinishReason.ABORT:
-        raise ValueError(prefix + f"resume_from has finish_reason={prior.finish_reason.value!r}: "
-                         "only an aborted sample can be resumed")
+        raise ValueError(
+            prefix + f"resume_from has finish_reason={prior.finish_reason.value!r}: "
+            "only an aborted sample can be resumed"
+        )
     if request.sampling.n != 1:
         raise ValueError(prefix + f"sampling.n={request.sampling.n}: a resumed request continues one sample (n=1)")
     lengths = {len(prior.output_ids), len(prior.logprobs), len(prior.versions)}
     if len(lengths) != 1:
         raise ValueError(prefix + "resume_from.output_ids, logprobs and versions must have equal lengths")
     if len(prior.output_ids) >= request.sampling.max_new_tokens:
-        raise ValueError(prefix + f"resume_from already holds {len(prior.output_ids)} tokens: nothing left of "
-                         f"sampling.max_new_tokens={request.sampling.max_new_tokens}")
+        raise ValueError(
+            prefix + f"resume_from already holds {len(prior.output_ids)} tokens: nothing left of "
+            f"sampling.max_new_tokens={request.sampling.max_new_tokens}"
+        )
 
 
 @dataclass
@@ -295,16 +299,33 @@ class TrainBatch:
     def to(self, device: Any) -> TrainBatch:
         """The batch with every tensor on ``device`` (itself when nothing has to move)."""
         device = torch.device(device)
-        moved = {name: value.to(device) for name in self.tensor_fields()
-                 if (value := getattr(self, name)) is not None and value.device != device}
+        moved = {
+            name: value.to(device)
+            for name in self.tensor_fields()
+            if (value := getattr(self, name)) is not None and value.device != device
+        }
         return dataclasses.replace(self, **moved) if moved else self
 
     @staticmethod
     def tensor_fields() -> tuple[str, ...]:
         return (
-            "input_ids", "attention_mask", "response_mask", "rollout_logprobs", "advantages",
-            "rewards", "group_ids", "old_logprobs", "ref_logprobs", "loss_weights", "values", "returns",
-            "teacher_logprobs", "teacher_dist_ids", "teacher_dist_logprobs", "versions", "token_rewards",
+            "input_ids",
+            "attention_mask",
+            "response_mask",
+            "rollout_logprobs",
+            "advantages",
+            "rewards",
+            "group_ids",
+            "old_logprobs",
+            "ref_logprobs",
+            "loss_weights",
+            "values",
+            "returns",
+            "teacher_logprobs",
+            "teacher_dist_ids",
+            "teacher_dist_logprobs",
+            "versions",
+            "token_rewards",
             "sample_indices",
         )
 

@@ -80,7 +80,8 @@ def resolve_defaults(cfg: Config) -> Config:
     placement = cfg.placement
     if placement.release_engine_memory is None:  # colocated (hence synchronous) on GPUs
         placement = dataclasses.replace(
-            placement, release_engine_memory=bool(placement.colocate and placement.gpus_per_actor > 0))
+            placement, release_engine_memory=bool(placement.colocate and placement.gpus_per_actor > 0)
+        )
     rollout = cfg.rollout
     if rollout.transport is None:
         rollout = dataclasses.replace(rollout, transport=transport_for(placement))
@@ -105,9 +106,11 @@ def placement_fits(cfg: Config, registry: Any) -> None:
     need, how = placement_demand(cfg)
     num_cpus = cfg.placement.num_cpus
     if num_cpus is not None and num_cpus < need["CPU"] - 1e-9:
-        raise ConfigError(f"placement.num_cpus={num_cpus}: the placement needs {need['CPU']:g} CPUs, {how['CPU']}; "
-                          f"set placement.num_cpus >= {math.ceil(need['CPU'] - 1e-9)}, lower placement.cpus_per_actor, "
-                          "or leave placement.num_cpus null")
+        raise ConfigError(
+            f"placement.num_cpus={num_cpus}: the placement needs {need['CPU']:g} CPUs, {how['CPU']}; "
+            f"set placement.num_cpus >= {math.ceil(need['CPU'] - 1e-9)}, lower placement.cpus_per_actor, "
+            "or leave placement.num_cpus null"
+        )
 
 
 def data_sources_named(cfg: Config, registry: Any) -> None:
@@ -124,8 +127,9 @@ def model_source(cfg: Config, registry: Any) -> None:
     if cfg.model.path is None and cfg.model.builder is None:
         raise ConfigError("model: set model.path (a local HF folder) or model.builder")
     if cfg.model.path is not None and cfg.model.builder is not None:  # composing keeps one; a dict given here may not
-        raise ConfigError("model: model.path and model.builder are both set; keep one (the run would start from one "
-                          "model)")
+        raise ConfigError(
+            "model: model.path and model.builder are both set; keep one (the run would start from one model)"
+        )
     if cfg.model.builder is not None:
         registry.create("model_builder", cfg.model.builder, "model.builder")
     elif not (Path(cfg.model.path) / "config.json").is_file():
@@ -155,8 +159,10 @@ def _source_agents(cfg: Config, registry: Any, src: DataSourceConfig, path: str)
         agent = registry.create("agent", spec, f"{path}.{where}")
         missing = [name for name in agent.required_services if name not in services]
         if missing:
-            raise ConfigError(f"{path}.{where}: agent {spec['name']!r} needs the run service {missing[0]!r}; add "
-                              f"services: [{{name: {missing[0]}}}] (services now: {sorted(services) or 'none'})")
+            raise ConfigError(
+                f"{path}.{where}: agent {spec['name']!r} needs the run service {missing[0]!r}; add "
+                f"services: [{{name: {missing[0]}}}] (services now: {sorted(services) or 'none'})"
+            )
 
 
 def _source_reward(cfg: Config, registry: Any, src: DataSourceConfig, path: str) -> None:
@@ -169,12 +175,16 @@ def _source_teacher(cfg: Config, registry: Any, src: DataSourceConfig, path: str
         check_teacher(registry, src.teacher, f"{path}.teacher", cfg.trainer.backend)
         if cfg.algorithm.distill is None:
             # refused rather than ignored: a teacher costs a model's memory and a forward per step
-            raise ConfigError(f"{path}.teacher is set but algorithm.distill is null, so the teacher would never "
-                              "be called; set algorithm.distill (e.g. {pg_coef: 1.0}) or drop the teacher")
+            raise ConfigError(
+                f"{path}.teacher is set but algorithm.distill is null, so the teacher would never "
+                "be called; set algorithm.distill (e.g. {pg_coef: 1.0}) or drop the teacher"
+            )
     elif cfg.algorithm.distill is not None:
-        raise ConfigError(f"{path}.teacher: algorithm.distill is set, so every data source needs a teacher and "
-                          f"{src.name!r} has none; add one (e.g. {{name: embedded, params: {{path: <HF folder>}}}}) "
-                          "or drop algorithm.distill")
+        raise ConfigError(
+            f"{path}.teacher: algorithm.distill is set, so every data source needs a teacher and "
+            f"{src.name!r} has none; add one (e.g. {{name: embedded, params: {{path: <HF folder>}}}}) "
+            "or drop algorithm.distill"
+        )
 
 
 def _source_sampling(cfg: Config, registry: Any, src: DataSourceConfig, path: str) -> None:
@@ -197,7 +207,12 @@ def _source_proportions(cfg: Config, registry: Any, src: DataSourceConfig, path:
 
 
 SOURCE_CHECKS: tuple[Callable[[Config, Any, DataSourceConfig, str], None], ...] = (
-    _source_readers, _source_agents, _source_reward, _source_teacher, _source_sampling, _source_proportions,
+    _source_readers,
+    _source_agents,
+    _source_reward,
+    _source_teacher,
+    _source_sampling,
+    _source_proportions,
 )
 """What :func:`data_source_entries` checks of each source, in order: ``check(cfg, registry, src, path)``."""
 
@@ -205,8 +220,10 @@ SOURCE_CHECKS: tuple[Callable[[Config, Any, DataSourceConfig, str], None], ...] 
 def teachers_placed_alike(cfg: Config, registry: Any) -> None:
     held = {held_by_trainer(src.teacher) for src in cfg.data_sources if src.teacher is not None}
     if len(held) > 1:
-        raise ConfigError("data_sources: some teachers are held by the trainer (name: trainer) and some run in teacher "
-                          "workers; one run uses one placement for all its teachers")
+        raise ConfigError(
+            "data_sources: some teachers are held by the trainer (name: trainer) and some run in teacher "
+            "workers; one run uses one placement for all its teachers"
+        )
 
 
 def engine(cfg: Config, registry: Any) -> None:
@@ -217,28 +234,36 @@ def scheduler(cfg: Config, registry: Any) -> None:
     """An asynchronous scheduler generates while the trainer trains: not colocated."""
     built = registry.create("rollout_scheduler", cfg.rollout.scheduler, "rollout.scheduler")
     if built.asynchronous and cfg.placement.colocate:
-        raise ConfigError(f"rollout.scheduler.name={cfg.rollout.scheduler['name']!r} generates while the trainer "
-                          "trains, so engines and trainers need separate resources: set placement.colocate=false "
-                          "(colocate=false), or use rollout.scheduler.name='sync'")
+        raise ConfigError(
+            f"rollout.scheduler.name={cfg.rollout.scheduler['name']!r} generates while the trainer "
+            "trains, so engines and trainers need separate resources: set placement.colocate=false "
+            "(colocate=false), or use rollout.scheduler.name='sync'"
+        )
 
 
 def memory_handover(cfg: Config, registry: Any) -> None:
     """Engines and trainer hand each other a device's memory only when they share it (colocated)."""
     if cfg.placement.release_engine_memory and not cfg.placement.colocate:
-        raise ConfigError("placement.release_engine_memory=true: engines give their memory to a trainer on the same "
-                          "device, which needs placement.colocate=true; drop it for a disaggregated placement")
+        raise ConfigError(
+            "placement.release_engine_memory=true: engines give their memory to a trainer on the same "
+            "device, which needs placement.colocate=true; drop it for a disaggregated placement"
+        )
     if cfg.placement.offload_trainer and not cfg.placement.colocate:
-        raise ConfigError("placement.offload_trainer=true: the trainer gives its memory to engines on the same "
-                          "device, which needs placement.colocate=true; drop it for a disaggregated placement")
+        raise ConfigError(
+            "placement.offload_trainer=true: the trainer gives its memory to engines on the same "
+            "device, which needs placement.colocate=true; drop it for a disaggregated placement"
+        )
 
 
 def transport(cfg: Config, registry: Any) -> None:
     """The weight transport, given or implied by the placement, is installed and its params fit."""
     spec = cfg.rollout.transport
     if spec == transport_for(cfg.placement) and spec["name"] not in registry.tables["transport"]:
-        raise ConfigError(f"rollout.transport: placement on GPUs (colocate={cfg.placement.colocate}) uses the "
-                          f"{spec['name']!r} transport of loongsage-sync, which is not installed: "
-                          "pip install loongsage-sync, or set rollout.transport={name: cpu}")
+        raise ConfigError(
+            f"rollout.transport: placement on GPUs (colocate={cfg.placement.colocate}) uses the "
+            f"{spec['name']!r} transport of loongsage-sync, which is not installed: "
+            "pip install loongsage-sync, or set rollout.transport={name: cpu}"
+        )
     registry.create("transport", spec, "rollout.transport")
 
 
@@ -257,9 +282,11 @@ def _policy_loss(cfg: Config, registry: Any) -> Any:
 def advantage(cfg: Config, registry: Any) -> None:
     """An estimator that reads critic values needs a critic."""
     if _advantage(cfg, registry).needs_values and cfg.trainer.critic is None:
-        raise ConfigError(f"algorithm.advantage.name={cfg.algorithm.advantage['name']!r} needs critic values, and "
-                          "this config trains no critic; set trainer.critic (e.g. {backend: {name: torch_critic}}) "
-                          "or choose an outcome estimator (e.g. grpo, rloo)")
+        raise ConfigError(
+            f"algorithm.advantage.name={cfg.algorithm.advantage['name']!r} needs critic values, and "
+            "this config trains no critic; set trainer.critic (e.g. {backend: {name: torch_critic}}) "
+            "or choose an outcome estimator (e.g. grpo, rloo)"
+        )
 
 
 def critic(cfg: Config, registry: Any) -> None:
@@ -268,8 +295,10 @@ def critic(cfg: Config, registry: Any) -> None:
         return
     registry.check("trainer", cfg.trainer.critic.backend, "trainer.critic.backend", skip=_SUPPLIED, contract=Critic)
     if not _advantage(cfg, registry).needs_values:
-        raise ConfigError(f"trainer.critic is set but algorithm.advantage {cfg.algorithm.advantage['name']!r} "
-                          "does not use values; use gae or drop the critic")
+        raise ConfigError(
+            f"trainer.critic is set but algorithm.advantage {cfg.algorithm.advantage['name']!r} "
+            "does not use values; use gae or drop the critic"
+        )
 
 
 def group_size(cfg: Config, registry: Any) -> None:
@@ -280,19 +309,23 @@ def group_size(cfg: Config, registry: Any) -> None:
         need = _advantage(cfg, registry).min_group_size
         for i, src in enumerate(cfg.data_sources):
             if src.samples_per_prompt < need:
-                raise ConfigError(f"data_sources[{i}].samples_per_prompt={src.samples_per_prompt}: advantage "
-                                  f"{cfg.algorithm.advantage['name']!r} compares the samples of a prompt with each "
-                                  f"other, so it needs >= {need} (with fewer every advantage is 0 and the run trains "
-                                  "nothing); raise samples_per_prompt, or use an estimator with a batch baseline "
-                                  "(e.g. reinforce_pp)")
+                raise ConfigError(
+                    f"data_sources[{i}].samples_per_prompt={src.samples_per_prompt}: advantage "
+                    f"{cfg.algorithm.advantage['name']!r} compares the samples of a prompt with each "
+                    f"other, so it needs >= {need} (with fewer every advantage is 0 and the run trains "
+                    "nothing); raise samples_per_prompt, or use an estimator with a batch baseline "
+                    "(e.g. reinforce_pp)"
+                )
 
 
 def aggregation(cfg: Config, registry: Any) -> None:
     """The policy loss is defined for ``algorithm.aggregation``."""
     supported = _policy_loss(cfg, registry).supported_aggregations
     if supported is not None and cfg.algorithm.aggregation not in supported:
-        raise ConfigError(f"algorithm.aggregation={cfg.algorithm.aggregation!r} is not supported by "
-                          f"{cfg.algorithm.policy_loss['name']!r}; allowed: {', '.join(supported)}")
+        raise ConfigError(
+            f"algorithm.aggregation={cfg.algorithm.aggregation!r} is not supported by "
+            f"{cfg.algorithm.policy_loss['name']!r}; allowed: {', '.join(supported)}"
+        )
 
 
 def reference_kl(cfg: Config, registry: Any) -> None:
@@ -300,9 +333,11 @@ def reference_kl(cfg: Config, registry: Any) -> None:
     if cfg.algorithm.kl is not None:
         kl = registry.create("kl", cfg.algorithm.kl, "algorithm.kl")
         if kl.consumes != "logprobs":
-            raise ConfigError(f"algorithm.kl.name={cfg.algorithm.kl['name']!r} consumes {kl.consumes!r}; the reference "
-                              "KL reads log-probs only (k1, k2, k3, low_var_kl); distribution divergences serve "
-                              "algorithm.distill.divergence")
+            raise ConfigError(
+                f"algorithm.kl.name={cfg.algorithm.kl['name']!r} consumes {kl.consumes!r}; the reference "
+                "KL reads log-probs only (k1, k2, k3, low_var_kl); distribution divergences serve "
+                "algorithm.distill.divergence"
+            )
     elif cfg.algorithm.kl_coef:
         raise ConfigError("algorithm.kl_coef is set but algorithm.kl is null; name a KL estimator, e.g. {name: k3}")
 
@@ -310,9 +345,11 @@ def reference_kl(cfg: Config, registry: Any) -> None:
 def kl_in_reward(cfg: Config, registry: Any) -> None:
     """A KL put in the reward needs an estimator that reads token rewards."""
     if cfg.algorithm.kl_in_reward and not _advantage(cfg, registry).uses_token_rewards:
-        raise ConfigError(f"algorithm.kl_in_reward=true: advantage {cfg.algorithm.advantage['name']!r} ignores token "
-                          "rewards, so the KL would have no effect; use an estimator that consumes them (e.g. "
-                          "reinforce_pp) or put the KL in the loss")
+        raise ConfigError(
+            f"algorithm.kl_in_reward=true: advantage {cfg.algorithm.advantage['name']!r} ignores token "
+            "rewards, so the KL would have no effect; use an estimator that consumes them (e.g. "
+            "reinforce_pp) or put the KL in the loss"
+        )
 
 
 def distill_divergence(cfg: Config, registry: Any) -> None:
@@ -380,11 +417,15 @@ def check_machine(cfg: Config, cores: int | None = None) -> None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     p = cfg.placement
     if p.cpus_per_actor > cores:
-        raise ConfigError(f"placement.cpus_per_actor={p.cpus_per_actor:g}: this machine has {cores} CPU core"
-                          f"{'' if cores == 1 else 's'}, so one actor cannot have more; set placement.cpus_per_actor "
-                          f"<= {cores} (it starts Ray itself here; on a Ray cluster, start Ray there first)")
+        raise ConfigError(
+            f"placement.cpus_per_actor={p.cpus_per_actor:g}: this machine has {cores} CPU core"
+            f"{'' if cores == 1 else 's'}, so one actor cannot have more; set placement.cpus_per_actor "
+            f"<= {cores} (it starts Ray itself here; on a Ray cluster, start Ray there first)"
+        )
     need = math.ceil(placement_demand(cfg)[0]["CPU"] - 1e-9)
     if p.num_cpus is not None and p.num_cpus > max(cores, need):
-        raise ConfigError(f"placement.num_cpus={p.num_cpus}: this machine has {cores} CPU core{'' if cores == 1 else 's'} "
-                          f"and the placement needs {need}; set placement.num_cpus <= {max(cores, need)}, or leave it "
-                          "null (every core)")
+        raise ConfigError(
+            f"placement.num_cpus={p.num_cpus}: this machine has {cores} CPU core{'' if cores == 1 else 's'} "
+            f"and the placement needs {need}; set placement.num_cpus <= {max(cores, need)}, or leave it "
+            "null (every core)"
+        )

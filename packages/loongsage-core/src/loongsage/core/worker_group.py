@@ -48,8 +48,15 @@ class WorkerGroup:
     ``ready`` names the member method whose first answer means the member has started.
     """
 
-    def __init__(self, role: str, actors: Sequence[Any], slots: Sequence[Slot] = (), *,
-                 ready: str = "__ray_ready__", actor_class: Any = None):
+    def __init__(
+        self,
+        role: str,
+        actors: Sequence[Any],
+        slots: Sequence[Slot] = (),
+        *,
+        ready: str = "__ray_ready__",
+        actor_class: Any = None,
+    ):
         if slots and len(slots) != len(actors):
             raise ValueError(f"{role}: {len(actors)} actors but {len(slots)} slots")
         self.role, self.actors, self.slots, self.ready = role, list(actors), list(slots), ready
@@ -60,8 +67,9 @@ class WorkerGroup:
         self._lock = threading.Lock()  # replacements of different ranks start in worker threads
 
     @classmethod
-    def start(cls, role: str, worker_class: type, slots: Sequence[Slot], *,
-              ready: str = "__ray_ready__") -> WorkerGroup:
+    def start(
+        cls, role: str, worker_class: type, slots: Sequence[Slot], *, ready: str = "__ray_ready__"
+    ) -> WorkerGroup:
         """Start one ``worker_class`` actor per slot, in rank order, without waiting for them (see
         :meth:`ready_refs`); what was started before a failure is killed."""
         import ray
@@ -98,15 +106,17 @@ class WorkerGroup:
         targets = list(range(len(self.actors))) if ranks is None else list(ranks)
         for value in (*args, *kwargs.values()):
             if isinstance(value, _PerRank) and len(value.values) != len(targets):
-                raise ValueError(f"{self.role}.{method}: {len(value.values)} per-rank values for "
-                                 f"{len(targets)} ranks")
+                raise ValueError(f"{self.role}.{method}: {len(value.values)} per-rank values for {len(targets)} ranks")
 
         def pick(value: Any, i: int) -> Any:
             return value.values[i] if isinstance(value, _PerRank) else value
 
-        return [getattr(self.actors[rank], method).remote(*(pick(a, i) for a in args),
-                                                           **{k: pick(v, i) for k, v in kwargs.items()})
-                for i, rank in enumerate(targets)]
+        return [
+            getattr(self.actors[rank], method).remote(
+                *(pick(a, i) for a in args), **{k: pick(v, i) for k, v in kwargs.items()}
+            )
+            for i, rank in enumerate(targets)
+        ]
 
     def call(self, method: str, *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any) -> list[Any]:
         """:meth:`call_async` and wait: the results in rank order (the first failure raises)."""
@@ -143,8 +153,10 @@ class WorkerGroup:
             ray.kill(actor)
             with self._lock:
                 self._owned = [a for a in self._owned if a is not actor]
-            raise RuntimeError(f"{self.role} {rank}: its replacement did not start within {timeout_s:g} s "
-                               f"(free: {ray.available_resources()})") from None
+            raise RuntimeError(
+                f"{self.role} {rank}: its replacement did not start within {timeout_s:g} s "
+                f"(free: {ray.available_resources()})"
+            ) from None
         log.info("%s %d: replacement started", self.role, rank)
         if install:
             self.actors[rank] = actor

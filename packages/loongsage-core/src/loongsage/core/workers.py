@@ -57,9 +57,17 @@ class PushResult:
 class TrainerWorker:
     """One data-parallel rank of the policy trainer (plus a frozen reference when KL needs it)."""
 
-    def __init__(self, cfg: Config, model_path: str, rank: int = 0, world_size: int = 1,
-                 init_method: str | None = None, threads: int = 0, cores: list[int] | None = None,
-                 teachers: list[tuple[list[str], str]] = ()):
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        rank: int = 0,
+        world_size: int = 1,
+        init_method: str | None = None,
+        threads: int = 0,
+        cores: list[int] | None = None,
+        teachers: list[tuple[list[str], str]] = (),
+    ):
         from loongsage.core.plugins import load_registry
 
         setup_worker(threads, cores)
@@ -68,8 +76,9 @@ class TrainerWorker:
         if world_size > 1:
             # an actor on a GPU sends CUDA tensors (gradients, shards) by NCCL, CPU ones by gloo
             backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-            torch.distributed.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                                                 timeout=timedelta(minutes=10))
+            torch.distributed.init_process_group(
+                backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
+            )
         registry = load_registry(cfg.plugins)
         supplied = model_args(cfg, model_path)
         self.backend = registry.create("trainer", cfg.trainer.backend, "trainer.backend", **supplied)
@@ -156,14 +165,18 @@ class TrainerWorker:
 class EngineWorker:
     """One rollout engine replica; receives weights through the transport's buckets."""
 
-    def __init__(self, cfg: Config, model_path: str, index: int = 0, threads: int = 0,
-                 cores: list[int] | None = None):
+    def __init__(self, cfg: Config, model_path: str, index: int = 0, threads: int = 0, cores: list[int] | None = None):
         from loongsage.core.plugins import load_registry
 
         setup_worker(threads, cores)
         registry = load_registry(cfg.plugins)
-        self.engine = registry.create("engine", cfg.rollout.engine, "rollout.engine",
-                                      **model_args(cfg, model_path), seed=cfg.run.seed * 1000 + index)
+        self.engine = registry.create(
+            "engine",
+            cfg.rollout.engine,
+            "rollout.engine",
+            **model_args(cfg, model_path),
+            seed=cfg.run.seed * 1000 + index,
+        )
         offered = self.engine.weight_receiver
         own = offered(cfg.rollout.transport["name"]) if offered is not None else None
         self.receiver = own or registry.create("transport", cfg.rollout.transport, "rollout.transport").receiver()
@@ -176,6 +189,7 @@ class EngineWorker:
     async def generate_stream(self, requests: list):
         """Several requests in one call, answered as each finishes: yields ``(k, results or error)``
         with ``k`` the request's position (the caller asks for a streaming reply)."""
+
         async def one(k: int, request):
             try:
                 return k, await self.engine.generate(request)
@@ -198,8 +212,10 @@ class EngineWorker:
         if first:
             self._staging, self._push_error = [], None
         if self._push_error is not None:  # a sender that does not wait per bucket learns it at the commit
-            raise RuntimeError(f"an earlier bucket of this weight push failed ({self._push_error}); "
-                               f"nothing was committed, the engine keeps version {self.engine.version}")
+            raise RuntimeError(
+                f"an earlier bucket of this weight push failed ({self._push_error}); "
+                f"nothing was committed, the engine keeps version {self.engine.version}"
+            )
         try:
             if parts:
                 self._staging.extend(self.receiver.receive(*parts))
@@ -273,13 +289,17 @@ class RewardWorker:
         from loongsage.core.plugins import load_registry
 
         registry = load_registry(cfg.plugins)
-        self.rewards = {s.name: registry.create("reward", s.reward, f"data_sources[{i}].reward")
-                        for i, s in enumerate(cfg.data_sources)}
-        self.names = {s.name: s.reward.get("name", "?") if isinstance(s.reward, dict) else "?"
-                      for s in cfg.data_sources}
+        self.rewards = {
+            s.name: registry.create("reward", s.reward, f"data_sources[{i}].reward")
+            for i, s in enumerate(cfg.data_sources)
+        }
+        self.names = {
+            s.name: s.reward.get("name", "?") if isinstance(s.reward, dict) else "?" for s in cfg.data_sources
+        }
 
-    async def score(self, trajectories: list[Trajectory], records: list[DataRecord],
-                    services: dict[str, Any] | None = None) -> list[tuple[float | None, str]]:
+    async def score(
+        self, trajectories: list[Trajectory], records: list[DataRecord], services: dict[str, Any] | None = None
+    ) -> list[tuple[float | None, str]]:
         """``(reward or None, status)`` per trajectory; ``services``: the run services' shared
         handles, handed to rewards that take a context."""
         ctx = RewardContext(services=dict(services or {}))
@@ -295,16 +315,25 @@ class RewardWorker:
                 return None, Status.FAILED.value + f": {exc}"
             except Exception as exc:  # noqa: BLE001 - one trajectory's failure, told in its status
                 errors[i] = exc
-                _log.warning("reward %r of source %r failed on trajectory %s/%s: %s: %s",
-                             self.names.get(t.source), t.source, t.group_id, t.sample_index,
-                             type(exc).__name__, exc, exc_info=exc)
+                _log.warning(
+                    "reward %r of source %r failed on trajectory %s/%s: %s: %s",
+                    self.names.get(t.source),
+                    t.source,
+                    t.group_id,
+                    t.sample_index,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=exc,
+                )
                 return None, Status.FAILED.value + f": reward raised {type(exc).__name__}: {exc}"[:500]
 
         scores = list(await asyncio.gather(*(one(i, t, r) for i, (t, r) in enumerate(zip(trajectories, records)))))
         if len(trajectories) >= 2 and all(e is not None for e in errors) and len({type(e) for e in errors}) == 1:
             t, exc = trajectories[0], errors[0]
-            raise RuntimeError(f"reward {self.names.get(t.source)!r} of source {t.source!r} raised the same kind of error "
-                               f"on all {len(trajectories)} trajectories of a batch: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(
+                f"reward {self.names.get(t.source)!r} of source {t.source!r} raised the same kind of error "
+                f"on all {len(trajectories)} trajectories of a batch: {type(exc).__name__}: {exc}"
+            ) from exc
         return scores
 
 
@@ -333,8 +362,9 @@ class CriticWorker:
         setup_worker(threads)
         critic = cfg.trainer.critic
         registry = load_registry(cfg.plugins)
-        self.backend = registry.create("trainer", critic.backend, "trainer.critic.backend", contract=Critic,
-                                       **model_args(cfg, model_path))
+        self.backend = registry.create(
+            "trainer", critic.backend, "trainer.critic.backend", contract=Critic, **model_args(cfg, model_path)
+        )
         opt = critic.optimizer
         self.backend.setup_optimizer(opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.grad_clip, opt.warmup_steps)
         self.loss = ValueLoss(clip=critic.value_clip)

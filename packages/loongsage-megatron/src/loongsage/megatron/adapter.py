@@ -80,8 +80,19 @@ class MegatronModel:
     sharded = False  # a replica's ranks hold different parts; its data-parallel replicas, the same
     reference = None  # no second copy of the starting policy
 
-    def __init__(self, model_path: str, *, layout: Layout, dtype: str, device: str, fp32_lm_head: bool,
-                 recompute: bool, layer_spec: str, pack_sequences: bool, routing_replay: bool) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        layout: Layout,
+        dtype: str,
+        device: str,
+        fp32_lm_head: bool,
+        recompute: bool,
+        layer_spec: str,
+        pack_sequences: bool,
+        routing_replay: bool,
+    ) -> None:
         self.model_path, self.layout, self.dtype, self.device = model_path, layout, dtype, device
         self.recompute, self.pack_sequences, self.routing_replay = recompute, pack_sequences, routing_replay
         self._routes: Tensor | None = None  # the routes of the micro-batch in the forward (R3)
@@ -90,9 +101,17 @@ class MegatronModel:
         self._queued_inputs: deque[Tensor | None] = deque()  # a held teacher's, received ahead of the step
         self.config = weights.read_config(model_path)
         self.shape = Shape.of(self.config)
-        self.model = weights.load_gpt(model_path, self.config, dtype=dtype, device=device, spec=layer_spec,
-                                    fp32_lm_head=fp32_lm_head, recompute=recompute, layout=layout,
-                                    packed=pack_sequences)
+        self.model = weights.load_gpt(
+            model_path,
+            self.config,
+            dtype=dtype,
+            device=device,
+            spec=layer_spec,
+            fp32_lm_head=fp32_lm_head,
+            recompute=recompute,
+            layout=layout,
+            packed=pack_sequences,
+        )
         self.model.to(device)
         self.model.train()
 
@@ -103,9 +122,13 @@ class MegatronModel:
         context-parallel rank answers for it (the log-probs and losses are computed there)."""
         from megatron.core import parallel_state as ps
 
-        return (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-                and ps.is_pipeline_last_stage())
+        return (
+            ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+            and ps.is_pipeline_last_stage(),
+        )
 
     @cached_property
     def stage(self) -> Stage:
@@ -134,9 +157,12 @@ class MegatronModel:
             return None
         from megatron.core import parallel_state as ps
 
-        name = (f"optimizer_tp{self._tp_rank}"
-                + (f"_ep{ps.get_expert_model_parallel_rank()}" if self.layout.ep > 1 else "")
-                + (f"_pp{self.stage.index}" if self.layout.pp > 1 else "") + ".pt")
+        name = (
+            f"optimizer_tp{self._tp_rank}"
+            + (f"_ep{ps.get_expert_model_parallel_rank()}" if self.layout.ep > 1 else "")
+            + (f"_pp{self.stage.index}" if self.layout.pp > 1 else "")
+            + ".pt"
+        )
         return OptimizerFile(name, writes=ps.get_expert_data_parallel_rank() == 0)
 
     # ------------------------------------------------------------------ the forward
@@ -145,8 +171,15 @@ class MegatronModel:
         pipeline stage, from the input the previous stage sent)."""
         if self.layout.cp > 1:  # (a filler pass: every rank's forward, nothing read)
             return gpt_local_logits(self.model, input_ids, attention_mask, input_tensor=self._stage_input)[0]
-        return gpt_logits(self.model, input_ids, attention_mask, first, vocab=self.shape.vocab,
-                          input_tensor=self._stage_input, **self._replay(input_ids.device))
+        return gpt_logits(
+            self.model,
+            input_ids,
+            attention_mask,
+            first,
+            vocab=self.shape.vocab,
+            input_tensor=self._stage_input,
+            **self._replay(input_ids.device),
+        )
 
     def filler_logits(self) -> Tensor:
         filler = filler_input(self.device)
@@ -154,8 +187,10 @@ class MegatronModel:
 
     def _replay(self, device: torch.device) -> dict[str, Any]:
         # a recomputed layer routes again in the backward: the routes must be replayed there too
-        return {"routes": None if self._routes is None else self._routes.to(device),
-                "replay_in_backward": self.recompute and torch.is_grad_enabled()}
+        return {
+            "routes": None if self._routes is None else self._routes.to(device),
+            "replay_in_backward": self.recompute and torch.is_grad_enabled(),
+        }
 
     @contextmanager
     def forwarding(self, mb: TrainBatch) -> Iterator[None]:
@@ -191,8 +226,14 @@ class MegatronModel:
         logits = self.logits(ids, mb.attention_mask.to(self.device), first)  # this rank's vocabulary rows
         if self.layout.tp == 1:
             return logprobs_and_entropy(logits, ids, first, with_entropy=with_entropy)
-        return vocab_parallel_logprobs(logits, ids, first, vocab_start=self._tp_rank * logits.shape[-1],
-                                       vocab=self.shape.vocab, with_entropy=with_entropy)
+        return vocab_parallel_logprobs(
+            logits,
+            ids,
+            first,
+            vocab_start=self._tp_rank * logits.shape[-1],
+            vocab=self.shape.vocab,
+            with_entropy=with_entropy,
+        )
 
     def _packed_sequences(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Packed rows: the head and the log-softmax run on the tokens a log-prob is read from
@@ -201,11 +242,21 @@ class MegatronModel:
         ids = mb.input_ids.to(self.device)
         b, t = ids.shape
         first = max(response_start(mb.response_mask), 1)
-        logits, scored = gpt_packed_logits(self.model, ids, mb.attention_mask.to(self.device), first,
-                                           input_tensor=self._stage_input, **self._replay(self.device))
-        lp, ent = vocab_parallel_token_logprobs(logits, ids[:, 1:][scored][None],
-                                                vocab_start=self._tp_rank * logits.shape[-1], vocab=self.shape.vocab,
-                                                with_entropy=with_entropy)
+        logits, scored = gpt_packed_logits(
+            self.model,
+            ids,
+            mb.attention_mask.to(self.device),
+            first,
+            input_tensor=self._stage_input,
+            **self._replay(self.device),
+        )
+        lp, ent = vocab_parallel_token_logprobs(
+            logits,
+            ids[:, 1:][scored][None],
+            vocab_start=self._tp_rank * logits.shape[-1],
+            vocab=self.shape.vocab,
+            with_entropy=with_entropy,
+        )
         where = scored.nonzero(as_tuple=True)
 
         def in_rows(values: Tensor) -> Tensor:  # the value read at position p belongs to p + 1
@@ -220,16 +271,22 @@ class MegatronModel:
         ids = mb.input_ids.to(self.device)
         b, t = ids.shape
         first = max(response_start(mb.response_mask), 1)
-        logits, positions = gpt_local_logits(self.model, ids, mb.attention_mask.to(self.device),
-                                             input_tensor=self._stage_input)
+        logits, positions = gpt_local_logits(
+            self.model, ids, mb.attention_mask.to(self.device), input_tensor=self._stage_input
+        )
         following = F.pad(ids, (0, len(positions) * self.layout.cp - t + 1))[:, positions.to(self.device) + 1]
-        lp, ent = vocab_parallel_token_logprobs(logits, following, vocab_start=self._tp_rank * logits.shape[-1],
-                                                vocab=self.shape.vocab, with_entropy=with_entropy)
+        lp, ent = vocab_parallel_token_logprobs(
+            logits,
+            following,
+            vocab_start=self._tp_rank * logits.shape[-1],
+            vocab=self.shape.vocab,
+            with_entropy=with_entropy,
+        )
         trained = (torch.arange(t, device=self.device) >= first).to(lp.dtype)  # zeros before the first, as unsplit
         # position p's logits predict token p + 1
-        lp = F.pad(context.GatherTokens.apply(lp, 1)[:, :t - 1], (1, 0)) * trained
+        lp = F.pad(context.GatherTokens.apply(lp, 1)[:, : t - 1], (1, 0)) * trained
         if ent is not None:
-            ent = F.pad(context.GatherTokens.apply(ent, 1)[:, :t - 1], (1, 0)) * trained
+            ent = F.pad(context.GatherTokens.apply(ent, 1)[:, : t - 1], (1, 0)) * trained
         return lp, ent
 
     def sequence_distribution(self, mb: TrainBatch, *, shards: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -238,20 +295,23 @@ class MegatronModel:
         rows are gathered first (the gradient goes back to each rank's own rows): a divergence over
         a teacher's top-k reads tokens of every rank."""
         if self.layout.cp > 1:
-            raise ValueError("megatron trainer: a divergence on the student's distribution (MOPD's GKD branch) is not "
-                             "supported with context_parallel > 1 yet; allowed: context_parallel: 1, or a sampled-token "
-                             "divergence (k2, k3)")
+            raise ValueError(
+                "megatron trainer: a divergence on the student's distribution (MOPD's GKD branch) is not "
+                "supported with context_parallel > 1 yet; allowed: context_parallel: 1, or a sampled-token "
+                "divergence (k2, k3)"
+            )
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
         logits = self.logits(ids, mb.attention_mask.to(self.device), first)  # this rank's vocabulary rows
         if self.layout.tp == 1:
             return logprobs_entropy_and_distribution(logits, ids, first, mb.teacher_dist_ids)
         if shards:
-            return vocab_parallel_distribution(logits, ids, first, vocab_start=self._tp_rank * logits.shape[-1],
-                                               vocab=self.shape.vocab)
+            return vocab_parallel_distribution(
+                logits, ids, first, vocab_start=self._tp_rank * logits.shape[-1], vocab=self.shape.vocab
+            )
         from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-        logits = gather_from_tensor_model_parallel_region(logits)[..., :self.shape.vocab]
+        logits = gather_from_tensor_model_parallel_region(logits)[..., : self.shape.vocab]
         return logprobs_entropy_and_distribution(logits, ids, first, mb.teacher_dist_ids)
 
     # ------------------------------------------------------------------ pipeline parallelism
@@ -283,14 +343,20 @@ class MegatronModel:
         segments as the last stage scores them)."""
         if planned is None:
             filler = filler_input(self.device)
-            return gpt_hidden(self.model, filler, torch.ones_like(filler), input_tensor=received,
-                              **self._replay(filler.device))
+            return gpt_hidden(
+                self.model, filler, torch.ones_like(filler), input_tensor=received, **self._replay(filler.device)
+            )
         mb = planned[1]
         layout = segment_layout(mb)
         rows = mb if layout is None else layout.split_batch(mb)
         with self.forwarding(mb):
-            return gpt_hidden(self.model, rows.input_ids.to(self.device), rows.attention_mask.to(self.device),
-                              input_tensor=received, **self._replay(self.device))
+            return gpt_hidden(
+                self.model,
+                rows.input_ids.to(self.device),
+                rows.attention_mask.to(self.device),
+                input_tensor=received,
+                **self._replay(self.device),
+            )
 
     def _padding_routes(self, plans: list[Planned]) -> Tensor | None:
         """Routes for the zero-weight filler passes when some rank replays routes with
@@ -329,9 +395,13 @@ class MegatronModel:
         tokens already (they were gathered to it)."""
         from megatron.core import parallel_state as ps
 
-        return [([p for p in params if getattr(p, "allreduce", True)],
-                 ps.get_data_parallel_group(with_context_parallel=True)),
-                ([p for p in params if not getattr(p, "allreduce", True)], ps.get_expert_data_parallel_group())]
+        return [
+            (
+                [p for p in params if getattr(p, "allreduce", True)],
+                ps.get_data_parallel_group(with_context_parallel=True),
+            ),
+            ([p for p in params if not getattr(p, "allreduce", True)], ps.get_expert_data_parallel_group()),
+        ]
 
     def sum_replica_grads(self, grad_of: Callable[[torch.nn.Parameter], Tensor | None]) -> None:
         """Within a replica: the tensor-parallel ranks' shares of what each holds whole but applies
@@ -349,8 +419,9 @@ class MegatronModel:
         """Each parameter's square counted over the ranks sharing it (:class:`~.parallel.ParameterKinds`)."""
         if dist_opt is not None:
             kinds = parameter_kinds()
-            return dist_opt.clip_grad_norm(max_norm, kind_of=kinds.kind_of, kind_groups=kinds.groups,
-                                           across=kinds.across)
+            return dist_opt.clip_grad_norm(
+                max_norm, kind_of=kinds.kind_of, kind_groups=kinds.groups, across=kinds.across
+            )
         if not self.layout.split:
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         return clip_grad_norm(params, max_norm)
@@ -358,8 +429,9 @@ class MegatronModel:
     # ------------------------------------------------------------------ weights and state
     def export_weights(self) -> Iterator[tuple[str, Tensor]]:
         """HF-named tensors of the current policy (q/k/v and gate/up split out of Megatron's merged ones)."""
-        yield from weights.hf_tensors(self.model, self.shape, self.layout, self.device,
-                                      stage=self.stage if self.layout.pp > 1 else None)
+        yield from weights.hf_tensors(
+            self.model, self.shape, self.layout, self.device, stage=self.stage if self.layout.pp > 1 else None
+        )
 
     def checkpoint_state(self) -> dict[str, Tensor]:
         return dict(self.export_weights())

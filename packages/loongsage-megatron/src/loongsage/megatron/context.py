@@ -44,8 +44,12 @@ def size_and_rank() -> tuple[int, int]:
 def local_positions(length: int, cp: int, rank: int) -> Tensor:
     """The positions of a ``length``-token sequence (a multiple of ``2 cp``) rank ``rank`` holds."""
     chunk = length // (2 * cp)
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+    return torch.cat(
+        [
+            torch.arange(rank * chunk, (rank + 1) * chunk),
+            torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk),
+        ]
+    )
 
 
 def natural_order(cp: int) -> Tensor:
@@ -108,7 +112,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float | None, gqa: bool
         end = (index + 1) * chunk
         rows = torch.arange(index * chunk, end, device=q.device)[:, None]
         allowed = torch.arange(end, device=q.device)[None, :] <= rows  # causal, from this chunk's place
-        out.append(F.scaled_dot_product_attention(q[:, :, half * chunk:(half + 1) * chunk], keys[:, :, :end],
-                                                  values[:, :, :end], attn_mask=allowed, scale=scale,
-                                                  enable_gqa=gqa))
+        out.append(
+            F.scaled_dot_product_attention(
+                q[:, :, half * chunk : (half + 1) * chunk],
+                keys[:, :, :end],
+                values[:, :, :end],
+                attn_mask=allowed,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        )
     return torch.cat(out, dim=2)

@@ -54,11 +54,15 @@ class Shape:
     def of(cls, config: Mapping) -> Shape:
         """From an HF ``config.json`` (a dict)."""
         heads = int(config["num_attention_heads"])
-        return cls(layers=int(config["num_hidden_layers"]), heads=heads,
-                   kv_heads=int(config.get("num_key_value_heads") or heads),
-                   head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-                   vocab=int(config["vocab_size"]), tied=bool(config.get("tie_word_embeddings", False)),
-                   experts=num_experts(config))
+        return cls(
+            layers=int(config["num_hidden_layers"]),
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+            vocab=int(config["vocab_size"]),
+            tied=bool(config.get("tie_word_embeddings", False)),
+            experts=num_experts(config),
+        )
 
     def padded_vocab(self, tp: int) -> int:
         """The embedding's rows in Megatron: the vocabulary padded to a multiple of ``tp``."""
@@ -75,8 +79,9 @@ class Shape:
         if ep > 1 and not self.experts:
             raise ValueError(f"expert_parallel={ep} needs a mixture-of-experts model; allowed: 1 for a dense model")
         if self.experts % ep:
-            raise ValueError(f"expert_parallel={ep} does not divide num_experts={self.experts}; allowed: a divisor "
-                             f"of {self.experts}")
+            raise ValueError(
+                f"expert_parallel={ep} does not divide num_experts={self.experts}; allowed: a divisor of {self.experts}"
+            )
 
 
 def num_experts(config: Mapping) -> int:
@@ -96,9 +101,11 @@ _LAYER = {
 }
 _QKV = ("q_proj", "k_proj", "v_proj")
 _FC1 = ("gate_proj", "up_proj")
-_GLOBAL = {"model.embed_tokens.weight": ("embedding.word_embeddings.weight", 0),
-           "model.norm.weight": ("decoder.final_layernorm.weight", None),
-           "lm_head.weight": ("output_layer.weight", 0)}
+_GLOBAL = {
+    "model.embed_tokens.weight": ("embedding.word_embeddings.weight", 0),
+    "model.norm.weight": ("decoder.final_layernorm.weight", None),
+    "lm_head.weight": ("output_layer.weight", 0),
+}
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -129,9 +136,20 @@ def qkv_split(qkv: Tensor, shape: Shape) -> tuple[Tensor, Tensor, Tensor]:
     return q.reshape(g * per * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)
 
 
-def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int = 1, *, ep_rank: int = 0,
-                ep: int = 1, expert_rank: int | None = None, expert_tp: int | None = None,
-                layers: range | None = None, first: bool = True, last: bool = True) -> dict[str, Tensor]:
+def hf_to_mcore(
+    hf: Mapping[str, Tensor],
+    shape: Shape,
+    rank: int = 0,
+    tp: int = 1,
+    *,
+    ep_rank: int = 0,
+    ep: int = 1,
+    expert_rank: int | None = None,
+    expert_tp: int | None = None,
+    layers: range | None = None,
+    first: bool = True,
+    last: bool = True,
+) -> dict[str, Tensor]:
     """Rank ``rank`` of ``tp``'s Megatron state from an HF state dict (``lm_head`` ignored when tied);
     under expert parallelism only expert-parallel rank ``ep_rank`` of ``ep``'s experts, numbered
     from 0 as its ``local_experts``, each split over ``expert_tp`` ranks (rank ``expert_rank``;
@@ -150,10 +168,14 @@ def hf_to_mcore(hf: Mapping[str, Tensor], shape: Shape, rank: int = 0, tp: int =
         if source in hf and held[name] and not (shape.tied and name == "lm_head.weight" and first):
             tensor = hf[source]
             if name in _VOCAB and tensor.shape[0] < shape.padded_vocab(tp):  # rows no token uses
-                tensor = torch.cat([tensor, tensor.new_zeros(shape.padded_vocab(tp) - tensor.shape[0], *tensor.shape[1:])])
+                tensor = torch.cat(
+                    [tensor, tensor.new_zeros(shape.padded_vocab(tp) - tensor.shape[0], *tensor.shape[1:])]
+                )
             out[target] = _split(tensor, dim, rank, tp)
     if not shape.tied and last and "lm_head.weight" not in hf and "model.embed_tokens.weight" in hf:
-        raise ValueError("hf_to_mcore: the config does not tie the embeddings, and the checkpoint has no lm_head.weight")
+        raise ValueError(
+            "hf_to_mcore: the config does not tie the embeddings, and the checkpoint has no lm_head.weight"
+        )
     for layer in layers:
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer - layers.start}."
         for name, (target, dim) in _LAYER.items():
@@ -214,8 +236,9 @@ def numbered_from(state: Mapping[str, Tensor], start: int) -> dict[str, Tensor]:
     return {pattern.sub(lambda m: f"decoder.layers.{int(m.group(1)) + start}.", name): t for name, t in state.items()}
 
 
-def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape, *,
-                experts_split: bool = True) -> Iterator[tuple[str, Tensor]]:
+def mcore_to_hf(
+    shards: list[Mapping[str, Tensor]], shape: Shape, *, experts_split: bool = True
+) -> Iterator[tuple[str, Tensor]]:
     """HF-named tensors gathered from every tensor-parallel rank's Megatron state (rank order),
     layer by layer; the experts from the first rank's alone when they are not split over the
     ranks (``experts_split`` False: expert tensor parallelism 1)."""
@@ -223,7 +246,7 @@ def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape, *,
     expert_shards = shards if experts_split else shards[:1]
     for name, (target, dim) in _GLOBAL.items():
         if target in first and name != "model.norm.weight":
-            yield name, _gather([s[target] for s in shards], dim)[:shape.vocab]
+            yield name, _gather([s[target] for s in shards], dim)[: shape.vocab]
     for layer in range(shape.layers):
         src, dst = f"model.layers.{layer}.", f"decoder.layers.{layer}."
         for kind in ("weight", "bias"):
@@ -241,10 +264,17 @@ def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape, *,
             yield f"{src}mlp.up_proj.weight", _gather([h[1] for h in halves], 0)
         if f"{dst}mlp.router.weight" in first:
             yield f"{src}mlp.gate.weight", first[f"{dst}mlp.router.weight"]
-            fc1, fc2 = ([[s[f"{dst}mlp.experts.local_experts.{e}.linear_{n}.weight"] for s in expert_shards]
-                         for e in range(shape.experts)] for n in ("fc1", "fc2"))
-            gate_up = [torch.cat([_gather([p.chunk(2)[0] for p in parts], 0), _gather([p.chunk(2)[1] for p in parts], 0)])
-                       for parts in fc1]
+            fc1, fc2 = (
+                [
+                    [s[f"{dst}mlp.experts.local_experts.{e}.linear_{n}.weight"] for s in expert_shards]
+                    for e in range(shape.experts)
+                ]
+                for n in ("fc1", "fc2")
+            )
+            gate_up = [
+                torch.cat([_gather([p.chunk(2)[0] for p in parts], 0), _gather([p.chunk(2)[1] for p in parts], 0)])
+                for parts in fc1
+            ]
             yield f"{src}mlp.experts.gate_up_proj", torch.stack(gate_up)
             yield f"{src}mlp.experts.down_proj", torch.stack([_gather(parts, 1) for parts in fc2])
     if "decoder.final_layernorm.weight" in first:
@@ -252,8 +282,10 @@ def mcore_to_hf(shards: list[Mapping[str, Tensor]], shape: Shape, *,
 
 
 # a local layer's norm -> Transformer Engine's name for it, fused into the linear layer after it
-_FUSED_NORMS = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_FUSED_NORMS = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 _LAYER_NORM = re.compile(r"^(.*decoder\.layers\.\d+\.)(" + "|".join(map(re.escape, _FUSED_NORMS)) + ")$")
 _LAYER_FUSED = re.compile(r"^(.*decoder\.layers\.\d+\.)(" + "|".join(map(re.escape, _FUSED_NORMS.values())) + ")$")
 

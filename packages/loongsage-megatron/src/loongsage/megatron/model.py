@@ -26,16 +26,18 @@ from loongsage.megatron.layout import Layout
 
 # the HF architectures whose layers this spec reproduces (RMSNorm, SwiGLU, rotary, GQA)
 # (and, for Qwen3-MoE, a mixture of experts in every layer's MLP)
-ARCHITECTURES = {"Qwen3ForCausalLM": {"qk_layernorm": True, "qkv_bias": False, "moe": False},
-                 "Qwen3MoeForCausalLM": {"qk_layernorm": True, "qkv_bias": False, "moe": True},
-                 "Qwen2ForCausalLM": {"qk_layernorm": False, "qkv_bias": True, "moe": False},
-                 "LlamaForCausalLM": {"qk_layernorm": False, "qkv_bias": False, "moe": False}}
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": {"qk_layernorm": True, "qkv_bias": False, "moe": False},
+    "Qwen3MoeForCausalLM": {"qk_layernorm": True, "qkv_bias": False, "moe": True},
+    "Qwen2ForCausalLM": {"qk_layernorm": False, "qkv_bias": True, "moe": False},
+    "LlamaForCausalLM": {"qk_layernorm": False, "qkv_bias": False, "moe": False},
+}
 # why an architecture users ask for is not built here
 NOT_BUILT = {
     "DeepseekV4ForCausalLM": "its hyper-connections (mHC), compressed sparse attention (CSA/HCA) and "
-                             "hash-routed first layers are not in Megatron-Core 0.19",
+    "hash-routed first layers are not in Megatron-Core 0.19",
     "DeepseekV3ForCausalLM": "Megatron-Core has its multi-latent attention and shared experts, but the HF "
-                             "conversion and the spec for them are not written here",
+    "conversion and the spec for them are not written here",
 }
 
 
@@ -48,17 +50,21 @@ def architecture(config: Mapping) -> dict[str, bool]:
                 check_moe(config)
             return ARCHITECTURES[name]
     why = next((f" ({NOT_BUILT[n]})" for n in names if n in NOT_BUILT), "")
-    raise ValueError(f"megatron trainer: architecture {names or 'unknown'} is not supported{why}; "
-                     f"allowed: {', '.join(ARCHITECTURES)}")
+    raise ValueError(
+        f"megatron trainer: architecture {names or 'unknown'} is not supported{why}; "
+        f"allowed: {', '.join(ARCHITECTURES)}"
+    )
 
 
 def check_moe(config: Mapping) -> None:
     """One line naming a mixture-of-experts layout the spec does not reproduce: every layer must
     route (no dense ``mlp_only_layers``, ``decoder_sparse_step`` 1), with no shared expert."""
     if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
-        raise ValueError(f"megatron trainer: mlp_only_layers={config.get('mlp_only_layers')} and decoder_sparse_step="
-                         f"{config.get('decoder_sparse_step')}: dense layers between MoE layers are not supported yet; "
-                         "allowed: every layer a mixture of experts")
+        raise ValueError(
+            f"megatron trainer: mlp_only_layers={config.get('mlp_only_layers')} and decoder_sparse_step="
+            f"{config.get('decoder_sparse_step')}: dense layers between MoE layers are not supported yet; "
+            "allowed: every layer a mixture of experts"
+        )
     if config.get("shared_expert_intermediate_size"):
         raise ValueError("megatron trainer: shared experts are not supported yet; allowed: routed experts only")
 
@@ -75,15 +81,22 @@ def moe_fields(config: Mapping) -> dict[str, Any]:
     """
     if not architecture(config)["moe"]:
         return {}
-    return {"num_moe_experts": num_experts(config), "moe_router_topk": int(config["num_experts_per_tok"]),
-            "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
-            "moe_router_pre_softmax": not bool(config.get("norm_topk_prob", True)),
-            "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0, "moe_grouped_gemm": False,
-            "moe_token_dispatcher_type": "allgather", "moe_enable_routing_replay": True}
+    return {
+        "num_moe_experts": num_experts(config),
+        "moe_router_topk": int(config["num_experts_per_tok"]),
+        "moe_ffn_hidden_size": int(config["moe_intermediate_size"]),
+        "moe_router_pre_softmax": not bool(config.get("norm_topk_prob", True)),
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_grouped_gemm": False,
+        "moe_token_dispatcher_type": "allgather",
+        "moe_enable_routing_replay": True,
+    }
 
 
-def transformer_config(config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(),
-                       recompute: bool = False) -> Any:
+def transformer_config(
+    config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(), recompute: bool = False
+) -> Any:
     """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict), split as ``layout``
     says; ``recompute``: every layer's activations are recomputed in the backward
     (full, one layer at a time). With tensor parallelism sequence parallelism is on: between the
@@ -95,23 +108,47 @@ def transformer_config(config: Mapping, *, dtype: torch.dtype, layout: Layout = 
     heads = int(config["num_attention_heads"])
     rope_base(config)  # refuses what the spec does not reproduce
     return TransformerConfig(
-        num_layers=int(config["num_hidden_layers"]), hidden_size=int(config["hidden_size"]),
-        ffn_hidden_size=int(config["intermediate_size"]), num_attention_heads=heads,
+        num_layers=int(config["num_hidden_layers"]),
+        hidden_size=int(config["hidden_size"]),
+        ffn_hidden_size=int(config["intermediate_size"]),
+        num_attention_heads=heads,
         num_query_groups=int(config.get("num_key_value_heads") or heads),
         kv_channels=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-        normalization="RMSNorm", layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
-        qk_layernorm=arch["qk_layernorm"], add_qkv_bias=arch["qkv_bias"], add_bias_linear=False,
-        gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+        qk_layernorm=arch["qk_layernorm"],
+        add_qkv_bias=arch["qkv_bias"],
+        add_bias_linear=False,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         # the fusions are Apex/TE kernels; torch runs the same arithmetic unfused
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-        use_cpu_initialization=True, perform_initialization=False,  # the weights come from the checkpoint
-        tensor_model_parallel_size=layout.tp, expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.expert_tp, pipeline_model_parallel_size=layout.pp,
-        context_parallel_size=layout.cp, sequence_parallel=layout.tp > 1, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype, **moe_fields(config),
-        **({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
-           if recompute else {}))
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=True,
+        perform_initialization=False,  # the weights come from the checkpoint
+        tensor_model_parallel_size=layout.tp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.tp > 1,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        **moe_fields(config),
+        **(
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+            if recompute
+            else {}
+        ),
+    )
 
 
 LAYER_SPECS = ("auto", "te", "sdpa", "local")
@@ -160,8 +197,10 @@ def check_packing(packed: bool, spec: str, cp: int) -> None:
     """One line naming what packed rows do not run with: Megatron's unfused attention (no packed
     path) and context parallelism (its chunks are of whole padded rows)."""
     if packed and (spec == "local" or cp > 1):
-        raise ValueError(f"megatron trainer: pack_sequences with layer_spec={spec} and context_parallel={cp}; "
-                         "allowed: layer_spec auto, te or sdpa with context_parallel 1")
+        raise ValueError(
+            f"megatron trainer: pack_sequences with layer_spec={spec} and context_parallel={cp}; "
+            "allowed: layer_spec auto, te or sdpa with context_parallel 1"
+        )
 
 
 def layer_spec(config: Mapping, spec: str = "sdpa") -> Any:
@@ -174,14 +213,16 @@ def layer_spec(config: Mapping, spec: str = "sdpa") -> Any:
     if spec == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=experts, moe_grouped_gemm=False,
-                                                          qk_layernorm=arch["qk_layernorm"])
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch["qk_layernorm"]
+        )
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if experts:
         _megatron_without_te()
-    layer = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch["qk_layernorm"],
-                                     normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch["qk_layernorm"], normalization="RMSNorm"
+    )
     if spec == "sdpa":
         layer.submodules.self_attention.submodules.core_attention = sdpa_attention_class()
     norm = rms_norm_class()
@@ -201,8 +242,16 @@ def _megatron_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def build_gpt(config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(), padded_vocab: int | None = None,
-              spec: str = "sdpa", recompute: bool = False, packed: bool = False) -> Any:
+def build_gpt(
+    config: Mapping,
+    *,
+    dtype: torch.dtype,
+    layout: Layout = Layout(),
+    padded_vocab: int | None = None,
+    spec: str = "sdpa",
+    recompute: bool = False,
+    packed: bool = False,
+) -> Any:
     """A ``GPTModel`` (this rank's shard: under pipeline parallelism its stage's layers, the
     embedding on the first stage, the final norm and output layer on the last) shaped as
     ``config``, its layers of ``spec`` (resolved: not ``auto``), running its rows ``packed``
@@ -215,17 +264,21 @@ def build_gpt(config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(),
     layers = stage_layers(int(config["num_hidden_layers"]))
     if spec == "te":
         from megatron.core.extensions.transformer_engine import TENorm
-    blocks = TransformerBlockSubmodules(layer_specs=[layer_spec(config, spec)] * len(layers),
-                                        layer_norm=TENorm if spec == "te" else rms_norm_class())
+    blocks = TransformerBlockSubmodules(
+        layer_specs=[layer_spec(config, spec)] * len(layers), layer_norm=TENorm if spec == "te" else rms_norm_class()
+    )
     model = GPTModel(
         config=transformer_config(config, dtype=dtype, layout=layout, recompute=recompute),
         transformer_layer_spec=blocks,
         vocab_size=padded_vocab or int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings", False)),
-        position_embedding_type="rope", rotary_base=rope_base(config))
+        position_embedding_type="rope",
+        rotary_base=rope_base(config),
+    )
     model.transformer_engine, model.packed_sequences = spec == "te", packed
     mark_tensor_parallel(model)
     if model.post_process:  # the head's input is gathered whole first (gpt_logits): the layer must not gather it again
@@ -244,8 +297,11 @@ def mark_tensor_parallel(model: Any) -> None:
         set_tensor_model_parallel_attributes,
     )
 
-    layouts = ((ColumnParallelLinear, {"weight": 0, "bias": 0}), (VocabParallelEmbedding, {"weight": 0}),
-               (RowParallelLinear, {"weight": 1}))  # a row-parallel bias is whole on every rank
+    layouts = (
+        (ColumnParallelLinear, {"weight": 0, "bias": 0}),
+        (VocabParallelEmbedding, {"weight": 0}),
+        (RowParallelLinear, {"weight": 1}),
+    )  # a row-parallel bias is whole on every rank
     for module in model.modules():
         split = next((dims for kind, dims in layouts if isinstance(module, kind)), {})
         for name, dim in split.items():
@@ -258,8 +314,10 @@ def stage_layers(layers: int) -> range:
     """The decoder layers (global numbers from 0) this rank's pipeline stage holds: an equal share."""
     from megatron.core import parallel_state
 
-    stages, stage = (parallel_state.get_pipeline_model_parallel_world_size(),
-                     parallel_state.get_pipeline_model_parallel_rank())
+    stages, stage = (
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+    )
     return range(stage * layers // stages, (stage + 1) * layers // stages)
 
 
@@ -295,15 +353,17 @@ def replayed_routes(model: Any, routes: torch.Tensor | None, *, for_backward: bo
 
     first = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0  # the stage's first layer
     if routes.dim() != 4 or routes.shape[2] < first + len(replays):
-        raise ValueError(f"routed_experts: {list(routes.shape)} per micro-batch; expected [rows, tokens, "
-                         f"{model.config.num_layers} MoE layers, top-k]")
-    routes = routes[:, :, first:first + len(replays)]
+        raise ValueError(
+            f"routed_experts: {list(routes.shape)} per micro-batch; expected [rows, tokens, "
+            f"{model.config.num_layers} MoE layers, top-k]"
+        )
+    routes = routes[:, :, first : first + len(replays)]
     if model.config.sequence_parallel:  # a router sees this rank's share of the sequence
         from megatron.core import parallel_state
 
         share = routes.shape[1] // parallel_state.get_tensor_model_parallel_world_size()
         start = parallel_state.get_tensor_model_parallel_rank() * share
-        routes = routes[:, start:start + share]
+        routes = routes[:, start : start + share]
     for layer, replay in enumerate(replays):  # Megatron's router sees tokens sequence-major: [s * b, topk]
         replay.set_target_indices(routes[:, :, layer].transpose(0, 1).reshape(-1, routes.shape[-1]))
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -317,17 +377,35 @@ def replayed_routes(model: Any, routes: torch.Tensor | None, *, for_backward: bo
             clear_routes(model)
 
 
-def gpt_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-               routes: torch.Tensor | None = None, replay_in_backward: bool = False,
-               input_tensor: torch.Tensor | None = None) -> torch.Tensor:
+def gpt_hidden(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    routes: torch.Tensor | None = None,
+    replay_in_backward: bool = False,
+    input_tensor: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The decoder's output for a micro-batch: :func:`decoder_output`'s hidden states."""
-    return decoder_output(model, input_ids, attention_mask, routes=routes, replay_in_backward=replay_in_backward,
-                          input_tensor=input_tensor)[0]
+    return decoder_output(
+        model,
+        input_ids,
+        attention_mask,
+        routes=routes,
+        replay_in_backward=replay_in_backward,
+        input_tensor=input_tensor,
+    )[0]
 
 
-def decoder_output(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                   routes: torch.Tensor | None = None, replay_in_backward: bool = False,
-                   input_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, packing.Packed | None]:
+def decoder_output(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    routes: torch.Tensor | None = None,
+    replay_in_backward: bool = False,
+    input_tensor: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, packing.Packed | None]:
     """The decoder's output ``[s, b, hidden]`` for a micro-batch (padded as :func:`_common_shape`
     says; under sequence parallelism this rank's share of ``s``): after the final norm on the
     last pipeline stage, the stage's last layer's output on another, ``input_tensor`` being the
@@ -360,30 +438,52 @@ def decoder_output(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
         input_ids, positions = input_ids[:, mine], positions[:, mine]
     elif not right_padded:
         if getattr(model, "transformer_engine", False):  # its attention runs causal, whatever mask it is handed
-            raise ValueError("layer_spec te: rows must be padded on the right only (causal attention); "
-                             "allowed: layer_spec sdpa for rows padded on the left")
+            raise ValueError(
+                "layer_spec te: rows must be padded on the right only (causal attention); "
+                "allowed: layer_spec sdpa for rows padded on the left"
+            )
         causal = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
         masked = (causal | ~attention_mask.bool()[:, None, :]) & ~torch.eye(length, dtype=torch.bool, device=device)
         masked = masked[:, None]
     return _decoder(model, input_ids, positions, masked, routes, replay_in_backward, input_tensor), None
 
 
-def _packed_decoder_output(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                           routes: torch.Tensor | None, replay_in_backward: bool,
-                           input_tensor: torch.Tensor | None) -> tuple[torch.Tensor, packing.Packed]:
+def _packed_decoder_output(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    routes: torch.Tensor | None,
+    replay_in_backward: bool,
+    input_tensor: torch.Tensor | None,
+) -> tuple[torch.Tensor, packing.Packed]:
     from megatron.core import parallel_state
 
     cfg = model.config
     group = parallel_state.get_expert_tensor_and_model_parallel_group() if cfg.expert_model_parallel_size > 1 else None
     packed = packing.pack(input_ids, attention_mask, routes, multiple=cfg.tensor_model_parallel_size, ep_group=group)
-    hidden = _decoder(model, packed.input_ids, packed.positions, None, packed.routes, replay_in_backward, input_tensor,
-                      packed_seq_params=packed.params)
+    hidden = _decoder(
+        model,
+        packed.input_ids,
+        packed.positions,
+        None,
+        packed.routes,
+        replay_in_backward,
+        input_tensor,
+        packed_seq_params=packed.params,
+    )
     return hidden, packed
 
 
-def _decoder(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor | None,
-             routes: torch.Tensor | None, replay_in_backward: bool, input_tensor: torch.Tensor | None,
-             **extra: Any) -> torch.Tensor:
+def _decoder(
+    model: Any,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    masked: torch.Tensor | None,
+    routes: torch.Tensor | None,
+    replay_in_backward: bool,
+    input_tensor: torch.Tensor | None,
+    **extra: Any,
+) -> torch.Tensor:
     if not model.pre_process:
         model.set_input_tensor(input_tensor)
     post_process, model.post_process = model.post_process, False  # GPTModel.forward returns the decoder's output
@@ -394,9 +494,17 @@ def _decoder(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, maske
         model.post_process = post_process
 
 
-def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *, vocab: int,
-               routes: torch.Tensor | None = None, replay_in_backward: bool = False,
-               input_tensor: torch.Tensor | None = None) -> torch.Tensor:
+def gpt_logits(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    first: int,
+    *,
+    vocab: int,
+    routes: torch.Tensor | None = None,
+    replay_in_backward: bool = False,
+    input_tensor: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Float32 logits ``[b, T - first + 1, vocab]`` at positions ``first-1..T-1`` of a ``GPTModel``
     (the trainer's and the teacher's forward; on the last pipeline stage, from the previous
     stage's ``input_tensor``); under tensor parallelism this rank's vocabulary rows (``vocab``
@@ -407,31 +515,51 @@ def gpt_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor
     the whole logits (10 GB at 4 x 4096 with Qwen's vocabulary, copied again in the backward).
     """
     b, t = input_ids.shape
-    hidden, packed = _whole_sequence(model, input_ids, attention_mask, routes=routes,
-                                     replay_in_backward=replay_in_backward, input_tensor=input_tensor)
+    hidden, packed = _whole_sequence(
+        model,
+        input_ids,
+        attention_mask,
+        routes=routes,
+        replay_in_backward=replay_in_backward,
+        input_tensor=input_tensor,
+    )
     if packed is not None:
         hidden = packing.unpack(hidden, packed)
-    return _head(model, hidden[first - 1:t, :b].transpose(0, 1))[..., :vocab]
+    return _head(model, hidden[first - 1 : t, :b].transpose(0, 1))[..., :vocab]
 
 
-def gpt_packed_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int, *,
-                      routes: torch.Tensor | None = None, replay_in_backward: bool = False,
-                      input_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gpt_packed_logits(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    first: int,
+    *,
+    routes: torch.Tensor | None = None,
+    replay_in_backward: bool = False,
+    input_tensor: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """With ``pack_sequences``: float32 logits ``[1, n, vocab rows]`` of the tokens a log-prob is
     read from (real tokens at positions ``first-1..T-2`` whose next token is real too), the head
     running on those only; and where they are, ``[b, T - 1]`` (True at each one's position; the
     log-prob it gives belongs to the next position)."""
-    hidden, packed = _whole_sequence(model, input_ids, attention_mask, routes=routes,
-                                     replay_in_backward=replay_in_backward, input_tensor=input_tensor)
+    hidden, packed = _whole_sequence(
+        model,
+        input_ids,
+        attention_mask,
+        routes=routes,
+        replay_in_backward=replay_in_backward,
+        input_tensor=input_tensor,
+    )
     real = packed.real
     place = real.flatten().cumsum(0).view_as(real) - 1  # each real token's place in the packed sequence
     scored = real[:, :-1] & real[:, 1:]
-    scored[:, :first - 1] = False
+    scored[:, : first - 1] = False
     return _head(model, hidden[place[:, :-1][scored], 0][None]), scored
 
 
-def gpt_local_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                     input_tensor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def gpt_local_logits(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, input_tensor: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Under context parallelism: float32 logits ``[b, tokens here, vocab rows]`` of the tokens this
     rank holds, and their positions in the (padded) sequence (:mod:`loongsage.megatron.context`)."""
     b = input_ids.shape[0]
@@ -441,8 +569,9 @@ def gpt_local_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.
     return _head(model, hidden[:, :b].transpose(0, 1)), positions
 
 
-def _whole_sequence(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    **forward: Any) -> tuple[torch.Tensor, packing.Packed | None]:
+def _whole_sequence(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, **forward: Any
+) -> tuple[torch.Tensor, packing.Packed | None]:
     """:func:`decoder_output`, each rank's share of the tokens gathered whole under sequence
     parallelism (the gradient split back)."""
     hidden, packed = decoder_output(model, input_ids, attention_mask, **forward)
@@ -460,8 +589,9 @@ def _head(model: Any, hidden: torch.Tensor) -> torch.Tensor:
     return logits.float()
 
 
-def _common_shape(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  routes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _common_shape(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, routes: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The micro-batch padded to the largest ``[rows, tokens]`` over the expert-parallel ranks
     (Megatron's all-gather dispatcher exchanges equal token counts), its length to a multiple of
     the tensor-parallel size (sequence parallelism splits it evenly). Padding is masked tokens on
@@ -510,21 +640,32 @@ def load_hf_weights(model: Any, hf: Mapping[str, torch.Tensor], config: Mapping,
     from megatron.core import parallel_state as ps
 
     own = model.state_dict()
-    state = hf_to_mcore(hf, Shape.of(config), ps.get_tensor_model_parallel_rank(), layout.tp,
-                        ep_rank=ps.get_expert_model_parallel_rank(), ep=layout.ep,
-                        expert_rank=ps.get_expert_tensor_parallel_rank(), expert_tp=layout.expert_tp,
-                        layers=stage_layers(int(config["num_hidden_layers"])), first=model.pre_process,
-                        last=model.post_process)
+    state = hf_to_mcore(
+        hf,
+        Shape.of(config),
+        ps.get_tensor_model_parallel_rank(),
+        layout.tp,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep=layout.ep,
+        expert_rank=ps.get_expert_tensor_parallel_rank(),
+        expert_tp=layout.expert_tp,
+        layers=stage_layers(int(config["num_hidden_layers"])),
+        first=model.pre_process,
+        last=model.post_process,
+    )
     state = fused_norm_names(state, own)
     missing = sorted(k for k in own if k not in state and not k.endswith("_extra_state"))
     unknown = sorted(k for k in state if k not in own)
     if missing or unknown:
-        raise ValueError(f"megatron trainer: the checkpoint does not fit the model: missing {missing[:3]}, "
-                         f"unexpected {unknown[:3]}")
+        raise ValueError(
+            f"megatron trainer: the checkpoint does not fit the model: missing {missing[:3]}, unexpected {unknown[:3]}"
+        )
     for key, tensor in state.items():
         if tuple(own[key].shape) != tuple(tensor.shape):
-            raise ValueError(f"megatron trainer: {key} is {tuple(tensor.shape)} in the checkpoint, "
-                             f"{tuple(own[key].shape)} in the model")
+            raise ValueError(
+                f"megatron trainer: {key} is {tuple(tensor.shape)} in the checkpoint, "
+                f"{tuple(own[key].shape)} in the model"
+            )
     # the per-module extra state (Transformer Engine's FP8 metadata; None without it) stays the model's own
     model.load_state_dict({**own, **{k: t.to(own[k].dtype) for k, t in state.items()}}, strict=True)
 
@@ -536,6 +677,7 @@ def rms_norm_class() -> type:
     ranks (:func:`loongsage.megatron.parallel.sum_replicated_grads`)."""
     global _NORM
     if _NORM is None:
+
         class RMSNorm(torch.nn.RMSNorm):
             def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any):
                 super().__init__(hidden_size, eps=eps)
@@ -565,26 +707,45 @@ def _make_sdpa_attention() -> type:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.module import MegatronModule
 
-
     class SDPAAttention(MegatronModule):
         """Causal attention by torch's fused kernels; Megatron's ``[s, b, heads, dim]`` in and
         ``[s, b, heads * dim]`` out (packed rows: ``[tokens, heads, dim]`` in, ``[tokens, heads * dim]``
         out). A boolean ``attention_mask`` is True where masked."""
 
-        def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                     softmax_scale=None, cp_comm_type=None, pg_collection=None, **_):
+        def __init__(
+            self,
+            config,
+            layer_number,
+            attn_mask_type,
+            attention_type,
+            attention_dropout=None,
+            softmax_scale=None,
+            cp_comm_type=None,
+            pg_collection=None,
+            **_,
+        ):
             super().__init__(config=config)
             tp = parallel_state.get_tensor_model_parallel_world_size()
             self.heads, self.groups = config.num_attention_heads // tp, config.num_query_groups // tp
             self.head_dim = config.kv_channels
             self.attn_mask_type, self.softmax_scale = attn_mask_type, softmax_scale
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None, **_):
+        def forward(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            attn_mask_type=None,
+            attention_bias=None,
+            packed_seq_params=None,
+            **_,
+        ):
             gqa = self.heads != self.groups
             if packed_seq_params is not None:  # [tokens, heads, dim]: the rows back to back
-                return packing.attention(query, key, value, packed_seq_params.cu_seqlens_q, scale=self.softmax_scale,
-                                         gqa=gqa)
+                return packing.attention(
+                    query, key, value, packed_seq_params.cu_seqlens_q, scale=self.softmax_scale, gqa=gqa
+                )
             # [b, heads, s, dim] views of batch-first storage, the layout the HF model hands to the
             # same kernels (a copy of q, k, v: 0.2% of a layer's bytes; bench/train_mfu measured this)
             q, k, v = (t.transpose(0, 1).contiguous().transpose(1, 2) for t in (query, key, value))

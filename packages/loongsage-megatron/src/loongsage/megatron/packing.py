@@ -34,8 +34,9 @@ class Packed:
     tokens: int  # real tokens (the rest of ``length`` is the padding sequence)
 
 
-def pack(input_ids: Tensor, attention_mask: Tensor, routes: Tensor | None, *, multiple: int = 1,
-         ep_group: Any = None) -> Packed:
+def pack(
+    input_ids: Tensor, attention_mask: Tensor, routes: Tensor | None, *, multiple: int = 1, ep_group: Any = None
+) -> Packed:
     """The rows' real tokens back to back (rows padded on the right only, or one line saying so),
     padded by one sequence to a multiple of ``multiple`` and to the longest over ``ep_group``."""
     import torch.distributed as dist
@@ -45,8 +46,10 @@ def pack(input_ids: Tensor, attention_mask: Tensor, routes: Tensor | None, *, mu
 
     real = attention_mask.bool()
     if not bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all()):
-        raise ValueError("pack_sequences: rows must be padded on the right only; allowed: right-padded rows "
-                         "(as rollouts are), or pack_sequences false")
+        raise ValueError(
+            "pack_sequences: rows must be padded on the right only; allowed: right-padded rows "
+            "(as rollouts are), or pack_sequences false"
+        )
     lengths = real.sum(1)
     tokens = int(lengths.sum())
     length = -(-max(tokens, 1) // multiple) * multiple
@@ -61,8 +64,14 @@ def pack(input_ids: Tensor, attention_mask: Tensor, routes: Tensor | None, *, mu
     seqlens = [int(n) for n in lengths if n > 0] + ([extra] if extra else [])
     cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     longest_row = max(seqlens)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest_row,
-                             max_seqlen_kv=longest_row, cp_group=parallel_state.get_context_parallel_group())
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest_row,
+        max_seqlen_kv=longest_row,
+        cp_group=parallel_state.get_context_parallel_group(),
+    )
     if routes is not None:
         topk = routes.shape[-1]
         padding = torch.arange(topk, device=routes.device).expand(extra, routes.shape[2], topk)
@@ -76,7 +85,7 @@ def unpack(hidden: Tensor, packed: Packed) -> Tensor:
     b, t = packed.real.shape
     rows, cols = packed.real.nonzero(as_tuple=True)  # row by row: the packing order
     out = hidden.new_zeros(t, b, hidden.shape[-1])
-    return out.index_put((cols, rows), hidden[:packed.tokens, 0])
+    return out.index_put((cols, rows), hidden[: packed.tokens, 0])
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *, scale: float | None, gqa: bool) -> Tensor:

@@ -30,18 +30,21 @@ from torch import Tensor
 _MASKED = -1e30  # a padded vocabulary row's shifted logit: exp() is 0, and 0 x it is 0 (no NaN)
 
 
-def vocab_parallel_logprobs(logits: Tensor, input_ids: Tensor, first: int, *, vocab_start: int, vocab: int,
-                            with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+def vocab_parallel_logprobs(
+    logits: Tensor, input_ids: Tensor, first: int, *, vocab_start: int, vocab: int, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """:func:`loongsage.core.model_math.logprobs.logprobs_and_entropy` over this rank's vocabulary
     shard ``logits`` ``[B, T - first + 1, shard]`` (rows ``vocab_start..``; rows at or past
     ``vocab`` are padding); results ``[B, T]``, zeros before ``first``, the same on every rank."""
-    lp, ent = vocab_parallel_token_logprobs(logits[:, :-1], input_ids[:, first:], vocab_start=vocab_start,
-                                            vocab=vocab, with_entropy=with_entropy)
+    lp, ent = vocab_parallel_token_logprobs(
+        logits[:, :-1], input_ids[:, first:], vocab_start=vocab_start, vocab=vocab, with_entropy=with_entropy
+    )
     return F.pad(lp, (first, 0)), None if ent is None else F.pad(ent, (first, 0))
 
 
-def vocab_parallel_token_logprobs(logits: Tensor, targets: Tensor, *, vocab_start: int, vocab: int,
-                                  with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+def vocab_parallel_token_logprobs(
+    logits: Tensor, targets: Tensor, *, vocab_start: int, vocab: int, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """The log-prob of ``targets`` ``[B, n]`` under each row of this rank's vocabulary shard
     ``logits`` ``[B, n, shard]``, and the entropy (no gradient), the same on every rank."""
     shifted, exp, sum_exp = _shifted(logits, vocab_start, vocab)
@@ -52,8 +55,9 @@ def vocab_parallel_token_logprobs(logits: Tensor, targets: Tensor, *, vocab_star
         return lp, sum_exp.log() - vocab_sum((exp * shifted).sum(-1)) / sum_exp
 
 
-def vocab_parallel_distribution(logits: Tensor, input_ids: Tensor, first: int, *, vocab_start: int,
-                                vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+def vocab_parallel_distribution(
+    logits: Tensor, input_ids: Tensor, first: int, *, vocab_start: int, vocab: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`vocab_parallel_logprobs` (with entropies) and this rank's shard of the log-softmax
     ``[B, T - first, shard]`` (padding rows about -1e30: probability 0), for a divergence summed
     over the shards (MOPD's GKD branch) without gathering the vocabulary."""
@@ -124,7 +128,7 @@ def vocab_sum(values: Tensor) -> Tensor:
 def vocab_shard(full: Tensor, vocab_start: int, shard: int) -> Tensor:
     """This rank's columns ``vocab_start..vocab_start + shard`` of a whole-vocabulary log-softmax
     ``[..., vocab]`` (a teacher worker's); columns past the vocabulary (padding) at about -1e30."""
-    part = full[..., vocab_start:vocab_start + shard]
+    part = full[..., vocab_start : vocab_start + shard]
     return F.pad(part, (0, shard - part.shape[-1]), value=_MASKED)
 
 
@@ -151,9 +155,15 @@ class ParameterKinds:
 def parameter_kinds() -> ParameterKinds:
     from megatron.core import parallel_state
 
-    return ParameterKinds((parallel_state.get_expert_tensor_and_model_parallel_group(),
-                           parallel_state.get_tensor_model_parallel_group(), False, None),
-                          parallel_state.get_pipeline_model_parallel_group())
+    return ParameterKinds(
+        (
+            parallel_state.get_expert_tensor_and_model_parallel_group(),
+            parallel_state.get_tensor_model_parallel_group(),
+            False,
+            None,
+        ),
+        parallel_state.get_pipeline_model_parallel_group(),
+    )
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> Tensor:
@@ -199,7 +209,10 @@ def sum_replicated_grads(named: list[tuple[str, torch.nn.Parameter, Tensor | Non
     from loongsage.core.model_math.state import sum_in_place
     from megatron.core import parallel_state
 
-    grads = [g for n, p, g in named if g is not None and (
-        "q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))]
+    grads = [
+        g
+        for n, p, g in named
+        if g is not None and ("q_layernorm" in n or "k_layernorm" in n or getattr(p, "sequence_parallel", False))
+    ]
     if grads:
         sum_in_place(grads, parallel_state.get_tensor_model_parallel_group())

@@ -55,8 +55,14 @@ class Stage:
         group = ps.get_pipeline_model_parallel_group()
         index, size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
         ranks = tuple(dist.get_process_group_ranks(group)) if size > 1 else (dist.get_rank(),)
-        return cls(index=index, size=size, group=group, prev=ranks[index - 1] if index > 0 else None,
-                   next=ranks[index + 1] if index < size - 1 else None, ranks=ranks)
+        return cls(
+            index=index,
+            size=size,
+            group=group,
+            prev=ranks[index - 1] if index > 0 else None,
+            next=ranks[index + 1] if index < size - 1 else None,
+            ranks=ranks,
+        )
 
     @property
     def first(self) -> bool:
@@ -77,8 +83,11 @@ class _Mailbox:
     def send_forward(self, hidden: Tensor) -> None:
         hidden = hidden.detach().contiguous()
         shape = torch.tensor(hidden.shape, dtype=torch.long, device=self.device)
-        self._sent += [dist.isend(shape, self.stage.next, group=self.stage.group, tag=_SHAPE),
-                       dist.isend(hidden, self.stage.next, group=self.stage.group, tag=_DATA), (shape, hidden)]
+        self._sent += [
+            dist.isend(shape, self.stage.next, group=self.stage.group, tag=_SHAPE),
+            dist.isend(hidden, self.stage.next, group=self.stage.group, tag=_DATA),
+            (shape, hidden),
+        ]
 
     def receive_forward(self) -> Tensor:
         shape = torch.empty(3, dtype=torch.long, device=self.device)
@@ -108,8 +117,9 @@ class _Mailbox:
 StageForward = Callable[[int, Tensor | None], Tensor | None]
 
 
-def one_forward_one_backward(stage: Stage, count: int, forward: StageForward, *, dtype: torch.dtype,
-                             device: torch.device | str) -> None:
+def one_forward_one_backward(
+    stage: Stage, count: int, forward: StageForward, *, dtype: torch.dtype, device: torch.device | str
+) -> None:
     """Forwards and backwards of ``count`` micro-batches on this stage in 1F1B order; the last
     stage's ``forward`` returns the loss to backward from."""
     mail = _Mailbox(stage, dtype, device)
@@ -144,8 +154,9 @@ def one_forward_one_backward(stage: Stage, count: int, forward: StageForward, *,
     mail.flush()
 
 
-def forward_only(stage: Stage, count: int, forward: StageForward, *, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+def forward_only(
+    stage: Stage, count: int, forward: StageForward, *, dtype: torch.dtype, device: torch.device | str
+) -> None:
     """``count`` micro-batches streamed through this stage without gradients."""
     mail = _Mailbox(stage, dtype, device)
     for i in range(count):
@@ -155,8 +166,9 @@ def forward_only(stage: Stage, count: int, forward: StageForward, *, dtype: torc
     mail.flush()
 
 
-def to_first_stage(stage: Stage, own: Callable[[], Iterator[tuple[str, Tensor]]],
-                   device: torch.device | str) -> Iterator[tuple[str, Tensor]]:
+def to_first_stage(
+    stage: Stage, own: Callable[[], Iterator[tuple[str, Tensor]]], device: torch.device | str
+) -> Iterator[tuple[str, Tensor]]:
     """Every stage's named tensors, in stage order, on the first stage (nothing elsewhere): its
     own as ``own()`` yields them, the others' received one at a time. Every stage of the
     pipeline calls."""

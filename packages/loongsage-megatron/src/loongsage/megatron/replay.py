@@ -44,23 +44,34 @@ def micro_batch_routes(mb: TrainBatch, shape: Shape) -> Tensor | None:
             raise ValueError(f"routed_experts: row {row} has no routes while others do; replay needs every row's")
         record = torch.as_tensor(record, dtype=torch.long)
         if record.shape[1:] != (layers, topk) or len(record) < int(lengths[row]) - 1:
-            raise ValueError(f"routed_experts: row {row} holds {list(record.shape)}; expected at least "
-                             f"[{int(lengths[row]) - 1}, {layers}, {topk}] (the row's tokens but the last)")
+            raise ValueError(
+                f"routed_experts: row {row} holds {list(record.shape)}; expected at least "
+                f"[{int(lengths[row]) - 1}, {layers}, {topk}] (the row's tokens but the last)"
+            )
         if int(record.min()) < 0 or int(record.max()) >= shape.experts:
             raise ValueError(f"routed_experts: row {row} names experts outside 0..{shape.experts - 1}")
         start = int(mb.attention_mask[row].argmax())  # the row's first token (after any left padding)
         n = min(len(record), t - start)
-        routes[row, start:start + n] = record[:n]
+        routes[row, start : start + n] = record[:n]
     return routes
 
 
-def padding_routes(plans: list[tuple[list[int], TrainBatch] | None], shape: Shape,
-                   config: Mapping[str, Any]) -> Tensor | None:
+def padding_routes(
+    plans: list[tuple[list[int], TrainBatch] | None], shape: Shape, config: Mapping[str, Any]
+) -> Tensor | None:
     """Routes for a zero-weight padding pass when some rank's micro-batches are replayed with
     recomputation: every forward must then queue routes, or a recomputation would take another
     micro-batch's (experts ``0..k-1`` for the two padding tokens). A collective of every rank."""
-    replays = torch.tensor([int(any(p is not None and p[1].routed_experts and any(
-        r is not None for r in p[1].routed_experts) for p in plans))])
+    replays = torch.tensor(
+        [
+            int(
+                any(
+                    p is not None and p[1].routed_experts and any(r is not None for r in p[1].routed_experts)
+                    for p in plans
+                )
+            )
+        ]
+    )
     dist.all_reduce(replays, op=dist.ReduceOp.MAX)
     if not int(replays):
         return None

@@ -29,8 +29,15 @@ class MegatronTeacher(EmbeddedTeacher):
 
     def _load_model(self) -> tuple[torch.nn.Module, int]:
         config = read_config(self.model_path)
-        model = load_gpt(self.model_path, config, dtype=self.dtype, device=self.device, spec=self.layer_spec,
-                         fp32_lm_head=self.fp32_lm_head, packed=self.pack_sequences)
+        model = load_gpt(
+            self.model_path,
+            config,
+            dtype=self.dtype,
+            device=self.device,
+            spec=self.layer_spec,
+            fp32_lm_head=self.fp32_lm_head,
+            packed=self.pack_sequences,
+        )
         return model.to(self.device), int(config["vocab_size"])
 
     def _logits(self, input_ids: Tensor, attention_mask: Tensor, first: int) -> Tensor:

@@ -52,22 +52,44 @@ class MegatronTrainer(TrainerSkeleton):
 
     supports_lora: ClassVar[bool] = False
     # a held teacher routes its own tokens: the student's recorded routes are not its
-    held_teacher_params: ClassVar[dict[str, Any]] = {"lora": None, "gradient_checkpointing": False,
-                                                     "routing_replay": False}
+    held_teacher_params: ClassVar[dict[str, Any]] = {
+        "lora": None,
+        "gradient_checkpointing": False,
+        "routing_replay": False,
+    }
 
     def __post_init__(self) -> None:
         check_layer_spec(self.layer_spec)  # before Megatron's process groups start
-        self.layout = Layout.of({name: getattr(self, name) for name in (
-            "tensor_parallel", "pipeline_parallel", "expert_parallel", "expert_tensor_parallel", "context_parallel")})
+        self.layout = Layout.of(
+            {
+                name: getattr(self, name)
+                for name in (
+                    "tensor_parallel",
+                    "pipeline_parallel",
+                    "expert_parallel",
+                    "expert_tensor_parallel",
+                    "context_parallel",
+                )
+            }
+        )
         if self.dp_mode != "replicate":
             raise ValueError(f"megatron trainer: dp_mode={self.dp_mode!r}; allowed: replicate")
         check_dtype(self.dtype)
         if self.lora is not None:
             raise ValueError(_LORA_REFUSED)
-        self._attach(MegatronModel(
-            self.model_path, layout=self.layout, dtype=self.dtype, device=self.device, fp32_lm_head=self.fp32_lm_head,
-            recompute=self.gradient_checkpointing, layer_spec=self.layer_spec, pack_sequences=self.pack_sequences,
-            routing_replay=self.routing_replay))
+        self._attach(
+            MegatronModel(
+                self.model_path,
+                layout=self.layout,
+                dtype=self.dtype,
+                device=self.device,
+                fp32_lm_head=self.fp32_lm_head,
+                recompute=self.gradient_checkpointing,
+                layer_spec=self.layer_spec,
+                pack_sequences=self.pack_sequences,
+                routing_replay=self.routing_replay,
+            )
+        )
 
     @classmethod
     def preflight(cls, params: dict[str, Any], model_path: str, *, world_size: int = 1) -> None:
@@ -75,8 +97,9 @@ class MegatronTrainer(TrainerSkeleton):
         if params.get("lora") is not None:
             raise ValueError(_LORA_REFUSED)
         check_layer_spec(params.get("layer_spec", "auto"))
-        check_packing(bool(params.get("pack_sequences")), params.get("layer_spec", "auto"),
-                      params.get("context_parallel", 1))
+        check_packing(
+            bool(params.get("pack_sequences")), params.get("layer_spec", "auto"), params.get("context_parallel", 1)
+        )
         config = read_config(model_path)
         architecture(config)
         rope_base(config)

@@ -34,9 +34,18 @@ def read_config(model_path: str) -> dict[str, Any]:
         raise ValueError(f"megatron trainer: cannot read {model_path}/config.json ({exc})") from None
 
 
-def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str, spec: str = "auto",
-             fp32_lm_head: bool = True, recompute: bool = False, layout: Layout = Layout(),
-             packed: bool = False) -> torch.nn.Module:
+def load_gpt(
+    model_path: str,
+    config: dict[str, Any],
+    *,
+    dtype: str,
+    device: str,
+    spec: str = "auto",
+    fp32_lm_head: bool = True,
+    recompute: bool = False,
+    layout: Layout = Layout(),
+    packed: bool = False,
+) -> torch.nn.Module:
     """This rank's shard of a Megatron GPT model of layer spec ``spec`` (:func:`resolve_layer_spec`)
     with the HF checkpoint's weights (Megatron's process groups started first, as ``layout``
     says), the output layer giving float32 logits where asked."""
@@ -45,8 +54,15 @@ def load_gpt(model_path: str, config: dict[str, Any], *, dtype: str, device: str
     layout.start(device)
     shape = Shape.of(config)
     spec = resolve_layer_spec(spec, device, layout)
-    model = build_gpt(config, dtype=DTYPES[dtype], spec=spec, recompute=recompute, layout=layout, packed=packed,
-                      padded_vocab=shape.padded_vocab(layout.tp))
+    model = build_gpt(
+        config,
+        dtype=DTYPES[dtype],
+        spec=spec,
+        recompute=recompute,
+        layout=layout,
+        packed=packed,
+        padded_vocab=shape.padded_vocab(layout.tp),
+    )
     hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
     load_hf_weights(model, hf, config, layout)
     if fp32_lm_head and dtype != "float32" and model.post_process:
@@ -63,8 +79,9 @@ def fp32_output_layer(layer: torch.nn.Module) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-    def forward(input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None,
-                **_: Any) -> tuple[Tensor, None]:
+    def forward(
+        input_: Tensor, weight: Tensor | None = None, runtime_gather_output: bool | None = None, **_: Any
+    ) -> tuple[Tensor, None]:
         if parallel_state.get_tensor_model_parallel_world_size() > 1:
             input_ = copy_to_tensor_model_parallel_region(input_)
         return fp32_head(input_, layer.weight if weight is None else weight), None
@@ -72,12 +89,18 @@ def fp32_output_layer(layer: torch.nn.Module) -> None:
     layer.forward = forward
 
 
-def hf_tensors(model: Any, shape: Shape, layout: Layout, device: str, *,
-               stage: Stage | None = None) -> Iterator[tuple[str, Tensor]]:
+def hf_tensors(
+    model: Any, shape: Shape, layout: Layout, device: str, *, stage: Stage | None = None
+) -> Iterator[tuple[str, Tensor]]:
     """HF-named tensors of ``model``: one rank's own as views; with the replica split, gathered as the
     module docstring says (``stage``: this rank's, under pipeline parallelism)."""
-    own = unfused_norm_names({k: v for k, v in model.state_dict(keep_vars=True).items()
-                              if isinstance(v, Tensor) and not k.endswith("_extra_state")})
+    own = unfused_norm_names(
+        {
+            k: v
+            for k, v in model.state_dict(keep_vars=True).items()
+            if isinstance(v, Tensor) and not k.endswith("_extra_state")
+        }
+    )
     if shape.tied and not model.pre_process:
         own.pop("output_layer.weight", None)  # the last stage's copy of the embedding
     shards = _gathered(own, layout)
@@ -86,8 +109,9 @@ def hf_tensors(model: Any, shape: Shape, layout: Layout, device: str, *,
     start = stage_layers(shape.layers).start
 
     def stage_tensors() -> Iterator[tuple[str, Tensor]]:
-        for name, tensor in mcore_to_hf([numbered_from(s, start) for s in shards], shape,
-                                        experts_split=layout.expert_tp > 1):
+        for name, tensor in mcore_to_hf(
+            [numbered_from(s, start) for s in shards], shape, experts_split=layout.expert_tp > 1
+        ):
             yield name, tensor.detach()
             if name == "model.embed_tokens.weight" and shape.tied:
                 yield "lm_head.weight", tensor.detach()  # as the HF model lists its tied head

@@ -30,11 +30,16 @@ def messages_of(prompt: str) -> list[dict]:
 
 
 def ask(messages: list[dict], sampling: dict) -> str:
-    body = {"model": "policy", "messages": messages,
-            **{k: v for k, v in sampling.items() if k in ("temperature", "top_p", "max_tokens")}}
+    body = {
+        "model": "policy",
+        "messages": messages,
+        **{k: v for k, v in sampling.items() if k in ("temperature", "top_p", "max_tokens")},
+    }
     request = urllib.request.Request(
-        os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions", data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', '')}"})
+        os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {os.environ.get('OPENAI_API_KEY', '')}"},
+    )
     # the gateway is on loopback: no proxy may carry the request
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(request, timeout=300) as response:

@@ -53,7 +53,7 @@ _DIR = ".loongsage_tests"  # the harness's files, in the sandbox's work director
 # each test's probes in a fresh copy of its namespace. One line out: the token and, per test, a
 # [kind, text] per probe: "value" (its repr), "iter" (an iterator's items, as a list) or "raised".
 # Nothing here decides a score: the solution can rewrite all of it, and gains nothing by that.
-HARNESS = r'''
+HARNESS = r"""
 import collections.abc, importlib.util, itertools, json, os, sys
 token = sys.stdin.readline().strip()
 os.close(0)  # the file behind it is unlinked already; with the descriptor gone nothing reopens it
@@ -87,7 +87,7 @@ if namespace is not None:
         answers.append([answer(p, scope) for p in test])
 out.write(f"{token} {json.dumps(answers)}\n")
 out.flush()
-'''
+"""
 
 
 @dataclass
@@ -100,8 +100,16 @@ class CodeTestsReward:
 
     timeout_s: float = 10.0  # wall clock of the whole test run
     partial: bool = False
-    limits: dict[str, Any] = field(default_factory=lambda: {"cpu_s": 10, "memory_mb": 512, "processes": 32,
-                                                              "work_mb": 16, "tmp_mb": 16, "output_bytes": 65536})
+    limits: dict[str, Any] = field(
+        default_factory=lambda: {
+            "cpu_s": 10,
+            "memory_mb": 512,
+            "processes": 32,
+            "work_mb": 16,
+            "tmp_mb": 16,
+            "output_bytes": 65536,
+        }
+    )
     python: str = "python3"  # the interpreter inside the sandbox (the host's system Python)
     # test runs at once (the reward worker scores a whole batch concurrently): thousands of jails
     # contending for two cores would run every solution past its timeout and score it 0
@@ -113,7 +121,11 @@ class CodeTestsReward:
     def __post_init__(self) -> None:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
             raise ValueError(f"code_tests.timeout_s={self.timeout_s!r}: must be a positive number of seconds")
-        if isinstance(self.max_concurrency, bool) or not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
+        if (
+            isinstance(self.max_concurrency, bool)
+            or not isinstance(self.max_concurrency, int)
+            or self.max_concurrency < 1
+        ):
             raise ValueError(f"code_tests.max_concurrency={self.max_concurrency!r}: must be a positive integer")
         self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
         try:
@@ -132,13 +144,17 @@ class CodeTestsReward:
     async def __call__(self, trajectory: Trajectory, record: DataRecord, ctx: RewardContext | None = None) -> float:
         tests = record.metadata.get("tests")
         if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
-            raise ValueError(f"code_tests: record {record.source}[{record.index}] needs metadata['tests'], "
-                             f"a non-empty list of Python statements; got {tests!r:.80}")
+            raise ValueError(
+                f"code_tests: record {record.source}[{record.index}] needs metadata['tests'], "
+                f"a non-empty list of Python statements; got {tests!r:.80}"
+            )
         own = sandbox_of(trajectory, ctx)
         if self.solution_file is not None and own is None:
-            raise ValueError(f"code_tests.solution_file={self.solution_file!r}: trajectory {trajectory.group_id}/"
-                             f"{trajectory.sample_index} of {record.source!r} worked in no sandbox; give its agent "
-                             f"one (command agent: sandbox: true, with services: [{{name: sandboxes}}])")
+            raise ValueError(
+                f"code_tests.solution_file={self.solution_file!r}: trajectory {trajectory.group_id}/"
+                f"{trajectory.sample_index} of {record.source!r} worked in no sandbox; give its agent "
+                f"one (command agent: sandbox: true, with services: [{{name: sandboxes}}])"
+            )
         code = None if self.solution_file is not None else extract_code(trajectory.response_text)
         loop = asyncio.get_running_loop()
         gate = self._gates.setdefault(loop, asyncio.Semaphore(self.max_concurrency))
@@ -146,8 +162,9 @@ class CodeTestsReward:
             if own is not None:
                 passed, total = await self._test(own.exec, own.put, code, tests, own=True)
             else:
-                passed, total = await self.run(code, tests,
-                                               f"{record.source}-{trajectory.group_id}-{trajectory.sample_index}")
+                passed, total = await self.run(
+                    code, tests, f"{record.source}-{trajectory.group_id}-{trajectory.sample_index}"
+                )
         trajectory.metadata["code_tests"] = {"passed": passed, "total": total, "in_own_sandbox": own is not None}
         if self.partial:
             return passed / total
@@ -162,8 +179,13 @@ class CodeTestsReward:
         except (OSError, RuntimeError) as exc:
             raise RewardInfraError(f"code_tests: no sandbox: {exc}") from exc
         try:
-            return await self._test(functools.partial(sandbox.exec, sandbox_id),
-                                    functools.partial(sandbox.put, sandbox_id), code, tests, own=False)
+            return await self._test(
+                functools.partial(sandbox.exec, sandbox_id),
+                functools.partial(sandbox.put, sandbox_id),
+                code,
+                tests,
+                own=False,
+            )
         finally:
             await sandbox.delete(sandbox_id)
 
@@ -192,15 +214,19 @@ class CodeTestsReward:
             raise RewardInfraError(f"code_tests: could not write the test files: {exc}") from exc
         # the token file is opened as standard input, then unlinked before the harness starts
         try:
-            result = await exec_(f"{{ rm -f {folder}/token; {self.python} -I -B {folder}/harness.py "
-                                 f"{shlex.quote(solution)} {folder}/probes.json; }} < {folder}/token", self.timeout_s)
+            result = await exec_(
+                f"{{ rm -f {folder}/token; {self.python} -I -B {folder}/harness.py "
+                f"{shlex.quote(solution)} {folder}/probes.json; }} < {folder}/token",
+                self.timeout_s,
+            )
         except LookupError as exc:  # the sandbox went away (deadline passed, run ending)
             raise RewardInfraError(f"code_tests: sandbox gone: {exc}") from exc
         if result.error is not None and result.exit_code is None and result.signal is None:
             raise RewardInfraError(f"code_tests: the test run could not start: {result.error}")
         # the judge has a budget of its own: a solution that used up its time must not starve it
-        verdicts = await judge(checks, _answers(result.stdout, token), timeout_s=self.timeout_s,
-                               memory_mb=max(256, self._limits.memory_mb))
+        verdicts = await judge(
+            checks, _answers(result.stdout, token), timeout_s=self.timeout_s, memory_mb=max(256, self._limits.memory_mb)
+        )
         return sum(passed for passed, _ in verdicts), len(tests)
 
 
@@ -209,7 +235,7 @@ def _answers(stdout: str, token: str) -> list | None:
     for line in reversed(stdout.splitlines()):
         if line.startswith(f"{token} "):
             try:
-                return json.loads(line[len(token) + 1:])
+                return json.loads(line[len(token) + 1 :])
             except ValueError:
                 return None
     return None

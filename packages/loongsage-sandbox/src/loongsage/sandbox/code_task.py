@@ -84,9 +84,13 @@ class CodeFnTask:
     def __getitem__(self, index: int) -> DataRecord:
         a, b, x = self.problem(index)
         tests = [f"assert f({v}) == {a * v + b}" for v in (0, 1, -2, x)]
-        return DataRecord(source=self.name, index=index,
-                          prompt=[{"role": "user", "content": f"Write a Python function f(x) that returns {a}*x+{b}."}],
-                          label=canonical_code(a, b), metadata={"a": a, "b": b, "tests": tests})
+        return DataRecord(
+            source=self.name,
+            index=index,
+            prompt=[{"role": "user", "content": f"Write a Python function f(x) that returns {a}*x+{b}."}],
+            label=canonical_code(a, b),
+            metadata={"a": a, "b": b, "tests": tests},
+        )
 
 
 # ------------------------------------------------------------------------------------ warm start
@@ -116,8 +120,9 @@ class CodeFnWarmStartParams:
         return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
-def build_code_fn_warm_start(out_dir: str | Path, params: CodeFnWarmStartParams | None = None, *,
-                             log_every: int = 0) -> Path:
+def build_code_fn_warm_start(
+    out_dir: str | Path, params: CodeFnWarmStartParams | None = None, *, log_every: int = 0
+) -> Path:
     """The embedded tiny Qwen3 fine-tuned on the teacher's code; an HF folder with
     ``loongsage_warmstart.json``."""
     from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
@@ -134,8 +139,11 @@ def build_code_fn_warm_start(out_dir: str | Path, params: CodeFnWarmStartParams 
         def step_loss(step: int) -> torch.Tensor:
             records = [task[i] for i in range(step * params.batch_size, (step + 1) * params.batch_size)]
             prompts = [render_prompt(tokenizer, r.prompt) for r in records]
-            answers = [teacher_code(r.metadata["a"], r.metadata["b"], drop_prob=params.drop_prob, rng=rng)
-                       + tokenizer.eos_token for r in records]
+            answers = [
+                teacher_code(r.metadata["a"], r.metadata["b"], drop_prob=params.drop_prob, rng=rng)
+                + tokenizer.eos_token
+                for r in records
+            ]
             input_ids, attention, labels = sft_tensors(tokenizer, prompts, answers)
             return model(input_ids=input_ids, attention_mask=attention, labels=labels).loss
 

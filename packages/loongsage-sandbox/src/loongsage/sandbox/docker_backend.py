@@ -69,8 +69,10 @@ def _names(path: str) -> list[str]:
     try:
         return [p.decode("utf-8") for p in parts]
     except UnicodeDecodeError:
-        raise ValueError(f"sandbox path {path!r}: not valid UTF-8; the docker backend's file API carries "
-                         f"UTF-8 names only (a command inside may still create any name)") from None
+        raise ValueError(
+            f"sandbox path {path!r}: not valid UTF-8; the docker backend's file API carries "
+            f"UTF-8 names only (a command inside may still create any name)"
+        ) from None
 
 
 def _client(base_url: str | None, timeout: float):
@@ -79,12 +81,15 @@ def _client(base_url: str | None, timeout: float):
     except ImportError:
         raise RuntimeError(f"sandbox 'docker' needs the docker Python client: {INSTALL_HINT}") from None
     try:
-        client = docker.DockerClient(base_url=base_url, timeout=timeout) if base_url else docker.from_env(timeout=timeout)
+        client = (
+            docker.DockerClient(base_url=base_url, timeout=timeout) if base_url else docker.from_env(timeout=timeout)
+        )
         client.ping()
     except Exception as exc:  # noqa: BLE001 - one line naming the engine it could not reach
         where = base_url or os.environ.get("DOCKER_HOST") or "the default socket (/var/run/docker.sock)"
-        raise RuntimeError(f"sandbox 'docker' cannot reach a Docker Engine API at {where}: "
-                           f"{type(exc).__name__}: {str(exc)[:200]}") from None
+        raise RuntimeError(
+            f"sandbox 'docker' cannot reach a Docker Engine API at {where}: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from None
     return client
 
 
@@ -92,6 +97,7 @@ def base_image_tar() -> bytes:
     """The default image's only layer: empty directories, the host's root links, a sandbox user."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+
         def add(name: str, kind: bytes, mode: int, data: bytes = b"", link: str = "") -> None:
             info = tarfile.TarInfo(name)
             info.type, info.mode, info.linkname, info.size = kind, mode, link, len(data)
@@ -104,8 +110,13 @@ def base_image_tar() -> bytes:
                 add(path.lstrip("/"), tarfile.SYMTYPE, 0o777, link=os.readlink(path))
             elif path != "/usr" and os.path.isdir(path):
                 add(path.lstrip("/"), tarfile.DIRTYPE, 0o755)
-        add("etc/passwd", tarfile.REGTYPE, 0o644, f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{WORK}:/bin/sh\n".encode())
+        add(
+            "etc/passwd",
+            tarfile.REGTYPE,
+            0o644,
+            f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
+            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{WORK}:/bin/sh\n".encode(),
+        )
         add("etc/group", tarfile.REGTYPE, 0o644, f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n".encode())
         add("etc/hosts", tarfile.REGTYPE, 0o644, b"127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
     return buf.getvalue()
@@ -138,8 +149,15 @@ class DockerSandbox(Sandbox):
 
     reusable = False
 
-    def __init__(self, limits: Limits = Limits(), base_url: str | None = None, image: str | None = None,
-                 cpus: float = 1.0, runtime: str | None = None, api_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        limits: Limits = Limits(),
+        base_url: str | None = None,
+        image: str | None = None,
+        cpus: float = 1.0,
+        runtime: str | None = None,
+        api_timeout_s: float = 120.0,
+    ):
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0 < cpus <= 1024:
             raise ValueError(f"docker sandbox cpus={cpus!r}: must be a positive number of CPUs")
         self.limits, self.cpus, self.runtime = limits, float(cpus), runtime
@@ -182,20 +200,40 @@ class DockerSandbox(Sandbox):
 
         name = f"lsg-{secrets.token_hex(6)}"
         lim = self.limits
-        labels = {LABEL: "1", f"{LABEL}.run": owner.run, f"{LABEL}.trajectory": owner.trajectory,
-                  f"{LABEL}.attempt": str(owner.attempt), f"{LABEL}.deadline": repr(float(deadline)),
-                  f"{LABEL}.creator": self._creator}
+        labels = {
+            LABEL: "1",
+            f"{LABEL}.run": owner.run,
+            f"{LABEL}.trajectory": owner.trajectory,
+            f"{LABEL}.attempt": str(owner.attempt),
+            f"{LABEL}.deadline": repr(float(deadline)),
+            f"{LABEL}.creator": self._creator,
+        }
         options = dict(
             command=["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"],
-            name=name, labels=labels, network_mode="none", read_only=True, user="0:0", working_dir=WORK,
-            cap_drop=["ALL"], cap_add=["KILL"], security_opt=["no-new-privileges"],
-            mem_limit=lim.memory_mb * MIB, memswap_limit=lim.memory_mb * MIB, pids_limit=lim.processes,
-            nano_cpus=int(self.cpus * 1e9), volumes=self._mounts, environment=jail_env(),
+            name=name,
+            labels=labels,
+            network_mode="none",
+            read_only=True,
+            user="0:0",
+            working_dir=WORK,
+            cap_drop=["ALL"],
+            cap_add=["KILL"],
+            security_opt=["no-new-privileges"],
+            mem_limit=lim.memory_mb * MIB,
+            memswap_limit=lim.memory_mb * MIB,
+            pids_limit=lim.processes,
+            nano_cpus=int(self.cpus * 1e9),
+            volumes=self._mounts,
+            environment=jail_env(),
             tmpfs={WORK: f"size={lim.work_mb}m", "/tmp": f"size={lim.tmp_mb}m"},
-            ulimits=[Ulimit(name="cpu", soft=lim.cpu_s, hard=lim.cpu_s), Ulimit(name="core", soft=0, hard=0),
-                     Ulimit(name="fsize", soft=lim.file_size_mb * MIB, hard=lim.file_size_mb * MIB),
-                     Ulimit(name="nofile", soft=lim.open_files, hard=lim.open_files),
-                     Ulimit(name="nproc", soft=lim.processes, hard=lim.processes)])
+            ulimits=[
+                Ulimit(name="cpu", soft=lim.cpu_s, hard=lim.cpu_s),
+                Ulimit(name="core", soft=0, hard=0),
+                Ulimit(name="fsize", soft=lim.file_size_mb * MIB, hard=lim.file_size_mb * MIB),
+                Ulimit(name="nofile", soft=lim.open_files, hard=lim.open_files),
+                Ulimit(name="nproc", soft=lim.processes, hard=lim.processes),
+            ],
+        )
         if self.runtime:
             options["runtime"] = self.runtime
         container = await self._call(self.client.containers.create, self.image, **options)
@@ -273,14 +311,22 @@ class DockerSandbox(Sandbox):
         out, err = Capture(self.limits.output_bytes), Capture(self.limits.output_bytes)
         start = time.monotonic()
         try:
-            exec_id = (await self._call(self.client.api.exec_create, sandbox_id, ["/bin/sh", "-c", cmd],
-                                        workdir=WORK, user=f"{SANDBOX_UID}:{SANDBOX_UID}",
-                                        environment=jail_env()))["Id"]
+            exec_id = (
+                await self._call(
+                    self.client.api.exec_create,
+                    sandbox_id,
+                    ["/bin/sh", "-c", cmd],
+                    workdir=WORK,
+                    user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                    environment=jail_env(),
+                )
+            )["Id"]
         except docker.errors.NotFound:
             raise LookupError(f"sandbox {sandbox_id!r}: its container is gone") from None
         except docker.errors.APIError as exc:
-            return ExecResult(None, None, "", "", False, False, time.monotonic() - start,
-                              f"could not start: {exc.explanation or exc}")
+            return ExecResult(
+                None, None, "", "", False, False, time.monotonic() - start, f"could not start: {exc.explanation or exc}"
+            )
         reader = asyncio.ensure_future(self._call(self._pump, exec_id, out, err))
         timed_out = False
         try:
@@ -320,8 +366,9 @@ class DockerSandbox(Sandbox):
         import docker
 
         try:
-            exec_id = (await self._call(self.client.api.exec_create, sandbox_id, ["/bin/sh", "-c", "kill -9 -1"],
-                                        user="0:0"))["Id"]
+            exec_id = (
+                await self._call(self.client.api.exec_create, sandbox_id, ["/bin/sh", "-c", "kill -9 -1"], user="0:0")
+            )["Id"]
             await self._call(self.client.api.exec_start, exec_id)
         except docker.errors.APIError:
             pass  # the container is gone already, and its processes with it
@@ -419,4 +466,3 @@ def docker_problem(base_url: str | None = None) -> str | None:
     except RuntimeError as exc:
         return str(exc)
     return None
-

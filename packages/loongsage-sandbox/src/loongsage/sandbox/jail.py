@@ -51,8 +51,15 @@ WORK = "/work"  # the work directory, as the command sees it
 ENV_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 # host paths bound read-only at the same place; a link at the root (merged /usr) is recreated as a link
 SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-ETC_PATHS = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives", "/etc/localtime",
-             "/etc/nsswitch.conf", "/etc/mime.types")
+ETC_PATHS = (
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/alternatives",
+    "/etc/localtime",
+    "/etc/nsswitch.conf",
+    "/etc/mime.types",
+)
 KEPT_CAPS = ("CAP_SETUID", "CAP_SETGID", "CAP_SETPCAP")  # until setpriv: see the module docstring
 IDENTITY = ("passwd", "group", "hosts")  # the sandbox's own files of /etc, in <scratch>/etc
 EMPTY = "empty"  # an empty file in the scratch tmpfs, bound over what /proc must not show
@@ -90,8 +97,9 @@ def identity_files(scratch: Path, uid: int) -> None:
     into its ``/etc``), and the empty file bound over :data:`MASKED_PROC`, in its scratch tmpfs."""
     etc = scratch / "etc"
     etc.mkdir(mode=0o755, exist_ok=True)
-    (etc / "passwd").write_text(f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                                f"sandbox:x:{uid}:{uid}:sandbox:{WORK}:/bin/sh\n")
+    (etc / "passwd").write_text(
+        f"root:x:0:0:root:/root:/usr/sbin/nologin\nsandbox:x:{uid}:{uid}:sandbox:{WORK}:/bin/sh\n"
+    )
     (etc / "group").write_text(f"root:x:0:\nsandbox:x:{uid}:\n")
     (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
     (scratch / EMPTY).write_bytes(b"")
@@ -101,15 +109,36 @@ def jail_options(*, work: Path, scratch: Path, pts: Path) -> bytes:
     """bubblewrap's options for a sandbox (the same for each of its execs; :func:`exec_options`
     follows them), NUL-separated: they reach it on a descriptor (``--args FD``), so the init's
     command line, which the sandbox can read in ``/proc/1/cmdline``, shows no host path."""
-    options = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-               "--hostname", "sandbox", "--die-with-parent", "--new-session",
-               "--cap-drop", "ALL", *[a for cap in KEPT_CAPS for a in ("--cap-add", cap)],
-               *system_binds(),
-               *[arg for name in IDENTITY for arg in ("--ro-bind", str(scratch / "etc" / name), f"/etc/{name}")],
-               "--proc", "/proc", *[arg for path in MASKED_PROC for arg in ("--ro-bind", str(scratch / EMPTY), path)],
-               # a device bind: a plain one is nodev, and /dev/pts/ptmx would not open
-               "--dev", "/dev", "--dev-bind", str(pts), "/dev/pts",
-               "--bind", str(work), WORK, "--chdir", WORK]
+    options = [
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "sandbox",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        *[a for cap in KEPT_CAPS for a in ("--cap-add", cap)],
+        *system_binds(),
+        *[arg for name in IDENTITY for arg in ("--ro-bind", str(scratch / "etc" / name), f"/etc/{name}")],
+        "--proc",
+        "/proc",
+        *[arg for path in MASKED_PROC for arg in ("--ro-bind", str(scratch / EMPTY), path)],
+        # a device bind: a plain one is nodev, and /dev/pts/ptmx would not open
+        "--dev",
+        "/dev",
+        "--dev-bind",
+        str(pts),
+        "/dev/pts",
+        "--bind",
+        str(work),
+        WORK,
+        "--chdir",
+        WORK,
+    ]
     return b"".join(os.fsencode(a) + b"\0" for a in options)
 
 
@@ -122,24 +151,55 @@ def exec_options(*, tmp: Path, seccomp_fd: int) -> bytes:
 
 def jail_argv(cmd: str, *, uid: int, limits: Limits, options_fd: int) -> list[str]:
     """The command line of one exec of ``cmd`` (``/bin/sh -c``), bubblewrap's options on ``options_fd``."""
-    drop = [tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
-            "--inh-caps=-all", "--bounding-set=-all", "--"]
-    return [tool("setpriv"), "--pdeathsig", "KILL", "--", tool("bwrap"), "--args", str(options_fd), "--",
-            tool("prlimit"), *limits.prlimit_args(), "--", *drop, "/bin/sh", "-c", cmd]
+    drop = [
+        tool("setpriv"),
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "--no-new-privs",
+        "--inh-caps=-all",
+        "--bounding-set=-all",
+        "--",
+    ]
+    return [
+        tool("setpriv"),
+        "--pdeathsig",
+        "KILL",
+        "--",
+        tool("bwrap"),
+        "--args",
+        str(options_fd),
+        "--",
+        tool("prlimit"),
+        *limits.prlimit_args(),
+        "--",
+        *drop,
+        "/bin/sh",
+        "-c",
+        cmd,
+    ]
 
 
 def jail_env() -> dict[str, str]:
     """The whole environment of a command (nothing of the host's leaks in)."""
-    return {"PATH": ENV_PATH, "HOME": WORK, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "USER": "sandbox",
-            "PYTHONDONTWRITEBYTECODE": "1"}
+    return {
+        "PATH": ENV_PATH,
+        "HOME": WORK,
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "USER": "sandbox",
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
 
 
 @functools.lru_cache(maxsize=1)
 def jail_problem() -> str | None:
     """Why the local sandbox cannot run here (None: it can), in one line."""
     if os.geteuid() != 0:
-        return ("the local sandbox needs root (it mounts each work directory as a size-capped tmpfs and runs "
-                "each sandbox under a uid of its own); run the sandbox worker as root")
+        return (
+            "the local sandbox needs root (it mounts each work directory as a size-capped tmpfs and runs "
+            "each sandbox under a uid of its own); run the sandbox worker as root"
+        )
     try:
         paths = [tool(name) for name in TOOLS]
     except FileNotFoundError as exc:
@@ -154,8 +214,23 @@ def jail_problem() -> str | None:
     try:
         os.write(fd, program)
         os.lseek(fd, 0, os.SEEK_SET)
-        probe = [paths[0], "--unshare-pid", "--unshare-net", "--die-with-parent", *system_binds(), "--proc", "/proc",
-                 "--dev", "/dev", "--seccomp", str(fd), "--", "/bin/sh", "-c", "true"]
+        probe = [
+            paths[0],
+            "--unshare-pid",
+            "--unshare-net",
+            "--die-with-parent",
+            *system_binds(),
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--seccomp",
+            str(fd),
+            "--",
+            "/bin/sh",
+            "-c",
+            "true",
+        ]
         done = subprocess.run(probe, capture_output=True, text=True, timeout=30, pass_fds=(fd,))
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"bwrap could not run: {exc}"

@@ -39,20 +39,79 @@ import sys
 from dataclasses import dataclass
 
 # names a check may use without the solution; any other free name belongs to the solution
-JUDGE_BUILTINS = frozenset({
-    "abs", "all", "any", "ascii", "bin", "bool", "bytes", "callable", "chr", "complex", "dict", "divmod",
-    "enumerate", "filter", "float", "format", "frozenset", "hash", "hex", "int", "isinstance", "iter", "len",
-    "list", "map", "max", "min", "next", "oct", "ord", "pow", "range", "repr", "reversed", "round", "set",
-    "slice", "sorted", "str", "sum", "tuple", "type", "zip",
-    "Exception", "ValueError", "TypeError", "KeyError", "IndexError", "ZeroDivisionError",
-})
+JUDGE_BUILTINS = frozenset(
+    {
+        "abs",
+        "all",
+        "any",
+        "ascii",
+        "bin",
+        "bool",
+        "bytes",
+        "callable",
+        "chr",
+        "complex",
+        "dict",
+        "divmod",
+        "enumerate",
+        "filter",
+        "float",
+        "format",
+        "frozenset",
+        "hash",
+        "hex",
+        "int",
+        "isinstance",
+        "iter",
+        "len",
+        "list",
+        "map",
+        "max",
+        "min",
+        "next",
+        "oct",
+        "ord",
+        "pow",
+        "range",
+        "repr",
+        "reversed",
+        "round",
+        "set",
+        "slice",
+        "sorted",
+        "str",
+        "sum",
+        "tuple",
+        "type",
+        "zip",
+        "Exception",
+        "ValueError",
+        "TypeError",
+        "KeyError",
+        "IndexError",
+        "ZeroDivisionError",
+    }
+)
 JUDGE_MODULES = frozenset({"math"})
 _JUDGE_NAMES = JUDGE_BUILTINS | JUDGE_MODULES
 _PROBE = "__probe_{}"
 
 # the parts of a condition the judge evaluates itself, taking apart the operands below them
-_STRUCTURE = (ast.Compare, ast.BoolOp, ast.UnaryOp, ast.BinOp, ast.IfExp, ast.Tuple, ast.List, ast.Set,
-              ast.Dict, ast.JoinedStr, ast.FormattedValue, ast.keyword, ast.Starred)
+_STRUCTURE = (
+    ast.Compare,
+    ast.BoolOp,
+    ast.UnaryOp,
+    ast.BinOp,
+    ast.IfExp,
+    ast.Tuple,
+    ast.List,
+    ast.Set,
+    ast.Dict,
+    ast.JoinedStr,
+    ast.FormattedValue,
+    ast.keyword,
+    ast.Starred,
+)
 _SCOPES = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 
 
@@ -106,16 +165,17 @@ class _Splitter:
                 if isinstance(value, ast.expr) and not (isinstance(node, ast.Call) and name == "func"):
                     setattr(node, name, self.split(value))
                 elif isinstance(value, list):
-                    setattr(node, name, [self.split(v) if isinstance(v, (ast.expr, ast.keyword)) else v
-                                         for v in value])
+                    setattr(node, name, [self.split(v) if isinstance(v, (ast.expr, ast.keyword)) else v for v in value])
             return node
         return self._probe(node)
 
     def _probe(self, node: ast.expr) -> ast.expr:
         if any(isinstance(sub, ast.Compare) for sub in ast.walk(node)):
-            raise self._refuse(f"the comparison inside `{ast.unparse(node):.60}` would run beside the solution, "
-                               "which could then forge it; compare whole values outside comprehensions and "
-                               "lambdas (`assert [f(i) for i in range(3)] == [...]`)")
+            raise self._refuse(
+                f"the comparison inside `{ast.unparse(node):.60}` would run beside the solution, "
+                "which could then forge it; compare whole values outside comprehensions and "
+                "lambdas (`assert [f(i) for i in range(3)] == [...]`)"
+            )
         self.probes.append(ast.unparse(node))
         return ast.Name(_PROBE.format(len(self.probes) - 1), ast.Load())
 
@@ -129,8 +189,9 @@ def split_test(test: str) -> SplitTest:
     except SyntaxError as exc:
         raise ValueError(f"code_tests: test {test!r:.120} is not valid Python: {exc.msg}") from None
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
-        raise ValueError(f"code_tests: test {test!r:.120} must be one `assert <condition>` statement "
-                         f"(e.g. `assert f(2) == 5`)")
+        raise ValueError(
+            f"code_tests: test {test!r:.120} must be one `assert <condition>` statement (e.g. `assert f(2) == 5`)"
+        )
     condition = tree.body[0].test
     splitter = _Splitter(test)
     check = ast.fix_missing_locations(splitter.split(condition))
@@ -142,7 +203,7 @@ def split_test(test: str) -> SplitTest:
 # or null when the child gave none for that test. Each check runs in a forked process of its own
 # under a CPU and memory bound (SIGXCPU ends even one long C call, such as a huge power), so one
 # costly check fails itself alone. Output: one JSON line [passed, why] per test, as each is judged.
-JUDGE = r'''
+JUDGE = r"""
 import ast, json, math, os, resource, sys
 cpu_s, memory_mb = int(sys.argv[1]), int(sys.argv[2])
 import builtins
@@ -206,22 +267,34 @@ def isolated(test):
 
 for test in json.loads(sys.stdin.read())["tests"]:
     print(json.dumps(isolated(test)), flush=True)
-'''
+"""
 
 
-async def judge(checks: list[SplitTest], answers: list | None, *, timeout_s: float, cpu_s: int = 2,
-                memory_mb: int = 1024) -> list[tuple[bool, str]]:
+async def judge(
+    checks: list[SplitTest], answers: list | None, *, timeout_s: float, cpu_s: int = 2, memory_mb: int = 1024
+) -> list[tuple[bool, str]]:
     """``(passed, why)`` per test: each check over the child's ``answers`` (``answers[i]``: the
     ``[kind, text]`` of each probe of test ``i``; anything else fails that test), in the judge
     process, each check within ``cpu_s`` and ``memory_mb``; the tests not judged within
     ``timeout_s`` of wall clock fail."""
     if not isinstance(answers, list) or len(answers) != len(checks):
         answers = [None] * len(checks)
-    payload = json.dumps({"tests": [{"check": c.check, "probes": len(c.probes), "answers": a}
-                                    for c, a in zip(checks, answers)]}).encode()
+    payload = json.dumps(
+        {"tests": [{"check": c.check, "probes": len(c.probes), "answers": a} for c, a in zip(checks, answers)]}
+    ).encode()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-S", "-c", JUDGE, str(cpu_s), str(memory_mb), json.dumps(sorted(JUDGE_BUILTINS)),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        JUDGE,
+        str(cpu_s),
+        str(memory_mb),
+        json.dumps(sorted(JUDGE_BUILTINS)),
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     verdicts: list[tuple[bool, str]] = []
     try:
         async with asyncio.timeout(timeout_s):

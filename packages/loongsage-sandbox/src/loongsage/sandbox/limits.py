@@ -51,7 +51,9 @@ class Limits:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"sandbox limit {f.name}={value!r}: must be a positive integer")
         if self.processes < 2:
-            raise ValueError(f"sandbox limit processes={self.processes}: must be at least 2 (the shell and one command)")
+            raise ValueError(
+                f"sandbox limit processes={self.processes}: must be at least 2 (the shell and one command)"
+            )
 
     def inodes(self, size_mb: int) -> int:
         """``nr_inodes`` of a tmpfs of ``size_mb`` (its root directory counts as one)."""
@@ -59,5 +61,11 @@ class Limits:
 
     def prlimit_args(self) -> list[str]:
         """The ``prlimit`` options that set the per-process limits (soft = hard: no raising back)."""
-        return [f"--cpu={self.cpu_s}", f"--as={self.memory_mb * MIB}", f"--nproc={self.processes}",
-                f"--fsize={self.file_size_mb * MIB}", f"--nofile={self.open_files}", "--core=0"]
+        return [
+            f"--cpu={self.cpu_s}",
+            f"--as={self.memory_mb * MIB}",
+            f"--nproc={self.processes}",
+            f"--fsize={self.file_size_mb * MIB}",
+            f"--nofile={self.open_files}",
+            "--core=0",
+        ]

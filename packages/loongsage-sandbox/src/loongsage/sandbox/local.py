@@ -53,7 +53,7 @@ class Capture:
         self.tail += data
         keep = self.limit - self.limit // 2
         if len(self.tail) > keep:
-            del self.tail[:len(self.tail) - keep]
+            del self.tail[: len(self.tail) - keep]
 
     @property
     def truncated(self) -> bool:
@@ -62,10 +62,12 @@ class Capture:
     def text(self) -> str:
         def decode(b: bytes) -> str:
             return b.decode("utf-8", "backslashreplace")
+
         if not self.truncated:
             return decode(bytes(self.head + self.tail))
         cut = self.total - len(self.head) - len(self.tail)
-        return f"{decode(bytes(self.head))}\n[... {cut} bytes cut: output over {self.limit} bytes ...]\n{decode(bytes(self.tail))}"
+        marker = f"[... {cut} bytes cut: output over {self.limit} bytes ...]"
+        return f"{decode(bytes(self.head))}\n{marker}\n{decode(bytes(self.tail))}"
 
 
 @dataclass
@@ -234,9 +236,17 @@ class LocalSandbox(Sandbox):
         # shielded: Python 3.11 never finishes a subprocess transport cancelled while its pipes
         # connect (its exit waiters wait for pipes that never come); a cancelled caller leaves the
         # spawn to a background task that kills and collects what it makes
-        spawn = asyncio.ensure_future(asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=jail_env(), start_new_session=True, pass_fds=tuple(fds)))
+        spawn = asyncio.ensure_future(
+            asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=jail_env(),
+                start_new_session=True,
+                pass_fds=tuple(fds),
+            )
+        )
         spawn.add_done_callback(lambda _: [os.close(fd) for fd in fds])
         try:
             jail = await asyncio.shield(spawn)
@@ -287,8 +297,9 @@ class LocalSandbox(Sandbox):
         """Unpack the tar ``archive`` under ``path`` (``"."``: the work directory); files written.
         Links, devices, FIFOs and names leaving the directory refuse the whole archive."""
         box = self._box(sandbox_id)
-        return await self._files(box, paths.extract_archive, str(box.work), path, archive, uid=box.uid,
-                                 limit=self.limits.get_bytes)
+        return await self._files(
+            box, paths.extract_archive, str(box.work), path, archive, uid=box.uid, limit=self.limits.get_bytes
+        )
 
     def host_path(self, sandbox_id: str) -> str:
         """The work directory as a path on this machine (what the command agent runs a program in)."""
@@ -311,6 +322,7 @@ class LocalSandbox(Sandbox):
                 return await asyncio.to_thread(fn, *args, **kwargs)
             finally:
                 _let_go(box)
+
         try:
             return await asyncio.shield(self._spawn(transfer()))
         except FileNotFoundError:
@@ -324,8 +336,10 @@ def check_exec(cmd: str, timeout: float) -> None:
     if not isinstance(cmd, str) or "\0" in cmd or not cmd.strip():
         raise ValueError(f"sandbox exec cmd={cmd!r}: must be a non-empty shell command without NUL bytes")
     if len(os.fsencode(cmd)) > MAX_CMD_BYTES:
-        raise ValueError(f"sandbox exec cmd of {len(os.fsencode(cmd))} bytes: at most {MAX_CMD_BYTES}; "
-                         f"put a script into the sandbox and run that")
+        raise ValueError(
+            f"sandbox exec cmd of {len(os.fsencode(cmd))} bytes: at most {MAX_CMD_BYTES}; "
+            f"put a script into the sandbox and run that"
+        )
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < math.inf):
         raise ValueError(f"sandbox exec timeout={timeout!r}: must be a positive finite number of seconds")
 
@@ -438,8 +452,9 @@ def _state(pid: int) -> bytes | None:
         return None
 
 
-def exec_result(code: int | None, timed_out: bool, wall: float, out: Capture, err: Capture,
-            closing: str | None) -> ExecResult:
+def exec_result(
+    code: int | None, timed_out: bool, wall: float, out: Capture, err: Capture, closing: str | None
+) -> ExecResult:
     exit_code, sig = code, None
     if timed_out or closing is not None:  # ended by the kill of its jail, whatever bubblewrap reported
         exit_code, sig = None, signal.SIGKILL.value

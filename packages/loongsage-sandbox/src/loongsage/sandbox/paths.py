@@ -85,8 +85,12 @@ def write_file(root: str, path: str, data: bytes, *, uid: int, limit: int) -> No
     parts = split(path)
     with _walk(root, parts, create=True, uid=uid, path=path) as parent:
         try:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                         FILE_MODE, dir_fd=parent)
+            fd = os.open(
+                parts[-1],
+                os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                FILE_MODE,
+                dir_fd=parent,
+            )
         except OSError as exc:
             raise _refuse(path, exc, "the file") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -172,8 +176,10 @@ def _plan(members: list[tarfile.TarInfo], base: list[bytes], path: str, limit: i
             is_dir = i < len(parts) or m.isdir()
             before = plan.get(parts[:i])
             if before is not None and (before is _DIR) != is_dir:
-                raise ValueError(f"sandbox archive member {m.name!r}: {os.fsdecode(b'/'.join(parts[:i]))!r} is both "
-                                 f"a file and a directory in the archive")
+                raise ValueError(
+                    f"sandbox archive member {m.name!r}: {os.fsdecode(b'/'.join(parts[:i]))!r} is both "
+                    f"a file and a directory in the archive"
+                )
             plan[parts[:i]] = _DIR if is_dir else m
     return plan
 
@@ -193,15 +199,26 @@ def _absent(root_fd: int, plan: dict[tuple[bytes, ...], object], path: str) -> s
             missing.add(parts)
             continue
         except OSError as exc:
-            raise ValueError(f"sandbox archive for {path!r}: cannot check {os.fsdecode(name)!r} "
-                             f"({exc.strerror}); nothing was written") from None
+            raise ValueError(
+                f"sandbox archive for {path!r}: cannot check {os.fsdecode(name)!r} "
+                f"({exc.strerror}); nothing was written"
+            ) from None
         want_dir = plan[parts] is _DIR
-        if (stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode)):
+        if stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode):
             continue
-        there = "a symlink" if stat.S_ISLNK(mode) else "a directory" if stat.S_ISDIR(mode) else \
-            "a regular file" if stat.S_ISREG(mode) else "a special file"
-        raise ValueError(f"sandbox archive for {path!r}: {os.fsdecode(name)!r} is {there} in the work directory, "
-                         f"the archive has a {'directory' if want_dir else 'file'} there; nothing was written")
+        there = (
+            "a symlink"
+            if stat.S_ISLNK(mode)
+            else "a directory"
+            if stat.S_ISDIR(mode)
+            else "a regular file"
+            if stat.S_ISREG(mode)
+            else "a special file"
+        )
+        raise ValueError(
+            f"sandbox archive for {path!r}: {os.fsdecode(name)!r} is {there} in the work directory, "
+            f"the archive has a {'directory' if want_dir else 'file'} there; nothing was written"
+        )
     return missing
 
 
@@ -220,16 +237,22 @@ def _stage(root_fd: int, tar: tarfile.TarFile, plan: dict, uid: int, path: str) 
                 continue
             source = tar.extractfile(member)
             data = source.read() if source else b""
-            fd = os.open(str(index), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE,
-                         dir_fd=stage_fd)
+            fd = os.open(
+                str(index),
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                FILE_MODE,
+                dir_fd=stage_fd,
+            )
             with open(fd, "wb", closefd=True) as f:
                 os.fchown(fd, uid, uid)
                 f.write(data)
     except BaseException as exc:
         _unstage(root_fd, stage, stage_fd)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise ValueError(f"sandbox archive for {path!r}: does not fit in the work directory "
-                             f"({exc.strerror}); nothing was written") from None
+            raise ValueError(
+                f"sandbox archive for {path!r}: does not fit in the work directory "
+                f"({exc.strerror}); nothing was written"
+            ) from None
         raise
     return stage, stage_fd
 
@@ -256,16 +279,20 @@ def _place(root: str, plan: dict, missing: set, stage_fd: int, *, uid: int, path
     except BaseException as exc:
         _unplace(root, plan, made, uid=uid)
         if isinstance(exc, (OSError, ValueError)):
-            raise ValueError(f"sandbox archive for {path!r}: {name!r} changed while the archive was unpacked "
-                             f"({exc}); what this call made was removed") from None
+            raise ValueError(
+                f"sandbox archive for {path!r}: {name!r} changed while the archive was unpacked "
+                f"({exc}); what this call made was removed"
+            ) from None
         raise
 
 
 def _unplace(root: str, plan: dict, made: list[tuple[bytes, ...]], *, uid: int) -> None:
     """Remove the files and directories :func:`_place` made, the deepest first."""
     for parts in reversed(made):
-        with contextlib.suppress(OSError, ValueError), \
-                _walk(root, list(parts), create=False, uid=uid, path="") as parent:
+        with (
+            contextlib.suppress(OSError, ValueError),
+            _walk(root, list(parts), create=False, uid=uid, path="") as parent,
+        ):
             if plan[parts] is _DIR:
                 os.rmdir(parts[-1], dir_fd=parent)
             else:
@@ -299,8 +326,10 @@ def give_files(root: str, uid: int) -> int:
             return counted[0]
         except _Moved:
             continue
-    raise RuntimeError(f"sandbox adopt: directories under {root} kept moving during {_WALKS} walks; "
-                       f"run adopt again once nothing in the sandbox moves them")
+    raise RuntimeError(
+        f"sandbox adopt: directories under {root} kept moving during {_WALKS} walks; "
+        f"run adopt again once nothing in the sandbox moves them"
+    )
 
 
 _WALKS = 3

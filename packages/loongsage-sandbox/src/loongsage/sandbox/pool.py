@@ -39,14 +39,24 @@ class Lease:
 
 
 class SandboxPool:
-    def __init__(self, backend: Sandbox, *, run: str, warm: int = 0, max_sandboxes: int = 64,
-                 lifetime_s: float = 3600.0, reuse: bool = True):
+    def __init__(
+        self,
+        backend: Sandbox,
+        *,
+        run: str,
+        warm: int = 0,
+        max_sandboxes: int = 64,
+        lifetime_s: float = 3600.0,
+        reuse: bool = True,
+    ):
         if not isinstance(run, str) or not run:
             raise ValueError(f"sandbox pool run={run!r}: must be a non-empty run id")
         if not isinstance(max_sandboxes, int) or max_sandboxes < 1:
             raise ValueError(f"sandbox pool max_sandboxes={max_sandboxes!r}: must be a positive integer")
         if not isinstance(warm, int) or not 0 <= warm <= max_sandboxes:
-            raise ValueError(f"sandbox pool warm={warm!r}: must be an integer from 0 to max_sandboxes ({max_sandboxes})")
+            raise ValueError(
+                f"sandbox pool warm={warm!r}: must be an integer from 0 to max_sandboxes ({max_sandboxes})"
+            )
         if not isinstance(lifetime_s, (int, float)) or not 0 < lifetime_s < math.inf:
             raise ValueError(f"sandbox pool lifetime_s={lifetime_s!r}: must be a positive finite number of seconds")
         self.backend, self.run, self.warm = backend, run, warm
@@ -87,8 +97,13 @@ class SandboxPool:
         deadline = time.time() + (self.lifetime_s if lifetime_s is None else lifetime_s)
         async with self._changed:
             # one acquire per owner at a time: a second waits and then gets the first one's sandbox
-            await self._changed.wait_for(lambda: self._closed or owner not in self._making and (
-                owner in self.leases or self.idle or self.live < self.max_sandboxes))
+            await self._changed.wait_for(
+                lambda: (
+                    self._closed
+                    or owner not in self._making
+                    and (owner in self.leases or self.idle or self.live < self.max_sandboxes)
+                )
+            )
             if self._closed:
                 raise RuntimeError("sandbox pool is closed")
             if (lease := self.leases.get(owner)) is not None:
@@ -167,8 +182,9 @@ class SandboxPool:
         """Keep ``warm`` empty sandboxes ready."""
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: len(self.idle) + self._reserved < self.warm
-                                             and self.live < self.max_sandboxes)
+                await self._changed.wait_for(
+                    lambda: len(self.idle) + self._reserved < self.warm and self.live < self.max_sandboxes
+                )
                 self._reserved += 1
             sandbox_id = None
             try:
@@ -217,9 +233,11 @@ class SandboxPool:
 
     def _notify(self) -> None:
         """Wake waiters of the condition (from synchronous code: the wake-up is its own small task)."""
+
         async def wake() -> None:
             async with self._changed:
                 self._changed.notify_all()
+
         task = asyncio.ensure_future(wake())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -80,9 +80,14 @@ class SandboxHost:
         return await self.backend.adopt(sandbox_id) if self.backend.adopt is not None else 0
 
     def stats(self) -> dict[str, float]:
-        return {"sandbox/live": float(self.pool.live), "sandbox/leased": float(len(self.pool.leases)),
-                "sandbox/warm": float(len(self.pool.idle)), "sandbox/acquired": float(self.acquired),
-                "sandbox/released": float(self.released), "sandbox/orphans_reaped": float(self.pool.reaped_orphans)}
+        return {
+            "sandbox/live": float(self.pool.live),
+            "sandbox/leased": float(len(self.pool.leases)),
+            "sandbox/warm": float(len(self.pool.idle)),
+            "sandbox/acquired": float(self.acquired),
+            "sandbox/released": float(self.released),
+            "sandbox/orphans_reaped": float(self.pool.reaped_orphans),
+        }
 
     async def close(self) -> None:
         await self.pool.close()
@@ -124,8 +129,12 @@ class SandboxSession:
     def attach(self, trajectory: Trajectory) -> None:
         """Record on ``trajectory`` that it worked in this sandbox: its reward finds it there, and
         the lease ends when the rollout is done with the trajectory."""
-        trajectory.metadata[METADATA_KEY] = {"service": self.service, "id": self.sandbox_id,
-                                             "trajectory": self.trajectory, "attempt": self.attempt}
+        trajectory.metadata[METADATA_KEY] = {
+            "service": self.service,
+            "id": self.sandbox_id,
+            "trajectory": self.trajectory,
+            "attempt": self.attempt,
+        }
 
 
 @dataclass
@@ -178,11 +187,15 @@ class SandboxService:
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, dict) or not isinstance(self.backend.get("name"), str):
-            raise ValueError(f"sandboxes.backend={self.backend!r}: must be a mapping with 'name' "
-                             f"(a loongsage_sandboxes backend, e.g. local) and optional 'params'")
+            raise ValueError(
+                f"sandboxes.backend={self.backend!r}: must be a mapping with 'name' "
+                f"(a loongsage_sandboxes backend, e.g. local) and optional 'params'"
+            )
         if self.warm > self.max_sandboxes or not math.isfinite(self.lifetime_s):
-            raise ValueError(f"sandboxes: warm={self.warm} must be at most max_sandboxes={self.max_sandboxes} "
-                             f"and lifetime_s={self.lifetime_s} finite")
+            raise ValueError(
+                f"sandboxes: warm={self.warm} must be at most max_sandboxes={self.max_sandboxes} "
+                f"and lifetime_s={self.lifetime_s} finite"
+            )
         self._host: Any = None
         self._client: Sandboxes | None = None
         self._stats: dict[str, float] = {}
@@ -192,8 +205,12 @@ class SandboxService:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         ctx.registry.check("sandbox", self.backend, "services.sandboxes.params.backend")
-        pool = {"warm": self.warm, "max_sandboxes": self.max_sandboxes, "lifetime_s": self.lifetime_s,
-                "reuse": self.reuse}
+        pool = {
+            "warm": self.warm,
+            "max_sandboxes": self.max_sandboxes,
+            "lifetime_s": self.lifetime_s,
+            "reuse": self.reuse,
+        }
         # on the driver's machine: the command agent runs its programs in the sandboxes' directories
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actor = ray.remote(SandboxHost).options(num_cpus=0, scheduling_strategy=here, max_concurrency=1000)

@@ -60,7 +60,7 @@ def process_start(pid: int) -> int | None:
             stat = f.read()
     except OSError:
         return None
-    return int(stat[stat.rfind(b")") + 2:].split()[19])
+    return int(stat[stat.rfind(b")") + 2 :].split()[19])
 
 
 @dataclass(frozen=True)
@@ -211,8 +211,9 @@ class SandboxStore:
 
 def mount_tmpfs(path: Path, size_mb: int, inodes: int, *, uid: int, mode: int) -> None:
     # x for all (0711): bwrap chdirs into the work directory without capabilities
-    _mount(b"tmpfs", path, f"size={size_mb}m,nr_inodes={inodes},mode={mode:04o},uid={uid},gid={uid}",
-           MS_NOSUID | MS_NODEV)
+    _mount(
+        b"tmpfs", path, f"size={size_mb}m,nr_inodes={inodes},mode={mode:04o},uid={uid},gid={uid}", MS_NOSUID | MS_NODEV
+    )
 
 
 def mount_devpts(path: Path, ptys: int) -> None:
@@ -259,7 +260,7 @@ def _zombie(pid: str) -> bool:
     """Dead, waiting for its parent to collect it (the kernel does once the namespace's init is gone)."""
     with open(f"/proc/{pid}/stat", "rb") as f:
         stat = f.read()
-    return stat[stat.rfind(b")") + 2:][:1] in (b"Z", b"X")
+    return stat[stat.rfind(b")") + 2 :][:1] in (b"Z", b"X")
 
 
 def kill_uid(uid: int, rounds: int = 200) -> int:

@@ -86,7 +86,7 @@ class Dispatcher:
         self._flush_scheduled = False
         queue, self._queue = [s for s in self._queue if not s.answer.done()], []
         for start in range(0, len(queue), _MAX_BATCH):
-            batch = queue[start:start + _MAX_BATCH]
+            batch = queue[start : start + _MAX_BATCH]
             post = asyncio.ensure_future(self._alone(batch[0]) if len(batch) == 1 else self._together(batch))
             self._posts.add(post)
             post.add_done_callback(self._posts.discard)
@@ -105,8 +105,9 @@ class Dispatcher:
         if response.status_code == 400:  # a bad request fails alone
             return sample.settle(error=ValueError(sample.prefix + f"sglang refused it: {message(response)}"))
         if response.status_code != 200:
-            return sample.settle(error=SGLangError(
-                sample.prefix + f"sglang answered {response.status_code}: {message(response)}"))
+            return sample.settle(
+                error=SGLangError(sample.prefix + f"sglang answered {response.status_code}: {message(response)}")
+            )
         sample.settle(response.json())
 
     async def _together(self, samples: list[Sample]) -> None:
@@ -114,10 +115,15 @@ class Dispatcher:
 
         for sample in samples:
             self._name(sample)
-        body = {"input_ids": [s.body["input_ids"] for s in samples], "rid": [s.rid for s in samples],
-                "sampling_params": [{**s.body["sampling_params"], "stream_interval": _ONLY_AT_THE_END} for s in samples],
-                "return_logprob": True, "logprob_start_len": -1, "stream": True,
-                **({"return_routed_experts": True} if samples[0].body.get("return_routed_experts") else {})}
+        body = {
+            "input_ids": [s.body["input_ids"] for s in samples],
+            "rid": [s.rid for s in samples],
+            "sampling_params": [{**s.body["sampling_params"], "stream_interval": _ONLY_AT_THE_END} for s in samples],
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "stream": True,
+            **({"return_routed_experts": True} if samples[0].body.get("return_routed_experts") else {}),
+        }
         try:
             async with self._client.stream("POST", "/generate", json=body) as response:
                 if response.status_code == 200:

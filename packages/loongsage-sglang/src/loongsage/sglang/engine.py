@@ -80,31 +80,55 @@ class SGLangEngine(Engine):
     kind = "engine"
     named_weights: ClassVar[None] = None  # SGLang shows its weights only truncated
 
-    def __init__(self, model_path: str, *, dtype: str = "bfloat16", fp32_lm_head: bool = True, seed: int = 0,
-                 mem_fraction_static: float | None = None, max_model_len: int | None = None,
-                 max_batch_size: int | None = None, cuda_graphs: bool = True, deterministic: bool = False,
-                 release_tags: list[str] | tuple[str, ...] = _TAGS, server_args: dict[str, Any] | None = None,
-                 launch: list[str] | None = None, startup_timeout_s: float = 900.0, control_timeout_s: float = 300.0,
-                 sampling_backend: str | None = "pytorch", device: str = "cuda", fast_weight_load: bool = True,
-                 return_routed_experts: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        fp32_lm_head: bool = True,
+        seed: int = 0,
+        mem_fraction_static: float | None = None,
+        max_model_len: int | None = None,
+        max_batch_size: int | None = None,
+        cuda_graphs: bool = True,
+        deterministic: bool = False,
+        release_tags: list[str] | tuple[str, ...] = _TAGS,
+        server_args: dict[str, Any] | None = None,
+        launch: list[str] | None = None,
+        startup_timeout_s: float = 900.0,
+        control_timeout_s: float = 300.0,
+        sampling_backend: str | None = "pytorch",
+        device: str = "cuda",
+        fast_weight_load: bool = True,
+        return_routed_experts: bool = False,
+    ):
         if device != "cuda":
-            raise ValueError(f"sglang engine: device={device!r}: SGLang serves on CUDA GPUs only (use 'cuda', "
-                             "or the native engine on the CPU)")
+            raise ValueError(
+                f"sglang engine: device={device!r}: SGLang serves on CUDA GPUs only (use 'cuda', "
+                "or the native engine on the CPU)"
+            )
         if dtype not in (*_SERVED, "float32"):
             raise ValueError(f"sglang engine: dtype={dtype!r}: must be one of {', '.join((*_SERVED, 'float32'))}")
         bad = [t for t in release_tags if t not in _TAGS]
         if bad:
-            raise ValueError(f"sglang engine: release_tags={list(release_tags)!r}: unknown {bad}; allowed: {', '.join(_TAGS)}")
+            raise ValueError(
+                f"sglang engine: release_tags={list(release_tags)!r}: unknown {bad}; allowed: {', '.join(_TAGS)}"
+            )
         if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
             raise ValueError(f"sglang engine: mem_fraction_static={mem_fraction_static!r}: must be in (0, 1)")
-        for name, value in (("startup_timeout_s", startup_timeout_s), ("control_timeout_s", control_timeout_s),
-                            ("max_model_len", max_model_len or 1), ("max_batch_size", max_batch_size or 1)):
+        for name, value in (
+            ("startup_timeout_s", startup_timeout_s),
+            ("control_timeout_s", control_timeout_s),
+            ("max_model_len", max_model_len or 1),
+            ("max_batch_size", max_batch_size or 1),
+        ):
             if not value > 0:
                 raise ValueError(f"sglang engine: {name}={value!r}: must be > 0")
         # the native engine's sizing, in SGLang's terms: without a memory fraction the KV pool holds
         # max_batch_size full-length requests (SGLang's default fraction would take most of the card)
-        pool = max_batch_size * max_model_len if max_batch_size and max_model_len and mem_fraction_static is None \
-            else None
+        pool = (
+            max_batch_size * max_model_len if max_batch_size and max_model_len and mem_fraction_static is None else None
+        )
         self.model_path, self.dtype, self.deterministic = str(model_path), dtype, bool(deterministic)
         # R3: SGLang records the experts every MoE layer chose for each token it fed the model
         self.route_shape = _route_shape(self.model_path) if return_routed_experts else None
@@ -125,29 +149,45 @@ class SGLangEngine(Engine):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         flags = {
-            "model_path": self.model_path, "host": "127.0.0.1", "port": port, "skip_tokenizer_init": True,
-            "dtype": self.served_dtype, "random_seed": int(seed), "weight_version": "0", "enable_fp32_lm_head": bool(fp32_lm_head),
-            "mem_fraction_static": mem_fraction_static, "context_length": max_model_len,
-            "max_running_requests": max_batch_size, "max_total_tokens": pool, "disable_cuda_graph": not cuda_graphs,
+            "model_path": self.model_path,
+            "host": "127.0.0.1",
+            "port": port,
+            "skip_tokenizer_init": True,
+            "dtype": self.served_dtype,
+            "random_seed": int(seed),
+            "weight_version": "0",
+            "enable_fp32_lm_head": bool(fp32_lm_head),
+            "mem_fraction_static": mem_fraction_static,
+            "context_length": max_model_len,
+            "max_running_requests": max_batch_size,
+            "max_total_tokens": pool,
+            "disable_cuda_graph": not cuda_graphs,
             # SGLang captures prefill graphs at positions past a short model's rotary table (an illegal
             # memory access at start-up): such models keep the decode graphs only
-            "cuda_graph_backend_prefill": "disabled" if cuda_graphs and _max_positions(self.model_path) <
-            _PREFILL_GRAPH_MIN_POSITIONS else None,
+            "cuda_graph_backend_prefill": "disabled"
+            if cuda_graphs and _max_positions(self.model_path) < _PREFILL_GRAPH_MIN_POSITIONS
+            else None,
             "enable_deterministic_inference": self.deterministic,
             # torch sampling: flashinfer's sampling kernels are compiled at first use (minutes, and a
             # CUDA compiler on the host); None lets SGLang choose
             "sampling_backend": sampling_backend,
-            "enable_memory_saver": bool(self.release_tags), "enable_weights_cpu_backup": "weights" in self.release_tags,
+            "enable_memory_saver": bool(self.release_tags),
+            "enable_weights_cpu_backup": "weights" in self.release_tags,
             "custom_weight_loader": [LOAD_FLAT] if fast_weight_load else None,
             "enable_return_routed_experts": self.route_shape is not None,
             **(server_args or {}),
         }
-        self.server = ServerProcess(list(launch or SGLANG_LAUNCH), server_flags(flags),
-                                    env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
-                                         # GET /health then answers without generating a token: a
-                                         # generating check crashes a released server, waits 20 s
-                                         # and fails on a paused one, and takes 1 s on an idle one
-                                         "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"})
+        self.server = ServerProcess(
+            list(launch or SGLANG_LAUNCH),
+            server_flags(flags),
+            env={
+                "SGLANG_RETURN_ORIGINAL_LOGPROB": "1",
+                # GET /health then answers without generating a token: a
+                # generating check crashes a released server, waits 20 s
+                # and fails on a paused one, and takes 1 s on an idle one
+                "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0",
+            },
+        )
         self.server.start()
         self.startup_s = self.server.wait_ready(self.url, float(startup_timeout_s))
 
@@ -160,8 +200,10 @@ class SGLangEngine(Engine):
             raise ValueError(prefix + "a request with this id is already in flight")
         prior = request.resume_from
         budget = request.sampling.max_new_tokens - (len(prior.output_ids) if prior else 0)
-        samples = [Sample(request_id_base(rid, k), self._body(ids, request, budget, k), prefix)
-                   for k in range(request.sampling.n)]
+        samples = [
+            Sample(request_id_base(rid, k), self._body(ids, request, budget, k), prefix)
+            for k in range(request.sampling.n)
+        ]
         task = asyncio.ensure_future(asyncio.gather(*(self._on_loop()[1].submit(s) for s in samples)))
         self._flights[rid] = _Flight(samples, task, prior)
         try:
@@ -175,8 +217,13 @@ class SGLangEngine(Engine):
 
     def _body(self, ids: list[int], request: GenerationRequest, budget: int, k: int) -> dict[str, Any]:
         s = request.sampling
-        params: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k or -1,
-                                  "min_p": s.min_p, "max_new_tokens": budget}
+        params: dict[str, Any] = {
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k or -1,
+            "min_p": s.min_p,
+            "max_new_tokens": budget,
+        }
         if s.stop_token_ids:
             params["stop_token_ids"] = list(s.stop_token_ids)
         if self.deterministic and s.seed is not None:
@@ -199,9 +246,14 @@ class SGLangEngine(Engine):
         routes = self._routes(rid, meta, len(ids))
         result = GenerationResult(rid, ids, logprobs, [version] * len(ids), _FINISH[reason], routes)
         if prior is not None:  # the routes cover this run's whole input: the prompt with the prior tokens in it
-            result = GenerationResult(rid, list(prior.output_ids) + ids, list(prior.logprobs) + logprobs,
-                                      list(prior.versions) + result.versions, result.finish_reason,
-                                      prior.routed_experts if routes is None else routes)
+            result = GenerationResult(
+                rid,
+                list(prior.output_ids) + ids,
+                list(prior.logprobs) + logprobs,
+                list(prior.versions) + result.versions,
+                result.finish_reason,
+                prior.routed_experts if routes is None else routes,
+            )
         return result
 
     def _routes(self, rid: str, meta: dict[str, Any], new_tokens: int) -> Tensor | None:
@@ -219,8 +271,10 @@ class SGLangEngine(Engine):
         flat = torch.frombuffer(bytearray(base64.b64decode(encoded)), dtype=torch.int32)
         layers, topk = self.route_shape
         if flat.numel() != expected * layers * topk:
-            raise SGLangError(f"request {rid!r}: sglang returned {flat.numel()} routed experts; expected {expected} "
-                              f"tokens x {layers} layers x {topk}")
+            raise SGLangError(
+                f"request {rid!r}: sglang returned {flat.numel()} routed experts; expected {expected} "
+                f"tokens x {layers} layers x {topk}"
+            )
         return flat.view(expected, layers, topk).long()
 
     async def abort(self, request_ids: list[str] | None = None) -> list[GenerationResult]:
@@ -249,8 +303,12 @@ class SGLangEngine(Engine):
 
         loop = asyncio.get_running_loop()
         if self._per_loop is None or self._per_loop[0] is not loop:
-            client = httpx.AsyncClient(base_url=self.url, timeout=None, trust_env=False,
-                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=512))
+            client = httpx.AsyncClient(
+                base_url=self.url,
+                timeout=None,
+                trust_env=False,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+            )
             self._per_loop = (loop, client, Dispatcher(client, self._lost))
         return self._per_loop[1], self._per_loop[2]
 
@@ -282,8 +340,9 @@ class SGLangEngine(Engine):
         import httpx
 
         try:
-            response = httpx.post(self.url + path, json=body or {}, timeout=timeout_s or self.control_timeout_s,
-                                  trust_env=False)
+            response = httpx.post(
+                self.url + path, json=body or {}, timeout=timeout_s or self.control_timeout_s, trust_env=False
+            )
         except httpx.HTTPError as exc:
             raise self._lost(f"POST {path} failed ({type(exc).__name__}: {exc})", _EXIT_WAIT_S) from None
         if response.status_code != 200:
@@ -331,12 +390,19 @@ class SGLangEngine(Engine):
                 self.flush_cache()
             return version
         served = getattr(torch, self.served_dtype)
-        payload, keep = serialize_named_tensors([(n, t if t.dtype == served else t.to(served)) for n, t in items],
-                                                flat=self.load_format is not None)
-        answer = self.control("/update_weights_from_tensor", {
-            "serialized_named_tensors": [payload], "weight_version": str(version), "load_format": self.load_format,
-            # a paused server may hold requests; SGLang flushes only an idle cache
-            "flush_cache": not (self._paused and self._flights)})
+        payload, keep = serialize_named_tensors(
+            [(n, t if t.dtype == served else t.to(served)) for n, t in items], flat=self.load_format is not None
+        )
+        answer = self.control(
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": [payload],
+                "weight_version": str(version),
+                "load_format": self.load_format,
+                # a paused server may hold requests; SGLang flushes only an idle cache
+                "flush_cache": not (self._paused and self._flights),
+            },
+        )
         del keep  # the server has copied the weights in
         if not (isinstance(answer, dict) and answer.get("success")):
             raise SGLangError(f"sglang refused the weight update: {answer!r}; the engine keeps version {self._version}")
@@ -351,16 +417,21 @@ class SGLangEngine(Engine):
                 if want is None:
                     raise ValueError(f"update_weights: unknown tensor {name!r} for the checkpoint at {self.model_path}")
                 if tuple(tensor.shape) != want[0]:
-                    raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {want[0]}")
+                    raise ValueError(
+                        f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {want[0]}"
+                    )
             if str(tensor.dtype).removeprefix("torch.") not in (self.dtype, self.served_dtype):
-                raise ValueError(f"update_weights: {name!r} is {str(tensor.dtype).removeprefix('torch.')}, "
-                                 f"the engine takes {' or '.join(sorted({self.dtype, self.served_dtype}))}")
+                raise ValueError(
+                    f"update_weights: {name!r} is {str(tensor.dtype).removeprefix('torch.')}, "
+                    f"the engine takes {' or '.join(sorted({self.dtype, self.served_dtype}))}"
+                )
 
     def release_memory(self) -> None:
         if self._flights:
-            raise RuntimeError(f"release_memory: {len(self._flights)} request(s) still waiting or running; "
-                               "abort them (or let them finish) first")
+            raise RuntimeError(
+                f"release_memory: {len(self._flights)} request(s) still waiting or running; "
+                "abort them (or let them finish) first"
+            )
         self.control("/release_memory_occupation", {"tags": self.release_tags})
         self._released = True
 
@@ -388,9 +459,15 @@ class SGLangEngine(Engine):
             raise self._lost(f"GET /health failed ({type(exc).__name__}: {exc})", _EXIT_WAIT_S) from None
         if status != 200:
             raise EngineUnavailable(str(self.server.failure(f"GET /health answered {status}")))
-        return {"status": "released" if self._released else "paused" if self._paused else "ok",
-                "version": self._version, "requests_in_flight": len(self._flights), "url": self.url,
-                "pid": self.server.pid, "log": str(self.server.log_path), "startup_s": round(self.startup_s, 1)}
+        return {
+            "status": "released" if self._released else "paused" if self._paused else "ok",
+            "version": self._version,
+            "requests_in_flight": len(self._flights),
+            "url": self.url,
+            "pid": self.server.pid,
+            "log": str(self.server.log_path),
+            "startup_s": round(self.startup_s, 1),
+        }
 
     def close(self) -> None:
         """End the server (an engine worker that dies ends it too: it is killed with its parent)."""
@@ -458,8 +535,10 @@ def _route_shape(model_path: str) -> tuple[int, int]:
     """``(MoE layers, experts per token)`` of the served model, or one line saying it routes none."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     if not (config.get("num_experts") or config.get("num_local_experts")) or not config.get("num_experts_per_tok"):
-        raise ValueError(f"sglang engine: return_routed_experts=true needs a mixture-of-experts model; {model_path} "
-                         f"({(config.get('architectures') or ['?'])[0]}) has no experts")
+        raise ValueError(
+            f"sglang engine: return_routed_experts=true needs a mixture-of-experts model; {model_path} "
+            f"({(config.get('architectures') or ['?'])[0]}) has no experts"
+        )
     return int(config["num_hidden_layers"]), int(config["num_experts_per_tok"])
 
 

@@ -27,11 +27,19 @@ class ServerJoinsTheGroup:
         self.engine = engine
         self.group_name: str | None = None
 
-    def setup(self, *, host: str, port: int, name: str, rank: int, world: int, backend: str,
-              timeout_s: float) -> int:
-        answer = self.engine.control("/init_weights_update_group", {
-            "master_address": host, "master_port": port, "rank_offset": rank, "world_size": world,
-            "group_name": name, "backend": backend}, timeout_s=timeout_s)
+    def setup(self, *, host: str, port: int, name: str, rank: int, world: int, backend: str, timeout_s: float) -> int:
+        answer = self.engine.control(
+            "/init_weights_update_group",
+            {
+                "master_address": host,
+                "master_port": port,
+                "rank_offset": rank,
+                "world_size": world,
+                "group_name": name,
+                "backend": backend,
+            },
+            timeout_s=timeout_s,
+        )
         if not (isinstance(answer, dict) and answer.get("success")):
             raise RuntimeError(f"sglang /init_weights_update_group refused: {answer!r}")
         self.group_name = name
@@ -45,16 +53,27 @@ class ServerJoinsTheGroup:
         offset = 0
         for meta in metas:
             if meta.offset != offset:
-                raise ValueError(f"sglang weight group: the bucket pads before {meta.name!r} (at byte {meta.offset}, "
-                                 f"dense would be {offset}); SGLang's servers take dense buckets")
+                raise ValueError(
+                    f"sglang weight group: the bucket pads before {meta.name!r} (at byte {meta.offset}, "
+                    f"dense would be {offset}); SGLang's servers take dense buckets"
+                )
             offset += meta.nbytes
         if offset != size:
-            raise ValueError(f"sglang weight group: the bucket holds {size} bytes for {offset} of tensors; "
-                             "SGLang's servers take dense buckets")
-        answer = self.engine.control("/update_weights_from_distributed", {
-            "names": [m.name for m in metas], "dtypes": [m.dtype for m in metas],
-            "shapes": [list(m.shape) for m in metas], "group_name": self.group_name,
-            "load_format": "flattened_bucket", "flush_cache": False})
+            raise ValueError(
+                f"sglang weight group: the bucket holds {size} bytes for {offset} of tensors; "
+                "SGLang's servers take dense buckets"
+            )
+        answer = self.engine.control(
+            "/update_weights_from_distributed",
+            {
+                "names": [m.name for m in metas],
+                "dtypes": [m.dtype for m in metas],
+                "shapes": [list(m.shape) for m in metas],
+                "group_name": self.group_name,
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+            },
+        )
         if not (isinstance(answer, dict) and answer.get("success")):
             raise RuntimeError(f"sglang /update_weights_from_distributed failed: {answer!r}")
         return []  # the server holds them already: nothing to stage

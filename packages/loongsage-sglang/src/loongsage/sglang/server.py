@@ -52,8 +52,9 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 class ServerProcess:
     """A server started from ``launch + flags``, logging to a file of its own."""
 
-    def __init__(self, launch: list[str], flags: list[str], *, env: Mapping[str, str] | None = None,
-                 name: str = "sglang"):
+    def __init__(
+        self, launch: list[str], flags: list[str], *, env: Mapping[str, str] | None = None, name: str = "sglang"
+    ):
         self.command = [*launch, *flags]
         self.env = {**os.environ, **(env or {})}
         fd, path = tempfile.mkstemp(prefix=f"loongsage-{name}-", suffix=".log")
@@ -63,8 +64,15 @@ class ServerProcess:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            env=self.env, start_new_session=True, preexec_fn=_die_with_parent)
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
 
     @property
     def pid(self) -> int | None:

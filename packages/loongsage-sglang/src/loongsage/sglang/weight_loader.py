@@ -14,8 +14,8 @@ and unpickles one tensor, whatever the number of tensors.
 
 What the plan cannot place exactly goes through the model's own ``load_weights``, so the result
 never differs from SGLang's: a model outside the families whose loaders are plain copies, a
-shape or dtype that differs (tensor parallelism, a padded vocabulary, quantized weights), a merged parameter whose parts are
-not all in the push.
+shape or dtype that differs (tensor parallelism, a padded vocabulary, quantized weights), a merged
+parameter whose parts are not all in the push.
 """
 
 from __future__ import annotations
@@ -32,8 +32,13 @@ from loongsage.core.buckets import TensorMeta, unpack
 LOAD_FLAT = "loongsage.sglang.weight_loader.load_flat"  # the import path SGLang is given
 LAYOUT_PREFIX = "loongsage.flat:"
 # the Llama family's merged parameters (SGLang's stacked_params_mapping), part -> (merged, index)
-MERGED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+MERGED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 _PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
 # models whose load_weights does nothing but copy each tensor into its (merged) parameter
 PLAIN_LOADERS = frozenset({"Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM"})
@@ -48,18 +53,20 @@ class _Plan:
 
 def layout_name(metas: list[TensorMeta]) -> str:
     """The payload entry's name: the bucket's layout."""
-    return LAYOUT_PREFIX + json.dumps([[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in metas],
-                                      separators=(",", ":"))
+    return LAYOUT_PREFIX + json.dumps(
+        [[m.name, m.dtype, list(m.shape), m.offset, m.nbytes] for m in metas], separators=(",", ":")
+    )
 
 
 def load_flat(model: Any, named_tensors: list[tuple[str, Tensor]]) -> None:
     """SGLang's custom-loader entry: ``model`` is the served ``nn.Module``."""
     if len(named_tensors) != 1 or not str(named_tensors[0][0]).startswith(LAYOUT_PREFIX):
-        raise ValueError(f"load_flat takes one ({LAYOUT_PREFIX}<layout>, flat buffer) entry; "
-                         f"got {len(named_tensors)} entries")
+        raise ValueError(
+            f"load_flat takes one ({LAYOUT_PREFIX}<layout>, flat buffer) entry; got {len(named_tensors)} entries"
+        )
     key, flat = named_tensors[0]
     plan = _PLANS.get((id(model), key))
-    metas = [TensorMeta(n, d, tuple(s), o, b) for n, d, s, o, b in json.loads(key[len(LAYOUT_PREFIX):])]
+    metas = [TensorMeta(n, d, tuple(s), o, b) for n, d, s, o, b in json.loads(key[len(LAYOUT_PREFIX) :])]
     tensors = unpack(metas, flat, copy=False)
     if plan is None:
         plan = _PLANS[(id(model), key)] = plan_copies(model, tensors)
@@ -85,8 +92,11 @@ def plan_copies(model: Any, tensors: list[tuple[str, Tensor]]) -> _Plan:
     for i, (name, tensor) in enumerate(tensors):
         param = params.get(name)
         if param is not None:
-            if param.shape == tensor.shape and param.dtype == tensor.dtype and not (
-                    separate_head and name == "model.embed_tokens.weight"):
+            if (
+                param.shape == tensor.shape
+                and param.dtype == tensor.dtype
+                and not (separate_head and name == "model.embed_tokens.weight")
+            ):
                 copies.append((i, param.data))
             else:
                 others.append(i)
@@ -101,8 +111,13 @@ def plan_copies(model: Any, tensors: list[tuple[str, Tensor]]) -> _Plan:
         param = params.get(target)
         members = [parts[k] for k in sorted(parts)]
         rows = [tensors[i][1].shape[0] for i in members]
-        if (param is None or len(parts) != _PARTS[kind] or any(tensors[i][1].dtype != param.dtype for i in members)
-                or any(tensors[i][1].shape[1:] != param.shape[1:] for i in members) or sum(rows) != param.shape[0]):
+        if (
+            param is None
+            or len(parts) != _PARTS[kind]
+            or any(tensors[i][1].dtype != param.dtype for i in members)
+            or any(tensors[i][1].shape[1:] != param.shape[1:] for i in members)
+            or sum(rows) != param.shape[0]
+        ):
             others += members
             continue
         start = 0

@@ -39,15 +39,15 @@ class BroadcastReceiver(TransportReceiver):
         # on a GPU the caching allocator reuses its blocks anyway)
         self._host_buffers: dict[int, Tensor] = {}
 
-    def setup(self, *, host: str, port: int, name: str, rank: int, world: int, backend: str,
-              timeout_s: float) -> int:
+    def setup(self, *, host: str, port: int, name: str, rank: int, world: int, backend: str, timeout_s: float) -> int:
         """Join the sender's group ``name`` as ``rank`` of ``world`` (leaving the one before)."""
         if self.group is not None:
             leave(self.group)
         self.group = None
         self.device = cuda_device() if backend == "nccl" else torch.device("cpu")
-        self.group = weight_group(host=host, port=port, name=name, rank=rank, world=world, backend=backend,
-                                  timeout_s=timeout_s)
+        self.group = weight_group(
+            host=host, port=port, name=name, rank=rank, world=world, backend=backend, timeout_s=timeout_s
+        )
         return rank
 
     def receive(self, metas: list[TensorMeta], size: int, index: int = 0) -> list[tuple[str, Tensor]]:
@@ -108,11 +108,15 @@ class BroadcastTransport(Transport):
         # unique in every process that ever joins one (torch keeps group names per process)
         name = f"loongsage-sync-{uuid.uuid4().hex[:8]}-{self._groups_made}"
         world, backend, port = len(receivers) + 1, self.resolved_backend, free_port(host)
-        joined = [r.transport_setup.remote(host=host, port=port, name=name, rank=i + 1, world=world,
-                                           backend=backend, timeout_s=self.timeout_s)
-                  for i, r in enumerate(receivers)]
-        group = weight_group(host=host, port=port, name=name, rank=0, world=world, backend=backend,
-                             timeout_s=self.timeout_s)
+        joined = [
+            r.transport_setup.remote(
+                host=host, port=port, name=name, rank=i + 1, world=world, backend=backend, timeout_s=self.timeout_s
+            )
+            for i, r in enumerate(receivers)
+        ]
+        group = weight_group(
+            host=host, port=port, name=name, rank=0, world=world, backend=backend, timeout_s=self.timeout_s
+        )
         ray.get(joined)
         self._group, self._members = group, members
 
@@ -124,11 +128,12 @@ class BroadcastTransport(Transport):
         start, total, count, versions = time.perf_counter(), 0, 0, None
         for count, (bucket, last) in enumerate(flag_last(plan_buckets(named_tensors, self.bucket_bytes)), 1):
             metas, flat = self._pack_buffer.pack(bucket, device)
-            answers = [r.receive_bucket.remote(metas, flat.numel(), count - 1, first=count == 1, commit=last)
-                       for r in receivers]
+            answers = [
+                r.receive_bucket.remote(metas, flat.numel(), count - 1, first=count == 1, commit=last)
+                for r in receivers
+            ]
             broadcast_from_sender(self._group, flat)
             versions = ray.get(answers)
             total += flat.numel()
         versions = versions if versions is not None else commit_nothing(receivers)
         return push_stats(total, count, versions, time.perf_counter() - start)
-

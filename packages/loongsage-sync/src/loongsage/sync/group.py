@@ -26,8 +26,16 @@ def weight_group(*, host: str, port: int, name: str, rank: int, world: int, back
     timeout = datetime.timedelta(seconds=timeout_s)
     store, rank, world = next(rendezvous(f"tcp://{host}:{port}", rank, world, timeout=timeout))
     store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(world, rank, [], Backend(backend), PrefixStore(name, store), group_name=name,
-                                         backend_options=None, timeout=timeout)
+    group, _ = _new_process_group_helper(
+        world,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(name, store),
+        group_name=name,
+        backend_options=None,
+        timeout=timeout,
+    )
     _world.pg_group_ranks[group] = {i: i for i in range(world)}
     return group
 

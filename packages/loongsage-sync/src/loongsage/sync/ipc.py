@@ -76,8 +76,9 @@ class IpcReceiver(TransportReceiver):
             (number,) = parts
             if self._shared is None or self._shared[0] != number:
                 held = "none" if self._shared is None else f"share {self._shared[0]}"
-                raise RuntimeError(f"ipc: the sender refers to its share {number}, this engine holds {held}; "
-                                   "nothing was committed")
+                raise RuntimeError(
+                    f"ipc: the sender refers to its share {number}, this engine holds {held}; nothing was committed"
+                )
             return self._shared[1]
         raise ValueError(f"ipc: unknown message {how!r}; allowed: bucket, share, same")
 
@@ -118,12 +119,15 @@ class IpcTransport(Transport):
         return self._push_packed(named_tensors, receivers, device, start)
 
     # ------------------------------------------------------------------ in place
-    def _push_in_place(self, tensors: list[tuple[str, Tensor]], receivers: list, device: torch.device,
-                       start: float) -> dict[str, float]:
+    def _push_in_place(
+        self, tensors: list[tuple[str, Tensor]], receivers: list, device: torch.device, start: float
+    ) -> dict[str, float]:
         import ray
 
-        key = (tuple((name, t.data_ptr(), tuple(t.shape), t.dtype) for name, t in tensors),
-               tuple(r._actor_id.hex() for r in receivers))
+        key = (
+            tuple((name, t.data_ptr(), tuple(t.shape), t.dtype) for name, t in tensors),
+            tuple(r._actor_id.hex() for r in receivers),
+        )
         torch.cuda.current_stream(device).synchronize()  # the trainer's last update is in memory before it is read
         if key == self._key:
             self._misses = 0
@@ -145,8 +149,9 @@ class IpcTransport(Transport):
         self._held, self._key = [], None
 
     # ------------------------------------------------------------------ packed
-    def _push_packed(self, named_tensors: Iterable[tuple[str, Tensor]], receivers: list, device: torch.device,
-                     start: float) -> dict[str, float]:
+    def _push_packed(
+        self, named_tensors: Iterable[tuple[str, Tensor]], receivers: list, device: torch.device, start: float
+    ) -> dict[str, float]:
         import ray
         from torch.multiprocessing.reductions import reduce_tensor
 
@@ -156,8 +161,10 @@ class IpcTransport(Transport):
 
         def send(metas: list[TensorMeta], flat: Tensor, ready: torch.cuda.Event, first: bool, last: bool) -> list:
             ready.synchronize()  # packed before another process reads it
-            return [r.receive_bucket.remote("bucket", metas, reduce_tensor(flat), first=first, commit=last)
-                    for r in receivers]
+            return [
+                r.receive_bucket.remote("bucket", metas, reduce_tensor(flat), first=first, commit=last)
+                for r in receivers
+            ]
 
         try:
             for count, (bucket, last) in enumerate(flag_last(plan_buckets(named_tensors, self.bucket_bytes)), 1):
@@ -195,7 +202,16 @@ def _share(tensors: list[tuple[str, Tensor]]) -> list[tuple[list[TensorMeta], Ha
     for name, tensor in tensors:
         storage = tensor.untyped_storage()
         _, metas = storages.setdefault(storage.data_ptr(), (storage, []))
-        metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape),
-                                tensor.storage_offset() * tensor.element_size(), tensor.numel() * tensor.element_size()))
-    return [(metas, reduce_tensor(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)))
-            for storage, metas in storages.values()]
+        metas.append(
+            TensorMeta(
+                name,
+                str(tensor.dtype).removeprefix("torch."),
+                tuple(tensor.shape),
+                tensor.storage_offset() * tensor.element_size(),
+                tensor.numel() * tensor.element_size(),
+            )
+        )
+    return [
+        (metas, reduce_tensor(torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)))
+        for storage, metas in storages.values()
+    ]

@@ -81,8 +81,11 @@ class CommandAgent:
     required_services: ClassVar[tuple[str, ...]] = ("gateway",)  # checked at validation
 
     def __post_init__(self) -> None:
-        if not isinstance(self.command, list) or not self.command or not all(
-                isinstance(a, str) and a for a in self.command):
+        if (
+            not isinstance(self.command, list)
+            or not self.command
+            or not all(isinstance(a, str) and a for a in self.command)
+        ):
             raise ValueError(f"command={self.command!r}: must be a non-empty list of non-empty strings (an argv)")
         for key, value in (self.env or {}).items():
             if not isinstance(value, str) or not key or "=" in key:
@@ -98,7 +101,9 @@ class CommandAgent:
         self.jailed = self._resolve_network()
         if self.sandbox:
             if self.workdir_root is not None or self.keep_workdir:
-                raise ValueError("sandbox=True: the working directory is the sandbox's; drop workdir_root and keep_workdir")
+                raise ValueError(
+                    "sandbox=True: the working directory is the sandbox's; drop workdir_root and keep_workdir"
+                )
             self.required_services = ("gateway", SANDBOXES)
         self._limit: tuple[Any, asyncio.Semaphore] | None = None  # (event loop, its semaphore)
 
@@ -117,37 +122,45 @@ class CommandAgent:
         gateway = gateway_of(ctx, "gateway", "command")
         sandboxes = ctx.services.get(SANDBOXES) if self.sandbox else None
         if self.sandbox and sandboxes is None:
-            raise RuntimeError(f"command agent: sandbox=True needs the run service {SANDBOXES!r}; add services: "
-                               f"[{{name: {SANDBOXES}}}] (running: {sorted(ctx.services) or 'none'})")
+            raise RuntimeError(
+                f"command agent: sandbox=True needs the run service {SANDBOXES!r}; add services: "
+                f"[{{name: {SANDBOXES}}}] (running: {sorted(ctx.services) or 'none'})"
+            )
         loop = asyncio.get_running_loop()
         if self._limit is None or self._limit[0] is not loop:
             self._limit = (loop, asyncio.Semaphore(self.max_concurrency))
         limit = self._limit[1]
-        episodes = await asyncio.gather(*(self._limited(limit, record, ctx, gateway, k, sandboxes)
-                                          for k in range(ctx.sampling.n)))
+        episodes = await asyncio.gather(
+            *(self._limited(limit, record, ctx, gateway, k, sandboxes) for k in range(ctx.sampling.n))
+        )
         group = [t for episode in episodes for t in episode]
         for index, t in enumerate(group):
             t.sample_index = index  # a session may export several lines (n > 1, side conversations)
         return group
 
-    async def _limited(self, limit: asyncio.Semaphore, record: DataRecord, ctx: Any, gateway: Any,
-                       k: int, sandboxes: Any) -> list[Trajectory]:
+    async def _limited(
+        self, limit: asyncio.Semaphore, record: DataRecord, ctx: Any, gateway: Any, k: int, sandboxes: Any
+    ) -> list[Trajectory]:
         async with limit:
             if sandboxes is None:
                 return await self.episode(record, ctx.group_id, k, gateway, sampling=ctx.sampling)
             return await self._in_sandbox(sandboxes, record, ctx.group_id, k, gateway, ctx.sampling)
 
-    async def _in_sandbox(self, sandboxes: Any, record: DataRecord, group_id: int, k: int,
-                          gateway: Any, sampling: Any) -> list[Trajectory]:
+    async def _in_sandbox(
+        self, sandboxes: Any, record: DataRecord, group_id: int, k: int, gateway: Any, sampling: Any
+    ) -> list[Trajectory]:
         """An episode whose working directory is a leased sandbox's: the lease goes with its
         trajectories (ended once they are scored), or ends here when the episode fails or is cancelled."""
         box = await sandboxes.acquire(_episode_key(record, group_id, k))
         try:
             if box.host_path is None:
-                raise ValueError(f"command agent: sandbox=True needs a sandbox backend with a directory on this "
-                                 f"machine (host_path), like 'local'; sandbox {box.sandbox_id!r} has none")
-            trajectories = await self.episode(record, group_id, k, gateway, workdir=Path(box.host_path),
-                                              sampling=sampling)
+                raise ValueError(
+                    f"command agent: sandbox=True needs a sandbox backend with a directory on this "
+                    f"machine (host_path), like 'local'; sandbox {box.sandbox_id!r} has none"
+                )
+            trajectories = await self.episode(
+                record, group_id, k, gateway, workdir=Path(box.host_path), sampling=sampling
+            )
             await box.adopt()  # what the program wrote becomes the sandbox's (its uid may change it)
         except BaseException:
             # the lease is back before the episode ends, even when a second cancellation (its
@@ -163,8 +176,9 @@ class CommandAgent:
             box.attach(t)
         return trajectories
 
-    async def episode(self, record: DataRecord, group_id: int, k: int, gateway: Any,
-                      workdir: Path | None = None, sampling: Any = None) -> list[Trajectory]:
+    async def episode(
+        self, record: DataRecord, group_id: int, k: int, gateway: Any, workdir: Path | None = None, sampling: Any = None
+    ) -> list[Trajectory]:
         """One program run against one session; its exported trajectories (or one failed).
         ``workdir``: the program's working directory (default: a fresh one, removed afterwards);
         ``sampling``: the source's sampling, told to the program in ``LOONGSAGE_SAMPLING``."""
@@ -180,16 +194,28 @@ class CommandAgent:
                 prompt_file = _write_prompt(workdir, record.prompt)
                 env = self._env(info, gateway, record.prompt, prompt_file, workdir, name)
                 if sampling is not None:  # a program may follow the run's sampling (greedy in evaluation)
-                    env["LOONGSAGE_SAMPLING"] = json.dumps({
-                        "temperature": 0.0 if sampling.greedy else sampling.temperature, "top_p": sampling.top_p,
-                        "top_k": sampling.top_k, "max_tokens": sampling.max_new_tokens})
+                    env["LOONGSAGE_SAMPLING"] = json.dumps(
+                        {
+                            "temperature": 0.0 if sampling.greedy else sampling.temperature,
+                            "top_p": sampling.top_p,
+                            "top_k": sampling.top_k,
+                            "max_tokens": sampling.max_new_tokens,
+                        }
+                    )
                 argv = [_fill(a, prompt_file, workdir) for a in self.command]
                 argv = self.prepare(workdir, record.prompt, argv, env)
                 trace = os.path.join(control, "connections.strace") if self.audit_network else None
                 launch = Launch(
-                    argv=netaudit.traced(argv, trace) if trace else argv, env=env,
-                    cwd=str(workdir), control_dir=control, timeout_s=self.timeout_s, grace_s=self.grace_s,
-                    max_output_bytes=self.max_output_bytes, jail=self.jailed, gateway=_target(gateway))
+                    argv=netaudit.traced(argv, trace) if trace else argv,
+                    env=env,
+                    cwd=str(workdir),
+                    control_dir=control,
+                    timeout_s=self.timeout_s,
+                    grace_s=self.grace_s,
+                    max_output_bytes=self.max_output_bytes,
+                    jail=self.jailed,
+                    gateway=_target(gateway),
+                )
                 outcome = await run_program(launch)
                 facts = self.report(workdir)
                 if trace:
@@ -207,8 +233,15 @@ class CommandAgent:
         if trajectories:
             return trajectories
         why = outcome.error or "the program made no chat request that completed a turn"
-        return [_failed(record, group_id, meta, f"{why} (exit code {outcome.exit_code}, signal {outcome.signal}, "
-                                                f"timed out {outcome.timed_out}, {session.refusals} refused)")]
+        return [
+            _failed(
+                record,
+                group_id,
+                meta,
+                f"{why} (exit code {outcome.exit_code}, signal {outcome.signal}, "
+                f"timed out {outcome.timed_out}, {session.refusals} refused)",
+            )
+        ]
 
     # ------------------------------------------------------------------ hooks of specialised agents
     def prepare(self, workdir: Path, prompt: Any, argv: list[str], env: dict[str, str]) -> list[str]:
@@ -220,8 +253,9 @@ class CommandAgent:
         """After the program ended, before ``workdir`` is removed: facts for ``metadata["program"]``."""
         return {}
 
-    def _env(self, info: Any, gateway: Any, prompt: Any, prompt_file: str, workdir: Path,
-             marker: str) -> dict[str, str]:
+    def _env(
+        self, info: Any, gateway: Any, prompt: Any, prompt_file: str, workdir: Path, marker: str
+    ) -> dict[str, str]:
         base = dict(os.environ) if self.inherit_env else {k: os.environ[k] for k in _PASSED if k in os.environ}
         env = {**base, **{k: _fill(v, prompt_file, workdir) for k, v in self.env.items()}}
         url = info.base_url
@@ -229,26 +263,41 @@ class CommandAgent:
             url = f"http://127.0.0.1:{gateway.port}/{info.trajectory}/{info.attempt}"
         text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
         no_proxy = ",".join(v for v in (env.get("NO_PROXY"), _LOOPBACK) if v)
-        env.update({
-            "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": info.api_key or "none",
-            "ANTHROPIC_BASE_URL": url, "ANTHROPIC_API_KEY": info.api_key or "none",
-            "LOONGSAGE_PROMPT_FILE": prompt_file, "LOONGSAGE_WORKDIR": str(workdir),
-            "NO_PROXY": no_proxy, "no_proxy": no_proxy, MARKER: marker,
-        })
+        env.update(
+            {
+                "OPENAI_BASE_URL": f"{url}/v1",
+                "OPENAI_API_KEY": info.api_key or "none",
+                "ANTHROPIC_BASE_URL": url,
+                "ANTHROPIC_API_KEY": info.api_key or "none",
+                "LOONGSAGE_PROMPT_FILE": prompt_file,
+                "LOONGSAGE_WORKDIR": str(workdir),
+                "NO_PROXY": no_proxy,
+                "no_proxy": no_proxy,
+                MARKER: marker,
+            }
+        )
         if len(text) <= _ENV_PROMPT_MAX and "\0" not in text:
             env["LOONGSAGE_PROMPT"] = text
         return env
 
-    def _metadata(self, record: DataRecord, name: str, workdir: Path, outcome: Outcome,
-                  started: float, facts: dict[str, Any]) -> dict[str, Any]:
+    def _metadata(
+        self, record: DataRecord, name: str, workdir: Path, outcome: Outcome, started: float, facts: dict[str, Any]
+    ) -> dict[str, Any]:
         program = {
-            "exit_code": outcome.exit_code, "signal": outcome.signal, "timed_out": outcome.timed_out,
-            "wall_s": round(outcome.wall_s, 3), "episode_s": round(time.monotonic() - started, 3),
-            "stderr_tail": outcome.stderr.tail(_TAIL_CHARS), "stdout_tail": outcome.stdout.tail(_TAIL_CHARS),
-            "stdout_bytes": outcome.stdout.total, "stderr_bytes": outcome.stderr.total,
+            "exit_code": outcome.exit_code,
+            "signal": outcome.signal,
+            "timed_out": outcome.timed_out,
+            "wall_s": round(outcome.wall_s, 3),
+            "episode_s": round(time.monotonic() - started, 3),
+            "stderr_tail": outcome.stderr.tail(_TAIL_CHARS),
+            "stdout_tail": outcome.stdout.tail(_TAIL_CHARS),
+            "stdout_bytes": outcome.stdout.total,
+            "stderr_bytes": outcome.stderr.total,
             "leftover_processes": outcome.leftover + outcome.swept,
             "network": "loopback_only" if self.jailed else "host",
-            "error": outcome.error, "workdir": str(workdir) if self.keep_workdir else None, **facts,
+            "error": outcome.error,
+            "workdir": str(workdir) if self.keep_workdir else None,
+            **facts,
         }
         if self.log_dir is not None:
             logs = Path(self.log_dir)
@@ -270,8 +319,11 @@ def _episode_key(record: DataRecord, group_id: int, k: int) -> str:
 
 
 def _fill(text: str, prompt_file: str, workdir: Path) -> str:
-    return (text.replace("{prompt_file}", prompt_file).replace("{workdir}", str(workdir))
-            .replace("{python}", sys.executable))
+    return (
+        text.replace("{prompt_file}", prompt_file)
+        .replace("{workdir}", str(workdir))
+        .replace("{python}", sys.executable)
+    )
 
 
 def _write_prompt(workdir: Path, prompt: Any) -> str:
@@ -306,9 +358,18 @@ def _read_reward(path: Path) -> tuple[float | None, str | None]:
 
 
 def _failed(record: DataRecord, group_id: int, meta: dict[str, Any], reason: str) -> Trajectory:
-    return Trajectory(source=record.source, group_id=group_id, sample_index=0, prompt_ids=[], response_ids=[],
-                      loss_mask=[], rollout_logprobs=[], versions=[], status=Status.FAILED,
-                      metadata={**meta, "failure": reason})
+    return Trajectory(
+        source=record.source,
+        group_id=group_id,
+        sample_index=0,
+        prompt_ids=[],
+        response_ids=[],
+        loss_mask=[],
+        rollout_logprobs=[],
+        versions=[],
+        status=Status.FAILED,
+        metadata={**meta, "failure": reason},
+    )
 
 
 # ------------------------------------------------------------------------------------ reward
@@ -328,6 +389,8 @@ class FileReward:
             return float(value)
         if self.default is not None:
             return self.default
-        why = (trajectory.metadata.get("reward_file_error")
-               or "no reward_file in the metadata (set the command agent's reward_file: true)")
+        why = (
+            trajectory.metadata.get("reward_file_error")
+            or "no reward_file in the metadata (set the command agent's reward_file: true)"
+        )
         raise RewardInfraError(f"file_reward: {why}")

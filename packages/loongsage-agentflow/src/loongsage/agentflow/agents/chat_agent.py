@@ -23,8 +23,10 @@ def gateway_of(ctx: Any, name: str, agent: str) -> Any:
     """The started gateway service ``name`` from an agent's context, or a one-line error."""
     gateway = ctx.services.get(name)
     if gateway is None:
-        raise RuntimeError(f"agent {agent!r}: no service {name!r} in this run; add "
-                           f"services: [{{name: gateway}}] to the config (running: {sorted(ctx.services) or 'none'})")
+        raise RuntimeError(
+            f"agent {agent!r}: no service {name!r} in this run; add "
+            f"services: [{{name: gateway}}] to the config (running: {sorted(ctx.services) or 'none'})"
+        )
     return gateway
 
 
@@ -56,8 +58,15 @@ class ChatAgent:
         client = AsyncOpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0, timeout=600)
         try:
             await client.chat.completions.create(
-                model="loongsage", messages=messages, n=s.n, temperature=s.temperature, top_p=s.top_p,
-                max_tokens=s.max_new_tokens, seed=s.seed, extra_body={"top_k": s.top_k, "min_p": s.min_p})
+                model="loongsage",
+                messages=messages,
+                n=s.n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=s.max_new_tokens,
+                seed=s.seed,
+                extra_body={"top_k": s.top_k, "min_p": s.min_p},
+            )
         finally:
             await client.close()
             session = await gateway.close_session(trajectory, attempt)

@@ -19,8 +19,13 @@ from typing import Any
 
 # environment variables of the program that name folders: all in the episode's home (the jail
 # isolates the network only, so without these the programs would write into the driver's)
-_FOLDERS = {"XDG_CONFIG_HOME": ".config", "XDG_DATA_HOME": ".local/share", "XDG_STATE_HOME": ".local/state",
-            "XDG_CACHE_HOME": ".cache", "TMPDIR": "tmp"}
+_FOLDERS = {
+    "XDG_CONFIG_HOME": ".config",
+    "XDG_DATA_HOME": ".local/share",
+    "XDG_STATE_HOME": ".local/state",
+    "XDG_CACHE_HOME": ".cache",
+    "TMPDIR": "tmp",
+}
 
 
 def episode_home(workdir: Path, env: dict[str, str]) -> Path:

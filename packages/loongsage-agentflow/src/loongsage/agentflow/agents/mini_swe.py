@@ -62,8 +62,10 @@ class MiniSweAgent(CommandAgent):
     def __post_init__(self) -> None:
         program = self.program or _beside_interpreter("mini") or shutil.which("mini")
         if not program or not Path(program).is_file():
-            raise ValueError(f"program={self.program!r}: mini-swe-agent's `mini` not found (pip install "
-                             "'loongsage-agentflow[agents]', or mini-swe-agent, in this environment)")
+            raise ValueError(
+                f"program={self.program!r}: mini-swe-agent's `mini` not found (pip install "
+                "'loongsage-agentflow[agents]', or mini-swe-agent, in this environment)"
+            )
         self.command = [str(program)]
         super().__post_init__()
 
@@ -72,12 +74,32 @@ class MiniSweAgent(CommandAgent):
         env["MSWEA_GLOBAL_CONFIG_DIR"] = str(home / ".config" / "mini-swe-agent")  # its .env: empty
         env.update(_SWITCHES)
         registry = home / "model_registry.json"
-        registry.write_text(json.dumps({self.model_name: {
-            "litellm_provider": "openai", "mode": "chat", "supports_function_calling": True,
-            "input_cost_per_token": NOMINAL_COST_PER_TOKEN, "output_cost_per_token": NOMINAL_COST_PER_TOKEN}}))
+        registry.write_text(
+            json.dumps(
+                {
+                    self.model_name: {
+                        "litellm_provider": "openai",
+                        "mode": "chat",
+                        "supports_function_calling": True,
+                        "input_cost_per_token": NOMINAL_COST_PER_TOKEN,
+                        "output_cost_per_token": NOMINAL_COST_PER_TOKEN,
+                    }
+                }
+            )
+        )
         overlay = home / "loongsage.yaml"  # JSON is YAML
-        overlay.write_text(json.dumps(self.overlay(env["OPENAI_BASE_URL"], env["OPENAI_API_KEY"], prompt_text(prompt),
-                                                   project_dir(self.project_dir, workdir), registry), indent=1))
+        overlay.write_text(
+            json.dumps(
+                self.overlay(
+                    env["OPENAI_BASE_URL"],
+                    env["OPENAI_API_KEY"],
+                    prompt_text(prompt),
+                    project_dir(self.project_dir, workdir),
+                    registry,
+                ),
+                indent=1,
+            )
+        )
         return [*argv, "-c", self.base_config, "-c", str(overlay), "-o", str(home / "trajectory.json")]
 
     def overlay(self, base_url: str, api_key: str, task: str, project: Path, registry: Path) -> dict[str, Any]:
@@ -90,8 +112,12 @@ class MiniSweAgent(CommandAgent):
         overlay = {
             "agent": {"agent_class": "default", "step_limit": self.step_limit, "cost_limit": self.cost_limit},
             "environment": {"environment_class": "local", "cwd": str(project), "timeout": self.command_timeout_s},
-            "model": {"model_class": "litellm", "model_name": self.model_name, "model_kwargs": kwargs,
-                      "litellm_model_registry": str(registry)},
+            "model": {
+                "model_class": "litellm",
+                "model_name": self.model_name,
+                "model_kwargs": kwargs,
+                "litellm_model_registry": str(registry),
+            },
             "run": {"task": task},
         }
         return merged(overlay, self.config)
@@ -103,8 +129,13 @@ class MiniSweAgent(CommandAgent):
         except (OSError, ValueError):
             return {"mini": None}
         stats = info.get("model_stats") or {}
-        return {"mini": {"exit_status": info.get("exit_status"), "api_calls": stats.get("api_calls"),
-                         "cost": stats.get("instance_cost")}}
+        return {
+            "mini": {
+                "exit_status": info.get("exit_status"),
+                "api_calls": stats.get("api_calls"),
+                "cost": stats.get("instance_cost"),
+            }
+        }
 
 
 def _beside_interpreter(name: str) -> str | None:

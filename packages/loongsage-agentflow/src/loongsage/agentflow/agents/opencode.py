@@ -92,8 +92,20 @@ class OpenCodeAgent(CommandAgent):
         text = prompt_text(prompt)
         if len(text.encode()) > _ARG_MAX:
             text = f"Your task is in the file {env['LOONGSAGE_PROMPT_FILE']}."
-        return [*argv, "--dir", str(project), "--title", workdir.name, "--model", f"{PROVIDER}/{self.model_name}",
-                "--print-logs", "--log-level", self.log_level, "--", text]
+        return [
+            *argv,
+            "--dir",
+            str(project),
+            "--title",
+            workdir.name,
+            "--model",
+            f"{PROVIDER}/{self.model_name}",
+            "--print-logs",
+            "--log-level",
+            self.log_level,
+            "--",
+            text,
+        ]
 
     def opencode_config(self, base_url: str, api_key: str) -> dict[str, Any]:
         """The whole ``opencode.json`` of an episode (``config`` merged over it)."""
@@ -108,16 +120,31 @@ class OpenCodeAgent(CommandAgent):
         tools: dict[str, bool] = {"*": False, **{t: True for t in self.tools}} if self.tools is not None else {}
         tools.update({t: False for t in _WEB_TOOLS})
         config = {
-            "autoupdate": False, "share": "disabled", "model": model, "small_model": model,
+            "autoupdate": False,
+            "share": "disabled",
+            "model": model,
+            "small_model": model,
             "enabled_providers": [PROVIDER],
-            "provider": {PROVIDER: {
-                "npm": "@ai-sdk/openai-compatible", "name": "LoongSage gateway",
-                "options": {"baseURL": base_url, "apiKey": api_key},
-                "models": {self.model_name: {"name": self.model_name, "tool_call": True,
-                                             "limit": {"context": self.context_tokens, "output": self.max_tokens}}},
-            }},
-            "lsp": False, "formatter": False, "mcp": {}, "plugin": [], "instructions": [],
-            "tools": tools, "agent": {"build": build} if build else {},
+            "provider": {
+                PROVIDER: {
+                    "npm": "@ai-sdk/openai-compatible",
+                    "name": "LoongSage gateway",
+                    "options": {"baseURL": base_url, "apiKey": api_key},
+                    "models": {
+                        self.model_name: {
+                            "name": self.model_name,
+                            "tool_call": True,
+                            "limit": {"context": self.context_tokens, "output": self.max_tokens},
+                        }
+                    },
+                }
+            },
+            "lsp": False,
+            "formatter": False,
+            "mcp": {},
+            "plugin": [],
+            "instructions": [],
+            "tools": tools,
+            "agent": {"build": build} if build else {},
         }
         return merged(config, self.config)
-

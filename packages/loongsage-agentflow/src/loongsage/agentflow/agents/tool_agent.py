@@ -59,8 +59,9 @@ class ToolAgent:
 
     required_services: ClassVar[tuple[str, ...]] = ("gateway",)
     _attempts: Counter = field(default_factory=Counter, init=False, repr=False, compare=False)
-    _clients: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary, init=False, repr=False,
-                                                compare=False)
+    _clients: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.max_turns < 1:
@@ -94,13 +95,18 @@ class ToolAgent:
         try:
             if workdir is not None and record.metadata.get("files"):
                 write_files(workdir, record.metadata["files"])
-            client = AsyncOpenAI(base_url=info.openai_base_url, api_key=info.api_key or "none",
-                                 timeout=self.request_timeout, max_retries=self.max_retries,
-                                 http_client=self._http_client())
+            client = AsyncOpenAI(
+                base_url=info.openai_base_url,
+                api_key=info.api_key or "none",
+                timeout=self.request_timeout,
+                max_retries=self.max_retries,
+                http_client=self._http_client(),
+            )
             for turn in range(self.max_turns):
                 try:
                     response = await client.chat.completions.create(
-                        model=self.model, messages=messages, tools=self._schemas, **self._sampling(ctx, k, turn))
+                        model=self.model, messages=messages, tools=self._schemas, **self._sampling(ctx, k, turn)
+                    )
                 except BadRequestError as exc:
                     if getattr(exc, "code", None) == "context_length_exceeded":
                         ended = "budget"  # the gateway marked the line truncated
@@ -124,10 +130,17 @@ class ToolAgent:
             raise RuntimeError(f"tool_agent: session {trajectory_id}/{attempt} recorded no turn")
         trajectory = lines[-1]  # the line the conversation ended on (there is one: every turn extends it)
         trajectory.sample_index = k
-        trajectory.metadata.update({
-            "record_index": record.index, "turns": turns, "ended": ended, "lines": len(lines),
-            "tool_calls": box.calls, "tool_errors": box.errors, "tool_used": bool(box.used),
-        })
+        trajectory.metadata.update(
+            {
+                "record_index": record.index,
+                "turns": turns,
+                "ended": ended,
+                "lines": len(lines),
+                "tool_calls": box.calls,
+                "tool_errors": box.errors,
+                "tool_used": bool(box.used),
+            }
+        )
         return trajectory
 
     def _http_client(self) -> Any:
@@ -153,8 +166,12 @@ class ToolAgent:
     def _sampling(self, ctx: Any, sample: int, turn: int) -> dict[str, Any]:
         """The request fields of one turn (``top_k``/``min_p`` are no OpenAI fields: sent as extras)."""
         sampling = ctx.sampling
-        fields: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                                  "max_tokens": self.max_tokens or sampling.max_new_tokens, "n": 1}
+        fields: dict[str, Any] = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": self.max_tokens or sampling.max_new_tokens,
+            "n": 1,
+        }
         if not sampling.greedy:
             # the rollout seeds each group (request_seed of the run's seed and the group id)
             base = request_seed(0, ctx.group_id) if sampling.seed is None else sampling.seed
@@ -163,4 +180,3 @@ class ToolAgent:
         if extra:
             fields["extra_body"] = extra
         return fields
-

@@ -33,8 +33,17 @@ _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Mult: lambda a, b: a * b,
     ast.Div: lambda a, b: _divide(a, b),
 }
-_SYMBOL = {ast.Pow: "**", ast.FloorDiv: "//", ast.Mod: "%", ast.MatMult: "@", ast.LShift: "<<",
-           ast.RShift: ">>", ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^"}
+_SYMBOL = {
+    ast.Pow: "**",
+    ast.FloorDiv: "//",
+    ast.Mod: "%",
+    ast.MatMult: "@",
+    ast.LShift: "<<",
+    ast.RShift: ">>",
+    ast.BitAnd: "&",
+    ast.BitOr: "|",
+    ast.BitXor: "^",
+}
 
 
 class ToolError(ValueError):
@@ -70,8 +79,10 @@ def _evaluate(node: ast.AST) -> Any:
     if isinstance(node, ast.BinOp):
         op = _BINARY.get(type(node.op))
         if op is None:
-            raise ToolError(f"unsupported operator {_SYMBOL.get(type(node.op), type(node.op).__name__)}"
-                            " (allowed: + - * / and parentheses)")
+            raise ToolError(
+                f"unsupported operator {_SYMBOL.get(type(node.op), type(node.op).__name__)}"
+                " (allowed: + - * / and parentheses)"
+            )
         return _checked(op(_evaluate(node.left), _evaluate(node.right)))
     if isinstance(node, ast.Name):
         raise ToolError(f"unknown name {node.id!r} (only numbers are allowed)")

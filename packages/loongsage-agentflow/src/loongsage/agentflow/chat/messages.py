@@ -126,12 +126,18 @@ def _openai_calls(raw: Any, where: str) -> list[dict[str, Any]]:
 def openai_tools(raw: Any) -> list[dict[str, Any]] | None:
     """Function tools in OpenAI's shape; hosted tools (web search, code interpreter...) are dropped:
     the policy cannot call them, and refusing them would break clients that always send them."""
-    return function_tools(raw, function_type="function", spec_of=lambda tool: tool.get("function"),
-                          schema="parameters", path=lambda i: f"tools[{i}]")
+    return function_tools(
+        raw,
+        function_type="function",
+        spec_of=lambda tool: tool.get("function"),
+        schema="parameters",
+        path=lambda i: f"tools[{i}]",
+    )
 
 
-def function_tools(raw: Any, *, function_type: str, spec_of: Callable[[dict], Any], schema: str,
-                   path: Callable[[int], str]) -> list[dict[str, Any]] | None:
+def function_tools(
+    raw: Any, *, function_type: str, spec_of: Callable[[dict], Any], schema: str, path: Callable[[int], str]
+) -> list[dict[str, Any]] | None:
     """The function tools of any protocol's ``tools`` array in canonical form (None when there are
     none): entries of another ``type`` are hosted or server tools, not the policy's to call, and are
     left out. ``spec_of`` finds a tool's name/description/schema object (the entry itself, or a

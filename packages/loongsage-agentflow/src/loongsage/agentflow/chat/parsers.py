@@ -41,10 +41,10 @@ class Qwen3ChatParser(ChatParser):
             before, after = text.split(_THINK_CLOSE, 1)
             before = before.lstrip()
             if before.startswith(_THINK_OPEN):
-                before = before[len(_THINK_OPEN):]
+                before = before[len(_THINK_OPEN) :]
             return before.strip(), after
         if head.startswith(_THINK_OPEN):  # cut off while reasoning: all of it is reasoning
-            return head[len(_THINK_OPEN):].strip(), ""
+            return head[len(_THINK_OPEN) :].strip(), ""
         return None, text
 
 

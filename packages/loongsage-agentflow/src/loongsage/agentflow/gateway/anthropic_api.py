@@ -51,11 +51,15 @@ def parse(body: dict[str, Any]) -> tuple[ChatRequest, str, bool]:
     if choice is not None and not (isinstance(choice, dict) and choice.get("type") in ("auto", "any", "tool", "none")):
         raise bad_request("tool_choice must be an object with type auto, any, tool or none", "tool_choice")
     request = ChatRequest(
-        messages=messages, tools=_tools(body.get("tools")),
-        parse_tool_calls=not (choice and choice.get("type") == "none"), max_tokens=max_tokens,
+        messages=messages,
+        tools=_tools(body.get("tools")),
+        parse_tool_calls=not (choice and choice.get("type") == "none"),
+        max_tokens=max_tokens,
         temperature=fields.number(body, "temperature", 1.0, 0.0, 1.0),
-        top_p=fields.number(body, "top_p", 1.0, 0.0, 1.0), top_k=fields.integer(body, "top_k", 0, 0, 1 << 20),
-        stop=fields.strings(body, "stop_sequences"))
+        top_p=fields.number(body, "top_p", 1.0, 0.0, 1.0),
+        top_k=fields.integer(body, "top_k", 0, 0, 1 << 20),
+        stop=fields.strings(body, "stop_sequences"),
+    )
     return request, model, fields.flag(body, "stream")
 
 
@@ -96,8 +100,9 @@ def _block(raw: Any, where: str) -> dict[str, Any]:
     kind = raw["type"]
     if kind in ("text", "thinking") and not isinstance(raw.get(kind), str):
         raise bad_request(f"{where}.{kind} must be a string", where)
-    if kind == "tool_use" and not (isinstance(raw.get("id"), str) and isinstance(raw.get("name"), str)
-                                   and isinstance(raw.get("input", {}), dict)):
+    if kind == "tool_use" and not (
+        isinstance(raw.get("id"), str) and isinstance(raw.get("name"), str) and isinstance(raw.get("input", {}), dict)
+    ):
         raise bad_request(f"{where}: tool_use needs a string id and name and an object input", where)
     if kind == "tool_result":
         if not isinstance(raw.get("tool_use_id"), str):
@@ -137,8 +142,9 @@ def _assistant(blocks: list[dict[str, Any]]) -> list[Message]:
 
 def _tools(raw: Any) -> list[dict[str, Any]] | None:
     # a server tool (web search, bash, ...) has a type other than "custom": not the policy's to call
-    return function_tools(raw, function_type="custom", spec_of=lambda tool: tool, schema="input_schema",
-                          path=lambda i: f"tools.{i}")
+    return function_tools(
+        raw, function_type="custom", spec_of=lambda tool: tool, schema="input_schema", path=lambda i: f"tools.{i}"
+    )
 
 
 # ------------------------------------------------------------------------------------ answers
@@ -151,16 +157,29 @@ def _blocks(choice: Choice) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": m["content"]})
     for call in m.get("tool_calls") or []:
         args = call["function"]["arguments"]
-        blocks.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                       "input": args if isinstance(args, dict) else {"arguments": args}})
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": call["function"]["name"],
+                "input": args if isinstance(args, dict) else {"arguments": args},
+            }
+        )
     return blocks
 
 
 def response(result: ChatResult, model: str) -> dict[str, Any]:
     (choice,) = result.choices
-    return {"id": "msg_" + result.id.removeprefix("chatcmpl-"), "type": "message", "role": "assistant", "model": model,
-            "content": _blocks(choice), "stop_reason": _stop_reason(choice), "stop_sequence": choice.stop_sequence,
-            "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens}}
+    return {
+        "id": "msg_" + result.id.removeprefix("chatcmpl-"),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": _blocks(choice),
+        "stop_reason": _stop_reason(choice),
+        "stop_sequence": choice.stop_sequence,
+        "usage": {"input_tokens": result.prompt_tokens, "output_tokens": result.completion_tokens},
+    }
 
 
 def _stop_reason(choice: Choice) -> str:
@@ -171,22 +190,45 @@ def events(result: ChatResult, model: str) -> Iterator[tuple[str, dict[str, Any]
     """``(event name, data)`` of the Messages stream of one answer."""
     message = response(result, model)
     (choice,) = result.choices
-    yield "message_start", {"type": "message_start", "message": {
-        **message, "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": result.prompt_tokens, "output_tokens": 0}}}
+    yield (
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                **message,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": result.prompt_tokens, "output_tokens": 0},
+            },
+        },
+    )
     for i, block in enumerate(message["content"]):
         kind = block["type"]
-        start = {"thinking": {"type": "thinking", "thinking": "", "signature": ""}, "text": {"type": "text", "text": ""},
-                 "tool_use": {**block, "input": {}}}[kind]
+        start = {
+            "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+            "text": {"type": "text", "text": ""},
+            "tool_use": {**block, "input": {}},
+        }[kind]
         yield "content_block_start", {"type": "content_block_start", "index": i, "content_block": start}
-        body, delta = {"thinking": (block.get("thinking"), "thinking_delta"), "text": (block.get("text"), "text_delta"),
-                       "tool_use": (json.dumps(block.get("input"), ensure_ascii=False), "input_json_delta")}[kind]
+        body, delta = {
+            "thinking": (block.get("thinking"), "thinking_delta"),
+            "text": (block.get("text"), "text_delta"),
+            "tool_use": (json.dumps(block.get("input"), ensure_ascii=False), "input_json_delta"),
+        }[kind]
         key = {"thinking_delta": "thinking", "text_delta": "text", "input_json_delta": "partial_json"}[delta]
         for j in range(0, len(body), _CHUNK):
-            yield "content_block_delta", {"type": "content_block_delta", "index": i,
-                                          "delta": {"type": delta, key: body[j:j + _CHUNK]}}
+            yield (
+                "content_block_delta",
+                {"type": "content_block_delta", "index": i, "delta": {"type": delta, key: body[j : j + _CHUNK]}},
+            )
         yield "content_block_stop", {"type": "content_block_stop", "index": i}
-    yield "message_delta", {"type": "message_delta",
-                            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": choice.stop_sequence},
-                            "usage": {"output_tokens": result.completion_tokens}}
+    yield (
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": message["stop_reason"], "stop_sequence": choice.stop_sequence},
+            "usage": {"output_tokens": result.completion_tokens},
+        },
+    )
     yield "message_stop", {"type": "message_stop"}

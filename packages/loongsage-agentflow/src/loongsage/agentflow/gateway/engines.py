@@ -16,8 +16,9 @@ from loongsage.core.types import GenerationRequest, GenerationResult, SamplingPa
 
 
 class EngineClient(Protocol):
-    async def generate(self, input_ids: list[int], sampling: SamplingParams,
-                       session: str | None = None) -> list[GenerationResult]:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, session: str | None = None
+    ) -> list[GenerationResult]:
         """The ``sampling.n`` samples of one prompt; a bad request raises ``ValueError``."""
         ...
 
@@ -36,8 +37,9 @@ class DirectEngine:
         self.engine = engine
         self._ids = itertools.count()
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams,
-                       session: str | None = None) -> list[GenerationResult]:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, session: str | None = None
+    ) -> list[GenerationResult]:
         request = GenerationRequest(f"gw-{next(self._ids)}", list(input_ids), sampling)
         return await self.engine.generate(request)
 

@@ -22,9 +22,16 @@ from loongsage.core.types import DataRecord, SamplingParams
 
 
 @contextlib.asynccontextmanager
-async def local_gateway(model_path: str, *, engine_client: Any = None, max_model_len: int = 512,
-                        max_batch_size: int = 256, seed: int = 0, budget: Budget | None = None,
-                        chat_template: str | None = None) -> AsyncIterator[Gateway]:
+async def local_gateway(
+    model_path: str,
+    *,
+    engine_client: Any = None,
+    max_model_len: int = 512,
+    max_batch_size: int = 256,
+    seed: int = 0,
+    budget: Budget | None = None,
+    chat_template: str | None = None,
+) -> AsyncIterator[Gateway]:
     """A started gateway on this loop over a :class:`~loongsage.core.engine.native.NativeEngine`
     of ``model_path`` (the tokenizer's own chat template unless ``chat_template``, the qwen3 parser).
     ``engine_client(direct)`` may wrap the engine client (a recorder, say)."""
@@ -37,8 +44,13 @@ async def local_gateway(model_path: str, *, engine_client: Any = None, max_model
     client = DirectEngine(engine)
     if engine_client is not None:
         client = engine_client(client)
-    service = ChatService(client, tokenizer, parser=Qwen3ChatParser(), chat_template=chat_template,
-                          budget=budget or Budget(max_context_tokens=max_model_len, default_max_tokens=64))
+    service = ChatService(
+        client,
+        tokenizer,
+        parser=Qwen3ChatParser(),
+        chat_template=chat_template,
+        budget=budget or Budget(max_context_tokens=max_model_len, default_max_tokens=64),
+    )
     gateway = Gateway(service)
     await gateway.start()
     try:
@@ -50,14 +62,29 @@ async def local_gateway(model_path: str, *, engine_client: Any = None, max_model
 def contexts(gateway: Gateway, sampling: SamplingParams, group_ids: list[int], seed: int) -> list[AgentContext]:
     """Agent contexts handing ``gateway`` as the run's ``gateway`` service, seeded per group as the
     rollout seeds them."""
-    return [AgentContext(gateway.service.engine, gateway.service.renderer.tokenizer,
-                         sampling if sampling.greedy else replace(sampling, seed=request_seed(seed, gid)), gid,
-                         services={"gateway": gateway})
-            for gid in group_ids]
+    return [
+        AgentContext(
+            gateway.service.engine,
+            gateway.service.renderer.tokenizer,
+            sampling if sampling.greedy else replace(sampling, seed=request_seed(seed, gid)),
+            gid,
+            services={"gateway": gateway},
+        )
+        for gid in group_ids
+    ]
 
 
-async def evaluate(agent: Any, reward: Any, records: list[DataRecord], gateway: Gateway, sampling: SamplingParams,
-                   *, pass_k: int = 8, seed: int = 0, concurrency: int = 32) -> dict[str, float]:
+async def evaluate(
+    agent: Any,
+    reward: Any,
+    records: list[DataRecord],
+    gateway: Gateway,
+    sampling: SamplingParams,
+    *,
+    pass_k: int = 8,
+    seed: int = 0,
+    concurrency: int = 32,
+) -> dict[str, float]:
     """``accuracy`` (greedy, one sample), ``pass@k`` and ``pass@1_sampled`` over ``records``, as the
     run's evaluation counts them (reward >= 1), how often the tool was used (``tool_use_*``), and
     greedy accuracy per ``record.metadata["kind"]`` where records have one (``accuracy/<kind>``)."""
@@ -73,8 +100,10 @@ async def evaluate(agent: Any, reward: Any, records: list[DataRecord], gateway: 
         return list(await asyncio.gather(*(group(r, c) for r, c in zip(records, contexts(gateway, s, ids, seed)))))
 
     greedy = await phase(replace(sampling, temperature=0.0, n=1, seed=None), 0)
-    metrics = {"accuracy": sum(g[0][0] for g in greedy) / len(greedy),
-               "tool_use_greedy": sum(g[0][1] for g in greedy) / len(greedy)}
+    metrics = {
+        "accuracy": sum(g[0][0] for g in greedy) / len(greedy),
+        "tool_use_greedy": sum(g[0][1] for g in greedy) / len(greedy),
+    }
     kinds = [r.metadata.get("kind") for r in records]
     for kind in sorted({k for k in kinds if isinstance(k, str)}):
         hits = [g[0][0] for g, k in zip(greedy, kinds) if k == kind]

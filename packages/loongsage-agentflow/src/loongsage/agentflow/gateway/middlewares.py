@@ -50,8 +50,12 @@ class RequestLog:
         try:
             reply = await call_next(request)
         except Exception as exc:  # a later middleware failed: the client gets a 500, the log says so
-            self._write(request, asked, start, {"status": 500, "body": {"error": {
-                "message": f"internal error: {type(exc).__name__}"}}})
+            self._write(
+                request,
+                asked,
+                start,
+                {"status": 500, "body": {"error": {"message": f"internal error: {type(exc).__name__}"}}},
+            )
             raise
         self._write(request, asked, start, reply)
         return reply
@@ -60,11 +64,17 @@ class RequestLog:
         body = reply.get("body") or {}
         usage = body.get("usage") or {}
         error = body.get("error") or {}
-        row = {"time": time.time(), "trajectory": request["trajectory"], "attempt": request["attempt"],
-               "protocol": request["protocol"], **asked, "status": reply.get("status"),
-               "seconds": round(time.perf_counter() - start, 6),
-               "completion_tokens": usage.get("completion_tokens", usage.get("output_tokens")),
-               "error": error.get("message")}
+        row = {
+            "time": time.time(),
+            "trajectory": request["trajectory"],
+            "attempt": request["attempt"],
+            "protocol": request["protocol"],
+            **asked,
+            "status": reply.get("status"),
+            "seconds": round(time.perf_counter() - start, 6),
+            "completion_tokens": usage.get("completion_tokens", usage.get("output_tokens")),
+            "error": error.get("message"),
+        }
         with self.file.open("a") as fh:
             fh.write(json.dumps(row) + "\n")
 
@@ -79,10 +89,16 @@ def _shape(body: Any, protocol: str) -> dict[str, Any]:
         messages = [messages]
     names = None
     if isinstance(tools, list):  # OpenAI {"type": "function", "function": {"name"}}; Anthropic, Responses {"name"}
-        names = [str((t.get("function") if isinstance(t.get("function"), dict) else t).get("name"))
-                 for t in tools if isinstance(t, dict)]
-    return {"messages": len(messages) if isinstance(messages, list) else None, "tools": names,
-            "stream": bool(body.get("stream"))}
+        names = [
+            str((t.get("function") if isinstance(t.get("function"), dict) else t).get("name"))
+            for t in tools
+            if isinstance(t, dict)
+        ]
+    return {
+        "messages": len(messages) if isinstance(messages, list) else None,
+        "tools": names,
+        "stream": bool(body.get("stream")),
+    }
 
 
 @dataclass
@@ -103,13 +119,18 @@ class RateLimit:
         if tokens < 1.0:
             self._buckets[key] = (tokens, now)
             wait = (1.0 - tokens) / self.requests_per_second
-            error = APIError(429, f"rate limit: at most {self.requests_per_second:g} requests per second per session; "
-                                  f"retry in {wait:.2f} s")
+            error = APIError(
+                429,
+                f"rate limit: at most {self.requests_per_second:g} requests per second per session; "
+                f"retry in {wait:.2f} s",
+            )
             body = error.anthropic_body() if request["protocol"] == "anthropic" else error.openai_body()
             # Retry-After counts whole seconds (rounded up: sooner would be refused again); both
             # official clients read the finer retry-after-ms first
-            headers = {"retry-after": str(max(1, math.ceil(wait))),
-                       "retry-after-ms": str(max(1, math.ceil(wait * 1000)))}
+            headers = {
+                "retry-after": str(max(1, math.ceil(wait))),
+                "retry-after-ms": str(max(1, math.ceil(wait * 1000))),
+            }
             return {"status": 429, "body": body, "headers": headers}
         self._buckets[key] = (tokens - 1.0, now)
         return await call_next(request)

@@ -37,14 +37,18 @@ class Options:
 def parse(body: dict[str, Any]) -> tuple[ChatRequest, Options]:
     tool_choice = body.get("tool_choice")
     if tool_choice is not None and not (tool_choice in ("none", "auto", "required") or isinstance(tool_choice, dict)):
-        raise bad_request(f"tool_choice={tool_choice!r}: must be 'none', 'auto', 'required' or an object", "tool_choice")
+        raise bad_request(
+            f"tool_choice={tool_choice!r}: must be 'none', 'auto', 'required' or an object", "tool_choice"
+        )
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type", "text") == "text"):
-        raise bad_request("response_format: only {'type': 'text'} is supported (no constrained decoding)",
-                          "response_format")
+        raise bad_request(
+            "response_format: only {'type': 'text'} is supported (no constrained decoding)", "response_format"
+        )
     if fields.integer(body, "top_logprobs", 0, 0, 20):
-        raise bad_request("top_logprobs: only the sampled tokens' log-probs are available (top_logprobs=0)",
-                          "top_logprobs")
+        raise bad_request(
+            "top_logprobs: only the sampled tokens' log-probs are available (top_logprobs=0)", "top_logprobs"
+        )
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise bad_request("stream_options must be an object", "stream_options")
@@ -62,15 +66,21 @@ def parse(body: dict[str, Any]) -> tuple[ChatRequest, Options]:
         seed=fields.integer(body, "seed", None, -fields.SEED_MAX, fields.SEED_MAX),
         stop=fields.strings(body, "stop"),
     )
-    options = Options(model=fields.text(body, "model", None), stream=fields.flag(body, "stream"),
-                      include_usage=fields.flag(stream_options or {}, "include_usage"),
-                      logprobs=fields.flag(body, "logprobs"))
+    options = Options(
+        model=fields.text(body, "model", None),
+        stream=fields.flag(body, "stream"),
+        include_usage=fields.flag(stream_options or {}, "include_usage"),
+        logprobs=fields.flag(body, "logprobs"),
+    )
     return request, options
 
 
 def message_out(message: Message) -> dict[str, Any]:
     calls = message.get("tool_calls") or []
-    out: dict[str, Any] = {"role": "assistant", "content": message["content"] if message["content"] or not calls else None}
+    out: dict[str, Any] = {
+        "role": "assistant",
+        "content": message["content"] if message["content"] or not calls else None,
+    }
     if message.get("reasoning_content"):
         out["reasoning_content"] = message["reasoning_content"]
     if calls:
@@ -80,26 +90,48 @@ def message_out(message: Message) -> dict[str, Any]:
 
 def _call_out(call: dict[str, Any]) -> dict[str, Any]:
     args = call["function"]["arguments"]
-    return {"id": call["id"], "type": "function",
-            "function": {"name": call["function"]["name"],
-                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+    return {
+        "id": call["id"],
+        "type": "function",
+        "function": {
+            "name": call["function"]["name"],
+            "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False),
+        },
+    }
 
 
 def _usage(result: ChatResult) -> dict[str, int]:
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens}
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
 
 
 def _logprobs(choice: Choice, token_text: Callable[[int], str]) -> dict[str, Any]:
-    return {"content": [{"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode()),
-                         "top_logprobs": []} for t, lp in zip(choice.token_ids, choice.logprobs)]}
+    return {
+        "content": [
+            {"token": token_text(t), "logprob": lp, "bytes": list(token_text(t).encode()), "top_logprobs": []}
+            for t, lp in zip(choice.token_ids, choice.logprobs)
+        ]
+    }
 
 
 def response(result: ChatResult, model: str, options: Options, token_text: Callable[[int], str]) -> dict[str, Any]:
     return {
-        "id": result.id, "object": "chat.completion", "created": result.created, "model": model,
-        "choices": [{"index": c.index, "message": message_out(c.message), "finish_reason": c.finish_reason,
-                     "logprobs": _logprobs(c, token_text) if options.logprobs else None} for c in result.choices],
+        "id": result.id,
+        "object": "chat.completion",
+        "created": result.created,
+        "model": model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": message_out(c.message),
+                "finish_reason": c.finish_reason,
+                "logprobs": _logprobs(c, token_text) if options.logprobs else None,
+            }
+            for c in result.choices
+        ],
         "usage": _usage(result),
     }
 
@@ -122,8 +154,19 @@ def chunks(result: ChatResult, model: str, options: Options, token_text: Callabl
             yield chunk(c.index, {"content": piece})
         for k, call in enumerate(_call_out(x) for x in c.message.get("tool_calls") or []):
             fn = call["function"]
-            yield chunk(c.index, {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
-                                                  "function": {"name": fn["name"], "arguments": ""}}]})
+            yield chunk(
+                c.index,
+                {
+                    "tool_calls": [
+                        {
+                            "index": k,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": fn["name"], "arguments": ""},
+                        }
+                    ]
+                },
+            )
             for piece in _pieces(fn["arguments"]):
                 yield chunk(c.index, {"tool_calls": [{"index": k, "function": {"arguments": piece}}]})
         yield chunk(c.index, {}, c.finish_reason, _logprobs(c, token_text) if options.logprobs else None)
@@ -132,4 +175,4 @@ def chunks(result: ChatResult, model: str, options: Options, token_text: Callabl
 
 
 def _pieces(text: str) -> list[str]:
-    return [text[i:i + _CHUNK] for i in range(0, len(text), _CHUNK)]
+    return [text[i : i + _CHUNK] for i in range(0, len(text), _CHUNK)]

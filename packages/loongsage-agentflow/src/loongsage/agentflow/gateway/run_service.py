@@ -62,17 +62,35 @@ class GatewayService:
     async def start(self, ctx: Any) -> Gateway:
         parser = None
         if self.chat_parser:
-            parser = ctx.registry.create("chat_parser", {"name": self.chat_parser}, "services.gateway.params.chat_parser")
-        budget = Budget(max_context_tokens=self.max_context_tokens, max_response_tokens=self.max_response_tokens,
-                        default_max_tokens=self.default_max_tokens)
-        self.chat = ChatService(ctx.engine, ctx.tokenizer, parser=parser, chat_template=self._template(ctx.tokenizer),
-                                budget=budget, model_name=self.model_name, max_n=self.max_n)
+            parser = ctx.registry.create(
+                "chat_parser", {"name": self.chat_parser}, "services.gateway.params.chat_parser"
+            )
+        budget = Budget(
+            max_context_tokens=self.max_context_tokens,
+            max_response_tokens=self.max_response_tokens,
+            default_max_tokens=self.default_max_tokens,
+        )
+        self.chat = ChatService(
+            ctx.engine,
+            ctx.tokenizer,
+            parser=parser,
+            chat_template=self._template(ctx.tokenizer),
+            budget=budget,
+            model_name=self.model_name,
+            max_n=self.max_n,
+        )
         # `loongsage serve` (ctx.serving): its port and host, sessions for outside agents, recorded
         serving = self._serving = ctx.serving
-        self.gateway = Gateway(self.chat, host=(serving and serving.host) or self.host,
-                               port=serving.port if serving else 0, max_body_bytes=self.max_body_bytes, middlewares=[
-            self._middleware(ctx, spec, f"services.gateway.params.middlewares.{i}")
-            for i, spec in enumerate(self.middlewares)])
+        self.gateway = Gateway(
+            self.chat,
+            host=(serving and serving.host) or self.host,
+            port=serving.port if serving else 0,
+            max_body_bytes=self.max_body_bytes,
+            middlewares=[
+                self._middleware(ctx, spec, f"services.gateway.params.middlewares.{i}")
+                for i, spec in enumerate(self.middlewares)
+            ],
+        )
         if serving is not None:
             self.served = Served(self.gateway, serving.record_dir)
         await self.gateway.start()

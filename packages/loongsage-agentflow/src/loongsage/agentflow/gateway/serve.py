@@ -63,8 +63,10 @@ class Served:
         self.rows: dict[str, int] = {}  # rows last written per session
         # innermost, so it sees the turns the other middlewares let through, errors included
         gateway.middlewares.append(self._record)
-        gateway.app.router.routes[:0] = [Route("/sessions", self._open, methods=["POST"]),
-                                         Route("/sessions/{session}", self._close, methods=["DELETE"])]
+        gateway.app.router.routes[:0] = [
+            Route("/sessions", self._open, methods=["POST"]),
+            Route("/sessions/{session}", self._close, methods=["DELETE"]),
+        ]
 
     # ------------------------------------------------------------------ sessions
     def open(self) -> SessionInfo:
@@ -76,34 +78,44 @@ class Served:
     def announce(self) -> list[str]:
         """What the user is told once serving: a first session's URLs and key, how to open more."""
         first = self.open()
-        return [f"serving {self.gateway.service.model_name} at {self.gateway.url}, recording sessions to "
-                f"{self.record_dir}/ (Ctrl-C stops)",
-                f"export OPENAI_BASE_URL={first.openai_base_url} OPENAI_API_KEY={first.api_key}",
-                f"export ANTHROPIC_BASE_URL={first.anthropic_base_url} ANTHROPIC_API_KEY={first.api_key}",
-                f"one session per agent run; another: curl -s -X POST {self.gateway.url}/sessions "
-                f"-H 'Authorization: Bearer {self.key}'"]
+        return [
+            f"serving {self.gateway.service.model_name} at {self.gateway.url}, recording sessions to "
+            f"{self.record_dir}/ (Ctrl-C stops)",
+            f"export OPENAI_BASE_URL={first.openai_base_url} OPENAI_API_KEY={first.api_key}",
+            f"export ANTHROPIC_BASE_URL={first.anthropic_base_url} ANTHROPIC_API_KEY={first.api_key}",
+            f"one session per agent run; another: curl -s -X POST {self.gateway.url}/sessions "
+            f"-H 'Authorization: Bearer {self.key}'",
+        ]
 
     async def _open(self, request: Request) -> Response:
         if not _sent(request, self.key):
             return _error(401, "POST /sessions: missing or wrong serve key (the one `loongsage serve` printed)")
         info = self.open()
-        return JSONResponse({"session": info.trajectory, "openai_base_url": info.openai_base_url,
-                             "anthropic_base_url": info.anthropic_base_url, "api_key": info.api_key})
+        return JSONResponse(
+            {
+                "session": info.trajectory,
+                "openai_base_url": info.openai_base_url,
+                "anthropic_base_url": info.anthropic_base_url,
+                "api_key": info.api_key,
+            }
+        )
 
     async def _close(self, request: Request) -> Response:
         session_id = request.path_params["session"]
         session = self.sessions.get(session_id)
         if session is None:
-            return _error(404, f"no open session {session_id!r} (closed already, or never opened; POST /sessions "
-                               "opens one)")
+            return _error(
+                404, f"no open session {session_id!r} (closed already, or never opened; POST /sessions opens one)"
+            )
         if not (_sent(request, self.key) or _sent(request, session.api_key)):
             return _error(401, f"session {session_id}: missing or wrong API key")
         if not session.closed:
             await self.gateway.close_session(session_id, 0)
         rows = self.write(session)
         self.sessions.pop(session_id, None)
-        return JSONResponse({"session": session_id, "trajectories": rows,
-                             "record": str(self.record_dir / f"{session_id}.jsonl")})
+        return JSONResponse(
+            {"session": session_id, "trajectories": rows, "record": str(self.record_dir / f"{session_id}.jsonl")}
+        )
 
     # ------------------------------------------------------------------ record
     async def _record(self, request: dict[str, Any], call_next: Any) -> dict[str, Any]:
@@ -139,19 +151,31 @@ class Served:
         self.sessions.clear()
         sessions = sum(1 for n in self.rows.values() if n)
         rows = sum(self.rows.values())
-        return (f"recorded {sessions} session{'' if sessions == 1 else 's'} ({rows} "
-                f"trajector{'y' if rows == 1 else 'ies'}) in {self.record_dir}/")
+        return (
+            f"recorded {sessions} session{'' if sessions == 1 else 's'} ({rows} "
+            f"trajector{'y' if rows == 1 else 'ies'}) in {self.record_dir}/"
+        )
 
 
 def _row(trajectory: Any, finished: bool) -> dict[str, Any]:
     meta = trajectory.metadata
-    return {"session": meta["trajectory"], "line": meta["line"], "finished": finished,
-            "status": trajectory.status.value, "prompt_ids": trajectory.prompt_ids,
-            "response_ids": trajectory.response_ids, "loss_mask": trajectory.loss_mask,
-            "rollout_logprobs": trajectory.rollout_logprobs, "versions": trajectory.versions,
-            "segments": [[s.start, s.end, s.kind] for s in trajectory.segments],
-            "response_text": trajectory.response_text, "messages": meta["messages"], "tools": meta["tools"],
-            "turns": meta["turns"], "refusals": meta["refusals"]}
+    return {
+        "session": meta["trajectory"],
+        "line": meta["line"],
+        "finished": finished,
+        "status": trajectory.status.value,
+        "prompt_ids": trajectory.prompt_ids,
+        "response_ids": trajectory.response_ids,
+        "loss_mask": trajectory.loss_mask,
+        "rollout_logprobs": trajectory.rollout_logprobs,
+        "versions": trajectory.versions,
+        "segments": [[s.start, s.end, s.kind] for s in trajectory.segments],
+        "response_text": trajectory.response_text,
+        "messages": meta["messages"],
+        "tools": meta["tools"],
+        "turns": meta["turns"],
+        "refusals": meta["refusals"],
+    }
 
 
 def _free_prefix(record_dir: Path) -> str:

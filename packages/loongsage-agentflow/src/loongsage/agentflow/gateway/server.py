@@ -90,8 +90,15 @@ class _Server(uvicorn.Server):
 
 
 class Gateway:
-    def __init__(self, service: ChatService, *, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = 8 << 20, middlewares: Iterable[Any] = ()):
+    def __init__(
+        self,
+        service: ChatService,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body_bytes: int = 8 << 20,
+        middlewares: Iterable[Any] = (),
+    ):
         self.service, self.host, self.port, self.max_body_bytes = service, host, int(port), int(max_body_bytes)
         # loongsage_gateway_middlewares, outermost first: each sees every chat request (see _turn)
         self.middlewares = list(middlewares)
@@ -118,8 +125,14 @@ class Gateway:
         self.port = sock.getsockname()[1]
         # proxy_headers off: that middleware only rewrites the client's address and the scheme from
         # X-Forwarded-* headers, neither of which the gateway reads, yet it scans every request
-        config = uvicorn.Config(_logged_once(self.app), log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2, proxy_headers=False)
+        config = uvicorn.Config(
+            _logged_once(self.app),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
+            proxy_headers=False,
+        )
         self._server, self._loop = _Server(config), asyncio.get_running_loop()
         gc.freeze()  # see the module's docstring
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
@@ -164,8 +177,15 @@ class Gateway:
             self._thread = None
 
     # ------------------------------------------------------------------------------ sessions
-    def open_session(self, trajectory: str, attempt: int = 0, *, budget: Budget | None = None,
-                     api_key: str | None = "", engine: Any = None) -> SessionInfo:
+    def open_session(
+        self,
+        trajectory: str,
+        attempt: int = 0,
+        *,
+        budget: Budget | None = None,
+        api_key: str | None = "",
+        engine: Any = None,
+    ) -> SessionInfo:
         """A new session; ``engine``: the engine client its turns use instead of the gateway's (an
         agent's ``ctx.engine``, so the run's per-group call log records them)."""
         session = self.service.store.open(trajectory, attempt, budget=budget, api_key=api_key)
@@ -199,8 +219,12 @@ class Gateway:
         return JSONResponse({"status": "ok", "sessions": len(self.service.store.sessions())})
 
     async def _models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.service.model_name, "object": "model",
-                                                         "created": 0, "owned_by": "loongsage"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": self.service.model_name, "object": "model", "created": 0, "owned_by": "loongsage"}],
+            }
+        )
 
     async def _base(self, request: Request) -> Response:
         """The session's base URL: Claude Code sends a HEAD there before its first request. No key
@@ -263,24 +287,32 @@ class Gateway:
             if protocol == "openai":
                 body = openai_api.response(result, model, options, self._token_text)
                 if stream:
-                    streamed["events"] = [f"data: {_dump(c)}\n\n" for c in
-                                          openai_api.chunks(result, model, options, self._token_text)] + ["data: [DONE]\n\n"]
+                    streamed["events"] = [
+                        f"data: {_dump(c)}\n\n" for c in openai_api.chunks(result, model, options, self._token_text)
+                    ] + ["data: [DONE]\n\n"]
             elif protocol == "responses":
                 body = responses_api.response(result, model, options)
                 if stream:
-                    streamed["events"] = [f"event: {name}\ndata: {_dump(data)}\n\n"
-                                          for name, data in responses_api.events(result, model, options)]
+                    streamed["events"] = [
+                        f"event: {name}\ndata: {_dump(data)}\n\n"
+                        for name, data in responses_api.events(result, model, options)
+                    ]
             else:
                 body = anthropic_api.response(result, model)
                 if stream:
-                    streamed["events"] = [f"event: {name}\ndata: {_dump(data)}\n\n"
-                                          for name, data in anthropic_api.events(result, model)]
+                    streamed["events"] = [
+                        f"event: {name}\ndata: {_dump(data)}\n\n" for name, data in anthropic_api.events(result, model)
+                    ]
             return {"status": 200, "body": body}
 
         try:
             session = self._session(request)
-            req = {"protocol": protocol, "trajectory": session.trajectory, "attempt": session.attempt,
-                   "body": await self._body(request)}
+            req = {
+                "protocol": protocol,
+                "trajectory": session.trajectory,
+                "attempt": session.attempt,
+                "body": await self._body(request),
+            }
         except APIError as exc:
             return JSONResponse(error_body(exc), exc.status)
         except ClientDisconnect:  # nobody is left to answer: one line, no traceback
@@ -346,8 +378,10 @@ def _error_body(path: str, error: APIError) -> dict[str, Any]:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     path = request.url.path
-    message = {404: f"no route {path}: sessions live under /{{trajectory}}/{{attempt}}/v1/",
-               405: f"method {request.method} not allowed on {path}"}.get(exc.status_code, str(exc.detail))
+    message = {
+        404: f"no route {path}: sessions live under /{{trajectory}}/{{attempt}}/v1/",
+        405: f"method {request.method} not allowed on {path}",
+    }.get(exc.status_code, str(exc.detail))
     return JSONResponse(_error_body(path, APIError(exc.status_code, message)), exc.status_code, headers=exc.headers)
 
 

@@ -81,9 +81,18 @@ class ChatResult:
 class ChatService:
     """The gateway's turn logic over one engine client, tokenizer and (optional) chat parser."""
 
-    def __init__(self, engine: EngineClient, tokenizer: Any, *, parser: Any = None, chat_template: str | None = None,
-                 budget: Budget | None = None, model_name: str = "loongsage", max_n: int = 16,
-                 reasoning_optional: bool = False):
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Any,
+        *,
+        parser: Any = None,
+        chat_template: str | None = None,
+        budget: Budget | None = None,
+        model_name: str = "loongsage",
+        max_n: int = 16,
+        reasoning_optional: bool = False,
+    ):
         self.engine, self.parser, self.model_name = engine, parser, model_name
         self.renderer = ChatRenderer(tokenizer, chat_template)
         self.store = TrajectoryStore(budget)
@@ -116,22 +125,34 @@ class ChatService:
                 return remembered
             line = session.lines[plan.line] if plan.line is not None else None
             budget = session.budget
-            room = min(budget.max_context_tokens - len(plan.prompt),
-                       budget.max_response_tokens - (line.generated if line is not None else 0))
+            room = min(
+                budget.max_context_tokens - len(plan.prompt),
+                budget.max_response_tokens - (line.generated if line is not None else 0),
+            )
             if room <= 0:
                 raise self._refuse(session, line, str(len(plan.prompt)))
             wanted = request.max_tokens or budget.default_max_tokens
-            sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-                                      min_p=request.min_p, max_new_tokens=min(wanted, room), n=request.n,
-                                      seed=request.seed)
+            sampling = SamplingParams(
+                temperature=request.temperature,
+                top_p=request.top_p,
+                top_k=request.top_k,
+                min_p=request.min_p,
+                max_new_tokens=min(wanted, room),
+                n=request.n,
+                seed=request.seed,
+            )
             results = await self._generate(plan.prompt, sampling, session)
             choices, samples = zip(*(self._choice(k, r, request, len(plan.prompt)) for k, r in enumerate(results)))
             budget_cut = [wanted > room and s.finish_reason == "length" for s in samples]
             session.commit(plan, request.messages, request.tools, list(samples), budget_cut)
             self._count(plan.category, len(plan.appended), samples, budget_cut)
-            result = ChatResult(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()),
-                                choices=list(choices), prompt_tokens=len(plan.prompt),
-                                completion_tokens=sum(len(s.ids) for s in samples))
+            result = ChatResult(
+                id=f"chatcmpl-{uuid.uuid4().hex[:24]}",
+                created=int(time.time()),
+                choices=list(choices),
+                prompt_tokens=len(plan.prompt),
+                completion_tokens=sum(len(s.ids) for s in samples),
+            )
             session.remember(key, result)
             return result
 
@@ -144,12 +165,18 @@ class ChatService:
             return key, remembered, None
         budget = session.budget.max_context_tokens
         try:
-            plan = plan_turn(session.lines, request.messages, request.tools, self.renderer.within(budget),
-                             reasoning_optional=self.reasoning_optional)
+            plan = plan_turn(
+                session.lines,
+                request.messages,
+                request.tools,
+                self.renderer.within(budget),
+                reasoning_optional=self.reasoning_optional,
+            )
         except PromptTooLong as exc:
             # the line the turn would have gone to, found without rendering, is marked truncated
-            line = plan_turn(session.lines, request.messages, request.tools, _UNTOKENIZED,
-                             reasoning_optional=self.reasoning_optional).line
+            line = plan_turn(
+                session.lines, request.messages, request.tools, _UNTOKENIZED, reasoning_optional=self.reasoning_optional
+            ).line
             raise _OverBudget(exc.at_least, line) from None
         return key, None, plan
 
@@ -163,16 +190,20 @@ class ChatService:
             raise
         except Exception as exc:  # noqa: BLE001 - the engine's failure, not the client's
             self.counters["engine_errors"] += 1
-            raise APIError(503, f"the engine failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}") from None
+            raise APIError(
+                503, f"the engine failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"
+            ) from None
 
-    def _choice(self, index: int, result: GenerationResult, request: ChatRequest,
-                prompt_tokens: int) -> tuple[Choice, Sample]:
+    def _choice(
+        self, index: int, result: GenerationResult, request: ChatRequest, prompt_tokens: int
+    ) -> tuple[Choice, Sample]:
         ids, stop = list(result.output_ids), None
         sampled_stop = ids[-1] if result.finish_reason is FinishReason.STOP and ids else None
         kept, text = len(ids), None
         if request.stop:
-            kept, text, stop = cut_at_stop(self.renderer.decode, ids[:-1] if sampled_stop is not None else ids,
-                                           request.stop)
+            kept, text, stop = cut_at_stop(
+                self.renderer.decode, ids[:-1] if sampled_stop is not None else ids, request.stop
+            )
             if stop is None:
                 kept, text = len(ids), None
             else:
@@ -180,11 +211,23 @@ class ChatService:
         if text is None:
             text = self.renderer.decode(ids[:-1] if sampled_stop is not None else ids)
         message = self._message(text, request)
-        ended = ("abort" if result.finish_reason is FinishReason.ABORT
-                 else "length" if result.finish_reason is FinishReason.LENGTH and stop is None else "stop")
-        routes = None if result.routed_experts is None else result.routed_experts[:prompt_tokens + kept]
-        sample = Sample(ids[:kept], list(result.logprobs[:kept]), list(result.versions[:kept]), ended, message,
-                        self.renderer.tail(sampled_stop), routes)
+        ended = (
+            "abort"
+            if result.finish_reason is FinishReason.ABORT
+            else "length"
+            if result.finish_reason is FinishReason.LENGTH and stop is None
+            else "stop"
+        )
+        routes = None if result.routed_experts is None else result.routed_experts[: prompt_tokens + kept]
+        sample = Sample(
+            ids[:kept],
+            list(result.logprobs[:kept]),
+            list(result.versions[:kept]),
+            ended,
+            message,
+            self.renderer.tail(sampled_stop),
+            routes,
+        )
         # complete calls are the client's to run, even from a reply the length limit ended
         finish = "tool_calls" if message.get("tool_calls") and ended != "abort" else ended
         return Choice(index, message, finish, sample.ids, sample.logprobs, stop), sample
@@ -196,9 +239,14 @@ class ChatService:
         calls = parsed.get("tool_calls") or []
         if calls and not (request.tools and request.parse_tool_calls):
             return assistant(text)  # no tools offered: what the model wrote is the content
-        return assistant(parsed.get("content") or "", parsed.get("reasoning_content"),
-                         [tool_call(f"call_{uuid.uuid4().hex[:24]}", c["function"]["name"], c["function"]["arguments"])
-                          for c in calls])
+        return assistant(
+            parsed.get("content") or "",
+            parsed.get("reasoning_content"),
+            [
+                tool_call(f"call_{uuid.uuid4().hex[:24]}", c["function"]["name"], c["function"]["arguments"])
+                for c in calls
+            ],
+        )
 
     def _refuse(self, session: Session, line: Any, prompt_tokens: str) -> APIError:
         """Count a budget refusal, mark its line truncated, and return the error to raise."""
@@ -207,10 +255,13 @@ class ChatService:
         if line is not None:
             line.truncated = True
         budget = session.budget
-        return APIError(400, f"session {session.route_key} is out of budget: prompt of {prompt_tokens} tokens "
-                             f"(max_context_tokens={budget.max_context_tokens}), {line.generated if line else 0} "
-                             f"tokens generated (max_response_tokens={budget.max_response_tokens})",
-                        code="context_length_exceeded")
+        return APIError(
+            400,
+            f"session {session.route_key} is out of budget: prompt of {prompt_tokens} tokens "
+            f"(max_context_tokens={budget.max_context_tokens}), {line.generated if line else 0} "
+            f"tokens generated (max_response_tokens={budget.max_response_tokens})",
+            code="context_length_exceeded",
+        )
 
     def _count(self, category: str | None, appended: int, samples: tuple[Sample, ...], cut: list[bool]) -> None:
         c = self.counters
@@ -234,8 +285,12 @@ def _digested(message: Message) -> Message:
         return message
     # UTF-32: one code point in four bytes, a near copy of the string's memory (UTF-8 takes several
     # times longer, the GIL held), and every string, a lone surrogate too, has its own bytes
-    return {k: {"sha256": hashlib.sha256(v.encode("utf-32-le", "surrogatepass")).hexdigest()}
-            if isinstance(v, str) and len(v) >= _LONG else v for k, v in message.items()}
+    return {
+        k: {"sha256": hashlib.sha256(v.encode("utf-32-le", "surrogatepass")).hexdigest()}
+        if isinstance(v, str) and len(v) >= _LONG
+        else v
+        for k, v in message.items()
+    }
 
 
 class _OverBudget(Exception):

@@ -39,8 +39,20 @@ def strace_problem() -> str | None:
 
 def traced(argv: list[str], log: str) -> list[str]:
     """``argv`` run under strace, every process it starts followed, the destinations it names written to ``log``."""
-    return [shutil.which("strace") or "strace", "-f", "-qq", "--seccomp-bpf", "-e", _CALLS, "-e", "signal=none",
-            "-o", log, "--", *argv]
+    return [
+        shutil.which("strace") or "strace",
+        "-f",
+        "-qq",
+        "--seccomp-bpf",
+        "-e",
+        _CALLS,
+        "-e",
+        "signal=none",
+        "-o",
+        log,
+        "--",
+        *argv,
+    ]
 
 
 def report(log: str | Path) -> dict[str, Any]:

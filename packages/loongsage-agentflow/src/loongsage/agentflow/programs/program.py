@@ -41,10 +41,10 @@ class Capture:
         self.total += len(data)
         self.kept += data
         if len(self.kept) > self.limit:
-            del self.kept[:len(self.kept) - self.limit]  # bytearray drops a prefix cheaply
+            del self.kept[: len(self.kept) - self.limit]  # bytearray drops a prefix cheaply
 
     def tail(self, chars: int) -> str:
-        return bytes(self.kept[-4 * chars:]).decode("utf-8", "replace")[-chars:]
+        return bytes(self.kept[-4 * chars :]).decode("utf-8", "replace")[-chars:]
 
 
 @dataclass
@@ -75,8 +75,18 @@ class Launch:
 
 async def run_program(launch: Launch) -> Outcome:
     status_path = os.path.join(launch.control_dir, "status.json")
-    args = [sys.executable, "-I", "-S", supervise.__file__, "--status", status_path,
-            "--timeout", str(launch.timeout_s), "--grace", str(launch.grace_s)]
+    args = [
+        sys.executable,
+        "-I",
+        "-S",
+        supervise.__file__,
+        "--status",
+        status_path,
+        "--timeout",
+        str(launch.timeout_s),
+        "--grace",
+        str(launch.grace_s),
+    ]
     relay = None
     if launch.jail:
         sock = os.path.join(launch.control_dir, "gateway.sock")
@@ -97,8 +107,14 @@ async def run_program(launch: Launch) -> Outcome:
             sinks.append(await _Sink.open(read_end, capture))
         try:
             proc = await asyncio.create_subprocess_exec(
-                *args, stdin=asyncio.subprocess.DEVNULL, stdout=writers[0], stderr=writers[1], cwd=launch.cwd,
-                env=launch.env, start_new_session=True)
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=writers[0],
+                stderr=writers[1],
+                cwd=launch.cwd,
+                env=launch.env,
+                start_new_session=True,
+            )
         except OSError as exc:
             return Outcome(None, None, False, 0.0, out, err, error=f"could not start: {exc}")
         finally:
@@ -155,8 +171,9 @@ class _Sink(asyncio.Protocol):
             self.transport.close()
 
 
-def _outcome(status_path: str, returncode: int | None, backstop: bool, wall: float, out: Capture, err: Capture,
-             swept: int) -> Outcome:
+def _outcome(
+    status_path: str, returncode: int | None, backstop: bool, wall: float, out: Capture, err: Capture, swept: int
+) -> Outcome:
     try:
         status = json.loads(Path(status_path).read_text())
         code, sig, leftover = status["exit_code"], status["signal"], int(status["leftover"])

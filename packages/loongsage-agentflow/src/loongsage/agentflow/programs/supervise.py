@@ -62,7 +62,7 @@ def descendants(root: int) -> list[int]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # the command name may hold spaces and ')'
+        fields = stat[stat.rfind(b")") + 2 :].split()  # the command name may hold spaces and ')'
         pid, state, ppid = int(name), fields[0], int(fields[1])
         children.setdefault(ppid, []).append(pid)
         if state in (b"Z", b"X"):

@@ -89,8 +89,12 @@ def teacher_messages(record: DataRecord, *, drop_prob: float, rng: random.Random
         guess = estimate(meta["a"], meta["b"], meta["c"])
         return [*messages, {"role": "assistant", "content": f"{GUESS_WORD} {guess}."}]
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": meta["expression"]}}}
-    return [*messages, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "content": str(meta["value"])}, {"role": "assistant", "content": str(meta["value"])}]
+    return [
+        *messages,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": str(meta["value"])},
+        {"role": "assistant", "content": str(meta["value"])},
+    ]
 
 
 @dataclass
@@ -159,10 +163,19 @@ class ToolCalcTask:
         a, b, op, c = self.problem(index)
         expression, value = expression_text(a, b, op, c), evaluate(a, b, op, c)
         return DataRecord(
-            source=self.name, index=index, prompt=[{"role": "user", "content": f"What is {expression}?"}],
+            source=self.name,
+            index=index,
+            prompt=[{"role": "user", "content": f"What is {expression}?"}],
             label=str(value),
-            metadata={"a": a, "b": b, "op": op, "c": c, "expression": expression, "value": value,
-                      "kind": "plain" if op is None else "sum"},
+            metadata={
+                "a": a,
+                "b": b,
+                "op": op,
+                "c": c,
+                "expression": expression,
+                "value": value,
+                "kind": "plain" if op is None else "sum",
+            },
         )
 
 

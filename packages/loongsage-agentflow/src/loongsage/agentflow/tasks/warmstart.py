@@ -49,8 +49,16 @@ from loongsage.core.tinytask.warmstart import run_sft, save_warm_start
 
 # Bump whenever the output of build_tool_calc_warm_start changes for the same params.
 BUILDER_VERSION = 2
-TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<tools>", "</tools>",
-        "<think>", "</think>")
+TAGS = (
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<tools>",
+    "</tools>",
+    "<think>",
+    "</think>",
+)
 
 
 @dataclass
@@ -99,8 +107,15 @@ class ToolCalcWarmStartParams:
 
     def cache_key(self) -> str:
         # the schemas and the template are rendered into every prompt: changing them changes the model
-        blob = json.dumps({"params": dataclasses.asdict(self), "builder": BUILDER_VERSION,
-                           "schemas": schemas(self.tools), "template": QWEN3_TOOLS_TEMPLATE}, sort_keys=True)
+        blob = json.dumps(
+            {
+                "params": dataclasses.asdict(self),
+                "builder": BUILDER_VERSION,
+                "schemas": schemas(self.tools),
+                "template": QWEN3_TOOLS_TEMPLATE,
+            },
+            sort_keys=True,
+        )
         return f"{self.name}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
@@ -119,28 +134,46 @@ def build_tokenizer(params: ToolCalcWarmStartParams):
     from loongsage.core.tinytask.tokenizer import IM_END, IM_START, PAD_TOKEN, SPECIAL_TOKENS, generate_corpus
 
     def wrap(tok: Any) -> PreTrainedTokenizerFast:
-        hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=IM_END, unk_token=None,
-                                     bos_token=None, additional_special_tokens=[IM_START],
-                                     model_max_length=params.max_position_embeddings, padding_side="left",
-                                     clean_up_tokenization_spaces=False)
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=tok,
+            pad_token=PAD_TOKEN,
+            eos_token=IM_END,
+            unk_token=None,
+            bos_token=None,
+            additional_special_tokens=[IM_START],
+            model_max_length=params.max_position_embeddings,
+            padding_side="left",
+            clean_up_tokenization_spaces=False,
+        )
         hf.chat_template = QWEN3_TOOLS_TEMPLATE
         return hf
 
     # the transcripts are rendered with a plain tokenizer object: only the template's text is needed
     renderer = wrap(Tokenizer(models.BPE()))
-    task, rng = params.task("train", params.tokenizer_transcripts, params.seed), random.Random(f"tokenizer/{params.seed}")
+    task, rng = (
+        params.task("train", params.tokenizer_transcripts, params.seed),
+        random.Random(f"tokenizer/{params.seed}"),
+    )
     tools = offered_tools(params.tools)
     lines = generate_corpus(4000, params.seed)
     for i in range(params.tokenizer_transcripts):
         messages = teacher_messages(task[i], drop_prob=params.drop_prob, rng=rng)
         lines.append(renderer.apply_chat_template(messages, tools=tools, tokenize=False))
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=params.vocab_size - len(TAGS), min_frequency=2,
-                                  special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=params.vocab_size - len(TAGS),
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     pieces = []  # special tokens and tags cut out: their fragments would take merges
     for line in lines:
         for token in (*SPECIAL_TOKENS, *TAGS):
@@ -153,8 +186,9 @@ def build_tokenizer(params: ToolCalcWarmStartParams):
 
 
 # ---------------------------------------------------------------------------------------- examples
-def transcript_tokens(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: list | None,
-                      eos_id: int) -> tuple[list[int], list[int]]:
+def transcript_tokens(
+    renderer: ChatRenderer, messages: list[dict[str, Any]], tools: list | None, eos_id: int
+) -> tuple[list[int], list[int]]:
     """``(ids, mask)`` of a transcript as the gateway records its episode: 1 on reply tokens
     (each reply as the template writes it, then the end-of-turn token), 0 elsewhere."""
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -163,17 +197,17 @@ def transcript_tokens(renderer: ChatRenderer, messages: list[dict[str, Any]], to
     i = first
     while i < len(messages):
         opened = renderer.render(messages[:i], tools, generation_prompt=True)
-        closed = renderer.render(messages[:i + 1], tools, generation_prompt=False)
+        closed = renderer.render(messages[: i + 1], tools, generation_prompt=False)
         if not (closed.startswith(opened) and closed.endswith(renderer.closing)):
             raise ValueError("transcript_tokens: the template does not render replies append-only")
-        reply = renderer.encode(closed[len(opened):len(closed) - len(renderer.closing)]) + [eos_id]
+        reply = renderer.encode(closed[len(opened) : len(closed) - len(renderer.closing)]) + [eos_id]
         ids += reply
         mask += [1] * len(reply)
         j = i + 1
         while j < len(messages) and messages[j]["role"] != "assistant":
             j += 1
         if j < len(messages):
-            text = renderer.continuation(messages[i + 1:j], tools)
+            text = renderer.continuation(messages[i + 1 : j], tools)
             if text is None:
                 raise ValueError("transcript_tokens: the template does not render turns append-only")
             appended = renderer.encode(renderer.tail(eos_id) + text)
@@ -191,17 +225,18 @@ def sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
     attention = torch.zeros((len(examples), width), dtype=torch.long)
     for row, (ids, mask) in enumerate(examples):
         tokens = torch.tensor(ids)
-        input_ids[row, :len(ids)] = tokens
-        attention[row, :len(ids)] = 1
-        labels[row, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), tokens, -100)
+        input_ids[row, : len(ids)] = tokens
+        attention[row, : len(ids)] = 1
+        labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), tokens, -100)
     return input_ids, attention, labels
 
 
 def shared_prefix(examples: list[tuple[list[int], list[int]]]) -> int:
     """Length of the token prefix every example shares and none trains on (its next token not either)."""
     first, *rest = [ids for ids, _ in examples]
-    n = min(min(len(ids) for ids, _ in examples), min(mask.index(1) if 1 in mask else len(mask)
-                                                       for _, mask in examples) - 1)
+    n = min(
+        min(len(ids) for ids, _ in examples), min(mask.index(1) if 1 in mask else len(mask) for _, mask in examples) - 1
+    )
     for ids in rest:
         k = 0
         while k < n and ids[k] == first[k]:
@@ -229,8 +264,9 @@ def sft_loss(model, examples: list[tuple[list[int], list[int]]], pad_id: int, *,
         past = getattr(model.model(input_ids=prefix, use_cache=True), name)
         past.batch_repeat_interleave(len(examples))
         attention = torch.cat([torch.ones(len(examples), shared, dtype=attention.dtype), attention], 1)
-    hidden = model.model(input_ids=input_ids, attention_mask=attention, use_cache=past is not None,
-                         **{name: past}).last_hidden_state
+    hidden = model.model(
+        input_ids=input_ids, attention_mask=attention, use_cache=past is not None, **{name: past}
+    ).last_hidden_state
     # position t predicts token t + 1; the first suffix token is never trained (shared_prefix)
     targets = labels[:, 1:]
     picked = targets != -100
@@ -259,8 +295,9 @@ def train_sft(model, tokenizer, params: ToolCalcWarmStartParams, *, log_every: i
     return {**summary, "teacher_tool_share": tool_calls / (params.steps * params.batch_size)}
 
 
-def build_tool_calc_warm_start(out_dir: str | Path, params: ToolCalcWarmStartParams | None = None, *,
-                               log_every: int = 0) -> Path:
+def build_tool_calc_warm_start(
+    out_dir: str | Path, params: ToolCalcWarmStartParams | None = None, *, log_every: int = 0
+) -> Path:
     """Tokenizer + tiny Qwen3 + SFT on the teacher's transcripts, saved as an HF folder with
     ``loongsage_warmstart.json`` (params, builder version, final loss, timings); returns ``out_dir``."""
     from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
@@ -270,23 +307,33 @@ def build_tool_calc_warm_start(out_dir: str | Path, params: ToolCalcWarmStartPar
     def make():
         tokenizer = build_tokenizer(params)
         model, tokenizer = build_tiny_qwen3(
-            hidden_size=params.hidden_size, num_layers=params.num_layers, heads=params.heads,
-            kv_heads=params.kv_heads, intermediate_size=params.intermediate_size,
-            max_position_embeddings=params.max_position_embeddings, seed=params.seed, tokenizer=tokenizer)
+            hidden_size=params.hidden_size,
+            num_layers=params.num_layers,
+            heads=params.heads,
+            kv_heads=params.kv_heads,
+            intermediate_size=params.intermediate_size,
+            max_position_embeddings=params.max_position_embeddings,
+            seed=params.seed,
+            tokenizer=tokenizer,
+        )
         return model, tokenizer, train_sft(model, tokenizer, params, log_every=log_every)
 
     return save_warm_start(out_dir, params, BUILDER_VERSION, make)
 
 
-def cached_tool_calc_warm_start(params: ToolCalcWarmStartParams | None = None, cache_dir: str | Path | None = None,
-                                *, log_every: int = 0) -> Path:
+def cached_tool_calc_warm_start(
+    params: ToolCalcWarmStartParams | None = None, cache_dir: str | Path | None = None, *, log_every: int = 0
+) -> Path:
     """``<cache_dir>/models/<cache key>``, built on first use (see
     :func:`~loongsage.core.tinytask.builds.cached_build`)."""
     params = params or ToolCalcWarmStartParams()
-    what = (f"a {params.vocab_size}-token tokenizer, then {params.steps} SFT steps of {params.batch_size} transcripts "
-            f"on {params.threads} threads")
-    return cached_build(params.cache_key(),
-                        lambda tmp: build_tool_calc_warm_start(tmp, params, log_every=log_every), cache_dir, what)
+    what = (
+        f"a {params.vocab_size}-token tokenizer, then {params.steps} SFT steps of {params.batch_size} transcripts "
+        f"on {params.threads} threads"
+    )
+    return cached_build(
+        params.cache_key(), lambda tmp: build_tool_calc_warm_start(tmp, params, log_every=log_every), cache_dir, what
+    )
 
 
 @dataclass

@@ -70,7 +70,7 @@ class ChatRenderer:
         self._prelude: tuple[str, str] = ("null", base)
         if _SENTINEL not in base:
             raise ValueError("ChatRenderer: the chat template does not render assistant content")
-        self.closing = base[base.rindex(_SENTINEL) + len(_SENTINEL):]
+        self.closing = base[base.rindex(_SENTINEL) + len(_SENTINEL) :]
         """What the template writes after an assistant reply's text (ChatML: ``<|im_end|>\\n``)."""
         # the Rust tokenizer of a fast tokenizer, called directly (see encode)
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -85,8 +85,13 @@ class ChatRenderer:
 
     def render(self, messages: list[Message], tools: list | None, *, generation_prompt: bool) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=self.template,
-                                                      tokenize=False, add_generation_prompt=generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=generation_prompt,
+            )
         except Exception as exc:  # noqa: BLE001 - a template's own refusal (raise_exception) or a type clash
             line = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise bad_request(f"the chat template cannot render these messages: {line}", "messages") from None
@@ -99,8 +104,12 @@ class ChatRenderer:
         if limit is not None:
             self.check(text, limit)
         backend, split_special = self._backend, bool(getattr(self.tokenizer, "split_special_tokens", False))
-        if (backend is not None and backend.truncation is None and backend.padding is None
-                and getattr(backend, "encode_special_tokens", False) == split_special):
+        if (
+            backend is not None
+            and backend.truncation is None
+            and backend.padding is None
+            and getattr(backend, "encode_special_tokens", False) == split_special
+        ):
             # exactly what the tokenizer's encode runs once it has switched truncation and padding
             # off, without its per-call bookkeeping and the batch call's hand-off to a thread pool
             if len(text) < _LONG_TEXT:
@@ -183,7 +192,7 @@ class ChatRenderer:
             if key is not None:
                 self._prelude = (key, base)
         full = self.render(_PRELUDE + messages, tools, generation_prompt=True)
-        return full[len(base):] if full.startswith(base) else None
+        return full[len(base) :] if full.startswith(base) else None
 
     def tail(self, sampled_stop: int | None) -> str:
         """The closing text still to write after a reply: without the stop token the model sampled
@@ -191,7 +200,7 @@ class ChatRenderer:
         if sampled_stop is not None:
             stop_text = self.decode([sampled_stop])
             if stop_text and self.closing.startswith(stop_text):
-                return self.closing[len(stop_text):]
+                return self.closing[len(stop_text) :]
         return self.closing
 
 

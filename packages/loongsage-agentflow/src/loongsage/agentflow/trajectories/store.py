@@ -82,9 +82,20 @@ class Line:
         return self.segments[-1][0] if self.segments else 0
 
     def copy(self) -> Line:
-        return Line(list(self.tokens), list(self.mask), list(self.logprobs), list(self.versions),
-                    [list(s) for s in self.segments], [dict(t) for t in self.turns], list(self.messages),
-                    self.tools, self.tail, self.generated, self.truncated, list(self.routes))
+        return Line(
+            list(self.tokens),
+            list(self.mask),
+            list(self.logprobs),
+            list(self.versions),
+            [list(s) for s in self.segments],
+            [dict(t) for t in self.turns],
+            list(self.messages),
+            self.tools,
+            self.tail,
+            self.generated,
+            self.truncated,
+            list(self.routes),
+        )
 
     def add(self, plan: TurnPlan, messages: list[Message], tools: list | None, sample: Sample) -> None:
         prompt_start = len(self.tokens)
@@ -94,8 +105,14 @@ class Line:
         response_start = len(self.tokens)
         self._extend(sample.ids, 1, sample.logprobs, sample.versions)
         self.segments[-1][1] = len(self.tokens)
-        self.turns.append({"prompt_start": prompt_start, "response_start": response_start,
-                           "response_end": len(self.tokens), "finish_reason": sample.finish_reason})
+        self.turns.append(
+            {
+                "prompt_start": prompt_start,
+                "response_start": response_start,
+                "response_end": len(self.tokens),
+                "finish_reason": sample.finish_reason,
+            }
+        )
         self.messages, self.tools, self.tail = [*messages, sample.message], tools, sample.tail
         self.generated += len(sample.ids)
         # a turn's prompt is its segment rendered whole, so the engine was fed the segment from its
@@ -116,14 +133,25 @@ class Line:
         cut = self.turns[0]["response_start"]
         aborted = self.turns[-1]["finish_reason"] == "abort"
         return Trajectory(
-            source=source, group_id=group_id, sample_index=sample_index, prompt_ids=self.tokens[:cut],
-            response_ids=self.tokens[cut:], loss_mask=self.mask[cut:], rollout_logprobs=self.logprobs[cut:],
-            versions=self.versions[cut:], routed_experts=_one_or_per_segment(self.routes),
+            source=source,
+            group_id=group_id,
+            sample_index=sample_index,
+            prompt_ids=self.tokens[:cut],
+            response_ids=self.tokens[cut:],
+            loss_mask=self.mask[cut:],
+            rollout_logprobs=self.logprobs[cut:],
+            versions=self.versions[cut:],
+            routed_experts=_one_or_per_segment(self.routes),
             status=Status.TRUNCATED if self.truncated else Status.ABORTED if aborted else Status.OK,
             response_text=self.messages[-1].get("content", ""),
             segments=[Segment(s, e, _KIND.get(c, "rewritten")) for s, e, c in self.segments],
-            metadata={**metadata, "messages": self.messages, "tools": self.tools, "turns": self.turns,
-                      "segment_categories": [c for _, _, c in self.segments]},
+            metadata={
+                **metadata,
+                "messages": self.messages,
+                "tools": self.tools,
+                "turns": self.turns,
+                "segment_categories": [c for _, _, c in self.segments],
+            },
         )
 
 
@@ -163,8 +191,9 @@ class Session:
         while len(self._answers) > _REMEMBERED:
             self._answers.popitem(last=False)
 
-    def commit(self, plan: TurnPlan, messages: list[Message], tools: list | None, samples: list[Sample],
-               truncated: list[bool]) -> None:
+    def commit(
+        self, plan: TurnPlan, messages: list[Message], tools: list | None, samples: list[Sample], truncated: list[bool]
+    ) -> None:
         """Sample 0 goes on the planned line (or a new one); every other sample on a fork of it."""
         if plan.category is not None:
             self.categories[plan.category] += 1
@@ -181,8 +210,12 @@ class Session:
         """One record per line that has a turn, in the order lines started."""
         meta = {"trajectory": self.trajectory, "attempt": self.attempt, "refusals": self.refusals}
         lines = [line for line in self.lines if line.turns]
-        return [line.trajectory(source=source, group_id=group_id, sample_index=first_sample_index + k,
-                                metadata={**meta, "line": k}) for k, line in enumerate(lines)]
+        return [
+            line.trajectory(
+                source=source, group_id=group_id, sample_index=first_sample_index + k, metadata={**meta, "line": k}
+            )
+            for k, line in enumerate(lines)
+        ]
 
 
 class TrajectoryStore:
@@ -194,11 +227,14 @@ class TrajectoryStore:
         self._sessions: dict[tuple[str, int], Session] = {}
         self._latest: dict[str, int] = {}
 
-    def open(self, trajectory: str, attempt: int = 0, *, budget: Budget | None = None,
-             api_key: str | None = "") -> Session:
+    def open(
+        self, trajectory: str, attempt: int = 0, *, budget: Budget | None = None, api_key: str | None = ""
+    ) -> Session:
         """A new session; ``api_key=""`` draws a random key the client must send, None needs none."""
         if not isinstance(trajectory, str) or not _ID.fullmatch(trajectory):
-            raise ValueError(f"trajectory id {trajectory!r}: 1-128 characters of [A-Za-z0-9_.-], not starting with . - _")
+            raise ValueError(
+                f"trajectory id {trajectory!r}: 1-128 characters of [A-Za-z0-9_.-], not starting with . - _"
+            )
         if not isinstance(attempt, int) or attempt < 0:
             raise ValueError(f"attempt={attempt!r}: must be an int >= 0")
         latest = self._latest.get(trajectory)

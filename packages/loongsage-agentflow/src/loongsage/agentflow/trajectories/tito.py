@@ -36,8 +36,17 @@ from typing import Protocol
 from loongsage.agentflow.chat.messages import Message, common_prefix, without_reasoning
 from loongsage.agentflow.trajectories.rendering import ChatRenderer
 
-CATEGORIES = ("first", "new_conversation", "tools_changed", "reasoning_dropped", "reply_edited", "rewound",
-              "compaction", "rewritten", "not_append_only")
+CATEGORIES = (
+    "first",
+    "new_conversation",
+    "tools_changed",
+    "reasoning_dropped",
+    "reply_edited",
+    "rewound",
+    "compaction",
+    "rewritten",
+    "not_append_only",
+)
 
 
 class LineView(Protocol):
@@ -58,19 +67,25 @@ class TurnPlan:
     category: str | None  # None: the line's segment goes on; else why a new segment starts
 
 
-def plan_turn(lines: Sequence[LineView], messages: list[Message], tools: list | None, renderer: ChatRenderer,
-              *, reasoning_optional: bool = False) -> TurnPlan:
+def plan_turn(
+    lines: Sequence[LineView],
+    messages: list[Message],
+    tools: list | None,
+    renderer: ChatRenderer,
+    *,
+    reasoning_optional: bool = False,
+) -> TurnPlan:
     for i in reversed(range(len(lines))):  # the newest line first: after a fork the sample just taken
         line = lines[i]
         if line.tools != tools or len(messages) < len(line.messages):
             continue
         if common_prefix(line.messages, messages, reasoning_optional=reasoning_optional) < len(line.messages):
             continue
-        text = renderer.continuation(messages[len(line.messages):], tools)
+        text = renderer.continuation(messages[len(line.messages) :], tools)
         if text is None:
             return _fresh(i, messages, tools, renderer, "not_append_only")
         appended = renderer.encode(line.tail + text)
-        return TurnPlan(i, appended, line.tokens[line.segment_start:] + appended, None)
+        return TurnPlan(i, appended, line.tokens[line.segment_start :] + appended, None)
     if not lines:
         return _fresh(None, messages, tools, renderer, "first")
     shared = [common_prefix(line.messages, messages, reasoning_optional=reasoning_optional) for line in lines]
@@ -100,13 +115,16 @@ def classify(line: LineView, messages: list[Message], tools: list | None, *, rea
     return "rewritten"
 
 
-def _fresh(line: int | None, messages: list[Message], tools: list | None, renderer: ChatRenderer,
-           category: str) -> TurnPlan:
+def _fresh(
+    line: int | None, messages: list[Message], tools: list | None, renderer: ChatRenderer, category: str
+) -> TurnPlan:
     ids = renderer.prompt(messages, tools)
     return TurnPlan(line, ids, ids, category)
 
 
-def cut_at_stop(decode: Callable[[list[int]], str], ids: list[int], stops: Sequence[str]) -> tuple[int, str, str | None]:
+def cut_at_stop(
+    decode: Callable[[list[int]], str], ids: list[int], stops: Sequence[str]
+) -> tuple[int, str, str | None]:
     """Where the first stop string ends: ``(tokens kept, text before the stop, the stop)``.
 
     The engine stops on token ids only, so stop strings are applied to its output: the kept tokens

@@ -49,8 +49,9 @@ class Trainer(Protocol):
     tensor parallelism) the ranks of one model-parallel group share a data-parallel rank: they all
     get its rows, and its leader's log-probs and metrics are the ones read."""
 
-    def setup_optimizer(self, lr: float, betas: list[float], eps: float, weight_decay: float,
-                        grad_clip: float, warmup_steps: int) -> None: ...
+    def setup_optimizer(
+        self, lr: float, betas: list[float], eps: float, weight_decay: float, grad_clip: float, warmup_steps: int
+    ) -> None: ...
 
     def logprobs(self, batch: TrainBatch, token_budget: int) -> tuple[Tensor, Tensor]:
         """Per-token log-probs and entropies ``[B, T]`` under the current weights (no grad); a

@@ -36,7 +36,8 @@ class Agent(Protocol):
 
 @dataclass(frozen=True)
 class RewardContext:
-    """What a reward that declares ``takes_context`` gets besides the trajectory and its record: the shared handles of the run's services (``RunService.share``) by service name,
+    """What a reward that declares ``takes_context`` gets besides the trajectory and its record: the shared
+    handles of the run's services (``RunService.share``) by service name,
     e.g. the sandbox service, through which a reward reaches the sandbox its trajectory worked in."""
 
     services: Mapping[str, Any]
@@ -169,8 +170,9 @@ class GatewayMiddleware(Protocol):
     receives: ClassVar[tuple[Literal["run_dir"], ...]] = ()
     """What the gateway hands the factory besides its params: ``run_dir`` (where the run writes)."""
 
-    async def __call__(self, request: dict[str, Any],
-                       call_next: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]) -> dict[str, Any]: ...
+    async def __call__(
+        self, request: dict[str, Any], call_next: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+    ) -> dict[str, Any]: ...
 
 
 class ChatParser(Protocol):

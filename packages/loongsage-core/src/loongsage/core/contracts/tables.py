@@ -19,19 +19,42 @@ from loongsage.core.contracts.rollout import Agent, ChatParser, GatewayMiddlewar
 from loongsage.core.contracts.run import RunService, Tracker
 from loongsage.core.types import DataSource, RolloutScheduler
 
-_HOOK_PROTOCOLS: dict[str, type] = {p.__name__: p for p in (
-    Agent, Reward, DataSource, AdvantageEstimator, PolicyLoss, KLEstimator, Correction, DataFilter,
-    RolloutScheduler, Sandbox, GatewayMiddleware,
-)}
+_HOOK_PROTOCOLS: dict[str, type] = {
+    p.__name__: p
+    for p in (
+        Agent,
+        Reward,
+        DataSource,
+        AdvantageEstimator,
+        PolicyLoss,
+        KLEstimator,
+        Correction,
+        DataFilter,
+        RolloutScheduler,
+        Sandbox,
+        GatewayMiddleware,
+    )
+}
 
-HOOKS: dict[str, type] = {h.category: _HOOK_PROTOCOLS[h.contract] for h in hookspecs.HOOKS.values()
-                          if h.contract is not None}  # the backends hook: a Protocol per kind, below
+HOOKS: dict[str, type] = {
+    h.category: _HOOK_PROTOCOLS[h.contract] for h in hookspecs.HOOKS.values() if h.contract is not None
+}  # the backends hook: a Protocol per kind, below
 """The Protocol each hook's entries implement, by registry category (in the hooks' order)."""
 
 
-BACKENDS: dict[str, type] = {p.kind: p for p in (
-    Trainer, Engine, Teacher, Transport, Tracker, ChatParser, ModelBuilder, RunService,
-)}
+BACKENDS: dict[str, type] = {
+    p.kind: p
+    for p in (
+        Trainer,
+        Engine,
+        Teacher,
+        Transport,
+        Tracker,
+        ChatParser,
+        ModelBuilder,
+        RunService,
+    )
+}
 """The Protocol each backend kind implements, by kind (the default of the Protocol's ``kind`` flag)."""
 
 

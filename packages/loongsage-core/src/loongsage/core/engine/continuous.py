@@ -57,16 +57,28 @@ class SlotBatch:
     and ``put(sample, result) -> bool`` (True once complete).
     """
 
-    def __init__(self, runner: DecoderRunner, *, max_slots: int, max_model_len: int, generator: torch.Generator,
-                 stats: dict[str, int], prefill_chunk_tokens: int = 2048, prefix_cache: bool = True,
-                 initial_slots: int = 8, cuda_graphs: bool = False):
+    def __init__(
+        self,
+        runner: DecoderRunner,
+        *,
+        max_slots: int,
+        max_model_len: int,
+        generator: torch.Generator,
+        stats: dict[str, int],
+        prefill_chunk_tokens: int = 2048,
+        prefix_cache: bool = True,
+        initial_slots: int = 8,
+        cuda_graphs: bool = False,
+    ):
         self.runner, self.stats, self.generator = runner, stats, generator
         self.max_slots, self.L = int(max_slots), int(max_model_len)
         self.chunk, self.prefix_cache = max(1, int(prefill_chunk_tokens)), prefix_cache
         self.device = runner.device
         # recording routes (R3) reads each forward's router choices on the host side: no graph replay
         self.recording = runner.recording
-        self.graphs = DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" and not self.recording else None
+        self.graphs = (
+            DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" and not self.recording else None
+        )
         self.cap, self.stop_width = 0, 1
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
@@ -103,12 +115,22 @@ class SlotBatch:
         self.keys = [grown(k, shape[1:], weight.dtype) for k in (self.keys or [None] * len(r.layers))]
         self.values = [grown(v, shape[1:], weight.dtype) for v in (self.values or [None] * len(r.layers))]
         t = self.t
-        spec = {"lens": ((), torch.long, 0), "gen": ((), torch.long, 0), "limit": ((), torch.long, 1),
-                "last": ((), torch.long, 0), "tokens": ((self.L,), torch.long, 0),
-                "logprobs": ((self.L,), torch.float32, 0), "versions": ((self.L,), torch.int32, 0),
-                "uniforms": ((self.L,), torch.float32, 0), "stops": ((self.stop_width,), torch.long, -1),
-                "inv_t": ((), torch.float32, 1), "greedy": ((), torch.bool, True), "top_k": ((), torch.long, 0),
-                "top_p": ((), torch.float32, 1), "min_p": ((), torch.float32, 0)}
+        spec = {
+            "lens": ((), torch.long, 0),
+            "gen": ((), torch.long, 0),
+            "limit": ((), torch.long, 1),
+            "last": ((), torch.long, 0),
+            "tokens": ((self.L,), torch.long, 0),
+            "logprobs": ((self.L,), torch.float32, 0),
+            "versions": ((self.L,), torch.int32, 0),
+            "uniforms": ((self.L,), torch.float32, 0),
+            "stops": ((self.stop_width,), torch.long, -1),
+            "inv_t": ((), torch.float32, 1),
+            "greedy": ((), torch.bool, True),
+            "top_k": ((), torch.long, 0),
+            "top_p": ((), torch.float32, 1),
+            "min_p": ((), torch.float32, 0),
+        }
         if self.recording:  # per slot and column, as the keys: the experts each MoE layer chose
             spec["routes"] = ((self.L, len(r.moe_gates), r.topk), torch.int16, 0)
         self.t = {name: grown(t.get(name), tail, dtype, fill) for name, (tail, dtype, fill) in spec.items()}
@@ -129,7 +151,7 @@ class SlotBatch:
     def _widen_stops(self, width: int) -> None:
         stops = self.t["stops"]
         wider = torch.full((self.cap, width), -1, dtype=torch.long, device=self.device)
-        wider[:, :stops.shape[1]] = stops
+        wider[:, : stops.shape[1]] = stops
         self.t["stops"], self.stop_width = wider, width
 
     def available(self) -> int:
@@ -209,7 +231,7 @@ class SlotBatch:
         t["limit"][idx] = limit
         t["stops"][idx] = -1
         if group.stops:
-            t["stops"][idx, :len(group.stops)] = torch.tensor(group.stops, device=dev)
+            t["stops"][idx, : len(group.stops)] = torch.tensor(group.stops, device=dev)
         greedy = sp.temperature == 0
         t["greedy"][idx] = greedy
         t["inv_t"][idx] = 1.0 if greedy else 1.0 / sp.temperature
@@ -228,8 +250,9 @@ class SlotBatch:
         return not self.prefilling and not any(s == DECODE for s in self.status)
 
     def live_groups(self) -> list:
-        return list(dict.fromkeys(self.slot_group[s] for s, st in enumerate(self.status)
-                                  if st in (PREFILL, WAIT, DECODE)))
+        return list(
+            dict.fromkeys(self.slot_group[s] for s, st in enumerate(self.status) if st in (PREFILL, WAIT, DECODE))
+        )
 
     def live_rows(self) -> int:
         return sum(1 for st in self.status if st in (PREFILL, WAIT, DECODE))
@@ -253,8 +276,9 @@ class SlotBatch:
             q_idx = torch.arange(start, end, device=dev)
             mask = torch.arange(end, device=dev)[None, :] <= q_idx[:, None]
             s = e.slot
-            out = self.runner.forward_slots(x, positions, [k[s:s + 1] for k in self.keys],
-                                            [v[s:s + 1] for v in self.values], end, mask)
+            out = self.runner.forward_slots(
+                x, positions, [k[s : s + 1] for k in self.keys], [v[s : s + 1] for v in self.values], end, mask
+            )
             self.stats["prefill_forwards"] += 1
             if self.recording:
                 self.t["routes"][s, start:end] = self.runner.last_routes[0]
@@ -307,7 +331,7 @@ class SlotBatch:
         W = P + S
         x = torch.zeros(B, S, dtype=torch.long, device=dev)
         for b, e in enumerate(batch):
-            x[b, S - rest[b]:] = torch.tensor(e.group.prompt[e.pos:], dtype=torch.long, device=dev)
+            x[b, S - rest[b] :] = torch.tensor(e.group.prompt[e.pos :], dtype=torch.long, device=dev)
         pre_t, pad_t = torch.tensor(pre, device=dev), torch.tensor([S - r for r in rest], device=dev)
         j = torch.arange(S, device=dev)
         positions = (pre_t[:, None] + j[None, :] - pad_t[:, None]).clamp(min=0)
@@ -342,13 +366,13 @@ class SlotBatch:
                 src_c += src
             self.t["lens"][torch.tensor(group_rows, device=dev)] = n
             if self.recording:  # the slot holds its reused prefix's routes; the rest were computed here
-                self.t["routes"][e.slot, pre[b]:n] = self.runner.last_routes[b, S - rest[b]:]
+                self.t["routes"][e.slot, pre[b] : n] = self.runner.last_routes[b, S - rest[b] :]
                 for sib in e.siblings:
                     self.t["routes"][sib, :n] = self.t["routes"][e.slot, :n]
             e.pos = n
             self.stats["prefill_tokens"] += rest[b]
             rows += group_rows
-            logits.append(out[b:b + 1].expand(len(group_rows), -1))
+            logits.append(out[b : b + 1].expand(len(group_rows), -1))
         slots_t, cols_t = torch.tensor(slots, device=dev), torch.tensor(cols, device=dev)
         src_b_t, src_c_t = torch.tensor(src_b, device=dev), torch.tensor(src_c, device=dev)
         for buf, scratch in zip(self.keys + self.values, scratch_k + scratch_v):
@@ -368,8 +392,9 @@ class SlotBatch:
 
     def _sampling(self, slots: list[int]) -> SamplingTensors:
         idx, t = torch.tensor(slots, dtype=torch.long, device=self.device), self.t
-        return SamplingTensors._from(t["inv_t"][idx], t["greedy"][idx], t["top_k"][idx], t["top_p"][idx],
-                                     t["min_p"][idx], self.runner.vocab_size)
+        return SamplingTensors._from(
+            t["inv_t"][idx], t["greedy"][idx], t["top_k"][idx], t["top_p"][idx], t["min_p"][idx], self.runner.vocab_size
+        )
 
     def step(self, version: int) -> list:
         """Prefill (chunk-limited), one decode step for every decoding row; return completed groups."""
@@ -432,9 +457,15 @@ class SlotBatch:
         lens = t["lens"][:rows]
         mask = (torch.arange(end, device=self.device)[None, :] <= lens[:, None])[:, None, None, :]
         cols = lens.clamp(max=self.L - 1)
-        out = self.runner.forward_slots(t["last"][:rows].unsqueeze(1), lens.unsqueeze(1),
-                                        [k[:rows] for k in self.keys], [v[:rows] for v in self.values],
-                                        end, mask, cols=cols)
+        out = self.runner.forward_slots(
+            t["last"][:rows].unsqueeze(1),
+            lens.unsqueeze(1),
+            [k[:rows] for k in self.keys],
+            [v[:rows] for v in self.values],
+            end,
+            mask,
+            cols=cols,
+        )
         if self.recording:  # where each row wrote its key
             t["routes"][torch.arange(rows, device=self.device), cols] = self.runner.last_routes[:, 0].to(torch.int16)
         return out
@@ -453,12 +484,17 @@ class SlotBatch:
             g, n = self.slot_group[s], gens[k]
             result = GenerationResult(g.request.request_id, tokens[k][:n], logprobs[k][:n], versions[k][:n], reasons[k])
             if self.recording:  # every token fed to the model: the prompt's and the output's but the last
-                result.routed_experts = t["routes"][s, :lens[k]].cpu().clone()
-            keep = (version is not None and self.prefix_cache and n > 0 and self.slot_version[s] == version
-                    and versions[k][0] == version)
+                result.routed_experts = t["routes"][s, : lens[k]].cpu().clone()
+            keep = (
+                version is not None
+                and self.prefix_cache
+                and n > 0
+                and self.slot_version[s] == version
+                and versions[k][0] == version
+            )
             if keep:
                 self.clock += 1
-                cached = (g.prompt + tokens[k][:n])[:lens[k]]
+                cached = (g.prompt + tokens[k][:n])[: lens[k]]
                 self.retained[s] = (cached, version, self.clock)
                 self.status[s] = RETAINED
             else:

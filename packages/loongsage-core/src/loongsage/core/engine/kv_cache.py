@@ -44,14 +44,15 @@ class DecoderRunner:
         self.num_heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.scales = [getattr(layer.self_attn, "scaling", self.head_dim ** -0.5) for layer in self.layers]
+        self.scales = [getattr(layer.self_attn, "scaling", self.head_dim**-0.5) for layer in self.layers]
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.fp32_lm_head = fp32_lm_head
         self.device = self.inner.embed_tokens.weight.device
         self.refresh_head()
         # mixture-of-experts layers (an HF MoE block: a ``gate`` router and ``experts``)
-        self.moe_gates = [layer.mlp.gate for layer in self.layers
-                          if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+        self.moe_gates = [
+            layer.mlp.gate for layer in self.layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+        ]
         self.topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.last_routes: Tensor | None = None  # [B, T, MoE layers, topk] of the last forward, when recording
         self._chosen: list[Tensor] | None = None
@@ -82,8 +83,16 @@ class DecoderRunner:
         on_gpu = weight.device.type == "cuda" and weight.dtype in HALF_DTYPES
         self._head = weight if on_gpu or not self.fp32_lm_head else weight.float()
 
-    def forward_slots(self, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor],
-                      end: int, mask: Tensor, cols: Tensor | None = None) -> Tensor:
+    def forward_slots(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+        end: int,
+        mask: Tensor,
+        cols: Tensor | None = None,
+    ) -> Tensor:
         """Forward over slot rows whose keys/values live in ``keys[i]``/``values[i]`` ``[B, kv, L, d]``.
 
         Decode (``cols`` given, ``input_ids`` ``[B, 1]``): row ``b`` writes its new key/value at column
@@ -100,10 +109,12 @@ class DecoderRunner:
                 values[i][rows, :, cols] = v[:, :, 0]
                 return keys[i][:, :, :end], values[i][:, :, :end]
         else:
+
             def write(i: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-                keys[i][:, :, end - seq:end] = k
-                values[i][:, :, end - seq:end] = v
+                keys[i][:, :, end - seq : end] = k
+                values[i][:, :, end - seq : end] = v
                 return keys[i][:, :, :end], values[i][:, :, :end]
+
         return self._run(input_ids, positions, mask, write)
 
     def _run(self, input_ids: Tensor, positions: Tensor, mask: Tensor, write) -> Tensor:
@@ -134,8 +145,9 @@ class DecoderRunner:
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scales[i])
                 out = out.reshape(bsz, 1, self.num_heads * self.head_dim)
             else:
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scales[i],
-                                                     enable_gqa=self.kv_heads != self.num_heads)
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, attn_mask=mask, scale=self.scales[i], enable_gqa=self.kv_heads != self.num_heads
+                )
                 out = out.transpose(1, 2).reshape(bsz, seq, self.num_heads * self.head_dim)
             hidden = hidden + attn.o_proj(out)
             mlp_out = layer.mlp(layer.post_attention_layernorm(hidden))
@@ -156,17 +168,24 @@ def check_supported(model: nn.Module) -> None:
     inner = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if inner is None or any(not hasattr(inner, a) for a in needed):
-        raise ValueError(f"native engine: model_type={name!r} is not a Llama-family decoder "
-                         f"(needs model.model.{{{','.join(needed)}}})")
+        raise ValueError(
+            f"native engine: model_type={name!r} is not a Llama-family decoder "
+            f"(needs model.model.{{{','.join(needed)}}})"
+        )
     layer_attrs = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
     attn_attrs = ("q_proj", "k_proj", "v_proj", "o_proj")
     for layer in inner.layers:
         if any(not hasattr(layer, a) for a in layer_attrs) or any(not hasattr(layer.self_attn, a) for a in attn_attrs):
-            raise ValueError(f"native engine: model_type={name!r}: decoder layer lacks "
-                             f"{'/'.join(layer_attrs)} or self_attn.{'/'.join(attn_attrs)}")
+            raise ValueError(
+                f"native engine: model_type={name!r}: decoder layer lacks "
+                f"{'/'.join(layer_attrs)} or self_attn.{'/'.join(attn_attrs)}"
+            )
     layer_types = getattr(cfg, "layer_types", None) or []
-    implicit_window = not layer_types and getattr(cfg, "sliding_window", None) is not None and getattr(
-        cfg, "use_sliding_window", True)
+    implicit_window = (
+        not layer_types
+        and getattr(cfg, "sliding_window", None) is not None
+        and getattr(cfg, "use_sliding_window", True)
+    )
     if any(t != "full_attention" for t in layer_types) or implicit_window:
         raise ValueError(f"native engine: model_type={name!r} uses sliding-window attention, not supported yet")
     if model.get_output_embeddings() is None:

@@ -90,9 +90,14 @@ class _Group:
         if self.prior is not None:
             p = self.prior
             # the routes cover the whole input of this run: the prompt with the prior tokens in it
-            result = GenerationResult(result.request_id, p.output_ids + result.output_ids, p.logprobs + result.logprobs,
-                                      p.versions + result.versions, result.finish_reason,
-                                      p.routed_experts if result.routed_experts is None else result.routed_experts)
+            result = GenerationResult(
+                result.request_id,
+                p.output_ids + result.output_ids,
+                p.logprobs + result.logprobs,
+                p.versions + result.versions,
+                result.finish_reason,
+                p.routed_experts if result.routed_experts is None else result.routed_experts,
+            )
         self.results[sample] = result
         self.pending -= 1
         return self.pending == 0
@@ -124,19 +129,32 @@ class NativeEngine:
 
     kind = "engine"
 
-    def __init__(self, model_path: str, *, dtype: str | torch.dtype = "float32", device: str = "cpu",
-                 max_batch_size: int = 256, max_model_len: int = 512, fp32_lm_head: bool = True, seed: int = 0,
-                 eos_token_ids: Iterable[int] | None = None, prefill_chunk_tokens: int = 2048,
-                 prefix_cache: bool = True, deterministic: bool = False, cuda_graphs: bool = True,
-                 return_routed_experts: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        max_batch_size: int = 256,
+        max_model_len: int = 512,
+        fp32_lm_head: bool = True,
+        seed: int = 0,
+        eos_token_ids: Iterable[int] | None = None,
+        prefill_chunk_tokens: int = 2048,
+        prefix_cache: bool = True,
+        deterministic: bool = False,
+        cuda_graphs: bool = True,
+        return_routed_experts: bool = False,
+    ):
         from transformers import AutoModelForCausalLM
 
         torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
         if not isinstance(torch_dtype, torch.dtype):
             raise ValueError(f"native engine: dtype={dtype!r}: must be one of {sorted(DTYPES)}")
         if max_batch_size < 1 or max_model_len < 2:
-            raise ValueError(f"native engine: max_batch_size={max_batch_size} must be >= 1 and "
-                             f"max_model_len={max_model_len} >= 2")
+            raise ValueError(
+                f"native engine: max_batch_size={max_batch_size} must be >= 1 and max_model_len={max_model_len} >= 2"
+            )
         self.model_path, self.dtype, self.device = str(model_path), torch_dtype, torch.device(device)
         self.max_batch_size, self.max_model_len = int(max_batch_size), int(max_model_len)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
@@ -159,12 +177,29 @@ class NativeEngine:
         self._entries: dict[str, _Group] = {}  # request id -> request waiting or running
         self._aborts: list[tuple[list[_Group], asyncio.Future]] = []
         self._last_error: str | None = None
-        self._stats = dict.fromkeys(("batches", "steps", "generated_tokens", "prefill_rows", "prefill_tokens",
-                                     "prefix_hit_tokens", "prefill_forwards", "kv_slots", "kv_cache_bytes"), 0)
-        self._batch_args = {"max_slots": self.max_batch_size, "max_model_len": self.max_model_len,
-                            "generator": self._generator, "stats": self._stats,
-                            "prefill_chunk_tokens": int(prefill_chunk_tokens), "prefix_cache": bool(prefix_cache),
-                            "cuda_graphs": bool(cuda_graphs)}
+        self._stats = dict.fromkeys(
+            (
+                "batches",
+                "steps",
+                "generated_tokens",
+                "prefill_rows",
+                "prefill_tokens",
+                "prefix_hit_tokens",
+                "prefill_forwards",
+                "kv_slots",
+                "kv_cache_bytes",
+            ),
+            0,
+        )
+        self._batch_args = {
+            "max_slots": self.max_batch_size,
+            "max_model_len": self.max_model_len,
+            "generator": self._generator,
+            "stats": self._stats,
+            "prefill_chunk_tokens": int(prefill_chunk_tokens),
+            "prefix_cache": bool(prefix_cache),
+            "cuda_graphs": bool(cuda_graphs),
+        }
         self._batch = SlotBatch(self._runner, **self._batch_args)
 
     # ----------------------------------------------------------------------------- public API
@@ -277,11 +312,14 @@ class NativeEngine:
             if target is None:
                 raise ValueError(f"update_weights: unknown tensor {name!r} for {type(self.model).__name__}")
             if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"the model expects {tuple(target.shape)}")
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(target.shape)}"
+                )
             if tensor.dtype != target.dtype:
-                raise ValueError(f"update_weights: {name!r} is {str(tensor.dtype).removeprefix('torch.')}, "
-                                 f"the model holds {str(target.dtype).removeprefix('torch.')}")
+                raise ValueError(
+                    f"update_weights: {name!r} is {str(tensor.dtype).removeprefix('torch.')}, "
+                    f"the model holds {str(target.dtype).removeprefix('torch.')}"
+                )
         with self._lock, torch.no_grad():
             if items:
                 torch._foreach_copy_([self._weights[name] for name, _ in items], [t for _, t in items])
@@ -305,8 +343,10 @@ class NativeEngine:
         """
         with self._lock:
             if self._entries or self._batch.live_rows():
-                raise RuntimeError(f"release_memory: {len(self._entries)} request(s) still waiting or running; "
-                                   "abort them (or let them finish) first")
+                raise RuntimeError(
+                    f"release_memory: {len(self._entries)} request(s) still waiting or running; "
+                    "abort them (or let them finish) first"
+                )
             if self._released:
                 return
             self._batch.release()
@@ -359,9 +399,11 @@ class NativeEngine:
         prefix = f"request {request.request_id!r}: "
         ids = check_request(request, released=self._released)
         if len(ids) >= self.max_model_len:
-            raise ValueError(prefix + f"prompt of {len(ids)} tokens is too long for max_model_len="
-                             f"{self.max_model_len} (at most {self.max_model_len - 1}, "
-                             "to leave room for one new token)")
+            raise ValueError(
+                prefix + f"prompt of {len(ids)} tokens is too long for max_model_len="
+                f"{self.max_model_len} (at most {self.max_model_len - 1}, "
+                "to leave room for one new token)"
+            )
         vocab = self._runner.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(prefix + f"input_ids must lie in [0, {vocab}), got values in [{min(ids)}, {max(ids)}]")
@@ -397,10 +439,11 @@ class NativeEngine:
                     if result is None or len(prompt) + len(result.output_ids) <= kept:
                         continue
                     ids = torch.tensor([list(prompt) + result.output_ids], device=self.device)
-                    logits = policy_logits(self.model, ids, torch.ones_like(ids), len(prompt),
-                                           fp32_lm_head=self._runner.fp32_lm_head)
+                    logits = policy_logits(
+                        self.model, ids, torch.ones_like(ids), len(prompt), fp32_lm_head=self._runner.fp32_lm_head
+                    )
                     lp = logprobs_and_entropy(logits, ids, len(prompt), with_entropy=False)[0][0, kept:]
-                    logprobs = result.logprobs[:kept - len(prompt)] + lp.tolist()
+                    logprobs = result.logprobs[: kept - len(prompt)] + lp.tolist()
                     group.results[sample] = dataclasses.replace(result, logprobs=logprobs)
         return groups
 

@@ -55,34 +55,56 @@ class SamplingTensors:
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
         return cls._from(
-            (1.0 / torch.where(greedy, torch.ones_like(temp), temp)).to(device), greedy.to(device),
-            top_k.to(device), top_p.to(device), min_p.to(device), vocab_size,
+            (1.0 / torch.where(greedy, torch.ones_like(temp), temp)).to(device),
+            greedy.to(device),
+            top_k.to(device),
+            top_p.to(device),
+            min_p.to(device),
+            vocab_size,
         )
 
     @classmethod
-    def _from(cls, inv_t: Tensor, greedy: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-              vocab: int) -> SamplingTensors:
+    def _from(
+        cls, inv_t: Tensor, greedy: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, vocab: int
+    ) -> SamplingTensors:
         # The batch-level flags pick cheaper code paths; computed once per batch (and on compaction),
         # never per step.
         sampled = ~greedy
         filt = sampled & ((top_k < vocab) | (top_p < 1) | (min_p > 0))
         candidates = int(top_k[sampled].max()) if bool(sampled.any()) else vocab
         return cls(
-            inv_temperature=inv_t, greedy=greedy, top_k=top_k, top_p=top_p, min_p=min_p,
-            all_greedy=bool(greedy.all()), any_greedy=bool(greedy.any()), needs_filter=bool(filt.any()),
-            needs_temperature=bool((sampled & (inv_t != 1)).any()), candidates=candidates,
+            inv_temperature=inv_t,
+            greedy=greedy,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            needs_filter=bool(filt.any()),
+            needs_temperature=bool((sampled & (inv_t != 1)).any()),
+            candidates=candidates,
         )
 
     def select(self, rows: Tensor, vocab_size: int) -> SamplingTensors:
         """Keep (or repeat) the given rows, in that order."""
         return self._from(
-            self.inv_temperature[rows], self.greedy[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows],
+            self.inv_temperature[rows],
+            self.greedy[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.min_p[rows],
             vocab_size,
         )
 
 
-def draw_uniforms(counts: list[int], seeds: list[int | None], limits: list[int], steps: int,
-                  generator: torch.Generator, device: torch.device | str) -> Tensor:
+def draw_uniforms(
+    counts: list[int],
+    seeds: list[int | None],
+    limits: list[int],
+    steps: int,
+    generator: torch.Generator,
+    device: torch.device | str,
+) -> Tensor:
     """Uniform numbers ``[sum(counts), steps]`` in [0, 1): one row per sample, one column per step.
 
     Group ``i`` contributes ``counts[i]`` rows, of which the first ``limits[i]`` columns are used.
@@ -95,7 +117,7 @@ def draw_uniforms(counts: list[int], seeds: list[int | None], limits: list[int],
     row = 0
     for count, seed, limit in zip(counts, seeds, limits):
         if seed is None:
-            out[row:row + count, :limit] = torch.rand(count, limit, generator=generator)
+            out[row : row + count, :limit] = torch.rand(count, limit, generator=generator)
         else:
             parent = torch.Generator().manual_seed(int(seed))
             for sub in torch.randint(0, 2**62, (count,), generator=parent).tolist():

@@ -21,7 +21,9 @@ def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:
     return logprobs_and_entropy(logits, input_ids, 1, with_entropy=False)[0]
 
 
-def logprobs_and_entropy(logits: Tensor, input_ids: Tensor, first: int, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+def logprobs_and_entropy(
+    logits: Tensor, input_ids: Tensor, first: int, *, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (and entropies) of tokens ``first..T-1`` from one float32 log-softmax.
 
     ``logits`` [B, T - first + 1, V] are the model's outputs at positions ``first-1..T-1``
@@ -36,8 +38,9 @@ def logprobs_and_entropy(logits: Tensor, input_ids: Tensor, first: int, *, with_
     return lp, ent
 
 
-def logprobs_entropy_and_distribution(logits: Tensor, input_ids: Tensor, first: int,
-                                      support_ids: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+def logprobs_entropy_and_distribution(
+    logits: Tensor, input_ids: Tensor, first: int, support_ids: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`logprobs_and_entropy` plus the log-probs over a support, from the same log-softmax.
 
     ``support_ids`` [B, T, k] names k tokens per position (a teacher's top-k): the result is the
@@ -53,8 +56,9 @@ def logprobs_entropy_and_distribution(logits: Tensor, input_ids: Tensor, first: 
     return lp, ent, dist
 
 
-def policy_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, first: int = 1, *,
-                  fp32_lm_head: bool = True) -> Tensor:
+def policy_logits(
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, first: int = 1, *, fp32_lm_head: bool = True
+) -> Tensor:
     """The trainer's forward: logits at positions ``first-1..T-1`` of an HF causal LM.
 
     The LM head (and later its log-softmax) runs only where a trained token is predicted (``first``

@@ -20,7 +20,7 @@ def sum_in_place(tensors: list[Tensor], group: Any = None) -> None:
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0
     for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
 
 

@@ -14,5 +14,14 @@ from loongsage.core.rollout.schedulers import SyncScheduler
 from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.rollout.service import RolloutService, rollout_metrics
 
-__all__ = ["AgentContext", "EngineRouter", "RolloutService", "SingleTurnAgent", "SyncScheduler", "encode_prompt",
-           "gather_groups", "request_seed", "rollout_metrics"]
+__all__ = [
+    "AgentContext",
+    "EngineRouter",
+    "RolloutService",
+    "SingleTurnAgent",
+    "SyncScheduler",
+    "encode_prompt",
+    "gather_groups",
+    "request_seed",
+    "rollout_metrics",
+]

@@ -37,8 +37,9 @@ _STATUS = {FinishReason.STOP: Status.OK, FinishReason.LENGTH: Status.TRUNCATED, 
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, Any]], template: str) -> list[int]:
     if isinstance(prompt, list) or template == "chat":
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
@@ -54,16 +55,25 @@ class SingleTurnAgent:
         ctx.engine.release_session(f"g{ctx.group_id}")
         return [
             Trajectory(
-                source=record.source, group_id=ctx.group_id, sample_index=k, prompt_ids=list(prompt_ids),
-                response_ids=list(r.output_ids), loss_mask=[1] * len(r.output_ids),
-                rollout_logprobs=list(r.logprobs), versions=list(r.versions), status=_STATUS[r.finish_reason],
+                source=record.source,
+                group_id=ctx.group_id,
+                sample_index=k,
+                prompt_ids=list(prompt_ids),
+                response_ids=list(r.output_ids),
+                loss_mask=[1] * len(r.output_ids),
+                rollout_logprobs=list(r.logprobs),
+                versions=list(r.versions),
+                status=_STATUS[r.finish_reason],
                 response_text=ctx.tokenizer.decode(r.output_ids, skip_special_tokens=True),
-                routed_experts=r.routed_experts, metadata={"record_index": record.index},
+                routed_experts=r.routed_experts,
+                metadata={"record_index": record.index},
             )
             for k, r in enumerate(results)
         ]
 
 
-async def gather_groups(agent_for: dict[str, Any], records: list[DataRecord], contexts: list[AgentContext]) -> list[list[Trajectory]]:
+async def gather_groups(
+    agent_for: dict[str, Any], records: list[DataRecord], contexts: list[AgentContext]
+) -> list[list[Trajectory]]:
     """Run every record's agent concurrently; the engine batches what arrives together."""
     return list(await asyncio.gather(*(agent_for[r.source].run(r, c) for r, c in zip(records, contexts))))

@@ -50,8 +50,15 @@ class EngineRecovery:
     (run in worker threads); ``on_error(exc)`` hears of a replacement that failed.
     """
 
-    def __init__(self, router: EngineRouter, *, restart: Callable[[int, Any], Any], load: Callable[[Any, int], None],
-                 max_restarts: int, on_error: Callable[[BaseException], None]):
+    def __init__(
+        self,
+        router: EngineRouter,
+        *,
+        restart: Callable[[int, Any], Any],
+        load: Callable[[Any, int], None],
+        max_restarts: int,
+        on_error: Callable[[BaseException], None],
+    ):
         self.router, self._restart, self._load = router, restart, load
         self.max_restarts, self._on_error = int(max_restarts), on_error
         self.version = 0  # the version the engines hold
@@ -80,10 +87,13 @@ class EngineRecovery:
         if index in self._replacing:
             return
         if self.started >= self.max_restarts:
-            self._fail(RuntimeError(
-                f"rollout: engine {index} was lost and rollout.max_engine_restarts={self.max_restarts} "
-                f"replacement(s) were made already; raise it (0 = a lost engine fails the run), or find in "
-                f"the engine actor's log why engines die"))
+            self._fail(
+                RuntimeError(
+                    f"rollout: engine {index} was lost and rollout.max_engine_restarts={self.max_restarts} "
+                    f"replacement(s) were made already; raise it (0 = a lost engine fails the run), or find in "
+                    f"the engine actor's log why engines die"
+                )
+            )
             return
         self.started += 1
         rep = self._replacing[index] = _Replacement(lost)

@@ -51,8 +51,9 @@ class GroupRecorder:
         self._saved = list(saved)
         self._open: list[Call] = []  # the router's calls not yet answered in full
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams,
-                       session: str | None = None) -> list[GenerationResult]:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, session: str | None = None
+    ) -> list[GenerationResult]:
         saved = self._take(input_ids, sampling)
         if saved is not None and saved.finished:
             results = list(saved.results)
@@ -81,6 +82,7 @@ class GroupRecorder:
         """The calls answered so far, then each open call's samples as they stand. An open call no
         engine has answered yet is left out: it is made again, from the start, with its seed.
         Saved calls not asked for again yet are kept, so a second checkpoint still holds them."""
-        open_calls = [RecordedCall(list(c.input_ids), c.sampling, list(c.results))
-                      for c in self._open if c.results is not None]
+        open_calls = [
+            RecordedCall(list(c.input_ids), c.sampling, list(c.results)) for c in self._open if c.results is not None
+        ]
         return [*self.answered, *open_calls, *self._saved]

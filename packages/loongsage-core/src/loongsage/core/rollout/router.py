@@ -201,14 +201,20 @@ class EngineRouter:
         if not isinstance(error, (ActorDiedError, EngineLost)) and await self.healthy(engine):
             return isinstance(error, RayActorError)
         if self.engines[index] is engine and index not in self.down:
-            log.warning("rollout: engine %d lost (%s: %s); starting a replacement", index, type(error).__name__,
-                        (str(error).splitlines() or [""])[0])
+            log.warning(
+                "rollout: engine %d lost (%s: %s); starting a replacement",
+                index,
+                type(error).__name__,
+                (str(error).splitlines() or [""])[0],
+            )
             self.down[index] = engine
             self.on_engine_lost(index, engine)
         return True
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, session: str | None = None) -> list[GenerationResult]:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, session: str | None = None
+    ) -> list[GenerationResult]:
         """The ``sampling.n`` samples of one prompt; samples cut by a weight update are continued."""
         return await self.run(Call(list(input_ids), sampling, session))
 
@@ -235,13 +241,20 @@ class EngineRouter:
     async def _continue(self, call: Call, sample: int) -> None:
         partial = call.results[sample]
         self.resumed_samples += 1
-        (call.results[sample],) = await self._submit(call.session, call.input_ids,
-                                                     _continuation(call.sampling, sample, partial), resume_from=partial)
+        (call.results[sample],) = await self._submit(
+            call.session, call.input_ids, _continuation(call.sampling, sample, partial), resume_from=partial
+        )
 
-    async def _submit(self, session: str | None, input_ids: list[int], sampling: SamplingParams,
-                      resume_from: GenerationResult | None = None) -> list[GenerationResult]:
-        request = GenerationRequest(request_id=f"r{next(self._ids)}", input_ids=input_ids, sampling=sampling,
-                                    resume_from=resume_from)
+    async def _submit(
+        self,
+        session: str | None,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        resume_from: GenerationResult | None = None,
+    ) -> list[GenerationResult]:
+        request = GenerationRequest(
+            request_id=f"r{next(self._ids)}", input_ids=input_ids, sampling=sampling, resume_from=resume_from
+        )
         while True:
             index = await self._route(session)
             future = asyncio.get_running_loop().create_future()
@@ -313,6 +326,7 @@ class EngineRouter:
 
 def _awaitable(ref: Any) -> Any:
     """An object ref as something ``asyncio.wait_for`` can wrap in a task."""
+
     async def wait() -> Any:
         return await ref
 

@@ -94,5 +94,10 @@ class WindowedFifoScheduler(WindowGatedScheduler):
         return seq < state.oldest_unconsumed + state.groups_per_step
 
 
-SCHEDULERS = {"sync": SyncScheduler, "one_step_off": OneStepOffScheduler, "no_window": NoWindowScheduler,
-              "window_gated": WindowGatedScheduler, "windowed_fifo": WindowedFifoScheduler}
+SCHEDULERS = {
+    "sync": SyncScheduler,
+    "one_step_off": OneStepOffScheduler,
+    "no_window": NoWindowScheduler,
+    "window_gated": WindowGatedScheduler,
+    "windowed_fifo": WindowedFifoScheduler,
+}

@@ -72,11 +72,26 @@ class RolloutService:
     neither) replace a lost engine, at most ``max_engine_restarts`` times in a run.
     """
 
-    def __init__(self, *, router: EngineRouter, engines: list[Any], reward: Any, tokenizer: Any, mixer: Mixer,
-                 agents: dict[str, Any], sampling: dict[str, SamplingParams], filters: list[Any], scheduler: Any,
-                 seed: int, max_refill_rounds: int = 0, refill_oversample: float = 1.0,
-                 mask_old_tokens: bool = False, restart_engine: Any = None, load_engine: Any = None,
-                 max_engine_restarts: int = 0):
+    def __init__(
+        self,
+        *,
+        router: EngineRouter,
+        engines: list[Any],
+        reward: Any,
+        tokenizer: Any,
+        mixer: Mixer,
+        agents: dict[str, Any],
+        sampling: dict[str, SamplingParams],
+        filters: list[Any],
+        scheduler: Any,
+        seed: int,
+        max_refill_rounds: int = 0,
+        refill_oversample: float = 1.0,
+        mask_old_tokens: bool = False,
+        restart_engine: Any = None,
+        load_engine: Any = None,
+        max_engine_restarts: int = 0,
+    ):
         self.router, self.engines, self.reward, self.tokenizer = router, engines, reward, tokenizer
         self.mixer, self.agents, self.sampling, self.filters = mixer, agents, sampling, filters
         self.scheduler, self.seed = scheduler, int(seed)
@@ -95,15 +110,21 @@ class RolloutService:
         self._resumed_reported = 0  # the router's continued samples at the last batch
         self.recovery = None
         if restart_engine is not None and max_engine_restarts > 0:
-            self.recovery = EngineRecovery(router, restart=restart_engine, load=load_engine,
-                                           max_restarts=max_engine_restarts, on_error=self._fail)
+            self.recovery = EngineRecovery(
+                router, restart=restart_engine, load=load_engine, max_restarts=max_engine_restarts, on_error=self._fail
+            )
         self._failover_seen = (0, 0)  # the router's (restarts, redispatched) at the last batch
         self.services: RunServices | None = None  # the run's services (set once started)
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, records: list[DataRecord], sampling: dict[str, SamplingParams] | None = None,
-                       agents: dict[str, Any] | None = None, group_ids: list[int] | None = None,
-                       engines: list[Any] | None = None) -> Groups:
+    async def generate(
+        self,
+        records: list[DataRecord],
+        sampling: dict[str, SamplingParams] | None = None,
+        agents: dict[str, Any] | None = None,
+        group_ids: list[int] | None = None,
+        engines: list[Any] | None = None,
+    ) -> Groups:
         """Groups of scored trajectories for ``records`` (one group per record).
 
         Training groups take the next ids of the run; evaluation passes ids of its own so that it
@@ -116,8 +137,10 @@ class RolloutService:
             group_ids = list(range(first, self.next_group_id))
         engines = engines or [self.router] * len(records)
         handles = self.services.handles if self.services is not None else {}
-        contexts = [AgentContext(engine, self.tokenizer, self._seeded(sampling[r.source], gid), gid, handles)
-                    for r, gid, engine in zip(records, group_ids, engines)]
+        contexts = [
+            AgentContext(engine, self.tokenizer, self._seeded(sampling[r.source], gid), gid, handles)
+            for r, gid, engine in zip(records, group_ids, engines)
+        ]
         groups = await gather_groups(agents or self.agents, records, contexts)
         flat = [t for g in groups for t in g]
         recs = [r for r, g in zip(records, groups) for _ in g]
@@ -168,8 +191,13 @@ class RolloutService:
         return groups, metrics
 
     async def _next_batch_sync(self, version: int) -> tuple[Groups, dict[str, float]]:
-        state = SchedulerState(version=version, groups_per_step=sum(self.mixer.quotas.values()),
-                               in_flight=0, buffered=0, consumed=self.consumed)
+        state = SchedulerState(
+            version=version,
+            groups_per_step=sum(self.mixer.quotas.values()),
+            in_flight=0,
+            buffered=0,
+            consumed=self.consumed,
+        )
         if self.scheduler.groups_to_dispatch(state) <= 0:
             raise RuntimeError("sync step: the scheduler dispatched nothing")
         plan = self.mixer.plan()
@@ -179,8 +207,13 @@ class RolloutService:
         kept = [g for g in groups if self._passes(g)]
         dropped = len(groups) - len(kept)
         kept, rounds = await self._refill(kept)
-        metrics.update({"rollout/groups_filtered": float(dropped), "rollout/refill_rounds": float(rounds),
-                        "rollout/groups_trained": float(len(kept))})
+        metrics.update(
+            {
+                "rollout/groups_filtered": float(dropped),
+                "rollout/refill_rounds": float(rounds),
+                "rollout/groups_trained": float(len(kept)),
+            }
+        )
         self.consumed += 1
         return kept, metrics
 
@@ -203,8 +236,9 @@ class RolloutService:
             if not missing:
                 break
             rounds += 1
-            records = [r for name, n in missing.items()
-                       for r in self.mixer.take(name, math.ceil(n * self.refill_oversample))]
+            records = [
+                r for name, n in missing.items() for r in self.mixer.take(name, math.ceil(n * self.refill_oversample))
+            ]
             for g in await self.generate(records):
                 source = g[0].source
                 if have[source] < self.mixer.quotas[source] and self._passes(g):
@@ -268,9 +302,15 @@ class RolloutService:
             self._notify()
 
     def _scheduler_state(self, src: _Source) -> SchedulerState:
-        return SchedulerState(version=self.version, groups_per_step=src.quota, in_flight=src.in_flight,
-                              buffered=len(src.buffer), consumed=src.consumed, dispatched=src.next_seq,
-                              oldest_unconsumed=min(src.outstanding, default=src.next_seq))
+        return SchedulerState(
+            version=self.version,
+            groups_per_step=src.quota,
+            in_flight=src.in_flight,
+            buffered=len(src.buffer),
+            consumed=src.consumed,
+            dispatched=src.next_seq,
+            oldest_unconsumed=min(src.outstanding, default=src.next_seq),
+        )
 
     async def _dispatch_loop(self) -> None:
         try:
@@ -296,8 +336,9 @@ class RolloutService:
             src.outstanding[seq] = record
             self._launch(name, src, seq, gid, record)
 
-    def _launch(self, name: str, src: _Source, seq: int, gid: int, record: DataRecord,
-                calls: list[RecordedCall] = ()) -> None:
+    def _launch(
+        self, name: str, src: _Source, seq: int, gid: int, record: DataRecord, calls: list[RecordedCall] = ()
+    ) -> None:
         recorder = GroupRecorder(self.router, calls)
         src.running[seq] = (gid, recorder)
         src.in_flight += 1
@@ -305,8 +346,9 @@ class RolloutService:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _run_group(self, name: str, src: _Source, seq: int, gid: int, record: DataRecord,
-                         recorder: GroupRecorder) -> None:
+    async def _run_group(
+        self, name: str, src: _Source, seq: int, gid: int, record: DataRecord, recorder: GroupRecorder
+    ) -> None:
         try:
             (group,) = await self.generate([record], group_ids=[gid], engines=[recorder])
         except asyncio.CancelledError:
@@ -346,8 +388,10 @@ class RolloutService:
         """Engines replaced and requests sent again since the previous batch."""
         now = (self.router.engine_restarts, self.router.requests_redispatched)
         seen, self._failover_seen = self._failover_seen, now
-        return {"rollout/engine_restarts": float(now[0] - seen[0]),
-                "rollout/requests_redispatched": float(now[1] - seen[1])}
+        return {
+            "rollout/engine_restarts": float(now[0] - seen[0]),
+            "rollout/requests_redispatched": float(now[1] - seen[1]),
+        }
 
     async def _next_batch_async(self, version: int) -> tuple[Groups, dict[str, float]]:
         self.start(version)
@@ -362,7 +406,7 @@ class RolloutService:
         groups: Groups = []
         lags = []
         for (_name, src), pick in zip(self.sources.items(), picks.values()):
-            taken = sorted(pick)[:src.quota]
+            taken = sorted(pick)[: src.quota]
             for seq in taken:
                 group = src.take(seq)
                 lags.append(self._lag(group))
@@ -377,15 +421,18 @@ class RolloutService:
         self._counters.clear()
         flat = [t for g in groups for t in g]
         spans = [len({v for v in t.versions if v >= 0}) for t in flat]
-        metrics.update({
-            "rollout/groups_trained": float(len(groups)),
-            "rollout/staleness_mean": sum(lags) / max(1, len(lags)), "rollout/staleness_max": float(max(lags, default=0)),
-            "rollout/partial_frac": sum(n > 1 for n in spans) / max(1, len(spans)),
-            "rollout/in_flight": float(sum(s.in_flight for s in self.sources.values())),
-            "rollout/buffered": float(sum(len(s.buffer) for s in self.sources.values())),
-            # per step like its neighbours: the samples continued from their tokens since the last batch
-            "rollout/resumed_samples": float(self.router.resumed_samples - self._resumed_reported),
-        })
+        metrics.update(
+            {
+                "rollout/groups_trained": float(len(groups)),
+                "rollout/staleness_mean": sum(lags) / max(1, len(lags)),
+                "rollout/staleness_max": float(max(lags, default=0)),
+                "rollout/partial_frac": sum(n > 1 for n in spans) / max(1, len(spans)),
+                "rollout/in_flight": float(sum(s.in_flight for s in self.sources.values())),
+                "rollout/buffered": float(sum(len(s.buffer) for s in self.sources.values())),
+                # per step like its neighbours: the samples continued from their tokens since the last batch
+                "rollout/resumed_samples": float(self.router.resumed_samples - self._resumed_reported),
+            }
+        )
         self._resumed_reported = self.router.resumed_samples
         self._notify()  # consumption frees places
         return groups, metrics
@@ -409,8 +456,9 @@ class RolloutService:
         scheduling has nothing in flight between steps, so this is its whole checkpoint state."""
         state = {"mixer": self.mixer.state(), "next_group_id": self.next_group_id, "consumed": self.consumed}
         if not self.asynchronous:  # empty lists, kept so that the checkpoint reads as it always did
-            state["pending"] = {name: [dataclasses.asdict(r) for r in src.pending()]
-                                for name, src in self.sources.items()}
+            state["pending"] = {
+                name: [dataclasses.asdict(r) for r in src.pending()] for name, src in self.sources.items()
+            }
         return state
 
     async def snapshot(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -424,13 +472,15 @@ class RolloutService:
         sources = {}
         for name, src in self.sources.items():
             sources[name] = {
-                "next_seq": src.next_seq, "consumed": src.consumed, "outstanding": dict(src.outstanding),
-                "buffer": list(src.buffer), "returned": list(src.returned),
+                "next_seq": src.next_seq,
+                "consumed": src.consumed,
+                "outstanding": dict(src.outstanding),
+                "buffer": list(src.buffer),
+                "returned": list(src.returned),
                 "in_flight": [(seq, gid, recorder.snapshot()) for seq, (gid, recorder) in sorted(src.running.items())]
                 + list(src.restored),  # restored and not started yet (no batch was asked for since)
             }
-        rollout = {"sources": sources, "counters": dict(self._counters),
-                   "resumed_samples": self.router.resumed_samples}
+        rollout = {"sources": sources, "counters": dict(self._counters), "resumed_samples": self.router.resumed_samples}
         return self.state(), copy.deepcopy(rollout)  # the run goes on while the checkpoint is written
 
     def restore(self, state: dict[str, Any]) -> None:

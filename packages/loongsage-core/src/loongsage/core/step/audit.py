@@ -28,8 +28,15 @@ class BatchAudit(StepFeature):
                     members.setdefault(trajs[i].group_id, []).append(trajs[i])
                 for gid, group in members.items():
                     tokens = [v for t in group for v in t.versions if v >= 0]
-                    groups.append({"source": group[0].source, "index": group[0].metadata.get("record_index"),
-                                   "group_id": gid, "staleness": version - min(tokens, default=version),
-                                   "rank": rank, "mini_batch": mb})
+                    groups.append(
+                        {
+                            "source": group[0].source,
+                            "index": group[0].metadata.get("record_index"),
+                            "group_id": gid,
+                            "staleness": version - min(tokens, default=version),
+                            "rank": rank,
+                            "mini_batch": mb,
+                        }
+                    )
         with open(self.path, "a") as fh:
             fh.write(json.dumps({"step": state.step, "version": version, "groups": groups}) + "\n")

@@ -32,7 +32,7 @@ def fill_teacher_tensors(batch: TrainBatch, outputs: list[tuple[list[int], dict[
     batch.teacher_dist_ids = batch.teacher_dist_logprobs = None
     for rows, out in outputs:
         idx = torch.tensor(rows, dtype=torch.long)
-        batch.teacher_logprobs[idx, :out["logprobs"].shape[1]] = out["logprobs"]
+        batch.teacher_logprobs[idx, : out["logprobs"].shape[1]] = out["logprobs"]
         for name, key in (("teacher_dist_ids", "dist_ids"), ("teacher_dist_logprobs", "dist_logprobs")):
             value = out.get(key)
             if value is None:
@@ -80,8 +80,9 @@ class Distillation(StepFeature):
             topk, full_vocab = self.plan.teacher_request()
             fill_teacher_tensors(batch, self.teachers.score(batch, topk, full_vocab))
         else:
-            fill_teacher_tensors(batch, [(rows, {"logprobs": lp})
-                                         for rows, lp in self.trainer.teacher_logprobs(batch, state.plan)])
+            fill_teacher_tensors(
+                batch, [(rows, {"logprobs": lp}) for rows, lp in self.trainer.teacher_logprobs(batch, state.plan)]
+            )
 
     def shape(self, state: StepState) -> None:
         state.metrics.merge(distill_metrics(state.batch))

@@ -35,8 +35,16 @@ if TYPE_CHECKING:
     from loongsage.core.roles import CriticGroup, TeacherGroup, TrainerGroup
 
 
-def step_features(plan: LossPlan, filters: Sequence[Any], trainer: TrainerGroup, critic: CriticGroup,
-                  teachers: TeacherGroup, *, distilling: bool, audit_dir: Path | None) -> list[StepFeature]:
+def step_features(
+    plan: LossPlan,
+    filters: Sequence[Any],
+    trainer: TrainerGroup,
+    critic: CriticGroup,
+    teachers: TeacherGroup,
+    *,
+    distilling: bool,
+    audit_dir: Path | None,
+) -> list[StepFeature]:
     """The features a run's step takes part in, in phase order (loss exclusion shapes the batch
     before distillation reads its mask). ``distilling``: teachers are in workers or held by the
     trainer ranks; ``audit_dir``: where the batch audit writes (None: no audit)."""
@@ -61,8 +69,18 @@ class TrainStep:
     optimizer steps per training step.
     """
 
-    def __init__(self, plan: LossPlan, estimator: Any, filters: Sequence[Any], trainer: TrainerGroup,
-                 features: Sequence[StepFeature], *, pad_id: int, mini_batches: int, quotas: Mapping[str, int]):
+    def __init__(
+        self,
+        plan: LossPlan,
+        estimator: Any,
+        filters: Sequence[Any],
+        trainer: TrainerGroup,
+        features: Sequence[StepFeature],
+        *,
+        pad_id: int,
+        mini_batches: int,
+        quotas: Mapping[str, int],
+    ):
         self.plan, self.estimator, self.filters, self.trainer = plan, estimator, list(filters), trainer
         self.features = list(features)
         self.pad_id, self.mini_batches, self.quotas = pad_id, mini_batches, dict(quotas)
@@ -79,14 +97,20 @@ class TrainStep:
             feature.fetch(state)
         self._fill_logprobs(state)
         rewards = [r for r in (f.token_rewards(state) for f in self.features) if r is not None]
-        compute_advantages(batch, self.estimator, values=batch.values,
-                           token_rewards=functools.reduce(operator.add, rewards) if rewards else None)
+        compute_advantages(
+            batch,
+            self.estimator,
+            values=batch.values,
+            token_rewards=functools.reduce(operator.add, rewards) if rewards else None,
+        )
         for feature in self.features:
             feature.shape(state)
         for m in range(plan.mini_batches):
             self._train_mini_batch(state, m)
-        state.metrics.gauge("train/advantage_abs_mean", float((batch.advantages.abs() * batch.response_mask).sum()
-                                                              / batch.response_mask.sum().clamp(min=1)))
+        state.metrics.gauge(
+            "train/advantage_abs_mean",
+            float((batch.advantages.abs() * batch.response_mask).sum() / batch.response_mask.sum().clamp(min=1)),
+        )
         return state.metrics.means()
 
     def _fill_logprobs(self, state: StepState) -> None:
@@ -101,8 +125,11 @@ class TrainStep:
         trained = batch.response_mask * (~state.excluded).to(batch.response_mask.dtype)[:, None]
         sampled = trained * engine_sampled(batch)
         partly_sampled = bool(sampled.any()) and not torch.equal(sampled, trained)
-        old = (self.plan.recompute_old_logprobs(self.mini_batches) or partly_sampled
-               or any(f.needs_old_logprobs for f in self.features))
+        old = (
+            self.plan.recompute_old_logprobs(self.mini_batches)
+            or partly_sampled
+            or any(f.needs_old_logprobs for f in self.features)
+        )
         if not old and not self.plan.needs_ref_logprobs:
             batch.old_logprobs = None  # taken from the training forward itself
             return
@@ -117,8 +144,9 @@ class TrainStep:
             if batch.ref_logprobs is not None:
                 batch.ref_logprobs[idx, :t] = out["ref_logprobs"]
         if batch.old_logprobs is not None:
-            state.metrics.merge(consistency_metrics(batch.old_logprobs, batch.rollout_logprobs, sampled,
-                                                    self.plan.aggregation))
+            state.metrics.merge(
+                consistency_metrics(batch.old_logprobs, batch.rollout_logprobs, sampled, self.plan.aggregation)
+            )
 
     def _train_mini_batch(self, state: StepState, m: int) -> None:
         """Corrections and loss weights over the whole mini-batch (global denominators), then every
@@ -134,4 +162,3 @@ class TrainStep:
         for calls in pending:
             for out in calls.wait():
                 state.metrics.merge(out)
-

@@ -114,8 +114,7 @@ def heartbeat(what: str) -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- building once
-def cached_build(key: str, build: Callable[[Path], Any], cache_dir: str | Path | None = None,
-                 what: str = "") -> Path:
+def cached_build(key: str, build: Callable[[Path], Any], cache_dir: str | Path | None = None, what: str = "") -> Path:
     """``<cache_dir>/models/<key>`` (default cache: :func:`default_cache_dir`), made by
     ``build(folder)`` on first use; a folder counts as built once it holds :data:`INFO_FILE`.
 
@@ -176,8 +175,7 @@ def _take_turn(lock, key: str) -> None:
             now = time.perf_counter()
             if said is None and now - start >= 1.0:  # not for a turn of a moment (a sweep of old folders)
                 said = now
-                say(f"waiting for {key}: another process is building it ({_holder(lock)}); this one uses it "
-                    "once built")
+                say(f"waiting for {key}: another process is building it ({_holder(lock)}); this one uses it once built")
             elif said is not None and now - said >= every:
                 said = now
                 say(f"still waiting for {key} ({_holder(lock)}), {duration(now - start)} so far")
@@ -199,7 +197,7 @@ def remove_abandoned(models: Path) -> None:
         entries = list(models.iterdir())
     except OSError:
         return
-    keys = {e.name[1:-len(".lock")] for e in entries if e.name.startswith(".") and e.name.endswith(".lock")}
+    keys = {e.name[1 : -len(".lock")] for e in entries if e.name.startswith(".") and e.name.endswith(".lock")}
     for key in keys:
         # this key's temporary folders: ".<key>.building-...", and ".<key>.<random>" of earlier versions
         pattern = re.compile(rf"\.{re.escape(key)}\.({re.escape(BUILDING[1:])}.*|[a-z0-9_]{{8}})")

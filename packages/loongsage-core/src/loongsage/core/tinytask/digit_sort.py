@@ -79,7 +79,7 @@ def teacher_answer(digits: str, *, drop_prob: float = 0.0, rng: random.Random | 
     rng = rng or random.Random(0)
     values = sorted(set(answer))
     runs = [answer.count(d) for d in values]
-    for end in ([0] if len(runs) == 1 else [0, len(runs) - 1]):  # one end when all digits are equal
+    for end in [0] if len(runs) == 1 else [0, len(runs) - 1]:  # one end when all digits are equal
         if runs[end] > 1 and rng.random() < drop_prob:
             runs[end] = 1
     return "".join(d * n for d, n in zip(values, runs))
@@ -188,8 +188,10 @@ class DigitSortTask:
             digits = "".join(rng.choice("0123456789") for _ in range(n))
             if self._belongs(digits):
                 return digits
-        raise ValueError(f"split={self.split!r}: no list of {self.min_len}-{self.max_len} digits found in "
-                         f"{_MAX_ATTEMPTS} draws (test_fraction={self.test_fraction})")
+        raise ValueError(
+            f"split={self.split!r}: no list of {self.min_len}-{self.max_len} digits found in "
+            f"{_MAX_ATTEMPTS} draws (test_fraction={self.test_fraction})"
+        )
 
     def _sample(self, index: int) -> str:
         return self._draw(random.Random(f"{self.seed}/{self.split}/{index}"))

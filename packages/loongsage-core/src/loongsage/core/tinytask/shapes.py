@@ -28,19 +28,65 @@ from loongsage.core.types import DataRecord
 
 # Shapes of published checkpoints (their config.json), the vocabulary included.
 PRESETS: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": dict(vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
-    "qwen3-4b": dict(vocab_size=151_936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(
+        vocab_size=151_936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": dict(
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": dict(
+        vocab_size=151_936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
     # mixtures of experts (Qwen3-MoE): every layer routes each token to num_experts_per_tok experts
-    "qwen3-30b-a3b": dict(vocab_size=151_936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, tie_word_embeddings=False),
-    "qwen3-moe-tiny": dict(vocab_size=384, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False),
+    "qwen3-30b-a3b": dict(
+        vocab_size=151_936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-moe-tiny": dict(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    ),
 }
 BUILDER_VERSION = 1
 
@@ -98,9 +144,15 @@ class RandomInitModel:
         moe = "num_experts" in shape
         config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
         extra = {"decoder_sparse_step": 1, "mlp_only_layers": []} if moe else {}
-        config = config_class(**shape, **extra, max_position_embeddings=self.max_position_embeddings,
-                              rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-                              bos_token_id=None, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+        config = config_class(
+            **shape,
+            **extra,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         device = self.resolved_device()
         with torch.random.fork_rng(devices=[] if device == "cpu" else [torch.device(device)]):
             torch.manual_seed(self.seed)
@@ -108,8 +160,12 @@ class RandomInitModel:
                 model = model_class(config).to(getattr(torch, self.dtype))
         model.generation_config = GenerationConfig(eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
         out = save_model(model, tokenizer, out_dir)
-        info = {"params": dataclasses.asdict(self), "builder_version": BUILDER_VERSION, "device": device,
-                "num_parameters": count_parameters(model)}
+        info = {
+            "params": dataclasses.asdict(self),
+            "builder_version": BUILDER_VERSION,
+            "device": device,
+            "num_parameters": count_parameters(model),
+        }
         (out / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         return out
 

@@ -62,8 +62,10 @@ class SortWarmStart:
         if not 0 <= self.drop_prob <= 1:
             raise ValueError(f"sort.drop_prob={self.drop_prob}: must be in [0, 1]")
         if not 1 <= self.min_len <= self.max_len <= digit_sort.MAX_LEN_LIMIT:
-            raise ValueError(f"sort.min_len={self.min_len}, sort.max_len={self.max_len}: "
-                             f"need 1 <= min_len <= max_len <= {digit_sort.MAX_LEN_LIMIT}")
+            raise ValueError(
+                f"sort.min_len={self.min_len}, sort.max_len={self.max_len}: "
+                f"need 1 <= min_len <= max_len <= {digit_sort.MAX_LEN_LIMIT}"
+            )
 
 
 @dataclass
@@ -120,8 +122,10 @@ class WarmStartParams:
                 raise ValueError("init_from: the base must itself start from a random init (one level only)")
             for key in ARCHITECTURE_FIELDS:
                 if getattr(base, key) != getattr(self, key):
-                    raise ValueError(f"{key}={getattr(self, key)!r}: must equal the init_from model's "
-                                     f"({getattr(base, key)!r}); fine-tuning keeps its architecture")
+                    raise ValueError(
+                        f"{key}={getattr(self, key)!r}: must equal the init_from model's "
+                        f"({getattr(base, key)!r}); fine-tuning keeps its architecture"
+                    )
 
     def base(self) -> WarmStartParams:
         """The warm start ``init_from`` names (an error if it names unknown fields)."""
@@ -140,15 +144,23 @@ class WarmStartParams:
             raise ValueError(f"sort={self.sort!r}: must be a mapping of SortWarmStart fields")
         unknown = sorted(set(self.sort) - {f.name for f in dataclasses.fields(SortWarmStart)})
         if unknown:
-            raise ValueError(f"sort.{unknown[0]}: unknown key; allowed: "
-                             f"{', '.join(f.name for f in dataclasses.fields(SortWarmStart))}")
+            raise ValueError(
+                f"sort.{unknown[0]}: unknown key; allowed: "
+                f"{', '.join(f.name for f in dataclasses.fields(SortWarmStart))}"
+            )
         return SortWarmStart(**self.sort)
 
     def sort_task(self, split: Literal["train", "test"], size: int, seed: int = 0) -> digit_sort.DigitSortTask:
         """The digit-sorting data source these params were trained for (``sort`` must be set)."""
         sort = self.sort_params()
-        return digit_sort.DigitSortTask(min_len=sort.min_len, max_len=sort.max_len, split=split, size=size,
-                                        seed=seed, prompt_format=self.prompt_format)
+        return digit_sort.DigitSortTask(
+            min_len=sort.min_len,
+            max_len=sort.max_len,
+            split=split,
+            size=size,
+            seed=seed,
+            prompt_format=self.prompt_format,
+        )
 
     def task(self, split: Literal["train", "test"], size: int, seed: int = 0) -> ArithmeticTask:
         """The arithmetic data source these params were trained for."""
@@ -237,7 +249,9 @@ def run_sft(model, params: Any, step_loss: Callable[[int], torch.Tensor], *, log
         losses.append(loss.item())
         if log_every and (step + 1) % log_every == 0:
             recent = sum(losses[-log_every:]) / log_every
-            print(f"sft step {step + 1}/{params.steps} loss {recent:.4f} {time.perf_counter() - start:.1f}s", flush=True)
+            print(
+                f"sft step {step + 1}/{params.steps} loss {recent:.4f} {time.perf_counter() - start:.1f}s", flush=True
+            )
     model.eval()
     tail = losses[-max(1, len(losses) // 20) :]
     return {"final_loss": sum(tail) / len(tail), "sft_seconds": time.perf_counter() - start}
@@ -263,8 +277,7 @@ def arith_examples(tokenizer, task: ArithmeticTask, indices: list[int], drop_pro
     return prompts, answers
 
 
-def sort_examples(tokenizer, task: digit_sort.DigitSortTask, indices: list[int], drop_prob: float,
-                  rng: random.Random):
+def sort_examples(tokenizer, task: digit_sort.DigitSortTask, indices: list[int], drop_prob: float, rng: random.Random):
     """Prompt texts and the imperfect sorting teacher's answers (eos appended) of ``indices``."""
     prompts, answers = [], []
     for i in indices:
@@ -316,15 +329,21 @@ def train_sft(model, tokenizer, params: WarmStartParams, *, log_every: int = 0) 
         else:
             prompts, answers = arith_examples(tokenizer, task, indices, params.drop_prob, rng)
             more_prompts, more_answers = sort_examples(
-                tokenizer, sorter, list(range(step * n_sort, (step + 1) * n_sort)), sort.drop_prob, sort_rng)
+                tokenizer, sorter, list(range(step * n_sort, (step + 1) * n_sort)), sort.drop_prob, sort_rng
+            )
             input_ids, attention, labels = sft_tensors(tokenizer, prompts + more_prompts, answers + more_answers)
         return model(input_ids=input_ids.to(device), attention_mask=attention.to(device), labels=labels.to(device)).loss
 
     return run_sft(model, params, step_loss, log_every=log_every)
 
 
-def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None, *, log_every: int = 0,
-                     cache_dir: str | Path | None = None) -> Path:
+def build_warm_start(
+    out_dir: str | Path,
+    params: WarmStartParams | None = None,
+    *,
+    log_every: int = 0,
+    cache_dir: str | Path | None = None,
+) -> Path:
     """Build tokenizer + tiny Qwen3, run the SFT warm start, save the HF folder; returns ``out_dir``.
 
     With ``params.init_from`` the base model comes from the cache under ``cache_dir`` (default
@@ -358,8 +377,9 @@ def build_warm_start(out_dir: str | Path, params: WarmStartParams | None = None,
     return save_warm_start(out_dir, params, BUILDER_VERSION, make)
 
 
-def save_warm_start(out_dir: str | Path, params: Any, builder_version: int,
-                    make: Callable[[], tuple[Any, Any, dict]]) -> Path:
+def save_warm_start(
+    out_dir: str | Path, params: Any, builder_version: int, make: Callable[[], tuple[Any, Any, dict]]
+) -> Path:
     """Run ``make() -> (model, tokenizer, SFT summary)`` with ``params.threads`` torch threads and
     the caller's RNG left untouched, then save the HF folder with :data:`~.builds.INFO_FILE` (the
     params, ``builder_version``, the parameter count, the build time and the summary); returns
@@ -398,5 +418,9 @@ def cached_warm_start(
     params = params or WarmStartParams()
     base = f", fine-tuned from {params.base().cache_key()}" if params.init_from is not None else ""
     what = f"{params.steps} SFT steps of {params.batch_size} examples on {params.threads} threads{base}"
-    return cached_build(params.cache_key(), lambda tmp: build_warm_start(tmp, params, log_every=log_every,
-                                                                         cache_dir=cache_dir), cache_dir, what)
+    return cached_build(
+        params.cache_key(),
+        lambda tmp: build_warm_start(tmp, params, log_every=log_every, cache_dir=cache_dir),
+        cache_dir,
+        what,
+    )

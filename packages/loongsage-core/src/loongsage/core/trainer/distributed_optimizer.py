@@ -53,7 +53,7 @@ class Bucket:
         self.lo, self.hi = self.rank * self.shard, (self.rank + 1) * self.shard
         with torch.no_grad():
             whole = self._flat([p.detach() for p in params])
-        self.master = torch.nn.Parameter(whole[self.lo:self.hi].clone())
+        self.master = torch.nn.Parameter(whole[self.lo : self.hi].clone())
         for p, offset in zip(params, self.offsets):
             p.register_post_accumulate_grad_hook(self._hook(offset))
 
@@ -63,7 +63,7 @@ class Bucket:
 
     def _hook(self, offset: int) -> Callable[[Tensor], None]:
         def accumulate(param: Tensor) -> None:
-            self.grad[offset:offset + param.numel()].add_(param.grad.reshape(-1))
+            self.grad[offset : offset + param.numel()].add_(param.grad.reshape(-1))
             param.grad = None
 
         return accumulate
@@ -71,12 +71,12 @@ class Bucket:
     def grad_view(self, param: torch.nn.Parameter) -> Tensor:
         """``param``'s slot in the full gradient vector (before :meth:`reduce_scatter`)."""
         offset = self.offsets[self.index[id(param)]]
-        return self.grad[offset:offset + param.numel()].view_as(param)
+        return self.grad[offset : offset + param.numel()].view_as(param)
 
     def reduce_scatter(self) -> None:
         """Every rank's gradients summed; this rank keeps its slice, as its master's gradient."""
         if self.size == 1:
-            self.master.grad = self.grad[self.lo:self.hi]
+            self.master.grad = self.grad[self.lo : self.hi]
             return
         shard = torch.empty(self.shard, dtype=torch.float32, device=self.grad.device)
         dist.reduce_scatter_tensor(shard, self.grad, group=self.group)
@@ -89,7 +89,7 @@ class Bucket:
         for p, offset in zip(self.params, self.offsets):
             lo, hi = max(offset, self.lo), min(offset + p.numel(), self.hi)
             if lo < hi:
-                out[kind_of(p)] += grad[lo - self.lo:hi - self.lo].pow(2).sum()
+                out[kind_of(p)] += grad[lo - self.lo : hi - self.lo].pow(2).sum()
         return out
 
     @torch.no_grad()
@@ -99,7 +99,7 @@ class Bucket:
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32  # the bytes the all-gather moves
         whole = self._gather(self.master.detach().to(dtype))
         for p, offset in zip(self.params, self.offsets):
-            p.copy_(whole[offset:offset + p.numel()].view_as(p))
+            p.copy_(whole[offset : offset + p.numel()].view_as(p))
 
     def _gather(self, shard: Tensor) -> Tensor:
         if self.size == 1:
@@ -110,25 +110,33 @@ class Bucket:
 
     def full(self, shard: Tensor) -> Tensor:
         """A vector of this bucket, gathered whole and unpadded, on the CPU."""
-        return self._gather(shard).cpu()[:self.numel]
+        return self._gather(shard).cpu()[: self.numel]
 
     def own(self, whole: Tensor) -> Tensor:
         """This rank's slice of a whole vector (as :meth:`full` gave it, under any group size)."""
         if whole.numel() != self.numel:
             raise ValueError(f"checkpoint: a flat vector of {whole.numel()} elements for {self.numel} parameters")
         padded = torch.nn.functional.pad(whole.float(), (0, self.shard * self.size - self.numel))
-        return padded[self.lo:self.hi]
+        return padded[self.lo : self.hi]
 
 
 class DistributedOptimizer:
     """AdamW over :class:`Bucket` slices (see the module docstring). ``optimizer`` is the torch
     AdamW stepping the slices: schedulers and ``param_groups`` work on it as on any optimizer."""
 
-    def __init__(self, buckets: list[tuple[list[torch.nn.Parameter], Any]], *, lr: float, betas: tuple[float, float],
-                 eps: float, weight_decay: float) -> None:
+    def __init__(
+        self,
+        buckets: list[tuple[list[torch.nn.Parameter], Any]],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+    ) -> None:
         self.buckets = [Bucket(params, group) for params, group in buckets if params]
-        self.optimizer = torch.optim.AdamW([b.master for b in self.buckets], lr=lr, betas=betas, eps=eps,
-                                           weight_decay=weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            [b.master for b in self.buckets], lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        )
 
     def zero_grad(self) -> None:
         for b in self.buckets:
@@ -146,8 +154,13 @@ class DistributedOptimizer:
         for b in self.buckets:
             b.reduce_scatter()
 
-    def clip_grad_norm(self, max_norm: float, kind_of: Callable[[torch.nn.Parameter], int] = lambda p: 0,
-                       kind_groups: tuple[Any, ...] = (False,), across: Any = None) -> Tensor:
+    def clip_grad_norm(
+        self,
+        max_norm: float,
+        kind_of: Callable[[torch.nn.Parameter], int] = lambda p: 0,
+        kind_groups: tuple[Any, ...] = (False,),
+        across: Any = None,
+    ) -> Tensor:
         """Scale the slices' gradients to a global L2 norm of at most ``max_norm``; returns the
         norm before. A parameter's square counts over its bucket's group, then over
         ``kind_groups[kind_of(param)]`` (False: over nothing more; None: not at all, a copy counted
@@ -191,15 +204,20 @@ class DistributedOptimizer:
             buckets.append(entry)
         first = self.optimizer.state.get(self.buckets[0].master, {}) if self.buckets else {}
         step = first.get("step")
-        return {"distributed_optimizer": True, "buckets": buckets,
-                "step": None if step is None else float(step),
-                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]}
+        return {
+            "distributed_optimizer": True,
+            "buckets": buckets,
+            "step": None if step is None else float(step),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or not state.get("distributed_optimizer"):
-            raise ValueError("checkpoint: its optimizer state was written without the distributed optimizer; "
-                             "resume with distributed_optimizer: false")
+            raise ValueError(
+                "checkpoint: its optimizer state was written without the distributed optimizer; "
+                "resume with distributed_optimizer: false"
+            )
         if len(state["buckets"]) != len(self.buckets):
             raise ValueError(f"checkpoint: {len(state['buckets'])} optimizer buckets for {len(self.buckets)}")
         for b, saved in zip(self.buckets, state["buckets"]):
@@ -207,7 +225,8 @@ class DistributedOptimizer:
             if saved["exp_avg"] is not None and state["step"] is not None:
                 self.optimizer.state[b.master] = {
                     "step": torch.tensor(state["step"], dtype=torch.float32),
-                    **{name: b.own(saved[name]).to(b.master.device) for name in _MOMENTS}}
+                    **{name: b.own(saved[name]).to(b.master.device) for name in _MOMENTS},
+                }
             b.gather_into_params()
         for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
             group.update(saved)

@@ -55,11 +55,12 @@ class HeldTeachers:
             rows = self._rows(batch, sources)
             lp = teacher.logprobs(batch.select(rows), token_budget)[0]
             if rows:
-                out[torch.tensor(rows), :lp.shape[1]] = lp
+                out[torch.tensor(rows), : lp.shape[1]] = lp
         return out
 
-    def planned(self, plans: list[tuple[list[int], TrainBatch] | None],
-                sources: frozenset[str]) -> list[tuple[list[int], TrainBatch] | None]:
+    def planned(
+        self, plans: list[tuple[list[int], TrainBatch] | None], sources: frozenset[str]
+    ) -> list[tuple[list[int], TrainBatch] | None]:
         """A teacher's share of the step's micro-batches: its rows of each (None: none there)."""
         out: list[tuple[list[int], TrainBatch] | None] = []
         for planned in plans:
@@ -68,8 +69,9 @@ class HeldTeachers:
         return out
 
     @torch.no_grad()
-    def support(self, mb: TrainBatch | None, topk: int, device: Any,
-                collective: bool) -> tuple[Tensor | None, Tensor | None]:
+    def support(
+        self, mb: TrainBatch | None, topk: int, device: Any, collective: bool
+    ) -> tuple[Tensor | None, Tensor | None]:
         """The teachers' distribution for micro-batch ``mb`` (on the host; None: a padding pass):
         ``(ids [n, t, k], log-probs [n, t - first, k])`` over each row's teacher's top ``topk``
         tokens, or ``(None, log-probs [n, t - first, V])`` over the full vocabulary with ``topk``
@@ -91,13 +93,13 @@ class HeldTeachers:
                     teacher.teacher_filler()
                 continue
             dist = teacher.teacher_distribution(_alone(mb.select(rows)).to(device))  # [rows, t - its first, V]
-            dist = dist[:, max(dist.shape[1] - width, 0):]  # rows that train nothing start at position 1
+            dist = dist[:, max(dist.shape[1] - width, 0) :]  # rows that train nothing start at position 1
             if topk:
                 dist, top = dist.topk(topk, dim=-1)
-                ids[torch.tensor(rows, device=device), t - dist.shape[1]:] = top
+                ids[torch.tensor(rows, device=device), t - dist.shape[1] :] = top
             if logprobs is None:
                 logprobs = torch.zeros(n, width, dist.shape[-1], device=device)
-            logprobs[torch.tensor(rows, device=device), width - dist.shape[1]:] = dist
+            logprobs[torch.tensor(rows, device=device), width - dist.shape[1] :] = dist
         return ids, logprobs
 
 

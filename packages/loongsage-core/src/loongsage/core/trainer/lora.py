@@ -26,8 +26,9 @@ ADAPTER = "default"  # peft's adapter name; one adapter per model
 
 def require_peft() -> None:
     if importlib.util.find_spec("peft") is None:
-        raise ValueError("lora needs the peft package, which is not installed; "
-                         "install it with: pip install 'loongsage-core[lora]'")
+        raise ValueError(
+            "lora needs the peft package, which is not installed; install it with: pip install 'loongsage-core[lora]'"
+        )
 
 
 @dataclass
@@ -51,15 +52,17 @@ class LoraConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout}: must be in [0, 1)")
         if self.target_modules is not None and not self.target_modules:
-            raise ValueError("target_modules=[]: name at least one module, or leave it null for every linear "
-                             "layer of the decoder")
+            raise ValueError(
+                "target_modules=[]: name at least one module, or leave it null for every linear layer of the decoder"
+            )
         require_peft()  # at config validation, before any actor starts
 
 
 def decoder_linear_names(layers: list[nn.Module]) -> list[str]:
     """Short names of the ``nn.Linear`` modules inside the decoder layers (what LoRA may target)."""
-    return sorted({name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules()
-                   if isinstance(m, nn.Linear)})
+    return sorted(
+        {name.rsplit(".", 1)[-1] for layer in layers for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    )
 
 
 def check_targets(cfg: LoraConfig, layers: list[nn.Module]) -> list[str]:
@@ -68,8 +71,9 @@ def check_targets(cfg: LoraConfig, layers: list[nn.Module]) -> list[str]:
     targets = list(cfg.target_modules) if cfg.target_modules is not None else allowed
     unknown = [t for t in targets if t not in allowed]
     if unknown:
-        raise ValueError(f"lora.target_modules: {unknown[0]!r} is not a linear layer of the decoder; "
-                         f"allowed: {', '.join(allowed)}")
+        raise ValueError(
+            f"lora.target_modules: {unknown[0]!r} is not a linear layer of the decoder; allowed: {', '.join(allowed)}"
+        )
     return targets
 
 
@@ -87,9 +91,12 @@ def add_adapters(model: nn.Module, cfg: LoraConfig, layers: list[nn.Module]) -> 
     # A regex confined to the decoder layers: a short name alone would also match outside them.
     pattern = rf"{prefix}\.\d+\.(.*\.)?({'|'.join(targets)})"  # peft full-matches a string
     peft.inject_adapter_in_model(
-        peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=pattern,
-                        bias="none"),
-        model, adapter_name=ADAPTER)
+        peft.LoraConfig(
+            r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=pattern, bias="none"
+        ),
+        model,
+        adapter_name=ADAPTER,
+    )
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return targets
@@ -164,11 +171,15 @@ def load_adapter_state(model: nn.Module, state: dict[str, Tensor]) -> None:
     if params.keys() != state.keys():
         missing = sorted(params.keys() - state.keys())
         extra = sorted(state.keys() - params.keys())
-        raise ValueError(f"lora: the checkpoint's adapters do not match this model's (missing {missing[:2]}, "
-                         f"unexpected {extra[:2]}); resume with the same lora rank and target_modules")
+        raise ValueError(
+            f"lora: the checkpoint's adapters do not match this model's (missing {missing[:2]}, "
+            f"unexpected {extra[:2]}); resume with the same lora rank and target_modules"
+        )
     with torch.no_grad():
         for name, p in params.items():
             if p.shape != state[name].shape:
-                raise ValueError(f"lora: checkpoint adapter {name!r} has shape {tuple(state[name].shape)}, "
-                                 f"this model's is {tuple(p.shape)}; resume with the same lora rank")
+                raise ValueError(
+                    f"lora: checkpoint adapter {name!r} has shape {tuple(state[name].shape)}, "
+                    f"this model's is {tuple(p.shape)}; resume with the same lora rank"
+                )
             p.copy_(state[name])

@@ -53,8 +53,7 @@ def consecutive(lengths: Sequence[int], token_budget: int, widths: Sequence[int]
 def cost(groups: list[list[int]], lengths: Sequence[int], widths: Sequence[int] | None = None) -> int:
     """Padded tokens plus the per-pass overhead of a plan."""
     widths = _widths(widths, len(lengths))
-    return sum(sum(widths[i] for i in g) * max(int(lengths[i]) for i in g) + PASS_OVERHEAD_TOKENS
-               for g in groups if g)
+    return sum(sum(widths[i] for i in g) * max(int(lengths[i]) for i in g) + PASS_OVERHEAD_TOKENS for g in groups if g)
 
 
 def _widths(widths: Sequence[int] | None, n: int) -> list[int]:
@@ -104,14 +103,22 @@ def by_length(lengths: Sequence[int], token_budget: int, widths: Sequence[int] |
         b = cut[b]
     groups: list[list[int]] = []
     for a, b in reversed(pieces):
-        rows = order[starts[a]:ends[b]]
-        groups += [[rows[j] for j in g]
-                   for g in consecutive([lengths[i] for i in rows], token_budget, [widths[i] for i in rows])]
+        rows = order[starts[a] : ends[b]]
+        groups += [
+            [rows[j] for j in g]
+            for g in consecutive([lengths[i] for i in rows], token_budget, [widths[i] for i in rows])
+        ]
     return groups
 
 
-def plan_micro_batches(lengths: Sequence[int], token_budget: int, *, group_by_length: bool = True,
-                       min_saving: float = 0.1, widths: Sequence[int] | None = None) -> list[list[int]]:
+def plan_micro_batches(
+    lengths: Sequence[int],
+    token_budget: int,
+    *,
+    group_by_length: bool = True,
+    min_saving: float = 0.1,
+    widths: Sequence[int] | None = None,
+) -> list[list[int]]:
     """The micro-batches of a batch whose rows have ``lengths`` (real tokens; with ``widths``, each
     row's sequence count and ``lengths`` their longest), as lists of row indices: grouped by length
     when that saves at least ``min_saving`` of the consecutive plan's cost, else consecutive."""
@@ -132,8 +139,9 @@ def micro_batches(batch: TrainBatch, token_budget: int) -> Iterator[TrainBatch]:
         yield mb
 
 
-def planned_micro_batches(batch: TrainBatch, token_budget: int, *,
-                          group_by_length: bool) -> Iterator[tuple[list[int], TrainBatch]]:
+def planned_micro_batches(
+    batch: TrainBatch, token_budget: int, *, group_by_length: bool
+) -> Iterator[tuple[list[int], TrainBatch]]:
     """``(row indices, micro-batch)`` pairs as :func:`~loongsage.core.trainer.micro_batching.plan_micro_batches`
     plans them, each micro-batch trimmed to its own longest row.
 
@@ -141,8 +149,7 @@ def planned_micro_batches(batch: TrainBatch, token_budget: int, *,
     long as its longest (:func:`~loongsage.core.segments.forward_shape`).
     """
     lengths = batch.attention_mask.sum(-1).tolist()
-    planned_lengths, widths = (forward_shape(batch.segments, lengths) if is_split(batch.segments)
-                               else (lengths, None))
+    planned_lengths, widths = forward_shape(batch.segments, lengths) if is_split(batch.segments) else (lengths, None)
     for rows in plan_micro_batches(planned_lengths, token_budget, group_by_length=group_by_length, widths=widths):
         yield rows, _trim(batch.select(rows), max(int(lengths[i]) for i in rows))
 

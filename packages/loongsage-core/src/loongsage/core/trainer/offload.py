@@ -13,8 +13,9 @@ import torch
 from torch import Tensor
 
 
-def place_trainer_state(model: torch.nn.Module, optimizer: Any, masters: Any, dist_opt: Any, device: str, *,
-                        weights: bool) -> None:
+def place_trainer_state(
+    model: torch.nn.Module, optimizer: Any, masters: Any, dist_opt: Any, device: str, *, weights: bool
+) -> None:
     """Move the optimizer's state and the masters to ``device``, the model's weights too when
     ``weights``; the gradients of the last step are dropped (a step starts from none)."""
     if optimizer is not None:
@@ -29,7 +30,7 @@ def place_trainer_state(model: torch.nn.Module, optimizer: Any, masters: Any, di
         master.data = moved(master.data, device)
     if dist_opt is not None:
         dist_opt.to(lambda t: moved(t, device))
-    for state in (optimizer.state.values() if optimizer is not None else ()):
+    for state in optimizer.state.values() if optimizer is not None else ():
         for key, value in state.items():
             if isinstance(value, Tensor) and value.dim() > 0:  # AdamW keeps its step count on the CPU
                 state[key] = moved(value, device)

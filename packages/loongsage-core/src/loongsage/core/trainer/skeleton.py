@@ -116,12 +116,14 @@ class TrainerSkeleton(Trainer):
         return self.adapter.reference is not None
 
     # ------------------------------------------------------------------ setup
-    def setup_optimizer(self, lr: float, betas: list[float], eps: float, weight_decay: float,
-                        grad_clip: float, warmup_steps: int = 0) -> None:
+    def setup_optimizer(
+        self, lr: float, betas: list[float], eps: float, weight_decay: float, grad_clip: float, warmup_steps: int = 0
+    ) -> None:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapters only, under LoRA
         if self.distributed_optimizer:
-            self.dist_opt = DistributedOptimizer(self.adapter.optimizer_buckets(trainable), lr=lr, betas=tuple(betas),
-                                                 eps=eps, weight_decay=weight_decay)
+            self.dist_opt = DistributedOptimizer(
+                self.adapter.optimizer_buckets(trainable), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay
+            )
             self.optimizer = self.dist_opt.optimizer
         elif self.master_weights and not self.adapter.sharded and any(p.dtype != torch.float32 for p in trainable):
             self.masters = MasterWeights(trainable)
@@ -137,7 +139,8 @@ class TrainerSkeleton(Trainer):
         """The planned micro-batches, padded with ``None`` to the largest count over ranks (a split
         model's forward is a collective)."""
         mbs: list[Planned] = (
-            list(planned_micro_batches(batch, token_budget, group_by_length=self.group_by_length)) if len(batch) else [])
+            list(planned_micro_batches(batch, token_budget, group_by_length=self.group_by_length)) if len(batch) else []
+        )
         if self.world_size > 1:
             count = torch.tensor([len(mbs)])
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -167,8 +170,7 @@ class TrainerSkeleton(Trainer):
             lp, ent, dist_ = self.adapter.sequence_distribution(layout.split_batch(mb), shards=shards)
             t, width = mb.input_ids.shape[1], layout.width
             first, out_first = width - dist_.shape[1], max(response_start(mb.response_mask), 1)
-            return (layout.merge(lp, t), layout.merge(ent, t),
-                    layout.merge(dist_, t, first=first, out_first=out_first))
+            return (layout.merge(lp, t), layout.merge(ent, t), layout.merge(dist_, t, first=first, out_first=out_first))
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, token_budget: int) -> tuple[Tensor, Tensor]:
@@ -274,8 +276,9 @@ class TrainerSkeleton(Trainer):
         plans = self._aligned(mini_batch, token_budget)
         if self._teacher_support(loss_fn) is not None:
             self._teachers_ahead(plans)
-        self.adapter.run_micro_batches(plans, lambda planned: self._micro_batch_loss(planned, loss_fn, metrics),
-                                       backward=True)
+        self.adapter.run_micro_batches(
+            plans, lambda planned: self._micro_batch_loss(planned, loss_fn, metrics), backward=True
+        )
         self._reduce_grads()
         grad_norm = self.adapter.clip_grad_norm(self._trained(), self.grad_clip, self.dist_opt)
         if self.dist_opt is not None:
@@ -352,8 +355,9 @@ class TrainerSkeleton(Trainer):
         if self.adapter.sharded:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-            return get_optimizer_state_dict(self.model, self.optimizer,
-                                            options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            return get_optimizer_state_dict(
+                self.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
         return self.optimizer.state_dict()
 
     def _load_optimizer_state(self, state: dict[str, Any]) -> None:
@@ -381,15 +385,24 @@ class TrainerSkeleton(Trainer):
         if self.optimizer is not None and shard_file is None:
             optim_state = self._optimizer_state()
         if self.rank == 0:
-            torch.save({
-                "model": model_state, "optimizer": optim_state,
-                "master_weights": self.masters.state() if optim_state is not None and self.masters is not None else None,
-                "scheduler": self.scheduler.state_dict() if self.scheduler else None, "steps": self.steps,
-            }, path / "trainer.pt")
+            torch.save(
+                {
+                    "model": model_state,
+                    "optimizer": optim_state,
+                    "master_weights": self.masters.state()
+                    if optim_state is not None and self.masters is not None
+                    else None,
+                    "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                    "steps": self.steps,
+                },
+                path / "trainer.pt",
+            )
         torch.save(rng_state(), path / f"rng_rank{self.rank}.pt")
         if shard_file is not None and self.optimizer is not None:
-            state = {"optimizer": self._optimizer_state(),  # a collective under the distributed optimizer
-                     "master_weights": self.masters.state() if self.masters is not None else None}
+            state = {
+                "optimizer": self._optimizer_state(),  # a collective under the distributed optimizer
+                "master_weights": self.masters.state() if self.masters is not None else None,
+            }
             if shard_file.writes:
                 torch.save(state, path / shard_file.name)
 
@@ -441,8 +454,10 @@ class TrainerSkeleton(Trainer):
         if not str(self.device).startswith("cuda"):
             return
         if self.adapter.sharded:
-            raise ValueError("offload: an FSDP2-sharded trainer cannot move its shards to host memory yet; allowed: "
-                             "placement.offload_trainer=false, or dp_mode: replicate")
+            raise ValueError(
+                "offload: an FSDP2-sharded trainer cannot move its shards to host memory yet; allowed: "
+                "placement.offload_trainer=false, or dp_mode: replicate"
+            )
         place_trainer_state(self.model, self.optimizer, self.masters, self.dist_opt, device, weights=weights)
         for teacher in self.teachers.models():  # no step reads them before the next train phase
             teacher._place(device, weights=True)

@@ -89,13 +89,14 @@ class EmbeddedTeacher(Teacher):
                 lp, seq_first, ids_k, lp_k = self._score_sequences(layout.split_batch(mb), topk, full_vocab)
                 first = max(response_start(mb.response_mask), 1)
                 lp = layout.merge(lp, t)
-                ids_k, lp_k = (None if x is None else layout.merge(x, t, first=seq_first, out_first=first)
-                               for x in (ids_k, lp_k))
-            out_lp[row:row + n, :t] = lp.cpu()
+                ids_k, lp_k = (
+                    None if x is None else layout.merge(x, t, first=seq_first, out_first=first) for x in (ids_k, lp_k)
+                )
+            out_lp[row : row + n, :t] = lp.cpu()
             if ids_k is not None:
-                dist_ids[row:row + n, first:t] = ids_k.cpu()
+                dist_ids[row : row + n, first:t] = ids_k.cpu()
             if lp_k is not None:
-                dist_lp[row:row + n, first:t] = lp_k.cpu()
+                dist_lp[row : row + n, first:t] = lp_k.cpu()
             row += n
         mask = batch.response_mask != 0
         out_lp = torch.where(mask, out_lp, torch.zeros_like(out_lp))
@@ -105,8 +106,9 @@ class EmbeddedTeacher(Teacher):
             dist_ids = torch.where(mask.unsqueeze(-1), dist_ids, torch.zeros_like(dist_ids))
         return {"logprobs": out_lp, "dist_ids": dist_ids, "dist_logprobs": dist_lp}
 
-    def _score_sequences(self, mb: TrainBatch, topk: int,
-                         full_vocab: bool) -> tuple[Tensor, int, Tensor | None, Tensor | None]:
+    def _score_sequences(
+        self, mb: TrainBatch, topk: int, full_vocab: bool
+    ) -> tuple[Tensor, int, Tensor | None, Tensor | None]:
         """Rows that are whole sequences: the log-prob of every token ``[n, t]`` (0 before the first
         trained position), that position, and the support's ids and log-probs from it on
         ``[n, t - first, k]`` (``None`` where not asked for)."""

@@ -54,8 +54,17 @@ class TorchModel:
     vocab_split = None  # every rank holds the whole vocabulary
     optimizer_file = None  # every rank holds the whole optimizer state, or FSDP2 gathers it
 
-    def __init__(self, model_path: str, *, dtype: str, device: str, fp32_lm_head: bool, gradient_checkpointing: bool,
-                 dp_mode: str, lora: LoraConfig | None) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str,
+        device: str,
+        fp32_lm_head: bool,
+        gradient_checkpointing: bool,
+        dp_mode: str,
+        lora: LoraConfig | None,
+    ) -> None:
         self.device, self.fp32_lm_head, self.lora = device, fp32_lm_head, lora
         self.model = self._load(model_path, dtype)
         if lora is not None:
@@ -71,7 +80,8 @@ class TorchModel:
         self.model.train()
         # under LoRA the base weights never change: the model with its adapters off is the reference
         self.reference: Callable[[], AbstractContextManager[None]] | None = (
-            None if lora is None else lambda: adapters_disabled(self.model))
+            None if lora is None else lambda: adapters_disabled(self.model)
+        )
 
     def _load(self, model_path: str, dtype: str) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM
@@ -154,8 +164,11 @@ class TorchModel:
         """Nothing: a replica is one rank."""
 
     def clip_grad_norm(self, params: list[Tensor], max_norm: float, dist_opt: Any) -> Tensor:
-        norm = dist_opt.clip_grad_norm(max_norm) if dist_opt is not None else torch.nn.utils.clip_grad_norm_(
-            params, max_norm)
+        norm = (
+            dist_opt.clip_grad_norm(max_norm)
+            if dist_opt is not None
+            else torch.nn.utils.clip_grad_norm_(params, max_norm)
+        )
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: the norm is a DTensor
 
     # ------------------------------------------------------------------ weights and state

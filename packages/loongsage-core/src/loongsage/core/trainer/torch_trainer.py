@@ -41,11 +41,21 @@ class TorchTrainer(TrainerSkeleton):
         if self.lora is not None:
             self._check_lora_placement(world, self.dp_mode)
         if world > 1 and self.dp_mode == "fsdp2" and self.distributed_optimizer:
-            raise ValueError("distributed_optimizer: FSDP2 shards the optimizer state already; set dp_mode: replicate "
-                             "to split it over the ranks this way, or leave distributed_optimizer false")
-        self._attach(self.adapter_class(
-            self.model_path, dtype=self.dtype, device=self.device, fp32_lm_head=self.fp32_lm_head,
-            gradient_checkpointing=self.gradient_checkpointing, dp_mode=self.dp_mode, lora=self.lora))
+            raise ValueError(
+                "distributed_optimizer: FSDP2 shards the optimizer state already; set dp_mode: replicate "
+                "to split it over the ranks this way, or leave distributed_optimizer false"
+            )
+        self._attach(
+            self.adapter_class(
+                self.model_path,
+                dtype=self.dtype,
+                device=self.device,
+                fp32_lm_head=self.fp32_lm_head,
+                gradient_checkpointing=self.gradient_checkpointing,
+                dp_mode=self.dp_mode,
+                lora=self.lora,
+            )
+        )
 
     @classmethod
     def preflight(cls, params: dict[str, Any], model_path: str, *, world_size: int = 1) -> None:
@@ -68,5 +78,7 @@ class TorchTrainer(TrainerSkeleton):
         if not cls.supports_lora:
             raise ValueError(f"lora: {cls.__name__} does not support LoRA; leave lora unset")
         if world_size > 1 and dp_mode == "fsdp2":
-            raise ValueError("lora: dp_mode='fsdp2' is not supported with LoRA; set dp_mode='replicate' "
-                             "(the adapters are small, so a full replica per rank costs little)")
+            raise ValueError(
+                "lora: dp_mode='fsdp2' is not supported with LoRA; set dp_mode='replicate' "
+                "(the adapters are small, so a full replica per rank costs little)"
+            )
