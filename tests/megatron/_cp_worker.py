@@ -65,6 +65,9 @@ def run(rank: int, cp: int, tp: int, pp: int, model_dir: str, work: str, port: s
 
 
 if __name__ == "__main__":
+    from _ranks import one_thread, start_ranks
+
+    one_thread()
     from loongsage.megatron.cpu import apply_cpu_shims
 
     apply_cpu_shims()
@@ -74,4 +77,4 @@ if __name__ == "__main__":
     from loongsage.core.placement import free_port
 
     port = str(free_port())
-    torch.multiprocessing.spawn(run, args=(cp, tp, pp, model_dir, work, port), nprocs=cp * tp * pp)
+    start_ranks(run, args=(cp, tp, pp, model_dir, work, port), nprocs=cp * tp * pp)

@@ -112,6 +112,9 @@ def run(
 
 
 if __name__ == "__main__":
+    from _ranks import one_thread, start_ranks
+
+    one_thread()
     from loongsage.megatron.cpu import apply_cpu_shims
 
     apply_cpu_shims()
@@ -124,4 +127,4 @@ if __name__ == "__main__":
 
     perturbed_copy(model_dir, Path(work) / "teacher")
     port = str(free_port())
-    torch.multiprocessing.spawn(run, args=(tp, ep, world, model_dir, work, port, pp, etp), nprocs=world)
+    start_ranks(run, args=(tp, ep, world, model_dir, work, port, pp, etp), nprocs=world)

@@ -60,6 +60,9 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
 sys.path.insert(0, str(Path(__file__).parent))
 
 if __name__ == "__main__":
+    from _ranks import one_thread, start_ranks
+
+    one_thread()
     from loongsage.megatron.cpu import apply_cpu_shims
 
     apply_cpu_shims()
@@ -67,4 +70,4 @@ if __name__ == "__main__":
     from loongsage.core.placement import free_port
 
     port = str(free_port())
-    torch.multiprocessing.spawn(run, args=(tp, pp, model_dir, work, port), nprocs=tp * pp)
+    start_ranks(run, args=(tp, pp, model_dir, work, port), nprocs=tp * pp)

@@ -72,6 +72,6 @@ if __name__ == "__main__":
     if tp == 1:
         run(0, 1, model_dir, out, port)
     else:
-        import torch.multiprocessing as mp
+        from _ranks import start_ranks
 
-        mp.spawn(run, args=(tp, model_dir, out, port), nprocs=tp, join=True)
+        start_ranks(run, (tp, model_dir, out, port), tp)

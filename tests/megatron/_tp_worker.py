@@ -136,6 +136,9 @@ def run(rank: int, tp: int, pp: int, model_dir: str, work: str, port: str) -> No
 
 
 if __name__ == "__main__":
+    from _ranks import one_thread, start_ranks
+
+    one_thread()
     from loongsage.megatron.cpu import apply_cpu_shims
 
     apply_cpu_shims()
@@ -145,4 +148,4 @@ if __name__ == "__main__":
 
     perturbed_copy(model_dir, Path(work) / "teacher")
     port = str(free_port())
-    torch.multiprocessing.spawn(run, args=(tp, pp, model_dir, work, port), nprocs=tp * pp)
+    start_ranks(run, args=(tp, pp, model_dir, work, port), nprocs=tp * pp)
