@@ -585,6 +585,7 @@ def test_members_are_read_from_the_protocols() -> None:
         "supports_lora": False,
         "holds_reference": False,
         "preflight": None,
+        "doctor": None,
         "add_teacher": None,
         "data_parallel": None,
     }

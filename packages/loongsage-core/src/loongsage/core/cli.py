@@ -24,7 +24,7 @@ from loongsage.core.failures import Stopped, explain, install_stop_handlers, res
 from loongsage.core.types import BadRecordError, ConfigError
 
 log = logging.getLogger("loongsage")
-COMMANDS = ("train", "plugins", "recipes", "report", "serve")
+COMMANDS = ("train", "plugins", "recipes", "report", "serve", "doctor")
 
 
 class UsageError(Exception):
@@ -305,6 +305,14 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from loongsage.core.doctor import CAPABILITIES, report
+    from loongsage.core.plugins import load_registry
+
+    asked = {name for name in ("gpu", *CAPABILITIES) if getattr(args, name)}
+    return report(asked, load_registry(args.plugin or []))
+
+
 def cmd_recipes(args: argparse.Namespace) -> int:
     from loongsage.core.config import list_recipes
 
@@ -362,6 +370,13 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--verbose", "-v", action="store_true", help="also list each entry's parameters")
     pl.add_argument("--plugin", action="append", help="also load this module (as plugins: in a config)")
     pl.set_defaults(func=cmd_plugins)
+    dr = sub.add_parser("doctor", help="check what runs on this machine need; each missing piece with its fix")
+    dr.add_argument("--gpu", action="store_true", help="require CUDA, the driver, GPUs (torch and Ray) and NCCL")
+    dr.add_argument("--sglang", action="store_true", help="require the sglang engine and SGLang")
+    dr.add_argument("--megatron", action="store_true", help="require the megatron trainer and Megatron-Core")
+    dr.add_argument("--sandbox", action="store_true", help="require the local sandbox (bubblewrap)")
+    dr.add_argument("--plugin", action="append", help="also load this module (as plugins: in a config)")
+    dr.set_defaults(func=cmd_doctor)
     r = sub.add_parser("recipes", help="list the recipes the launcher can find")
     r.add_argument("--config-dir", default=None)
     r.set_defaults(func=cmd_recipes)

@@ -45,7 +45,7 @@ import pluggy
 from loongsage.core import contract_check, contracts, hookspecs
 from loongsage.core.project_packages import PROJECT_PACKAGES  # named when one is asked for but not installed
 from loongsage.core.schema import check_params, join_error
-from loongsage.core.types import ConfigError
+from loongsage.core.types import Check, ConfigError
 
 # the registry's tables: one per hook category (hookspecs.CATEGORIES), one per backend kind
 BACKEND_KINDS: tuple[str, ...] = tuple(contracts.BACKENDS)
@@ -61,6 +61,7 @@ class Entry:
     provider: str  # "distribution version (module)" or "config plugins: module"
     contract: type  # the Protocol of its category (contracts.HOOKS / contracts.BACKENDS)
     preflight: Callable[..., None] | None = None  # a backend factory's optional preflight
+    doctor: Callable[[], list[Check]] | None = None  # what it needs on this machine (loongsage doctor)
 
     def refuse(self, problem: str, where: str = "") -> ConfigError:
         """``[where: ]<category> '<name>' (from <provider>): <problem>``, one line."""
@@ -154,8 +155,11 @@ class Registry:
         problem = contract_check.check_factory(entry.factory, entry.contract, contracts.FACTORY_FLAGS)
         if problem is not None:
             raise entry.refuse(problem)
-        if "preflight" in contract_check.flags(entry.contract):
+        declared = contract_check.flags(entry.contract)
+        if "preflight" in declared:
             entry = replace(entry, preflight=entry.factory.preflight)
+        if "doctor" in declared:
+            entry = replace(entry, doctor=entry.factory.doctor)
         return entry
 
     @property

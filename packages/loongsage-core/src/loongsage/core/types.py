@@ -47,6 +47,19 @@ class EngineUnavailable(RuntimeError):
     where an error of one request (a ``ValueError``) fails that request alone."""
 
 
+@dataclass(frozen=True)
+class Check:
+    """One thing a run on this machine needs, as ``loongsage doctor`` reports it: ``ok`` or not,
+    what was found (a version, a count, the reason it is missing) and, when not ok, the fix. An
+    ``optional`` check names something that makes a backend faster or fuller, never required."""
+
+    name: str
+    ok: bool
+    found: str
+    fix: str = ""
+    optional: bool = False
+
+
 class ConfigError(ValueError):
     """A configuration problem, reported as one line naming the key and what is allowed."""
 

@@ -25,9 +25,16 @@ from typing import Any, ClassVar, Literal
 
 from loongsage.core.trainer.lora import LoraConfig
 from loongsage.core.trainer.skeleton import TrainerSkeleton, check_dtype
+from loongsage.core.types import Check
 from loongsage.megatron.adapter import MegatronModel
 from loongsage.megatron.layout import Layout
-from loongsage.megatron.model import architecture, check_layer_spec, check_packing, rope_base
+from loongsage.megatron.model import (
+    architecture,
+    check_layer_spec,
+    check_packing,
+    rope_base,
+    transformer_engine_error,
+)
 from loongsage.megatron.weights import read_config
 
 _LORA_REFUSED = "lora: MegatronTrainer does not support LoRA; leave lora unset"
@@ -90,6 +97,31 @@ class MegatronTrainer(TrainerSkeleton):
                 routing_replay=self.routing_replay,
             )
         )
+
+    @staticmethod
+    def doctor() -> list[Check]:
+        """Megatron-Core importable, and Transformer Engine's layer (optional: without it the
+        trainer builds the ``sdpa`` layer)."""
+        import importlib.metadata
+
+        try:
+            import megatron.core  # noqa: F401
+
+            core = Check("megatron-core", True, importlib.metadata.version("megatron-core"))
+        except Exception as exc:  # missing, or a library it loads: one line either way
+            found = f"does not import ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            core = Check("megatron-core", False, found, "pip install loongsage-megatron (it pins megatron-core)")
+        te = transformer_engine_error()
+        return [
+            core,
+            Check(
+                "Transformer Engine (layer_spec te)",
+                te is None,
+                "imports" if te is None else te,
+                "" if te is None else "optional: docs/megatron.md, 'Transformer Engine', says how to build it",
+                optional=True,
+            ),
+        ]
 
     @classmethod
     def preflight(cls, params: dict[str, Any], model_path: str, *, world_size: int = 1) -> None:

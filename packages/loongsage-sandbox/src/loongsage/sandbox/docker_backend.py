@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
+from loongsage.core.types import Check
 from loongsage.sandbox import paths
 from loongsage.sandbox.jail import ETC_PATHS, SYSTEM_PATHS, WORK, jail_env
 from loongsage.sandbox.limits import MIB, Limits
@@ -148,6 +149,13 @@ class DockerSandbox(Sandbox):
     """The ``docker`` sandbox backend (see the module docstring)."""
 
     reusable = False
+
+    @staticmethod
+    def doctor() -> list[Check]:
+        """A Docker Engine API answering at the default address (Docker, or Podman's service)."""
+        problem = docker_problem()
+        fix = "start Docker, or Podman's API service (podman system service), or set DOCKER_HOST"
+        return [Check("Docker Engine API", problem is None, problem or "answers", "" if problem is None else fix)]
 
     def __init__(
         self,

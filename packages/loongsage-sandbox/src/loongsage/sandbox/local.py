@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
+from loongsage.core.types import Check
 from loongsage.sandbox import paths
-from loongsage.sandbox.jail import exec_options, jail_argv, jail_env, jail_options, jail_problem
+from loongsage.sandbox.jail import PACKAGE_HINT, exec_options, jail_argv, jail_env, jail_options, jail_problem
 from loongsage.sandbox.limits import Limits
 from loongsage.sandbox.seccomp import keyring_filter
 from loongsage.sandbox.store import SandboxStore, UidClaim, kill_uid
@@ -108,6 +109,12 @@ class LocalSandbox(Sandbox):
     """The ``local`` sandbox backend (see the module docstring)."""
 
     reusable = True
+
+    @staticmethod
+    def doctor() -> list[Check]:
+        """The jail's tools and rights (bubblewrap, root, seccomp), probed as a sandbox would use them."""
+        problem = jail_problem()
+        return [Check("bubblewrap jail", problem is None, problem or "usable", "" if problem is None else PACKAGE_HINT)]
 
     def __init__(self, limits: Limits = Limits(), root: str | None = None):
         problem = jail_problem()

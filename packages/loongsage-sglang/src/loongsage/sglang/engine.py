@@ -47,6 +47,7 @@ from torch import Tensor
 from loongsage.core.contracts import Engine
 from loongsage.core.placement import free_port
 from loongsage.core.types import (
+    Check,
     EngineUnavailable,
     FinishReason,
     GenerationRequest,
@@ -79,6 +80,32 @@ class SGLangEngine(Engine):
 
     kind = "engine"
     named_weights: ClassVar[None] = None  # SGLang shows its weights only truncated
+    VERIFIED = "0.5.16"  # the SGLang whose HTTP API this engine was written and tested against
+
+    @staticmethod
+    def doctor() -> list[Check]:
+        """SGLang installed (its version against the verified one) and a CUDA GPU to serve on."""
+        import importlib.metadata
+
+        import torch
+
+        try:
+            found = importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            found = None
+        fix = f"pip install 'sglang[all]=={SGLangEngine.VERIFIED}' (on a CUDA machine)"
+        gpu = torch.cuda.is_available()
+        return [
+            Check("sglang", found is not None, found or "not installed", "" if found else fix),
+            Check(
+                f"sglang version verified ({SGLangEngine.VERIFIED})",
+                found == SGLangEngine.VERIFIED,
+                found or "-",
+                "" if found == SGLangEngine.VERIFIED else f"other versions may differ in their HTTP API: {fix}",
+                optional=True,
+            ),
+            Check("a CUDA GPU to serve on", gpu, "yes" if gpu else "none", "" if gpu else "SGLang serves on CUDA GPUs"),
+        ]
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from loongsage.core.contracts.algorithms import LossFunction
 from loongsage.core.metrics import Metrics
-from loongsage.core.types import GenerationRequest, GenerationResult, TrainBatch
+from loongsage.core.types import Check, GenerationRequest, GenerationResult, TrainBatch
 
 
 class Trainer(Protocol):
@@ -37,6 +37,10 @@ class Trainer(Protocol):
     preflight: ClassVar[Callable[..., None] | None] = None
     """Optional classmethod ``preflight(params, model_path, *, world_size)``, run in the driver
     before any actor starts; raises ``ValueError`` naming the param (a LoRA target, say)."""
+    doctor: ClassVar[Callable[[], list[Check]] | None] = None
+    """Optional staticmethod ``doctor()``: what this backend needs on this machine (its libraries and
+    their versions, a device, a system tool), one :class:`~loongsage.core.types.Check` each; read by
+    ``loongsage doctor``, never during a run."""
     add_teacher: ClassVar[Callable[..., None] | None] = None
     """Optional ``add_teacher(sources, model_path)``, with ``teacher_logprobs(batch, token_budget)``:
     hold the MOPD teacher of these data sources (``teacher: {name: trainer}``), a frozen model
@@ -115,6 +119,10 @@ class Engine(Protocol):
     """
 
     kind: ClassVar[Literal["engine"]] = "engine"
+    doctor: ClassVar[Callable[[], list[Check]] | None] = None
+    """Optional staticmethod ``doctor()``: what this backend needs on this machine (its libraries and
+    their versions, a device, a system tool), one :class:`~loongsage.core.types.Check` each; read by
+    ``loongsage doctor``, never during a run."""
     named_weights: ClassVar[Callable[[], Iterable[tuple[str, Tensor]]] | None] = None
     """Optional ``named_weights()``: the HF-named tensors the engine serves now (the checks that a
     weight update arrived bit for bit use it)."""

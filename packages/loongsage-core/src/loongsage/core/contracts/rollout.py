@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol
 
-from loongsage.core.types import DataRecord, Trajectory
+from loongsage.core.types import Check, DataRecord, Trajectory
 
 
 class Agent(Protocol):
@@ -113,6 +113,10 @@ class Sandbox(Protocol):
     through a symlink, outside the work directory) raises ``ValueError``.
     """
 
+    doctor: ClassVar[Callable[[], list[Check]] | None] = None
+    """Optional staticmethod ``doctor()``: what this backend needs on this machine (its libraries and
+    their versions, a device, a system tool), one :class:`~loongsage.core.types.Check` each; read by
+    ``loongsage doctor``, never during a run."""
     reusable: ClassVar[bool] = False
     """Offers ``reset``: a released sandbox can be emptied and handed to another owner."""
     reset: ClassVar[Callable[[str, SandboxOwner, float], Awaitable[None]] | None] = None

@@ -67,7 +67,7 @@ class Backend(Protocol):
     """One of the keys of :data:`BACKENDS`; None (left out) is refused naming them."""
 
 
-FACTORY_FLAGS: tuple[str, ...] = ("kind", "preflight", "receives")
+FACTORY_FLAGS: tuple[str, ...] = ("kind", "preflight", "receives", "doctor")
 """Flags the registry reads off a factory before it builds anything: declared as class attributes
 of a class factory or as attributes of a factory function, checked and defaulted at load either
 way (the Protocol's other flags are read off what the factory builds)."""
