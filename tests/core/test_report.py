@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from loongsage.core.report import panel_series, write_report
+from loongsage.core.report import panel_series, restart_steps, title, write_report
 
 
 def _rows(steps: int = 4, **series) -> list[dict]:
@@ -62,7 +62,7 @@ def test_sft_run_has_no_consistency_panel(tmp_path):
     )
     assert "consistency" not in panel_series(rows)
     paths = write_report(_write(tmp_path / "sft", rows))
-    assert sorted(p.name for p in paths) == ["accuracy.png", "overview.png", "policy.png", "reward.png"]
+    assert sorted(p.name for p in paths) == ["accuracy.png", "loss.png", "overview.png", "policy.png", "reward.png"]
     assert all(p.is_file() and p.stat().st_size > 0 for p in paths)
 
 
@@ -75,3 +75,42 @@ def test_write_report_draws_the_non_empty_panels(tmp_path):
         "reward.png",
         "timing.png",
     ]
+
+
+def test_a_multi_source_async_run_gets_its_panels_in_a_grid_with_titles_naming_their_series(tmp_path):
+    rows = [{"step": 0, "eval/arith/accuracy": 0.2, "eval/arith/pass@8": 0.5, "eval/sort/accuracy": 0.0}]
+    rows += _rows(
+        8,
+        rollout__reward_mean=lambda s: 0.1 * s,
+        rollout_per_ds__arith__reward_mean=lambda s: 0.2 * s,
+        rollout_per_ds__sort__reward_mean=lambda s: 0.0,  # a source that learns nothing is a result
+        train__loss=lambda s: 1.0 / s,
+        train__grad_norm=lambda s: 0.0 if s > 2 else 3.0,
+        train__lr=lambda s: 1e-5,
+        rollout__staleness_mean=lambda s: 0.5,
+        rollout__staleness_max=lambda s: 1.0,
+        rollout__partial_frac=lambda s: 0.25,
+        rollout__engine_restarts=lambda s: 1.0 if s == 5 else 0.0,
+        timing__step_s=lambda s: 1.0,
+    )
+    rows.append({"step": 8, "eval/arith/accuracy": 0.6, "eval/arith/pass@8": 0.9, "eval/sort/accuracy": 0.0})
+    panels = panel_series(rows)
+    assert panels["reward"] == [
+        "rollout/reward_mean",
+        "rollout_per_ds/arith/reward_mean",
+        "rollout_per_ds/sort/reward_mean",
+    ]
+    assert panels["accuracy"] == ["eval/arith/accuracy", "eval/arith/pass@8", "eval/sort/accuracy"]
+    assert title("reward", panels["reward"]) == "reward: all sources, arith, sort"
+    assert title("accuracy", panels["accuracy"]) == "held out: arith accuracy, arith pass@8, sort accuracy"
+    assert title("staleness", panels["staleness"]) == "staleness (policy versions): max, mean"
+    assert title("grad_norm", panels["grad_norm"]) == "gradient norm"
+    assert restart_steps(rows) == [5]
+    paths = write_report(_write(tmp_path / "mixed_async", rows))
+    names = {p.name for p in paths}
+    for panel in ("reward", "accuracy", "loss", "grad_norm", "lr", "staleness", "partial", "timing"):
+        assert f"{panel}.png" in names, panel
+    from PIL import Image
+
+    width, height = Image.open(paths[0]).size  # the overview: 3 columns, as many lines as it needs
+    assert paths[0].name == "overview.png" and 1.0 < width / height < 2.0, (width, height)
