@@ -1,6 +1,7 @@
 """The published shape: every package builds an sdist, and a wheel from that sdist (as an installer
-does from an sdist), each shipping the license; wheels of core + algos in a fresh venv outside the
-repository run a recipe, and a packaged recipe that needs another package names it."""
+does from an sdist), each shipping the license, with complete metadata that ``twine check --strict``
+passes; wheels of core + algos in a fresh venv outside the repository run a recipe, and a packaged
+recipe that needs another package names it. The release policy itself: docs/releasing.md."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ import re
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from packaging.metadata import Metadata
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = sorted(p.name for p in (REPO / "packages").iterdir() if (p / "pyproject.toml").is_file())
@@ -71,6 +75,38 @@ def test_each_package_builds_an_sdist_and_a_wheel_from_it_with_the_license(dist,
     if package == "loongsage-agentflow":  # its chat and tool_agent agents import them
         required = {r.split(">")[0].split("=")[0].split(";")[0].strip() for r in metadata.get_all("Requires-Dist")}
         assert {"openai", "httpx"} <= required, required
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_wheel_carries_complete_valid_metadata(dist, package):
+    project = tomllib.loads((REPO / "packages" / package / "pyproject.toml").read_text())["project"]
+    _, wheel = _artifacts(dist, package)
+    with zipfile.ZipFile(wheel) as whl:
+        info = next(n.split("/")[0] for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        raw = whl.read(f"{info}/METADATA")
+        entry_points = whl.read(f"{info}/entry_points.txt").decode()
+    metadata = Metadata.from_email(raw, validate=True)  # raises on any field PyPI would refuse
+    assert (metadata.name, str(metadata.version)) == (package, project["version"])
+    assert metadata.summary == project["description"]
+    assert str(metadata.requires_python) == project["requires-python"]
+    assert sorted(metadata.classifiers or []) == sorted(project["classifiers"])
+    assert sorted(metadata.keywords or []) == sorted(project["keywords"])
+    assert (metadata.license_expression, metadata.license_files) == ("Apache-2.0", ["LICENSE"])
+    assert metadata.description_content_type == "text/markdown"
+    readme = (REPO / "packages" / package / "README.md").read_text()
+    assert metadata.description and metadata.description.strip() == readme.strip()
+    required = {r.name for r in metadata.requires_dist or [] if "extra" not in str(r.marker or "")}
+    assert required == {Requirement(r).name for r in project["dependencies"]}
+    for name, target in project.get("entry-points", {}).get("loongsage", {}).items():
+        assert f"{name} = {target}" in entry_points, (name, entry_points)
+    assert metadata.project_urls is None or all(u.startswith("https://") for u in metadata.project_urls.values())
+
+
+def test_twine_check_strict_passes_on_every_sdist_and_wheel(dist):
+    artifacts = sorted([*dist.glob("*.tar.gz"), *dist.glob("*.whl")])
+    assert len(artifacts) == 2 * len(PACKAGES), [a.name for a in artifacts]
+    checked = _run([sys.executable, "-m", "twine", "check", "--strict", *map(str, artifacts)])
+    assert checked.stdout.count("PASSED") == len(artifacts), checked.stdout
 
 
 def test_a_core_wheel_built_straight_from_the_repository_carries_the_recipes_too(tmp_path):

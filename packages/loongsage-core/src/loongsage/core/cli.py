@@ -2,6 +2,7 @@
 
 loongsage train <recipe> [key=value ...] [--config-dir DIR]
 loongsage plugins [--verbose]
+loongsage reference [--out PATH]
 loongsage recipes [--config-dir DIR]
 loongsage report <run_dir>
 loongsage serve <recipe | HF model folder> [key=value ...] [--port N] [--host H] [--record DIR]
@@ -24,7 +25,7 @@ from loongsage.core.failures import Stopped, explain, install_stop_handlers, res
 from loongsage.core.types import BadRecordError, ConfigError
 
 log = logging.getLogger("loongsage")
-COMMANDS = ("train", "plugins", "recipes", "report", "serve", "doctor")
+COMMANDS = ("train", "plugins", "reference", "recipes", "report", "serve", "doctor")
 
 
 class UsageError(Exception):
@@ -305,6 +306,31 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reference(args: argparse.Namespace) -> int:
+    from loongsage.core.plugins import load_registry
+    from loongsage.core.reference import config_reference
+
+    out = Path(args.out) if args.out else None
+    if out is not None and out.is_dir():
+        raise ConfigError(
+            f"reference: --out {args.out!r} is a directory; pass the file to write, e.g. docs/reference/config.md"
+        )
+    if out is not None and not out.parent.is_dir():  # checked before the plugins load: a typo fails at once
+        raise ConfigError(
+            f"reference: --out {args.out!r}: no folder {str(out.parent)!r}; create it or pass another path"
+        )
+    text = config_reference(load_registry())
+    if out is None:
+        print(text, end="")
+    else:
+        try:
+            out.write_text(text)
+        except OSError as exc:  # a read-only folder, a full disk
+            raise ConfigError(f"reference: cannot write {args.out!r}: {exc.strerror or exc}") from None
+        print(out)
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from loongsage.core.doctor import CAPABILITIES, report
     from loongsage.core.plugins import load_registry
@@ -370,6 +396,9 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--verbose", "-v", action="store_true", help="also list each entry's parameters")
     pl.add_argument("--plugin", action="append", help="also load this module (as plugins: in a config)")
     pl.set_defaults(func=cmd_plugins)
+    rf = sub.add_parser("reference", help="the config reference as markdown: every key, every plugin entry's params")
+    rf.add_argument("--out", default=None, metavar="PATH", help="write it to this file (default: print it)")
+    rf.set_defaults(func=cmd_reference)
     dr = sub.add_parser("doctor", help="check what runs on this machine need; each missing piece with its fix")
     dr.add_argument("--gpu", action="store_true", help="require CUDA, the driver, GPUs (torch and Ray) and NCCL")
     dr.add_argument("--sglang", action="store_true", help="require the sglang engine and SGLang")

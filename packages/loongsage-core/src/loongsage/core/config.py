@@ -25,11 +25,11 @@ Spec = dict[str, Any]  # {name: ..., params: {...}}
 
 @dataclass
 class RunConfig:
-    name: str = "run"
-    seed: int = ranged(0, ge=0)
-    total_steps: int = ranged(10, ge=1)
+    name: str = "run"  # the run's folder under output_dir, and its name in the trackers
+    seed: int = ranged(0, ge=0)  # seeds the trainer ranks, the engines' sampling and the data order
+    total_steps: int = ranged(10, ge=1)  # optimizer steps of the whole run (a resumed run counts on)
     output_dir: str = "runs"  # outputs go to <output_dir>/<name>/
-    log_dir: str = "log"
+    log_dir: str = "log"  # the launcher's log, one trainer_<timestamp>.log per launch
 
     def __post_init__(self) -> None:
         if self.name.strip() in ("", ".", ".."):
@@ -40,19 +40,21 @@ class RunConfig:
 class ModelConfig:
     path: str | None = None  # local HF folder
     builder: Spec | None = None  # a model_builder backend that makes the folder offline (cached)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    fp32_lm_head: bool = True
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # the policy's weights in trainer and engines
+    fp32_lm_head: bool = True  # the LM head (and so every log-prob) in float32 under a bf16/fp16 dtype
 
 
 @dataclass
 class DataSourceConfig:
-    name: str
+    name: str  # unique among the sources; names the source in metrics, checkpoints and batches.jsonl
+    # the training prompts, a data_source entry: e.g. a file's rows, {name: file, params: {path: train.jsonl,
+    # prompt_key: prompt, label_key: label}}
     reader: Spec
-    prompts_per_step: int = ranged(8, ge=1)  # B_i
-    samples_per_prompt: int = ranged(8, ge=1)  # N_i
-    agent: Spec = field(default_factory=lambda: {"name": "single_turn"})
-    reward: Spec = field(default_factory=lambda: {"name": "exact_match"})
-    eval_reader: Spec | None = None
+    prompts_per_step: int = ranged(8, ge=1)  # B_i: prompts this source adds to every step's batch
+    samples_per_prompt: int = ranged(8, ge=1)  # N_i: responses generated per prompt (the group size)
+    agent: Spec = field(default_factory=lambda: {"name": "single_turn"})  # an agent entry: a record -> its group
+    reward: Spec = field(default_factory=lambda: {"name": "exact_match"})  # a reward entry scoring each trajectory
+    eval_reader: Spec | None = None  # held-out prompts (a data_source entry) for evaluation; null = not evaluated
     eval_agent: Spec | None = None  # agent for evaluation (default: ``agent``), e.g. a generating one for SFT
     teacher: Spec | None = None  # MOPD: {name: <teacher backend>, params: {path | builder, ...}}
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields except n
@@ -63,8 +65,9 @@ class DataSourceConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Spec = field(default_factory=lambda: {"name": "native"})
-    num_engines: int = ranged(1, ge=1)
+    engine: Spec = field(default_factory=lambda: {"name": "native"})  # the generation engine (an engine backend)
+    num_engines: int = ranged(1, ge=1)  # engine replicas, each an actor of its own
+    # when groups are generated against training (a rollout_scheduler entry): sync, or asynchronous
     scheduler: Spec = field(default_factory=lambda: {"name": "sync"})
     # the weight push trainer -> engines (docs/weight_sync.md); null: by placement, `cpu` without
     # GPUs, on GPUs `ipc` colocated and `broadcast` disaggregated (both from loongsage-sync)
@@ -78,6 +81,7 @@ class RolloutConfig:
     # engine failover: a call that fails, or stays silent this long, is followed by a health probe
     # bounded by the same time; an engine that died or does not answer is replaced in its bundle
     engine_health_timeout_s: float = ranged(30.0, gt=0)
+    # engines replaced in a run before a lost one fails it
     max_engine_restarts: int = ranged(3, ge=0, note="replacements per run; 0 = a lost engine fails the run")
 
 
@@ -91,9 +95,9 @@ class DistillConfig:
     on the whole vocabulary).
     """
 
-    pg_coef: float = ranged(1.0, ge=0)
-    gkd_coef: float = ranged(0.0, ge=0, le=1)
-    divergence: Spec | None = None
+    pg_coef: float = ranged(1.0, ge=0)  # PG branch: weight of the teacher's log-ratio in every token's advantage
+    gkd_coef: float = ranged(0.0, ge=0, le=1)  # GKD branch: share of the divergence loss in the total loss
+    divergence: Spec | None = None  # GKD branch: the per-token divergence to the teacher (a kl entry)
 
     def __post_init__(self) -> None:
         if self.pg_coef == 0 and self.gkd_coef == 0:
@@ -113,13 +117,15 @@ class DistillConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Spec = field(default_factory=lambda: {"name": "grpo"})
-    policy_loss: Spec = field(default_factory=lambda: {"name": "ppo_clip"})
-    kl: Spec | None = None
-    kl_coef: float = ranged(0.0, ge=0)
+    advantage: Spec = field(default_factory=lambda: {"name": "grpo"})  # the advantage estimator entry
+    policy_loss: Spec = field(default_factory=lambda: {"name": "ppo_clip"})  # the per-token policy loss entry
+    kl: Spec | None = None  # the KL estimator to the reference policy (a kl entry); null = no KL term
+    kl_coef: float = ranged(0.0, ge=0)  # weight of the KL term (needs kl)
     kl_in_reward: bool = False  # KL as a token reward before advantages (else a loss term)
-    corrections: list[Spec] = field(default_factory=list)
-    filters: list[Spec] = field(default_factory=list)
+    corrections: list[Spec] = field(default_factory=list)  # train-inference corrections (correction entries)
+    filters: list[Spec] = field(default_factory=list)  # data filters dropping groups before training
+    # how per-token losses become one scalar: token-mean, seq-mean-token-mean, seq-mean-token-sum,
+    # seq-mean-token-sum-norm (loongsage.core.aggregation)
     aggregation: str = "token-mean"
     aggregation_constant: float | None = ranged(None, gt=0)  # C of seq-mean-token-sum-norm
     distill: DistillConfig | None = None  # MOPD; null = off (then no source may name a teacher)
@@ -131,12 +137,12 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimizerConfig:
-    lr: float = ranged(1e-4, gt=0)
-    betas: list[float] = ranged(default_factory=lambda: [0.9, 0.999], ge=0, lt=1)
-    eps: float = ranged(1e-8, gt=0)
-    weight_decay: float = ranged(0.0, ge=0)
-    grad_clip: float = ranged(1.0, gt=0, note="max gradient norm; inf = no clipping")
-    warmup_steps: int = ranged(0, ge=0, note="0 = no warm-up")
+    lr: float = ranged(1e-4, gt=0)  # AdamW's peak learning rate
+    betas: list[float] = ranged(default_factory=lambda: [0.9, 0.999], ge=0, lt=1)  # AdamW's [beta1, beta2]
+    eps: float = ranged(1e-8, gt=0)  # AdamW's epsilon
+    weight_decay: float = ranged(0.0, ge=0)  # AdamW's decoupled weight decay
+    grad_clip: float = ranged(1.0, gt=0, note="max gradient norm; inf = no clipping")  # gradient-norm clipping
+    warmup_steps: int = ranged(0, ge=0, note="0 = no warm-up")  # steps of linear learning-rate warm-up
 
     def __post_init__(self) -> None:
         if len(self.betas) != 2:
@@ -147,26 +153,26 @@ class OptimizerConfig:
 class CriticConfig:
     """A value model trained beside the policy (PPO with GAE); one rank, in the trainer's bundle."""
 
-    backend: Spec = field(default_factory=lambda: {"name": "torch_critic"})
-    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3))
-    value_clip: float = ranged(0.2, gt=0)
+    backend: Spec = field(default_factory=lambda: {"name": "torch_critic"})  # a trainer backend that has values
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3))  # the critic's own AdamW
+    value_clip: float = ranged(0.2, gt=0)  # clip range of the value loss around the old values
 
 
 @dataclass
 class TrainerConfig:
-    backend: Spec = field(default_factory=lambda: {"name": "torch"})
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    backend: Spec = field(default_factory=lambda: {"name": "torch"})  # the policy's trainer backend
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # the policy's AdamW
     micro_batch_tokens: int = ranged(8192, ge=1)  # token budget of one micro-batch (padded length x rows)
-    mini_batches_per_step: int = ranged(1, ge=1)
+    mini_batches_per_step: int = ranged(1, ge=1)  # optimizer updates per step, each on its share of the batch
     world_size: int = ranged(1, ge=1)  # data-parallel ranks (FSDP2; gloo on CPU)
-    critic: CriticConfig | None = None
+    critic: CriticConfig | None = None  # a value model (PPO with GAE); null = none
 
 
 @dataclass
 class PlacementConfig:
-    colocate: bool = True
+    colocate: bool = True  # trainer ranks and engines share bundles (else each gets its own)
     cpus_per_actor: float = ranged(1.0, gt=0)  # CPUs of one bundle (see placement_bundles)
-    gpus_per_actor: float = ranged(0.0, ge=0)
+    gpus_per_actor: float = ranged(0.0, ge=0)  # GPUs of one bundle; 0 = a CPU run
     # colocated: the engines free their KV cache (and move their weights off the accelerator) while
     # the trainer trains, and take them back before the weight push; null: when colocated on GPUs
     release_engine_memory: bool | None = None
@@ -183,7 +189,7 @@ class PlacementConfig:
 class TrackingConfig:
     # each a tracker name (jsonl, tensorboard, wandb) or a spec with params: {name: wandb, params: {...}}
     backends: list[str | Spec] = field(default_factory=lambda: ["jsonl", "tensorboard"])
-    progress: bool = True
+    progress: bool = True  # a progress bar of the steps on the terminal
     # <run_dir>/batches.jsonl: every trained group with its source, record, staleness, rank and
     # mini-batch (an audit of proportions and staleness)
     batches: bool = False
@@ -191,36 +197,38 @@ class TrackingConfig:
 
 @dataclass
 class EvaluationConfig:
-    every_steps: int = ranged(0, ge=0, note="0 = only at start and end")
+    every_steps: int = ranged(0, ge=0, note="0 = only at start and end")  # held-out evaluation interval
     # at the first and last evaluation, also pass@k with k samples (0 = off)
     pass_k: int = ranged(0, ge=0, note="0 = off")
-    max_prompts: int = ranged(256, ge=1)
+    max_prompts: int = ranged(256, ge=1)  # the first rows of each eval_reader that are evaluated
     success_threshold: float = 1.0  # a response with reward >= this counts as correct
 
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = ranged(0, ge=0, note="0 = only at the end")
-    resume: bool = False
-    keep_last: int = ranged(2, ge=0, note="0 = keep all")
-    export_hf: bool = True
+    every_steps: int = ranged(0, ge=0, note="0 = only at the end")  # checkpoint interval in steps
+    resume: bool = False  # continue from the run folder's latest checkpoint (short form: resume=true)
+    keep_last: int = ranged(2, ge=0, note="0 = keep all")  # checkpoints kept, the newest
+    export_hf: bool = True  # write the trained policy as an HF folder to <run_dir>/final/ at the end
 
 
 @dataclass
 class Config:
-    run: RunConfig = field(default_factory=RunConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    run: RunConfig = field(default_factory=RunConfig)  # the run's name, seed, length and output folders
+    model: ModelConfig = field(default_factory=ModelConfig)  # the policy model: an HF folder, or a builder of one
+    # the tasks trained on, mixed with exact per-source proportions in every batch
     data_sources: list[DataSourceConfig] = field(default_factory=list)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # generation: engines, scheduler, weight push
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)  # advantages, loss, KL, corrections
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)  # the policy's trainer backend and optimizer
+    placement: PlacementConfig = field(default_factory=PlacementConfig)  # how roles share Ray bundles and devices
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # where metrics go
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)  # held-out evaluation
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # saving and resuming
     # run-scoped services agents reach, started in order with the run (the chat gateway:
     # {name: gateway, params: {...}}); see loongsage.core.services
     services: list[Spec] = field(default_factory=list)
+    # plugin modules to import, by name: installed, beside the recipe or in the working directory
     plugins: list[str] = field(default_factory=list)
 
     @property
