@@ -20,6 +20,13 @@ from loongsage.core.compose import compose
 from loongsage.core.schema import ranged
 from loongsage.core.types import ConfigError, SamplingParams
 
+SUPPLIED: dict[str, tuple[str, ...]] = {
+    "trainer": ("model_path", "dtype", "fp32_lm_head"),
+    "engine": ("model_path", "dtype", "fp32_lm_head", "seed"),
+    "teacher": ("model_path",),
+}
+"""What the framework passes a backend's factory itself, by kind: never a recipe's param."""
+
 Spec = dict[str, Any]  # {name: ..., params: {...}}
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loongsage.core.config import SUPPLIED
 from loongsage.core.types import ConfigError
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ def check_teacher(registry: Any, spec: dict[str, Any], path: str, trainer: dict[
                 f"use a teacher backend ({', '.join(registry.names('teacher'))})"
             )
     else:
-        registry.check("teacher", backend, path, skip=("model_path",))
+        registry.check("teacher", backend, path, skip=SUPPLIED["teacher"])
     given = [k for k in SOURCE_KEYS if source.get(k) is not None]
     if len(given) != 1:
         raise ConfigError(

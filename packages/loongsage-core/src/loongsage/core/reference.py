@@ -33,13 +33,6 @@ REQUIRED, SEE_BELOW = "required", "see below"  # the defaults that are words, no
 LISTS = (list, tuple, Sequence, Iterable)
 YAML_WORDS = ("null", "true", "false", "yes", "no", "on", "off", "y", "n")  # plain strings YAML reads as others
 
-# What the framework passes a backend itself (validation.py's skip lists): listed, but not a recipe's to set.
-SUPPLIED = {
-    "trainer": ("model_path", "dtype", "fp32_lm_head"),
-    "engine": ("model_path", "dtype", "fp32_lm_head", "seed"),
-    "teacher": ("model_path",),
-}
-
 
 class _Spec:
     """Stands for ``config.Spec`` when the annotations are resolved: a ``{name, params}`` mapping
@@ -354,7 +347,7 @@ def _entry_section(entry: Any, category: str) -> list[str]:
     hints = {name: tp for name, (tp, _) in fields.items()}
     ranges = {f.name: f.metadata[RANGE] for f in _dataclass_fields(entry.factory) if RANGE in f.metadata}
     meanings = param_meanings(entry.factory)
-    supplied = (*SUPPLIED.get(category, ()), *getattr(entry.factory, "receives", ()))
+    supplied = (*config.SUPPLIED.get(category, ()), *getattr(entry.factory, "receives", ()))
     rows: list[tuple[str, ...]] = []
     for name, (tp, default) in fields.items():
         meaning = "passed by the framework; not set in params" if name in supplied else meanings.get(name, "")

@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from loongsage.core.config import Config, find_recipe
+from loongsage.core.config import SUPPLIED, Config, find_recipe
 from loongsage.core.services import RunServices, ServiceContext, Serving
 from loongsage.core.types import ConfigError
 
@@ -29,7 +29,6 @@ log = logging.getLogger("loongsage")
 GATEWAY = "gateway"
 # the model's own chat template: served outside a recipe's training, it is the one the model knows
 DEFAULT_GATEWAY = {"name": GATEWAY, "params": {"chat_template": "tokenizer"}}
-SUPPLIED = ("model_path", "dtype", "fp32_lm_head", "seed")  # what the framework passes engine factories
 
 
 def load_serve_config(target: str | None, overrides: list[str], *, config_dir: str | None = None) -> tuple[Config, Any]:
@@ -71,7 +70,7 @@ def load_serve_config(target: str | None, overrides: list[str], *, config_dir: s
         registry.create("model_builder", cfg.model.builder, "model.builder")
     elif not (Path(cfg.model.path) / "config.json").is_file():
         raise ConfigError(f"model.path={cfg.model.path!r}: not an HF model folder (no config.json there)")
-    registry.check("engine", cfg.rollout.engine, "rollout.engine", skip=SUPPLIED)
+    registry.check("engine", cfg.rollout.engine, "rollout.engine", skip=SUPPLIED["engine"])
     # serving pushes no weights; the cpu transport's receiver needs no GPU package and is always there
     cfg.rollout.transport = {"name": "cpu"}
     names = [spec.get("name") if isinstance(spec, dict) else None for spec in cfg.services]

@@ -42,7 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from loongsage.core.config import Config, DataSourceConfig, placement_demand, transport_for
+from loongsage.core.config import SUPPLIED, Config, DataSourceConfig, placement_demand, transport_for
 from loongsage.core.contracts import Critic
 from loongsage.core.distill import check_teacher, held_by_trainer
 from loongsage.core.schema import build_dataclass
@@ -52,7 +52,6 @@ Rule = Callable[[Config, Any], None]
 """``rule(cfg, registry) -> None``: raises a one-line ConfigError for a config it refuses."""
 
 # what the framework hands every trainer and engine backend (no params of the user's)
-_SUPPLIED = ("model_path", "dtype", "fp32_lm_head")
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -227,7 +226,7 @@ def teachers_placed_alike(cfg: Config, registry: Any) -> None:
 
 
 def engine(cfg: Config, registry: Any) -> None:
-    registry.check("engine", cfg.rollout.engine, "rollout.engine", skip=(*_SUPPLIED, "seed"))
+    registry.check("engine", cfg.rollout.engine, "rollout.engine", skip=SUPPLIED["engine"])
 
 
 def scheduler(cfg: Config, registry: Any) -> None:
@@ -268,7 +267,7 @@ def transport(cfg: Config, registry: Any) -> None:
 
 
 def trainer(cfg: Config, registry: Any) -> None:
-    registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=_SUPPLIED)
+    registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=SUPPLIED["trainer"])
 
 
 def _advantage(cfg: Config, registry: Any) -> Any:
@@ -293,7 +292,9 @@ def critic(cfg: Config, registry: Any) -> None:
     """A critic gives values (the Critic contract) to an estimator that reads them."""
     if cfg.trainer.critic is None:
         return
-    registry.check("trainer", cfg.trainer.critic.backend, "trainer.critic.backend", skip=_SUPPLIED, contract=Critic)
+    registry.check(
+        "trainer", cfg.trainer.critic.backend, "trainer.critic.backend", skip=SUPPLIED["trainer"], contract=Critic
+    )
     if not _advantage(cfg, registry).needs_values:
         raise ConfigError(
             f"trainer.critic is set but algorithm.advantage {cfg.algorithm.advantage['name']!r} "
