@@ -26,7 +26,7 @@ from typing import Any, Literal, Union
 from loongsage.core import config, contracts, hookspecs
 
 # a factory's params read as the registry's validation reads them, so the page lists what a recipe may set
-from loongsage.core.schema import _MISSING, RANGE, Range, _fields_of
+from loongsage.core.schema import MISSING, RANGE, Range, fields_of
 
 COMMAND = "uv run loongsage reference --out docs/reference/config.md"
 REQUIRED, SEE_BELOW = "required", "see below"  # the defaults that are words, not values
@@ -92,7 +92,7 @@ def _field_default(f: dataclasses.Field[Any]) -> Any:
         return f.default
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
-    return _MISSING
+    return MISSING
 
 
 def _is_dataclass_instance(value: Any) -> bool:
@@ -244,7 +244,7 @@ def _type_text(tp: Any) -> str:
 
 
 def _default_text(value: Any) -> str:
-    return REQUIRED if value is _MISSING else _yaml(value)
+    return REQUIRED if value is MISSING else _yaml(value)
 
 
 def _yaml(value: Any) -> str:
@@ -341,7 +341,7 @@ def _entry_section(entry: Any, category: str) -> list[str]:
     out = [f"#### `{entry.name}`", ""]
     about = summary(entry.factory)
     out += [f"From `{_package(entry.provider)}`." + (f" {_cell(about)}" if about else ""), ""]
-    fields = _fields_of(entry.factory)
+    fields = fields_of(entry.factory)
     if not fields:
         return out + ["No params.", ""]
     hints = {name: tp for name, (tp, _) in fields.items()}
@@ -353,7 +353,7 @@ def _entry_section(entry: Any, category: str) -> list[str]:
         meaning = "passed by the framework; not set in params" if name in supplied else meanings.get(name, "")
         bounds = _bounds_text(ranges[name], hints[name]) if name in ranges else ""
         rows.append(
-            (_cell(name, True), _cell(_type_text(tp), True), _cell(_default_text(default), default is not _MISSING))
+            (_cell(name, True), _cell(_type_text(tp), True), _cell(_default_text(default), default is not MISSING))
             + (_cell(bounds), _cell(meaning))
         )
     return out + _table(("param", "type", "default", "bounds", "meaning"), rows) + [""]

@@ -15,7 +15,7 @@ from typing import Any, Literal, Union
 
 from loongsage.core.types import ConfigError
 
-_MISSING = object()
+MISSING = object()  # a parameter without a default (fields_of), told apart from a default of None
 RANGE = "loongsage.range"  # dataclass field metadata key: the field's allowed range (see ``ranged``)
 
 
@@ -176,8 +176,8 @@ def coerce(value: Any, tp: Any, path: str) -> Any:
     return value
 
 
-def _fields_of(factory: Any) -> dict[str, tuple[Any, Any]]:
-    """Map parameter name -> (type, default or _MISSING) for a dataclass or any callable."""
+def fields_of(factory: Any) -> dict[str, tuple[Any, Any]]:
+    """Map parameter name -> (type, default or MISSING) for a dataclass or any callable."""
     if dataclasses.is_dataclass(factory):
         hints = typing.get_type_hints(factory)
         out = {}
@@ -189,7 +189,7 @@ def _fields_of(factory: Any) -> dict[str, tuple[Any, Any]]:
             elif f.default_factory is not dataclasses.MISSING:
                 default = f.default_factory()
             else:
-                default = _MISSING
+                default = MISSING
             out[f.name] = (hints.get(f.name, Any), default)
         return out
     sig = inspect.signature(factory)
@@ -201,7 +201,7 @@ def _fields_of(factory: Any) -> dict[str, tuple[Any, Any]]:
     for name, p in sig.parameters.items():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
-        default = _MISSING if p.default is p.empty else p.default
+        default = MISSING if p.default is p.empty else p.default
         out[name] = (hints.get(name, Any), default)
     return out
 
@@ -212,7 +212,7 @@ def check_params(factory: Any, params: dict[str, Any], path: str, *, skip: tuple
     ``skip`` names parameters the framework supplies itself (e.g. ``model_path``) and that a user
     may not set.
     """
-    fields = {k: v for k, v in _fields_of(factory).items() if k not in skip}
+    fields = {k: v for k, v in fields_of(factory).items() if k not in skip}
     params = coerce({} if params is None else params, dict[str, Any], path)  # a copy; one line if not a mapping
     unknown = sorted(set(params) - set(fields))
     if unknown:
@@ -225,7 +225,7 @@ def check_params(factory: Any, params: dict[str, Any], path: str, *, skip: tuple
             out[name] = coerce(params[name], tp, f"{path}.{name}")
             if name in ranges:
                 check_range(out[name], ranges[name], f"{path}.{name}")
-        elif default is _MISSING:
+        elif default is MISSING:
             raise ConfigError(f"{path}.{name}: missing required key (type {_type_name(tp)})")
     return out
 
@@ -256,9 +256,9 @@ def describe_params(factory: Any) -> str:
     """``name: type = default`` for each parameter, for ``loongsage plugins --verbose``."""
     parts = []
     ranges = ranges_of(factory)
-    for name, (tp, default) in _fields_of(factory).items():
+    for name, (tp, default) in fields_of(factory).items():
         text = f"{name}: {_type_name(tp)}"
-        if default is not _MISSING:
+        if default is not MISSING:
             text += f" = {default!r}"
         if name in ranges:
             text += f" [{ranges[name].describe()}]"
