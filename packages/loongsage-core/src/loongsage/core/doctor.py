@@ -171,18 +171,16 @@ def backend_checks(name: str, capability: Capability, registry) -> list[Check]: 
     return checks
 
 
-def diagnose(asked: set[str], registry) -> list[tuple[str, Check, bool]]:  # noqa: ANN001
-    """``(section, check, required)`` for every check, in the order printed."""
-    rows: list[tuple[str, Check, bool]] = [
-        ("machine", check(), True) for check in (python_check, torch_check, ray_check)
-    ]
-    rows.append(("machine", shm_check(), False))
-    rows += [("gpu", c, "gpu" in asked) for c in gpu_checks()]
+def diagnose(asked: set[str], registry) -> list[tuple[Check, bool]]:  # noqa: ANN001
+    """``(check, required)`` for every check, in the order printed."""
+    rows = [(check(), True) for check in (python_check, torch_check, ray_check)]
+    rows.append((shm_check(), False))
+    rows += [(c, "gpu" in asked) for c in gpu_checks()]
     for name, capability in CAPABILITIES.items():
-        rows += [(name, c, name in asked and not c.optional) for c in backend_checks(name, capability, registry)]
+        rows += [(c, name in asked and not c.optional) for c in backend_checks(name, capability, registry)]
     for name, capability in OPTIONAL.items():
         if capability.entry in registry.names(capability.category):
-            rows += [(name, c, False) for c in backend_checks(name, capability, registry)]
+            rows += [(c, False) for c in backend_checks(name, capability, registry)]
     return rows
 
 
@@ -190,9 +188,9 @@ def report(asked: set[str], registry, out: Callable[[str], None] = print) -> int
     """Print one line per check; 1 when a check of a capability asked for fails, else 0."""
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPUs
     rows = diagnose(asked, registry)
-    width = max(len(c.name) for _, c, _ in rows)
+    width = max(len(c.name) for c, _ in rows)
     failed = []
-    for _, check, required in rows:
+    for check, required in rows:
         mark = "ok" if check.ok else ("FAIL" if required else "--")
         line = f"{mark:<4}  {check.name:<{width}}  {check.found}"
         out(line + (f"  -> {check.fix}" if not check.ok and check.fix else ""))
