@@ -6,8 +6,6 @@ take are refused in one line."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,17 +15,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker_server import run_worker  # noqa: E402
+
 WORKER = Path(__file__).with_name("_cp_worker.py")
 
 
 def _run(model_dir: str, work: Path, cp: int, tp: int = 1, pp: int = 1) -> dict:
-    run = subprocess.run(
-        [sys.executable, str(WORKER), model_dir, str(work), str(cp), str(tp), str(pp)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    run = run_worker(WORKER, model_dir, str(work), str(cp), str(tp), str(pp), timeout=280)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return torch.load(work / f"cp{cp}_tp{tp}_pp{pp}.pt", weights_only=False)
 

@@ -11,8 +11,6 @@ through recomputed layers. Layouts that cannot split the experts are refused in 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,19 +19,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _moe_worker import EXPERTS, build  # noqa: E402
+from _worker_server import run_worker  # noqa: E402
 
 WORKER = Path(__file__).with_name("_ep_worker.py")
 
 
 def _run(model_dir: str, work: Path, tp: int, ep: int, world: int, pp: int = 1, etp: int | None = None) -> list[dict]:
     args = [str(tp), str(ep), str(world), str(pp)] + ([str(etp)] if etp is not None else [])
-    run = subprocess.run(
-        [sys.executable, str(WORKER), model_dir, str(work), *args],
-        capture_output=True,
-        text=True,
-        timeout=500,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    run = run_worker(WORKER, model_dir, str(work), *args, timeout=500)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     name = f"tp{tp}_ep{ep}" + (f"_pp{pp}" if pp > 1 else "") + (f"_etp{etp}" if etp is not None else "")
     return torch.load(work / f"{name}.pt", weights_only=False)

@@ -6,8 +6,6 @@ Megatron runs in a process of its own (its CPU shims patch torch.cuda)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,9 @@ from loongsage.megatron.model import architecture, layer_spec, resolve_layer_spe
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker_server import run_worker  # noqa: E402
 
 WORKER = Path(__file__).with_name("_parity_worker.py")
 
@@ -41,13 +42,7 @@ def checkpoint(path: Path, *, tied: bool) -> str:
 def test_megatron_logits_match_hf_and_the_weights_convert_back(tmp_path, tp, tied):
     model_dir = checkpoint(tmp_path / "m", tied=tied)
     out = tmp_path / "parity.json"
-    run = subprocess.run(
-        [sys.executable, str(WORKER), model_dir, str(out), str(tp), str(free_port())],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    run = run_worker(WORKER, model_dir, str(out), str(tp), str(free_port()), timeout=280)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["core_attention"] == "SDPAAttention"

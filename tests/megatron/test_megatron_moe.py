@@ -8,25 +8,20 @@ runs in a process of its own (its CPU shims)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker_server import run_worker  # noqa: E402
 
 WORKER = Path(__file__).with_name("_moe_worker.py")
 
 
 @pytest.mark.timeout(300)
 def test_qwen3_moe_trains_on_megatron_as_on_torch_and_replays_routes(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    run = run_worker(WORKER, str(tmp_path), timeout=280)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["logprob_diff"] < 1e-5 and r["entropy_diff"] < 1e-5, r

@@ -6,8 +6,6 @@ stages. Each layout runs in processes of their own (Megatron's CPU shims)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker_server import run_worker  # noqa: E402
+
 WORKER = Path(__file__).with_name("_packing_worker.py")
 
 
@@ -24,13 +25,7 @@ WORKER = Path(__file__).with_name("_packing_worker.py")
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
 def test_packed_rows_compute_as_padded_ones(tmp_path, tp, pp):
     model_dir = build_engine_test_model(tmp_path / "m")
-    run = subprocess.run(
-        [sys.executable, str(WORKER), model_dir, str(tmp_path), str(tp), str(pp)],
-        capture_output=True,
-        text=True,
-        timeout=380,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    run = run_worker(WORKER, model_dir, str(tmp_path), str(tp), str(pp), timeout=380)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     r = torch.load(tmp_path / f"packing_tp{tp}_pp{pp}.pt", weights_only=False)
     mask, padded, packed = r["mask"], r["padded"], r["packed"]

@@ -9,8 +9,6 @@ optimizer state included. A layout that does not divide is refused in one line."
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,17 +18,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker_server import run_worker  # noqa: E402
+
 WORKER = Path(__file__).with_name("_tp_worker.py")
 
 
 def _run(model_dir: str, work: Path, tp: int, pp: int = 1) -> dict:
-    run = subprocess.run(
-        [sys.executable, str(WORKER), model_dir, str(work), str(tp), str(pp)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    run = run_worker(WORKER, model_dir, str(work), str(tp), str(pp), timeout=280)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return torch.load(work / (f"tp{tp}" + (f"_pp{pp}" if pp > 1 else "") + ".pt"), weights_only=False)
 

@@ -8,8 +8,6 @@ And the trainer is the core's skeleton over the Megatron adapter, not a torch tr
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,19 +16,16 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "core" / "engine"))
 from _engine_helpers import build_engine_test_model  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).parent))
+from _worker_server import run_worker  # noqa: E402
+
 WORKER = Path(__file__).with_name("_trainer_worker.py")
 
 
 @pytest.mark.timeout(300)
 def test_the_megatron_trainer_computes_as_the_torch_trainer(tmp_path):
     model_dir = build_engine_test_model(tmp_path / "m")
-    run = subprocess.run(
-        [sys.executable, str(WORKER), model_dir, str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
-    )
+    run = run_worker(WORKER, model_dir, str(tmp_path), timeout=280)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["logprob_diff"] < 1e-5 and r["entropy_diff"] < 1e-5, r  # measured 0.0 and 0.0
