@@ -187,7 +187,8 @@ class PlacementConfig:
     # the engines generate, and takes them back to train (for models whose trainer state and engine do
     # not fit on a card together)
     offload_trainer: bool = False
-    num_cpus: int | None = ranged(None, ge=1)  # Ray's num_cpus when this run starts Ray itself (null = every core)
+    # Ray's num_cpus when this run starts Ray itself (null = every core; unused when it joins RAY_ADDRESS)
+    num_cpus: int | None = ranged(None, ge=1)
     # intra-op threads per actor; 0 = every core (sync steps never overlap)
     torch_threads: int = ranged(0, ge=0, note="0 = every core")
 

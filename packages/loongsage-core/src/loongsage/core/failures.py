@@ -219,7 +219,9 @@ def explain(
     if isinstance(exc, KeyboardInterrupt) or isinstance(exc, Stopped):
         name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else signal.Signals(exc.signum).name
         code = 128 + (signal.SIGINT if isinstance(exc, KeyboardInterrupt) else exc.signum)
-        return Outcome(f"stopped by {name}{where}; Ray was shut down; {resume}", code)
+        address = os.environ.get("RAY_ADDRESS")
+        ray = f"its actors on the Ray cluster at {address} were stopped" if address else "Ray was shut down"
+        return Outcome(f"stopped by {name}{where}; {ray}; {resume}", code)
 
     for e in causes(exc):
         if isinstance(e, (ConfigError, BadRecordError)):

@@ -1,5 +1,6 @@
-"""The run's own Ray: its environment switch, its start with a one-line failure, and its actors'
-output routed to the run's log instead of the terminal."""
+"""The run's Ray: its environment switch, its start (or, with ``RAY_ADDRESS`` set, joining a running
+cluster) with a one-line failure, and its actors' output routed to the run's log instead of the
+terminal."""
 
 from __future__ import annotations
 
@@ -11,17 +12,39 @@ from typing import Any
 
 
 def start_ray_for(cfg: Any, cpus: float | None = None) -> bool:
-    """Start a local Ray, unless one is running, with ``placement.num_cpus`` or else the usable cores
-    and at least ``cpus`` (default: what the run's bundles reserve); True when it was started here."""
+    """Ray for a run, unless this process is connected already: the cluster at ``RAY_ADDRESS`` when
+    it is set, else a local Ray with ``placement.num_cpus`` or else the usable cores and at least
+    ``cpus`` (default: what the run's bundles reserve). True when connected here (the run's end
+    then disconnects; a local Ray stops with it, a cluster keeps running)."""
     import ray
 
     from loongsage.core.config import placement_demand
 
     if ray.is_initialized():
         return False
+    if os.environ.get("RAY_ADDRESS"):
+        if cfg.placement.num_cpus:
+            logging.getLogger("loongsage").warning(
+                "placement.num_cpus=%s is ignored: the run joins the Ray cluster at RAY_ADDRESS=%s, which "
+                "has the resources its nodes were started with",
+                cfg.placement.num_cpus,
+                os.environ["RAY_ADDRESS"],
+            )
+        start_ray(num_cpus=None)
+        return True
     need = placement_demand(cfg)[0]["CPU"] if cpus is None else cpus
     start_ray(num_cpus=cfg.placement.num_cpus or max(len(os.sched_getaffinity(0)), math.ceil(need - 1e-9)))
     return True
+
+
+# what a joined cluster's workers need of the launcher's environment: the model cache and the
+# project's switches, the plugin path, the Hugging Face cache and offline switches
+FORWARDED = ("LOONGSAGE_", "HF_", "TRANSFORMERS_", "PYTHONPATH", "RAY_ENABLE_UV_RUN_RUNTIME_ENV")
+
+
+def forwarded_environment() -> dict[str, str]:
+    """The launcher's variables a joined cluster's actors get (a local Ray's inherit them all)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED)}
 
 
 def cluster_resources() -> dict[str, float]:
@@ -49,21 +72,36 @@ def ray_release_steps(groups: Sequence[Any], placement: Any, started: bool) -> l
     return steps
 
 
-def start_ray(num_cpus: int) -> None:
-    """Start a local Ray for this run. Its workers' output (and the raylet's messages) go to the
-    run's log rather than the terminal, which keeps the launcher's own lines; a Ray that does not
-    come up is one :class:`RunError` line."""
+def start_ray(num_cpus: int | None) -> None:
+    """Start a local Ray of ``num_cpus`` CPUs for this run, or with ``RAY_ADDRESS`` set join that
+    cluster (``num_cpus`` unused: the nodes have what they were started with). Its workers' output
+    (and the raylets' messages) go to the run's log rather than the terminal, which keeps the
+    launcher's own lines; a Ray that does not come up is one :class:`RunError` line."""
     import ray
 
     from loongsage.core.failures import RunError, launched, reinstall_stop_handlers
 
+    address = os.environ.get("RAY_ADDRESS")
     try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+        if address:
+            _reachable(address)
+            ray.init(
+                address=address,
+                runtime_env={"env_vars": forwarded_environment()},
+                log_to_driver=True,
+                logging_level=logging.WARNING,
+            )
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     except Exception as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        if os.environ.get("RAY_ADDRESS"):
-            hint = f"RAY_ADDRESS={os.environ['RAY_ADDRESS']} is set: unset it so that the run starts a Ray of its own"
-        elif isinstance(exc, TimeoutError) or "timed out" in str(exc):
+        if address:
+            raise RunError(
+                f"could not join the Ray cluster at RAY_ADDRESS={address}: {first}; start it first (`ray start "
+                "--head` on the head node, `ray start --address=HEAD:6379` on the others) or unset RAY_ADDRESS "
+                "so that the run starts a Ray of its own"
+            ) from exc
+        if isinstance(exc, TimeoutError) or "timed out" in str(exc):
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
             hint = (
                 f"the machine is too busy for Ray to come up in time (load average {load:.1f} on {os.cpu_count()} "
@@ -75,6 +113,20 @@ def start_ray(num_cpus: int) -> None:
     if launched():  # the launcher's run: its log files are set up to take the actors' output
         reinstall_stop_handlers()  # ray.init replaced SIGTERM's
         _route_worker_output()
+
+
+def _reachable(address: str) -> None:
+    """Raise ``ConnectionError`` at once when nothing listens at a ``HOST:PORT`` address (Ray itself
+    retries for a minute); other forms (``auto``, ``ray://...``) are left to Ray."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {address} ({exc.strerror or exc})") from exc
 
 
 def _route_worker_output() -> None:

@@ -1,0 +1,87 @@
+"""A run that joins a running Ray cluster (``RAY_ADDRESS``), as on a multi-node machine set.
+
+The cluster is this session's Ray (a real GCS and raylet on the loopback, started before the run and
+outliving it). The launcher, a process of its own as from a shell, joins it: its actors run there
+with the launcher's environment forwarded (the model cache, the project's variables); the run
+trains; at its end the run's actors are gone and the cluster keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._procs import TAG_VARIABLE, survivors
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _names(pids: list[int]) -> set[str]:
+    names = set()
+    for pid in pids:
+        try:
+            names.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace"))
+        except OSError:
+            continue
+    return names
+
+
+def test_a_run_joins_the_cluster_at_ray_address_and_leaves_it_running(ray_session, in_tmp, tag):
+    ray = ray_session
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "RAY_ADDRESS": address, TAG_VARIABLE: tag}
+    argv = [
+        "train",
+        "tiny/grpo_arith_cpu",
+        "run.name=joined",
+        "run.total_steps=2",
+        "data_sources.0.prompts_per_step=4",
+        "data_sources.0.samples_per_prompt=4",
+        "evaluation.every_steps=0",
+        "evaluation.max_prompts=4",
+        "evaluation.pass_k=0",
+        "tracking.progress=false",
+        "checkpoint.export_hf=false",
+        "placement.num_cpus=2",  # ignored, with a warning: the cluster has its own resources
+    ]
+    seen: set[str] = set()
+    done = threading.Event()
+
+    def watch() -> None:  # the actors carry the launcher's tag: its environment reached them
+        while not done.is_set():
+            seen.update(_names(survivors(tag)))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "loongsage.core.cli", *argv],
+            cwd=in_tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    finally:
+        done.set()
+        watcher.join()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Started a local Ray instance" not in proc.stderr  # it joined, it did not start one
+    assert "placement.num_cpus=2 is ignored: the run joins the Ray cluster at RAY_ADDRESS=" in proc.stderr
+    assert {"ray::TrainerWorker", "ray::EngineWorker", "ray::RewardWorker"} <= seen, seen
+    rows = [json.loads(line) for line in (in_tmp / "runs" / "joined" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+
+    deadline = time.monotonic() + 30  # the run's actors end with it (the raylet reaps them)
+    while survivors(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert survivors(tag) == []
+    assert ray.get(ray.remote(lambda: 41 + 1).remote()) == 42  # the cluster keeps serving
