@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 TAG_VARIABLE = "LOONGSAGE_TEST_TAG"
 
@@ -18,6 +19,24 @@ def survivors(tag: str) -> list[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def lasting(tag: str, within: float = 30.0) -> list[int]:
+    """The tagged processes still alive once ``within`` seconds have passed or none is left: what a
+    run leaves behind (a run's processes end with it, but Ray reaps its workers a moment later)."""
+    deadline = time.monotonic() + within
+    while (left := survivors(tag)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def process_name(pid: int) -> str | None:
+    """The first word of a process's command line (Ray names an actor's ``ray::Class``); None once gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")[0].decode(errors="replace")
+    except OSError:
+        return None
 
 
 def sandbox_processes() -> int:

@@ -25,7 +25,7 @@ import pytest
 
 from loongsage.core.checkpoint import check_resumable
 from loongsage.core.cli import main
-from tests._procs import TAG_VARIABLE, survivors
+from tests._procs import TAG_VARIABLE, lasting, process_name, survivors
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, sends signals")
 
@@ -115,10 +115,8 @@ def _one_line(stderr: str) -> str:
 
 
 def _nothing_left(tag: str, run_dir: Path) -> None:
-    deadline = time.monotonic() + 30
-    while survivors(tag) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not survivors(tag), f"left running: {survivors(tag)}"
+    left = lasting(tag)
+    assert not left, f"left running: {left}"
     assert not list((run_dir / "checkpoints").glob("*.tmp")), "a checkpoint left half written"
 
 
@@ -217,14 +215,7 @@ def loongsage_rewards():
 
 
 def _trainer_pids(tag: str) -> list[int]:
-    pids = []
-    for pid in survivors(tag):
-        try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::TrainerWorker"):
-                pids.append(pid)
-        except OSError:
-            continue
-    return pids
+    return [pid for pid in survivors(tag) if (process_name(pid) or "").startswith("ray::TrainerWorker")]
 
 
 def test_a_raising_reward_and_a_dead_trainer_each_end_in_one_line_and_the_run_resumes(model_cache, in_tmp, tag):

@@ -26,7 +26,7 @@ import openai
 import pytest
 
 from loongsage.core.cli import main
-from tests._procs import TAG_VARIABLE, survivors
+from tests._procs import TAG_VARIABLE, lasting
 
 LAUNCHER = Path(sys.executable).parent / "loongsage"
 pytestmark = pytest.mark.timeout(900)  # the first test to need the warm start builds it (minutes)
@@ -149,10 +149,7 @@ def test_serve_answers_openai_and_anthropic_clients_and_records_their_sessions(m
     assert [m["content"] for m in by_openai["messages"]][:4] == ["12+34=", "64", "41+23=", by_openai["response_text"]]
     assert [m["content"] for m in by_anthropic["messages"]] == ["21+43=", "46"]
 
-    deadline = time.monotonic() + 30  # Ray's processes go with the launcher
-    while survivors(tag) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not survivors(tag)
+    assert not lasting(tag)  # Ray's processes go with the launcher
 
 
 def test_serve_refuses_what_it_cannot_serve_in_one_line(tmp_path, capsys):
