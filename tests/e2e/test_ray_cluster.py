@@ -1,6 +1,6 @@
 """A run that joins a running Ray cluster (``RAY_ADDRESS``), as on a multi-node machine set.
 
-The cluster is this session's Ray (a real GCS and raylet on the loopback, started before the run and
+The cluster is this session's Ray (a real GCS and raylet on this machine, started before the run and
 outliving it). The launcher, a process of its own as from a shell, joins it: its actors run there
 with the launcher's environment forwarded (the model cache, the project's variables); the run
 trains; at its end the run's actors are gone and the cluster keeps serving.
