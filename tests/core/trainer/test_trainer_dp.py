@@ -16,7 +16,6 @@ micro-batch from the current policy (OPSM). Every DP case runs in one pair of pr
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ import pytest
 import torch
 
 from loongsage.core.aggregation import AGGREGATION_MODES
+from loongsage.core.placement import free_port
 from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 from loongsage.core.trainer.micro_batching import micro_batches
 
@@ -99,9 +99,7 @@ def dp2(model_dir, batch_file, tmp_path_factory) -> dict[str, dict[str, dict]]:
     """``{layout: {case_id: result}}`` from one pair of gloo ranks running every case in both modes."""
     work = tmp_path_factory.mktemp("dp2")
     out = work / "results.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")])}
     logs = [open(work / f"rank{r}.log", "w+") for r in range(2)]
     procs = [

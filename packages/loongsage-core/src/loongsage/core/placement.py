@@ -12,9 +12,12 @@ engine ``i`` see the same card and disaggregated roles see cards of their own.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import socket
 import time
+from pathlib import Path
 from typing import Any
 
 from loongsage.core.config import Config, placement_bundles, placement_demand
@@ -133,8 +136,33 @@ class Placement:
         return Slot(bundle, {**placed, **options}, args)
 
 
+# A port chosen here is bound seconds later by another process (a process group's store, a server).
+# The kernel gives every bind to port 0 and every outgoing connection of any process a port of its
+# ephemeral range, so a port taken from that range can be gone by then (EADDRINUSE at the store's
+# start). Ray's workers listen on 10002-19999 unless told otherwise. Between the two only an explicit
+# choice lands: the port is drawn at random from there.
+EXPLICIT_PORTS_FROM = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now (for a process group's store, a server's listener)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port free on ``host`` now (for a process group's store, a server's listener), outside the
+    ports the kernel hands out on its own."""
+    draw = random.SystemRandom()
+    window = range(EXPLICIT_PORTS_FROM, _ephemeral_start())
+    for _ in range(64 if window else 0):
+        port = draw.choice(window)
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, port))
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no room between: any free port
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where it cannot be read)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
