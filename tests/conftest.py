@@ -38,41 +38,63 @@ if sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"):
     sys.dont_write_bytecode = False
 
 
-# The suite runs on two pytest-xdist workers (addopts), in units: a run through the launcher keeps
-# both cores busy with its actors, the unit tests one core, so the launcher runs go one after
-# another on one worker while the other takes the rest. They share one unit, the longest and so
-# handed out first: the end-to-end runs (their shared runs in tests/e2e/conftest.py), the launcher
-# files of the backend packages, and the sandboxes (their checks count every sandbox process on the
-# machine, the end-to-end ones' too). The megatron worker scripts share one unit and so one server
-# process; every other module is a unit of its own (its fixtures made once).
-ONE_AT_A_TIME = ("e2e/", "sandbox/", "megatron/test_megatron_launcher.py", "sglang/test_sglang_launcher.py")
+# The suite runs on two pytest-xdist workers (addopts) in units of work, each handed out whole, the
+# slow folders' first so that the last units to finish are short ones. A unit is one module, except:
+# - the end-to-end modules sharing launcher runs (the ``launched`` fixture, tests/e2e/_runs.py) are
+#   one unit, so each shared run is made once;
+# - every test running sandboxes is one unit: their checks count every sandbox process on the machine;
+# - the megatron worker scripts are one unit, so one server process loads Megatron-Core for them.
+SHARED_RUNS = tuple(
+    f"e2e/test_{name}.py"
+    for name in (
+        "async_tiny",
+        "engine_recovery",
+        "gateway_tiny",
+        "grpo_tiny",
+        "kill_resume",
+        "mixed_tiny",
+        "mopd_tiny",
+        "own_model_tiny",
+        "resume_exact",
+        "sync_regression",
+    )
+)
+SLOW_FOLDERS = ("e2e/", "sandbox/", "megatron/", "sglang/", "sync/")
 
 
 def work_unit(nodeid: str) -> str:
     """The unit of work a test belongs to, from its id."""
     module = nodeid.split("::")[0].removeprefix("tests/")
-    if module.startswith(ONE_AT_A_TIME):
-        return "launcher"
-    return "megatron" if module.startswith("megatron/") else module
+    if module in SHARED_RUNS:
+        return "e2e shared runs"
+    if "sandbox" in module:
+        return "sandboxes"
+    if module.startswith("megatron/") and module != "megatron/test_megatron_launcher.py":
+        return "megatron workers"
+    return module
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Units handed out whole, in the order collected (the scheduler of ``--dist loadscope`` with the
-    units above instead of modules; not ``xdist_group`` marks, which pytest 9.2's node ids lost)."""
+    """The scheduler of ``--dist loadscope`` over the units above instead of modules, handing them
+    out in the order collected (not ``xdist_group`` marks, which pytest 9.2's node ids lost)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ByUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return work_unit(nodeid)
 
-    config.option.loadscopereorder = False  # by count of tests: the launcher's unit is not the largest
+    config.option.loadscopereorder = False  # it would order them by their number of tests
     return ByUnit(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the launcher's unit, the longest, is handed out first
-        items.sort(key=lambda item: work_unit(item.nodeid) != "launcher")
+    shared = {f"tests/{module}" for module in SHARED_RUNS}
+    strays = sorted({item.nodeid.split("::")[0] for item in items if "launched" in item.fixturenames} - shared)
+    if strays:  # their shared runs would be made again on the other worker
+        raise pytest.UsageError(f"{', '.join(strays)} use the launched fixture: add them to SHARED_RUNS")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the slow folders' units first (the sort is stable)
+        items.sort(key=lambda item: not item.nodeid.removeprefix("tests/").startswith(SLOW_FOLDERS))
     if os.environ.get("LOONGSAGE_RUN_GPU") == "1":
         return
     skip_gpu = pytest.mark.skip(reason="GPU test: set LOONGSAGE_RUN_GPU=1 on a CUDA machine")
