@@ -38,12 +38,15 @@ if sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE"):
     sys.dont_write_bytecode = False
 
 
-# The suite runs on two pytest-xdist workers (addopts) in units of work, each handed out whole, the
-# slow folders' first so that the last units to finish are short ones. A unit is one module, except:
-# - the end-to-end modules sharing launcher runs (the ``launched`` fixture, tests/e2e/_runs.py) are
-#   one unit, so each shared run is made once;
-# - every test running sandboxes is one unit: their checks count every sandbox process on the machine;
-# - the megatron worker scripts are one unit, so one server process loads Megatron-Core for them.
+# The suite runs on two pytest-xdist workers (addopts) in units of work, each handed out whole. A run
+# through the launcher keeps both cores busy with its actors (two at once slow each other down more
+# than they gain), the unit tests one core each. So the launcher runs make two units: the first
+# handed out goes along with the unit tests on the other worker, the second is handed out last, to
+# whichever worker is free first. The first holds the end-to-end modules sharing launcher runs (the
+# ``launched`` fixture, tests/e2e/_runs.py: each shared run made once), every test running
+# sandboxes (their checks count every sandbox process on the machine) and the launcher tests of the
+# backend packages; the second the end-to-end modules with runs of their own. The megatron worker
+# scripts are one unit (one server process loads Megatron-Core for them); every other module is one.
 SHARED_RUNS = tuple(
     f"e2e/test_{name}.py"
     for name in (
@@ -59,19 +62,18 @@ SHARED_RUNS = tuple(
         "sync_regression",
     )
 )
-SLOW_FOLDERS = ("e2e/", "sandbox/", "megatron/", "sglang/", "sync/")
+FIRST, LAST = "launcher runs", "launcher runs of their own"
+BACKEND_LAUNCHERS = ("megatron/test_megatron_launcher.py", "sglang/test_sglang_launcher.py")
 
 
 def work_unit(nodeid: str) -> str:
     """The unit of work a test belongs to, from its id."""
     module = nodeid.split("::")[0].removeprefix("tests/")
-    if module in SHARED_RUNS:
-        return "e2e shared runs"
-    if "sandbox" in module:
-        return "sandboxes"
-    if module.startswith("megatron/") and module != "megatron/test_megatron_launcher.py":
-        return "megatron workers"
-    return module
+    if module in SHARED_RUNS or module in BACKEND_LAUNCHERS or "sandbox" in module:
+        return FIRST
+    if module.startswith("e2e/"):
+        return LAST
+    return "megatron workers" if module.startswith("megatron/") else module
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -93,8 +95,8 @@ def pytest_collection_modifyitems(config, items):
     strays = sorted({item.nodeid.split("::")[0] for item in items if "launched" in item.fixturenames} - shared)
     if strays:  # their shared runs would be made again on the other worker
         raise pytest.UsageError(f"{', '.join(strays)} use the launched fixture: add them to SHARED_RUNS")
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the slow folders' units first (the sort is stable)
-        items.sort(key=lambda item: not item.nodeid.removeprefix("tests/").startswith(SLOW_FOLDERS))
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the order units are handed out in (the sort is stable)
+        items.sort(key=lambda item: {FIRST: 0, LAST: 2}.get(work_unit(item.nodeid), 1))
     if os.environ.get("LOONGSAGE_RUN_GPU") == "1":
         return
     skip_gpu = pytest.mark.skip(reason="GPU test: set LOONGSAGE_RUN_GPU=1 on a CUDA machine")
