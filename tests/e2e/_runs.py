@@ -7,17 +7,22 @@ from __future__ import annotations
 STEPS = 5
 SYNC = "{name: sync}"
 WINDOWED = "{name: windowed_fifo, params: {max_staleness: 2}}"
-# CI-sized: 4 prompts x 4 samples, generation on cores of its own (colocate=false), every step
-# checkpointed and its trained groups audited (batches.jsonl), evaluation only at the start and end
-AUDITED = (
+# CI-sized: 4 prompts x 4 samples, evaluation of 4 prompts only at the start and end, no progress
+# bar, no HF export at the end
+SMALL = (
     "data_sources.0.prompts_per_step=4",
     "data_sources.0.samples_per_prompt=4",
-    "colocate=false",
     "evaluation.every_steps=0",
     "evaluation.max_prompts=4",
     "evaluation.pass_k=0",
     "tracking.progress=false",
     "checkpoint.export_hf=false",
+)
+# and generation on cores of its own (colocate=false), every step checkpointed and its trained groups
+# audited (batches.jsonl)
+AUDITED = (
+    *SMALL,
+    "colocate=false",
     "checkpoint.every_steps=1",
     "checkpoint.keep_last=0",
     "tracking.batches=true",

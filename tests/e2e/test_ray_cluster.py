@@ -18,6 +18,7 @@ import time
 import pytest
 
 from tests._procs import TAG_VARIABLE, lasting, process_name, survivors
+from tests.e2e._runs import SMALL
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -31,13 +32,7 @@ def test_a_run_joins_the_cluster_at_ray_address_and_leaves_it_running(ray_sessio
         "tiny/grpo_arith_cpu",
         "run.name=joined",
         "run.total_steps=2",
-        "data_sources.0.prompts_per_step=4",
-        "data_sources.0.samples_per_prompt=4",
-        "evaluation.every_steps=0",
-        "evaluation.max_prompts=4",
-        "evaluation.pass_k=0",
-        "tracking.progress=false",
-        "checkpoint.export_hf=false",
+        *SMALL,
         "placement.num_cpus=2",  # ignored, with a warning: the cluster has its own resources
     ]
     seen: set[str] = set()

@@ -26,17 +26,12 @@ import pytest
 from loongsage.core.checkpoint import check_resumable
 from loongsage.core.cli import main
 from tests._procs import TAG_VARIABLE, lasting, process_name, survivors
+from tests.e2e._runs import SMALL
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, sends signals")
 
 COMMON = (
-    "data_sources.0.prompts_per_step=4",
-    "data_sources.0.samples_per_prompt=4",
-    "evaluation.every_steps=0",
-    "evaluation.max_prompts=4",
-    "evaluation.pass_k=0",
-    "tracking.progress=false",
-    "checkpoint.export_hf=false",
+    *SMALL,
     "checkpoint.every_steps=1",
     "checkpoint.keep_last=0",
 )

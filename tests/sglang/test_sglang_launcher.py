@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from loongsage.core.cli import main
+from tests.e2e._runs import SMALL
 
 SERVER = str(Path(__file__).with_name("sglang_contract_server.py"))
 pytestmark = pytest.mark.timeout(600)
@@ -63,13 +64,7 @@ def test_a_server_that_dies_mid_rollout_is_replaced_and_the_run_finishes(ray_ses
         "tiny/grpo_arith_cpu",
         "run.name=sgl_dies",
         "run.total_steps=4",
-        "data_sources.0.prompts_per_step=4",
-        "data_sources.0.samples_per_prompt=4",
-        "evaluation.every_steps=0",
-        "evaluation.max_prompts=4",
-        "evaluation.pass_k=0",
-        "tracking.progress=false",
-        "checkpoint.export_hf=false",
+        *SMALL,
         "colocate=false",
         "rollout.engine_health_timeout_s=10",
         engine,
@@ -96,13 +91,7 @@ def test_with_broadcast_the_server_takes_the_weights_from_the_trainers_group(ray
         "tiny/grpo_arith_cpu",
         "run.name=sgl_group",
         "run.total_steps=3",
-        "data_sources.0.prompts_per_step=4",
-        "data_sources.0.samples_per_prompt=4",
-        "evaluation.every_steps=0",
-        "evaluation.max_prompts=4",
-        "evaluation.pass_k=0",
-        "tracking.progress=false",
-        "checkpoint.export_hf=false",
+        *SMALL,
         "colocate=false",
         "rollout.transport={name: broadcast, params: {backend: gloo, bucket_mb: 0.05, timeout_s: 60}}",
         engine,
