@@ -79,3 +79,65 @@ def test_release_memory_gives_the_device_back(model_dir):
     assert all(p.device.type == "cpu" for p in engine.model.parameters())
     engine.resume_memory()
     assert engine.generate_batch(requests) == before
+
+
+def _deviation(hf, batch: list[list[int]], results) -> torch.Tensor:
+    """|engine log-prob - full bf16 forward's log-prob| of every sampled token."""
+    return torch.cat(
+        [(torch.tensor(r.logprobs) - full_logprobs(hf, p, r.output_ids)).abs() for p, (r,) in zip(batch, results)]
+    )
+
+
+def test_fused_decode_kernels_are_as_close_to_a_full_forward_as_the_torch_path(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    batch = prompts(37, seed=54, lo=3, hi=60)
+    requests = [req(f"r{i}", p, temperature=1.0, seed=i, max_new_tokens=40) for i, p in enumerate(batch)]
+    common = {"device": "cuda", "dtype": "bfloat16", "max_batch_size": 64, "max_model_len": 512}
+    fused = NativeEngine(model_dir, kernels="triton", **common)
+    plain = NativeEngine(model_dir, kernels="torch", **common)
+    assert fused.health()["decode_kernels"] == "triton" and plain.health()["decode_kernels"] == "torch"
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()  # the reference, on the host
+    got, ref = fused.generate_batch(requests), plain.generate_batch(requests)
+    fused_dev, plain_dev = _deviation(hf, batch, got), _deviation(hf, batch, ref)
+    # bf16 decode against a bf16 full forward: the same rounding noise on both paths
+    assert fused_dev.mean() <= 2 * plain_dev.mean() + 1e-4, (fused_dev.mean(), plain_dev.mean())
+    assert fused_dev.max() <= max(4 * plain_dev.max(), 0.05)
+
+    # The merged projections are views of the HF parameters: an in-place update by HF name reaches
+    # them, and a release/resume (a device move) re-merges.
+    new = [(n, t * 1.01) for n, t in fused.named_weights() if t.is_floating_point()]
+    fused.update_weights(new)
+    plain.update_weights(new)
+    hf.load_state_dict({n: t.cpu() for n, t in new}, strict=False)
+    fused.release_memory()
+    fused.resume_memory()
+    assert all(torch.equal(dict(fused.named_weights())[n], t) for n, t in new)
+    again = fused.generate_batch(requests)
+    assert again != got
+    assert (
+        _deviation(hf, batch, again).mean() <= 2 * _deviation(hf, batch, plain.generate_batch(requests)).mean() + 1e-4
+    )
+
+
+def test_fused_decode_splits_long_rows_over_several_programs(model_dir):
+    """Few rows and long contexts: the attention's columns are split and merged (flash decoding)."""
+    from loongsage.core.engine.fused.attention import decode_attention, splits_for
+
+    torch.manual_seed(0)
+    rows, heads, kv, dim, length = 3, 16, 8, 128, 4096
+    assert splits_for(rows, kv, length, 264) > 1
+    q = torch.randn(rows, heads, dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4, kv, length, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lengths = torch.tensor([1, 2000, 4096], device="cuda")
+    got = decode_attention(q, k[:rows], v[:rows], lengths, dim**-0.5, length).float().view(rows, heads, dim)
+    mask = (torch.arange(length, device="cuda")[None, :] < lengths[:, None])[:, None, None, :]
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.float()[:, :, None],
+        k[:rows].float().repeat_interleave(2, 1),
+        v[:rows].float().repeat_interleave(2, 1),
+        attn_mask=mask,
+        scale=dim**-0.5,
+    )[:, :, 0]
+    assert ((got - want).norm() / want.norm()) < 1e-2

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from loongsage.core.engine.fused import fused_decoder_or_reason
 from loongsage.core.model_math.dtypes import HALF_DTYPES
 from loongsage.core.model_math.head import fp32_head
 
@@ -36,7 +37,7 @@ def _rotate_half(x: Tensor) -> Tensor:
 class DecoderRunner:
     """Forward of a Llama-family ``*ForCausalLM`` over a slot KV cache (keys/values passed in)."""
 
-    def __init__(self, model: nn.Module, *, fp32_lm_head: bool = True):
+    def __init__(self, model: nn.Module, *, fp32_lm_head: bool = True, kernels: str = "auto"):
         check_supported(model)
         cfg = model.config
         self.model, self.inner = model, model.model
@@ -56,6 +57,8 @@ class DecoderRunner:
         self.topk = int(getattr(cfg, "num_experts_per_tok", 0) or 0)
         self.last_routes: Tensor | None = None  # [B, T, MoE layers, topk] of the last forward, when recording
         self._chosen: list[Tensor] | None = None
+        # the decode step on fused kernels where they apply (CUDA, Triton, a dense decoder they cover)
+        self.fused, self.fused_off_because = fused_decoder_or_reason(self, kernels)
 
     @property
     def recording(self) -> bool:
@@ -74,6 +77,12 @@ class DecoderRunner:
         for gate in self.moe_gates:
             gate.register_forward_hook(keep)
         self._chosen = []
+
+    def moved(self) -> None:
+        """The parameters were replaced (``Module.to``): re-derive everything built from them."""
+        self.refresh_head()
+        if self.fused is not None and self.inner.embed_tokens.weight.is_cuda:  # merged only where it runs
+            self.fused.bind()
 
     def refresh_head(self) -> None:
         """Re-derive the LM-head weight used for logits (call after the weights changed)."""
@@ -101,6 +110,8 @@ class DecoderRunner:
         (broadcastable to ``[B, 1, T, end]``); returns the last position's float32 logits.
         """
         seq = input_ids.shape[1]
+        if cols is not None and self.fused is not None and not self.recording:
+            return self.fused.decode(input_ids, positions, keys, values, cols, end)
         if cols is not None:
             rows = torch.arange(input_ids.shape[0], device=input_ids.device)
 
@@ -155,7 +166,10 @@ class DecoderRunner:
             hidden = hidden + (mlp_out[0] if isinstance(mlp_out, tuple) else mlp_out)
         if self._chosen is not None:
             self.last_routes = torch.stack(self._chosen, 1).view(bsz, seq, len(self._chosen), self.topk)
-        last = self.inner.norm(hidden[:, -1])
+        return self.head(self.inner.norm(hidden[:, -1]))
+
+    def head(self, last: Tensor) -> Tensor:
+        """Float32 logits of the final-normed hidden states ``[B, H]``."""
         if self.fp32_lm_head:
             return fp32_head(last, self._head)
         return self.model.get_output_embeddings()(last).float()

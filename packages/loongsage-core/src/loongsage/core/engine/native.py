@@ -121,7 +121,10 @@ class NativeEngine:
     decode step from captured CUDA graphs on a CUDA device (see :mod:`loongsage.core.engine.cuda_graphs`).
     ``return_routed_experts`` (a mixture-of-experts model) records the experts every MoE layer chose
     for every token and returns them with each sample (R3 routing replay; decode then runs without
-    CUDA graphs). ``generate`` and
+    CUDA graphs). ``kernels`` picks the decode step's kernels: ``"auto"`` runs fused Triton kernels
+    where they apply (a CUDA device, Triton installed, a dense Llama-family decoder; see
+    :mod:`loongsage.core.engine.fused`), ``"triton"`` requires them, ``"torch"`` keeps the torch ops.
+    ``generate`` and
     ``abort`` must be awaited on one event loop at a time; ``generate_batch`` is synchronous, runs
     its requests to completion and does not observe ``pause``/``abort``; for it a bad request raises
     before anything runs.
@@ -145,6 +148,7 @@ class NativeEngine:
         deterministic: bool = False,
         cuda_graphs: bool = True,
         return_routed_experts: bool = False,
+        kernels: str = "auto",
     ):
         from transformers import AutoModelForCausalLM
 
@@ -159,7 +163,7 @@ class NativeEngine:
         self.max_batch_size, self.max_model_len = int(max_batch_size), int(max_model_len)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
-        self._runner = DecoderRunner(self.model, fp32_lm_head=fp32_lm_head)
+        self._runner = DecoderRunner(self.model, fp32_lm_head=fp32_lm_head, kernels=kernels)
         if return_routed_experts:
             self._runner.record_routes()
         self.eos_token_ids = set(_model_eos(self.model) if eos_token_ids is None else eos_token_ids)
@@ -377,6 +381,7 @@ class NativeEngine:
             "max_model_len": self.max_model_len,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "decode_kernels": "triton" if self._runner.fused is not None else "torch",
             "model_path": self.model_path,
             "last_error": self._last_error,
             **self._stats,
@@ -392,8 +397,8 @@ class NativeEngine:
 
     def _move_weights(self, device: torch.device) -> None:
         self.model.to(device)
+        self._runner.moved()
         self._bind_weights()
-        self._runner.refresh_head()
 
     def _validate(self, request: GenerationRequest) -> None:
         prefix = f"request {request.request_id!r}: "
