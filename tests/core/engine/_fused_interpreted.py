@@ -179,3 +179,30 @@ def test_the_kernels_option_is_checked():
         DecoderRunner(model, kernels="triton")
     with pytest.raises(ValueError, match=r"kernels='cuda': must be one of \['auto', 'triton', 'torch'\]"):
         DecoderRunner(model, kernels="cuda")
+
+
+def test_fused_sampling_draws_what_the_torch_path_draws(fused):
+    from loongsage.core.engine.sampling import SamplingTensors, sample
+    from loongsage.core.types import SamplingParams
+
+    torch.manual_seed(4)
+    rows, vocab = 48, 3000  # a vocabulary over one kernel block, not a multiple of it
+    logits = torch.randn(rows + 5, vocab) * 4
+    logits[3, [17, 2900]] = 50.0  # a tie for the maximum: greedy takes the first, as argmax does
+    at = torch.randperm(rows + 5)[:rows]  # rows read where they lie, in any order
+    temperatures = [0.0 if r % 5 == 0 else (0.7, 1.0, 1.6)[r % 3] for r in range(rows)]
+    params = [SamplingParams(temperature=t) for t in temperatures]
+    st = SamplingTensors.build(params, vocab, "cpu")
+    uniforms = torch.rand(rows)
+    uniforms[1] = 0.9999999  # the far end of the CDF
+    want_tok, want_lp = sample(logits[at], st, uniforms)
+    got_tok, got_lp = fused["sampling"].sample_rows(logits, at, uniforms, st.inv_temperature, st.greedy)
+    assert torch.equal(got_tok, want_tok)
+    torch.testing.assert_close(got_lp, want_lp, atol=2e-5, rtol=0)
+    greedy_row = [i for i, r in enumerate(at.tolist()) if r == 3 and temperatures[i] == 0.0]
+    for i in greedy_row:
+        assert got_tok[i] == 17
+    all_greedy = SamplingTensors.build([SamplingParams(temperature=0.0)] * rows, vocab, "cpu")
+    tok, lp = fused["sampling"].sample_rows(logits, at, None, all_greedy.inv_temperature, all_greedy.greedy)
+    assert torch.equal(tok, logits[at].argmax(-1))
+    torch.testing.assert_close(lp, torch.log_softmax(logits[at], -1).gather(-1, tok[:, None])[:, 0], atol=2e-5, rtol=0)

@@ -76,6 +76,12 @@ class SlotBatch:
         self.device = runner.device
         # recording routes (R3) reads each forward's router choices on the host side: no graph replay
         self.recording = runner.recording
+        # rows without top-k/top-p/min-p are sampled by one fused kernel where the decoder is fused
+        self.fused_sampling = None
+        if runner.fused is not None:
+            from loongsage.core.engine.fused.sampling import sample_rows
+
+            self.fused_sampling = sample_rows
         self.graphs = (
             DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" and not self.recording else None
         )
@@ -411,9 +417,9 @@ class SlotBatch:
             else:
                 logits = self._decode_forward(hi, end)
             t["lens"][dec] += 1
-            parts.append((dec, logits[dec], st))
+            parts.append((dec, logits, dec, st))  # slots, their logits' source and rows there, sampling
         if new_rows:
-            parts.append((torch.tensor(new_rows, device=self.device), new_logits, self._sampling(new_rows)))
+            parts.append((torch.tensor(new_rows, device=self.device), new_logits, None, self._sampling(new_rows)))
             for s in new_rows:
                 self.status[s] = DECODE
             self._dec = None
@@ -421,9 +427,13 @@ class SlotBatch:
             return []
         rows = torch.cat([p[0] for p in parts])
         toks, lps = [], []
-        for idx, lg, s in parts:
+        for idx, source, at, s in parts:
             u = None if s.all_greedy else t["uniforms"][idx, t["gen"][idx]]
-            tok, lp = sample(lg, s, u)
+            if self.fused_sampling is not None and not s.needs_filter:  # one kernel, reading the rows where they are
+                at = torch.arange(idx.numel(), device=self.device) if at is None else at
+                tok, lp = self.fused_sampling(source, at, u, s.inv_temperature, s.greedy)
+            else:
+                tok, lp = sample(source if at is None else source[at], s, u)
             toks.append(tok)
             lps.append(lp)
         tokens, logprobs = torch.cat(toks), torch.cat(lps)
