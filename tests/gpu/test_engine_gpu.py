@@ -96,7 +96,7 @@ def test_fused_decode_kernels_are_as_close_to_a_full_forward_as_the_torch_path(m
     common = {"device": "cuda", "dtype": "bfloat16", "max_batch_size": 64, "max_model_len": 512}
     fused = NativeEngine(model_dir, kernels="triton", **common)
     plain = NativeEngine(model_dir, kernels="torch", **common)
-    assert fused.health()["decode_kernels"] == "triton" and plain.health()["decode_kernels"] == "torch"
+    assert fused.health()["decode_kernels"] == "triton" and plain.health()["decode_kernels"] == "torch (kernels=torch)"
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()  # the reference, on the host
     got, ref = fused.generate_batch(requests), plain.generate_batch(requests)
     fused_dev, plain_dev = _deviation(hf, batch, got), _deviation(hf, batch, ref)

@@ -279,6 +279,8 @@ def test_bfloat16_model_with_fp32_head_runs(model_dir):
     (samples,) = engine.generate_batch([req("bf", prompts(1, seed=12)[0], max_new_tokens=8, n=2)])
     assert all(torch.isfinite(torch.tensor(r.logprobs)).all() and len(r.output_ids) > 0 for r in samples)
     assert engine.health()["dtype"] == "bfloat16"
+    # the fused decode kernels are CUDA kernels: on the CPU the torch path runs, and says why
+    assert engine.health()["decode_kernels"] == "torch (device 'cpu' (the fused kernels are CUDA kernels))"
 
 
 # ----------------------------------------------------------------------------- continuous batching

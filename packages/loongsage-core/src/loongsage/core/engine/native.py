@@ -381,7 +381,9 @@ class NativeEngine:
             "max_model_len": self.max_model_len,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "decode_kernels": "triton" if self._runner.fused is not None else "torch",
+            "decode_kernels": "triton"
+            if self._runner.fused is not None
+            else f"torch ({self._runner.fused_off_because})",
             "model_path": self.model_path,
             "last_error": self._last_error,
             **self._stats,
