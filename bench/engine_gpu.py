@@ -8,7 +8,11 @@ weights; the time covers prefill and decode. Sides:
 * the native engine with CUDA graphs over its fused Triton decode kernels (the default on CUDA);
 * the native engine with CUDA graphs over the torch decode path (``kernels="torch"``), to show what
   the fused kernels buy;
-* with ``--eager``, the torch path without graphs (``cuda_graphs=False``), to show what graphs buy.
+* with ``--eager``, the torch path without graphs (``cuda_graphs=False``), to show what graphs buy;
+* with ``--sglang``, SGLang (0.5.16 verified) serving the same folder on the same card in its own
+  process, driven over its own HTTP ``/generate`` with the same prompts and sampling (log-probs
+  returned, no end-of-sequence token, its CUDA graphs up to the largest batch, FP32 LM head, the
+  ``--sglang-sampling-backend``), as ``bench/sglang_overhead.py`` drives it.
 
 Every side first runs the full workload once untimed (kernels, allocator, graph capture), then
 ``--repeats`` (at least 3) timed runs of the sides are interleaved; medians and min-max are reported.
@@ -18,8 +22,8 @@ and SGLang 0.5.16 on the same workload and card. Measured here: the bandwidth ro
 steps (every step reads the weights once and each row's cached keys and values once) at the
 device-to-device copy bandwidth of this card, measured first.
 
-    python bench/engine_gpu.py [--batches 64 128 256] [--eager] [--prompt 128] [--new-tokens 256]
-                               [--repeats 3] [--out PATH]
+    python bench/engine_gpu.py [--batches 64 128 256] [--eager] [--sglang] [--prompt 128]
+                               [--new-tokens 256] [--repeats 3] [--out PATH]
 
 Writes ``bench/results/engine_gpu.json`` (or ``--out``) and a markdown table next to it.
 """
@@ -135,6 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--eager", action="store_true", help="also time the torch path without CUDA graphs")
+    parser.add_argument("--sglang", action="store_true", help="also time SGLang on the same card, same run")
+    parser.add_argument("--sglang-mem-fraction", type=float, default=0.35)
+    parser.add_argument("--sglang-sampling-backend", default="pytorch", choices=["pytorch", "flashinfer"])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -173,6 +180,25 @@ def main() -> None:
     if args.eager:
         eager = NativeEngine(str(tmp), kernels="torch", cuda_graphs=False, **common)
         sides["eager"] = lambda prompts: engine_side(eager, prompts, args.new_tokens)
+    server = None
+    if args.sglang:
+        from sglang_overhead import raw_rollout, without_eos
+
+        from loongsage.sglang.engine import SGLangEngine
+
+        without_eos(tmp)  # the native engines were told eos_token_ids=[]; SGLang reads the config
+        server = SGLangEngine(
+            str(tmp),
+            dtype="bfloat16",
+            fp32_lm_head=True,
+            seed=1,
+            mem_fraction_static=args.sglang_mem_fraction,
+            release_tags=[],
+            sampling_backend=args.sglang_sampling_backend,
+            server_args={"cuda_graph_max_bs": longest},
+        )
+        url = server.url
+        sides["sglang"] = lambda prompts: raw_rollout(url, prompts.tolist(), args.new_tokens)
     gen = torch.Generator().manual_seed(1)
     rows = []
     for batch in args.batches:
@@ -199,6 +225,7 @@ def main() -> None:
                 batch, args.prompt, args.new_tokens, weight_bytes, kv_bytes_per_token, bandwidth
             ),
             "sglang_reference_tok_s": SGLANG_REFERENCE.get(batch),
+            "sglang_tok_s": stats.get("sglang"),
             "warm_up_tok_s": warm,
             "repeats": timed_runs,
         }
@@ -210,16 +237,27 @@ def main() -> None:
         ]
         row["fused_vs_torch_kernels"] = stats["fused"]["median"] / stats["graphs"]["median"]
         row["fraction_of_decode_roofline"] = stats["fused"]["median"] / row["decode_roofline_tok_s"]
-        if row["sglang_reference_tok_s"]:
+        if "sglang" in stats:  # measured in this run
+            row["fraction_of_sglang"] = stats["fused"]["median"] / stats["sglang"]["median"]
+            row["fraction_of_sglang_range"] = [
+                stats["fused"]["min"] / stats["sglang"]["max"],
+                stats["fused"]["max"] / stats["sglang"]["min"],
+            ]
+        elif row["sglang_reference_tok_s"]:
             row["fraction_of_sglang"] = stats["fused"]["median"] / row["sglang_reference_tok_s"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "repeats"}), flush=True)
+    if server is not None:
+        server.close()
     info = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "weights_gb": weight_bytes / 1e9,
         "graphs_captured": fused._batch.graphs.captures,
         "copy_bandwidth_tb_s": bandwidth / 1e12,
+        "sglang": {"mem_fraction_static": args.sglang_mem_fraction, "sampling_backend": args.sglang_sampling_backend}
+        if server is not None
+        else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
         "repeats": args.repeats,
     }
@@ -227,7 +265,7 @@ def main() -> None:
     args.out.write_text(json.dumps({"source": source, "info": info, "rows": rows}, indent=1))
     table = [
         "| batch | HF generate tok/s | engine, torch kernels + graphs tok/s | engine, fused kernels + graphs "
-        "tok/s | fused / torch | vs HF (range) | SGLang 0.5.16 (ref.) | share of SGLang | decode roofline "
+        "tok/s | fused / torch | vs HF (range) | SGLang 0.5.16 | share of SGLang | decode roofline "
         "(share) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -236,7 +274,10 @@ def main() -> None:
         return f"{s['median']:,.0f} ({s['min']:,.0f}-{s['max']:,.0f})"
 
     for r in rows:
-        sglang = f"{r['sglang_reference_tok_s']:,}" if r["sglang_reference_tok_s"] else "-"
+        if r["sglang_tok_s"]:
+            sglang = cell(r["sglang_tok_s"])
+        else:
+            sglang = f"{r['sglang_reference_tok_s']:,} (earlier run)" if r["sglang_reference_tok_s"] else "-"
         share = f"{r['fraction_of_sglang']:.0%}" if r.get("fraction_of_sglang") else "-"
         lo, hi = r["speedup_vs_hf_range"]
         table.append(
