@@ -33,6 +33,7 @@ one that holds results already (a call restored from a checkpoint) continues its
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import logging
 from collections.abc import Callable
@@ -75,6 +76,10 @@ class EngineRouter:
         self.engines = engines
         self.health_timeout_s = float(health_timeout_s)
         self.in_flight = [0] * len(engines)
+        # (requests in flight, engine) for every change of a load; entries whose load is no longer
+        # the engine's, or whose engine is down, are dropped when they reach the top: pick() costs
+        # O(log engines), not a scan of every engine per request
+        self._loads = [(0, i) for i in range(len(engines))]
         self._sticky: dict[str, int] = {}
         self._ids = itertools.count()
         self._pending: dict[int, list[tuple[GenerationRequest, asyncio.Future]]] = {}
@@ -98,13 +103,25 @@ class EngineRouter:
         that is up; None while every engine is down."""
         if session is not None and self._sticky.get(session) not in (None, *self.down):
             return self._sticky[session]
-        live = [i for i in range(len(self.engines)) if i not in self.down]
-        if not live:
+        loads = self._loads
+        while loads and (loads[0][1] in self.down or loads[0][0] != self.in_flight[loads[0][1]]):
+            heapq.heappop(loads)
+        if not loads:
             return None
-        index = min(live, key=lambda i: self.in_flight[i])
+        index = loads[0][1]  # the least loaded engine that is up, the lowest index among equals
         if session is not None:
             self._sticky[session] = index
         return index
+
+    def _load(self, index: int, change: int) -> None:
+        self.in_flight[index] += change
+        heapq.heappush(self._loads, (self.in_flight[index], index))
+        if len(self._loads) > 4 * len(self.engines) + 64:  # stale entries: rebuild, amortised O(1)
+            self._reindex()
+
+    def _reindex(self) -> None:
+        self._loads = [(load, i) for i, load in enumerate(self.in_flight) if i not in self.down]
+        heapq.heapify(self._loads)
 
     def release_session(self, session: str) -> None:
         self._sticky.pop(session, None)
@@ -169,6 +186,7 @@ class EngineRouter:
         self.engines[index] = engine
         if self.down.pop(index, None) is not None:
             self.engine_restarts += 1
+            heapq.heappush(self._loads, (self.in_flight[index], index))
         self._routable_event().set()
 
     def fail(self, error: BaseException) -> None:
@@ -262,7 +280,7 @@ class EngineRouter:
                 self._pending[index] = []
                 asyncio.get_running_loop().call_soon(lambda i=index: asyncio.ensure_future(self._flush(i)))
             self._pending[index].append((request, future))
-            self.in_flight[index] += 1
+            self._load(index, +1)
             self._awaiting += 1
             try:
                 return await future
@@ -271,7 +289,7 @@ class EngineRouter:
                 self.requests_redispatched += 1
                 request = replace(request, request_id=f"r{next(self._ids)}")
             finally:
-                self.in_flight[index] -= 1
+                self._load(index, -1)
                 self._awaiting -= 1
                 if not self._awaiting and self._quiet is not None:
                     self._quiet.set()
