@@ -104,6 +104,21 @@ def hf_side(model, prompts: torch.Tensor, new_tokens: int) -> float:
     return timed(run)
 
 
+def engine_settings(longest: int, prompt: int, new_tokens: int) -> dict:
+    """The native engine's settings for this workload (batches up to ``longest``)."""
+    return {
+        "dtype": "bfloat16",
+        "device": "cuda",
+        "max_batch_size": longest,
+        "eos_token_ids": [],
+        "max_model_len": prompt + new_tokens,
+        "prefill_chunk_tokens": longest * prompt,
+        # Repeats send the same prompts: a prefix cache would skip their prefill, which HF
+        # cannot, so it is off (this is a static-batch workload, not sessions).
+        "prefix_cache": False,
+    }
+
+
 def copy_bandwidth() -> float:
     """Bytes per second of a large device-to-device copy (read plus write), median of 10."""
     src = torch.randn(1 << 29, device="cuda")  # 2 GiB
@@ -156,17 +171,7 @@ def main() -> None:
     model = build(tmp)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     longest = max(args.batches)
-    common = {
-        "dtype": "bfloat16",
-        "device": "cuda",
-        "max_batch_size": longest,
-        "eos_token_ids": [],
-        "max_model_len": args.prompt + args.new_tokens,
-        "prefill_chunk_tokens": longest * args.prompt,
-        # Repeats send the same prompts: a prefix cache would skip their prefill, which HF
-        # cannot, so it is off (this is a static-batch workload, not sessions).
-        "prefix_cache": False,
-    }
+    common = engine_settings(longest, args.prompt, args.new_tokens)
     cfg = model.config
     kv_bytes_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     bandwidth = copy_bandwidth()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from _source import source_state
-from engine_gpu import build, engine_side
+from engine_gpu import build, engine_settings, engine_side
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_profile_gpu.json"
 
@@ -74,15 +74,7 @@ def main() -> None:
     build(tmp)
     torch.cuda.empty_cache()
     longest = max(args.batches)
-    common = {
-        "dtype": "bfloat16",
-        "device": "cuda",
-        "max_batch_size": longest,
-        "eos_token_ids": [],
-        "max_model_len": args.prompt + args.new_tokens,
-        "prefill_chunk_tokens": longest * args.prompt,
-        "prefix_cache": False,
-    }
+    common = engine_settings(longest, args.prompt, args.new_tokens)
     graphed = NativeEngine(str(tmp), **common)
     eager = NativeEngine(str(tmp), cuda_graphs=False, **common)
     gen = torch.Generator().manual_seed(1)
