@@ -221,6 +221,17 @@ class SimHandle:
         return self.engine.health()
 
 
+class LocalHandle:
+    """Any object's methods as actor calls: ``handle.method.remote(...)`` calls ``obj.method(...)``
+    (a coroutine method's call is awaited by the caller, as a Ray object ref is)."""
+
+    def __init__(self, obj: Any):
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._obj, name))
+
+
 class _Method:
     """``handle.method.remote(...)`` and ``handle.method.options(...).remote(...)``."""
 
