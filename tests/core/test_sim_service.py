@@ -4,18 +4,13 @@ over 1,000 simulated engines with long-tailed lengths, under every scheduler, th
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 
 import pytest
 
 from loongsage.core.config import load_config
-from loongsage.core.controller import Controller
-from loongsage.core.rollout import EngineRouter, RolloutService
-from loongsage.core.sim.clock import run_simulated
-from loongsage.core.sim.engine import LengthModel, LocalHandle, SimEngine, SimHandle
-from loongsage.core.tinytask.tokenizer import build_tokenizer
-from loongsage.core.workers import RewardWorker
+from loongsage.core.sim.engine import LengthModel
+from loongsage.core.sim.rollout import SimulatedRun, scaffold_model, simulate_steps
 
 RECIPE = """
 run: {name: sim_service, seed: 1, total_steps: 6}
@@ -46,40 +41,12 @@ STEPS, TRAIN_S, ENGINES = 6, 4.0, 1000
 QUOTAS = {"arith": 150, "sort": 50}
 
 
-def _simulate(scheduler: str, tmp_path) -> tuple[list, int, float, object]:
-    """``STEPS`` steps of the two-source recipe under ``scheduler``: each step takes the next batch,
-    trains for ``TRAIN_S`` simulated seconds and pushes the weights (the engines' version moves on)."""
-    from transformers import Qwen3Config
-
-    folder = tmp_path / "tokenizer"
-    build_tokenizer(folder)  # what the agents encode and decode with; no weights are needed
-    Qwen3Config(vocab_size=384, hidden_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(folder)
-    (tmp_path / "sim.yaml").write_text(RECIPE.replace("TOKENIZER", str(folder)).replace("SCHEDULER", scheduler))
+def _simulate(scheduler: str, tmp_path) -> SimulatedRun:
+    folder = scaffold_model(tmp_path / "model")
+    (tmp_path / "sim.yaml").write_text(RECIPE.replace("TOKENIZER", folder).replace("SCHEDULER", scheduler))
     cfg, registry = load_config("sim", config_dir=str(tmp_path))
-    controller = Controller(cfg, registry)
-    controller._build_local(str(folder))
-    parts = controller._rollout_parts
-
-    async def main():
-        handles = [SimHandle(SimEngine(lengths=LengthModel(median=256, p99=2560))) for _ in range(ENGINES)]
-        reward = LocalHandle(RewardWorker(cfg))
-        rollout = RolloutService(router=EngineRouter(handles), engines=handles, reward=reward, **parts)
-        rollout.start(0)
-        batches, high_water = [], 0
-        for version in range(STEPS):
-            groups, metrics = await rollout.next_batch(version)
-            batches.append((groups, metrics))
-            await asyncio.sleep(TRAIN_S)  # the trainer's step
-            high_water = max(high_water, sum(len(s.buffer) for s in rollout.sources.values()))
-            await rollout.begin_update()
-            for handle in handles:  # the weight push
-                handle.engine.version = version + 1
-            rollout.end_update(version + 1)
-        await rollout.close()
-        return batches, high_water
-
-    (batches, high_water), seconds = run_simulated(main())
-    return batches, high_water, seconds, parts["scheduler"]
+    lengths = LengthModel(median=256, p99=2560)
+    return simulate_steps(cfg, registry, folder, engines=ENGINES, steps=STEPS, train_s=TRAIN_S, lengths=lengths)
 
 
 @pytest.mark.parametrize(
@@ -94,9 +61,10 @@ def _simulate(scheduler: str, tmp_path) -> tuple[list, int, float, object]:
 )
 def test_two_sources_over_a_thousand_engines_keep_their_exact_quotas(scheduler, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    batches, high_water, _, sched = _simulate(scheduler, tmp_path)
+    run = _simulate(scheduler, tmp_path)
+    sched = run.scheduler
     seen: Counter = Counter()
-    for version, (groups, metrics) in enumerate(batches):
+    for version, (groups, metrics) in enumerate(run.batches):
         # every batch holds each source's exact quota of whole groups of 8
         assert Counter(g[0].source for g in groups) == QUOTAS
         assert all(len(g) == 8 and len({t.group_id for t in g}) == 1 for g in groups)
@@ -107,15 +75,15 @@ def test_two_sources_over_a_thousand_engines_keep_their_exact_quotas(scheduler, 
         assert metrics.get("rollout/staleness_max", 0) <= sched.max_staleness
     assert all(count == 1 for count in seen.values()), "a group trained twice"
     # the buffer holds at most the groups the scheduler lets run ahead: its window of batches
-    assert high_water <= (sched.max_staleness + 1) * sum(QUOTAS.values())
+    assert run.buffer_high_water <= (sched.max_staleness + 1) * sum(QUOTAS.values())
 
 
 def test_the_asynchronous_rollout_hides_the_long_tail(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sync").mkdir()
     (tmp_path / "async").mkdir()
-    *_, sync_s, _ = _simulate("{name: sync}", tmp_path / "sync")
-    *_, async_s, _ = _simulate("{name: no_window, params: {max_staleness: 1}}", tmp_path / "async")
+    sync_s = _simulate("{name: sync}", tmp_path / "sync").seconds
+    async_s = _simulate("{name: no_window, params: {max_staleness: 1}}", tmp_path / "async").seconds
     # synchronous: every step waits for its longest sample, then trains; asynchronous: the next
     # batch generates while the trainer trains, and a long sample no longer holds its step
     assert sync_s > STEPS * TRAIN_S and async_s < sync_s / 2, (sync_s, async_s)
