@@ -371,8 +371,8 @@ class RolloutService:
 
     def _lag(self, group: list[Trajectory]) -> int:
         """Versions between the policy and the group's oldest generated token."""
-        oldest = min((v for t in group for v in t.versions if v >= 0), default=self.version)
-        return self.version - oldest
+        oldest = _oldest_version(group)
+        return 0 if oldest is None else self.version - oldest
 
     def _fail(self, exc: BaseException) -> None:
         """Surfaced by the next ``next_batch`` (and at once by the requests that wait on an engine)."""
@@ -445,9 +445,9 @@ class RolloutService:
         """Never train beyond the staleness bound: a staler group goes, its prompt is dispatched again."""
         for src in self.sources.values():
             for seq, group in list(src.buffer):
-                if self._lag(group) > self.max_staleness:
-                    src.buffer.remove((seq, group))
-                    src.returned.append(src.outstanding.pop(seq))
+                oldest = src.oldest_version(seq, group)
+                if oldest is not None and self.version - oldest > self.max_staleness:
+                    src.drop(seq, group)
                     self._counters["rollout/stale_dropped"] += 1
 
     # ------------------------------------------------------------------ checkpoints
@@ -506,6 +506,7 @@ class RolloutService:
             src.next_seq, src.consumed = int(saved["next_seq"]), int(saved["consumed"])
             src.outstanding = dict(saved["outstanding"])
             src.buffer = list(saved["buffer"])
+            src.oldest.clear()
             src.returned = deque(saved["returned"])
             src.restored = [tuple(entry) for entry in saved["in_flight"]]
 
@@ -524,17 +525,38 @@ class _Source:
     running: dict[int, tuple[int, GroupRecorder]] = field(default_factory=dict)  # seq -> (group id, its calls)
     restored: list[tuple[int, int, list[RecordedCall]]] = field(default_factory=list)  # (seq, group id, calls)
 
+    # the oldest token version of each buffered group (None: no generated token), computed once: a
+    # buffered group never changes, and its staleness is checked on every wake-up of the dispatcher
+    oldest: dict[int, int | None] = field(default_factory=dict)
+
+    def oldest_version(self, seq: int, group: list[Trajectory]) -> int | None:
+        if seq not in self.oldest:
+            self.oldest[seq] = _oldest_version(group)
+        return self.oldest[seq]
+
     def take(self, seq: int) -> list[Trajectory]:
         for k, (s, group) in enumerate(self.buffer):
             if s == seq:
                 del self.buffer[k]
                 del self.outstanding[seq]
+                self.oldest.pop(seq, None)
                 return group
         raise KeyError(seq)
+
+    def drop(self, seq: int, group: list[Trajectory]) -> None:
+        """A buffered group too stale to train: its record goes again, first."""
+        self.buffer.remove((seq, group))
+        self.oldest.pop(seq, None)
+        self.returned.append(self.outstanding.pop(seq))
 
     def pending(self) -> list[DataRecord]:
         """Records dispatched but not trained, in dispatch order, then those waiting to go again."""
         return [self.outstanding[s] for s in sorted(self.outstanding)] + list(self.returned)
+
+
+def _oldest_version(group: list[Trajectory]) -> int | None:
+    """The oldest weight version among a group's generated tokens (None when it has none)."""
+    return min((v for t in group for v in t.versions if v >= 0), default=None)
 
 
 def mask_old_versions(trajectory: Trajectory) -> int:
