@@ -173,7 +173,9 @@ def test_sigterm_and_sigint_stop_a_run_in_one_line_and_a_wrong_resume_is_refused
 
     # the run resumes from its checkpoint; Ctrl-C (SIGINT to the terminal's process group) stops it
     second = Launch(in_tmp, tag, _train("sig", "run.total_steps=40", "resume=true"))
-    second.wait_for("a step past the checkpoint", lambda: any(s > saved for s in _trained(run_dir)))
+    # a checkpoint past the first, complete: a step's metrics are logged before its checkpoint is
+    # written, so a signal right after the log would find the first checkpoint still the latest
+    second.wait_for("a checkpoint past the first", lambda: any(s > saved for s in _checkpoints(run_dir)))
     os.killpg(second.proc.pid, signal.SIGINT)
     rc, err = second.finish()
     line = _one_line(err)
