@@ -55,7 +55,7 @@ def _expected_length(seed: int) -> int:
 
 
 def _run(engines: int, requests: int, *, faults=None, replace_after_s: float = 2.0, health_timeout_s: float = 10.0):
-    """Every request through the router; returns (results, finish times, router, handles, seconds)."""
+    """Every request through the router; returns (results, router, handles, seconds)."""
 
     async def main():
         handles = [SimHandle(SimEngine(lengths=LENGTHS)) for _ in range(engines)]
@@ -71,19 +71,12 @@ def _run(engines: int, requests: int, *, faults=None, replace_after_s: float = 2
         router.on_engine_lost = lost
         if faults:
             faults(asyncio.get_running_loop(), handles)
-        finished: list[float] = []
+        sampling = [SamplingParams(temperature=1.0, max_new_tokens=BUDGET, seed=seed) for seed in range(requests)]
+        results = await asyncio.gather(*(router.generate([1] * PROMPT, s) for s in sampling))
+        return results, router, handles
 
-        async def one(seed: int):
-            sampling = SamplingParams(temperature=1.0, max_new_tokens=BUDGET, seed=seed)
-            result = await router.generate([1] * PROMPT, sampling)
-            finished.append(asyncio.get_running_loop().time())
-            return result
-
-        results = await asyncio.gather(*(one(seed) for seed in range(requests)))
-        return results, finished, router, handles
-
-    (results, finished, router, handles), seconds = run_simulated(main())
-    return results, sorted(finished), router, handles, seconds
+    (results, router, handles), seconds = run_simulated(main())
+    return results, router, handles, seconds
 
 
 def _clean_bound(requests: int, engines: int) -> float:
@@ -94,7 +87,7 @@ def _clean_bound(requests: int, engines: int) -> float:
 
 def test_a_thousand_engines_answer_every_request_once_with_its_own_length():
     engines, requests = 1000, 16_000
-    results, finished, router, handles, seconds = _run(engines, requests)
+    results, router, handles, seconds = _run(engines, requests)
     assert len(results) == requests and all(len(r) == 1 for r in results)
     # every request's one sample, with the length its seed draws: none lost, none answered twice
     assert [len(r[0].output_ids) for r in results] == [_expected_length(seed) for seed in range(requests)]
@@ -120,7 +113,7 @@ def test_killed_engines_are_replaced_and_their_requests_sent_again():
         for index in rng.sample(range(engines), killed):
             loop.call_later(rng.uniform(0.5, 5.0), kill, handles[index])
 
-    results, finished, router, _, seconds = _run(engines, requests, faults=faults, replace_after_s=2.0)
+    results, router, _, seconds = _run(engines, requests, faults=faults, replace_after_s=2.0)
     assert len(results) == requests and all(len(r) == 1 and r[0].output_ids for r in results)
     assert all(r[0].finish_reason is FinishReason.LENGTH for r in results)
     assert len(busy) == killed and sum(busy) >= killed // 2
@@ -143,7 +136,7 @@ def test_silent_engines_are_given_up_after_the_health_timeout():
         for index in random.Random(8).sample(range(engines), silent):
             loop.call_later(2.0, silence, handles[index])
 
-    results, finished, router, _, seconds = _run(engines, requests, faults=faults, health_timeout_s=timeout)
+    results, router, _, seconds = _run(engines, requests, faults=faults, health_timeout_s=timeout)
     assert len(results) == requests and all(len(r) == 1 and r[0].output_ids for r in results)
     assert len(busy) == silent and sum(busy) >= silent // 2
     assert router.engine_restarts == sum(busy) and router.requests_redispatched > 0

@@ -110,7 +110,7 @@ class DecoderRunner:
         (broadcastable to ``[B, 1, T, end]``); returns the last position's float32 logits.
         """
         seq = input_ids.shape[1]
-        if cols is not None and self.fused is not None and not self.recording:
+        if cols is not None and self.fused is not None:  # dense models only: never recording routes
             return self.fused.decode(input_ids, positions, keys, values, cols, end)
         if cols is not None:
             rows = torch.arange(input_ids.shape[0], device=input_ids.device)

@@ -369,9 +369,8 @@ class RolloutService:
         self._counters["rollout/groups_finished"] += 1
         self._notify()
 
-    def _lag(self, group: list[Trajectory]) -> int:
-        """Versions between the policy and the group's oldest generated token."""
-        oldest = _oldest_version(group)
+    def _lag(self, oldest: int | None) -> int:
+        """Versions between the policy and a group's oldest generated token (0: it has none)."""
         return 0 if oldest is None else self.version - oldest
 
     def _fail(self, exc: BaseException) -> None:
@@ -408,8 +407,8 @@ class RolloutService:
         for (_name, src), pick in zip(self.sources.items(), picks.values()):
             taken = sorted(pick)[: src.quota]
             for seq in taken:
-                group = src.take(seq)
-                lags.append(self._lag(group))
+                oldest, group = src.take(seq)
+                lags.append(self._lag(oldest))
                 groups.append(group)
             src.consumed += src.quota
         masked = sum(mask_old_versions(t) for g in groups for t in g) if self.mask_old_tokens else 0
@@ -445,8 +444,7 @@ class RolloutService:
         """Never train beyond the staleness bound: a staler group goes, its prompt is dispatched again."""
         for src in self.sources.values():
             for seq, group in list(src.buffer):
-                oldest = src.oldest_version(seq, group)
-                if oldest is not None and self.version - oldest > self.max_staleness:
+                if self._lag(src.oldest_version(seq, group)) > self.max_staleness:
                     src.drop(seq, group)
                     self._counters["rollout/stale_dropped"] += 1
 
@@ -534,13 +532,15 @@ class _Source:
             self.oldest[seq] = _oldest_version(group)
         return self.oldest[seq]
 
-    def take(self, seq: int) -> list[Trajectory]:
+    def take(self, seq: int) -> tuple[int | None, list[Trajectory]]:
+        """Take a buffered group for training: its oldest token version and the group."""
         for k, (s, group) in enumerate(self.buffer):
             if s == seq:
+                oldest = self.oldest_version(seq, group)
                 del self.buffer[k]
                 del self.outstanding[seq]
-                self.oldest.pop(seq, None)
-                return group
+                del self.oldest[seq]
+                return oldest, group
         raise KeyError(seq)
 
     def drop(self, seq: int, group: list[Trajectory]) -> None:

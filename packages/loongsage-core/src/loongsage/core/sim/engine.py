@@ -62,10 +62,10 @@ class LengthModel:
 
 
 class _Row:
-    __slots__ = ("request", "sample", "left", "done", "future")
+    __slots__ = ("request", "left", "done", "future")
 
-    def __init__(self, request: GenerationRequest, sample: int, length: int, future: asyncio.Future):
-        self.request, self.sample, self.future = request, sample, future
+    def __init__(self, request: GenerationRequest, length: int, future: asyncio.Future):
+        self.request, self.future = request, future
         self.left = float(length)  # tokens still to sample
         self.done = 0.0
 
@@ -87,7 +87,6 @@ class SimEngine:
         self.rows: list[_Row] = []
         self.waiting: list[_Row] = []  # admitted when a row frees (max_rows)
         self.generated_tokens = 0
-        self.busy_s = 0.0  # simulated seconds with at least one live row
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
@@ -119,7 +118,7 @@ class SimEngine:
         # one more token and within the budget left
         total = self.lengths.draw(random.Random(key), budget)
         left = max(1, min(total, budget) - done_before)
-        row = _Row(request, sample, left, loop.create_future())
+        row = _Row(request, left, loop.create_future())
         self._advance()
         prefill = self.latency.prefill_s(len(request.input_ids) + done_before) * self.slowdown
         loop.call_later(prefill, self._join, row)
@@ -143,7 +142,6 @@ class SimEngine:
             for row in self.rows:
                 row.left -= steps
                 row.done += steps
-            self.busy_s += now - self._last
         self._last = now
 
     def _schedule(self) -> None:
@@ -174,10 +172,6 @@ class SimEngine:
             row.future.set_result(
                 GenerationResult(row.request.request_id, [7] * tokens, [-1.0] * tokens, [self.version] * tokens, reason)
             )
-
-
-class _DeadActor(Exception):
-    pass
 
 
 class SimHandle:
