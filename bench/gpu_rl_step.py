@@ -15,7 +15,11 @@ checkpointing, a constant reward.
   timed per optimizer step by a callback.
 
 Both sides run ``--steps`` steps; the first ``--warmup`` of each are dropped (compilation, graph
-capture, allocator) and the medians of the rest are compared. The train phase's MFU divides its
+capture, allocator) and the medians of the rest are compared. Each side's peak GPU memory is the
+card's used memory (every process on it: our engine and trainer actors, or TRL's one process),
+sampled every 0.1 s while the side runs. Our step's timeline (rollout, batch building and transfers,
+the trainer's own compute, the weight push) is written as a Chrome trace,
+``bench/results/<name>.trace.json`` (open it in ``chrome://tracing`` or Perfetto). The train phase's MFU divides its
 matmul FLOPs (6 x parameters in matmuls x tokens, the LM head included) by the bf16 matmul rate
 measured on the same card in the same run.
 
@@ -33,7 +37,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -72,6 +78,50 @@ def matmul_params(model_path: str) -> int:
     return c.num_hidden_layers * (attn + mlp) + c.vocab_size * c.hidden_size
 
 
+@contextmanager
+def card_memory_peak(into: dict, key: str = "peak_card_gb"):
+    """The card's peak used memory (all processes) while the block runs, sampled every 0.1 s."""
+    done, peak = threading.Event(), [0]
+
+    def sample() -> None:
+        while not done.wait(0.1):
+            free, total = torch.cuda.mem_get_info()
+            peak[0] = max(peak[0], total - free)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        into[key] = peak[0] / 1e9
+
+
+def span(name: str, start_s: float, seconds: float, *, row: int) -> dict:
+    """One complete event of a Chrome trace (microseconds)."""
+    return {"name": name, "ph": "X", "ts": start_s * 1e6, "dur": seconds * 1e6, "pid": 0, "tid": row}
+
+
+def timeline(rows: list[dict]) -> dict:
+    """A Chrome trace of the measured steps laid end to end from their phase times: rollout, the
+    train phase split into batch building + transfers and the trainer's own compute, the push."""
+    events, t = [], 0.0
+    for i, r in enumerate(rows):
+        compute = r.get("timing/trainer_compute_s", 0.0)
+        phases = [
+            ("rollout", r["timing/rollout_s"]),
+            ("batch + transfers", r["timing/train_s"] - compute),
+            ("trainer compute", compute),
+            ("weight push", r["timing/sync_s"]),
+        ]
+        events.append(span(f"step {i}", t, r["timing/step_s"], row=0))
+        for name, dur in phases:
+            events.append(span(name, t, dur, row=1))
+            t += dur
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
 def run(cmd: list[str], log: Path, env: dict) -> None:
     with log.open("w") as fh:
         rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
@@ -93,6 +143,7 @@ def ours(args, work: Path, env: dict) -> dict:
     ]
     if args.plugins:
         cmd.append(f"plugins=[{args.plugins}]")
+    cmd += args.set
     if args.engine != "native":
         # a new engine name on the command line starts from empty params: the recipe's go with it
         import yaml
@@ -101,18 +152,23 @@ def ours(args, work: Path, env: dict) -> dict:
         params = ", ".join(f"{k}: {v}" for k, v in (recipe["rollout"]["engine"].get("params") or {}).items())
         cmd.append(f"rollout.engine={{name: {args.engine}, params: {{{params}}}}}")
     start = time.perf_counter()
-    run(cmd, work / "ours.log", env)
+    memory: dict = {}
+    with card_memory_peak(memory):
+        run(cmd, work / "ours.log", env)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in next((work / "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
     rows = [r for r in rows if "timing/step_s" in r]
     keep = rows[args.warmup :]
-    pick = {k: [r[f"timing/{k}_s"] for r in keep] for k in ("step", "rollout", "train", "sync")}
+    phases = ("step", "rollout", "train", "sync", "trainer_compute")
+    pick = {k: [r.get(f"timing/{k}_s", 0.0) for r in keep] for k in phases}
     return {
         "wall_s": wall,
         "steps": len(rows),
         **{f"{k}_s_all": v for k, v in pick.items()},
         **{f"{k}_s": statistics.median(v) for k, v in pick.items()},
         "response_length_mean": statistics.mean(r["rollout/response_length_mean"] for r in keep),
+        **memory,
+        "timeline": timeline(keep),
     }
 
 
@@ -129,11 +185,13 @@ def trl(args, work: Path, env: dict, model_path: str, prompts: list[str]) -> dic
     }
     (work / "trl_spec.json").write_text(json.dumps(spec))
     start = time.perf_counter()
-    run(
-        [sys.executable, str(BENCH / "_trl_gpu_step.py"), str(work / "trl_spec.json"), str(work / "trl.json")],
-        work / "trl.log",
-        env,
-    )
+    memory: dict = {}
+    with card_memory_peak(memory):
+        run(
+            [sys.executable, str(BENCH / "_trl_gpu_step.py"), str(work / "trl_spec.json"), str(work / "trl.json")],
+            work / "trl.log",
+            env,
+        )
     out = json.loads((work / "trl.json").read_text())
     keep = out["step_s"][args.warmup :]
     return {
@@ -143,6 +201,7 @@ def trl(args, work: Path, env: dict, model_path: str, prompts: list[str]) -> dic
         "step_s": statistics.median(keep),
         "peak_gb": out["peak_gb"],
         "completion_mean_length": out["completion_mean_length"],
+        **memory,
     }
 
 
@@ -156,6 +215,7 @@ def main() -> int:
         default="native",
         help="our rollout engine: the recipe's (native) or another by name (sglang), nothing else changed",
     )
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of our recipe")
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     args = ap.parse_args()
     name = "gpu_rl_step" if args.engine == "native" else f"gpu_rl_step_{args.engine}"
@@ -177,6 +237,8 @@ def main() -> int:
     tokens = PROMPTS * SAMPLES * (PROMPT_TOKENS + NEW_TOKENS)
     train_flops = 6 * matmul_params(model_path) * tokens
     side_ours["train_mfu"] = train_flops / side_ours["train_s"] / (peak * 1e12)
+    if side_ours["trainer_compute_s"]:
+        side_ours["trainer_compute_mfu"] = train_flops / side_ours["trainer_compute_s"] / (peak * 1e12)
     side_ours["rollout_tokens_per_s"] = PROMPTS * SAMPLES * NEW_TOKENS / side_ours["rollout_s"]
     n = PROMPTS * SAMPLES
     for side in (side_ours, side_trl):
@@ -199,6 +261,7 @@ def main() -> int:
     }
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.trace.json").write_text(json.dumps(side_ours.pop("timeline")) + "\n")
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     o, t = side_ours, side_trl
     lines = [
@@ -214,8 +277,12 @@ def main() -> int:
         f"| trajectories / s | {o['trajectories_per_s']:.1f} | {t['trajectories_per_s']:.1f} | |",
         f"| rollout s ({o['rollout_tokens_per_s']:.0f} sampled tokens/s) | {o['rollout_s']:.2f} | | |",
         f"| train s (MFU {o['train_mfu']:.0%}) | {o['train_s']:.2f} | | |",
+        f"| of which the trainer's compute (MFU {o.get('trainer_compute_mfu', 0):.0%}) | "
+        f"{o['trainer_compute_s']:.2f} | | |",
+        f"| of which batch building + transfers | {o['train_s'] - o['trainer_compute_s']:.2f} | | |",
         f"| weight sync s | {o['sync_s']:.3f} | | |",
-        f"| TRL peak GPU memory | | {t['peak_gb']:.0f} GB | |",
+        f"| peak GPU memory, the card's (all processes) | {o['peak_card_gb']:.0f} GB | {t['peak_card_gb']:.0f} GB | |",
+        f"| TRL's own peak allocated | | {t['peak_gb']:.0f} GB | |",
     ]
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,6 +1,7 @@
 """Training throughput and MFU on one CUDA GPU: the ``megatron`` trainer on its TE-free spec (torch's
 fused attention) and on Transformer Engine's layer (where it imports), against Megatron's local
-spec (unfused attention) and the ``torch`` trainer (HF + SDPA).
+spec (unfused attention) and the ``torch`` trainer (HF + SDPA), eager and with its decoder layers
+compiled (``compile_layers``: Inductor's fused kernels).
 
 A Qwen3-1.7B-shaped model with random bf16 weights; each step is one optimizer step (AdamW, grad
 clipping) over ``--rows`` rows of ``--seq`` random tokens, every token trained (one micro-batch),
@@ -41,6 +42,7 @@ SIDES = {
     "megatron_te": ("megatron", {"layer_spec": "te"}),
     "megatron_local": ("megatron", {"layer_spec": "local"}),
     "torch": ("torch", {}),
+    "torch_compiled": ("torch", {"compile_layers": True}),
 }
 GOAL = 0.45
 

@@ -11,6 +11,7 @@ import asyncio
 import inspect
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -117,13 +118,17 @@ class TrainerWorker:
         return self.backend.data_parallel or (self.rank, self.world_size, True)
 
     def train_step(self, mini_batch: TrainBatch) -> Metrics:
+        start = time.perf_counter()
         metrics = self.backend.train_step(mini_batch, self.loss, self.token_budget)
         dp_rank, _, leader = self.data_layout()
         if not leader:
             return Metrics()  # the same rows as its leader: its sums would count them twice
         # the gradient norm and learning rate are the model's, the same on every rank: the first
         # data-parallel rank's leader reports them, the others their shares of the sums
-        return metrics if dp_rank == 0 else metrics.without_gauges()
+        if dp_rank != 0:
+            return metrics.without_gauges()
+        # the trainer's own share of the step's train phase (the rest: batch building, transfers)
+        return metrics.total("timing/trainer_compute_s", time.perf_counter() - start)
 
     def push_weights(self, engines: list[Any]) -> PushResult | None:
         """Every rank calls (gathering shards is a collective); rank 0 sends to the engines and

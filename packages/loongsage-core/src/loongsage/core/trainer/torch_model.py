@@ -11,6 +11,12 @@ The forward is :func:`~loongsage.core.model_math.logprobs.policy_logits`: the LM
 first trained position on, in float32 for a bf16/fp16 model (the FP32 head the engine shares).
 Under LoRA (:mod:`.lora`) only the adapters train, the model with them switched off is the frozen
 reference, a checkpoint holds the adapters alone, and exports hold the merged weights.
+
+``compile_layers`` compiles each decoder layer with ``torch.compile`` (regional compilation): Inductor
+fuses the norms, rotary embedding and activation of the layer's forward and backward into a few
+Triton kernels, where eager HF runs each as separate elementwise kernels. The layers share one
+compiled graph (parameters are the graph's inputs), so compiling costs one layer's time, not the
+model's; the second distinct micro-batch shape recompiles once with dynamic shapes.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ class TorchModel:
         gradient_checkpointing: bool,
         dp_mode: str,
         lora: LoraConfig | None,
+        compile_layers: bool = False,
     ) -> None:
         self.device, self.fp32_lm_head, self.lora = device, fp32_lm_head, lora
         self.model = self._load(model_path, dtype)
@@ -77,6 +84,9 @@ class TorchModel:
         self.sharded = world > 1 and dp_mode == "fsdp2"
         if self.sharded:
             self._shard()
+        if compile_layers:
+            for layer in self._decoder_layers():
+                layer.compile()
         self.model.train()
         # under LoRA the base weights never change: the model with its adapters off is the reference
         self.reference: Callable[[], AbstractContextManager[None]] | None = (

@@ -30,6 +30,8 @@ class TorchTrainer(TrainerSkeleton):
 
     dp_mode: Literal["fsdp2", "replicate"] = "fsdp2"
     lora: LoraConfig | None = None  # None: full fine-tuning
+    # each decoder layer compiled by torch.compile (fused norms, rotary and activations; torch_model.py)
+    compile_layers: bool = False
 
     supports_lora: ClassVar[bool] = True  # the critic's value head is outside the decoder layers LoRA targets
     held_teacher_params: ClassVar[dict[str, Any]] = {"lora": None, "gradient_checkpointing": False}
@@ -54,6 +56,7 @@ class TorchTrainer(TrainerSkeleton):
                 gradient_checkpointing=self.gradient_checkpointing,
                 dp_mode=self.dp_mode,
                 lora=self.lora,
+                compile_layers=self.compile_layers,
             )
         )
 
