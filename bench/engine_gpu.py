@@ -41,7 +41,9 @@ import torch
 from _source import source_state
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_gpu.json"
-# SGLang 0.5.16 on one H200, same model shape and workload (tokens/s), by batch size.
+# SGLang 0.5.16 on one H200, same model shape and workload (tokens/s), by batch size, from an earlier
+# run whose settings were not recorded; `--sglang` measures it in the same run (12,544 / 24,317 at
+# commit d8485dc, with log-probs).
 SGLANG_REFERENCE = {64: 18_933, 256: 36_470}
 # The weights-only bandwidth roofline of this workload on an H200, as the engine's goals state it.
 ROOFLINE_REFERENCE = {64: 39_000, 256: 156_000}
