@@ -9,8 +9,8 @@ the requests. Two routers in the same run, warmed alike, each repeated ``--repea
 * ``scan``: the same router with the least-loaded pick of earlier versions (a scan of every engine
   per request), the peer this measures against.
 
-Linear cost keeps the CPU time per request flat as E grows. Also measured: how much one engine ten
-times slower than the others stretches a synchronous step (the last request's finish, simulated).
+Linear cost keeps the CPU time per request flat as E grows. (One engine slower than the others:
+``bench/sim_faults.py``.)
 
     python bench/sim_scale.py [--engines 8 64 512 1000] [--repeats 3] [--out PATH]
 
@@ -52,13 +52,11 @@ class ScanRouter(EngineRouter):
         return index
 
 
-def one_run(router_cls: type[EngineRouter], engines: int, slow: bool = False) -> dict[str, float]:
+def one_run(router_cls: type[EngineRouter], engines: int) -> dict[str, float]:
     lengths = LengthModel(median=256, p99=2560)
 
     async def main():
-        handles = [
-            SimHandle(SimEngine(lengths=lengths, slowdown=10.0 if slow and i == 0 else 1.0)) for i in range(engines)
-        ]
+        handles = [SimHandle(SimEngine(lengths=lengths)) for _ in range(engines)]
         router = router_cls(handles, health_timeout_s=30.0)
         sampling = [SamplingParams(temperature=1.0, max_new_tokens=4096, seed=i) for i in range(PER_ENGINE * engines)]
         cpu = time.process_time()
@@ -100,11 +98,8 @@ def main() -> None:
         row["scan_over_heap"] = row["scan"]["cpu_us_per_request"] / row["heap"]["cpu_us_per_request"]
         rows.append(row)
         print(json.dumps(row), flush=True)
-    slow = {"engines": 64, "clean_sim_s": one_run(EngineRouter, 64)["sim_s"]}
-    slow["one_engine_10x_slower_sim_s"] = one_run(EngineRouter, 64, slow=True)["sim_s"]
-    slow["stretch"] = slow["one_engine_10x_slower_sim_s"] / slow["clean_sim_s"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"source": source, "rows": rows, "slow_engine": slow}, indent=1))
+    args.out.write_text(json.dumps({"source": source, "rows": rows}, indent=1))
     lines = [
         f"commit {source['commit'][:10]}; {PER_ENGINE} requests per engine, log-normal lengths (median 256, "
         f"p99 2,560 tokens); host CPU microseconds per request, median of {args.repeats} interleaved runs "
@@ -121,12 +116,6 @@ def main() -> None:
             f"{s['cpu_us_per_request']:.0f} ({s['min']:.0f}-{s['max']:.0f}) | {r['scan_over_heap']:.2f}x | "
             f"{h['simulated_tokens_per_s']:,.0f} |"
         )
-    lines += [
-        "",
-        f"One engine of 64 ten times slower: the last request finishes at {slow['one_engine_10x_slower_sim_s']:.1f} "
-        f"simulated s against {slow['clean_sim_s']:.1f} s ({slow['stretch']:.2f}x): its share of the requests "
-        "holds the step.",
-    ]
     text = "\n".join(lines)
     args.out.with_suffix(".md").write_text(text + "\n")
     print(text)

@@ -54,12 +54,21 @@ def _expected_length(seed: int) -> int:
     return LENGTHS.draw(random.Random(seed * 1_000_003), BUDGET)
 
 
-def _run(engines: int, requests: int, *, faults=None, replace_after_s: float = 2.0, health_timeout_s: float = 10.0):
+def _run(
+    engines: int,
+    requests: int,
+    *,
+    faults=None,
+    replace_after_s: float = 2.0,
+    health_timeout_s: float = 10.0,
+    slowdown: dict[int, float] | None = None,
+    **router_options,
+):
     """Every request through the router; returns (results, router, handles, seconds)."""
 
     async def main():
-        handles = [SimHandle(SimEngine(lengths=LENGTHS)) for _ in range(engines)]
-        router = EngineRouter(handles, health_timeout_s=health_timeout_s)
+        handles = [SimHandle(SimEngine(lengths=LENGTHS, slowdown=(slowdown or {}).get(i, 1.0))) for i in range(engines)]
+        router = EngineRouter(handles, health_timeout_s=health_timeout_s, **router_options)
 
         def lost(index: int, handle: SimHandle) -> None:
             async def replace() -> None:
@@ -143,3 +152,25 @@ def test_silent_engines_are_given_up_after_the_health_timeout():
     # a silent engine's requests wait one health timeout (the stream) plus one more (the probe)
     # before they go again: no stall beyond that
     assert seconds <= 2 * _clean_bound(requests, engines) + 2.0 + 2 * timeout + 2.0
+
+
+def test_one_slow_engine_no_longer_holds_a_synchronous_step():
+    """One engine of 64 ten times slower: least-loaded routing gives it its 16 requests like any other,
+    and the step waited for them (2.4x). The router now sends a straggler's requests to engines that
+    went idle as well, keeping the first answer: the step ends as if every engine were fast."""
+    engines, requests = 64, 1024
+    expected = [_expected_length(seed) for seed in range(requests)]
+    _, clean_router, _, clean_s = _run(engines, requests)
+    assert clean_router.requests_hedged == 0  # equal engines: nothing to hedge
+    results, router, handles, seconds = _run(engines, requests, slowdown={0: 10.0})
+    # every request answered once, with exactly the tokens its seed draws, whichever engine answered
+    assert [len(r) for r in results] == [1] * requests
+    assert [len(r[0].output_ids) for r in results] == expected
+    assert all(r[0].finish_reason is FinishReason.LENGTH for r in results)
+    assert seconds <= 1.25 * clean_s, (seconds, clean_s)
+    # only the slow engine's requests were copied, once each, and the copies that lost were aborted
+    assert 0 < router.hedges_won <= router.requests_hedged <= requests // engines
+    assert router.in_flight == [0] * engines and not any(h.engine.rows for h in handles)
+    # without the copies the same step waits for the slow engine's share
+    *_, unhedged_s = _run(engines, requests, slowdown={0: 10.0}, straggler_ratio=None)
+    assert unhedged_s > 1.8 * clean_s, (unhedged_s, clean_s)

@@ -18,6 +18,17 @@ waiting on it again: to another live engine, or to the replacement once the owne
 same ``resume_from``), so on the same weights it samples the same tokens; agents never see the loss.
 Without an owner (``on_engine_lost`` unset) a lost engine fails its callers, as any other error does.
 
+Stragglers: least-loaded routing counts requests, not throughput, so an engine much slower than the
+others (a bad GPU, a throttled node) gets as many requests as they do, and a synchronous step waits
+for its share. The router keeps each engine's observed decode rate (sampled tokens per second of a
+request, from the answers) and the run's; an engine ``straggler_ratio`` times slower than the run is
+a straggler. When an engine is idle, a request still running on a straggler that the idle engine
+decodes at least ``straggler_ratio`` times faster is sent to it too, as it is (same prompt,
+sampling, seed and ``resume_from``), so on the same weights it samples the same tokens; the first
+answer is kept and the other copy aborted. The copy starts from the prompt rather than from the
+straggler's tokens so far: continuing those would need a cut, and a continuation's seed depends on
+where it was cut. A request has at most one copy, and none is made while an update holds generation.
+
 Calls: every ``generate`` is a :class:`Call` while it runs (``EngineRouter.calls``): its prompt,
 sampling (seed included), session and results so far: ``None`` until an engine answered, then the
 ``n`` samples, finished or cut (``ABORT``, with their tokens, log-probs and versions so far). A call's
@@ -45,6 +56,11 @@ from loongsage.core.types import EngineUnavailable, FinishReason, GenerationRequ
 
 log = logging.getLogger("loongsage")
 
+# An engine this many times slower than the run is a straggler. Equal engines differ by less: a
+# request's rate moves with its engine's batch (2.7x from 1 row to 256 in loongsage.core.sim's
+# latency model of the native engine)
+STRAGGLER_RATIO = 4.0
+
 
 class EngineLost(Exception):
     """An engine died or stopped answering; the requests it held are sent again."""
@@ -60,19 +76,56 @@ class Call:
     results: list[GenerationResult] | None = None  # None until an engine answered; cut samples are ABORT
 
 
+class _Rate:
+    """Sampled tokens per second of a request, a moving average over recent answers."""
+
+    __slots__ = ("tokens", "seconds", "answers", "keep")
+
+    def __init__(self, keep: float):
+        self.tokens = self.seconds = 0.0
+        self.answers = 0
+        self.keep = keep  # weight of the past at each new answer
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.tokens * self.keep + tokens
+        self.seconds = self.seconds * self.keep + seconds
+        self.answers += 1
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A request sent to an engine and not answered yet (straggler hedging's view of it)."""
+
+    request: GenerationRequest
+    future: asyncio.Future
+    engine: int
+    copy: tuple[int, str] | None = None  # (engine, request id) of its copy on a faster engine
+    answered_by_copy: bool = False
+
+
 class EngineRouter:
     """Least-loaded routing over engine actor handles; sticky per session id.
 
     Requests made in the same event-loop tick are sent to an engine in ONE actor call, so the engine
     sees them together and batches them, and a step of many prompts costs one round trip per engine.
     ``engines`` is kept by reference: a replacement is swapped into the caller's own list.
+    ``straggler_ratio``: how many times slower than the run an engine decodes before its requests are
+    also sent to idle engines (see the module docstring); None turns that off.
     """
 
-    def __init__(self, engines: list[Any], *, health_timeout_s: float = 30.0):
+    def __init__(
+        self, engines: list[Any], *, health_timeout_s: float = 30.0, straggler_ratio: float | None = STRAGGLER_RATIO
+    ):
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
         if not health_timeout_s > 0:
             raise ValueError(f"EngineRouter: health_timeout_s={health_timeout_s!r} must be > 0")
+        if straggler_ratio is not None and not straggler_ratio > 1:
+            raise ValueError(f"EngineRouter: straggler_ratio={straggler_ratio!r} must be > 1 (or None: off)")
         self.engines = engines
         self.health_timeout_s = float(health_timeout_s)
         self.in_flight = [0] * len(engines)
@@ -96,6 +149,16 @@ class EngineRouter:
         self.engine_restarts = 0  # replacements routed to so far
         self.requests_redispatched = 0  # requests sent again because their engine was lost
         self._failed: BaseException | None = None
+        # stragglers: decode rates observed, the requests not answered yet, the engines with none
+        self.straggler_ratio = straggler_ratio
+        self.requests_hedged = 0  # requests also sent to a faster engine
+        self.hedges_won = 0  # ... of which the copy answered first
+        self._rates = [_Rate(keep=0.75) for _ in engines]
+        self._run_rate = _Rate(keep=1 - 1 / (16 + len(engines)))  # over the last few answers of every engine
+        self._flights: list[dict[asyncio.Future, _Flight]] = [{} for _ in engines]  # without a copy yet
+        self._idle = set(range(len(engines)))
+        self._stragglers: set[int] = set()  # engines whose observed rate makes them stragglers
+        self._background: set[asyncio.Task] = set()  # aborts of the copies that lost
 
     # ------------------------------------------------------------------ routing
     def pick(self, session: str | None = None) -> int | None:
@@ -118,6 +181,12 @@ class EngineRouter:
         heapq.heappush(self._loads, (self.in_flight[index], index))
         if len(self._loads) > 4 * len(self.engines) + 64:  # stale entries: rebuild, amortised O(1)
             self._reindex()
+        if self.in_flight[index]:
+            self._idle.discard(index)
+        else:
+            self._idle.add(index)
+            if self._stragglers:
+                self._hedge_onto(index)
 
     def _reindex(self) -> None:
         self._loads = [(load, i) for i, load in enumerate(self.in_flight) if i not in self.down]
@@ -184,6 +253,8 @@ class EngineRouter:
     def engine_replaced(self, index: int, engine: Any) -> None:
         """The owner's replacement of engine ``index`` holds the current weights: route to it."""
         self.engines[index] = engine
+        self._rates[index] = _Rate(keep=0.75)  # a new engine: its rate is learned again
+        self._stragglers.discard(index)
         if self.down.pop(index, None) is not None:
             self.engine_restarts += 1
             heapq.heappush(self._loads, (self.in_flight[index], index))
@@ -276,12 +347,12 @@ class EngineRouter:
         while True:
             index = await self._route(session)
             future = asyncio.get_running_loop().create_future()
-            if index not in self._pending:
-                self._pending[index] = []
-                asyncio.get_running_loop().call_soon(lambda i=index: asyncio.ensure_future(self._flush(i)))
-            self._pending[index].append((request, future))
+            self._send(index, request, future)
             self._load(index, +1)
             self._awaiting += 1
+            flight = self._flights[index][future] = _Flight(request, future, index)
+            if index in self._stragglers:  # routed by count to an engine known to be slow: copy it now
+                self._hedge_from(index)
             try:
                 return await future
             except EngineLost:
@@ -289,11 +360,108 @@ class EngineRouter:
                 self.requests_redispatched += 1
                 request = replace(request, request_id=f"r{next(self._ids)}")
             finally:
+                self._landed(flight)
                 self._load(index, -1)
                 self._awaiting -= 1
                 if not self._awaiting and self._quiet is not None:
                     self._quiet.set()
             await self._pass_gate()
+
+    def _send(self, index: int, request: GenerationRequest, future: asyncio.Future) -> None:
+        """Queue ``request`` for engine ``index``'s call of this event-loop tick."""
+        if index not in self._pending:
+            self._pending[index] = []
+            asyncio.get_running_loop().call_soon(lambda i=index: asyncio.ensure_future(self._flush(i)))
+        self._pending[index].append((request, future))
+
+    # ------------------------------------------------------------------ stragglers
+    def _observe(self, index: int, request: GenerationRequest, results: list[GenerationResult], seconds: float):
+        """An engine's answer: its decode rate (the longest sample's new tokens over the call's time)."""
+        if self.straggler_ratio is None or seconds <= 0:
+            return
+        before = len(request.resume_from.output_ids) if request.resume_from is not None else 0
+        if any(r.finish_reason is FinishReason.ABORT for r in results):
+            return  # cut short: its time says nothing of the engine's pace
+        tokens = max((len(r.output_ids) for r in results), default=0) - before
+        if tokens < 32:  # a short answer's time is mostly the call's and the prefill's, not decoding
+            return
+        self._rates[index].add(tokens, seconds)
+        self._run_rate.add(tokens, seconds)
+        if self._is_straggler(index):
+            self._stragglers.add(index)
+            self._hedge_from(index)
+        else:
+            self._stragglers.discard(index)
+
+    def _is_straggler(self, index: int) -> bool:
+        # an answer of its own (of 32 tokens or more: its pace, not its prefill) against a few of the run's
+        enough = self._rates[index].answers >= 1 and self._run_rate.answers >= 8
+        return enough and self._rates[index].value * self.straggler_ratio <= self._run_rate.value
+
+    def _hedge_from(self, slow: int) -> None:
+        """Copy straggler ``slow``'s requests to the idle engines, the lowest index first."""
+        for idle in sorted(self._idle):
+            if not self._flights[slow]:
+                return
+            self._hedge_onto(idle)
+
+    def _hedge_onto(self, idle: int) -> None:
+        """Send engine ``idle`` a copy of the oldest request of a straggler it decodes faster than."""
+        if idle in self.down or idle in self._stragglers or not self._gate().is_set():
+            return
+        speed = self._rates[idle].value if self._rates[idle].answers else self._run_rate.value
+        for slow in sorted(self._stragglers):
+            if slow in self.down or speed < self.straggler_ratio * self._rates[slow].value:
+                continue
+            flight = self._oldest_unanswered(slow)
+            if flight is None:
+                continue
+            copy = replace(flight.request, request_id=f"r{next(self._ids)}")
+            flight.copy = (idle, copy.request_id)
+            answer = asyncio.get_running_loop().create_future()
+            answer.add_done_callback(lambda done, f=flight: self._copy_answered(f, done))
+            self._send(idle, copy, answer)
+            self.requests_hedged += 1
+            self._load(idle, +1)
+            return
+
+    def _oldest_unanswered(self, slow: int) -> _Flight | None:
+        """Take the oldest request of engine ``slow`` without a copy yet (on a slow engine, the furthest
+        from done); None when it has none left."""
+        flights = self._flights[slow]
+        while flights:
+            flight = flights.pop(next(iter(flights)))
+            if not flight.future.done():  # else answered in this event-loop step, its caller not yet run
+                return flight
+        return None
+
+    def _copy_answered(self, flight: _Flight, answer: asyncio.Future) -> None:
+        """A copy's answer: the request's if it came first and is complete. An error, or a cut (a weight
+        update aborts the original as well, which then goes on from its own tokens), leaves the original."""
+        self._load(flight.copy[0], -1)
+        if answer.cancelled() or answer.exception() is not None or flight.future.done():
+            return
+        if any(r.finish_reason is FinishReason.ABORT for r in answer.result()):
+            return
+        flight.answered_by_copy = True
+        self.hedges_won += 1
+        flight.future.set_result(answer.result())
+
+    def _landed(self, flight: _Flight) -> None:
+        """A request was answered (or failed): forget it, and abort its copy that did not answer first."""
+        self._flights[flight.engine].pop(flight.future, None)
+        if flight.copy is None:
+            return
+        loser, request_id = (flight.engine, flight.request.request_id) if flight.answered_by_copy else flight.copy
+        task = asyncio.ensure_future(self._abort_quietly(self.engines[loser], request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _abort_quietly(self, engine: Any, request_id: str) -> None:
+        try:
+            await asyncio.wait_for(_awaitable(engine.abort.remote([request_id])), self.health_timeout_s)
+        except Exception:  # noqa: BLE001 - it answered meanwhile, or its engine is lost (seen elsewhere)
+            pass
 
     async def _route(self, session: str | None) -> int:
         while True:
@@ -310,16 +478,18 @@ class EngineRouter:
         the engine finishes that request (a streamed reply), not when the slowest one is done."""
         batch = self._pending.pop(index)
         engine = self.engines[index]
+        sent = asyncio.get_running_loop().time()
         try:
             stream = engine.generate_stream.options(num_returns="streaming").remote([r for r, _ in batch])
             async for k, result in self._answers(stream, engine):
-                future = batch[k][1]
-                if future.done():
-                    continue
-                if isinstance(result, Exception):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+                request, future = batch[k]
+                if not future.done():
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+                if not isinstance(result, Exception):
+                    self._observe(index, request, result, asyncio.get_running_loop().time() - sent)
         except Exception as exc:  # the call failed: every caller still waiting sees it, or goes again
             error = EngineLost(f"engine {index}") if await self._lost(index, engine, exc) else exc
             for _, future in batch:

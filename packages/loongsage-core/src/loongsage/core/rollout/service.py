@@ -490,6 +490,8 @@ class RolloutService:
         self.next_group_id = int(state["next_group_id"])
         self.consumed = int(state.get("consumed", 0))
         self.version = int(state.get("version", self.version))
+        if self.recovery is not None:  # a replacement loaded before the first update takes this version
+            self.recovery.version = self.version
         for src in self.sources.values():  # every batch took each source's quota (the staleness budget reads it)
             src.consumed = self.consumed * src.quota
         for name, records in state.get("pending", {}).items():

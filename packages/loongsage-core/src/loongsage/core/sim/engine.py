@@ -11,9 +11,9 @@ chosen) with the request's seed, so a request sent again draws the same length.
 
 :class:`SimHandle` wraps it as an actor handle: ``handle.generate_stream.options(
 num_returns="streaming").remote(requests)``, ``handle.abort.remote(...)`` and
-``handle.health.remote()`` behave as the Ray calls the router makes. Faults: ``kill()`` (every call
-then fails as a dead actor's does), ``silence()`` (calls and health probes never answer) and
-``slowdown`` (every step takes that many times longer).
+``handle.health.remote()`` behave as the Ray calls the router makes (and ``set_version``, the engine
+recovery's). Faults: ``kill()`` (every call then fails as a dead actor's does), ``silence()`` (calls
+and health probes never answer) and ``slowdown`` (every step takes that many times longer).
 """
 
 from __future__ import annotations
@@ -166,11 +166,21 @@ class SimEngine:
             self.rows.remove(row)
         elif row in self.waiting:
             self.waiting.remove(row)
-        tokens = round(row.done) if reason is FinishReason.ABORT else round(row.done + max(row.left, 0.0))
+        # done + left is the drawn length; in real time a late timer credits steps past it
+        length = row.done + row.left
+        tokens = round(min(row.done, length)) if reason is FinishReason.ABORT else round(length)
         self.generated_tokens += tokens
         if not row.future.done():
+            prior = row.request.resume_from  # a continued sample answers its earlier tokens, then the new ones
+            ids, logprobs, versions = (prior.output_ids, prior.logprobs, prior.versions) if prior else ([], [], [])
             row.future.set_result(
-                GenerationResult(row.request.request_id, [7] * tokens, [-1.0] * tokens, [self.version] * tokens, reason)
+                GenerationResult(
+                    row.request.request_id,
+                    [*ids, *[7] * tokens],
+                    [*logprobs, *[-1.0] * tokens],
+                    [*versions, *[self.version] * tokens],
+                    reason,
+                )
             )
 
 
@@ -184,6 +194,7 @@ class SimHandle:
         self.generate_stream = _Method(self._stream)
         self.abort = _Method(self._abort)
         self.health = _Method(self._health)
+        self.set_version = _Method(self._set_version)
 
     def kill(self) -> None:
         """From now on every call fails as a dead Ray actor's does; its rows are gone."""
@@ -213,6 +224,10 @@ class SimHandle:
     async def _health(self) -> dict[str, Any]:
         await self._check()
         return self.engine.health()
+
+    async def _set_version(self, version: int) -> None:
+        await self._check()
+        self.engine.version = int(version)
 
 
 class LocalHandle:
@@ -265,7 +280,12 @@ class _Stream:
     async def __anext__(self) -> Any:
         if self.left == 0:
             raise StopAsyncIteration
-        item = await self.done.get()
+        try:
+            item = await self.done.get()
+        except asyncio.CancelledError:  # the caller gave up on the call (a silent engine): so does it
+            for task in self.tasks:
+                task.cancel()
+            raise
         if isinstance(item, Exception):
             self.left = 0
             for task in self.tasks:
