@@ -21,6 +21,7 @@ import pytest
 
 from loongsage.core.contracts import SandboxOwner
 from loongsage.sandbox.limits import Limits
+from tests.sandbox.engine_relay import EngineRelay
 
 pytestmark = pytest.mark.timeout(300)
 SMALL = Limits(
@@ -157,6 +158,59 @@ def test_commands_files_and_bad_input(engine, clean):
             await sb.exec(sid, "true", 5)
 
     run(go())
+
+
+def test_output_written_before_the_client_read_the_answer_is_kept(engine, clean, tmp_path):
+    """A fast command on a loaded machine: its output reaches the client together with the answer's
+    headers (the relay reads the engine's answer a moment late), and every byte of it is kept."""
+    relay = EngineRelay(engine, tmp_path, hold_s=0.3)
+
+    async def go():
+        sb = backend(relay.url)
+        sid = await sb.create(owner(), time.time() + 120)
+        try:
+            for i in range(3):
+                result = await sb.exec(sid, f"echo out{i}; echo err{i} >&2; ls -d /work", 10)
+                assert (result.exit_code, result.stdout, result.stderr) == (0, f"out{i}\n/work\n", f"err{i}\n"), result
+        finally:
+            await sb.close()
+
+    try:
+        run(go())
+    finally:
+        relay.close()
+    assert relay.together >= 3, vars(relay)  # the arrangement that lost the output did happen
+
+
+@pytest.mark.parametrize(
+    "cut_after, why",
+    [
+        (4, "ended inside a frame header (4 of 8 bytes)"),
+        (8 + 3, "ended 9 bytes short of the end of a frame"),
+        (8 + 12, "ended while the command still ran"),  # between two frames: only the engine can tell
+    ],
+)
+def test_a_cut_output_stream_is_an_error_not_a_short_output(engine, clean, tmp_path, cut_after, why):
+    relay = EngineRelay(engine, tmp_path, cut_after=cut_after)
+
+    async def go():
+        sb = backend(relay.url)
+        sid = await sb.create(owner(), time.time() + 120)
+        try:
+            result = await sb.exec(sid, "echo hello-world; sleep 30; echo never", 60)
+            assert result.exit_code is None and result.signal is None and why in result.error, result
+            assert result.wall_s < 20 and "never" not in result.stdout, result
+            relay.cut_after = None
+            ps = await sb.exec(sid, "ps -e -o comm= | grep -c sleep || true", 10)
+            assert ps.stdout == "1\n", ps  # PID 1's own sleep only: the abandoned command was ended
+        finally:
+            await sb.close()
+
+    try:
+        run(go())
+    finally:
+        relay.close()
+    assert relay.cuts >= 1, vars(relay)
 
 
 def test_fork_bomb_memory_bomb_cpu_spin_and_disk_fill_are_contained(engine, clean):

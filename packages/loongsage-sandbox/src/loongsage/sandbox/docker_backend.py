@@ -21,10 +21,11 @@ is a process of it. What it may do:
 ``exec`` runs ``/bin/sh -c cmd`` in ``/work``; at its timeout every process of the sandbox is killed
 (``kill -9 -1`` by the container's root, which PID 1 survives), concurrent commands of the same
 sandbox included: a container has one PID namespace, where the ``local`` backend gives each command
-its own. ``put``/``get`` go through the engine's archive API. A path follows the same rules as in
-``local`` (relative, no ``..``); the engine resolves it inside the container, so a symlink the
-sandbox planted redirects a ``put`` at most elsewhere inside the sandbox, never outside it, and
-``get`` refuses a symlink or anything but a regular file.
+its own. Its output arrives whole, or the result says it did not (``error``, no exit code; see
+:mod:`loongsage.sandbox.docker_stream`). ``put``/``get`` go through the engine's archive API. A
+path follows the same rules as in ``local`` (relative, no ``..``); the engine resolves it inside
+the container, so a symlink the sandbox planted redirects a ``put`` at most elsewhere inside the
+sandbox, never outside it, and ``get`` refuses a symlink or anything but a regular file.
 
 Every container carries labels (owner, deadline, and the creating process as host, pid and start
 time): :meth:`DockerSandbox.reap_orphans` removes those whose creator on this host is gone, and
@@ -49,6 +50,7 @@ from typing import Any
 from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
 from loongsage.core.types import Check
 from loongsage.sandbox import paths
+from loongsage.sandbox.docker_stream import ExecStream
 from loongsage.sandbox.jail import ETC_PATHS, SYSTEM_PATHS, WORK, jail_env
 from loongsage.sandbox.limits import MIB, Limits
 from loongsage.sandbox.local import Capture, check_exec, check_owner, exec_result
@@ -335,39 +337,59 @@ class DockerSandbox(Sandbox):
             return ExecResult(
                 None, None, "", "", False, False, time.monotonic() - start, f"could not start: {exc.explanation or exc}"
             )
-        reader = asyncio.ensure_future(self._call(self._pump, exec_id, out, err))
+        stream = ExecStream(self.client.api, exec_id)
+        reader = asyncio.ensure_future(self._call(stream.pump, out, err))
         timed_out = False
         try:
-            await asyncio.wait_for(asyncio.shield(reader), timeout)
-        except TimeoutError:
-            timed_out = True
-            await self._kill_all(sandbox_id)
+            if not (await asyncio.wait({reader}, timeout=timeout))[0]:
+                timed_out = True
+                await self._kill_all(sandbox_id)
         except BaseException:  # cancelled: the command is abandoned, so is every process of the sandbox
-            self._spawn(self._abandon(sandbox_id, reader))
+            self._spawn(self._abandon(sandbox_id, reader, stream))
             raise
         wall = time.monotonic() - start
-        try:
-            await asyncio.wait_for(asyncio.shield(reader), _DRAIN_S)
-        except TimeoutError:
-            pass
-        code = None
-        try:
-            code = (await self._call(self.client.api.exec_inspect, exec_id)).get("ExitCode")
-        except docker.errors.APIError:
-            pass
+        if not (await asyncio.wait({reader}, timeout=_DRAIN_S))[0]:
+            stream.abort()  # the engine never ended the stream: its thread must not wait forever
+            await asyncio.wait({reader})
         closing = self._boxes.get(sandbox_id, "deleted")
-        return exec_result(code, timed_out, wall, out, err, closing)
+        problem = reader.exception()
+        if closing is not None or timed_out:  # its processes were killed: the stream ended with them
+            return exec_result(None, timed_out, wall, out, err, closing)
+        if isinstance(problem, docker.errors.NotFound):
+            raise LookupError(f"sandbox {sandbox_id!r}: its container is gone") from None
+        if isinstance(problem, docker.errors.APIError):
+            return ExecResult(
+                None, None, "", "", False, False, wall, f"could not start: {problem.explanation or problem}"
+            )
+        if problem is None:
+            code, problem = await self._exit_code(exec_id)
+            if problem is None:
+                return exec_result(code, False, wall, out, err, None)
+        else:
+            problem = f"the command's output stream broke: {problem}"
+        # never an empty or short output passed off as the command's own; a command that may still
+        # run is ended, as at a timeout (nobody reads its output any more)
+        await self._kill_all(sandbox_id)
+        return _lost(out, err, wall, problem)
 
-    def _pump(self, exec_id: str, out: Capture, err: Capture) -> None:
-        """Read the command's output to its end (in a thread), keeping what the captures keep."""
-        try:
-            for stdout, stderr in self.client.api.exec_start(exec_id, stream=True, demux=True):
-                if stdout:
-                    out.add(stdout)
-                if stderr:
-                    err.add(stderr)
-        except Exception:  # noqa: BLE001 - the container went away under the stream: what was read stays
-            pass
+    async def _exit_code(self, exec_id: str) -> tuple[int | None, str | None]:
+        """The exec's exit code once the engine saw it end (some engines record the end a moment
+        after the stream's), or why there is none: a clean end of a stream whose command still
+        runs ``_DRAIN_S`` later was a cut connection, not the command's end."""
+        import docker
+
+        end, pause = time.monotonic() + _DRAIN_S, 0.005
+        while True:
+            try:
+                state = await self._call(self.client.api.exec_inspect, exec_id)
+            except docker.errors.APIError as exc:
+                return None, f"the engine lost the command's exit status: {exc.explanation or exc}"
+            if not state.get("Running"):
+                return state.get("ExitCode"), None
+            if time.monotonic() > end:
+                return None, "the command's output stream ended while the command still ran"
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, 0.2)
 
     async def _kill_all(self, sandbox_id: str) -> None:
         """SIGKILL every process of the sandbox but its PID 1, as the container's root (CAP_KILL)."""
@@ -381,12 +403,12 @@ class DockerSandbox(Sandbox):
         except docker.errors.APIError:
             pass  # the container is gone already, and its processes with it
 
-    async def _abandon(self, sandbox_id: str, reader: asyncio.Future) -> None:
+    async def _abandon(self, sandbox_id: str, reader: asyncio.Future, stream: ExecStream) -> None:
         await self._kill_all(sandbox_id)
-        try:
-            await asyncio.wait_for(reader, _DRAIN_S)
-        except Exception:  # noqa: BLE001
-            pass
+        if not (await asyncio.wait({reader}, timeout=_DRAIN_S))[0]:
+            stream.abort()
+        await asyncio.wait({reader})
+        reader.exception()  # retrieved: an abandoned command's broken stream is no one's news
 
     # ----------------------------------------------------------------------------------- files
     async def put(self, sandbox_id: str, path: str, data: bytes) -> None:
@@ -465,6 +487,11 @@ class DockerSandbox(Sandbox):
         task.add_done_callback(self._background.discard)
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
+
+
+def _lost(out: Capture, err: Capture, wall: float, why: str) -> ExecResult:
+    """A command whose output did not arrive whole: what did arrive, no exit code, and why."""
+    return ExecResult(None, None, out.text(), err.text(), out.truncated or err.truncated, False, wall, why)
 
 
 def docker_problem(base_url: str | None = None) -> str | None:

@@ -84,6 +84,7 @@ class SandboxHost:
             "sandbox/live": float(self.pool.live),
             "sandbox/leased": float(len(self.pool.leases)),
             "sandbox/warm": float(len(self.pool.idle)),
+            "sandbox/waiting": float(self.pool.waiting),
             "sandbox/acquired": float(self.acquired),
             "sandbox/released": float(self.released),
             "sandbox/orphans_reaped": float(self.pool.reaped_orphans),
