@@ -1,7 +1,8 @@
 """Training throughput and MFU on one CUDA GPU: the ``megatron`` trainer on its TE-free spec (torch's
 fused attention) and on Transformer Engine's layer (where it imports), against Megatron's local
 spec (unfused attention) and the ``torch`` trainer (HF + SDPA), eager and with its decoder layers
-compiled (``compile_layers``: Inductor's fused kernels).
+compiled (``compile_layers``: Inductor's fused kernels), and compiled with the FP32 head run 4,096
+tokens at a time (``head_chunk_tokens``).
 
 A Qwen3-1.7B-shaped model with random bf16 weights; each step is one optimizer step (AdamW, grad
 clipping) over ``--rows`` rows of ``--seq`` random tokens, every token trained (one micro-batch),
@@ -43,6 +44,7 @@ SIDES = {
     "megatron_local": ("megatron", {"layer_spec": "local"}),
     "torch": ("torch", {}),
     "torch_compiled": ("torch", {"compile_layers": True}),
+    "torch_compiled_chunked_head": ("torch", {"compile_layers": True, "head_chunk_tokens": 4096}),
 }
 GOAL = 0.45
 

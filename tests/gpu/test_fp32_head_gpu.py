@@ -56,3 +56,27 @@ def test_trainer_and_engine_heads_agree_on_the_same_rows():
         engine = fp32_head(hidden.reshape(-1, 128), model.lm_head.weight).view(2, 16, 512)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, engine, rtol=1e-5, atol=1e-5)
+
+
+def test_the_chunked_head_matches_the_one_piece_head_on_bf16():
+    """:class:`ChunkedHeadLogprobs` on the GPU (bf16 operands, float32 logits): log-probs as the
+    one-piece head's (same GEMM per row, same log-softmax), gradients within bf16 rounding."""
+    from loongsage.core.model_math.chunked_head import ChunkedHeadLogprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(5000, 256, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
+    target = torch.randint(0, 5000, (300,), device="cuda")
+    upstream = torch.randn(300, device="cuda")
+    lp, ent = ChunkedHeadLogprobs.apply(hidden, weight, target, 64, True)
+    (lp * upstream).sum().backward()
+    got = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logp = torch.log_softmax(fp32_head(hidden, weight), -1)
+    ref = logp.gather(-1, target[:, None]).squeeze(-1)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(lp, ref.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1).detach(), atol=1e-4, rtol=0)
+    for mine, want in zip(got, (hidden.grad, weight.grad), strict=True):
+        rel = (mine.float() - want.float()).norm() / want.float().norm()
+        assert rel < 1e-2, rel

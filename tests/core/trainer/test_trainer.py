@@ -127,7 +127,6 @@ def test_exported_weights_are_the_state_dict_in_order_and_in_place(model_dir, ti
     assert all(exported[name] is param for name, param in params.items())
 
 
-
 def _compiled_step_matches_eager(model_dir, budgets):
     import torch._dynamo
 
@@ -160,3 +159,58 @@ def test_compiled_layers_recompile_for_new_shapes(model_dir):
     """Micro-batches of another shape (about one row each) recompile once, with dynamic shapes, and
     still give the eager step (covered for one shape by the test above)."""
     _compiled_step_matches_eager(model_dir, [10_000, 14])
+
+
+def test_the_chunked_head_gives_the_one_piece_step(model_dir):
+    """``head_chunk_tokens``: the FP32 head and its log-softmax a few tokens at a time give the
+    one-piece head's log-probs, entropies, loss and gradients (the embedding, tied to the head,
+    included)."""
+    batch = _batch(vocab=200)
+    whole, g_whole = _grads_after_step(model_dir, batch, budget=10_000, mode="token-mean")
+    reference = TorchTrainer(str(model_dir)).logprobs(batch, token_budget=10_000)
+    for chunk in (3, 64, 10_000):
+        trainer = TorchTrainer(str(model_dir), head_chunk_tokens=chunk)
+        lp, ent = trainer.logprobs(batch, token_budget=10_000)
+        torch.testing.assert_close(lp, reference[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(ent, reference[1], atol=1e-6, rtol=0)
+        trainer.setup_optimizer(lr=1e-30, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, grad_clip=1e9)
+        pipeline = LossPlan(policy_loss=PPOClip(clip_low=0.2, clip_high=0.28), aggregation="token-mean")
+        prepared, _ = pipeline.prepare(batch)
+        metrics = trainer.train_step(prepared, pipeline.closure(), 10_000)
+        assert abs(metrics.totals["train/loss"] - whole.totals["train/loss"]) < 1e-6
+        assert set(g_whole) == {n for n, p in trainer.model.named_parameters() if p.grad is not None}
+        for name, p in trainer.model.named_parameters():
+            torch.testing.assert_close(p.grad, g_whole[name], atol=1e-6, rtol=1e-4)
+
+
+def test_the_chunked_heads_backward_is_the_log_softmaxs():
+    """The written-out backward against autograd through the one-piece head (float32)."""
+    from loongsage.core.model_math.chunked_head import ChunkedHeadLogprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 5, generator=g, requires_grad=True)
+    weight = torch.randn(11, 5, generator=g, requires_grad=True)
+    targets = torch.randint(0, 11, (7,), generator=g)
+    upstream = torch.randn(7, generator=g)
+    lp, _ = ChunkedHeadLogprobs.apply(hidden, weight, targets, 3, False)
+    (lp * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets[:, None]).squeeze(-1)
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(lp, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(grads[0], hidden.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grads[1], weight.grad, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"head_chunk_tokens": -1}, "must be an integer >= 0"),
+        ({"head_chunk_tokens": True}, "must be an integer >= 0"),
+        ({"head_chunk_tokens": 64, "dtype": "bfloat16", "fp32_lm_head": False}, "set fp32_lm_head: true"),
+    ],
+)
+def test_the_chunked_head_refuses_what_it_cannot_do(model_dir, params, message):
+    with pytest.raises(ValueError, match=message):
+        TorchTrainer(str(model_dir), **params)

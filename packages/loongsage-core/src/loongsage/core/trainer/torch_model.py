@@ -17,6 +17,10 @@ fuses the norms, rotary embedding and activation of the layer's forward and back
 Triton kernels, where eager HF runs each as separate elementwise kernels. The layers share one
 compiled graph (parameters are the graph's inputs), so compiling costs one layer's time, not the
 model's; the second distinct micro-batch shape recompiles once with dynamic shapes.
+
+``head_chunk_tokens`` runs the FP32 head and its log-softmax that many tokens at a time
+(:mod:`~loongsage.core.model_math.chunked_head`), so the float32 logits of a whole micro-batch never
+exist at once; 0 keeps the one-piece head.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from loongsage.core.metrics import Metrics
+from loongsage.core.model_math.chunked_head import chunked_logprobs_and_entropy
 from loongsage.core.model_math.dtypes import DTYPES
 from loongsage.core.model_math.logprobs import (
     logprobs_and_entropy,
@@ -71,8 +76,10 @@ class TorchModel:
         dp_mode: str,
         lora: LoraConfig | None,
         compile_layers: bool = False,
+        head_chunk_tokens: int = 0,
     ) -> None:
         self.device, self.fp32_lm_head, self.lora = device, fp32_lm_head, lora
+        self.head_chunk_tokens = head_chunk_tokens
         self.model = self._load(model_path, dtype)
         if lora is not None:
             self._add_lora(lora, gradient_checkpointing)
@@ -141,6 +148,11 @@ class TorchModel:
     def sequence_logprobs(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
+        if self.head_chunk_tokens:
+            mask = mb.attention_mask.to(self.device)
+            return chunked_logprobs_and_entropy(
+                self.model, ids, mask, first, self.head_chunk_tokens, with_entropy=with_entropy
+            )
         logits = self.logits(ids, mb.attention_mask.to(self.device), first)
         return logprobs_and_entropy(logits, ids, first, with_entropy=with_entropy)
 

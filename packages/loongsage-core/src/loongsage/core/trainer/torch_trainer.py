@@ -32,6 +32,8 @@ class TorchTrainer(TrainerSkeleton):
     lora: LoraConfig | None = None  # None: full fine-tuning
     # each decoder layer compiled by torch.compile (fused norms, rotary and activations; torch_model.py)
     compile_layers: bool = False
+    # the FP32 head and its log-softmax this many tokens at a time (0: at once; chunked_head.py)
+    head_chunk_tokens: int = 0
 
     supports_lora: ClassVar[bool] = True  # the critic's value head is outside the decoder layers LoRA targets
     held_teacher_params: ClassVar[dict[str, Any]] = {"lora": None, "gradient_checkpointing": False}
@@ -40,6 +42,7 @@ class TorchTrainer(TrainerSkeleton):
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
         world = world_size()
+        self._check_head_chunks(world)
         if self.lora is not None:
             self._check_lora_placement(world, self.dp_mode)
         if world > 1 and self.dp_mode == "fsdp2" and self.distributed_optimizer:
@@ -57,6 +60,7 @@ class TorchTrainer(TrainerSkeleton):
                 dp_mode=self.dp_mode,
                 lora=self.lora,
                 compile_layers=self.compile_layers,
+                head_chunk_tokens=self.head_chunk_tokens,
             )
         )
 
@@ -75,6 +79,23 @@ class TorchTrainer(TrainerSkeleton):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
         check_targets(lora, list(model.model.layers))
+
+    def _check_head_chunks(self, world: int) -> None:
+        chunk = self.head_chunk_tokens
+        if isinstance(chunk, bool) or not (isinstance(chunk, int) and chunk >= 0):
+            raise ValueError(
+                f"head_chunk_tokens={self.head_chunk_tokens!r}: must be an integer >= 0 (0: the head at once)"
+            )
+        if not self.head_chunk_tokens:
+            return
+        if not self.fp32_lm_head and self.dtype != "float32":
+            raise ValueError(
+                "head_chunk_tokens: the chunked head is the FP32 head; set fp32_lm_head: true or head_chunk_tokens: 0"
+            )
+        if world > 1 and self.dp_mode == "fsdp2":
+            raise ValueError(
+                "head_chunk_tokens: not with FSDP2's sharded head; set dp_mode: replicate or head_chunk_tokens: 0"
+            )
 
     @classmethod
     def _check_lora_placement(cls, world_size: int, dp_mode: str) -> None:
