@@ -6,6 +6,7 @@ loongsage reference [--out PATH]
 loongsage recipes [--config-dir DIR]
 loongsage report <run_dir>
 loongsage serve <recipe | HF model folder> [key=value ...] [--port N] [--host H] [--record DIR]
+loongsage plan <recipe> [key=value ...] [--gpus N] [--gpu h200|h100|a100] [--lengths MEDIAN,P99]
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from loongsage.core.failures import Stopped, explain, install_stop_handlers, res
 from loongsage.core.types import BadRecordError, ConfigError
 
 log = logging.getLogger("loongsage")
-COMMANDS = ("train", "plugins", "reference", "recipes", "report", "serve", "doctor")
+COMMANDS = ("train", "plugins", "reference", "recipes", "report", "serve", "doctor", "plan")
 
 
 class UsageError(Exception):
@@ -384,6 +385,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    # the throughput model and its answer live in loongsage.core.throughput
+    from loongsage.core.throughput.command import run
+
+    return run(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="loongsage", description="LoongSage: RL post-training for LLMs")
     sub = p.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
@@ -420,6 +428,11 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--record", default=None, help="where sessions are recorded (default: runs/<name>/served)")
     sv.add_argument("--config-dir", default=None, help="extra directory searched first for recipes")
     sv.set_defaults(func=cmd_serve)
+    from loongsage.core.throughput.command import add_arguments
+
+    pn = sub.add_parser("plan", help="predicted step time, phases, GPU use and placement of a recipe (no GPU needed)")
+    add_arguments(pn)
+    pn.set_defaults(func=cmd_plan)
     return p
 
 
@@ -429,7 +442,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args, extra = p.parse_known_args(argv)
     if args.command is None:
         raise UsageError(f"no command given; choose one of: {', '.join(COMMANDS)} (see `loongsage --help`)")
-    if args.command in ("train", "serve"):
+    if args.command in ("train", "serve", "plan"):
         args.overrides = [*args.overrides, *(a for a in extra if not a.startswith("-"))]
         extra = [a for a in extra if a.startswith("-")]
     if extra:
