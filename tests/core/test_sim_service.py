@@ -245,3 +245,24 @@ def test_a_slow_engine_holds_only_the_synchronous_step_that_finds_it(tmp_path, m
         fast.step_seconds,
     )
     assert slow.router.requests_hedged == len(slow.batches) - 1
+
+
+def test_a_simulated_trainer_takes_the_time_of_the_tokens_it_trains(tmp_path):
+    """A :class:`SimulatedTrainer` step lasts 6 x params x the batch's tokens at its MFU, plus the
+    seams: long-tailed responses make it vary from step to step, and the run's simulated time is the
+    sum of its phases (a synchronous run: nothing overlaps)."""
+    from loongsage.core.sim.trainer import SimulatedTrainer
+
+    cfg, registry, folder = _config(SYNC, tmp_path)
+    trainer = SimulatedTrainer(matmul_params=1.72e9)
+    run = simulate_steps(cfg, registry, folder, engines=64, steps=3, train_s=trainer, lengths=LENGTHS)
+    for (groups, _), seconds in zip(run.batches, run.train_seconds, strict=True):
+        tokens = sum(len(t.prompt_ids) + len(t.response_ids) for group in groups for t in group)
+        assert tokens > 200 * 8 * 100  # every trajectory's prompt and response
+        expected = 6 * 1.72e9 * tokens / (trainer.peak_flops * trainer.mfu) + trainer.seams_s
+        assert seconds == pytest.approx(expected, rel=1e-12)
+    assert len(set(run.train_seconds)) == 3  # the batches' tokens differ
+    phases = sum(run.step_seconds) + sum(run.train_seconds) + sum(run.update_seconds)
+    assert run.seconds == pytest.approx(phases, rel=1e-6, abs=1e-6)
+    with pytest.raises(ValueError, match="need positive figures"):
+        SimulatedTrainer(matmul_params=1e9, mfu=1.5)

@@ -22,6 +22,7 @@ from loongsage.core.rollout.router import STRAGGLER_RATIO
 from loongsage.core.sim.clock import run_simulated
 from loongsage.core.sim.engine import LatencyModel, LengthModel, LocalHandle, SimEngine, SimHandle
 from loongsage.core.sim.faults import Fault
+from loongsage.core.sim.trainer import SimulatedTrainer
 
 
 def scaffold_model(folder: str | Path) -> str:
@@ -42,6 +43,7 @@ class SimulatedRun:
     batches: list[tuple[list, dict[str, float]]] = field(default_factory=list)  # (groups, metrics) per step
     step_seconds: list[float] = field(default_factory=list)  # simulated, per step: asking for its batch
     update_seconds: list[float] = field(default_factory=list)  # simulated, per step: its weight update
+    train_seconds: list[float] = field(default_factory=list)  # simulated, per step: the trainer's step
     first_step: int = 0  # the step the run started at (a resumed run: the checkpoint's)
     buffer_high_water: int = 0  # most finished groups waiting in the buffers after a batch was taken
     seconds: float = 0.0  # simulated
@@ -73,7 +75,7 @@ def simulate_steps(
     *,
     engines: int,
     steps: int,
-    train_s: float,
+    train_s: float | SimulatedTrainer,
     lengths: LengthModel | None = None,
     latency: LatencyModel | None = None,
     slowdown: dict[int, float] | None = None,
@@ -84,8 +86,8 @@ def simulate_steps(
     resume: bool = False,
 ) -> SimulatedRun:
     """Steps up to ``steps`` of ``cfg``'s rollout over ``engines`` simulated engines: each step takes the
-    next batch, trains ``train_s`` simulated seconds and pushes the weights (the engines' version
-    moves on). ``slowdown``: engine index -> how many times slower it decodes; ``straggler_ratio``: the
+    next batch, trains ``train_s`` simulated seconds (or a :class:`SimulatedTrainer`'s time for that
+    batch's tokens) and pushes the weights (the engines' version moves on). ``slowdown``: engine index -> how many times slower it decodes; ``straggler_ratio``: the
     router's (None: stragglers' requests are not sent to idle engines). ``faults``: engines
     killed or silenced during given steps (:mod:`loongsage.core.sim.faults`). ``checkpoint_at``: after
     that many steps, a checkpoint is written under ``run_dir`` as the controller writes it; ``resume``
@@ -158,7 +160,10 @@ def simulate_steps(
             started = loop.time()
             run.batches.append(await rollout.next_batch(version))
             run.step_seconds.append(loop.time() - started)
-            await asyncio.sleep(train_s)  # the trainer's step
+            # the trainer's step: fixed, or following the batch's tokens
+            seconds = train_s.step_s(run.batches[-1][0]) if isinstance(train_s, SimulatedTrainer) else train_s
+            run.train_seconds.append(seconds)
+            await asyncio.sleep(seconds)
             waiting = sum(len(s.buffer) for s in rollout.sources.values())
             run.buffer_high_water = max(run.buffer_high_water, waiting)
             updating, started = True, loop.time()
