@@ -87,8 +87,9 @@ def simulate_steps(
 ) -> SimulatedRun:
     """Steps up to ``steps`` of ``cfg``'s rollout over ``engines`` simulated engines: each step takes the
     next batch, trains ``train_s`` simulated seconds (or a :class:`SimulatedTrainer`'s time for that
-    batch's tokens) and pushes the weights (the engines' version moves on). ``slowdown``: engine index -> how many times slower it decodes; ``straggler_ratio``: the
-    router's (None: stragglers' requests are not sent to idle engines). ``faults``: engines
+    batch's tokens) and pushes the weights (the engines' version moves on). ``slowdown``: engine
+    index -> how many times slower it decodes; ``straggler_ratio``: the router's (None: stragglers'
+    requests are not sent to idle engines). ``faults``: engines
     killed or silenced during given steps (:mod:`loongsage.core.sim.faults`). ``checkpoint_at``: after
     that many steps, a checkpoint is written under ``run_dir`` as the controller writes it; ``resume``
     starts from ``run_dir``'s latest checkpoint instead of step 0, over fresh engines."""
