@@ -15,6 +15,8 @@ One subpackage per subsystem; each imports only subpackages listed before it:
 ``agents``        the agents that reach the policy through the gateway: ``chat``, ``tool_agent``
                   (and its tools), ``command``, ``mini_swe_agent``, ``opencode``
 ``tasks``         the calculator task: data source and reward ``tool_calc``, its warm start
+``sim``           the gateway at scale: scripted agents in thousands against the real gateway over
+                  simulated engines, and what a run of them cost
 
 ``plugin``            the entry point (group ``loongsage``): registers what the subpackages provide
 ``opencode_install``  the set-up step ``python -m loongsage.agentflow.opencode_install``: the pinned
