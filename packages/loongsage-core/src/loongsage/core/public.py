@@ -45,6 +45,11 @@ PLUGIN_SURFACE: dict[str, frozenset[str] | None] = {
     "loongsage.core.placement": frozenset({"free_port"}),  # a free port for a process group or a server
     "loongsage.core.validation": frozenset({"register_rule"}),  # a plugin's own check of a whole config
     "loongsage.core.engine.native": frozenset({"NativeEngine"}),  # the engine, driven in this process
+    # a plugin's own runs at scale: simulated engines, faults, trainers and time, and the router that
+    # puts engines behind a gateway or a service as a run does (after the rollout's own keys above,
+    # which the first matching key decides)
+    "loongsage.core.sim": None,
+    "loongsage.core.rollout": frozenset({"EngineRouter"}),
 }
 
 
