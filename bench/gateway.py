@@ -72,6 +72,8 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from _source import source_state  # noqa: E402
 
+from loongsage.agentflow.sim.fleet import LOOKUP, first_messages  # noqa: E402  (the same conversation)
+
 NAME = "gateway"
 SIDES = {
     "gateway": "gateway, clients in the engine's process and event loop",
@@ -79,19 +81,6 @@ SIDES = {
     "gateway_ext": "gateway, clients in a process of their own",
     "gateway_stream": "gateway, stream=True, clients in the engine's process",
 }
-SYSTEM = "You are a careful assistant. Work step by step and use the lookup tool when a number is unknown."
-LOOKUP = {
-    "type": "function",
-    "function": {
-        "name": "lookup",
-        "description": "look a number up",
-        "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
-    },
-}
-
-
-def first_user(s: int) -> str:
-    return f"Task {s}: add {17 * s + 3} and {29 * s % 97}, then check the sum twice."
 
 
 def follow_up(s: int, t: int) -> str:
@@ -141,10 +130,7 @@ async def converse(infos: list[tuple[str, str]], args, stream: bool) -> dict[str
 
     async def one(s: int) -> list[float]:
         client, latencies = clients[s], []
-        messages: list[dict[str, Any]] = [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": first_user(s)},
-        ]
+        messages: list[dict[str, Any]] = first_messages(s)
         for t in range(args.turns):
             kwargs = dict(
                 model="tiny",

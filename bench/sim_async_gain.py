@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _sim_recipe import two_sources
 from _source import source_state
 
 from loongsage.core.config import load_config
@@ -29,31 +30,6 @@ from loongsage.core.sim.engine import LengthModel
 from loongsage.core.sim.rollout import scaffold_model, simulate_steps
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sim_async_gain.json"
-RECIPE = """
-run: {{name: sim_async_gain, seed: 1, total_steps: 1}}
-model: {{path: {model}}}
-data_sources:
-  - name: arith
-    reader: {{name: arith, params: {{split: train, size: 1000000}}}}
-    prompts_per_step: {arith}
-    samples_per_prompt: 8
-    agent: {{name: single_turn, params: {{prompt_template: chat}}}}
-    reward: {{name: exact_match}}
-    sampling: {{temperature: 1.0, max_new_tokens: 4096}}
-  - name: sort
-    reader: {{name: digit_sort, params: {{split: train, size: 1000000}}}}
-    prompts_per_step: {sort}
-    samples_per_prompt: 8
-    agent: {{name: single_turn, params: {{prompt_template: chat}}}}
-    reward: {{name: digit_sort}}
-    sampling: {{temperature: 0.8, top_p: 0.95, max_new_tokens: 4096}}
-rollout:
-  engine: {{name: native}}
-  scheduler: {scheduler}
-algorithm:
-  advantage: {{name: grpo}}
-placement: {{colocate: false}}
-"""
 SCHEDULERS = {"sync": "{name: sync}", "no_window": "{name: no_window, params: {max_staleness: 1}}"}
 
 
@@ -78,7 +54,8 @@ def main() -> None:
         for name, scheduler in SCHEDULERS.items():
             folder = work / f"{name}-{engines}"
             folder.mkdir()
-            (folder / "sim.yaml").write_text(RECIPE.format(model=model, arith=arith, sort=sort, scheduler=scheduler))
+            recipe = two_sources("sim_async_gain", model=model, arith=arith, sort=sort, scheduler=scheduler)
+            (folder / "sim.yaml").write_text(recipe)
             cfg, registry = load_config("sim", config_dir=str(folder))
             simulated, cpu = set(), []
             for _ in range(args.repeats):

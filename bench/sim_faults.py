@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _sim_recipe import two_sources
 from _source import source_state
 
 from loongsage.core.config import load_config
@@ -48,33 +49,6 @@ from loongsage.core.types import SamplingParams
 RESULTS = Path(__file__).resolve().parent / "results" / "sim_faults.json"
 LENGTHS = LengthModel(median=256, p99=2560)
 SLOWDOWN = 10.0
-RECIPE = """
-run: {{name: sim_faults, seed: {seed}, total_steps: 1}}
-model: {{path: {model}}}
-data_sources:
-  - name: arith
-    reader: {{name: arith, params: {{split: train, size: 1000000}}}}
-    prompts_per_step: {arith}
-    samples_per_prompt: 8
-    agent: {{name: single_turn, params: {{prompt_template: chat}}}}
-    reward: {{name: exact_match}}
-    sampling: {{temperature: 1.0, max_new_tokens: 4096}}
-  - name: sort
-    reader: {{name: digit_sort, params: {{split: train, size: 1000000}}}}
-    prompts_per_step: {sort}
-    samples_per_prompt: 8
-    agent: {{name: single_turn, params: {{prompt_template: chat}}}}
-    reward: {{name: digit_sort}}
-    sampling: {{temperature: 0.8, top_p: 0.95, max_new_tokens: 2048}}
-rollout:
-  engine: {{name: native}}
-  scheduler: {scheduler}
-  engine_health_timeout_s: 10
-  max_engine_restarts: 1000
-algorithm:
-  advantage: {{name: grpo}}
-placement: {{colocate: false}}
-"""
 SCHEDULERS = {"sync": "{name: sync}", "windowed_fifo": "{name: windowed_fifo, params: {max_staleness: 2}}"}
 SLOW_CASES = {  # name: (engine 0's slowdown, the router's straggler_ratio)
     "all_fast": (1.0, 4.0),
@@ -111,7 +85,16 @@ class Recipes:
     def load(self, arith: int, sort: int, scheduler: str, seed: int):
         folder = self.work / f"{arith}-{sort}-{scheduler}-{seed}"
         folder.mkdir(exist_ok=True)
-        text = RECIPE.format(model=self.model, arith=arith, sort=sort, scheduler=SCHEDULERS[scheduler], seed=seed)
+        text = two_sources(
+            "sim_faults",
+            model=self.model,
+            arith=arith,
+            sort=sort,
+            scheduler=SCHEDULERS[scheduler],
+            seed=seed,
+            sort_max_new_tokens=2048,
+            rollout={"engine_health_timeout_s": 10, "max_engine_restarts": 1000},
+        )
         (folder / "sim.yaml").write_text(text)
         cfg, registry = load_config("sim", config_dir=str(folder))
         return cfg, registry, folder
