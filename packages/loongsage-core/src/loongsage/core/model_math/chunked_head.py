@@ -30,7 +30,7 @@ def _logits(hidden: Tensor, weight: Tensor) -> Tensor:
 
 def _matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
     """``a @ b`` summed in float32 (a half GEMM with float32 output where it applies)."""
-    if a.device.type == "cuda" and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16):
+    if half_gemm_applies(a, b):
         return torch.mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
