@@ -3,8 +3,9 @@
 For each ``--batches`` size it runs the ``engine_gpu`` workload (prompt + exactly ``--new-tokens``
 sampled tokens) and splits a decode step into
 
-* the captured decoder forward alone (replays of the widest graph, timed with CUDA events), and
-* the rest of the step (sampling, bookkeeping, host round trips): the step's wall time minus that;
+* the captured decode step (forward, sampling and bookkeeping: replays of the widest graph, timed
+  with CUDA events), and
+* the rest (the host's read-backs between bursts of steps, prefill): the wall time per step minus that;
 
 then profiles one eager run and lists the kernels by total GPU time, with the number of kernel
 launches per decode step. Writes ``--out`` (JSON), a markdown table beside it and, per batch, a
@@ -31,9 +32,10 @@ RESULTS = Path(__file__).resolve().parent / "results" / "engine_profile_gpu.json
 
 
 def replay_ms(engine, batch: int, columns: int, repeats: int = 50) -> float:
-    """Median milliseconds of one replay of the decode graph covering ``batch`` rows x ``columns``."""
+    """Median milliseconds of one replay of the decode-step graph covering ``batch`` rows x ``columns``
+    (after the run every row is finished: a replay writes only throw-away columns)."""
     graphs = engine._batch.graphs
-    key = graphs.bucket(batch, columns, engine._batch.cap)
+    key = ("_decode_step", *graphs.bucket(batch, columns, engine._batch.cap))
     graph, _ = graphs._graphs[key]
     times = []
     for _ in range(repeats):
@@ -105,8 +107,8 @@ def main() -> None:
             "batch": batch,
             "tok_s": batch * args.new_tokens / seconds,
             "step_ms": step_ms,
-            "decode_forward_ms": forward_ms,
-            "outside_forward_ms": step_ms - forward_ms,
+            "decode_step_graph_ms": forward_ms,
+            "outside_graph_ms": step_ms - forward_ms,
             "eager_launches_per_step": launches / args.profile_tokens,
             "eager_kernels": eager_kernels,
             "graphed_kernels": graphed_kernels,
@@ -116,15 +118,17 @@ def main() -> None:
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     args.out.write_text(json.dumps({"source": source, "info": info, "rows": report}, indent=1))
     lines = [
-        "| batch | tok/s | step ms | decoder forward ms (graph replay) | rest of the step ms | eager launches / step |",
+        "| batch | tok/s | step ms | decode step ms (graph replay) | outside the graph ms | eager launches / step |",
         "|---|---|---|---|---|---|",
     ]
     for r in report:
         lines.append(
-            f"| {r['batch']} | {r['tok_s']:,.0f} | {r['step_ms']:.2f} | {r['decode_forward_ms']:.2f} | "
-            f"{r['outside_forward_ms']:.2f} | {r['eager_launches_per_step']:.0f} |"
+            f"| {r['batch']} | {r['tok_s']:,.0f} | {r['step_ms']:.2f} | {r['decode_step_graph_ms']:.2f} | "
+            f"{r['outside_graph_ms']:.2f} | {r['eager_launches_per_step']:.0f} |"
         )
     for r in report:
+        lines += ["", f"Kernels of one graphed decode step at batch {r['batch']} (GPU ms per step):", ""]
+        lines += [f"- {k['gpu_ms_per_step']:.3f} ms, {k['calls']} calls: `{k['kernel']}`" for k in r["graphed_kernels"]]
         lines += ["", f"Kernels of one eager decode step at batch {r['batch']} (GPU ms per step):", ""]
         lines += [f"- {k['gpu_ms_per_step']:.3f} ms, {k['calls']} calls: `{k['kernel']}`" for k in r["eager_kernels"]]
     text = "\n".join(lines)

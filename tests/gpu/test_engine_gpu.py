@@ -66,6 +66,42 @@ def test_requests_joining_a_graphed_batch_get_the_same_samples(model_dir):
     torch.testing.assert_close(torch.tensor(joined.logprobs), torch.tensor(alone.logprobs), atol=1e-4, rtol=0)
 
 
+def test_whole_step_graphs_in_bursts_decode_as_eager_single_steps(model_dir):
+    """bf16 on the fused kernels: forward, sampling and bookkeeping replay as one graph, eight
+    steps per read-back; filtered rows take the captured forward and the torch sampler."""
+    from transformers import AutoModelForCausalLM
+
+    from loongsage.core.types import FinishReason
+
+    batch = prompts(40, seed=55, lo=3, hi=60)
+    common = {"device": "cuda", "dtype": "bfloat16", "max_batch_size": 64, "max_model_len": 256, "kernels": "triton"}
+    common["prefix_cache"] = False  # a second run of the same prompts prefills them alike
+    stops = [int(t) for t in torch.randint(2, 300, (4,), generator=torch.Generator().manual_seed(3))]
+    graphed = NativeEngine(model_dir, eos_token_ids=stops, **common)
+    eager = NativeEngine(model_dir, eos_token_ids=stops, cuda_graphs=False, steps_per_sync=1, **common)
+    # greedy (the peaked test model has no near-ties): the same tokens, stops and lengths
+    greedy = [req(f"g{i}", p, temperature=0, max_new_tokens=5 + 3 * i) for i, p in enumerate(batch)]
+    got, want = graphed.generate_batch(greedy), eager.generate_batch(greedy)
+    for (g,), (w,) in zip(got, want):
+        assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason and g.versions == w.versions
+        torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=2e-2, rtol=0)
+    assert {r.finish_reason for (r,) in got} == {FinishReason.STOP, FinishReason.LENGTH}
+    # sampled, plain and filtered: reproducible, each token's log-prob that of a full forward, rows
+    # cut exactly at a stop token or the length limit
+    sampled = [req(f"s{i}", p, temperature=1.0, seed=i, max_new_tokens=40) for i, p in enumerate(batch)]
+    sampled += [req(f"f{i}", p, temperature=0.8, top_k=20, seed=i, max_new_tokens=30) for i, p in enumerate(batch[:6])]
+    first = graphed.generate_batch(sampled)
+    assert graphed.generate_batch(sampled) == first
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    assert _deviation(hf, batch + batch[:6], first).mean() < 2e-2
+    for (r,), q in zip(first, sampled):
+        stopped = r.finish_reason == FinishReason.STOP
+        assert not set(r.output_ids[:-1]) & set(stops) and (r.output_ids[-1] in stops) == stopped
+        assert stopped or len(r.output_ids) == q.sampling.max_new_tokens
+    assert {key[0] for key in graphed._batch.graphs._graphs} == {"_decode_step", "_decode_forward"}
+    assert graphed.health()["read_backs"] < graphed.health()["steps"] / 3
+
+
 def test_release_memory_gives_the_device_back(model_dir):
     engine = NativeEngine(model_dir, device="cuda", max_batch_size=64, max_model_len=512)
     requests = [req(f"r{i}", p, temperature=0, max_new_tokens=12) for i, p in enumerate(prompts(40, seed=53))]

@@ -206,3 +206,98 @@ def test_fused_sampling_draws_what_the_torch_path_draws(fused):
     tok, lp = fused["sampling"].sample_rows(logits, at, None, all_greedy.inv_temperature, all_greedy.greedy)
     assert torch.equal(tok, logits[at].argmax(-1))
     torch.testing.assert_close(lp, torch.log_softmax(logits[at], -1).gather(-1, tok[:, None])[:, 0], atol=2e-5, rtol=0)
+
+
+def test_fused_sampling_chunk_sizes_cover_the_vocabulary(fused):
+    sampling = fused["sampling"]
+    for vocab in (1, 128, 2047, 2048, 2049, 32000, 151936):
+        for rows in (1, 3, 128, 1000):
+            for programs in (1, 8 * 132):
+                chunk, splits = sampling.chunks_for(rows, vocab, programs)
+                assert chunk % sampling._BLOCK == 0 and chunk <= sampling._CHUNK_BLOCKS * sampling._BLOCK
+                assert (splits - 1) * chunk < vocab <= splits * chunk, (rows, vocab, programs)  # no empty chunk
+    # Qwen3's vocabulary on an H200 (132 multiprocessors): one block a chunk for one row, at 128
+    # rows nineteen chunks of four blocks (2,432 programs)
+    assert sampling.chunks_for(1, 151936, 8 * 132) == (2048, 75)
+    assert sampling.chunks_for(128, 151936, 8 * 132) == (4 * 2048, 19)
+    assert sampling.chunks_for(128, 32000, 8 * 132) == (2 * 2048, 8)
+
+
+def test_fused_sampling_merges_chunks_like_one_pass(fused, monkeypatch):
+    """Each row's vocabulary split over nine chunks (blocks of 64, chunks of 128): greedy ties across
+    chunk boundaries, draws landing in every chunk, chunks of very different maxima (their masses
+    must be rescaled to the row's maximum before they are merged), temperatures, -inf chunks."""
+    from loongsage.core.engine.sampling import SamplingTensors, sample
+    from loongsage.core.types import SamplingParams
+
+    sampling = fused["sampling"]
+    monkeypatch.setattr(sampling, "_BLOCK", 64)
+    monkeypatch.setattr(sampling, "_CHUNK_BLOCKS", 2)
+    rows, vocab = 24, 1100  # 8 chunks of 128 and one of 76 (a partial block): 9, padded to 16 in the merge
+    assert sampling.chunks_for(rows, vocab, 8) == (128, 9)
+    torch.manual_seed(7)
+    logits = torch.randn(rows + 5, vocab) * 2
+    logits += torch.randn(rows + 5, 9).mul(3).repeat_interleave(128, 1)[:, :vocab]  # chunk maxima far apart
+    logits[0, [127, 128, 1000]] = 40.0  # a greedy tie across a chunk boundary: the first index wins
+    logits[1, [300, 1099]] = 40.0
+    logits[2, :400] = float("-inf")  # whole chunks without mass, and the next chunk's first 16 tokens
+    logits[2, 512:640] = float("-inf")
+    logits[3, 1024:] = float("-inf")  # the last chunk without mass
+    logits[3, 1023] = 30.0  # and the last possible token well apart
+    logits[4] = torch.randn(vocab) * 0.1  # a flat row: its mass spread over every chunk
+    at = torch.randperm(rows + 5)[:rows]
+    at[[0, 1, 2, 3, 4]] = at[[5, 6, 7, 8, 9]]  # rows 5..9 read their logits twice, once greedy
+    at[[5, 6, 7, 8, 9]] = torch.tensor([0, 1, 2, 3, 4])
+    temperatures = [0.0 if r % 4 == 0 else (0.5, 1.0, 1.6)[r % 3] for r in range(rows)]
+    temperatures[5:10] = [0.0, 0.0, 0.7, 1.6, 1.0]
+    st = SamplingTensors.build([SamplingParams(temperature=t) for t in temperatures], vocab, "cpu")
+    uniforms = torch.rand(rows)
+    uniforms[8] = 0.9999999  # the far end of the CDF: the last chunk with mass, not the last chunk
+    uniforms[9] = 0.97  # a late chunk of the flat row
+    want_tok, want_lp = sample(logits[at], st, uniforms)
+    got_tok, got_lp = sampling.sample_rows(logits, at, uniforms, st.inv_temperature, st.greedy)
+    assert torch.equal(got_tok, want_tok), (got_tok, want_tok)
+    torch.testing.assert_close(got_lp, want_lp, atol=2e-5, rtol=0)
+    assert got_tok[5] == 127 and got_tok[6] == 300
+    assert got_tok[7] >= 400 and not (512 <= got_tok[7] < 640)
+    assert got_tok[8] == 1023 and got_tok[9] >= 7 * 128
+    assert len(set((got_tok[~st.greedy] // 128).tolist())) >= 5, "draws from many chunks"
+
+    # u = 1: the target is the whole mass, which rounding may leave unreached; the draw then takes
+    # the last possible token of the row (the torch path clamps to the last token, -inf or not)
+    one = torch.ones(rows)
+    tok, _ = sampling.sample_rows(logits, at, one, st.inv_temperature, st.greedy)
+    assert tok[8] == 1023 and tok[9] == vocab - 1
+    # u = 0: the first token with mass (the cumulative mass must exceed the target, not reach it)
+    zero = torch.zeros(rows)
+    tok, _ = sampling.sample_rows(logits, at, zero, st.inv_temperature, st.greedy)
+    assert torch.equal(tok, sample(logits[at], st, zero)[0]) and tok[7] == 400
+
+    all_greedy = SamplingTensors.build([SamplingParams(temperature=0.0)] * rows, vocab, "cpu")
+    tok, lp = sampling.sample_rows(logits, at, None, all_greedy.inv_temperature, all_greedy.greedy)
+    assert torch.equal(tok, logits[at].argmax(-1)) and tok[5] == 127
+    torch.testing.assert_close(lp, torch.log_softmax(logits[at], -1).gather(-1, tok[:, None])[:, 0], atol=2e-5, rtol=0)
+
+
+def test_bursts_of_decode_steps_on_the_fused_sampler_draw_what_the_torch_sampler_draws(fused, tmp_path):
+    """The engine's masked decode step (``SlotBatch._advance``) with the fused sampler, as a graph
+    replays it on a GPU, in bursts of four steps: the torch sampler's tokens, stops and lengths."""
+    from _engine_helpers import build_engine_test_model, prompts, req
+
+    from loongsage.core.engine.native import NativeEngine
+
+    model_dir = build_engine_test_model(tmp_path / "tiny")
+    settings = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.6, "seed": 8, "n": 2}]
+    requests = [
+        req(f"r{i}", p, max_new_tokens=2 + 5 * i, **settings[i % 3]) for i, p in enumerate(prompts(7, seed=80))
+    ]
+    common = {"max_batch_size": 4, "max_model_len": 128, "eos_token_ids": [7, 11, 19], "steps_per_sync": 4}
+    torch_side = NativeEngine(model_dir, **common)
+    fused_side = NativeEngine(model_dir, **common)
+    fused_side._batch.fused_sampling = fused["sampling"].sample_rows
+    want, got = torch_side.generate_batch(requests), fused_side.generate_batch(requests)
+    for w_group, g_group in zip(want, got):
+        for w, g in zip(w_group, g_group):
+            assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=2e-5, rtol=0)
+    assert fused_side.health()["read_backs"] < fused_side.health()["steps"]

@@ -274,6 +274,20 @@ def test_sampler_matches_the_filtered_distribution():
         torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1)[tokens])
 
 
+def test_a_row_without_filters_samples_the_same_beside_filtered_rows():
+    torch.manual_seed(1)
+    rows, vocab = 4000, 50
+    logits, uniforms = torch.randn(rows, vocab) * 2, torch.rand(rows)
+    plain = [SamplingParams(temperature=1.0)] * rows
+    alone, _ = sample(logits, SamplingTensors.build(plain, vocab, "cpu"), uniforms)
+    # every other row asks for a filter: the batch takes the filtered path (a sort), which must not
+    # change how the plain rows turn their uniform number into a token
+    mixed = [SamplingParams(temperature=1.0, top_k=5) if i % 2 else p for i, p in enumerate(plain)]
+    beside, _ = sample(logits, SamplingTensors.build(mixed, vocab, "cpu"), uniforms)
+    assert torch.equal(beside[::2], alone[::2])
+    assert not torch.equal(beside[1::2], alone[1::2])  # the filtered rows did draw differently
+
+
 def test_bfloat16_model_with_fp32_head_runs(model_dir):
     engine = NativeEngine(model_dir, dtype="bfloat16", fp32_lm_head=True)
     (samples,) = engine.generate_batch([req("bf", prompts(1, seed=12)[0], max_new_tokens=8, n=2)])

@@ -6,14 +6,26 @@ each sample row of a request owns one slot and its own length, so a row's token 
 
 One :meth:`SlotBatch.step`:
 
-1. prefills waiting rows, at most ``prefill_chunk_tokens`` prompt tokens per step (a long prompt
-   spans several steps, so decoding rows are never stalled for a whole long prefill); the ``n``
-   sample rows of a request share one prefill, copied into their slots when it completes;
+1. prefills waiting rows (:mod:`loongsage.core.engine.prefill`), at most ``prefill_chunk_tokens``
+   prompt tokens per step (a long prompt spans several steps, so decoding rows are never stalled
+   for a whole long prefill); the ``n`` sample rows of a request share one prefill, copied into
+   their slots when it completes;
 2. one decode forward over slots ``[0, hi)`` (``hi``: one past the highest decoding slot): every
    decoding row writes its key at its own column; rows in that range that are not decoding compute
    throw-away values that land past their valid span (overwritten before being read);
-3. one vectorised sampling call for the decoding rows (plus one for rows whose prefill just ended),
-   bookkeeping, and finished rows leave at once: their slots are free for the next step's admissions.
+3. one vectorised sampling call and the bookkeeping over the same range, masked by each slot's
+   ``active`` flag, so a row that finishes stops in place: the decode step reads and writes only
+   the batch's own tensors, has no data-dependent shapes and no host round trip, and on a CUDA
+   device forward, sampling and bookkeeping replay as ONE captured graph;
+4. (rows whose prefill just ended get their first token by a second sampling call;) the finished
+   rows are read back and leave: their slots are free for the next step's admissions.
+
+While nothing is prefilling, one :meth:`SlotBatch.step` runs up to ``steps_per_sync`` decode steps
+back to back before reading back which rows finished (multi-step decoding, as vLLM's multi-step
+scheduling): the GPU never waits for the host between them. The burst ends early at the first step
+a row can reach its length limit (known on the host), so only a stop token can leave a finished
+row idle, for at most ``steps_per_sync - 1`` steps; a request arriving meanwhile joins at the
+burst's end.
 
 Requests join at any step boundary (:meth:`admit`); holes left by finished rows are refilled from
 the lowest slot up and, when the range gets sparse, the highest decoding rows move down
@@ -30,16 +42,25 @@ memory is bounded by ``max_slots x max_model_len`` and follows the peak number o
 from __future__ import annotations
 
 from collections import deque
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from loongsage.core.engine.cuda_graphs import DecodeGraphs
 from loongsage.core.engine.kv_cache import DecoderRunner
+from loongsage.core.engine.prefill import prefill
 from loongsage.core.engine.sampling import SamplingTensors, draw_uniforms, sample
 from loongsage.core.types import FinishReason, GenerationResult
 
 FREE, PREFILL, WAIT, DECODE, RETAINED = range(5)  # WAIT: sibling row waiting for its prompt's prefill
+
+
+class _Decoding(NamedTuple):
+    hi: int  # one past the highest decoding slot
+    sampling: SamplingTensors  # of slots [0, hi); the slots not decoding count as greedy
+    longest: int  # the longest decoding row's length
+    steps_left: int  # decode steps until a row can first reach its length limit
 
 
 class _Prefill:
@@ -69,11 +90,18 @@ class SlotBatch:
         prefix_cache: bool = True,
         initial_slots: int = 8,
         cuda_graphs: bool = False,
+        steps_per_sync: int = 1,
     ):
         self.runner, self.stats, self.generator = runner, stats, generator
         self.max_slots, self.L = int(max_slots), int(max_model_len)
         self.chunk, self.prefix_cache = max(1, int(prefill_chunk_tokens)), prefix_cache
+        self.steps_per_sync = max(1, int(steps_per_sync))
         self.device = runner.device
+        # the weight version the decode step writes beside each token (a tensor: graphs read it)
+        self.version_t = torch.zeros((), dtype=torch.int32, device=self.device)
+        self._version_written = 0
+        # tokens the decode steps generated since the last read-back, counted on the device
+        self.generated_t = torch.zeros((), dtype=torch.long, device=self.device)
         # recording routes (R3) reads each forward's router choices on the host side: no graph replay
         self.recording = runner.recording
         # rows without top-k/top-p/min-p are sampled by one fused kernel where the decoder is fused
@@ -97,8 +125,9 @@ class SlotBatch:
         self.prefilling: deque[_Prefill] = deque()
         self.clock = 0
         self.version = 0  # the newest weight version seen; retained caches of older ones are freed
-        # decoding slots, hi, their sampling, their longest length; rebuilt when the set changes
-        self._dec: tuple[Tensor, int, SamplingTensors, int] | None = None
+        # decoding slots, hi, their sampling, their longest length, the fewest steps until one of
+        # them reaches its length limit; rebuilt when the set changes
+        self._dec: _Decoding | None = None
         self._dec_steps = 0  # decode steps since it was built
         self.initial_slots = min(self.max_slots, max(1, initial_slots))
         self._grow(self.initial_slots)
@@ -136,6 +165,10 @@ class SlotBatch:
             "top_k": ((), torch.long, 0),
             "top_p": ((), torch.float32, 1),
             "min_p": ((), torch.float32, 0),
+            # decoding and not finished; finished since the last read-back; finished by a stop token
+            "active": ((), torch.bool, False),
+            "finished": ((), torch.bool, False),
+            "stopped": ((), torch.bool, False),
         }
         if self.recording:  # per slot and column, as the keys: the experts each MoE layer chose
             spec["routes"] = ((self.L, len(r.moe_gates), r.topk), torch.int16, 0)
@@ -234,6 +267,7 @@ class SlotBatch:
             self.slot_group[s], self.slot_sample[s], self.slot_version[s] = group, j, version
         t["lens"][idx] = reuse
         t["gen"][idx] = 0
+        t["active"][idx] = t["finished"][idx] = t["stopped"][idx] = False
         t["limit"][idx] = limit
         t["stops"][idx] = -1
         if group.stops:
@@ -263,196 +297,143 @@ class SlotBatch:
     def live_rows(self) -> int:
         return sum(1 for st in self.status if st in (PREFILL, WAIT, DECODE))
 
-    def _prefill(self) -> tuple[list[int], Tensor | None]:
-        """Run up to ``chunk`` prompt tokens; return the rows whose prefill ended and their logits."""
-        budget, rows, logits = self.chunk, [], []
-        while True:  # queued prompts that fit the budget, in batched forwards
-            left = self._prefill_together(budget, rows, logits)
-            if left == budget:
-                break
-            budget = left
-        while self.prefilling and budget > 0:  # one request alone, or a chunk of a long prompt
-            e = self.prefilling[0]
-            ids = e.group.prompt
-            take = min(len(ids) - e.pos, budget)
-            start, end = e.pos, e.pos + take
-            dev = self.device
-            x = torch.tensor([ids[start:end]], dtype=torch.long, device=dev)
-            positions = torch.arange(start, end, device=dev).unsqueeze(0)
-            q_idx = torch.arange(start, end, device=dev)
-            mask = torch.arange(end, device=dev)[None, :] <= q_idx[:, None]
-            s = e.slot
-            out = self.runner.forward_slots(
-                x, positions, [k[s : s + 1] for k in self.keys], [v[s : s + 1] for v in self.values], end, mask
-            )
-            self.stats["prefill_forwards"] += 1
-            if self.recording:
-                self.t["routes"][s, start:end] = self.runner.last_routes[0]
-            e.pos, budget = end, budget - take
-            self.t["lens"][s] = end  # the decode forward's throw-away write for this row lands past it
-            self.stats["prefill_tokens"] += take
-            if e.pos < len(ids):
-                break
-            self.prefilling.popleft()
-            for sib in e.siblings:  # n samples share the prompt's cache
-                for buf in self.keys + self.values:
-                    buf[sib, :, :end] = buf[s, :, :end]
-                if self.recording:
-                    self.t["routes"][sib, :end] = self.t["routes"][s, :end]
-            group_rows = [s, *e.siblings]
-            self.t["lens"][torch.tensor(group_rows, device=dev)] = end
-            rows += group_rows
-            logits.append(out.expand(len(group_rows), -1))
-        return rows, (torch.cat(logits) if logits else None)
-
-    def _prefill_together(self, budget: int, rows: list[int], logits: list[Tensor]) -> int:
-        """Prefill, in ONE forward, the queued prompts whose remaining tokens fit the budget.
-
-        Requests that arrive together (a step of many prompts, or the next turns of many sessions)
-        then cost one forward instead of one each. Row ``b`` has ``pre`` tokens already cached in
-        its slot (a reused prefix; 0 for a fresh prompt) and ``rest`` tokens to prefill. In a
-        scratch cache of width ``P + S`` (``P``, ``S``: the largest ``pre`` and ``rest``) its cached
-        keys/values are copied to columns ``[P - pre, P)`` and its remaining tokens, left-padded to
-        ``S``, are computed at ``[P, P + S)`` with their true positions (RoPE). A query sees its
-        row's prefix and its own real tokens up to itself; pad keys are masked (a pad query sees
-        itself, so no row attends to nothing). Afterwards columns ``[0, pre + rest)`` of each row's
-        slots (and its sibling samples') hold the whole prompt, as the one-request path leaves them.
-        """
-        batch = []
-        while self.prefilling:
-            e = self.prefilling[0]
-            rest = len(e.group.prompt) - e.pos
-            if rest > budget:
-                break
-            batch.append(self.prefilling.popleft())
-            budget -= rest
-        if len(batch) < 2:  # one request: the direct path prefills it in its slot without copies
-            for e in reversed(batch):
-                self.prefilling.appendleft(e)
-            return budget + sum(len(e.group.prompt) - e.pos for e in batch)
-        dev, B = self.device, len(batch)
-        pre = [e.pos for e in batch]
-        rest = [len(e.group.prompt) - e.pos for e in batch]
-        P, S = max(pre), max(rest)
-        W = P + S
-        x = torch.zeros(B, S, dtype=torch.long, device=dev)
-        for b, e in enumerate(batch):
-            x[b, S - rest[b] :] = torch.tensor(e.group.prompt[e.pos :], dtype=torch.long, device=dev)
-        pre_t, pad_t = torch.tensor(pre, device=dev), torch.tensor([S - r for r in rest], device=dev)
-        j = torch.arange(S, device=dev)
-        positions = (pre_t[:, None] + j[None, :] - pad_t[:, None]).clamp(min=0)
-        c = torch.arange(W, device=dev)[None, None, :]  # key column
-        q = (P + j)[None, :, None]  # query column
-        prefix = (c >= P - pre_t[:, None, None]) & (c < P)
-        own = (c >= P + pad_t[:, None, None]) & (c <= q)
-        mask = prefix | own | (c == q)
-        scratch_k = [k.new_zeros(B, k.shape[1], W, k.shape[3]) for k in self.keys]
-        scratch_v = [v.new_zeros(B, v.shape[1], W, v.shape[3]) for v in self.values]
-        # Cached prefixes into the scratch, all rows at once: (row b, its slot column i) pairs.
-        pb = [b for b in range(B) for _ in range(pre[b])]
-        if pb:
-            slot_i = torch.tensor([batch[b].slot for b in pb], device=dev)
-            col_i = torch.tensor([i for b in range(B) for i in range(pre[b])], device=dev)
-            b_i = torch.tensor(pb, device=dev)
-            dst_i = col_i + P - pre_t[b_i]
-            for buf, scratch in zip(self.keys + self.values, scratch_k + scratch_v):
-                scratch[b_i, :, dst_i] = buf[slot_i, :, col_i]
-        out = self.runner.forward_slots(x, positions, scratch_k, scratch_v, W, mask[:, None])
-        self.stats["prefill_forwards"] += 1
-        # The whole prompt back into every sample row's slot: (slot, column) <- (row b, scratch column).
-        slots, cols, src_b, src_c = [], [], [], []
-        for b, e in enumerate(batch):
-            n = pre[b] + rest[b]
-            group_rows = [e.slot, *e.siblings]
-            src = list(range(P - pre[b], P)) + list(range(W - rest[b], W))
-            for r in group_rows:
-                slots += [r] * n
-                cols += range(n)
-                src_b += [b] * n
-                src_c += src
-            self.t["lens"][torch.tensor(group_rows, device=dev)] = n
-            if self.recording:  # the slot holds its reused prefix's routes; the rest were computed here
-                self.t["routes"][e.slot, pre[b] : n] = self.runner.last_routes[b, S - rest[b] :]
-                for sib in e.siblings:
-                    self.t["routes"][sib, :n] = self.t["routes"][e.slot, :n]
-            e.pos = n
-            self.stats["prefill_tokens"] += rest[b]
-            rows += group_rows
-            logits.append(out[b : b + 1].expand(len(group_rows), -1))
-        slots_t, cols_t = torch.tensor(slots, device=dev), torch.tensor(cols, device=dev)
-        src_b_t, src_c_t = torch.tensor(src_b, device=dev), torch.tensor(src_c, device=dev)
-        for buf, scratch in zip(self.keys + self.values, scratch_k + scratch_v):
-            buf[slots_t, :, cols_t] = scratch[src_b_t, :, src_c_t]
-        return budget
-
-    def _decoding(self) -> tuple[Tensor, int, SamplingTensors, int]:
+    def _decoding(self) -> _Decoding:
         if self._dec is None:
             slots = [s for s, st in enumerate(self.status) if st == DECODE]
             idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+            hi = slots[-1] + 1 if slots else 0
             # Read back once per change of the decoding set (every row then grows by one per step),
             # so a steady decode step needs no device-to-host sync before its forward.
-            longest = int(self.t["lens"][idx].max()) if slots else 0
-            self._dec = (idx, slots[-1] + 1 if slots else 0, self._sampling(slots), longest)
+            longest, steps_left = 0, 1
+            if slots:
+                t = self.t
+                longest, steps_left = torch.stack(
+                    [t["lens"][idx].max(), (t["limit"][idx] - t["gen"][idx]).min()]
+                ).tolist()
+            # the slots not decoding count as greedy: they pick no slower sampling path for the others
+            idle = [s for s in range(hi) if self.status[s] != DECODE]
+            self._dec = _Decoding(hi, self._sampling(list(range(hi)), idle=idle), longest, max(1, steps_left))
             self._dec_steps = 0
         return self._dec
 
-    def _sampling(self, slots: list[int]) -> SamplingTensors:
+    def _sampling(self, slots: list[int], idle: list[int] = ()) -> SamplingTensors:
         idx, t = torch.tensor(slots, dtype=torch.long, device=self.device), self.t
+        greedy = t["greedy"][idx]
+        if idle:
+            greedy[torch.tensor(idle, dtype=torch.long, device=self.device)] = True
         return SamplingTensors._from(
-            t["inv_t"][idx], t["greedy"][idx], t["top_k"][idx], t["top_p"][idx], t["min_p"][idx], self.runner.vocab_size
+            t["inv_t"][idx], greedy, t["top_k"][idx], t["top_p"][idx], t["min_p"][idx], self.runner.vocab_size
         )
 
     def step(self, version: int) -> list:
-        """Prefill (chunk-limited), one decode step for every decoding row; return completed groups."""
-        t = self.t
+        """Prefill (chunk-limited) and decode every decoding row, a burst of up to
+        ``steps_per_sync`` steps while nothing prefills; return the groups completed."""
         self._see_version(version)
-        dec, hi, st, longest = self._decoding()
-        new_rows, new_logits = self._prefill()
-        parts = []
+        if version != self._version_written:
+            self.version_t.fill_(version)
+            self._version_written = version
+        hi, st, longest, steps_left = self._decoding()
+        new_rows, new_logits = prefill(self)
+        steps = 0
         if hi:
-            end = min(longest + self._dec_steps + 1, self.L)
-            self._dec_steps += 1
-            if self.graphs is not None:
-                logits = self.graphs.run(self._decode_forward, hi, end, self.cap)
-            else:
-                logits = self._decode_forward(hi, end)
-            t["lens"][dec] += 1
-            parts.append((dec, logits, dec, st))  # slots, their logits' source and rows there, sampling
+            # A burst stops where a row can first reach its length limit, so a row finishing by
+            # length never waits; a prefill under way advances every step.
+            steps = 1 if new_rows or self.prefilling else min(self.steps_per_sync, steps_left - self._dec_steps)
+            steps = max(1, steps)
+            for _ in range(steps):
+                end = min(longest + self._dec_steps + 1, self.L)
+                self._dec_steps += 1
+                self._decode(hi, end, st)
         if new_rows:
-            parts.append((torch.tensor(new_rows, device=self.device), new_logits, None, self._sampling(new_rows)))
-            for s in new_rows:
-                self.status[s] = DECODE
-            self._dec = None
-        if not parts:
+            self._first_tokens(new_rows, new_logits)
+            steps = max(steps, 1)
+        if not steps:
             return []
-        rows = torch.cat([p[0] for p in parts])
-        toks, lps = [], []
-        for idx, source, at, s in parts:
-            u = None if s.all_greedy else t["uniforms"][idx, t["gen"][idx]]
-            if self.fused_sampling is not None and not s.needs_filter:  # one kernel, reading the rows where they are
-                at = torch.arange(idx.numel(), device=self.device) if at is None else at
-                tok, lp = self.fused_sampling(source, at, u, s.inv_temperature, s.greedy)
-            else:
-                tok, lp = sample(source if at is None else source[at], s, u)
-            toks.append(tok)
-            lps.append(lp)
-        tokens, logprobs = torch.cat(toks), torch.cat(lps)
-        gen = t["gen"][rows]
-        t["tokens"][rows, gen] = tokens
-        t["logprobs"][rows, gen] = logprobs
-        t["versions"][rows, gen] = version
-        t["last"][rows] = tokens
-        gen += 1
-        t["gen"][rows] = gen
-        self.stats["steps"] += 1
-        self.stats["generated_tokens"] += rows.numel()
-        stopped = (tokens.unsqueeze(1) == t["stops"][rows]).any(dim=1)
-        finished = stopped | (gen >= t["limit"][rows])
-        if not bool(finished.any()):
+        self.stats["steps"] += steps
+        return self._read_back(max(hi, max(new_rows, default=-1) + 1), version)
+
+    def _decode(self, hi: int, end: int, st: SamplingTensors) -> None:
+        fused = self.fused_sampling is not None and not st.needs_filter
+        if self.graphs is None:
+            self._advance(self._decode_forward(hi, end), hi, st, fused)
+        elif fused:  # forward, sampling and bookkeeping replay as one graph
+            t = self.t
+            state = (t["last"], t["lens"], t["gen"], t["active"], t["finished"], t["stopped"], self.generated_t)
+            self.graphs.run(self._decode_step, hi, end, self.cap, keep=state)
+        else:  # the filters' sampling (sorts, top-k) runs eagerly after the captured forward
+            self._advance(self.graphs.run(self._decode_forward, hi, end, self.cap), hi, st, fused)
+
+    def _decode_step(self, rows: int, end: int) -> None:
+        """One whole decode step of slots ``[0, rows)`` on the fused sampler (what a graph captures)."""
+        self._advance(self._decode_forward(rows, end), rows, None, True)
+
+    def _advance(self, logits: Tensor, rows: int, st: SamplingTensors | None, fused: bool) -> None:
+        """Sample a token for every active slot of ``[0, rows)`` and book it, masked by ``active``:
+        no host sync, no shape that depends on the data. A slot that is not active writes its
+        token to column ``L - 1``, which no row uses (a row's limit leaves at least its prompt's
+        first token of room), and keeps its state."""
+        t, dev = self.t, self.device
+        act, gen = t["active"][:rows], t["gen"][:rows]
+        u = t["uniforms"][:rows].gather(1, gen.unsqueeze(1)).squeeze(1)
+        if fused:
+            at = torch.arange(rows, device=dev)
+            tokens, logprobs = self.fused_sampling(logits, at, u, t["inv_t"][:rows], t["greedy"][:rows])
+        else:
+            tokens, logprobs = sample(logits, st, u)
+        self.generated_t.add_(act.sum())
+        at = torch.arange(rows, device=dev)
+        col = torch.where(act, gen, self.L - 1)
+        t["tokens"][at, col] = tokens
+        t["logprobs"][at, col] = logprobs
+        t["versions"][at, col] = self.version_t
+        t["last"][:rows].copy_(torch.where(act, tokens, t["last"][:rows]))
+        t["lens"][:rows].add_(act)
+        gen.add_(act)
+        stopped = (tokens.unsqueeze(1) == t["stops"][:rows]).any(dim=1)
+        finished = act & (stopped | (gen >= t["limit"][:rows]))
+        t["stopped"][:rows].logical_or_(stopped & finished)
+        t["finished"][:rows].logical_or_(finished)
+        act.logical_and_(~finished)
+
+    def _first_tokens(self, rows: list[int], logits: Tensor) -> None:
+        """The first token of each row whose prefill just ended; the rows start decoding."""
+        t, dev = self.t, self.device
+        idx = torch.tensor(rows, device=dev)
+        s = self._sampling(rows)
+        u = None if s.all_greedy else t["uniforms"][idx, 0]
+        if self.fused_sampling is not None and not s.needs_filter:  # one kernel, reading the rows where they are
+            tokens, logprobs = self.fused_sampling(
+                logits, torch.arange(len(rows), device=dev), u, s.inv_temperature, s.greedy
+            )
+        else:
+            tokens, logprobs = sample(logits, s, u)
+        t["tokens"][idx, 0] = tokens
+        t["logprobs"][idx, 0] = logprobs
+        t["versions"][idx, 0] = self.version_t
+        t["last"][idx] = tokens
+        t["gen"][idx] = 1
+        stopped = (tokens.unsqueeze(1) == t["stops"][idx]).any(dim=1)
+        finished = stopped | (t["limit"][idx] <= 1)
+        t["stopped"][idx], t["finished"][idx], t["active"][idx] = stopped, finished, ~finished
+        for s in rows:
+            self.status[s] = DECODE
+        self._dec = None
+        self.stats["generated_tokens"] += len(rows)
+
+    def _read_back(self, top: int, version: int) -> list:
+        """The host's one look at the device per step: which of slots ``[0, top)`` finished (their
+        groups are emitted) and how many tokens the decode steps generated."""
+        t = self.t
+        flags = torch.cat([t["finished"][:top].long(), self.generated_t.view(1)]).tolist()
+        self.generated_t.zero_()
+        self.stats["generated_tokens"] += flags[-1]
+        self.stats["read_backs"] += 1
+        hit = [s for s in range(top) if flags[s]]
+        if not hit:
             return []
-        hit = finished.nonzero().flatten()
-        reasons = [FinishReason.STOP if x else FinishReason.LENGTH for x in stopped[hit].tolist()]
-        completed = self._emit(rows[hit].tolist(), reasons, version)
+        stopped = t["stopped"][torch.tensor(hit, device=self.device)].tolist()
+        reasons = [FinishReason.STOP if x else FinishReason.LENGTH for x in stopped]
+        completed = self._emit(hit, reasons, version)
         self._compact()
         return completed
 
@@ -484,6 +465,7 @@ class SlotBatch:
         """Results of ``slots`` (tokens so far); their slots are retained (``version`` given) or freed."""
         t, completed = self.t, []
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        t["active"][idx] = t["finished"][idx] = t["stopped"][idx] = False
         gens = t["gen"][idx].tolist()
         width = max(gens) if gens else 0
         tokens = t["tokens"][idx, :width].tolist()
@@ -590,6 +572,9 @@ class SlotBatch:
         """Forget every row (after a failed step); retained caches are dropped too."""
         self.prefilling.clear()
         self.retained.clear()
+        for name in ("active", "finished", "stopped") if self.t else ():
+            self.t[name].zero_()
+        self.generated_t.zero_()
         self.status = [FREE] * self.cap
         self.slot_group = [None] * self.cap
         self._dec = None

@@ -2,7 +2,9 @@
 
 At small batch a decode step is launch-bound: a Qwen3-1.7B-shaped model issues about 25 kernels
 per layer, each costing microseconds of Python and driver time, while the maths of the whole step
-takes about a millisecond on an H200. A captured graph replays the whole decoder in one launch.
+takes about a millisecond on an H200. A captured graph replays the whole decoder in one launch;
+where the fused sampler applies, the graph holds the whole decode step: forward, sampling and the
+per-slot bookkeeping (:mod:`loongsage.core.engine.continuous`), so nothing of a step runs outside it.
 
 Graphs need static shapes and addresses. A decode step's shapes vary with the number of decoding
 slots (rows) and the longest row (columns), so both are rounded up to buckets — rows to a power of
@@ -21,15 +23,17 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-DecodeForward = Callable[[int, int], Tensor]  # (rows, columns) -> float32 logits [rows, vocab]
+# (rows, columns) -> float32 logits [rows, vocab], or None for a whole decode step (forward, sampling
+# and bookkeeping, whose results stay in the slot batch's tensors)
+DecodeForward = Callable[[int, int], Tensor | None]
 
 
 class DecodeGraphs:
-    """Captured decode forwards, one per (rows, columns) bucket, sharing one memory pool."""
+    """Captured decode steps, one per (what, rows, columns) bucket, sharing one memory pool."""
 
     def __init__(self, max_model_len: int, column_step: int = 64):
         self.max_model_len, self.column_step = int(max_model_len), int(column_step)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Tensor | None]] = {}
         self._pool = None
         self.captures = 0
 
@@ -38,24 +42,35 @@ class DecodeGraphs:
         padded_cols = min(-(-columns // self.column_step) * self.column_step, self.max_model_len)
         return padded_rows, padded_cols
 
-    def run(self, forward: DecodeForward, rows: int, columns: int, allocated: int) -> Tensor:
-        """Logits of the first ``rows`` slots (later rows of the bucket are throw-away)."""
-        key = self.bucket(rows, columns, allocated)
+    def run(
+        self, forward: DecodeForward, rows: int, columns: int, allocated: int, keep: tuple[Tensor, ...] = ()
+    ) -> Tensor | None:
+        """``forward``'s output for the first ``rows`` slots (later rows of the bucket are
+        throw-away); a forward is captured once per bucket and told apart by its name. ``keep``:
+        tensors the eager warm-up run before a capture must leave as they were (a whole decode step
+        advances its rows; only the replay may)."""
+        padded = self.bucket(rows, columns, allocated)
+        key = (forward.__name__, *padded)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(forward, *key)
+            entry = self._graphs[key] = self._capture(forward, *padded, keep)
         graph, out = entry
         graph.replay()
-        return out[:rows]
+        return None if out is None else out[:rows]
 
-    def _capture(self, forward: DecodeForward, rows: int, columns: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        # One eager run on a side stream first: lazy initialisation (cuBLAS handles, autotuning)
-        # must not happen inside the capture. It writes the same throw-away cache columns the
-        # replay writes next.
+    def _capture(
+        self, forward: DecodeForward, rows: int, columns: int, keep: tuple[Tensor, ...]
+    ) -> tuple[torch.cuda.CUDAGraph, Tensor | None]:
+        # One eager run on a side stream first: lazy initialisation (cuBLAS handles, autotuning,
+        # Triton's compilation) must not happen inside the capture. It writes the same cache
+        # columns and token columns the replay writes next; the state it advances is put back.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
+            saved = [t.clone() for t in keep]
             forward(rows, columns)
+            for t, s in zip(keep, saved):
+                t.copy_(s)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # Graphs replay one at a time and each output is consumed before the next replay, so

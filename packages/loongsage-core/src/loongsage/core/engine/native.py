@@ -124,6 +124,9 @@ class NativeEngine:
     CUDA graphs). ``kernels`` picks the decode step's kernels: ``"auto"`` runs fused Triton kernels
     where they apply (a CUDA device, Triton installed, a dense Llama-family decoder; see
     :mod:`loongsage.core.engine.fused`), ``"triton"`` requires them, ``"torch"`` keeps the torch ops.
+    ``steps_per_sync`` decode steps run back to back before the host reads back which rows finished
+    (see :mod:`loongsage.core.engine.continuous`); by default 8 where the steps replay as CUDA
+    graphs, 1 elsewhere.
     ``generate`` and
     ``abort`` must be awaited on one event loop at a time; ``generate_batch`` is synchronous, runs
     its requests to completion and does not observe ``pause``/``abort``; for it a bad request raises
@@ -149,6 +152,7 @@ class NativeEngine:
         cuda_graphs: bool = True,
         return_routed_experts: bool = False,
         kernels: str = "auto",
+        steps_per_sync: int | None = None,  # decode steps per host read-back (None: 8 under CUDA graphs, else 1)
     ):
         from transformers import AutoModelForCausalLM
 
@@ -185,6 +189,7 @@ class NativeEngine:
             (
                 "batches",
                 "steps",
+                "read_backs",
                 "generated_tokens",
                 "prefill_rows",
                 "prefill_tokens",
@@ -203,6 +208,7 @@ class NativeEngine:
             "prefill_chunk_tokens": int(prefill_chunk_tokens),
             "prefix_cache": bool(prefix_cache),
             "cuda_graphs": bool(cuda_graphs),
+            "steps_per_sync": self._steps_per_sync(steps_per_sync, cuda_graphs, return_routed_experts),
         }
         self._batch = SlotBatch(self._runner, **self._batch_args)
 
@@ -401,6 +407,15 @@ class NativeEngine:
         self.model.to(device)
         self._runner.moved()
         self._bind_weights()
+
+    def _steps_per_sync(self, steps: int | None, cuda_graphs: bool, routes: bool) -> int:
+        """Decode steps per host read-back: ``None`` picks 8 where the steps replay as CUDA graphs
+        (there the host's round trip is a fifth of a step) and 1 elsewhere."""
+        if steps is None:
+            return 8 if cuda_graphs and self.device.type == "cuda" and not routes else 1
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"native engine: steps_per_sync={steps!r}: must be an integer >= 1 (or None: automatic)")
+        return steps
 
     def _validate(self, request: GenerationRequest) -> None:
         prefix = f"request {request.request_id!r}: "

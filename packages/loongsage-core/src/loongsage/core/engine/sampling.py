@@ -41,6 +41,7 @@ class SamplingTensors:
     top_k: Tensor  # [B] long; vocab size when off
     top_p: Tensor  # [B] float32
     min_p: Tensor  # [B] float32
+    filtered: Tensor  # [B] bool: a sampled row with top-k, top-p or min-p
     all_greedy: bool
     any_greedy: bool
     needs_filter: bool  # some sampled row uses top-k, top-p or min-p
@@ -78,6 +79,7 @@ class SamplingTensors:
             top_k=top_k,
             top_p=top_p,
             min_p=min_p,
+            filtered=filt,
             all_greedy=bool(greedy.all()),
             any_greedy=bool(greedy.any()),
             needs_filter=bool(filt.any()),
@@ -150,8 +152,9 @@ def _sample_rows(logits: Tensor, logprobs: Tensor, st: SamplingTensors, uniforms
         probs = torch.softmax(logits * st.inv_temperature.unsqueeze(-1), dim=-1)
     else:
         probs = logprobs.exp()  # temperature 1: the policy distribution itself
+    plain = _inverse_cdf(probs, uniforms).clamp_max_(vocab - 1)
     if not st.needs_filter:
-        return _inverse_cdf(probs, uniforms).clamp_max_(vocab - 1)
+        return plain
 
     # Candidates in descending order. When every sampled row has a top-k, the largest k bounds the
     # candidates and ``topk`` replaces a full-vocabulary sort (an order of magnitude cheaper on CPU).
@@ -168,7 +171,9 @@ def _sample_rows(logits: Tensor, logprobs: Tensor, st: SamplingTensors, uniforms
     keep &= (kept_mass - kept) < st.top_p.unsqueeze(-1) * kept_mass[:, -1:]
     keep &= probs >= st.min_p.unsqueeze(-1) * probs[:, :1]
     picked = _inverse_cdf(probs * keep, uniforms).clamp_max_(probs.shape[-1] - 1)
-    return order.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
+    # A row without filters keeps the vocabulary-order draw it gets in a batch without filtered
+    # rows: its sample must not depend on what shares the batch.
+    return torch.where(st.filtered, order.gather(-1, picked.unsqueeze(-1)).squeeze(-1), plain)
 
 
 def _inverse_cdf(weights: Tensor, uniforms: Tensor) -> Tensor:

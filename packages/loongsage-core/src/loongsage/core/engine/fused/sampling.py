@@ -1,13 +1,31 @@
-"""Token sampling in one Triton kernel: the torch path's inverse-CDF draw without its passes over
+"""Token sampling in two Triton kernels: the torch path's inverse-CDF draw without its passes over
 the vocabulary (``log_softmax``, ``exp``, a full-vocabulary ``cumsum``, ``searchsorted``, a gather).
 
-One program per row reads the row's float32 logits twice. The first pass keeps the running
-maximum, the first index of the maximum (greedy), and the softmax denominators at temperature 1
-(for the log-prob) and at the row's temperature (for the draw). The second pass walks the
-unnormalised probabilities block by block and returns the first token whose cumulative mass
-exceeds ``u`` times the total: the same rule as the torch path's ``searchsorted(cdf, u * total,
-right=True)``, so a row's uniform number picks the same token up to float rounding at a CDF
-boundary. The reported log-prob is the raw policy's at temperature 1, as on the torch path.
+Sampling is bound by reading each row's float32 logits (600 KB a row at Qwen3's 151,936 tokens).
+One program per row cannot fill the GPU at decode batch sizes (128 rows on 132 multiprocessors,
+each walking its row serially: about ten times the bandwidth bound on an H200), so each row's
+vocabulary is cut into chunks of whole blocks, enough of them that ``rows x chunks`` programs (a
+few per multiprocessor) keep the memory busy, and two kernels share the work:
+
+1. one program per (row, chunk) reads its chunk once and writes four numbers: the chunk's maximum,
+   the first index of that maximum, and the chunk's softmax denominators relative to its own
+   maximum at temperature 1 (for the log-prob) and at the row's temperature (for the draw). The
+   sums follow the chunk's running maximum, one number, not one per lane: two exponentials a
+   logit instead of four, which at this bandwidth would otherwise rival the reads;
+2. one program per row merges its chunks' numbers (each denominator rescaled from its chunk's
+   maximum to the row's, ``exp((m_c - m) / t)``) into the row's maximum, greedy token (the first
+   index of the maximum: ties go to the lowest index, as ``argmax``) and denominators. A sampled
+   row's target is ``u`` times its total mass at its temperature; the chunk holding the target is
+   the first whose cumulative mass, summed in chunk order, exceeds it, and only that chunk's
+   logits are read again, block by block up to the block that holds it, for the first token
+   whose cumulative mass exceeds the target: the same rule as the torch path's
+   ``searchsorted(cdf, u * total, right=True)``, so a row's uniform number picks the same token up
+   to float rounding at a CDF boundary. Where rounding leaves the target at or past the summed
+   mass, the draw takes the last token with nonzero mass (the last such token of the last chunk
+   with nonzero mass: the row's last possible token when the target is past everything).
+
+The reported log-prob is the raw policy's at temperature 1, as on the torch path. Sizes depend on
+shapes alone and nothing is read back to the host, so a call can be captured in a CUDA graph.
 Rows with top-k, top-p or min-p filters stay on the torch path.
 """
 
@@ -18,55 +36,126 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-_BLOCK = 2048
+_BLOCK = 2048  # logits a program reads at once
+_CHUNK_BLOCKS = 4  # blocks in a chunk, at most: bounds the second kernel's walk through one chunk
+_PROGRAMS_PER_SM = 8  # (row, chunk) programs to aim for per multiprocessor
 
 
 @triton.jit
-def _sample_kernel(
-    logits_ptr, rows_ptr, u_ptr, inv_t_ptr, greedy_ptr, tok_ptr, lp_ptr, vocab, stride, BLOCK: tl.constexpr
+def _chunk_kernel(
+    logits_ptr,
+    rows_ptr,
+    inv_t_ptr,
+    stats_ptr,
+    arg_ptr,
+    vocab,
+    stride,
+    chunk,
+    splits,
+    BLOCK: tl.constexpr,
+    SAMPLED: tl.constexpr,
+):
+    i = tl.program_id(0)
+    c = tl.program_id(1)
+    base = logits_ptr + tl.load(rows_ptr + i).to(tl.int64) * stride
+    inv_t = tl.load(inv_t_ptr + i)
+    lo = c * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    cols = tl.arange(0, BLOCK)
+    # The sums are kept relative to the chunk's running maximum, a scalar: two exponentials a logit
+    # (one per temperature), where a running maximum per lane would need four (the rescale too).
+    # The per-lane maxima only locate the first index of the maximum.
+    m = tl.full([], float("-inf"), tl.float32)
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    arg = tl.zeros([BLOCK], tl.int32)
+    total = tl.zeros([BLOCK], tl.float32)
+    total_t = tl.zeros([BLOCK], tl.float32)
+    for start in range(lo, hi, BLOCK):
+        at = start + cols
+        x = tl.load(base + at, mask=at < hi, other=float("-inf"))
+        new = tl.maximum(m, tl.max(x, axis=0))
+        ref = tl.where(new > float("-inf"), new, 0.0)  # all -inf so far: no mass, and no -inf - -inf
+        total = total * tl.exp(m - ref) + tl.exp(x - ref)
+        if SAMPLED:
+            total_t = total_t * tl.exp((m - ref) * inv_t) + tl.exp((x - ref) * inv_t)
+        arg = tl.where(x > top, at, arg)
+        top = tl.maximum(top, x)
+        m = new
+    out = stats_ptr + (i * 3) * splits + c
+    tl.store(out, m)
+    tl.store(out + splits, tl.sum(total, axis=0))
+    tl.store(out + 2 * splits, tl.sum(total_t, axis=0))
+    tl.store(arg_ptr + i * splits + c, tl.min(tl.where(top == m, arg, vocab), axis=0))
+
+
+@triton.jit
+def _draw_kernel(
+    logits_ptr,
+    rows_ptr,
+    stats_ptr,
+    arg_ptr,
+    u_ptr,
+    inv_t_ptr,
+    greedy_ptr,
+    tok_ptr,
+    lp_ptr,
+    vocab,
+    stride,
+    chunk,
+    splits,
+    SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SAMPLED: tl.constexpr,
 ):
     i = tl.program_id(0)
     base = logits_ptr + tl.load(rows_ptr + i).to(tl.int64) * stride
     inv_t = tl.load(inv_t_ptr + i)
-    cols = tl.arange(0, BLOCK)
-    top = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: running max, and sums relative to it
-    arg = tl.zeros([BLOCK], tl.int32)
-    total = tl.zeros([BLOCK], tl.float32)
-    total_t = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, vocab, BLOCK):
-        at = start + cols
-        x = tl.load(base + at, mask=at < vocab, other=float("-inf"))
-        new = tl.maximum(top, x)
-        seen = new > float("-inf")
-        scale = tl.where(seen, tl.exp(top - new), 0.0)
-        total = total * scale + tl.where(seen, tl.exp(x - new), 0.0)
-        total_t = total_t * tl.where(seen, tl.exp((top - new) * inv_t), 0.0) + tl.where(
-            seen, tl.exp((x - new) * inv_t), 0.0
-        )
-        arg = tl.where(x > top, at, arg)
-        top = new
-    m = tl.max(top, axis=0)
-    greedy_tok = tl.min(tl.where(top == m, arg, vocab), axis=0)
-    z = tl.sum(total * tl.exp(top - m), axis=0)
-    z_t = tl.sum(total_t * tl.exp((top - m) * inv_t), axis=0)
-    tok = greedy_tok
-    if tl.load(greedy_ptr + i) == 0:
-        target = tl.load(u_ptr + i) * z_t
-        running = 0.0
-        found = vocab
-        last = 0
-        for start in range(0, vocab, BLOCK):
-            at = start + cols
-            x = tl.load(base + at, mask=at < vocab, other=float("-inf"))
-            p = tl.exp((x - m) * inv_t)
-            cdf = running + tl.cumsum(p, axis=0)
-            found = tl.minimum(found, tl.min(tl.where(cdf > target, at, vocab), axis=0))
-            last = tl.maximum(last, tl.max(tl.where(p > 0, at, 0), axis=0))
-            running += tl.sum(p, axis=0)
-        # rounding may leave the target at or past the summed mass: take the last possible token
-        tok = tl.where(found < vocab, found, last)
+    s = tl.arange(0, SPLITS)
+    real = s < splits
+    at_s = stats_ptr + (i * 3) * splits + s
+    m_c = tl.load(at_s, mask=real, other=float("-inf"))
+    m = tl.max(m_c, axis=0)
+    # the first chunk holding the maximum holds its first index
+    tok = tl.min(tl.where(m_c == m, tl.load(arg_ptr + i * splits + s, mask=real, other=vocab), vocab), axis=0)
+    seen = m_c > float("-inf")  # a chunk of -inf logits (or past the last) adds nothing
+    z = tl.sum(tl.where(seen, tl.load(at_s + splits, mask=real, other=0.0) * tl.exp(m_c - m), 0.0), axis=0)
+    if SAMPLED:
+        if tl.load(greedy_ptr + i) == 0:
+            mass = tl.where(seen, tl.load(at_s + 2 * splits, mask=real, other=0.0) * tl.exp((m_c - m) * inv_t), 0.0)
+            cdf = tl.cumsum(mass, axis=0)
+            target = tl.load(u_ptr + i) * tl.sum(mass, axis=0)
+            hit = tl.min(tl.where(cdf > target, s, SPLITS), axis=0)
+            # rounding may leave the target at or past the summed mass: the last chunk with mass
+            c = tl.where(hit < SPLITS, hit, tl.max(tl.where(mass > 0, s, 0), axis=0))
+            running = tl.sum(tl.where(s == c - 1, cdf, 0.0), axis=0)  # the mass before chunk c, as compared
+            lo = c * chunk
+            hi = tl.minimum(lo + chunk, vocab)
+            cols = tl.arange(0, BLOCK)
+            found = vocab
+            last = lo
+            start = lo
+            while (start < hi) & (found == vocab):  # past the found token no block can find an earlier one
+                at = start + cols
+                x = tl.load(base + at, mask=at < hi, other=float("-inf"))
+                p = tl.exp((x - m) * inv_t)
+                found = tl.minimum(found, tl.min(tl.where(running + tl.cumsum(p, axis=0) > target, at, vocab), axis=0))
+                last = tl.maximum(last, tl.max(tl.where(p > 0, at, 0), axis=0))
+                running += tl.sum(p, axis=0)
+                start += BLOCK
+            # rounding may leave the target at or past the chunk's summed mass: its last possible token
+            tok = tl.where(found < vocab, found, last)
     tl.store(tok_ptr + i, tok)
     tl.store(lp_ptr + i, tl.load(base + tok) - m - tl.log(z))
+
+
+def chunks_for(rows: int, vocab: int, programs: int) -> tuple[int, int]:
+    """``(chunk, splits)``: each row's vocabulary cut into ``splits`` chunks of ``chunk`` logits
+    (whole blocks, the last chunk shorter), enough that ``rows * splits`` reaches ``programs``
+    where the vocabulary allows, and each chunk at most ``_CHUNK_BLOCKS`` blocks long."""
+    blocks = -(-vocab // _BLOCK)
+    want = -(-programs // max(rows, 1))
+    per = min(max(1, -(-blocks // want)), _CHUNK_BLOCKS)
+    return per * _BLOCK, -(-blocks // per)
 
 
 def sample_rows(
@@ -78,11 +167,46 @@ def sample_rows(
     ``[n]`` bool. Returns ``(tokens [n] long, logprobs [n] float32)``.
     """
     n, vocab = rows.numel(), logits.shape[-1]
-    tokens = torch.empty(n, dtype=torch.int32, device=logits.device)
-    logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
+    device = logits.device
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if logits.is_cuda else 1
+    chunk, splits = chunks_for(n, vocab, _PROGRAMS_PER_SM * sms)
+    tokens = torch.empty(n, dtype=torch.int32, device=device)
+    logprobs = torch.empty(n, dtype=torch.float32, device=device)
+    stats = torch.empty(n * 3 * splits, dtype=torch.float32, device=device)  # [n, 3, splits]: max, z, z_t
+    args = torch.empty(n * splits, dtype=torch.int32, device=device)  # [n, splits]: first index of the max
+    sampled = uniforms is not None  # else every row is greedy: no temperature sums, no draw
     if uniforms is None:
-        uniforms = inv_temperature  # never read: every row is greedy
-    _sample_kernel[(n,)](
-        logits, rows, uniforms, inv_temperature, greedy, tokens, logprobs, vocab, logits.stride(0), BLOCK=_BLOCK
+        uniforms = inv_temperature  # never read
+    stride = logits.stride(0)
+    _chunk_kernel[(n, splits)](
+        logits,
+        rows,
+        inv_temperature,
+        stats,
+        args,
+        vocab,
+        stride,
+        chunk,
+        splits,
+        BLOCK=_BLOCK,
+        SAMPLED=sampled,
+    )
+    _draw_kernel[(n,)](
+        logits,
+        rows,
+        stats,
+        args,
+        uniforms,
+        inv_temperature,
+        greedy,
+        tokens,
+        logprobs,
+        vocab,
+        stride,
+        chunk,
+        splits,
+        SPLITS=triton.next_power_of_2(splits),
+        BLOCK=_BLOCK,
+        SAMPLED=sampled,
     )
     return tokens.long(), logprobs
