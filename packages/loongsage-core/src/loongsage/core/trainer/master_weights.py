@@ -62,8 +62,9 @@ class MasterWeights:
     @torch.no_grad()
     def to_model(self) -> None:
         """The stepped masters, rounded into the model's weights."""
-        for param, master in self.copies():
-            param.copy_(master)
+        pairs = self.copies()
+        if pairs:  # one multi-tensor copy: a few kernels for the whole model, not one per tensor
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
     @torch.no_grad()
     def from_model(self) -> None:

@@ -129,7 +129,12 @@ class TrainerSkeleton(Trainer):
             self.masters = MasterWeights(trainable)
             trainable = self.masters.masters
         if self.dist_opt is None:
-            self.optimizer = torch.optim.AdamW(trainable, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+            # On CUDA one fused kernel steps every tensor (the multi-tensor loop launches a pass per
+            # operation); on the CPU the reference implementation keeps runs reproducible bit for bit.
+            fused = all(p.is_cuda and type(p) is torch.nn.Parameter for p in trainable) or None
+            self.optimizer = torch.optim.AdamW(
+                trainable, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=fused
+            )
         warm = max(1, warmup_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warm))
         self.grad_clip = grad_clip
