@@ -288,9 +288,7 @@ def test_bursts_of_decode_steps_on_the_fused_sampler_draw_what_the_torch_sampler
 
     model_dir = build_engine_test_model(tmp_path / "tiny")
     settings = [{"temperature": 0.0}, {"temperature": 1.0, "seed": 3}, {"temperature": 0.6, "seed": 8, "n": 2}]
-    requests = [
-        req(f"r{i}", p, max_new_tokens=2 + 5 * i, **settings[i % 3]) for i, p in enumerate(prompts(7, seed=80))
-    ]
+    requests = [req(f"r{i}", p, max_new_tokens=2 + 5 * i, **settings[i % 3]) for i, p in enumerate(prompts(7, seed=80))]
     common = {"max_batch_size": 4, "max_model_len": 128, "eos_token_ids": [7, 11, 19], "steps_per_sync": 4}
     torch_side = NativeEngine(model_dir, **common)
     fused_side = NativeEngine(model_dir, **common)
