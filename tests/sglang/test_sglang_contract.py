@@ -321,3 +321,68 @@ def test_routed_experts_come_back_for_every_token_fed_to_the_model(tmp_path, mod
         r"model; .* \(Qwen3ForCausalLM\) has no experts$",
     ):
         engine_for(model, return_routed_experts=True)
+
+
+class _NoServer:
+    """Stands in for the server process: keeps its command line, starts nothing."""
+
+    def __init__(self, launch, flags, *, env=None, name="sglang"):
+        self.command, self.pid = [*launch, *flags], None
+
+    def start(self) -> None:
+        pass
+
+    def wait_ready(self, url: str, timeout_s: float) -> float:
+        return 0.0
+
+    def stop(self) -> None:
+        pass
+
+
+def test_numerics_options_become_server_flags_and_bad_values_fail_in_one_line(model, monkeypatch):
+    """``attention_backend`` and ``rl_on_policy_target`` reach SGLang as its flags; an on-policy
+    server is deterministic, so every sample carries its seed (a deterministic server seeds one
+    sent without with 42: the samples of a prompt would all be one). Bad values, and a backend
+    that SGLang's deterministic inference refuses, fail before any server starts."""
+    import loongsage.sglang.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "ServerProcess", _NoServer)
+    eng = SGLangEngine(model, attention_backend="triton", rl_on_policy_target="fsdp")
+    command = eng.server.command
+    assert command[command.index("--attention-backend") + 1] == "triton"
+    assert command[command.index("--rl-on-policy-target") + 1] == "fsdp"
+    assert "--enable-deterministic-inference" in command and eng.deterministic
+    seeds = [
+        eng._body([5, 6], request("r", [5, 6], n=2, seed=7), 4, k)["sampling_params"]["sampling_seed"] for k in (0, 1)
+    ]
+    assert seeds == [7, 8]
+    plain = SGLangEngine(model)
+    assert not plain.deterministic
+    assert not {"--attention-backend", "--rl-on-policy-target", "--enable-deterministic-inference"} & set(
+        plain.server.command
+    )
+    assert "sampling_seed" not in plain._body([5, 6], request("r", [5, 6], seed=7), 4, 0)["sampling_params"]
+    # a server made deterministic through server_args is one too
+    assert SGLangEngine(model, server_args={"enable_deterministic_inference": True}).deterministic
+    for params, match in (
+        (
+            {"attention_backend": "fa2"},
+            r"^sglang engine: attention_backend='fa2': must be one of triton, torch_native, .*, intel_xpu "
+            r"\(SGLang 0\.5\.16\), or null for SGLang's choice$",
+        ),
+        (
+            {"rl_on_policy_target": "megatron"},
+            r"^sglang engine: rl_on_policy_target='megatron': must be one of fsdp, or null$",
+        ),
+        (
+            {"rl_on_policy_target": "fsdp", "attention_backend": "torch_native"},
+            r"^sglang engine: attention_backend='torch_native': a deterministic server \(deterministic or "
+            r"rl_on_policy_target\) takes only fa3, fa4, flashinfer, triton, ascend$",
+        ),
+        (
+            {"deterministic": True, "server_args": {"attention_backend": "flex_attention"}},
+            r"^sglang engine: attention_backend='flex_attention': a deterministic server",
+        ),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SGLangEngine(model, **params)

@@ -64,6 +64,34 @@ _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": Fi
 _SERVED = ("bfloat16", "float16")  # SGLang's fused kernels (RMSNorm, ...) take no float32
 _PREFILL_GRAPH_MIN_POSITIONS = 8192  # prefill CUDA-graph capture runs positions this far
 _TAGS = ("kv_cache", "weights", "cuda_graph")
+# SGLang 0.5.16's --attention-backend choices (server_args.ATTENTION_BACKEND_CHOICES), and those its
+# deterministic inference (and so rl_on_policy_target) accepts (DETERMINISTIC_ATTENTION_BACKEND_CHOICES)
+_ATTENTION_BACKENDS = (
+    "triton",
+    "torch_native",
+    "flex_attention",
+    "dsa",
+    "nsa",
+    "dsv4",
+    "compressed",
+    "cutlass_mla",
+    "fa3",
+    "fa4",
+    "flashinfer",
+    "flashmla",
+    "trtllm_mla",
+    "cutedsl_mla",
+    "tokenspeed_mla",
+    "trtllm_mha",
+    "dual_chunk_flash_attn",
+    "aiter",
+    "wave",
+    "intel_amx",
+    "ascend",
+    "intel_xpu",
+)
+_DETERMINISTIC_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend")
+_RL_ON_POLICY_TARGETS = ("fsdp",)  # SGLang 0.5.16's RL_ON_POLICY_TARGET_CHOICES
 _EXIT_WAIT_S = 2.0  # a control call that lost the server waits this long for its exit code
 _ABORT_RESEND_S = 0.5  # an abort that found no request is sent again this often until it answers
 
@@ -128,6 +156,11 @@ class SGLangEngine(Engine):
         device: str = "cuda",
         fast_weight_load: bool = True,
         return_routed_experts: bool = False,
+        # SGLang's --attention-backend (fa3, flashinfer, triton, ...); null: SGLang's choice (fa3 on Hopper)
+        attention_backend: str | None = None,
+        # SGLang's --rl-on-policy-target: fsdp computes as an HF model with float32 weights under bf16
+        # autocast (float32 residual stream and norms) and makes the server deterministic; null: off
+        rl_on_policy_target: str | None = None,
     ):
         if device != "cuda":
             raise ValueError(
@@ -140,6 +173,16 @@ class SGLangEngine(Engine):
         if bad:
             raise ValueError(
                 f"sglang engine: release_tags={list(release_tags)!r}: unknown {bad}; allowed: {', '.join(_TAGS)}"
+            )
+        if attention_backend is not None and attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(
+                f"sglang engine: attention_backend={attention_backend!r}: must be one of "
+                f"{', '.join(_ATTENTION_BACKENDS)} (SGLang {SGLangEngine.VERIFIED}), or null for SGLang's choice"
+            )
+        if rl_on_policy_target is not None and rl_on_policy_target not in _RL_ON_POLICY_TARGETS:
+            raise ValueError(
+                f"sglang engine: rl_on_policy_target={rl_on_policy_target!r}: must be one of "
+                f"{', '.join(_RL_ON_POLICY_TARGETS)}, or null"
             )
         if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
             raise ValueError(f"sglang engine: mem_fraction_static={mem_fraction_static!r}: must be in (0, 1)")
@@ -194,7 +237,10 @@ class SGLangEngine(Engine):
             "cuda_graph_backend_prefill": "disabled"
             if cuda_graphs and _max_positions(self.model_path) < _PREFILL_GRAPH_MIN_POSITIONS
             else None,
-            "enable_deterministic_inference": self.deterministic,
+            # rl_on_policy_target makes SGLang deterministic itself: said here, so the flags show it
+            "enable_deterministic_inference": self.deterministic or rl_on_policy_target is not None,
+            "rl_on_policy_target": rl_on_policy_target,
+            "attention_backend": attention_backend,
             # torch sampling: flashinfer's sampling kernels are compiled at first use (minutes, and a
             # CUDA compiler on the host); None lets SGLang choose
             "sampling_backend": sampling_backend,
@@ -204,6 +250,15 @@ class SGLangEngine(Engine):
             "enable_return_routed_experts": self.route_shape is not None,
             **(server_args or {}),
         }
+        # a deterministic server samples with a seed of its own per sample (42 when none is sent, so
+        # the samples of one prompt would all be the same): the engine sends one whenever it is
+        self.deterministic = bool(flags["enable_deterministic_inference"]) or flags["rl_on_policy_target"] is not None
+        backend = flags["attention_backend"]
+        if self.deterministic and backend is not None and backend not in _DETERMINISTIC_ATTENTION_BACKENDS:
+            raise ValueError(
+                f"sglang engine: attention_backend={backend!r}: a deterministic server (deterministic or "
+                f"rl_on_policy_target) takes only {', '.join(_DETERMINISTIC_ATTENTION_BACKENDS)}"
+            )
         self.server = ServerProcess(
             list(launch or SGLANG_LAUNCH),
             server_flags(flags),
