@@ -9,6 +9,8 @@ in a run) against the goal of 1e-5, for:
   forward, and the same with the engine's torch decode path (``kernels="torch"``);
 * the engine's deterministic mode against a trainer that runs one sequence per micro-batch (the
   setting in which both are the same computation, so the KL is exactly 0);
+* the batch-invariant mode: engine and trainer both with ``batch_invariant`` (the same kernels, each
+  token computed the same way whatever the batch: exactly 0 without a second forward);
 * for scale, the fast path with a bf16 LM head in the engine (what the FP32 head is there to avoid).
 
 With ``--sglang``, also the ``sglang`` engine (:class:`loongsage.sglang.engine.SGLangEngine`, one
@@ -23,8 +25,11 @@ recorded with its error; the next one starts after the server has ended and its 
     python bench/consistency_gpu.py [--out PATH] [--sglang] [--sides NAME ...] [--merge]
         [--time-budget-s S] [--model qwen3_1024|qwen3_1p7b]
 
+Each native side also records the engine's sampled tokens/s (one generate after a warm-up one) and
+the trainer's scoring forward in seconds: what a mode costs.
+
 ``--sides`` picks what runs: native sides (``fast``, ``fast_torch_kernels``, ``deterministic``,
-``engine_bf16_head``), SGLang settings as ``sglang:<name>``, or the groups ``native``, ``sglang``
+``batch_invariant``, ``engine_bf16_head``), SGLang settings as ``sglang:<name>``, or the groups ``native``, ``sglang``
 (the default six) and ``sglang:all``. ``--merge`` keeps what ``--out`` already holds for the sides
 not run now (to fill one file over several calls). ``--time-budget-s`` starts no SGLang server once
 less than a start-up's worth of the budget is left, and bounds each server's start-up to what is
@@ -65,6 +70,9 @@ NATIVE_SIDES: dict[str, dict[str, Any]] = {
     "fast": {},
     "fast_torch_kernels": {"kernels": "torch"},
     "deterministic": {"deterministic": True},
+    # engine and trainer on the fused kernels' batch-invariant path (fixed-tile GEMMs, attention in
+    # one program a token, fixed vocabulary chunks): bit for bit, no second forward
+    "batch_invariant": {"batch_invariant": True},
     "engine_bf16_head": {"engine_fp32_head": False},
 }
 # SGLang settings: SGLangEngine params over the bench's own (FP32 head, torch sampling, CUDA
@@ -143,12 +151,18 @@ def measure(
     deterministic: bool = False,
     engine_fp32_head: bool = True,
     kernels: str = "auto",
+    batch_invariant: bool = False,
 ) -> dict[str, float]:
-    """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens.
+    """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens,
+    and what each side's pass took: the engine's generate (after one warm-up generate of the same
+    shape on other prompts) in sampled tokens/s, and the trainer's scoring forward in seconds.
 
     ``engine_fp32_head=False`` gives the engine a bf16 LM head against the trainer's FP32 one: the
     size of the error a broken head would cause, to size the tests' bounds against.
+    ``batch_invariant`` runs both sides on the batch-invariant path.
     """
+    import time
+
     from loongsage.core.engine.native import NativeEngine
     from loongsage.core.trainer.torch_trainer import TorchTrainer
     from loongsage.core.types import GenerationRequest, SamplingParams, TrainBatch
@@ -162,17 +176,24 @@ def measure(
         max_model_len=prompt_len + new_tokens + 8,
         deterministic=deterministic,
         kernels=kernels,
+        batch_invariant=batch_invariant,
     )
+
+    def requests_of(prompts: list[list[int]], tag: str) -> list:
+        sampling = [SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i) for i in range(len(prompts))]
+        return [GenerationRequest(f"{tag}{i}", p, s) for i, (p, s) in enumerate(zip(prompts, sampling))]
+
+    engine.generate_batch(requests_of(workload_prompts(batch, prompt_len, seed=2), "warm"))
+    engine.flush_cache()
     prompts = workload_prompts(batch, prompt_len)
-    requests = [
-        GenerationRequest(f"r{i}", p, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i))
-        for i, p in enumerate(prompts)
-    ]
-    results = [r[0] for r in engine.generate_batch(requests)]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    results = [r[0] for r in engine.generate_batch(requests_of(prompts, "r"))]
+    engine_s = time.perf_counter() - start
     del engine
     torch.cuda.empty_cache()
 
-    trainer = TorchTrainer(path, dtype="bfloat16", device="cuda", fp32_lm_head=True)
+    trainer = TorchTrainer(path, dtype="bfloat16", device="cuda", fp32_lm_head=True, batch_invariant=batch_invariant)
     T = prompt_len + new_tokens
     ids = torch.tensor([p + r.output_ids for p, r in zip(prompts, results)])
     mask = torch.zeros(batch, T)
@@ -186,7 +207,13 @@ def measure(
         rewards=torch.zeros(batch),
         group_ids=torch.arange(batch),
     )
-    trainer_lp, _ = trainer.logprobs(tb, token_budget=1 if deterministic else batch * T)
+    budget = 1 if deterministic else batch * T
+    trainer.logprobs(tb, token_budget=budget)  # warm
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    trainer_lp, _ = trainer.logprobs(tb, token_budget=budget)
+    torch.cuda.synchronize()
+    trainer_s = time.perf_counter() - start
     engine_lp = torch.tensor([r.logprobs for r in results])
     delta = (trainer_lp[:, prompt_len:] - engine_lp).double()
     k3 = (torch.exp(delta) - delta - 1).mean().item()
@@ -195,6 +222,8 @@ def measure(
         "max_abs_logprob_diff": delta.abs().max().item(),
         "mean_abs_logprob_diff": delta.abs().mean().item(),
         "tokens": float(delta.numel()),
+        "engine_tok_s": delta.numel() / engine_s,
+        "trainer_forward_s": trainer_s,
     }
 
 
@@ -484,12 +513,17 @@ def markdown(figures: dict[str, Any]) -> str:
     ]
     native = [n for n in NATIVE_SIDES if n in figures]
     if native:
-        lines += ["| path | k3 KL | mean abs diff | max abs diff | goal 1e-5 |", "|---|---|---|---|---|"]
+        lines += [
+            "| path | k3 KL | mean abs diff | max abs diff | goal 1e-5 | engine tok/s | trainer forward s |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name in native:
             f = figures[name]
+            tok_s, fwd = f.get("engine_tok_s"), f.get("trainer_forward_s")
             lines.append(
                 f"| {name} | {f['k3_kl']:.2e} | {f['mean_abs_logprob_diff']:.2e} | {f['max_abs_logprob_diff']:.2e} | "
-                f"{'met' if f['meets_goal'] else 'not met'} |"
+                f"{'met' if f['meets_goal'] else 'not met'} | {f'{tok_s:,.0f}' if tok_s else '-'} | "
+                f"{f'{fwd:.3f}' if fwd else '-'} |"
             )
         lines.append("")
     section = figures.get("sglang")

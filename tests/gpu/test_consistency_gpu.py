@@ -43,6 +43,11 @@ def test_deterministic_mode_agrees_with_the_trainer_exactly(model_dir):
     assert figures["k3_kl"] == 0.0 and figures["max_abs_logprob_diff"] == 0.0, figures
 
 
+def test_batch_invariant_mode_agrees_with_the_trainer_exactly(model_dir):
+    figures = consistency.measure(model_dir, batch_invariant=True)
+    assert figures["k3_kl"] == 0.0 and figures["max_abs_logprob_diff"] == 0.0, figures
+
+
 def test_sglang_default_agrees_with_the_trainer_within_its_goal(model_dir):
     # the sglang engine as a run starts it (FP32 head, SGLang's own kernels: fa3 on an H200) on the
     # same workload and trainer path as the fast path; test_sglang_gpu measured k3 5.6e-5 on this

@@ -299,3 +299,237 @@ def test_bursts_of_decode_steps_on_the_fused_sampler_draw_what_the_torch_sampler
             assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=2e-5, rtol=0)
     assert fused_side.health()["read_backs"] < fused_side.health()["steps"]
+
+
+def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(fused, tmp_path):
+    """The engine's batch_invariant prefill and decode (switched on as a CUDA device would, its
+    kernels in Triton's interpreter) and the trainer's batch-invariant forward give every sampled
+    token the same log-prob, bit for bit, whatever else shares the batch on either side: both run
+    the same computation for each token (positions, cache columns, attention spans, head, the
+    log-prob's reduction). That each kernel's sums do not depend on the batch is the business of the
+    kernel tests above (on a CPU, at these sizes, torch's matmuls happen not to depend on it either)."""
+    from _engine_helpers import req
+
+    from loongsage.core.engine.continuous import SlotBatch
+    from loongsage.core.engine.native import NativeEngine
+    from loongsage.core.trainer.invariant import InvariantForward
+
+    _qwen3(torch.bfloat16).save_pretrained(tmp_path / "tiny")
+    engine = NativeEngine(
+        str(tmp_path / "tiny"), dtype="bfloat16", max_batch_size=6, max_model_len=64, steps_per_sync=3, eos_token_ids=[]
+    )
+    runner = engine._runner
+    runner.fused, runner.invariant = fused["decoder"].FusedDecoder(runner, invariant=True), True
+    engine._batch = SlotBatch(runner, **engine._batch_args)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in (5, 17, 9, 12)]
+    settings = [
+        {"temperature": 1.0, "seed": 1, "n": 2},
+        {"temperature": 0.0},
+        {"temperature": 0.8, "top_k": 20, "seed": 3},
+    ]
+    requests = [req(f"r{i}", p, max_new_tokens=4 + 3 * i, **settings[i % 3]) for i, p in enumerate(prompts)]
+    results = engine.generate_batch(requests)
+    assert engine.health()["decode_kernels"] == "triton, batch-invariant"
+    samples = [(p, r) for p, group in zip(prompts, results) for r in group]
+
+    from transformers import AutoModelForCausalLM
+
+    # loaded as the trainer loads it (a model cast with .to(bfloat16) would round its rotary
+    # frequencies, which from_pretrained keeps in float32)
+    trainer_model = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", dtype=torch.bfloat16).train()
+    forward = InvariantForward(trainer_model, fp32_lm_head=True)
+
+    def trainer_logprobs(batch: list) -> list[list[float]]:
+        width = max(len(p) + len(r.output_ids) for p, r in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, (p, r) in enumerate(batch):
+            ids[b, : len(p) + len(r.output_ids)] = torch.tensor(p + r.output_ids)
+            mask[b, : len(p) + len(r.output_ids)] = 1
+        first = min(len(p) for p, _ in batch)
+        lp, _ = forward.logprobs(ids, mask, first, with_entropy=False)
+        return [lp[b, len(p) : len(p) + len(r.output_ids)].tolist() for b, (p, r) in enumerate(batch)]
+
+    together = trainer_logprobs(samples)
+    for (_, r), lp in zip(samples, together):
+        assert lp == r.logprobs  # bit for bit: the engine's decode and prefill are the trainer's forward
+    assert trainer_logprobs(samples[2:5]) == together[2:5] and trainer_logprobs(samples[-1:]) == together[-1:]
+
+    # the gradient is the HF forward's: close to a plain bf16 forward's, and it reaches every weight
+    p, r = samples[0]
+    ids = torch.tensor([p + r.output_ids])
+    lp, _ = forward.logprobs(ids, torch.ones_like(ids), len(p), with_entropy=False)
+    lp.sum().backward()
+    assert all(w.grad is not None and torch.isfinite(w.grad).all() for w in trainer_model.parameters())
+
+
+def _probe_rows_in(batch: torch.Tensor, probe: torch.Tensor, at: list[int]) -> torch.Tensor:
+    batch = batch.clone()
+    batch[at] = probe
+    return batch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_invariant_matmul_matches_a_float32_reference(fused, dtype):
+    """Odd M, N and K (masked tails of every block), an x read in place with a row stride (a column
+    slice of a wider tensor, its rows not 16-byte aligned), a weight that is a row slice of a merged
+    buffer, a bias, a float32 output (the FP32 head) and a half one rounded once from the same sums."""
+    mm = fused["matmul"]
+    torch.manual_seed(11)
+    for m in (1, 37, 130):
+        for n, k in ((96, 80), (200, 192)):
+            x = torch.randn(m, k + 24, dtype=dtype)[:, 5 : 5 + k]
+            merged = torch.randn(40 + n + 24, k, dtype=dtype)
+            w = merged[40 : 40 + n]
+            bias = torch.randn(n, dtype=dtype)
+            for b in (None, bias):
+                want = x.float() @ w.float().T + (0 if b is None else b.float())
+                wide = mm.invariant_matmul(x, w, b, out_dtype=torch.float32)
+                assert wide.dtype == torch.float32 and wide.shape == (m, n)
+                torch.testing.assert_close(wide, want, atol=1e-4, rtol=1e-5)
+                half = mm.invariant_matmul(x, w, b)
+                assert half.dtype == dtype
+                assert torch.equal(half, wide.to(dtype)), "the float32 sums rounded once, bias included"
+    x_t = torch.randn(80, 9, dtype=dtype).T  # no unit stride on K: copied
+    w = torch.randn(96, 80, dtype=dtype)
+    torch.testing.assert_close(
+        mm.invariant_matmul(x_t, w, out_dtype=torch.float32), x_t.float() @ w.float().T, atol=1e-4, rtol=1e-5
+    )
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        mm.invariant_matmul(x_t.float(), w.float())
+    with pytest.raises(ValueError, match="out_dtype"):
+        mm.invariant_matmul(x_t, w, out_dtype=torch.float16 if dtype == torch.bfloat16 else torch.bfloat16)
+    assert mm.invariant_matmul(x_t[:0], w).shape == (0, 96)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_invariant_matmul_rows_do_not_depend_on_the_batch(fused, dtype):
+    """Bit for bit: five rows computed alone (M = 1) and among other random rows in batches of 7,
+    64 and 130 (at the edges of row tiles), and a projection's columns computed with its own
+    weight and inside a merged [w1; w; w3] (offsets off the column tiles, as the engine's q/k/v)."""
+    mm = fused["matmul"]
+    torch.manual_seed(12)
+    k, n = 200, 96  # a K tail, and a merged N of 40 + 96 + 24
+    probe = torch.randn(5, k, dtype=dtype)
+    w1, w, w3 = (torch.randn(rows, k, dtype=dtype) for rows in (40, n, 24))
+    b1, b, b3 = (torch.randn(rows, dtype=dtype) for rows in (40, n, 24))
+    merged, merged_bias = torch.cat([w1, w, w3]), torch.cat([b1, b, b3])
+    for out_dtype, bias, biases in ((None, b, merged_bias), (torch.float32, None, None)):  # a projection, the head
+        alone = torch.cat([mm.invariant_matmul(probe[i : i + 1], w, bias, out_dtype) for i in range(5)])
+        for size, at in ((7, [0, 2, 3, 5, 6]), (64, [0, 1, 31, 62, 63]), (130, [3, 63, 64, 127, 129])):
+            batch = _probe_rows_in(torch.randn(size, k, dtype=dtype), probe, at)
+            assert torch.equal(mm.invariant_matmul(batch, w, bias, out_dtype)[at], alone), (size, out_dtype)
+            whole = mm.invariant_matmul(batch, merged, biases, out_dtype)
+            assert torch.equal(whole[at, 40 : 40 + n], alone), (size, out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp32_head", [False, True])
+def test_invariant_linear_gradients_are_torchs(fused, dtype, fp32_head):
+    mm = fused["matmul"]
+    torch.manual_seed(13)
+    k, n = 72, 40
+    x = torch.randn(2, 5, k, dtype=dtype, requires_grad=True)  # leading dims flattened into M
+    w = torch.randn(n, k, dtype=dtype, requires_grad=True)
+    b = torch.randn(n, dtype=dtype, requires_grad=True)
+    g = torch.randn(2, 5, n)
+    out = mm.invariant_linear(x, w, b, torch.float32 if fp32_head else None)
+    assert out.shape == (2, 5, n) and out.dtype == (torch.float32 if fp32_head else dtype)
+    (out.float() * g).sum().backward()  # a half output receives g rounded to its dtype
+    refs = [t.detach().float().requires_grad_() for t in (x, w, b)]
+    want = F.linear(*refs)
+    (want * g).sum().backward()
+    torch.testing.assert_close(out.float(), want, atol=1e-2, rtol=1e-2)
+    for got, ref in zip((x, w, b), refs):
+        assert got.grad.dtype == dtype
+        torch.testing.assert_close(got.grad.float(), ref.grad, atol=3e-2, rtol=2e-2)
+    if fp32_head:  # HalfGemmFp32Out's convention: the float32 gradient rounded to the half dtype first
+        g_half = g.reshape(-1, n).to(dtype).float()
+        assert torch.equal(x.grad.reshape(-1, k), (g_half @ w.detach().float()).to(dtype))
+        assert torch.equal(w.grad, (g_half.T @ x.detach().reshape(-1, k).float()).to(dtype))
+        assert torch.equal(b.grad, g_half.sum(0).to(dtype))
+
+
+class _GridSpy:
+    """Records the grids a kernel is launched on."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+def test_token_logprobs_equal_the_fixed_chunk_samplers_in_any_batch(fused, monkeypatch):
+    """Blocks of 64 and chunks of 256 (a vocabulary of 600: three chunks, the last partial): the
+    log-prob of a given token equals, bit for bit, the one the fixed-chunk sampler reports for the
+    token it drew (greedy and sampled rows), and both are the same bits for a row sampled alone, in
+    three rows or in all twelve; the chunk count is the vocabulary's alone."""
+    from loongsage.core.engine.sampling import SamplingTensors
+    from loongsage.core.types import SamplingParams
+
+    sampling = fused["sampling"]
+    monkeypatch.setattr(sampling, "_BLOCK", 64)
+    monkeypatch.setattr(sampling, "_CHUNK_BLOCKS", 4)
+    spy = _GridSpy(sampling._chunk_kernel)
+    monkeypatch.setattr(sampling, "_chunk_kernel", spy)
+    rows, vocab = 12, 600
+    assert sampling.fixed_chunks_for(vocab) == (256, 3)
+    torch.manual_seed(14)
+    logits = torch.randn(rows + 5, vocab) * 2
+    logits += torch.randn(rows + 5, 3).mul(3).repeat_interleave(256, 1)[:, :vocab]  # chunk maxima far apart
+    logits[2, :300] = float("-inf")  # a chunk without mass
+    at = torch.randperm(rows + 5)[:rows]
+    temperatures = [0.0 if r % 4 == 0 else (0.5, 1.0, 1.6)[r % 3] for r in range(rows)]
+    st = SamplingTensors.build([SamplingParams(temperature=t) for t in temperatures], vocab, "cpu")
+    uniforms = torch.rand(rows)
+
+    given = torch.randint(0, vocab, (rows,))
+    given[at == 2] = 400
+    want = torch.log_softmax(logits[at], -1).gather(-1, given[:, None])[:, 0]
+    torch.testing.assert_close(sampling.token_logprobs_rows(logits, at, given), want, atol=2e-5, rtol=0)
+
+    def sample(idx, fixed=True):
+        u = None if uniforms is None else uniforms[idx]
+        return sampling.sample_rows(logits, at[idx], u, st.inv_temperature[idx], st.greedy[idx], fixed_chunks=fixed)
+
+    everything = torch.arange(rows)
+    tok, lp = sample(everything)
+    assert torch.equal(sampling.token_logprobs_rows(logits, at, tok), lp)
+    assert torch.equal(tok[st.greedy], logits[at][st.greedy].argmax(-1)) and (~st.greedy).sum() >= 6
+    for part in (everything[5:6], everything[[1, 8, 10]]):
+        part_tok, part_lp = sample(part)
+        assert torch.equal(part_tok, tok[part]) and torch.equal(part_lp, lp[part])
+        assert torch.equal(sampling.token_logprobs_rows(logits, at[part], tok[part]), lp[part])
+    assert {grid[1] for grid in spy.grids} == {3}, "fixed chunks: three whatever the rows"
+
+    all_greedy = SamplingTensors.build([SamplingParams(temperature=0.0)] * rows, vocab, "cpu")
+    tok, lp = sampling.sample_rows(logits, at, None, all_greedy.inv_temperature, all_greedy.greedy, fixed_chunks=True)
+    assert torch.equal(tok, logits[at].argmax(-1))
+    assert torch.equal(sampling.token_logprobs_rows(logits, at, tok), lp)
+    alone = sampling.sample_rows(logits, at[:1], None, all_greedy.inv_temperature[:1], all_greedy.greedy[:1], True)
+    assert torch.equal(alone[1], lp[:1])
+
+    # the default follows the batch: two-block chunks for one row (five of them), and other bits
+    spy.grids.clear()
+    one = torch.stack([sample(everything[i : i + 1], fixed=False)[1] for i in range(rows)])[:, 0]
+    assert {grid[1] for grid in spy.grids} == {5}
+    assert not torch.equal(one, sample(everything, fixed=False)[1]), "the comparisons above can tell"
+
+
+def test_invariant_token_logprobs_gradient_is_torchs(fused):
+    sampling = fused["sampling"]
+    torch.manual_seed(15)
+    logits = (torch.randn(6, 300) * 3).requires_grad_()
+    tokens = torch.randint(0, 300, (6,))
+    grad = torch.randn(6)
+    got = sampling.InvariantTokenLogprobs.apply(logits, tokens)
+    assert torch.equal(got, sampling.token_logprobs_rows(logits.detach(), torch.arange(6), tokens))
+    (got * grad).sum().backward()
+    ref = logits.detach().clone().requires_grad_()
+    want = torch.log_softmax(ref, -1).gather(-1, tokens[:, None])[:, 0]
+    (want * grad).sum().backward()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(logits.grad, ref.grad, atol=1e-6, rtol=1e-5)

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import numpy as np
 
-MODULES = ("ops", "attention", "decoder", "sampling")
+MODULES = ("ops", "attention", "decoder", "sampling", "matmul")
 
 
 def _patch_interpreter() -> None:

@@ -10,6 +10,7 @@ from loongsage.core.aggregation import AGGREGATION_MODES
 from loongsage.core.loss import LossPlan
 from loongsage.core.model_math.logprobs import token_logprobs
 from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
+from loongsage.core.trainer.lora import LoraConfig
 from loongsage.core.trainer.micro_batching import micro_batches
 from loongsage.core.trainer.torch_trainer import TorchTrainer
 from loongsage.core.types import TrainBatch
@@ -214,3 +215,17 @@ def test_the_chunked_heads_backward_is_the_log_softmaxs():
 def test_the_chunked_head_refuses_what_it_cannot_do(model_dir, params, message):
     with pytest.raises(ValueError, match=message):
         TorchTrainer(str(model_dir), **params)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({}, r"runs bf16/fp16 models on CUDA .*dtype=float32, device=cpu"),
+        ({"dtype": "bfloat16"}, r"runs bf16/fp16 models on CUDA .*device=cpu"),
+        ({"compile_layers": True, "head_chunk_tokens": 64}, "not with compile_layers, head_chunk_tokens; turn one"),
+        ({"lora": LoraConfig(rank=4)}, "not with lora"),
+    ],
+)
+def test_the_batch_invariant_forward_refuses_what_it_cannot_do(model_dir, params, message):
+    with pytest.raises(ValueError, match=message):
+        TorchTrainer(str(model_dir), batch_invariant=True, **params)

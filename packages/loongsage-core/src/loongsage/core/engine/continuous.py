@@ -110,6 +110,16 @@ class SlotBatch:
             from loongsage.core.engine.fused.sampling import sample_rows
 
             self.fused_sampling = sample_rows
+        # batch-invariant mode: the log-prob of a sampled token is computed by the kernels the
+        # trainer's forward runs, with the vocabulary cut the same way whatever the batch
+        self.invariant_logprobs = None
+        if runner.invariant:
+            from functools import partial
+
+            from loongsage.core.engine.fused.sampling import sample_rows, token_logprobs_rows
+
+            self.fused_sampling = partial(sample_rows, fixed_chunks=True)
+            self.invariant_logprobs = token_logprobs_rows
         self.graphs = (
             DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" and not self.recording else None
         )
@@ -379,7 +389,7 @@ class SlotBatch:
             at = torch.arange(rows, device=dev)
             tokens, logprobs = self.fused_sampling(logits, at, u, t["inv_t"][:rows], t["greedy"][:rows])
         else:
-            tokens, logprobs = sample(logits, st, u)
+            tokens, logprobs = self._sample(logits, st, u)
         self.generated_t.add_(act.sum())
         at = torch.arange(rows, device=dev)
         col = torch.where(act, gen, self.L - 1)
@@ -395,6 +405,13 @@ class SlotBatch:
         t["finished"][:rows].logical_or_(finished)
         act.logical_and_(~finished)
 
+    def _sample(self, logits: Tensor, st: SamplingTensors, u: Tensor | None) -> tuple[Tensor, Tensor]:
+        """The torch sampler (rows with filters), its log-probs the invariant kernel's where asked."""
+        tokens, logprobs = sample(logits, st, u)
+        if self.invariant_logprobs is not None:
+            logprobs = self.invariant_logprobs(logits, torch.arange(len(tokens), device=self.device), tokens)
+        return tokens, logprobs
+
     def _first_tokens(self, rows: list[int], logits: Tensor) -> None:
         """The first token of each row whose prefill just ended; the rows start decoding."""
         t, dev = self.t, self.device
@@ -406,7 +423,7 @@ class SlotBatch:
                 logits, torch.arange(len(rows), device=dev), u, s.inv_temperature, s.greedy
             )
         else:
-            tokens, logprobs = sample(logits, s, u)
+            tokens, logprobs = self._sample(logits, s, u)
         t["tokens"][idx, 0] = tokens
         t["logprobs"][idx, 0] = logprobs
         t["versions"][idx, 0] = self.version_t

@@ -37,7 +37,9 @@ def _rotate_half(x: Tensor) -> Tensor:
 class DecoderRunner:
     """Forward of a Llama-family ``*ForCausalLM`` over a slot KV cache (keys/values passed in)."""
 
-    def __init__(self, model: nn.Module, *, fp32_lm_head: bool = True, kernels: str = "auto"):
+    def __init__(
+        self, model: nn.Module, *, fp32_lm_head: bool = True, kernels: str = "auto", batch_invariant: bool = False
+    ):
         check_supported(model)
         cfg = model.config
         self.model, self.inner = model, model.model
@@ -59,6 +61,13 @@ class DecoderRunner:
         self._chosen: list[Tensor] | None = None
         # the decode step on fused kernels where they apply (CUDA, Triton, a dense decoder they cover)
         self.fused, self.fused_off_because = fused_decoder_or_reason(self, kernels)
+        # prefill and decode through the fused layers' batch-invariant path (see fused/decoder.py)
+        self.invariant = bool(batch_invariant)
+        if self.invariant:
+            if self.fused is None:
+                why = self.fused_off_because
+                raise ValueError(f"native engine: batch_invariant needs the fused kernels, which cannot run: {why}")
+            self.fused.invariant = True
 
     @property
     def recording(self) -> bool:
@@ -112,6 +121,11 @@ class DecoderRunner:
         seq = input_ids.shape[1]
         if cols is not None and self.fused is not None:  # dense models only: never recording routes
             return self.fused.decode(input_ids, positions, keys, values, cols, end)
+        if self.invariant:  # one sequence's tokens at their own positions (never a padded batch)
+            tokens, at = input_ids.view(seq, 1), positions.reshape(seq, 1)
+            rows = torch.zeros(seq, dtype=torch.long, device=input_ids.device)
+            last = self.fused.hidden(tokens, at, keys, values, at[:, 0], end, cache_rows=rows, invariant=True)
+            return self.fused.head(last[-1:])
         if cols is not None:
             rows = torch.arange(input_ids.shape[0], device=input_ids.device)
 

@@ -126,7 +126,10 @@ class NativeEngine:
     :mod:`loongsage.core.engine.fused`), ``"triton"`` requires them, ``"torch"`` keeps the torch ops.
     ``steps_per_sync`` decode steps run back to back before the host reads back which rows finished
     (see :mod:`loongsage.core.engine.continuous`); by default 8 where the steps replay as CUDA
-    graphs, 1 elsewhere.
+    graphs, 1 elsewhere. ``batch_invariant`` runs prefill, decode and the sampled tokens' log-probs
+    on the fused kernels' batch-invariant path, which the trainer's ``batch_invariant`` forward also
+    runs (:mod:`loongsage.core.trainer.invariant`): their log-probs agree bit for bit, without the
+    deterministic mode's second forward, at the cost of slower GEMMs and one-prompt-at-a-time prefill.
     ``generate`` and
     ``abort`` must be awaited on one event loop at a time; ``generate_batch`` is synchronous, runs
     its requests to completion and does not observe ``pause``/``abort``; for it a bad request raises
@@ -153,6 +156,9 @@ class NativeEngine:
         return_routed_experts: bool = False,
         kernels: str = "auto",
         steps_per_sync: int | None = None,  # decode steps per host read-back (None: 8 under CUDA graphs, else 1)
+        # prefill, decode and log-probs computed as the trainer's batch-invariant forward computes them
+        # (bf16/fp16 on CUDA, the fused kernels; see docs/engine.md)
+        batch_invariant: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -167,7 +173,13 @@ class NativeEngine:
         self.max_batch_size, self.max_model_len = int(max_batch_size), int(max_model_len)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
-        self._runner = DecoderRunner(self.model, fp32_lm_head=fp32_lm_head, kernels=kernels)
+        if batch_invariant and deterministic:
+            raise ValueError(
+                "native engine: batch_invariant and deterministic are two ways to the trainer's numbers: choose one"
+            )
+        self._runner = DecoderRunner(
+            self.model, fp32_lm_head=fp32_lm_head, kernels=kernels, batch_invariant=bool(batch_invariant)
+        )
         if return_routed_experts:
             self._runner.record_routes()
         self.eos_token_ids = set(_model_eos(self.model) if eos_token_ids is None else eos_token_ids)
@@ -387,7 +399,7 @@ class NativeEngine:
             "max_model_len": self.max_model_len,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "decode_kernels": "triton"
+            "decode_kernels": ("triton, batch-invariant" if self._runner.invariant else "triton")
             if self._runner.fused is not None
             else f"torch ({self._runner.fused_off_because})",
             "model_path": self.model_path,

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 def prefill(batch: SlotBatch) -> tuple[list[int], Tensor | None]:
     """Run up to ``chunk`` prompt tokens; return the rows whose prefill ended and their logits."""
     budget, rows, logits = batch.chunk, [], []
-    while True:  # queued prompts that fit the budget, in batched forwards
+    # batch-invariant mode: each prompt alone, its tokens at their own columns (a padded batch
+    # would shift them)
+    while not batch.runner.invariant:  # queued prompts that fit the budget, in batched forwards
         left = _prefill_together(batch, budget, rows, logits)
         if left == budget:
             break

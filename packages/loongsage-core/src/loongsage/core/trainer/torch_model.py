@@ -77,6 +77,7 @@ class TorchModel:
         lora: LoraConfig | None,
         compile_layers: bool = False,
         head_chunk_tokens: int = 0,
+        batch_invariant: bool = False,
     ) -> None:
         self.device, self.fp32_lm_head, self.lora = device, fp32_lm_head, lora
         self.head_chunk_tokens = head_chunk_tokens
@@ -95,6 +96,12 @@ class TorchModel:
             for layer in self._decoder_layers():
                 layer.compile()
         self.model.train()
+        # the sampled tokens' log-probs as the native engine's batch_invariant mode computes them
+        self.invariant = None
+        if batch_invariant:
+            from loongsage.core.trainer.invariant import InvariantForward
+
+            self.invariant = InvariantForward(self.model, fp32_lm_head)
         # under LoRA the base weights never change: the model with its adapters off is the reference
         self.reference: Callable[[], AbstractContextManager[None]] | None = (
             None if lora is None else lambda: adapters_disabled(self.model)
@@ -148,6 +155,8 @@ class TorchModel:
     def sequence_logprobs(self, mb: TrainBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
+        if self.invariant is not None:
+            return self.invariant.logprobs(ids, mb.attention_mask.to(self.device), first, with_entropy=with_entropy)
         if self.head_chunk_tokens:
             mask = mb.attention_mask.to(self.device)
             return chunked_logprobs_and_entropy(

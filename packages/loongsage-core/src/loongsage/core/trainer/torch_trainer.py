@@ -34,8 +34,11 @@ class TorchTrainer(TrainerSkeleton):
     compile_layers: bool = False
     # the FP32 head and its log-softmax this many tokens at a time (0: at once; chunked_head.py)
     head_chunk_tokens: int = 0
+    # log-probs bit for bit the native engine's batch_invariant mode's (CUDA, bf16/fp16; invariant.py)
+    batch_invariant: bool = False
 
     supports_lora: ClassVar[bool] = True  # the critic's value head is outside the decoder layers LoRA targets
+    supports_batch_invariant: ClassVar[bool] = True  # a critic's values are no engine's log-probs
     held_teacher_params: ClassVar[dict[str, Any]] = {"lora": None, "gradient_checkpointing": False}
     adapter_class: ClassVar[type[TorchModel]] = TorchModel  # the model it trains (the critic's: a value model)
 
@@ -43,6 +46,7 @@ class TorchTrainer(TrainerSkeleton):
         check_dtype(self.dtype)
         world = world_size()
         self._check_head_chunks(world)
+        self._check_batch_invariant(world)
         if self.lora is not None:
             self._check_lora_placement(world, self.dp_mode)
         if world > 1 and self.dp_mode == "fsdp2" and self.distributed_optimizer:
@@ -61,6 +65,7 @@ class TorchTrainer(TrainerSkeleton):
                 lora=self.lora,
                 compile_layers=self.compile_layers,
                 head_chunk_tokens=self.head_chunk_tokens,
+                batch_invariant=self.batch_invariant,
             )
         )
 
@@ -95,6 +100,25 @@ class TorchTrainer(TrainerSkeleton):
         if world > 1 and self.dp_mode == "fsdp2":
             raise ValueError(
                 "head_chunk_tokens: not with FSDP2's sharded head; set dp_mode: replicate or head_chunk_tokens: 0"
+            )
+
+    def _check_batch_invariant(self, world: int) -> None:
+        if not self.batch_invariant:
+            return
+        clash = {
+            "compile_layers": self.compile_layers,  # Inductor would fuse and round the layers its own way
+            "lora": self.lora is not None,  # the invariant path multiplies the base weights alone
+            "head_chunk_tokens": bool(self.head_chunk_tokens),
+            "dp_mode: fsdp2": world > 1 and self.dp_mode == "fsdp2",  # sharded weights
+            "a value model": not self.supports_batch_invariant,
+        }
+        named = [name for name, on in clash.items() if on]
+        if named:
+            raise ValueError(f"batch_invariant: not with {', '.join(named)}; turn one of them off")
+        if self.dtype not in ("bfloat16", "float16") or not str(self.device).startswith("cuda"):
+            raise ValueError(
+                f"batch_invariant: runs bf16/fp16 models on CUDA (the engine's fused kernels); "
+                f"here dtype={self.dtype}, device={self.device}"
             )
 
     @classmethod

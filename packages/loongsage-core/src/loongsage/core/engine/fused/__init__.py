@@ -22,7 +22,7 @@ def fused_decoder_or_reason(runner, kernels: str):
         raise ValueError(f"native engine: kernels={kernels!r}: must be one of {list(KERNELS)}")
     if kernels == "torch":
         return None, "kernels=torch"
-    reason = _reason(runner.model, runner.device.type)
+    reason = why_not_fused(runner.model, runner.device.type)
     if reason is None:
         from loongsage.core.engine.fused.decoder import FusedDecoder
 
@@ -32,7 +32,8 @@ def fused_decoder_or_reason(runner, kernels: str):
     return None, reason
 
 
-def _reason(model: nn.Module, device: str) -> str | None:
+def why_not_fused(model: nn.Module, device: str) -> str | None:
+    """Why the fused kernels cannot run ``model`` on ``device`` (a device type), or None."""
     if device != "cuda":
         return f"device {device!r} (the fused kernels are CUDA kernels)"
     dtype = model.get_input_embeddings().weight.dtype

@@ -28,6 +28,7 @@ def _decode_kernel(
     k_ptr,
     v_ptr,
     len_ptr,
+    crow_ptr,
     out_ptr,
     part_ptr,
     scale_log2,
@@ -43,11 +44,13 @@ def _decode_kernel(
     PAD: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CACHE_ROWS: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(len_ptr + row)
+    cache_row = tl.load(crow_ptr + row).to(tl.int64) if CACHE_ROWS else row
     start = split * split_len
     stop = tl.minimum(start + split_len, length)
     h = tl.arange(0, PAD)
@@ -58,7 +61,7 @@ def _decode_kernel(
     m_i = tl.full([PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([PAD], tl.float32)
     acc = tl.zeros([PAD, DIM], tl.float32)
-    base = row * c_row + kv * c_head
+    base = cache_row * c_row + kv * c_head
     for n in range(start, stop, BLOCK_N):
         cols = n + tl.arange(0, BLOCK_N)
         inside = cols < stop
@@ -109,19 +112,30 @@ def splits_for(rows: int, kv_heads: int, columns: int, programs: int) -> int:
 
 
 def decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, scale: float, columns: int
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    lengths: Tensor,
+    scale: float,
+    columns: int,
+    *,
+    cache_rows: Tensor | None = None,
+    splits: int | None = None,
 ) -> Tensor:
-    """Attention of ``q`` ``[B, heads, d]`` over columns ``[0, lengths[b])`` of cache row ``b``.
+    """Attention of ``q`` ``[B, heads, d]`` over columns ``[0, lengths[b])`` of cache row ``b``
+    (of cache row ``cache_rows[b]`` where given: the tokens of one sequence, each a query row).
 
     ``k_cache``/``v_cache``: ``[>= B, kv_heads, L, d]`` with unit stride on ``d``; ``columns`` bounds
     every length (it sizes the column splits, so it must not vary within one captured graph).
-    Returns ``[B, heads * d]`` in the query dtype.
+    ``splits=1`` keeps each row's columns in one program, in order: a row's result is then the same
+    whatever else runs (the batch-invariant mode). Returns ``[B, heads * d]`` in the query dtype.
     """
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-    splits = splits_for(rows, kv_heads, columns, 2 * sms)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        splits = splits_for(rows, kv_heads, columns, 2 * sms)
     split_len = -(-columns // (splits * _BLOCK_N)) * _BLOCK_N
     out = q.new_empty(rows, heads, dim)
     part = q.new_empty((rows, heads, splits, dim + 2) if splits > 1 else (1,), dtype=torch.float32)
@@ -130,6 +144,7 @@ def decode_attention(
         k_cache,
         v_cache,
         lengths,
+        lengths if cache_rows is None else cache_rows,
         out,
         part,
         scale * _LOG2E,
@@ -145,6 +160,7 @@ def decode_attention(
         PAD=max(_PAD_HEADS, triton.next_power_of_2(group)),
         DIM=dim,
         BLOCK_N=_BLOCK_N,
+        CACHE_ROWS=cache_rows is not None,
     )
     if splits > 1:
         _merge_kernel[(rows, heads)](part, out, HEADS=heads, SPLITS=splits, DIM=dim)

@@ -10,6 +10,14 @@ moved into one buffer per layer and the HF parameters become views of it, so ``u
 (an in-place copy by HF name), ``named_weights`` and the trainer-side names are unchanged.
 :meth:`FusedDecoder.bind` re-merges after ``Module.to`` replaced the parameters (a memory release
 and resume).
+
+The same layers run any number of tokens of one or more sequences (:meth:`FusedDecoder.hidden`:
+token ``n`` writes its key at its own column of its sequence's cache row and attends over the
+columns before it). With ``invariant`` the path is batch-invariant: every GEMM is the fixed-tile
+kernel of :mod:`~loongsage.core.engine.fused.matmul` (one per HF projection) and attention keeps a
+token's columns in one program, so a token's numbers do not depend on how many tokens run beside
+it. The engine's decode and prefill and the trainer's forward
+(:mod:`loongsage.core.trainer.invariant`) then compute bit-identical log-probs.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loongsage.core.engine.fused.attention import decode_attention
+from loongsage.core.engine.fused.matmul import invariant_linear
 from loongsage.core.engine.fused.ops import add_rms_norm, qk_rope_store, silu_mul
 
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -70,18 +79,20 @@ def _merge(modules: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
 class FusedDecoder:
     """Decode forward of a runner's model on fused kernels (see the module docstring)."""
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
+    def __init__(self, runner, *, merge: bool = True, invariant: bool = False) -> None:
+        self.runner, self.merge, self.invariant = runner, merge, invariant
         self.bind()
 
     def bind(self) -> None:
-        """(Re-)merge the projections; call after the parameters were replaced (a device move)."""
+        """(Re-)merge the projections; call after the parameters were replaced (a device move).
+        Without ``merge`` (the trainer's model, whose parameters must stay its own tensors) only
+        the batch-invariant path runs, which takes each projection by itself."""
         r = self.runner
         self.layers = []
         for layer in r.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj])
-            gate_up, _ = _merge([mlp.gate_proj, mlp.up_proj])
+            qkv, qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj]) if self.merge else (None, None)
+            gate_up, _ = _merge([mlp.gate_proj, mlp.up_proj]) if self.merge else (None, None)
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append(
                 (
@@ -102,15 +113,53 @@ class FusedDecoder:
     ) -> Tensor:
         """Float32 logits ``[B, V]`` of one new token per row; row ``b``'s key/value go to column
         ``cols[b]`` and attention covers its columns ``[0, cols[b]]`` (``columns`` bounds them all)."""
+        last = self.hidden(input_ids, positions, keys, values, cols, columns, invariant=self.invariant)
+        return self.head(last)
+
+    def head(self, last: Tensor) -> Tensor:
+        """Float32 logits of final-normed hidden states ``[N, H]``."""
         r = self.runner
-        hidden = r.inner.embed_tokens(input_ids)  # [B, 1, H]
+        if not self.invariant:
+            return r.head(last)
+        weight = r.model.get_output_embeddings().weight
+        return invariant_linear(last, weight, out_dtype=torch.float32 if r.fp32_lm_head else None).float()
+
+    def hidden(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+        cols: Tensor,
+        columns: int,
+        *,
+        cache_rows: Tensor | None = None,
+        invariant: bool = False,
+    ) -> Tensor:
+        """Final-normed hidden states ``[N, H]`` of ``N`` tokens (``input_ids``/``positions`` ``[N, 1]``).
+
+        Token ``n``'s key and value go to column ``cols[n]`` of cache row ``n`` (of
+        ``cache_rows[n]`` where given: several tokens of one sequence), and it attends over that
+        row's columns ``[0, cols[n]]``. Decode passes one token per slot; a prefill or the trainer
+        passes the tokens of a sequence, each at its position. ``invariant`` computes every token
+        the same way whatever ``N`` is: the batch-invariant GEMM (one per HF projection, as the
+        trainer's modules are), attention with each token's columns in one program, in order.
+        """
+        r = self.runner
+        hidden = r.inner.embed_tokens(input_ids)  # [N, 1, H]
         cos, sin = r.inner.rotary_emb(hidden, positions)
         cos, sin = cos[:, 0], sin[:, 0]
         delta, residual = hidden[:, 0], None
         lengths = cols + 1
         for i, (ln1, qkv_w, qkv_b, q_norm, k_norm, o_proj, ln2, gate_up, down) in enumerate(self.layers):
             x, residual = add_rms_norm(delta, residual, ln1.weight, ln1.variance_epsilon)
-            qkv = F.linear(x, qkv_w, qkv_b)
+            if invariant:
+                attn, mlp = r.layers[i].self_attn, r.layers[i].mlp
+                qkv = torch.cat(
+                    [invariant_linear(x, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], 1
+                )
+            else:
+                qkv = F.linear(x, qkv_w, qkv_b)
             q = qk_rope_store(
                 qkv,
                 r.num_heads,
@@ -123,10 +172,27 @@ class FusedDecoder:
                 keys[i],
                 values[i],
                 cols,
+                cache_rows,
             )
-            out = decode_attention(q, keys[i], values[i], lengths, r.scales[i], columns)
-            x, residual = add_rms_norm(o_proj(out), residual, ln2.weight, ln2.variance_epsilon)
-            delta = down(silu_mul(F.linear(x, gate_up)))
+            out = decode_attention(
+                q,
+                keys[i],
+                values[i],
+                lengths,
+                r.scales[i],
+                columns,
+                cache_rows=cache_rows,
+                splits=1 if invariant else None,
+            )
+            if invariant:
+                x, residual = add_rms_norm(
+                    invariant_linear(out, o_proj.weight, o_proj.bias), residual, ln2.weight, ln2.variance_epsilon
+                )
+                gu = torch.cat([invariant_linear(x, mlp.gate_proj.weight), invariant_linear(x, mlp.up_proj.weight)], 1)
+                delta = invariant_linear(silu_mul(gu), down.weight, down.bias)
+            else:
+                x, residual = add_rms_norm(o_proj(out), residual, ln2.weight, ln2.variance_epsilon)
+                delta = down(silu_mul(F.linear(x, gate_up)))
         norm = r.inner.norm
         last, _ = add_rms_norm(delta, residual, norm.weight, norm.variance_epsilon)
-        return r.head(last)
+        return last

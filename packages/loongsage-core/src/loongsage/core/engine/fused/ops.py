@@ -101,6 +101,7 @@ def _qk_rope_store_kernel(
     k_cache_ptr,
     v_cache_ptr,
     cols_ptr,
+    crow_ptr,
     eps,
     qkv_stride,
     cs_stride,
@@ -111,6 +112,7 @@ def _qk_rope_store_kernel(
     KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    CACHE_ROWS: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -135,7 +137,8 @@ def _qk_rope_store_kernel(
         x1, x2 = _head_norm(x1, x2, kn_ptr, HALF, eps, dim, HAS_NORM, dtype)
         y1, y2 = _rotate(x1, x2, c1, c2, s1, s2, dtype)
         col = tl.load(cols_ptr + row)
-        at = row * cache_row + kv * cache_head + col * cache_col
+        slot = tl.load(crow_ptr + row).to(tl.int64) if CACHE_ROWS else row
+        at = slot * cache_row + kv * cache_head + col * cache_col
         tl.store(k_cache_ptr + at + cols, y1)
         tl.store(k_cache_ptr + at + HALF + cols, y2)
         v = qkv_ptr + row * qkv_stride + (HEADS + KV_HEADS + kv) * dim
@@ -155,11 +158,13 @@ def qk_rope_store(
     k_cache: Tensor,
     v_cache: Tensor,
     cols: Tensor,
+    cache_rows: Tensor | None = None,
 ) -> Tensor:
     """Queries of one token per row, ready for attention; that token's key and value go to the cache.
 
     ``qkv`` ``[B, (heads + 2 kv_heads) * d]`` (the merged projection), ``cos``/``sin`` ``[B, d]`` in the
-    model dtype, caches ``[slots, kv_heads, L, d]``: row ``b``'s key/value land at ``[b, :, cols[b]]``.
+    model dtype, caches ``[slots, kv_heads, L, d]``: row ``b``'s key/value land at ``[b, :, cols[b]]``
+    (at ``[cache_rows[b], :, cols[b]]`` where given: the tokens of one sequence).
     ``q_norm``/``k_norm`` are the per-head RMSNorm weights (Qwen3), or None. Returns ``[B, heads, d]``.
     """
     rows = qkv.shape[0]
@@ -176,6 +181,7 @@ def qk_rope_store(
         k_cache,
         v_cache,
         cols,
+        cols if cache_rows is None else cache_rows,
         eps,
         qkv.stride(0),
         cos.stride(0),
@@ -186,6 +192,7 @@ def qk_rope_store(
         KV_HEADS=kv_heads,
         HALF=dim // 2,
         HAS_NORM=norm,
+        CACHE_ROWS=cache_rows is not None,
     )
     return q
 

@@ -1,0 +1,223 @@
+"""A batch-invariant GEMM: ``x @ weight.T`` whose every output element is computed the same way
+whatever the number of rows ``M`` it runs among.
+
+The consistency mode needs the rollout engine's batched decode (``M`` = the live rows), its prefill
+(``M`` = the prompt's tokens) and the trainer's full-sequence forward (``M`` = all tokens of a
+micro-batch) to give bit-identical numbers for one token's row. cuBLAS does not: it picks a
+kernel, a tile shape and a split-K factor by shape, and each choice sums a row's products in a
+different order, so a token's logits depend on the batch it ran in. Here the reduction order of an
+output element is pinned:
+
+* ONE tile configuration (``BLOCK_M = BLOCK_N = BLOCK_K = 64``, 4 warps, 3 stages) for every
+  ``M``, ``N`` and ``K``: no autotuning, no configuration chosen by shape. The compiled kernel is
+  then one instruction sequence, and an output element's value depends only on its row of ``x``
+  and its row of ``weight``, never on where its tile lies or on what the other rows of the tile
+  hold (a masked row is zeros and adds nothing to another row: an MMA's output element reads one
+  row of A and one column of B). A config chosen by ``M`` would change ``BLOCK_K`` or the MMA
+  shape and with it the rounding of the float32 sums;
+* the K loop runs in order from 0 in steps of ``BLOCK_K``, accumulating each step's ``tl.dot``
+  into one float32 accumulator, and is never split (split-K adds partial sums in an order that
+  depends on the split, which cuBLAS chooses by shape);
+* ``M`` is not specialised (``do_not_specialize``): Triton would otherwise compile a second kernel
+  for ``M == 1`` (and for ``M % 16 == 0``), and a decode step of one row must run the same code as
+  the trainer's thousands;
+* the bias, if any, is added to the float32 accumulator, and the result is rounded once, to the
+  output dtype (float32 for the FP32 LM head: no rounding at all).
+
+64 x 64 tiles trade speed for this: cuBLAS's large-``M`` kernels (128 x 256 tiles, warp
+specialisation) are faster on the trainer's GEMMs, and at decode sizes 64-wide column tiles are
+what keep enough programs in flight without a split of ``K``. ``N`` is tiled too, so the columns of
+one projection computed alone equal the same columns of a merged (q/k/v, gate/up) weight bit for
+bit, as long as the two calls see the same ``K`` and pointer alignment (see ``invariant_matmul``).
+
+The backward (:class:`InvariantLinear`) runs ordinary torch matmuls: gradients need not be invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from loongsage.core.model_math.dtypes import HALF_DTYPES
+
+# The one tile configuration, for every shape (see the module docstring). Changing any of these
+# changes the numbers: the engine and the trainer must run the same values.
+_BLOCK_M = 64
+_BLOCK_N = 64
+_BLOCK_K = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 3
+_GROUP_M = 8  # tiles of rows walked together for L2 reuse: the order programs run in, not the numbers
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_out,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # program -> output tile, grouped by GROUP_M row tiles (the Triton tutorial's ordering): which
+    # program computes a tile changes with M, how a tile is computed does not
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    in_m = rm[:, None] < M
+    in_n = rn[None, :] < N
+    # 64-bit row offsets: the FP32 head's output (tokens x vocabulary) passes 2**31 elements
+    a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_x + rk[None, :]  # [BLOCK_M, BLOCK_K]
+    b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_w + rk[:, None]  # [BLOCK_K, BLOCK_N]: weight.T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # in order from 0, one float32 accumulator, never split: the same sums for every M
+    for k in range(0, K, BLOCK_K):
+        a = tl.load(a_ptrs, mask=in_m & (rk[None, :] < K - k), other=0.0)
+        b = tl.load(b_ptrs, mask=in_n & (rk[:, None] < K - k), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + rm.to(tl.int64)[:, None] * stride_out + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_m & in_n)  # the one rounding
+
+
+def invariant_matmul(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """``x @ weight.T (+ bias)``, each output element computed the same way whatever ``M`` is.
+
+    ``x`` ``[M, K]`` and ``weight`` ``[N, K]`` (an ``nn.Linear`` weight) in one half dtype (bf16 or
+    fp16); ``bias`` ``[N]`` in any float dtype. Both are read in place with any row stride (a column
+    slice of a wider ``x``, a row slice of a merged weight) and must have unit stride on ``K``: a
+    tensor without one is copied (``.contiguous()``), which changes no value. Returns ``[M, N]`` in
+    ``out_dtype`` (``x.dtype`` by default, or float32 for the FP32 LM head), summed in float32 and
+    rounded once.
+
+    Bitwise invariance holds across ``M`` (and across the column range of a merged weight) for
+    calls with the same ``K`` and dtypes. Triton specialises a kernel on the 16-byte alignment of
+    its pointers and row strides: an ``x`` whose rows are not 16-byte aligned runs a second compiled
+    kernel, which loads differently and is expected (not guaranteed) to sum identically.
+    """
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"invariant_matmul: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if x.dtype not in HALF_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"invariant_matmul: x and weight in one of bf16/fp16, got {x.dtype} and {weight.dtype}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"invariant_matmul: out_dtype must be {x.dtype} or torch.float32, got {out_dtype}")
+    (m, k), n = x.shape, weight.shape[0]
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"invariant_matmul: bias [{n}], got {tuple(bias.shape)}")
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    grid = (triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _BLOCK_N),)
+    _matmul_kernel[grid](
+        x,
+        weight,
+        x if bias is None else bias,  # never read without a bias
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_M=_BLOCK_M,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_K=_BLOCK_K,
+        GROUP_M=_GROUP_M,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
+    )
+    return out
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of half operands, the products summed in float32, a float32 result: a half GEMM
+    with float32 output on CUDA (tensor cores), float32 copies elsewhere (exact products as well)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+class InvariantLinear(torch.autograd.Function):
+    """``x [M, K] @ weight[N, K].T (+ bias)`` by :func:`invariant_matmul`, differentiable.
+
+    The backward runs ordinary torch matmuls (the gradients need not be batch-invariant). For the
+    FP32 head (``out_dtype=float32`` on half inputs) it follows
+    :class:`~loongsage.core.model_math.head.HalfGemmFp32Out`: the float32 gradient of the output is
+    rounded to the half dtype (as a half head's would be) and the products are summed in float32.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> Tensor:
+        out = invariant_matmul(x, weight, bias, out_dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.fp32_head = out.dtype == torch.float32  # on half inputs: invariant_matmul takes no others
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.fp32_head:
+            g = grad.to(x.dtype)
+            if ctx.needs_input_grad[0]:
+                grad_x = _mm_fp32(g, weight).to(x.dtype)
+            if ctx.needs_input_grad[1]:
+                grad_weight = _mm_fp32(g.T, x).to(weight.dtype)
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_bias = g.sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        else:
+            if ctx.needs_input_grad[0]:
+                grad_x = grad @ weight
+            if ctx.needs_input_grad[1]:
+                grad_weight = grad.T @ x
+            if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+                grad_bias = grad.sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None
+
+
+def invariant_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """``F.linear(x, weight, bias)`` for ``x [..., K]`` by :class:`InvariantLinear` (leading dims
+    flattened into ``M``), in ``out_dtype`` (``x.dtype`` by default; float32 for the FP32 head)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = InvariantLinear.apply(flat, weight, bias, out_dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
