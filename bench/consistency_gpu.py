@@ -11,6 +11,7 @@ in a run) against the goal of 1e-5, for:
   setting in which both are the same computation, so the KL is exactly 0);
 * the batch-invariant mode: engine and trainer both with ``batch_invariant`` (the same kernels, each
   token computed the same way whatever the batch: exactly 0 without a second forward);
+* the engine's decode GEMMs on FP8 weights (``quantization="fp8"``) against the bf16 trainer;
 * for scale, the fast path with a bf16 LM head in the engine (what the FP32 head is there to avoid).
 
 With ``--sglang``, also the ``sglang`` engine (:class:`loongsage.sglang.engine.SGLangEngine`, one
@@ -29,12 +30,12 @@ Each native side also records the engine's sampled tokens/s (one generate after 
 the trainer's scoring forward in seconds: what a mode costs.
 
 ``--sides`` picks what runs: native sides (``fast``, ``fast_torch_kernels``, ``deterministic``,
-``batch_invariant``, ``engine_bf16_head``), SGLang settings as ``sglang:<name>``, or the groups ``native``, ``sglang``
-(the default six) and ``sglang:all``. ``--merge`` keeps what ``--out`` already holds for the sides
-not run now (to fill one file over several calls). ``--time-budget-s`` starts no SGLang server once
-less than a start-up's worth of the budget is left, and bounds each server's start-up to what is
-left. The JSON (and a markdown table beside it) is rewritten after every side, so a run cut short
-keeps what it measured.
+``batch_invariant``, ``fp8_engine``, ``engine_bf16_head``), SGLang settings as ``sglang:<name>``,
+or the groups ``native``, ``sglang`` (the default six) and ``sglang:all``. ``--merge`` keeps what
+``--out`` already holds for the sides not run now (to fill one file over several calls).
+``--time-budget-s`` starts no SGLang server once less than a start-up's worth of the budget is left,
+and bounds each server's start-up to what is left. The JSON (and a markdown table beside it) is
+rewritten after every side, so a run cut short keeps what it measured.
 
 Writes ``bench/results/consistency_gpu.json`` and ``.md`` (or ``--out``);
 ``tests/gpu/test_consistency_gpu.py`` asserts the bounds that hold today with the same
@@ -73,6 +74,8 @@ NATIVE_SIDES: dict[str, dict[str, Any]] = {
     # engine and trainer on the fused kernels' batch-invariant path (fixed-tile GEMMs, attention in
     # one program a token, fixed vocabulary chunks): bit for bit, no second forward
     "batch_invariant": {"batch_invariant": True},
+    # the engine's decode GEMMs on FP8 weights against the bf16 trainer: what FP8 rollouts cost in k3
+    "fp8_engine": {"quantization": "fp8"},
     "engine_bf16_head": {"engine_fp32_head": False},
 }
 # SGLang settings: SGLangEngine params over the bench's own (FP32 head, torch sampling, CUDA
@@ -152,6 +155,7 @@ def measure(
     engine_fp32_head: bool = True,
     kernels: str = "auto",
     batch_invariant: bool = False,
+    quantization: str | None = None,
 ) -> dict[str, float]:
     """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens,
     and what each side's pass took: the engine's generate (after one warm-up generate of the same
@@ -177,6 +181,7 @@ def measure(
         deterministic=deterministic,
         kernels=kernels,
         batch_invariant=batch_invariant,
+        quantization=quantization,
     )
 
     def requests_of(prompts: list[list[int]], tag: str) -> list:

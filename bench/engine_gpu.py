@@ -9,6 +9,8 @@ weights; the time covers prefill and decode. Sides:
 * the native engine with CUDA graphs over the torch decode path (``kernels="torch"``), to show what
   the fused kernels buy;
 * with ``--eager``, the torch path without graphs (``cuda_graphs=False``), to show what graphs buy;
+* with ``--fp8`` / ``--batch-invariant``, the fused path on FP8 weights (``quantization="fp8"``) / in
+  the batch-invariant mode, to show what each gains or costs;
 * with ``--sglang``, SGLang (0.5.16 verified) serving the same folder on the same card in its own
   process, driven over its own HTTP ``/generate`` with the same prompts and sampling (log-probs
   returned, no end-of-sequence token, its CUDA graphs up to the largest batch, FP32 LM head, the
@@ -22,7 +24,7 @@ and SGLang 0.5.16 on the same workload and card. Measured here: the bandwidth ro
 steps (every step reads the weights once and each row's cached keys and values once) at the
 device-to-device copy bandwidth of this card, measured first.
 
-    python bench/engine_gpu.py [--batches 64 128 256] [--eager] [--sglang] [--prompt 128]
+    python bench/engine_gpu.py [--batches 64 128 256] [--eager] [--fp8] [--batch-invariant] [--sglang] [--prompt 128]
                                [--new-tokens 256] [--repeats 3] [--out PATH]
 
 Writes ``bench/results/engine_gpu.json`` (or ``--out``) and a markdown table next to it.
@@ -156,6 +158,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--eager", action="store_true", help="also time the torch path without CUDA graphs")
+    parser.add_argument("--fp8", action="store_true", help="also time the fused path on FP8 weights")
+    parser.add_argument(
+        "--batch-invariant", action="store_true", help="also time the fused path in the batch-invariant mode"
+    )
     parser.add_argument("--sglang", action="store_true", help="also time SGLang on the same card, same run")
     parser.add_argument("--sglang-mem-fraction", type=float, default=0.35)
     parser.add_argument("--sglang-sampling-backend", default="pytorch", choices=["pytorch", "flashinfer"])
@@ -187,6 +193,12 @@ def main() -> None:
     if args.eager:
         eager = NativeEngine(str(tmp), kernels="torch", cuda_graphs=False, **common)
         sides["eager"] = lambda prompts: engine_side(eager, prompts, args.new_tokens)
+    if args.fp8:
+        fp8 = NativeEngine(str(tmp), kernels="triton", quantization="fp8", **common)
+        sides["fp8"] = lambda prompts: engine_side(fp8, prompts, args.new_tokens)
+    if args.batch_invariant:
+        invariant = NativeEngine(str(tmp), kernels="triton", batch_invariant=True, **common)
+        sides["batch_invariant"] = lambda prompts: engine_side(invariant, prompts, args.new_tokens)
     server = None
     if args.sglang:
         from sglang_overhead import raw_rollout, without_eos
@@ -227,6 +239,8 @@ def main() -> None:
             "engine_fused_tok_s": stats["fused"],
             "engine_torch_graphs_tok_s": stats["graphs"],
             "engine_eager_tok_s": stats.get("eager"),
+            "engine_fp8_tok_s": stats.get("fp8"),
+            "engine_batch_invariant_tok_s": stats.get("batch_invariant"),
             "roofline_tok_s": ROOFLINE_REFERENCE.get(batch),
             "decode_roofline_tok_s": decode_roofline(
                 batch, args.prompt, args.new_tokens, weight_bytes, kv_bytes_per_token, bandwidth
@@ -293,6 +307,17 @@ def main() -> None:
             f"{r['speedup_vs_hf']:.2f}x ({lo:.2f}-{hi:.2f}) | {sglang} | {share} | "
             f"{r['decode_roofline_tok_s']:,.0f} ({r['fraction_of_decode_roofline']:.0%}) |"
         )
+    extra = [(k, label) for k, label in (("fp8", "FP8 weights"), ("batch_invariant", "batch-invariant")) if k in sides]
+    if extra:
+        table += ["", "| batch | fused | " + " | ".join(f"{label} tok/s (vs fused)" for _, label in extra) + " |"]
+        table.append("|---|---|" + "---|" * len(extra))
+        for r in rows:
+            fused_median = r["engine_fused_tok_s"]["median"]
+            cells = [
+                f"{cell(r[f'engine_{k}_tok_s'])} ({r[f'engine_{k}_tok_s']['median'] / fused_median:.2f}x)"
+                for k, _ in extra
+            ]
+            table.append(f"| {r['batch']} | {cell(r['engine_fused_tok_s'])} | " + " | ".join(cells) + " |")
     text = "\n".join(table)
     note = (
         f"Commit {source['commit'][:10]}; medians of {args.repeats} interleaved timed runs per side (min-max in "

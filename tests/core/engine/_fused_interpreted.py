@@ -533,3 +533,42 @@ def test_invariant_token_logprobs_gradient_is_torchs(fused):
     (want * grad).sum().backward()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
     torch.testing.assert_close(logits.grad, ref.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_fp8_weights_decode_close_to_bf16_and_follow_weight_updates(fused, tmp_path):
+    """``quantization="fp8"`` (switched on as a CUDA device would; torch's float8 GEMM runs on the
+    CPU too): the decode step's logits stay within FP8's rounding of the bf16 ones, and an update of
+    the weights reaches the float8 copies."""
+    from loongsage.core.engine.native import NativeEngine
+
+    model = _qwen3(torch.bfloat16)
+    for w in model.parameters():  # weights of a trained model's scale: this random model's 0.3 would
+        w.data.mul_(0.2)  # turn FP8's 3% per GEMM into chaos after two layers
+    model.save_pretrained(tmp_path / "tiny")
+    engine = NativeEngine(str(tmp_path / "tiny"), dtype="bfloat16", eos_token_ids=[])
+    runner = engine._runner
+    rows, length = 4, 40
+    lens = torch.tensor([3, 17, 0, 30])
+    torch.manual_seed(3)
+    keys = [torch.randn(rows, 2, length, 16, dtype=torch.bfloat16) for _ in range(2)]
+    values = [torch.randn(rows, 2, length, 16, dtype=torch.bfloat16) for _ in range(2)]
+    ids = torch.randint(0, 128, (rows, 1))
+
+    decoder = runner.fused = fused["decoder"].FusedDecoder(runner, fp8=True)  # as quantization="fp8" sets up
+
+    def step(fp8: bool) -> torch.Tensor:
+        decoder.fp8 = fp8  # off: the same merged bf16 weights, multiplied in bf16
+        return runner.forward_slots(
+            ids, lens[:, None], [c.clone() for c in keys], [c.clone() for c in values], length, None, cols=lens
+        )
+
+    def error() -> float:
+        got, want = step(True), step(False)
+        decoder.fp8 = True
+        return ((got - want).norm() / want.norm()).item()
+
+    assert 1e-3 < error() < 0.1  # quantized, and by e4m3's rounding only
+    engine.update_weights([(n, t * 0.5) for n, t in engine.named_weights() if n.endswith("proj.weight")])
+    assert 1e-3 < error() < 0.1  # the copies follow the update (stale ones would be twice the weights)
+    decoder.unbind()
+    assert decoder.layers == [] and decoder.quantized == []

@@ -38,7 +38,13 @@ class DecoderRunner:
     """Forward of a Llama-family ``*ForCausalLM`` over a slot KV cache (keys/values passed in)."""
 
     def __init__(
-        self, model: nn.Module, *, fp32_lm_head: bool = True, kernels: str = "auto", batch_invariant: bool = False
+        self,
+        model: nn.Module,
+        *,
+        fp32_lm_head: bool = True,
+        kernels: str = "auto",
+        batch_invariant: bool = False,
+        quantization: str | None = None,
     ):
         check_supported(model)
         cfg = model.config
@@ -68,6 +74,14 @@ class DecoderRunner:
                 why = self.fused_off_because
                 raise ValueError(f"native engine: batch_invariant needs the fused kernels, which cannot run: {why}")
             self.fused.invariant = True
+        if quantization == "fp8":  # the decode GEMMs on float8 copies of the projections (fused/fp8.py)
+            from loongsage.core.engine.fused.fp8 import unsupported_fp8
+
+            why = self.fused_off_because if self.fused is None else unsupported_fp8(self.device, model.dtype)
+            if why is not None:
+                raise ValueError(f"native engine: quantization=fp8 runs on the fused decode kernels, not here: {why}")
+            self.fused.fp8 = True
+            self.fused.requantize()
 
     @property
     def recording(self) -> bool:
@@ -90,8 +104,18 @@ class DecoderRunner:
     def moved(self) -> None:
         """The parameters were replaced (``Module.to``): re-derive everything built from them."""
         self.refresh_head()
-        if self.fused is not None and self.inner.embed_tokens.weight.is_cuda:  # merged only where it runs
+        if self.fused is None:
+            return
+        if self.inner.embed_tokens.weight.is_cuda:  # merged only where it runs
             self.fused.bind()
+        else:  # released to the host: nothing may keep the device's weights alive
+            self.fused.unbind()
+
+    def weights_changed(self) -> None:
+        """An update wrote new values into the parameters (in place)."""
+        self.refresh_head()
+        if self.fused is not None:
+            self.fused.requantize()
 
     def refresh_head(self) -> None:
         """Re-derive the LM-head weight used for logits (call after the weights changed)."""

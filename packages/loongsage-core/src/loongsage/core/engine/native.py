@@ -130,6 +130,8 @@ class NativeEngine:
     on the fused kernels' batch-invariant path, which the trainer's ``batch_invariant`` forward also
     runs (:mod:`loongsage.core.trainer.invariant`): their log-probs agree bit for bit, without the
     deterministic mode's second forward, at the cost of slower GEMMs and one-prompt-at-a-time prefill.
+    ``quantization="fp8"`` runs the decode GEMMs on float8 copies of the projections (a bf16 model on
+    an Ada or Hopper GPU; :mod:`loongsage.core.engine.fused.fp8`), quantized again after each update.
     ``generate`` and
     ``abort`` must be awaited on one event loop at a time; ``generate_batch`` is synchronous, runs
     its requests to completion and does not observe ``pause``/``abort``; for it a bad request raises
@@ -159,6 +161,8 @@ class NativeEngine:
         # prefill, decode and log-probs computed as the trainer's batch-invariant forward computes them
         # (bf16/fp16 on CUDA, the fused kernels; see docs/engine.md)
         batch_invariant: bool = False,
+        # decode GEMMs on float8 weights ("fp8", Ada/Hopper, bf16 models; fused/fp8.py); null: the model's
+        quantization: str | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -177,8 +181,19 @@ class NativeEngine:
             raise ValueError(
                 "native engine: batch_invariant and deterministic are two ways to the trainer's numbers: choose one"
             )
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"native engine: quantization={quantization!r}: must be null or 'fp8'")
+        if quantization and (batch_invariant or deterministic):
+            raise ValueError(
+                "native engine: quantization=fp8 moves the engine's numbers away from the trainer's; "
+                "it cannot hold batch_invariant or deterministic"
+            )
         self._runner = DecoderRunner(
-            self.model, fp32_lm_head=fp32_lm_head, kernels=kernels, batch_invariant=bool(batch_invariant)
+            self.model,
+            fp32_lm_head=fp32_lm_head,
+            kernels=kernels,
+            batch_invariant=bool(batch_invariant),
+            quantization=quantization,
         )
         if return_routed_experts:
             self._runner.record_routes()
@@ -347,7 +362,7 @@ class NativeEngine:
                 torch._foreach_copy_([self._weights[name] for name, _ in items], [t for _, t in items])
                 if self.device.type == "cuda":  # copied before the version says so (and the sources may go)
                     torch.cuda.current_stream(self.device).synchronize()
-            self._runner.refresh_head()
+            self._runner.weights_changed()
             self._version += 1
             return self._version
 
@@ -400,6 +415,7 @@ class NativeEngine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "decode_kernels": ("triton, batch-invariant" if self._runner.invariant else "triton")
+            + (", fp8 weights" if self._runner.fused is not None and self._runner.fused.fp8 else "")
             if self._runner.fused is not None
             else f"torch ({self._runner.fused_off_because})",
             "model_path": self.model_path,

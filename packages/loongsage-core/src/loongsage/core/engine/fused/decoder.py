@@ -22,11 +22,14 @@ it. The engine's decode and prefill and the trainer's forward
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loongsage.core.engine.fused.attention import decode_attention
+from loongsage.core.engine.fused.fp8 import fp8_linear, quantize_weight
 from loongsage.core.engine.fused.matmul import invariant_linear
 from loongsage.core.engine.fused.ops import add_rms_norm, qk_rope_store, silu_mul
 
@@ -76,37 +79,75 @@ def _merge(modules: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     return merged, bias
 
 
-class FusedDecoder:
-    """Decode forward of a runner's model on fused kernels (see the module docstring)."""
+class _Layer(NamedTuple):
+    ln1: nn.Module
+    qkv: Tensor | None  # the merged q/k/v weight (None without merging)
+    qkv_bias: Tensor | None
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+    o_proj: nn.Linear
+    ln2: nn.Module
+    gate_up: Tensor | None  # the merged gate/up weight
+    down: nn.Linear
+    attn: nn.Module  # the HF modules: the batch-invariant path takes each projection by itself
+    mlp: nn.Module
 
-    def __init__(self, runner, *, merge: bool = True, invariant: bool = False) -> None:
-        self.runner, self.merge, self.invariant = runner, merge, invariant
+
+class FusedDecoder:
+    """Decode forward of a runner's model on fused kernels (see the module docstring).
+
+    ``fp8`` runs the decode GEMMs on float8 copies of the projections (:mod:`.fp8`), quantized
+    again after every weight update (:meth:`requantize`)."""
+
+    def __init__(self, runner, *, merge: bool = True, invariant: bool = False, fp8: bool = False) -> None:
+        self.runner, self.merge, self.invariant, self.fp8 = runner, merge, invariant, fp8
+        self.quantized: list[dict[str, tuple[Tensor, Tensor]]] = []
         self.bind()
 
     def bind(self) -> None:
         """(Re-)merge the projections; call after the parameters were replaced (a device move).
         Without ``merge`` (the trainer's model, whose parameters must stay its own tensors) only
         the batch-invariant path runs, which takes each projection by itself."""
-        r = self.runner
-        self.layers = []
-        for layer in r.layers:
+        self.layers: list[_Layer] = []
+        for layer in self.runner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv, qkv_bias = _merge([attn.q_proj, attn.k_proj, attn.v_proj]) if self.merge else (None, None)
             gate_up, _ = _merge([mlp.gate_proj, mlp.up_proj]) if self.merge else (None, None)
-            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append(
-                (
+                _Layer(
                     layer.input_layernorm,
                     qkv,
                     qkv_bias,
-                    q_norm,
-                    k_norm,
+                    getattr(attn, "q_norm", None),
+                    getattr(attn, "k_norm", None),
                     attn.o_proj,
                     layer.post_attention_layernorm,
                     gate_up,
                     mlp.down_proj,
+                    attn,
+                    mlp,
                 )
             )
+        self.requantize()
+
+    def unbind(self) -> None:
+        """Drop every reference to the device's weights (the merged buffers, the FP8 copies), so a
+        memory release frees them; :meth:`bind` makes them again."""
+        self.layers, self.quantized = [], []
+
+    def requantize(self) -> None:
+        """The FP8 copies of the current weights (after an update wrote the bf16 ones)."""
+        if not self.fp8:
+            return
+        self.quantized = [
+            {
+                "qkv": quantize_weight(layer.qkv),
+                "o": quantize_weight(layer.o_proj.weight),
+                "gate_up": quantize_weight(layer.gate_up),
+                "down": quantize_weight(layer.down.weight),
+            }
+            for layer in self.layers
+        ]
 
     def decode(
         self, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor], cols: Tensor, columns: int
@@ -151,17 +192,11 @@ class FusedDecoder:
         cos, sin = cos[:, 0], sin[:, 0]
         delta, residual = hidden[:, 0], None
         lengths = cols + 1
-        for i, (ln1, qkv_w, qkv_b, q_norm, k_norm, o_proj, ln2, gate_up, down) in enumerate(self.layers):
-            x, residual = add_rms_norm(delta, residual, ln1.weight, ln1.variance_epsilon)
-            if invariant:
-                attn, mlp = r.layers[i].self_attn, r.layers[i].mlp
-                qkv = torch.cat(
-                    [invariant_linear(x, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], 1
-                )
-            else:
-                qkv = F.linear(x, qkv_w, qkv_b)
+        for i, layer in enumerate(self.layers):
+            x, residual = add_rms_norm(delta, residual, layer.ln1.weight, layer.ln1.variance_epsilon)
+            q_norm, k_norm = layer.q_norm, layer.k_norm
             q = qk_rope_store(
-                qkv,
+                self._qkv(i, x, invariant),
                 r.num_heads,
                 r.kv_heads,
                 None if q_norm is None else q_norm.weight,
@@ -174,25 +209,40 @@ class FusedDecoder:
                 cols,
                 cache_rows,
             )
+            splits = 1 if invariant else None
             out = decode_attention(
-                q,
-                keys[i],
-                values[i],
-                lengths,
-                r.scales[i],
-                columns,
-                cache_rows=cache_rows,
-                splits=1 if invariant else None,
+                q, keys[i], values[i], lengths, r.scales[i], columns, cache_rows=cache_rows, splits=splits
             )
-            if invariant:
-                x, residual = add_rms_norm(
-                    invariant_linear(out, o_proj.weight, o_proj.bias), residual, ln2.weight, ln2.variance_epsilon
-                )
-                gu = torch.cat([invariant_linear(x, mlp.gate_proj.weight), invariant_linear(x, mlp.up_proj.weight)], 1)
-                delta = invariant_linear(silu_mul(gu), down.weight, down.bias)
-            else:
-                x, residual = add_rms_norm(o_proj(out), residual, ln2.weight, ln2.variance_epsilon)
-                delta = down(silu_mul(F.linear(x, gate_up)))
+            o = self._linear(i, "o", out, layer.o_proj, invariant)
+            x, residual = add_rms_norm(o, residual, layer.ln2.weight, layer.ln2.variance_epsilon)
+            delta = self._linear(i, "down", silu_mul(self._gate_up(i, x, invariant)), layer.down, invariant)
         norm = r.inner.norm
         last, _ = add_rms_norm(delta, residual, norm.weight, norm.variance_epsilon)
         return last
+
+    def _qkv(self, i: int, x: Tensor, invariant: bool) -> Tensor:
+        layer = self.layers[i]
+        if invariant:
+            attn = layer.attn
+            return torch.cat(
+                [invariant_linear(x, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], 1
+            )
+        if self.fp8:
+            return fp8_linear(x, *self.quantized[i]["qkv"], layer.qkv_bias)
+        return F.linear(x, layer.qkv, layer.qkv_bias)
+
+    def _gate_up(self, i: int, x: Tensor, invariant: bool) -> Tensor:
+        layer = self.layers[i]
+        if invariant:
+            mlp = layer.mlp
+            return torch.cat([invariant_linear(x, mlp.gate_proj.weight), invariant_linear(x, mlp.up_proj.weight)], 1)
+        if self.fp8:
+            return fp8_linear(x, *self.quantized[i]["gate_up"])
+        return F.linear(x, layer.gate_up)
+
+    def _linear(self, i: int, name: str, x: Tensor, module: nn.Linear, invariant: bool) -> Tensor:
+        if invariant:
+            return invariant_linear(x, module.weight, module.bias)
+        if self.fp8:
+            return fp8_linear(x, *self.quantized[i][name], module.bias)
+        return module(x)
