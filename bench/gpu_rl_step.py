@@ -23,7 +23,13 @@ the trainer's own compute, the weight push) is written as a Chrome trace,
 matmul FLOPs (6 x parameters in matmuls x tokens, the LM head included) by the bf16 matmul rate
 measured on the same card in the same run.
 
-    python bench/gpu_rl_step.py [--steps 7] [--warmup 2] [--engine native|sglang] [--plugins ...]
+``--profile-step N`` runs our side with ``run.profile_steps=[N]``: each of our actors (the trainer
+rank, the engine, the reward worker) records a ``torch.profiler`` trace of step N, its ops and CUDA
+kernels, copied to ``<out-dir>/<name>.step<N>.<role>.<rank>.trace.json.gz``. That step carries the
+profiler's overhead, so it is left out of the medians and the timeline. With ``--engine sglang`` the
+engine's trace holds only its client: the kernels run in SGLang's server process.
+
+    python bench/gpu_rl_step.py [--steps 7] [--warmup 2] [--engine native|sglang] [--profile-step N] [--plugins ...]
 
 Needs one CUDA GPU, Ray, TRL (``trl``, ``datasets``) and the loongsage packages.
 """
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -143,6 +150,8 @@ def ours(args, work: Path, env: dict) -> dict:
     ]
     if args.plugins:
         cmd.append(f"plugins=[{args.plugins}]")
+    if args.profile_step:
+        cmd.append(f"run.profile_steps=[{args.profile_step}]")
     cmd += args.set
     if args.engine != "native":
         # a new engine name on the command line starts from empty params: the recipe's go with it
@@ -158,7 +167,8 @@ def ours(args, work: Path, env: dict) -> dict:
     wall = time.perf_counter() - start
     rows = [json.loads(line) for line in next((work / "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
     rows = [r for r in rows if "timing/step_s" in r]
-    keep = rows[args.warmup :]
+    # the profiled step's times carry the profiler's overhead
+    keep = [r for r in rows[args.warmup :] if r["step"] != args.profile_step]
     phases = ("step", "rollout", "train", "sync", "trainer_compute")
     pick = {k: [r.get(f"timing/{k}_s", 0.0) for r in keep] for k in phases}
     return {
@@ -169,6 +179,7 @@ def ours(args, work: Path, env: dict) -> dict:
         "response_length_mean": statistics.mean(r["rollout/response_length_mean"] for r in keep),
         **memory,
         "timeline": timeline(keep),
+        "profile": sorted((work / "runs").glob(f"*/profile/step{args.profile_step}.*.trace.json.gz")),
     }
 
 
@@ -216,11 +227,21 @@ def main() -> int:
         help="our rollout engine: the recipe's (native) or another by name (sglang), nothing else changed",
     )
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of our recipe")
+    ap.add_argument(
+        "--profile-step",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a torch.profiler trace of our step N from each actor, copied to the out dir (0: none); "
+        "the step is left out of the medians",
+    )
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     args = ap.parse_args()
     name = "gpu_rl_step" if args.engine == "native" else f"gpu_rl_step_{args.engine}"
-    if args.steps - args.warmup < 3:
-        sys.exit("--steps - --warmup must leave at least 3 measured steps")
+    if not 0 <= args.profile_step <= args.steps:
+        sys.exit(f"--profile-step {args.profile_step}: must be a step from 1 to --steps {args.steps} (0: none)")
+    if args.steps - args.warmup - (args.profile_step > args.warmup) < 3:
+        sys.exit("--steps - --warmup must leave at least 3 measured steps (the profiled step is not measured)")
     source = source_state()  # the commit measured, first
     from loongsage.core.tinytask.shapes import RandomDigits, RandomInitModel
 
@@ -262,14 +283,19 @@ def main() -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.trace.json").write_text(json.dumps(side_ours.pop("timeline")) + "\n")
+    side_ours["profile_traces"] = []
+    for trace in side_ours.pop("profile"):  # step<N>.<role>.<rank>.trace.json.gz, prefixed with the result's name
+        shutil.copyfile(trace, out / f"{name}.{trace.name}")
+        side_ours["profile_traces"].append(f"{name}.{trace.name}")
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     o, t = side_ours, side_trl
+    profiled = f" (our profiled step {args.profile_step} left out)" if args.profile_step > args.warmup else ""
     lines = [
         f"commit `{source['commit'][:10]}`; {result['device']}; rollout engine `{args.engine}`; "
         f"Qwen3-1.7B shape, random bf16 weights; "
         f"{PROMPTS} prompts x {SAMPLES} samples, {PROMPT_TOKENS} + exactly {NEW_TOKENS} tokens, micro-batch "
         f"{MICRO_ROWS} rows, one optimizer step per step; median of {args.steps - args.warmup} steps after "
-        f"{args.warmup} warm-up steps on each side; bf16 matmul rate measured here {peak:.0f} TFLOP/s",
+        f"{args.warmup} warm-up steps on each side{profiled}; bf16 matmul rate measured here {peak:.0f} TFLOP/s",
         "",
         "| | LoongSage | TRL GRPOTrainer | TRL / LoongSage |",
         "|---|---:|---:|---:|",

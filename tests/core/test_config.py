@@ -211,6 +211,8 @@ def test_unknown_nested_key(at_repo, override, path, allowed) -> None:
     [
         ("trainer.micro_batch_tokens=abc", "config.trainer.micro_batch_tokens: got 'abc'; expected an integer"),
         ("run.seed=1.5", "config.run.seed: got 1.5; expected an integer"),
+        ("run.profile_steps=[2,2.5]", "config.run.profile_steps[1]: got 2.5; expected an integer"),
+        ("run.profile_steps=2", "config.run.profile_steps: got 2; expected a list"),
         ("placement.colocate=maybe", "config.placement.colocate: got 'maybe'; expected true or false"),
         ("trainer.optimizer.lr=fast", "config.trainer.optimizer.lr: got 'fast'; expected a number"),
         ("trainer.optimizer.betas=0.9", "config.trainer.optimizer.betas: got 0.9; expected a list"),
@@ -388,6 +390,12 @@ def test_nonexistent_config_dir_is_refused(tmp_path) -> None:
         ("checkpoint.keep_last=-1", "config.checkpoint.keep_last=-1: must be >= 0 (0 = keep all)"),
         ("run.seed=-1", "config.run.seed=-1: must be >= 0"),
         ("run.total_steps=-3", "config.run.total_steps=-3: must be >= 1"),
+        ("run.profile_steps=[-1]", "config.run.profile_steps[0]=-1: must be >= 1 (the first step is 1)"),
+        (
+            "run.profile_steps=[2,101]",
+            "config.run.profile_steps=[2, 101]: step 101 is past run.total_steps=100, so it would never be "
+            "profiled; list steps from 1 to 100",
+        ),
         ("placement.cpus_per_actor=-1", "config.placement.cpus_per_actor=-1.0: must be > 0"),
         ("placement.gpus_per_actor=-1", "config.placement.gpus_per_actor=-1.0: must be >= 0"),
         ("placement.num_cpus=0", "config.placement.num_cpus=0: must be >= 1"),
@@ -533,6 +541,7 @@ def test_recipe_not_found_lists_known(tmp_path, monkeypatch) -> None:
         (["trainer.micro_batch_tokens=abc"], "config.trainer.micro_batch_tokens: got 'abc'"),
         (["model.path=/nonexistent", "model.builder=null"], "model.path='/nonexistent'"),
         (["data_sources.0.sampling.temperature=-1"], "data_sources[0].sampling.temperature=-1.0"),
+        (["run.profile_steps=[0]"], "config.run.profile_steps[0]=0: must be >= 1"),
     ],
 )
 def test_cli_train_bad_config_exits_2_with_one_line(tmp_path, monkeypatch, capsys, args, start) -> None:

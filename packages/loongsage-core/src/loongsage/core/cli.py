@@ -212,7 +212,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_resumable(run_dir, [s.name for s in cfg.data_sources], cfg.run.total_steps)
     else:
         _refuse_previous_run(run_dir, cfg.run.name, cfg.run.total_steps)
-    for key, path in (("run.output_dir", run_dir), ("run.log_dir", Path(cfg.run.log_dir))):
+    folders = [("run.output_dir", run_dir), ("run.log_dir", Path(cfg.run.log_dir))]
+    if cfg.run.profile_steps:  # found now, not by the actors at the first profiled step
+        from loongsage.core.profiling import trace_dir
+
+        folders.append(("run.profile_dir", trace_dir(cfg)))
+    for key, path in folders:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -37,10 +37,20 @@ class RunConfig:
     total_steps: int = ranged(10, ge=1)  # optimizer steps of the whole run (a resumed run counts on)
     output_dir: str = "runs"  # outputs go to <output_dir>/<name>/
     log_dir: str = "log"  # the launcher's log, one trainer_<timestamp>.log per launch
+    # steps (as metrics.jsonl numbers them) whose work every actor records with torch.profiler, to
+    # <profile_dir>/step<N>.<role>.<rank>.trace.json.gz (loongsage.core.profiling)
+    profile_steps: list[int] = ranged(default_factory=list, ge=1, note="the first step is 1")
+    profile_dir: str | None = None  # where the profile traces go; null = <output_dir>/<name>/profile
 
     def __post_init__(self) -> None:
         if self.name.strip() in ("", ".", ".."):
             raise ValueError(f"name={self.name!r}: must name a directory under run.output_dir (e.g. my_run)")
+        late = [s for s in self.profile_steps if s > self.total_steps]
+        if late:
+            raise ValueError(
+                f"profile_steps={self.profile_steps}: step {late[0]} is past run.total_steps={self.total_steps}, "
+                f"so it would never be profiled; list steps from 1 to {self.total_steps}"
+            )
 
 
 @dataclass

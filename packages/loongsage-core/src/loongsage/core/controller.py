@@ -26,6 +26,7 @@ from loongsage.core.distill import TeacherPlan, plan_teachers
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.loss import build_loss_plan
 from loongsage.core.placement import Placement, free_port
+from loongsage.core.profiling import StepProfiles, trace_dir
 from loongsage.core.ray_runtime import init_ray_environment, ray_release_steps, start_ray_for
 from loongsage.core.roles import CriticGroup, EngineGroup, TeacherGroup, TrainerGroup
 from loongsage.core.rollout import EngineRouter, RolloutService
@@ -331,7 +332,12 @@ class Controller:
         self.training = True
         if start == 0:
             self._log(0, await self.evaluator.run(self.rollout, self.step))
+        # run.profile_steps: every role's actors record the listed steps, t0 to t3 below
+        profiles = StepProfiles(cfg.run.profile_steps, trace_dir(cfg), self.groups)
         for step in range(start, cfg.run.total_steps):
+            profiled = step + 1 in profiles
+            if profiled:
+                await asyncio.to_thread(profiles.start, step + 1)
             t0 = time.perf_counter()
             groups, metrics = await self.rollout.next_batch(self.version)
             t1 = time.perf_counter()
@@ -363,6 +369,8 @@ class Controller:
                 rollout_state, rollout_data = await self.rollout.snapshot()
             self.rollout.end_update(self.version)  # ... and continue from their tokens on the new weights
             t3 = time.perf_counter()
+            if profiled:  # after t3: writing the traces counts in none of the step's timings
+                await asyncio.to_thread(profiles.stop, step + 1)
             self.step = step + 1
             n = sum(len(g) for g in groups)
             metrics.update(

@@ -2,7 +2,8 @@
 critic and the distillation teachers.
 
 Plain classes: the controller wraps them with ``ray.remote`` at placement time, so this module
-imports without Ray and the same classes run in-process in tests and benchmarks.
+imports without Ray and the same classes run in-process in tests and benchmarks. Each records a
+``torch.profiler`` trace of the steps ``run.profile_steps`` lists (its mixin, :mod:`loongsage.core.profiling`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from loongsage.core.config import Config
 from loongsage.core.contracts import Critic, RewardContext
 from loongsage.core.loss import build_loss_plan
 from loongsage.core.metrics import Metrics
+from loongsage.core.profiling import AsyncProfiledActor, ProfiledActor
 from loongsage.core.rewarding import call_reward
 from loongsage.core.types import DataRecord, EngineUnavailable, RewardInfraError, Status, TrainBatch, Trajectory
 
@@ -55,7 +57,7 @@ class PushResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class TrainerWorker:
+class TrainerWorker(ProfiledActor):
     """One data-parallel rank of the policy trainer (plus a frozen reference when KL needs it)."""
 
     def __init__(
@@ -167,7 +169,7 @@ class TrainerWorker:
         self.backend.export_hf(path, AutoTokenizer.from_pretrained(self.model_path))
 
 
-class EngineWorker:
+class EngineWorker(AsyncProfiledActor):
     """One rollout engine replica; receives weights through the transport's buckets."""
 
     def __init__(self, cfg: Config, model_path: str, index: int = 0, threads: int = 0, cores: list[int] | None = None):
@@ -280,7 +282,7 @@ class EngineWorker:
         return self.engine.health()
 
 
-class RewardWorker:
+class RewardWorker(AsyncProfiledActor):
     """Scores trajectories with each source's reward.
 
     A reward that cannot score one trajectory fails that trajectory, never its batch: whatever it
@@ -342,7 +344,7 @@ class RewardWorker:
         return scores
 
 
-class TeacherWorker:
+class TeacherWorker(ProfiledActor):
     """A forward-only distillation teacher (MOPD), shared by the data sources that name its spec."""
 
     def __init__(self, cfg: Config, spec: dict[str, Any], model_path: str, threads: int = 0):
@@ -357,7 +359,7 @@ class TeacherWorker:
         return self.backend.score(batch, topk=topk, full_vocab=full_vocab)
 
 
-class CriticWorker:
+class CriticWorker(ProfiledActor):
     """The value model of PPO: values before the update, then clipped value-loss steps."""
 
     def __init__(self, cfg: Config, model_path: str, threads: int = 0):
