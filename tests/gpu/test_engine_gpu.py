@@ -76,24 +76,29 @@ def test_whole_step_graphs_in_bursts_decode_as_eager_single_steps(model_dir):
     batch = prompts(40, seed=55, lo=3, hi=60)
     common = {"device": "cuda", "dtype": "bfloat16", "max_batch_size": 64, "max_model_len": 256, "kernels": "triton"}
     common["prefix_cache"] = False  # a second run of the same prompts prefills them alike
-    stops = [int(t) for t in torch.randint(2, 300, (4,), generator=torch.Generator().manual_seed(3))]
+    greedy = [req(f"g{i}", p, temperature=0, max_new_tokens=5 + 3 * i) for i, p in enumerate(batch)]
+    # stop ids the model does emit: the two most frequent tokens of a greedy run without stops
+    free = NativeEngine(model_dir, eos_token_ids=[], cuda_graphs=False, steps_per_sync=1, **common)
+    counts = torch.bincount(torch.tensor([t for (r,) in free.generate_batch(greedy) for t in r.output_ids]))
+    stops = counts.topk(2).indices.tolist()
     graphed = NativeEngine(model_dir, eos_token_ids=stops, **common)
     eager = NativeEngine(model_dir, eos_token_ids=stops, cuda_graphs=False, steps_per_sync=1, **common)
     # greedy (the peaked test model has no near-ties): the same tokens, stops and lengths
-    greedy = [req(f"g{i}", p, temperature=0, max_new_tokens=5 + 3 * i) for i, p in enumerate(batch)]
     got, want = graphed.generate_batch(greedy), eager.generate_batch(greedy)
     for (g,), (w,) in zip(got, want):
         assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason and g.versions == w.versions
         torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=2e-2, rtol=0)
     assert {r.finish_reason for (r,) in got} == {FinishReason.STOP, FinishReason.LENGTH}
-    # sampled, plain and filtered: reproducible, each token's log-prob that of a full forward, rows
-    # cut exactly at a stop token or the length limit
+    # sampled, plain and filtered: reproducible, each token's log-prob as near a full forward's as
+    # the eager steps' are, rows cut exactly at a stop token or the length limit
     sampled = [req(f"s{i}", p, temperature=1.0, seed=i, max_new_tokens=40) for i, p in enumerate(batch)]
     sampled += [req(f"f{i}", p, temperature=0.8, top_k=20, seed=i, max_new_tokens=30) for i, p in enumerate(batch[:6])]
     first = graphed.generate_batch(sampled)
     assert graphed.generate_batch(sampled) == first
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    assert _deviation(hf, batch + batch[:6], first).mean() < 2e-2
+    graphed_dev = _deviation(hf, batch + batch[:6], first)
+    eager_dev = _deviation(hf, batch + batch[:6], eager.generate_batch(sampled))
+    assert graphed_dev.mean() <= 2 * eager_dev.mean() + 1e-4, (graphed_dev.mean(), eager_dev.mean())
     for (r,), q in zip(first, sampled):
         stopped = r.finish_reason == FinishReason.STOP
         assert not set(r.output_ids[:-1]) & set(stops) and (r.output_ids[-1] in stops) == stopped
