@@ -84,6 +84,33 @@ def test_a_rule_stops_validation_with_its_one_line(raw, registry) -> None:
     assert one_line(exc) == "data_sources: at least one data source is required"
 
 
+@pytest.mark.parametrize(
+    ("engine", "trainer", "message"),
+    [
+        (
+            {"batch_invariant": True},
+            {},
+            "rollout.engine.params.batch_invariant=true: the log-probs agree only when both sides run the "
+            "invariant path; set trainer.backend.params.batch_invariant=true too (the native engine and the "
+            "torch trainer), or drop it",
+        ),
+        ({}, {"batch_invariant": True}, "trainer.backend.params.batch_invariant=true: the log-probs agree only"),
+        (
+            {"deterministic": True, "quantization": "fp8"},
+            {},
+            "rollout.engine.params.quantization: FP8 moves the numbers away from the other side's, which "
+            "rollout.engine.params.deterministic=true asks to match exactly; drop one of them",
+        ),
+    ],
+)
+def test_a_consistency_mode_needs_both_sides_alike(raw, registry, engine, trainer, message) -> None:
+    raw["rollout"]["engine"] = {"name": "native", "params": engine}
+    raw["trainer"]["backend"] = {"name": "torch", "params": trainer}
+    with pytest.raises(ConfigError) as exc:
+        validation.validate(raw, registry)
+    assert one_line(exc).startswith(message)
+
+
 def test_an_implied_transport_that_is_not_installed_is_named(raw, registry, monkeypatch) -> None:
     raw["placement"] = {**raw.get("placement", {}), "gpus_per_actor": 1.0}
     monkeypatch.setitem(

@@ -85,3 +85,40 @@ def test_layer_spec_resolves_to_what_runs_here():
         assert resolve_layer_spec("auto", "cuda:0") == "sdpa"
         with pytest.raises(ValueError, match=r"layer_spec=te on cuda:0: transformer_engine"):
             resolve_layer_spec("te", "cuda:0")
+
+
+def test_fp8_is_refused_where_it_cannot_run_and_reaches_megatrons_config():
+    """``fp8`` (Transformer Engine's FP8 GEMMs in the decoder layers): bad formats and recipes are
+    refused in one line, layers other than Transformer Engine's are refused, and Megatron's config
+    carries the format and the recipe (built in a process of its own, as Megatron runs here)."""
+    import subprocess
+
+    from loongsage.megatron.model import build_gpt, check_fp8
+
+    with pytest.raises(ValueError, match=r"fp8='e5m2'; allowed: hybrid, e4m3, or null \(bf16 GEMMs\)"):
+        check_fp8("e5m2", "delayed")
+    with pytest.raises(ValueError, match=r"fp8_recipe='current'; allowed: delayed, tensorwise, blockwise, mxfp8"):
+        check_fp8("hybrid", "current")
+    check_fp8(None, "delayed")
+    with pytest.raises(
+        ValueError, match=r"fp8='hybrid' runs on Transformer Engine's layers; the layers here are 'sdpa'"
+    ):
+        build_gpt({"num_hidden_layers": 2}, dtype=torch.bfloat16, spec="sdpa", fp8="hybrid")
+    shape = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 128,
+    }
+    code = (
+        "import torch; from loongsage.megatron.model import transformer_config as tc; "
+        f"c = tc({shape!r}, dtype=torch.bfloat16, fp8='hybrid', fp8_recipe='tensorwise'); "
+        f"p = tc({shape!r}, dtype=torch.bfloat16); print(c.fp8, c.fp8_recipe, p.fp8)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-3:] == ["hybrid", "tensorwise", "None"]

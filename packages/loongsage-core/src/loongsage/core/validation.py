@@ -270,6 +270,35 @@ def trainer(cfg: Config, registry: Any) -> None:
     registry.check("trainer", cfg.trainer.backend, "trainer.backend", skip=SUPPLIED["trainer"])
 
 
+def consistency_modes(cfg: Config, registry: Any) -> None:
+    """A mode that makes the engine's log-probs the trainer's bit for bit holds only when both sides
+    compute alike: ``batch_invariant`` on one side needs it on the other, and FP8 on either side
+    cannot hold it (nor the engine's ``deterministic`` mode)."""
+    engine = cfg.rollout.engine.get("params") or {}
+    trainer = cfg.trainer.backend.get("params") or {}
+    if bool(engine.get("batch_invariant")) != bool(trainer.get("batch_invariant")):
+        on, off = (
+            ("rollout.engine", "trainer.backend")
+            if engine.get("batch_invariant")
+            else ("trainer.backend", "rollout.engine")
+        )
+        raise ConfigError(
+            f"{on}.params.batch_invariant=true: the log-probs agree only when both sides run the invariant "
+            f"path; set {off}.params.batch_invariant=true too (the native engine and the torch trainer), or drop it"
+        )
+    exact = [k for k in ("batch_invariant", "deterministic") if engine.get(k)]
+    fp8 = [
+        f"{key}.params.{name}"
+        for key, params, name in (("rollout.engine", engine, "quantization"), ("trainer.backend", trainer, "fp8"))
+        if params.get(name)
+    ]
+    if exact and fp8:
+        raise ConfigError(
+            f"{fp8[0]}: FP8 moves the numbers away from the other side's, which rollout.engine.params."
+            f"{exact[0]}=true asks to match exactly; drop one of them"
+        )
+
+
 def _advantage(cfg: Config, registry: Any) -> Any:
     return registry.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
 
@@ -392,6 +421,7 @@ RULES: tuple[Rule, ...] = (
     memory_handover,
     transport,
     trainer,
+    consistency_modes,
     advantage,
     critic,
     group_size,

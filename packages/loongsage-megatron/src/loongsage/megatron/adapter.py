@@ -92,6 +92,8 @@ class MegatronModel:
         layer_spec: str,
         pack_sequences: bool,
         routing_replay: bool,
+        fp8: str | None = None,
+        fp8_recipe: str = "delayed",
     ) -> None:
         self.model_path, self.layout, self.dtype, self.device = model_path, layout, dtype, device
         self.recompute, self.pack_sequences, self.routing_replay = recompute, pack_sequences, routing_replay
@@ -111,6 +113,8 @@ class MegatronModel:
             recompute=recompute,
             layout=layout,
             packed=pack_sequences,
+            fp8=fp8,
+            fp8_recipe=fp8_recipe,
         )
         self.model.to(device)
         self.model.train()

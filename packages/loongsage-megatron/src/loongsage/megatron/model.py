@@ -94,14 +94,34 @@ def moe_fields(config: Mapping) -> dict[str, Any]:
     }
 
 
+FP8_FORMATS = ("hybrid", "e4m3")  # Megatron's: e4m3 everywhere, or e4m3 forward and e5m2 gradients
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")  # Transformer Engine's scalings, as Megatron names them
+
+
+def check_fp8(fp8: str | None, recipe: str) -> None:
+    """One line naming an unknown FP8 format or recipe and the known ones."""
+    if fp8 is not None and fp8 not in FP8_FORMATS:
+        raise ValueError(f"megatron trainer: fp8={fp8!r}; allowed: {', '.join(FP8_FORMATS)}, or null (bf16 GEMMs)")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"megatron trainer: fp8_recipe={recipe!r}; allowed: {', '.join(FP8_RECIPES)}")
+
+
 def transformer_config(
-    config: Mapping, *, dtype: torch.dtype, layout: Layout = Layout(), recompute: bool = False
+    config: Mapping,
+    *,
+    dtype: torch.dtype,
+    layout: Layout = Layout(),
+    recompute: bool = False,
+    fp8: str | None = None,
+    fp8_recipe: str = "delayed",
 ) -> Any:
     """Megatron's ``TransformerConfig`` for an HF ``config.json`` (a dict), split as ``layout``
     says; ``recompute``: every layer's activations are recomputed in the backward
     (full, one layer at a time). With tensor parallelism sequence parallelism is on: between the
     layers' tensor-parallel regions each rank holds its share of the tokens (Megatron's MoE layer
-    trains under tensor parallelism only so)."""
+    trains under tensor parallelism only so). ``fp8`` runs the decoder layers' GEMMs in FP8 through
+    Transformer Engine (Megatron enters its FP8 context around each layer; the embedding and the
+    FP32 head stay outside), scaled by ``fp8_recipe``."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     arch = architecture(config)
@@ -142,6 +162,7 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         pipeline_dtype=dtype,
+        **({"fp8": fp8, "fp8_recipe": fp8_recipe} if fp8 else {}),
         **moe_fields(config),
         **(
             {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
@@ -251,12 +272,19 @@ def build_gpt(
     spec: str = "sdpa",
     recompute: bool = False,
     packed: bool = False,
+    fp8: str | None = None,
+    fp8_recipe: str = "delayed",
 ) -> Any:
     """A ``GPTModel`` (this rank's shard: under pipeline parallelism its stage's layers, the
     embedding on the first stage, the final norm and output layer on the last) shaped as
     ``config``, its layers of ``spec`` (resolved: not ``auto``), running its rows ``packed``
     (:mod:`.packing`) or padded; its weights are to be loaded."""
     check_packing(packed, spec, layout.cp)
+    if fp8 and spec != "te":
+        raise ValueError(
+            f"megatron trainer: fp8={fp8!r} runs on Transformer Engine's layers; the layers here are {spec!r} "
+            f"({transformer_engine_error() or 'layer_spec asks for them'})"
+        )
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -268,7 +296,9 @@ def build_gpt(
         layer_specs=[layer_spec(config, spec)] * len(layers), layer_norm=TENorm if spec == "te" else rms_norm_class()
     )
     model = GPTModel(
-        config=transformer_config(config, dtype=dtype, layout=layout, recompute=recompute),
+        config=transformer_config(
+            config, dtype=dtype, layout=layout, recompute=recompute, fp8=fp8, fp8_recipe=fp8_recipe
+        ),
         transformer_layer_spec=blocks,
         vocab_size=padded_vocab or int(config["vocab_size"]),
         max_sequence_length=int(config.get("max_position_embeddings") or 4096),

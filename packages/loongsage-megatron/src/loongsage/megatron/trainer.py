@@ -30,6 +30,7 @@ from loongsage.megatron.adapter import MegatronModel
 from loongsage.megatron.layout import Layout
 from loongsage.megatron.model import (
     architecture,
+    check_fp8,
     check_layer_spec,
     check_packing,
     rope_base,
@@ -56,6 +57,10 @@ class MegatronTrainer(TrainerSkeleton):
     expert_tensor_parallel: int | None = None  # ranks one expert is split over (None: tensor_parallel; or 1)
     context_parallel: int = 1  # ranks each holding a share of every sequence's tokens
     pack_sequences: bool = False  # a micro-batch's rows run as one sequence of their real tokens (.packing)
+    # the decoder layers' GEMMs in FP8 through Transformer Engine: hybrid (e4m3 forward, e5m2
+    # gradients) or e4m3; null: bf16. Needs layer_spec te; the FP32 head stays FP32
+    fp8: str | None = None
+    fp8_recipe: str = "delayed"  # Transformer Engine's scaling: delayed, tensorwise, blockwise or mxfp8
 
     supports_lora: ClassVar[bool] = False
     # a held teacher routes its own tokens: the student's recorded routes are not its
@@ -67,6 +72,7 @@ class MegatronTrainer(TrainerSkeleton):
 
     def __post_init__(self) -> None:
         check_layer_spec(self.layer_spec)  # before Megatron's process groups start
+        check_fp8(self.fp8, self.fp8_recipe)
         self.layout = Layout.of(
             {
                 name: getattr(self, name)
@@ -95,6 +101,8 @@ class MegatronTrainer(TrainerSkeleton):
                 layer_spec=self.layer_spec,
                 pack_sequences=self.pack_sequences,
                 routing_replay=self.routing_replay,
+                fp8=self.fp8,
+                fp8_recipe=self.fp8_recipe,
             )
         )
 
@@ -129,6 +137,7 @@ class MegatronTrainer(TrainerSkeleton):
         if params.get("lora") is not None:
             raise ValueError(_LORA_REFUSED)
         check_layer_spec(params.get("layer_spec", "auto"))
+        check_fp8(params.get("fp8"), params.get("fp8_recipe", "delayed"))
         check_packing(
             bool(params.get("pack_sequences")), params.get("layer_spec", "auto"), params.get("context_parallel", 1)
         )

@@ -45,6 +45,8 @@ def load_gpt(
     recompute: bool = False,
     layout: Layout = Layout(),
     packed: bool = False,
+    fp8: str | None = None,
+    fp8_recipe: str = "delayed",
 ) -> torch.nn.Module:
     """This rank's shard of a Megatron GPT model of layer spec ``spec`` (:func:`resolve_layer_spec`)
     with the HF checkpoint's weights (Megatron's process groups started first, as ``layout``
@@ -62,6 +64,8 @@ def load_gpt(
         layout=layout,
         packed=packed,
         padded_vocab=shape.padded_vocab(layout.tp),
+        fp8=fp8,
+        fp8_recipe=fp8_recipe,
     )
     hf = {n: t for p in sorted(Path(model_path).glob("*.safetensors")) for n, t in load_file(str(p)).items()}
     load_hf_weights(model, hf, config, layout)
