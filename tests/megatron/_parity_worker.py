@@ -25,8 +25,9 @@ def run(rank: int, world: int, model_dir: str, out: str, port: str) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     from loongsage.megatron.convert import Shape, mcore_to_hf
+    from loongsage.megatron.forward import gpt_logits
     from loongsage.megatron.layout import Layout
-    from loongsage.megatron.model import build_gpt, gpt_logits, load_hf_weights
+    from loongsage.megatron.model import build_gpt, load_hf_weights
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     tensor_parallel.model_parallel_cuda_manual_seed(0)

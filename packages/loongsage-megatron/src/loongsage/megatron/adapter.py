@@ -50,15 +50,15 @@ from loongsage.core.trainer.adapter import (
 from loongsage.core.types import TrainBatch
 from loongsage.megatron import context, weights
 from loongsage.megatron.convert import Shape
-from loongsage.megatron.layout import Layout
-from loongsage.megatron.model import (
+from loongsage.megatron.forward import (
     clear_routes,
     gpt_hidden,
     gpt_local_logits,
     gpt_logits,
     gpt_packed_logits,
-    load_hf_weights,
 )
+from loongsage.megatron.layout import Layout
+from loongsage.megatron.model import load_hf_weights
 from loongsage.megatron.parallel import (
     clip_grad_norm,
     parameter_kinds,

@@ -7,7 +7,7 @@ made a multiple of the tensor-parallel size (sequence parallelism splits it even
 expert parallelism, the same on every rank of the experts' group (the all-gather dispatcher
 exchanges equal token counts), by one more sequence of padding tokens (routed to experts
 ``0..k-1`` under R3), whose outputs are never read. After the decoder the log-probs' head runs
-on the packed tokens it reads (:func:`~loongsage.megatron.model.gpt_packed_logits`); a divergence
+on the packed tokens it reads (:func:`~loongsage.megatron.forward.gpt_packed_logits`); a divergence
 over the whole distribution and a teacher's scoring put the hidden states back in the rows'
 padded layout first (:func:`unpack`).
 """

@@ -1,6 +1,6 @@
 """R3 routing replay's inputs: the routes a micro-batch's rows carry (the experts the engine's MoE
 layers chose for each token), laid out as the Megatron model's forward replays them
-(:func:`~loongsage.megatron.model.replayed_routes`), and the routes of a zero-weight filler pass."""
+(:func:`~loongsage.megatron.forward.replayed_routes`), and the routes of a zero-weight filler pass."""
 
 from __future__ import annotations
 

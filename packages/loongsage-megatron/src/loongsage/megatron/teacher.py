@@ -2,7 +2,7 @@
 
 The embedded teacher's scoring (micro-batches, segments scored alone, top-k or the full
 log-softmax) over the Megatron trainer's forward: the same model build, weight conversion and
-head (:func:`loongsage.megatron.model.gpt_logits`). Forward only, no gradient. Registered by its
+head (:func:`loongsage.megatron.forward.gpt_logits`). Forward only, no gradient. Registered by its
 own entry point, since a plugin's backends table holds one entry per name and the trainer is
 ``megatron`` too.
 """
@@ -16,7 +16,7 @@ from torch import Tensor
 
 from loongsage.core.hookspecs import Factories, hookimpl
 from loongsage.core.trainer.teacher import EmbeddedTeacher
-from loongsage.megatron.model import gpt_logits
+from loongsage.megatron.forward import gpt_logits
 from loongsage.megatron.weights import load_gpt, read_config
 
 
