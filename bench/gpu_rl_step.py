@@ -29,7 +29,8 @@ kernels, copied to ``<out-dir>/<name>.step<N>.<role>.<rank>.trace.json.gz``. Tha
 profiler's overhead, so it is left out of the medians and the timeline. With ``--engine sglang`` the
 engine's trace holds only its client: the kernels run in SGLang's server process.
 
-    python bench/gpu_rl_step.py [--steps 7] [--warmup 2] [--engine native|sglang] [--profile-step N] [--plugins ...]
+    python bench/gpu_rl_step.py [--steps 7] [--warmup 2] [--engine native|sglang] [--trainer torch|megatron]
+                                [--profile-step N] [--plugins ...]
 
 Needs one CUDA GPU, Ray, TRL (``trl``, ``datasets``) and the loongsage packages.
 """
@@ -160,6 +161,8 @@ def ours(args, work: Path, env: dict) -> dict:
         recipe = yaml.safe_load((BENCH.parent / "recipes" / f"{RECIPE}.yaml").read_text())
         params = ", ".join(f"{k}: {v}" for k, v in (recipe["rollout"]["engine"].get("params") or {}).items())
         cmd.append(f"rollout.engine={{name: {args.engine}, params: {{{params}}}}}")
+    if args.trainer != "torch":  # the torch trainer's params (compile_layers) are not another's
+        cmd.append(f"trainer.backend={{name: {args.trainer}, params: {{device: cuda}}}}")
     start = time.perf_counter()
     memory: dict = {}
     with card_memory_peak(memory):
@@ -226,6 +229,12 @@ def main() -> int:
         default="native",
         help="our rollout engine: the recipe's (native) or another by name (sglang), nothing else changed",
     )
+    ap.add_argument(
+        "--trainer",
+        default="torch",
+        help="our trainer backend: the recipe's (torch, compiled) or another by name (megatron: Transformer "
+        "Engine's layers where they import, else sdpa), with its default params on the GPU",
+    )
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of our recipe")
     ap.add_argument(
         "--profile-step",
@@ -237,7 +246,8 @@ def main() -> int:
     )
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
     args = ap.parse_args()
-    name = "gpu_rl_step" if args.engine == "native" else f"gpu_rl_step_{args.engine}"
+    name = "gpu_rl_step" + ("" if args.engine == "native" else f"_{args.engine}")
+    name += "" if args.trainer == "torch" else f"_{args.trainer}"
     if not 0 <= args.profile_step <= args.steps:
         sys.exit(f"--profile-step {args.profile_step}: must be a step from 1 to --steps {args.steps} (0: none)")
     if args.steps - args.warmup - (args.profile_step > args.warmup) < 3:
@@ -292,6 +302,7 @@ def main() -> int:
     profiled = f" (our profiled step {args.profile_step} left out)" if args.profile_step > args.warmup else ""
     lines = [
         f"commit `{source['commit'][:10]}`; {result['device']}; rollout engine `{args.engine}`; "
+        f"trainer `{args.trainer}`; "
         f"Qwen3-1.7B shape, random bf16 weights; "
         f"{PROMPTS} prompts x {SAMPLES} samples, {PROMPT_TOKENS} + exactly {NEW_TOKENS} tokens, micro-batch "
         f"{MICRO_ROWS} rows, one optimizer step per step; median of {args.steps - args.warmup} steps after "
