@@ -385,13 +385,12 @@ class SlotBatch:
         t, dev = self.t, self.device
         act, gen = t["active"][:rows], t["gen"][:rows]
         u = t["uniforms"][:rows].gather(1, gen.unsqueeze(1)).squeeze(1)
+        at = torch.arange(rows, device=dev)
         if fused:
-            at = torch.arange(rows, device=dev)
             tokens, logprobs = self.fused_sampling(logits, at, u, t["inv_t"][:rows], t["greedy"][:rows])
         else:
             tokens, logprobs = self._sample(logits, st, u)
         self.generated_t.add_(act.sum())
-        at = torch.arange(rows, device=dev)
         col = torch.where(act, gen, self.L - 1)
         t["tokens"][at, col] = tokens
         t["logprobs"][at, col] = logprobs
