@@ -57,41 +57,19 @@ from loongsage.core.types import (
 )
 from loongsage.sglang.dispatch import Dispatcher, Sample, SGLangError, message, request_id_base
 from loongsage.sglang.group_receiver import ServerJoinsTheGroup
-from loongsage.sglang.server import SGLANG_LAUNCH, ServerProcess, server_flags
+from loongsage.sglang.server import (
+    SGLANG_LAUNCH,
+    ServerProcess,
+    check_deterministic_backend,
+    check_numerics_options,
+    server_flags,
+)
 from loongsage.sglang.weight_loader import LOAD_FLAT, layout_name
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 _SERVED = ("bfloat16", "float16")  # SGLang's fused kernels (RMSNorm, ...) take no float32
 _PREFILL_GRAPH_MIN_POSITIONS = 8192  # prefill CUDA-graph capture runs positions this far
 _TAGS = ("kv_cache", "weights", "cuda_graph")
-# SGLang 0.5.16's --attention-backend choices (server_args.ATTENTION_BACKEND_CHOICES), and those its
-# deterministic inference (and so rl_on_policy_target) accepts (DETERMINISTIC_ATTENTION_BACKEND_CHOICES)
-_ATTENTION_BACKENDS = (
-    "triton",
-    "torch_native",
-    "flex_attention",
-    "dsa",
-    "nsa",
-    "dsv4",
-    "compressed",
-    "cutlass_mla",
-    "fa3",
-    "fa4",
-    "flashinfer",
-    "flashmla",
-    "trtllm_mla",
-    "cutedsl_mla",
-    "tokenspeed_mla",
-    "trtllm_mha",
-    "dual_chunk_flash_attn",
-    "aiter",
-    "wave",
-    "intel_amx",
-    "ascend",
-    "intel_xpu",
-)
-_DETERMINISTIC_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend")
-_RL_ON_POLICY_TARGETS = ("fsdp",)  # SGLang 0.5.16's RL_ON_POLICY_TARGET_CHOICES
 _EXIT_WAIT_S = 2.0  # a control call that lost the server waits this long for its exit code
 _ABORT_RESEND_S = 0.5  # an abort that found no request is sent again this often until it answers
 
@@ -174,16 +152,7 @@ class SGLangEngine(Engine):
             raise ValueError(
                 f"sglang engine: release_tags={list(release_tags)!r}: unknown {bad}; allowed: {', '.join(_TAGS)}"
             )
-        if attention_backend is not None and attention_backend not in _ATTENTION_BACKENDS:
-            raise ValueError(
-                f"sglang engine: attention_backend={attention_backend!r}: must be one of "
-                f"{', '.join(_ATTENTION_BACKENDS)} (SGLang {SGLangEngine.VERIFIED}), or null for SGLang's choice"
-            )
-        if rl_on_policy_target is not None and rl_on_policy_target not in _RL_ON_POLICY_TARGETS:
-            raise ValueError(
-                f"sglang engine: rl_on_policy_target={rl_on_policy_target!r}: must be one of "
-                f"{', '.join(_RL_ON_POLICY_TARGETS)}, or null"
-            )
+        check_numerics_options(attention_backend, rl_on_policy_target, SGLangEngine.VERIFIED)
         if mem_fraction_static is not None and not 0 < mem_fraction_static < 1:
             raise ValueError(f"sglang engine: mem_fraction_static={mem_fraction_static!r}: must be in (0, 1)")
         for name, value in (
@@ -253,12 +222,8 @@ class SGLangEngine(Engine):
         # a deterministic server samples with a seed of its own per sample (42 when none is sent, so
         # the samples of one prompt would all be the same): the engine sends one whenever it is
         self.deterministic = bool(flags["enable_deterministic_inference"]) or flags["rl_on_policy_target"] is not None
-        backend = flags["attention_backend"]
-        if self.deterministic and backend is not None and backend not in _DETERMINISTIC_ATTENTION_BACKENDS:
-            raise ValueError(
-                f"sglang engine: attention_backend={backend!r}: a deterministic server (deterministic or "
-                f"rl_on_policy_target) takes only {', '.join(_DETERMINISTIC_ATTENTION_BACKENDS)}"
-            )
+        if self.deterministic:
+            check_deterministic_backend(flags["attention_backend"])
         self.server = ServerProcess(
             list(launch or SGLANG_LAUNCH),
             server_flags(flags),

@@ -22,6 +22,58 @@ from typing import Any
 
 SGLANG_LAUNCH = (sys.executable, "-m", "sglang.launch_server")
 
+# SGLang 0.5.16's --attention-backend choices (server_args.ATTENTION_BACKEND_CHOICES), and those its
+# deterministic inference (and so rl_on_policy_target) accepts (DETERMINISTIC_ATTENTION_BACKEND_CHOICES)
+ATTENTION_BACKENDS = (
+    "triton",
+    "torch_native",
+    "flex_attention",
+    "dsa",
+    "nsa",
+    "dsv4",
+    "compressed",
+    "cutlass_mla",
+    "fa3",
+    "fa4",
+    "flashinfer",
+    "flashmla",
+    "trtllm_mla",
+    "cutedsl_mla",
+    "tokenspeed_mla",
+    "trtllm_mha",
+    "dual_chunk_flash_attn",
+    "aiter",
+    "wave",
+    "intel_amx",
+    "ascend",
+    "intel_xpu",
+)
+DETERMINISTIC_ATTENTION_BACKENDS = ("fa3", "fa4", "flashinfer", "triton", "ascend")
+RL_ON_POLICY_TARGETS = ("fsdp",)  # SGLang 0.5.16's RL_ON_POLICY_TARGET_CHOICES
+
+
+def check_numerics_options(attention_backend: str | None, rl_on_policy_target: str | None, verified: str) -> None:
+    """One line naming an attention backend or an on-policy target that SGLang ``verified`` lacks."""
+    if attention_backend is not None and attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"sglang engine: attention_backend={attention_backend!r}: must be one of "
+            f"{', '.join(ATTENTION_BACKENDS)} (SGLang {verified}), or null for SGLang's choice"
+        )
+    if rl_on_policy_target is not None and rl_on_policy_target not in RL_ON_POLICY_TARGETS:
+        raise ValueError(
+            f"sglang engine: rl_on_policy_target={rl_on_policy_target!r}: must be one of "
+            f"{', '.join(RL_ON_POLICY_TARGETS)}, or null"
+        )
+
+
+def check_deterministic_backend(backend: str | None) -> None:
+    """One line naming an attention backend a deterministic server refuses."""
+    if backend is not None and backend not in DETERMINISTIC_ATTENTION_BACKENDS:
+        raise ValueError(
+            f"sglang engine: attention_backend={backend!r}: a deterministic server (deterministic or "
+            f"rl_on_policy_target) takes only {', '.join(DETERMINISTIC_ATTENTION_BACKENDS)}"
+        )
+
 
 def server_flags(args: Mapping[str, Any]) -> list[str]:
     """``{"mem_fraction_static": 0.5, "skip_tokenizer_init": True}`` as SGLang's flags: a key is
