@@ -79,6 +79,7 @@ class MegatronModel:
 
     sharded = False  # a replica's ranks hold different parts; its data-parallel replicas, the same
     reference = None  # no second copy of the starting policy
+    shares_prompts = False  # packed rows: each row's prompt is computed in it
 
     def __init__(
         self,

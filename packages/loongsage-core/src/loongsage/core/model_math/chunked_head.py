@@ -91,6 +91,13 @@ def chunked_logprobs_and_entropy(
     entropies of tokens ``first..T-1``, [B, T] with zeros before ``first``), the head run ``chunk``
     tokens at a time."""
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return chunked_head_logprobs(model, hidden, input_ids, first, chunk, with_entropy=with_entropy)
+
+
+def chunked_head_logprobs(
+    model: torch.nn.Module, hidden: Tensor, input_ids: Tensor, first: int, chunk: int, *, with_entropy: bool
+) -> tuple[Tensor, Tensor | None]:
+    """:func:`chunked_logprobs_and_entropy` over final hidden states ``[B, T, H]`` the body gave."""
     b, t = input_ids.shape
     predicting = hidden[:, first - 1 : t - 1].reshape(-1, hidden.shape[-1])  # the positions of tokens first..T-1
     targets = input_ids[:, first:].reshape(-1)

@@ -71,8 +71,17 @@ def policy_logits(
     if not fp32_lm_head or head.weight.dtype == torch.float32:
         return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    if keep:
-        hidden = hidden[:, -keep:]
+    return head_logits(model, hidden, first, fp32_lm_head=True)
+
+
+def head_logits(model: torch.nn.Module, hidden: Tensor, first: int = 1, *, fp32_lm_head: bool = True) -> Tensor:
+    """The LM head over final hidden states ``[B, T, H]`` at positions ``first-1..T-1`` (all when
+    ``first`` <= 1): :func:`policy_logits`' head, for a body run another way."""
+    if first > 1:
+        hidden = hidden[:, first - 1 :]
+    head = model.get_output_embeddings()
+    if not fp32_lm_head or head.weight.dtype == torch.float32:
+        return head(hidden)
     if type(head.weight) is torch.nn.Parameter:  # the engine's head (a sharded DTensor takes the upcast)
         return fp32_head(hidden, head.weight)
     return F.linear(hidden.float(), head.weight.float())

@@ -84,6 +84,10 @@ class ModelAdapter(Protocol):
     """Where this rank's optimizer state (and float32 masters) goes in a checkpoint when the ranks
     hold different shards of the model; None: in ``trainer.pt``, whole, as every rank holds it."""
 
+    shares_prompts: bool
+    """The forward computes a prompt once for the rows of a micro-batch that begin with it
+    (:mod:`.shared_prompts`): the skeleton plans micro-batches that keep such rows together."""
+
     reference: Callable[[], AbstractContextManager[None]] | None
     """Optional: the model switched to the frozen starting policy for the forwards inside (LoRA's
     adapters off), so the KL reference needs no second model; None: not held."""

@@ -63,6 +63,7 @@ class TorchCritic(TorchTrainer, Critic):
     kind = "trainer"
     supports_lora: ClassVar[bool] = False  # LoRA would freeze the value head, which must train
     supports_batch_invariant: ClassVar[bool] = False
+    supports_share_prompts: ClassVar[bool] = False
     adapter_class: ClassVar[type[TorchModel]] = ValueModelAdapter
 
     def values(self, batch: TrainBatch, token_budget: int) -> Tensor:

@@ -24,6 +24,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 from loongsage.core.segments import forward_shape, is_split
+from loongsage.core.trainer.shared_prompts import RowPrompts
 from loongsage.core.types import TrainBatch
 
 # A pass over a micro-batch costs about this many padded tokens beyond its rows x longest (the
@@ -140,18 +141,27 @@ def micro_batches(batch: TrainBatch, token_budget: int) -> Iterator[TrainBatch]:
 
 
 def planned_micro_batches(
-    batch: TrainBatch, token_budget: int, *, group_by_length: bool
+    batch: TrainBatch, token_budget: int, *, group_by_length: bool, share_prompts: bool = False
 ) -> Iterator[tuple[list[int], TrainBatch]]:
     """``(row indices, micro-batch)`` pairs as :func:`~loongsage.core.trainer.micro_batching.plan_micro_batches`
     plans them, each micro-batch trimmed to its own longest row.
 
     A row with several segments is planned at what its forward costs: one sequence per segment, as
-    long as its longest (:func:`~loongsage.core.segments.forward_shape`).
+    long as its longest (:func:`~loongsage.core.segments.forward_shape`). With ``share_prompts``
+    (a forward that computes a prompt once for its rows, :mod:`.shared_prompts`), a batch of whole
+    rows may instead be planned with each prompt's rows together, by what that forward computes,
+    when that plan costs less.
     """
     lengths = batch.attention_mask.sum(-1).tolist()
     planned_lengths, widths = forward_shape(batch.segments, lengths) if is_split(batch.segments) else (lengths, None)
-    for rows in plan_micro_batches(planned_lengths, token_budget, group_by_length=group_by_length, widths=widths):
-        yield rows, _trim(batch.select(rows), max(int(lengths[i]) for i in rows))
+    plan = plan_micro_batches(planned_lengths, token_budget, group_by_length=group_by_length, widths=widths)
+    if share_prompts and widths is None and len(lengths) > 1:
+        rows = RowPrompts.of(batch.input_ids, batch.attention_mask, batch.response_mask)
+        shared = rows.plan(token_budget)
+        if rows.plan_cost(shared, PASS_OVERHEAD_TOKENS) < rows.plan_cost(plan, PASS_OVERHEAD_TOKENS):
+            plan = shared
+    for rows_of in plan:
+        yield rows_of, _trim(batch.select(rows_of), max(int(lengths[i]) for i in rows_of))
 
 
 def _trim(batch: TrainBatch, length: int) -> TrainBatch:

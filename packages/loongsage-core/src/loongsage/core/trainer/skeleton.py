@@ -144,7 +144,16 @@ class TrainerSkeleton(Trainer):
         """The planned micro-batches, padded with ``None`` to the largest count over ranks (a split
         model's forward is a collective)."""
         mbs: list[Planned] = (
-            list(planned_micro_batches(batch, token_budget, group_by_length=self.group_by_length)) if len(batch) else []
+            list(
+                planned_micro_batches(
+                    batch,
+                    token_budget,
+                    group_by_length=self.group_by_length,
+                    share_prompts=self.adapter.shares_prompts,
+                )
+            )
+            if len(batch)
+            else []
         )
         if self.world_size > 1:
             count = torch.tensor([len(mbs)])

@@ -21,12 +21,17 @@ model's; the second distinct micro-batch shape recompiles once with dynamic shap
 ``head_chunk_tokens`` runs the FP32 head and its log-softmax that many tokens at a time
 (:mod:`~loongsage.core.model_math.chunked_head`), so the float32 logits of a whole micro-batch never
 exist at once; 0 keeps the one-piece head.
+
+``share_prompts`` computes a prompt once for all the rows of a micro-batch that begin with it (the
+samples of a GRPO group), in two passes over the model's body (:mod:`.shared_prompts`), where that
+computes fewer tokens than the plain forward; the step's ``train/shared_prompt_tokens`` counts the
+prompt tokens not computed again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +40,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from loongsage.core.metrics import Metrics
-from loongsage.core.model_math.chunked_head import chunked_logprobs_and_entropy
+from loongsage.core.model_math.chunked_head import chunked_head_logprobs, chunked_logprobs_and_entropy
 from loongsage.core.model_math.dtypes import DTYPES
 from loongsage.core.model_math.logprobs import (
+    head_logits,
     logprobs_and_entropy,
     logprobs_entropy_and_distribution,
     policy_logits,
@@ -53,6 +59,14 @@ from loongsage.core.trainer.lora import (
     load_adapter_state,
     merged_state,
     merged_weights,
+)
+from loongsage.core.trainer.micro_batching import PASS_OVERHEAD_TOKENS
+from loongsage.core.trainer.shared_prompts import (
+    MASKED_ATTENTION,
+    PromptGroups,
+    passes_cost,
+    shared_prompt_hidden,
+    trained_columns,
 )
 from loongsage.core.types import TrainBatch
 
@@ -78,10 +92,20 @@ class TorchModel:
         compile_layers: bool = False,
         head_chunk_tokens: int = 0,
         batch_invariant: bool = False,
+        share_prompts: bool = False,
     ) -> None:
         self.device, self.fp32_lm_head, self.lora = device, fp32_lm_head, lora
         self.head_chunk_tokens = head_chunk_tokens
         self.model = self._load(model_path, dtype)
+        self.shares_prompts = share_prompts
+        self.shared_prompt_tokens = 0  # in the step under way (:meth:`stepping`)
+        if share_prompts:
+            attention = self.model.config._attn_implementation
+            if attention not in MASKED_ATTENTION:
+                raise ValueError(
+                    f"share_prompts: needs attention that reads a 4D mask ({', '.join(MASKED_ATTENTION)}); "
+                    f"this model uses {attention!r}"
+                )
         if lora is not None:
             self._add_lora(lora, gradient_checkpointing)
         self.model.to(device)
@@ -157,6 +181,9 @@ class TorchModel:
         first = max(response_start(mb.response_mask), 1)
         if self.invariant is not None:
             return self.invariant.logprobs(ids, mb.attention_mask.to(self.device), first, with_entropy=with_entropy)
+        groups = self._shared_prompts(mb)
+        if groups is not None:
+            return self._shared_logprobs(ids, groups, first, with_entropy=with_entropy)
         if self.head_chunk_tokens:
             mask = mb.attention_mask.to(self.device)
             return chunked_logprobs_and_entropy(
@@ -164,6 +191,34 @@ class TorchModel:
             )
         logits = self.logits(ids, mb.attention_mask.to(self.device), first)
         return logprobs_and_entropy(logits, ids, first, with_entropy=with_entropy)
+
+    def _shared_prompts(self, mb: TrainBatch) -> PromptGroups | None:
+        """The rows' prompt groups when computing each prompt once is the cheaper forward, else None."""
+        if not self.shares_prompts:
+            return None
+        groups = PromptGroups.of(mb.input_ids, mb.attention_mask, mb.response_mask)
+        rows, width = mb.input_ids.shape
+        if groups.rest_width == 0 or not passes_cost(groups, rows * width, PASS_OVERHEAD_TOKENS)[1]:
+            return None
+        if torch.is_grad_enabled():
+            self.shared_prompt_tokens += groups.repeated_prompt_tokens()
+        return groups
+
+    def _shared_logprobs(
+        self, ids: Tensor, groups: PromptGroups, first: int, *, with_entropy: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """:meth:`sequence_logprobs` by the two passes; each row's columns before its own first
+        trained token (its prompt, where it is longer than another row's) are zeros."""
+        hidden = shared_prompt_hidden(self.model.model, ids, groups)
+        if self.head_chunk_tokens:
+            lp, ent = chunked_head_logprobs(
+                self.model, hidden, ids, first, self.head_chunk_tokens, with_entropy=with_entropy
+            )
+        else:
+            logits = head_logits(self.model, hidden, first, fp32_lm_head=self.fp32_lm_head)
+            lp, ent = logprobs_and_entropy(logits, ids, first, with_entropy=with_entropy)
+        trained = trained_columns(groups, ids.shape[1], ids.device)
+        return lp.where(trained, 0.0), None if ent is None else ent.where(trained, 0.0)
 
     def sequence_distribution(self, mb: TrainBatch, *, shards: bool) -> tuple[Tensor, Tensor, Tensor]:
         ids = mb.input_ids.to(self.device)
@@ -178,8 +233,13 @@ class TorchModel:
     def run_micro_batches(self, plans: list[Planned], step: MicroBatchStep, *, backward: bool) -> None:
         run_in_order(plans, step, backward=backward)
 
-    def stepping(self, metrics: Metrics) -> AbstractContextManager[None]:
-        return nullcontext()
+    @contextmanager
+    def stepping(self, metrics: Metrics) -> Iterator[None]:
+        """Counts the prompt tokens the step's forwards did not compute again (``share_prompts``)."""
+        self.shared_prompt_tokens = 0
+        yield
+        if self.shares_prompts:
+            metrics.total("train/shared_prompt_tokens", float(self.shared_prompt_tokens))
 
     def run_ahead(self, plans: list[Planned]) -> None:
         """Nothing: the model is in one piece, its whole forward runs in the step."""

@@ -36,9 +36,12 @@ class TorchTrainer(TrainerSkeleton):
     head_chunk_tokens: int = 0
     # log-probs bit for bit the native engine's batch_invariant mode's (CUDA, bf16/fp16; invariant.py)
     batch_invariant: bool = False
+    # a prompt computed once for the rows of a micro-batch that begin with it (shared_prompts.py)
+    share_prompts: bool = False
 
     supports_lora: ClassVar[bool] = True  # the critic's value head is outside the decoder layers LoRA targets
     supports_batch_invariant: ClassVar[bool] = True  # a critic's values are no engine's log-probs
+    supports_share_prompts: ClassVar[bool] = True  # the critic's value model has a forward of its own
     held_teacher_params: ClassVar[dict[str, Any]] = {"lora": None, "gradient_checkpointing": False}
     adapter_class: ClassVar[type[TorchModel]] = TorchModel  # the model it trains (the critic's: a value model)
 
@@ -47,6 +50,7 @@ class TorchTrainer(TrainerSkeleton):
         world = world_size()
         self._check_head_chunks(world)
         self._check_batch_invariant(world)
+        self._check_share_prompts(world)
         if self.lora is not None:
             self._check_lora_placement(world, self.dp_mode)
         if world > 1 and self.dp_mode == "fsdp2" and self.distributed_optimizer:
@@ -66,6 +70,7 @@ class TorchTrainer(TrainerSkeleton):
                 compile_layers=self.compile_layers,
                 head_chunk_tokens=self.head_chunk_tokens,
                 batch_invariant=self.batch_invariant,
+                share_prompts=self.share_prompts,
             )
         )
 
@@ -120,6 +125,20 @@ class TorchTrainer(TrainerSkeleton):
                 f"batch_invariant: runs bf16/fp16 models on CUDA (the engine's fused kernels); "
                 f"here dtype={self.dtype}, device={self.device}"
             )
+
+    def _check_share_prompts(self, world: int) -> None:
+        if not self.share_prompts:
+            return
+        clash = {
+            # HF's checkpointed layers drop the KV cache through which rows read their prompt
+            "gradient_checkpointing": self.gradient_checkpointing,
+            "batch_invariant": self.batch_invariant,  # a forward of its own, token by token
+            "dp_mode: fsdp2": world > 1 and self.dp_mode == "fsdp2",  # the body runs outside FSDP2's root
+            "a value model": not self.supports_share_prompts,
+        }
+        named = [name for name, on in clash.items() if on]
+        if named:
+            raise ValueError(f"share_prompts: not with {', '.join(named)}; turn one of them off")
 
     @classmethod
     def _check_lora_placement(cls, world_size: int, dp_mode: str) -> None:
