@@ -23,6 +23,12 @@ the trainer's own compute, the weight push) is written as a Chrome trace,
 matmul FLOPs (6 x parameters in matmuls x tokens, the LM head included) by the bf16 matmul rate
 measured on the same card in the same run.
 
+``--share-prompts`` runs our torch trainer with ``share_prompts`` (each group's prompt computed once
+for its 8 rows: 128 of every 384 tokens, 7 times in 8; results ``<name>_shared``). The same samples
+and the same gradient: the MFU then counts the FLOPs the trainer computed (the prompt tokens it did
+not compute again, ``train/shared_prompt_tokens``, taken out), and the table gives the train phase's
+rate in the rows' tokens (prompts and responses) besides.
+
 ``--profile-step N`` runs our side with ``run.profile_steps=[N]``: each of our actors (the trainer
 rank, the engine, the reward worker) records a ``torch.profiler`` trace of step N, its ops and CUDA
 kernels, copied to ``<out-dir>/<name>.step<N>.<role>.<rank>.trace.json.gz``. That step carries the
@@ -30,7 +36,7 @@ profiler's overhead, so it is left out of the medians and the timeline. With ``-
 engine's trace holds only its client: the kernels run in SGLang's server process.
 
     python bench/gpu_rl_step.py [--steps 7] [--warmup 2] [--engine native|sglang] [--trainer torch|megatron]
-                                [--profile-step N] [--plugins ...]
+                                [--share-prompts] [--profile-step N] [--plugins ...]
 
 Needs one CUDA GPU, Ray, TRL (``trl``, ``datasets``) and the loongsage packages.
 """
@@ -163,6 +169,8 @@ def ours(args, work: Path, env: dict) -> dict:
         cmd.append(f"rollout.engine={{name: {args.engine}, params: {{{params}}}}}")
     if args.trainer != "torch":  # the torch trainer's params (compile_layers) are not another's
         cmd.append(f"trainer.backend={{name: {args.trainer}, params: {{device: cuda}}}}")
+    if args.share_prompts:
+        cmd.append("trainer.backend.params.share_prompts=true")
     start = time.perf_counter()
     memory: dict = {}
     with card_memory_peak(memory):
@@ -180,6 +188,7 @@ def ours(args, work: Path, env: dict) -> dict:
         **{f"{k}_s_all": v for k, v in pick.items()},
         **{f"{k}_s": statistics.median(v) for k, v in pick.items()},
         "response_length_mean": statistics.mean(r["rollout/response_length_mean"] for r in keep),
+        "shared_prompt_tokens": statistics.median(r.get("train/shared_prompt_tokens", 0.0) for r in keep),
         **memory,
         "timeline": timeline(keep),
         "profile": sorted((work / "runs").glob(f"*/profile/step{args.profile_step}.*.trace.json.gz")),
@@ -235,6 +244,11 @@ def main() -> int:
         help="our trainer backend: the recipe's (torch, compiled) or another by name (megatron: Transformer "
         "Engine's layers where they import, else sdpa), with its default params on the GPU",
     )
+    ap.add_argument(
+        "--share-prompts",
+        action="store_true",
+        help="our torch trainer computes each group's prompt once (share_prompts); the MFU counts what it computed",
+    )
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of our recipe")
     ap.add_argument(
         "--profile-step",
@@ -248,6 +262,9 @@ def main() -> int:
     args = ap.parse_args()
     name = "gpu_rl_step" + ("" if args.engine == "native" else f"_{args.engine}")
     name += "" if args.trainer == "torch" else f"_{args.trainer}"
+    name += "_shared" if args.share_prompts else ""
+    if args.share_prompts and args.trainer != "torch":
+        sys.exit(f"--share-prompts: the torch trainer's option; not with --trainer {args.trainer}")
     if not 0 <= args.profile_step <= args.steps:
         sys.exit(f"--profile-step {args.profile_step}: must be a step from 1 to --steps {args.steps} (0: none)")
     if args.steps - args.warmup - (args.profile_step > args.warmup) < 3:
@@ -266,7 +283,9 @@ def main() -> int:
     side_ours = ours(args, work, env)
     side_trl = trl(args, work, env, model_path, prompts)
     tokens = PROMPTS * SAMPLES * (PROMPT_TOKENS + NEW_TOKENS)
-    train_flops = 6 * matmul_params(model_path) * tokens
+    # the FLOPs the trainer computed: a prompt it computed once for its rows counts once
+    train_flops = 6 * matmul_params(model_path) * (tokens - side_ours["shared_prompt_tokens"])
+    side_ours["row_tokens_per_s"] = tokens / side_ours["train_s"]
     side_ours["train_mfu"] = train_flops / side_ours["train_s"] / (peak * 1e12)
     if side_ours["trainer_compute_s"]:
         side_ours["trainer_compute_mfu"] = train_flops / side_ours["trainer_compute_s"] / (peak * 1e12)
@@ -313,7 +332,9 @@ def main() -> int:
         f"| seconds per step | {o['step_s']:.2f} | {t['step_s']:.2f} | {result['speedup']:.2f}x |",
         f"| trajectories / s | {o['trajectories_per_s']:.1f} | {t['trajectories_per_s']:.1f} | |",
         f"| rollout s ({o['rollout_tokens_per_s']:.0f} sampled tokens/s) | {o['rollout_s']:.2f} | | |",
-        f"| train s (MFU {o['train_mfu']:.0%}) | {o['train_s']:.2f} | | |",
+        f"| train s (MFU {o['train_mfu']:.0%}; {o['row_tokens_per_s']:.0f} tokens of the rows / s) | "
+        f"{o['train_s']:.2f} | | |",
+        f"| prompt tokens not computed again (share_prompts) | {o['shared_prompt_tokens']:.0f} | | |",
         f"| of which the trainer's compute (MFU {o.get('trainer_compute_mfu', 0):.0%}) | "
         f"{o['trainer_compute_s']:.2f} | | |",
         f"| of which batch building + transfers | {o['train_s'] - o['trainer_compute_s']:.2f} | | |",
