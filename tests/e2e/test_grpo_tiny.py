@@ -80,6 +80,26 @@ def test_grpo_loop_runs(launched, colocate):
     assert logs and "recipe tiny/grpo_arith_cpu" in logs[0].read_text()
 
 
+def test_shared_prompts_train_the_plain_runs_first_step(launched):
+    """``share_prompts`` through the launcher: the first step samples the same groups as the plain
+    run above (same weights, same seed) and trains them to the same loss and gradient norm, with
+    each group's prompt computed once (the step counts the prompt tokens it did not compute again)."""
+    plain = _trained(_metrics(launched(grpo_loop("true", "whole", 4)) / "runs" / "whole"))[0]
+    sharing = "trainer.backend={name: torch, params: {share_prompts: true}}"
+    shared_args = [*grpo_loop("true", "shared_prompts", 2), sharing]
+    shared = _trained(_metrics(launched(shared_args) / "runs" / "shared_prompts"))
+    assert [r["step"] for r in shared] == [1, 2]
+    first = shared[0]
+    assert first["rollout/reward_mean"] == plain["rollout/reward_mean"]
+    assert first["rollout/response_length_mean"] == plain["rollout/response_length_mean"]
+    assert abs(first["train/loss"] - plain["train/loss"]) < 1e-5
+    assert first["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-4)
+    assert "train/shared_prompt_tokens" not in plain
+    # 4 prompts x 4 samples: 3 of every 4 rows' prompts are not computed again
+    assert all(r["train/shared_prompt_tokens"] > 0 for r in shared)
+    assert all(0.0 <= r["train/is_approx_k3_kl"] < 1e-6 for r in shared)
+
+
 def test_dapo_recipe_refills_filtered_groups(ray_session, in_tmp):
     """tiny/dapo_arith_cpu: dynamic sampling drops uniform groups and refills them from the stream."""
     args = _short_run("tiny/dapo_arith_cpu", "dapo", 3, "rollout.max_refill_rounds=3")
