@@ -17,9 +17,10 @@ prompt's positions receive from each row's plain forward. The numbers differ onl
 GEMMs run at other shapes), so it is an option (``share_prompts``), not the default.
 
 A row's *prompt* is its tokens before its first trained token (the response mask's first nonzero
-column); rows share one when those tokens are equal. Both passes get an explicit 4D additive mask
-(HF hands a 4D mask to the attention as it is), so each query sees exactly the keys named above
-whatever HF's own mask builder would do: the attention must read such a mask (``sdpa``, ``eager``).
+column); rows share one when those tokens are equal. Both passes get an explicit 4D mask (HF hands
+a 4D mask to the attention as it is: boolean for sdpa, additive for eager), so each query sees
+exactly the keys named above whatever HF's own mask builder would do: the attention must read such
+a mask (``sdpa``, ``eager``).
 
 :meth:`RowPrompts.plan` plans micro-batches by what the two passes compute (each prompt once),
 keeping a prompt's rows together, and :func:`passes_cost` says whether a micro-batch is cheaper this
@@ -156,6 +157,8 @@ def shared_prompt_hidden(body: nn.Module, input_ids: Tensor, groups: PromptGroup
     group, prompt, length = (t.to(dev) for t in (groups.group, groups.prompt, groups.length))
     leaders = torch.tensor(groups.leaders, device=dev)
     n_prompts, p_width, r_width = len(groups.leaders), groups.prompt_width, groups.rest_width
+    # sdpa takes the boolean mask as HF's own sdpa masks are; eager adds an additive one
+    additive = body.config._attn_implementation != "sdpa"
     dtype = body.get_input_embeddings().weight.dtype
     cache_arg = _cache_argument(body)
 
@@ -168,7 +171,7 @@ def shared_prompt_hidden(body: nn.Module, input_ids: Tensor, groups: PromptGroup
     cache = DynamicCache()
     prompt_hidden = body(
         input_ids=prompt_ids,
-        attention_mask=_additive(allowed, dtype),
+        attention_mask=_mask(allowed, dtype, additive),
         position_ids=cols.expand(n_prompts, p_width),
         use_cache=True,
         **{cache_arg: cache},
@@ -184,7 +187,7 @@ def shared_prompt_hidden(body: nn.Module, input_ids: Tensor, groups: PromptGroup
     allowed = torch.cat([real_key[group][:, None, :].expand(rows, r_width, p_width), own], dim=-1)
     rest_hidden = body(
         input_ids=rest_ids,
-        attention_mask=_additive(allowed, dtype),
+        attention_mask=_mask(allowed, dtype, additive),
         position_ids=prompt[:, None] + steps[None],
         use_cache=True,
         **{cache_arg: cache},
@@ -209,8 +212,10 @@ def trained_columns(groups: PromptGroups, width: int, device: torch.device) -> T
     return torch.arange(width, device=device)[None] >= groups.prompt.to(device)[:, None]
 
 
-def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    """A boolean ``[B, q, k]`` mask as HF's 4D additive one, ``[B, 1, q, k]``."""
+def _mask(allowed: Tensor, dtype: torch.dtype, additive: bool) -> Tensor:
+    """A boolean ``[B, q, k]`` mask as HF's 4D one, ``[B, 1, q, k]``: boolean, or additive in ``dtype``."""
+    if not additive:
+        return allowed[:, None]
     zero = torch.zeros((), dtype=dtype, device=allowed.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[:, None]
 
