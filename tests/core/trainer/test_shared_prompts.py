@@ -221,3 +221,25 @@ def test_attention_that_ignores_a_4d_mask_is_refused(model_dir):
             lora=None,
             share_prompts=True,
         )
+
+
+def test_the_teacher_scores_shared_prompts_as_the_plain_forward(model_dir):
+    """The embedded teacher (MOPD) with ``share_prompts``: the same log-probs, top-k and full
+    log-softmax at every trained token as without."""
+    from loongsage.core.trainer.teacher import EmbeddedTeacher
+
+    batch = _grouped_batch(seed=5)
+    plain = EmbeddedTeacher(str(model_dir))
+    shared = EmbeddedTeacher(str(model_dir), share_prompts=True)
+    groups = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.response_mask)
+    assert groups.tokens() + 128 < batch.input_ids.numel()  # the two passes run
+    trained = batch.response_mask.bool()
+    for support in ({"topk": 5}, {"full_vocab": True}):
+        want, got = plain.score(batch, **support), shared.score(batch, **support)
+        torch.testing.assert_close(got["logprobs"], want["logprobs"], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got["dist_logprobs"][trained], want["dist_logprobs"][trained], atol=1e-5, rtol=0)
+        if "topk" in support:  # the same tokens, where no two of them tie within rounding
+            values = want["dist_logprobs"][trained]
+            apart = (values[:, :-1] - values[:, 1:]).min(-1).values > 1e-4
+            assert apart.sum() > len(apart) // 2
+            assert torch.equal(got["dist_ids"][trained][apart], want["dist_ids"][trained][apart])

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from loongsage.core.types import TrainBatch
+
 # attention implementations that apply a 4D additive mask as given
 MASKED_ATTENTION = ("sdpa", "eager")
 
@@ -90,6 +92,26 @@ def prompt_lengths(response_mask: Tensor, length: Tensor) -> Tensor:
 def prompt_keys(input_ids: Tensor, prompt: Tensor) -> list[tuple[int, ...]]:
     """Each row's prompt tokens, hashable: rows with equal keys share their prompt."""
     return [tuple(row[:p].tolist()) for row, p in zip(input_ids, prompt.tolist())]
+
+
+def check_attention(model: nn.Module) -> None:
+    """Refuse, in one line, a model whose attention would not read the two passes' 4D masks."""
+    attention = model.config._attn_implementation
+    if attention not in MASKED_ATTENTION:
+        raise ValueError(
+            f"share_prompts: needs attention that reads a 4D mask ({', '.join(MASKED_ATTENTION)}); "
+            f"this model uses {attention!r}"
+        )
+
+
+def shared_groups(batch: TrainBatch, pass_overhead: int) -> PromptGroups | None:
+    """The prompt groups of a micro-batch ``batch`` when its two passes compute fewer tokens (one
+    pass more counted as ``pass_overhead`` tokens) than the plain pass over its padded rows, else None."""
+    groups = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.response_mask)
+    rows, width = batch.input_ids.shape
+    if groups.rest_width == 0 or not passes_cost(groups, rows * width, pass_overhead)[1]:
+        return None
+    return groups
 
 
 def passes_cost(groups: PromptGroups, plain_tokens: int, pass_overhead: int) -> tuple[int, bool]:

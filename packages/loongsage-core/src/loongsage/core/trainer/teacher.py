@@ -6,7 +6,9 @@ token the student sampled and, only when the chosen divergence reads them, the t
 (ids and log-probs) or its full log-softmax. It shares the trainer's forward
 (:func:`~loongsage.core.model_math.logprobs.policy_logits`: LM head only from the first response
 position on, fp32 head), its token-budget micro-batching and its handling of multi-segment rows
-(each segment scored alone, as the student generated it: :mod:`loongsage.core.segments`).
+(each segment scored alone, as the student generated it: :mod:`loongsage.core.segments`). With
+``share_prompts`` it computes each prompt once for the rows of a micro-batch that begin with it, as
+the trainer does (:mod:`~loongsage.core.trainer.shared_prompts`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from torch import Tensor
 
 from loongsage.core.contracts import Teacher
 from loongsage.core.model_math.dtypes import DTYPES
-from loongsage.core.model_math.logprobs import policy_logits, response_start
+from loongsage.core.model_math.logprobs import head_logits, policy_logits, response_start
 from loongsage.core.segments import segment_layout
-from loongsage.core.trainer.micro_batching import micro_batches
+from loongsage.core.trainer.micro_batching import PASS_OVERHEAD_TOKENS, micro_batches
+from loongsage.core.trainer.shared_prompts import check_attention, shared_groups, shared_prompt_hidden
 from loongsage.core.types import TrainBatch
 
 
@@ -39,6 +42,8 @@ class EmbeddedTeacher(Teacher):
     device: str = "cpu"
     fp32_lm_head: bool = True
     micro_batch_tokens: int = 8192  # token budget of one forward (padded length x rows)
+    # a prompt computed once for the rows of a micro-batch that begin with it (trainer/shared_prompts.py)
+    share_prompts: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -47,6 +52,8 @@ class EmbeddedTeacher(Teacher):
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens}: must be >= 1")
         self.model, self.vocab_size = self._load_model()
         self.model.eval().requires_grad_(False)
+        if self.share_prompts:
+            check_attention(self.model)
 
     def _load_model(self) -> tuple[torch.nn.Module, int]:
         """The frozen model on its device, and the size of the vocabulary it scores."""
@@ -114,7 +121,12 @@ class EmbeddedTeacher(Teacher):
         ``[n, t - first, k]`` (``None`` where not asked for)."""
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
-        logits = self._logits(ids, mb.attention_mask.to(self.device), first)
+        groups = shared_groups(mb, PASS_OVERHEAD_TOKENS) if self.share_prompts else None
+        if groups is None:
+            logits = self._logits(ids, mb.attention_mask.to(self.device), first)
+        else:  # a row's columns before its own first trained token read zeros: masked out in score()
+            hidden = shared_prompt_hidden(self.model.model, ids, groups)
+            logits = head_logits(self.model, hidden, first, fp32_lm_head=self.fp32_lm_head)
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # positions first..t-1
         lp = F.pad(logp.gather(-1, ids[:, first:].unsqueeze(-1)).squeeze(-1), (first, 0))
         if topk:

@@ -62,9 +62,9 @@ from loongsage.core.trainer.lora import (
 )
 from loongsage.core.trainer.micro_batching import PASS_OVERHEAD_TOKENS
 from loongsage.core.trainer.shared_prompts import (
-    MASKED_ATTENTION,
     PromptGroups,
-    passes_cost,
+    check_attention,
+    shared_groups,
     shared_prompt_hidden,
     trained_columns,
 )
@@ -100,12 +100,7 @@ class TorchModel:
         self.shares_prompts = share_prompts
         self.shared_prompt_tokens = 0  # in the step under way (:meth:`stepping`)
         if share_prompts:
-            attention = self.model.config._attn_implementation
-            if attention not in MASKED_ATTENTION:
-                raise ValueError(
-                    f"share_prompts: needs attention that reads a 4D mask ({', '.join(MASKED_ATTENTION)}); "
-                    f"this model uses {attention!r}"
-                )
+            check_attention(self.model)
         if lora is not None:
             self._add_lora(lora, gradient_checkpointing)
         self.model.to(device)
@@ -196,11 +191,8 @@ class TorchModel:
         """The rows' prompt groups when computing each prompt once is the cheaper forward, else None."""
         if not self.shares_prompts:
             return None
-        groups = PromptGroups.of(mb.input_ids, mb.attention_mask, mb.response_mask)
-        rows, width = mb.input_ids.shape
-        if groups.rest_width == 0 or not passes_cost(groups, rows * width, PASS_OVERHEAD_TOKENS)[1]:
-            return None
-        if torch.is_grad_enabled():
+        groups = shared_groups(mb, PASS_OVERHEAD_TOKENS)
+        if groups is not None and torch.is_grad_enabled():
             self.shared_prompt_tokens += groups.repeated_prompt_tokens()
         return groups
 
