@@ -30,3 +30,20 @@ def test_fp8_weights_are_refused_where_they_cannot_run_or_what_they_cannot_hold(
     for mode in ({"batch_invariant": True}, {"deterministic": True}):
         with pytest.raises(ValueError, match="it cannot hold batch_invariant or deterministic"):
             NativeEngine(model_dir, quantization="fp8", **mode)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"quantization": "int4"}, r"quantization='int4': must be null or 'fp8'"),
+        ({"batch_invariant": True, "deterministic": True}, "choose one"),
+        ({"quantization": "fp8", "deterministic": True}, "it cannot hold batch_invariant or deterministic"),
+        ({"steps_per_sync": 0}, r"steps_per_sync=0: must be an integer >= 1"),
+        ({"max_batch_size": 0}, r"max_batch_size=0 must be >= 1"),
+        ({"dtype": "float8"}, r"dtype='float8': must be one of"),
+    ],
+)
+def test_bad_options_are_refused_before_the_model_loads(tmp_path, options, message):
+    """No model at the path: each error names the option, not the missing model."""
+    with pytest.raises(ValueError, match=message):
+        NativeEngine(str(tmp_path / "no-model-here"), **options)

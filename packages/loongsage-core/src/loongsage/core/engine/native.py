@@ -56,7 +56,7 @@ from torch import Tensor
 
 from loongsage.core.engine.continuous import SlotBatch
 from loongsage.core.engine.kv_cache import DecoderRunner
-from loongsage.core.model_math.dtypes import DTYPES
+from loongsage.core.engine.options import check_options, engine_dtype, resolve_steps_per_sync
 from loongsage.core.model_math.logprobs import logprobs_and_entropy, policy_logits
 from loongsage.core.types import FinishReason, GenerationRequest, GenerationResult, abort_targets, check_request
 
@@ -166,28 +166,19 @@ class NativeEngine:
     ):
         from transformers import AutoModelForCausalLM
 
-        torch_dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-        if not isinstance(torch_dtype, torch.dtype):
-            raise ValueError(f"native engine: dtype={dtype!r}: must be one of {sorted(DTYPES)}")
-        if max_batch_size < 1 or max_model_len < 2:
-            raise ValueError(
-                f"native engine: max_batch_size={max_batch_size} must be >= 1 and max_model_len={max_model_len} >= 2"
-            )
+        torch_dtype = engine_dtype(dtype)
+        check_options(
+            max_batch_size=max_batch_size,
+            max_model_len=max_model_len,
+            batch_invariant=batch_invariant,
+            deterministic=deterministic,
+            quantization=quantization,
+            steps_per_sync=steps_per_sync,
+        )
         self.model_path, self.dtype, self.device = str(model_path), torch_dtype, torch.device(device)
         self.max_batch_size, self.max_model_len = int(max_batch_size), int(max_model_len)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype)
         self.model = model.to(self.device).eval().requires_grad_(False)
-        if batch_invariant and deterministic:
-            raise ValueError(
-                "native engine: batch_invariant and deterministic are two ways to the trainer's numbers: choose one"
-            )
-        if quantization not in (None, "fp8"):
-            raise ValueError(f"native engine: quantization={quantization!r}: must be null or 'fp8'")
-        if quantization and (batch_invariant or deterministic):
-            raise ValueError(
-                "native engine: quantization=fp8 moves the engine's numbers away from the trainer's; "
-                "it cannot hold batch_invariant or deterministic"
-            )
         self._runner = DecoderRunner(
             self.model,
             fp32_lm_head=fp32_lm_head,
@@ -235,7 +226,9 @@ class NativeEngine:
             "prefill_chunk_tokens": int(prefill_chunk_tokens),
             "prefix_cache": bool(prefix_cache),
             "cuda_graphs": bool(cuda_graphs),
-            "steps_per_sync": self._steps_per_sync(steps_per_sync, cuda_graphs, return_routed_experts),
+            "steps_per_sync": resolve_steps_per_sync(
+                steps_per_sync, cuda_graphs=cuda_graphs, device=self.device, routes=return_routed_experts
+            ),
         }
         self._batch = SlotBatch(self._runner, **self._batch_args)
 
@@ -435,15 +428,6 @@ class NativeEngine:
         self.model.to(device)
         self._runner.moved()
         self._bind_weights()
-
-    def _steps_per_sync(self, steps: int | None, cuda_graphs: bool, routes: bool) -> int:
-        """Decode steps per host read-back: ``None`` picks 8 where the steps replay as CUDA graphs
-        (there the host's round trip is a fifth of a step) and 1 elsewhere."""
-        if steps is None:
-            return 8 if cuda_graphs and self.device.type == "cuda" and not routes else 1
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"native engine: steps_per_sync={steps!r}: must be an integer >= 1 (or None: automatic)")
-        return steps
 
     def _validate(self, request: GenerationRequest) -> None:
         prefix = f"request {request.request_id!r}: "
