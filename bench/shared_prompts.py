@@ -49,36 +49,6 @@ BUDGET = 16_384  # micro-batch tokens (the plain forward's rows x longest; the t
 VOCAB = 2048
 
 
-def batch(prompts: int, samples: int, prompt_tokens: int, response: tuple[int, int], seed: int):
-    from loongsage.core.types import TrainBatch
-
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(prompts):
-        prompt = torch.randint(3, VOCAB, (prompt_tokens,), generator=g)
-        for _ in range(samples):
-            n = int(torch.randint(response[0], response[1] + 1, (1,), generator=g))
-            rows.append((prompt, torch.randint(3, VOCAB, (n,), generator=g)))
-    B, T = len(rows), max(len(p) + len(r) for p, r in rows)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    for i, (p, r) in enumerate(rows):
-        ids[i, : len(p) + len(r)] = torch.cat([p, r])
-        attn[i, : len(p) + len(r)] = 1
-        mask[i, len(p) : len(p) + len(r)] = 1.0
-    return TrainBatch(
-        input_ids=ids,
-        attention_mask=attn,
-        response_mask=mask,
-        rollout_logprobs=torch.zeros(B, T),
-        advantages=torch.randn(B, T, generator=g) * mask,
-        rewards=torch.zeros(B),
-        group_ids=torch.arange(B) // samples,
-        old_logprobs=torch.zeros(B, T),
-    )
-
-
 def computed_tokens(b, share: bool) -> int:
     """Padded tokens through the model body in a step, as the trainer plans and runs it."""
     from loongsage.core.trainer.micro_batching import PASS_OVERHEAD_TOKENS, planned_micro_batches
@@ -108,6 +78,7 @@ def main() -> int:
 
     from loongsage.algos.policy_losses import PPOClip
     from loongsage.core.loss import LossPlan
+    from loongsage.core.tinytask.shapes import grouped_train_batch
     from loongsage.core.trainer.torch_trainer import TorchTrainer
 
     model_dir = Path(tempfile.mkdtemp(prefix="bench-shared-prompts-"))
@@ -127,7 +98,7 @@ def main() -> int:
     plan = LossPlan(policy_loss=PPOClip(clip_low=0.2, clip_high=0.28), aggregation="token-mean")
     results = {}
     for name in args.workloads:
-        prepared, _ = plan.prepare(batch(*WORKLOADS[name], seed=1))
+        prepared, _ = plan.prepare(grouped_train_batch(*WORKLOADS[name], vocab=VOCAB, seed=1))
         sides = {}
         for share in (False, True):
             trainer = TorchTrainer(str(model_dir), share_prompts=share)

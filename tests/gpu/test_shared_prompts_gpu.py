@@ -34,36 +34,10 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _batch(prompts: int = 4, samples: int = 8, prompt_tokens: int = 96):
-    from loongsage.core.types import TrainBatch
+def _batch():
+    from loongsage.core.tinytask.shapes import grouped_train_batch
 
-    g = torch.Generator().manual_seed(1)
-    rows = []
-    for _ in range(prompts):
-        prompt = torch.randint(3, 4096, (prompt_tokens,), generator=g)
-        for _ in range(samples):
-            n = int(torch.randint(40, 161, (1,), generator=g))
-            rows.append((prompt, torch.randint(3, 4096, (n,), generator=g)))
-    B, T = len(rows), max(len(p) + len(r) for p, r in rows)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    for i, (p, r) in enumerate(rows):
-        ids[i, : len(p) + len(r)], attn[i, : len(p) + len(r)], mask[i, len(p) : len(p) + len(r)] = (
-            torch.cat([p, r]),
-            1,
-            1.0,
-        )
-    return TrainBatch(
-        input_ids=ids,
-        attention_mask=attn,
-        response_mask=mask,
-        rollout_logprobs=torch.zeros(B, T),
-        advantages=torch.randn(B, T, generator=g) * mask,
-        rewards=torch.zeros(B),
-        group_ids=torch.arange(B) // samples,
-        old_logprobs=torch.zeros(B, T),
-    )
+    return grouped_train_batch(4, 8, 96, (40, 160), vocab=4096, seed=1)
 
 
 def _step(model_dir, share: bool, batch):

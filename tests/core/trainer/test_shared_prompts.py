@@ -8,6 +8,7 @@ import torch
 
 from loongsage.algos.policy_losses import PPOClip
 from loongsage.core.loss import LossPlan
+from loongsage.core.tinytask.shapes import grouped_train_batch
 from loongsage.core.tinytask.tiny_model import build_tiny_qwen3
 from loongsage.core.trainer.lora import LoraConfig
 from loongsage.core.trainer.micro_batching import planned_micro_batches
@@ -30,32 +31,12 @@ def _grouped_batch(seed: int = 0, prompt_lengths=(16, 20, 16, 18), samples: int 
     """GRPO's layout: ``samples`` rows per prompt, prompts of several lengths (two of length 16 with
     different tokens), responses of 2-9 tokens; one row is multi-turn (a tool's reply inside its
     response is not trained) and one trains nothing."""
-    g = torch.Generator().manual_seed(seed)
-    rows, trained = [], []
-    for p_len in prompt_lengths:
-        prompt = torch.randint(3, VOCAB, (p_len,), generator=g)
-        for _ in range(samples):
-            response = torch.randint(3, VOCAB, (int(torch.randint(2, 10, (1,), generator=g)),), generator=g)
-            rows.append(torch.cat([prompt, response]))
-            trained.append((p_len, p_len + len(response)))
-    B, T = len(rows), max(len(r) for r in rows)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    attn = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.zeros(B, T)
-    for i, (row, (start, end)) in enumerate(zip(rows, trained)):
-        ids[i, : len(row)], attn[i, : len(row)], mask[i, start:end] = row, 1, 1.0
-    mask[1, trained[1][0] + 1] = 0.0  # a tool's reply inside the response: in the rest, not trained
-    mask[B - 1] = 0.0  # a row that trains nothing
-    return TrainBatch(
-        input_ids=ids,
-        attention_mask=attn,
-        response_mask=mask,
-        rollout_logprobs=torch.zeros(B, T),
-        advantages=torch.randn(B, T, generator=g) * mask,
-        rewards=torch.zeros(B),
-        group_ids=torch.arange(B) // samples,
-        old_logprobs=(torch.randn(B, T, generator=g) * 0.1 - 2.0) * mask,
-    )
+    batch = grouped_train_batch(len(prompt_lengths), samples, list(prompt_lengths), (2, 9), vocab=VOCAB, seed=seed)
+    mask = batch.response_mask
+    mask[1, prompt_lengths[0] + 1] = 0.0  # a tool's reply inside the response: in the rest, not trained
+    mask[-1] = 0.0  # a row that trains nothing
+    batch.advantages *= mask
+    return batch
 
 
 def _step(trainer: TorchTrainer, batch: TrainBatch, budget: int):

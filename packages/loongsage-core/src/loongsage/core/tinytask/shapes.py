@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from loongsage.core.model_math.dtypes import DTYPES
-from loongsage.core.types import DataRecord
+from loongsage.core.types import DataRecord, TrainBatch
 
 # Shapes of published checkpoints (their config.json), the vocabulary included.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -191,3 +191,45 @@ class RandomDigits:
             raise IndexError(f"index {index} out of range for {self.size} records")
         rng = random.Random(f"{self.seed}/{index}")
         return DataRecord(source=self.name, index=index, prompt="".join(rng.choices("0123456789", k=self.length)))
+
+
+def grouped_train_batch(
+    prompts: int,
+    samples: int,
+    prompt_tokens: int | list[int],
+    response_tokens: tuple[int, int],
+    *,
+    vocab: int,
+    seed: int = 0,
+) -> TrainBatch:
+    """A GRPO-shaped training batch of random tokens: ``samples`` rows per prompt, each prompt's
+    rows together, right-padded; ``prompt_tokens`` per prompt (one length, or one per prompt),
+    responses of a length drawn from ``response_tokens`` (low, high), the response trained, random
+    advantages, on-policy (the old log-probs are the training forward's own). The trainer's
+    workloads (``share_prompts``' benchmark and tests)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [prompt_tokens] * prompts if isinstance(prompt_tokens, int) else list(prompt_tokens)
+    rows = []
+    for length in lengths:
+        prompt = torch.randint(3, vocab, (length,), generator=g)
+        for _ in range(samples):
+            n = int(torch.randint(response_tokens[0], response_tokens[1] + 1, (1,), generator=g))
+            rows.append((prompt, torch.randint(3, vocab, (n,), generator=g)))
+    B, T = len(rows), max(len(p) + len(r) for p, r in rows)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.zeros(B, T)
+    for i, (p, r) in enumerate(rows):
+        ids[i, : len(p) + len(r)] = torch.cat([p, r])
+        attn[i, : len(p) + len(r)] = 1
+        mask[i, len(p) : len(p) + len(r)] = 1.0
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        response_mask=mask,
+        rollout_logprobs=torch.zeros(B, T),
+        advantages=torch.randn(B, T, generator=g) * mask,
+        rewards=torch.zeros(B),
+        group_ids=torch.arange(B) // samples,
+        old_logprobs=None,  # on-policy: the training forward's own
+    )
