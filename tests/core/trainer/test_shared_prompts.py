@@ -113,20 +113,30 @@ def test_the_shared_forward_in_double_precision(model_dir, attention):
         assert (grads[0][name] - grad).abs().max() <= 1e-6 * grad.abs().max(), name
 
 
-def test_the_shared_forward_under_compiled_layers(model_dir):
-    """``compile_layers``: the two passes run the compiled decoder layers and give the plain step."""
+def test_the_shared_forward_under_compiled_layers(tmp_path_factory, caplog):
+    """``compile_layers``: the two passes run every decoder layer compiled (a variant per layer and
+    pass; none left to run uncompiled past dynamo's recompile limit) and give the plain step, at two
+    micro-batch shapes."""
+    import logging
+
     import torch._dynamo
 
-    batch = _grouped_batch(seed=2)
-    _, g_plain = _step(TorchTrainer(str(model_dir)), batch, 10_000)
+    deep = tmp_path_factory.mktemp("deep")
+    build_tiny_qwen3(deep, hidden_size=32, num_layers=10, heads=2, kv_heads=1, intermediate_size=64, seed=3)
     torch._dynamo.reset()
-    trainer = TorchTrainer(str(model_dir), share_prompts=True, compile_layers=True)
+    trainer = TorchTrainer(str(deep), share_prompts=True, compile_layers=True)
     captured = torch._dynamo.utils.counters["stats"]["calls_captured"]
-    _, g_shared = _step(trainer, batch, 10_000)
+    with caplog.at_level(logging.WARNING):
+        for seed, prompts in ((2, (16, 20, 16, 18)), (6, (24, 24, 20))):
+            batch = _grouped_batch(seed=seed, prompt_lengths=prompts)
+            _, g_plain = _step(TorchTrainer(str(deep)), batch, 10_000)
+            _, g_shared = _step(trainer, batch, 10_000)
+            assert len(g_shared) == len(g_plain)
+            for name, grad in g_shared.items():
+                plain = g_plain[name.replace("._orig_mod", "")]
+                torch.testing.assert_close(grad, plain, atol=1e-6, rtol=1e-4, msg=name)
     assert torch._dynamo.utils.counters["stats"]["calls_captured"] > captured
-    assert len(g_shared) == len(g_plain)
-    for name, grad in g_shared.items():
-        torch.testing.assert_close(grad, g_plain[name.replace("._orig_mod", "")], atol=1e-6, rtol=1e-4, msg=name)
+    assert "recompile_limit" not in caplog.text
 
 
 def test_micro_batches_keep_a_prompts_rows_together(model_dir):

@@ -155,6 +155,27 @@ def test_compiled_layers_give_the_eager_step(model_dir):
     _compiled_step_matches_eager(model_dir, [10_000])
 
 
+def test_every_compiled_layer_runs_compiled(tmp_path_factory, caplog):
+    """The training forward keeps no KV cache: with one, each layer's attention reads it by its
+    index, which dynamo takes as a constant, so the layers' shared code is compiled again per layer
+    until dynamo's recompile limit (8), past which the deeper layers run uncompiled."""
+    import logging
+
+    import torch._dynamo
+
+    deep = tmp_path_factory.mktemp("deep")
+    build_tiny_qwen3(deep, hidden_size=32, num_layers=10, heads=2, kv_heads=1, intermediate_size=64, seed=3)
+    torch._dynamo.reset()
+    trainer = TorchTrainer(str(deep), compile_layers=True)
+    trainer.setup_optimizer(lr=1e-30, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, grad_clip=1e9)
+    pipeline = LossPlan(policy_loss=PPOClip(clip_low=0.2, clip_high=0.28), aggregation="token-mean")
+    prepared, _ = pipeline.prepare(_batch(vocab=200))
+    with caplog.at_level(logging.WARNING):
+        trainer.train_step(prepared, pipeline.closure(), 10_000)
+        trainer.logprobs(prepared, token_budget=10_000)
+    assert "recompile_limit" not in caplog.text
+
+
 @pytest.mark.slow
 def test_compiled_layers_recompile_for_new_shapes(model_dir):
     """Micro-batches of another shape (about one row each) recompile once, with dynamic shapes, and

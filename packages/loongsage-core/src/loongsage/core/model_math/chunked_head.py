@@ -90,7 +90,7 @@ def chunked_logprobs_and_entropy(
     """What ``logprobs_and_entropy(policy_logits(...), ...)`` gives with the FP32 head (log-probs and
     entropies of tokens ``first..T-1``, [B, T] with zeros before ``first``), the head run ``chunk``
     tokens at a time."""
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return chunked_head_logprobs(model, hidden, input_ids, first, chunk, with_entropy=with_entropy)
 
 

@@ -69,8 +69,8 @@ def policy_logits(
     keep = input_ids.shape[1] - first + 1 if first > 1 else 0  # 0 = all positions
     head = model.get_output_embeddings()
     if not fp32_lm_head or head.weight.dtype == torch.float32:
-        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep).logits
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False).logits
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return head_logits(model, hidden, first, fp32_lm_head=True)
 
 

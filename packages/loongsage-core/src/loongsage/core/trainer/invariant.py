@@ -105,6 +105,7 @@ class _InvariantBody(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
         input_ids, attention_mask = ctx.saved_tensors
         with torch.enable_grad():
-            out = ctx.fwd.model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            out = ctx.fwd.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = out.last_hidden_state
         grads = torch.autograd.grad(out, ctx.params, grad, allow_unused=True)
         return (None, None, None, *grads)

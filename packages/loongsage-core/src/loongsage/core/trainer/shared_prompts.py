@@ -104,6 +104,30 @@ def check_attention(model: nn.Module) -> None:
         )
 
 
+def compile_around_attention(layer: nn.Module) -> None:
+    """``compile_layers`` under the two passes: each part of a decoder layer compiled but its
+    attention's own code, whose norms are compiled instead.
+
+    The attention reads the prompts' cache by its layer's index, which ``torch.compile`` takes as a
+    constant, and the cache's tensors change strides between the passes: compiled whole, the layers'
+    shared code would be compiled again per layer, pass and stride until dynamo's recompile limit,
+    past which layers run uncompiled. Compiled around the attention, the norms and the MLP (the
+    kernels Inductor fuses: RMSNorm, SwiGLU) compile once per module kind, with dynamic shapes; the
+    attention's projections, rotary embedding and sdpa run as they do uncompiled.
+    """
+    for name, child in layer.named_children():
+        if not _is_attention(name, child):
+            child.compile(dynamic=True)
+            continue
+        for part in child.children():
+            if not isinstance(part, nn.Linear) and any(True for _ in part.parameters()):
+                part.compile(dynamic=True)
+
+
+def _is_attention(name: str, module: nn.Module) -> bool:
+    return "attn" in name.lower() or "attention" in type(module).__name__.lower()
+
+
 def shared_groups(batch: TrainBatch, pass_overhead: int) -> PromptGroups | None:
     """The prompt groups of a micro-batch ``batch`` when its two passes compute fewer tokens (one
     pass more counted as ``pass_overhead`` tokens) than the plain pass over its padded rows, else None."""

@@ -15,8 +15,10 @@ reference, a checkpoint holds the adapters alone, and exports hold the merged we
 ``compile_layers`` compiles each decoder layer with ``torch.compile`` (regional compilation): Inductor
 fuses the norms, rotary embedding and activation of the layer's forward and backward into a few
 Triton kernels, where eager HF runs each as separate elementwise kernels. The layers share one
-compiled graph (parameters are the graph's inputs), so compiling costs one layer's time, not the
-model's; the second distinct micro-batch shape recompiles once with dynamic shapes.
+compiled graph (parameters are the graph's inputs; the forward keeps no KV cache, whose per-layer
+index would make a graph per layer), so compiling costs one layer's time, not the model's; the second
+distinct micro-batch shape recompiles once with dynamic shapes. Under ``share_prompts`` the parts
+around each layer's attention are compiled instead (:func:`.shared_prompts.compile_around_attention`).
 
 ``head_chunk_tokens`` runs the FP32 head and its log-softmax that many tokens at a time
 (:mod:`~loongsage.core.model_math.chunked_head`), so the float32 logits of a whole micro-batch never
@@ -64,6 +66,7 @@ from loongsage.core.trainer.micro_batching import PASS_OVERHEAD_TOKENS
 from loongsage.core.trainer.shared_prompts import (
     PromptGroups,
     check_attention,
+    compile_around_attention,
     shared_groups,
     shared_prompt_hidden,
     trained_columns,
@@ -113,7 +116,10 @@ class TorchModel:
             self._shard()
         if compile_layers:
             for layer in self._decoder_layers():
-                layer.compile()
+                if share_prompts:  # the attention reads the prompts' cache: compiled around it
+                    compile_around_attention(layer)
+                else:
+                    layer.compile()
         self.model.train()
         # the sampled tokens' log-probs as the native engine's batch_invariant mode computes them
         self.invariant = None
