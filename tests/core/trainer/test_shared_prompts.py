@@ -234,3 +234,28 @@ def test_the_teacher_scores_shared_prompts_as_the_plain_forward(model_dir):
             apart = (values[:, :-1] - values[:, 1:]).min(-1).values > 1e-4
             assert apart.sum() > len(apart) // 2
             assert torch.equal(got["dist_ids"][trained][apart], want["dist_ids"][trained][apart])
+
+
+def test_the_students_distribution_under_shared_prompts(model_dir):
+    """MOPD's student side: log-probs, entropies and the log-probs on a teacher's support (top-k, or
+    the whole vocabulary) at every trained token equal the plain forward's."""
+    from dataclasses import replace
+
+    from loongsage.core.model_math.logprobs import response_start
+
+    batch = _grouped_batch(seed=7)
+    support = torch.randint(0, VOCAB, (*batch.input_ids.shape, 4), generator=torch.Generator().manual_seed(0))
+    plain = TorchTrainer(str(model_dir)).adapter
+    shared = TorchTrainer(str(model_dir), share_prompts=True).adapter
+    trained = batch.response_mask.bool()
+    first = max(response_start(batch.response_mask), 1)
+    groups = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.response_mask)
+    assert groups.tokens() + 128 < batch.input_ids.numel()  # the two passes run
+    for mb in (replace(batch, teacher_dist_ids=support), batch):
+        with torch.no_grad():
+            want, got = plain.sequence_distribution(mb, shards=False), shared.sequence_distribution(mb, shards=False)
+        for w, g in zip(want[:2], got[:2]):
+            torch.testing.assert_close(g[trained], w[trained], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got[2][trained[:, first:]], want[2][trained[:, first:]], atol=1e-5, rtol=0)
+        before_own = torch.arange(batch.input_ids.shape[1])[None] < groups.prompt[:, None]
+        assert (got[0][before_own] == 0).all() and (got[2][before_own[:, first:]] == 0).all()

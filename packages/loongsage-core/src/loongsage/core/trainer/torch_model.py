@@ -221,8 +221,15 @@ class TorchModel:
     def sequence_distribution(self, mb: TrainBatch, *, shards: bool) -> tuple[Tensor, Tensor, Tensor]:
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
-        logits = self.logits(ids, mb.attention_mask.to(self.device), first)
-        return logprobs_entropy_and_distribution(logits, ids, first, mb.teacher_dist_ids)
+        groups = self._shared_prompts(mb)
+        if groups is None:
+            logits = self.logits(ids, mb.attention_mask.to(self.device), first)
+            return logprobs_entropy_and_distribution(logits, ids, first, mb.teacher_dist_ids)
+        hidden = shared_prompt_hidden(self.model.model, ids, groups)
+        logits = head_logits(self.model, hidden, first, fp32_lm_head=self.fp32_lm_head)
+        lp, ent, dist = logprobs_entropy_and_distribution(logits, ids, first, mb.teacher_dist_ids)
+        trained = trained_columns(groups, ids.shape[1], ids.device)
+        return lp.where(trained, 0.0), ent.where(trained, 0.0), dist.where(trained[:, first:, None], 0.0)
 
     def filler_logits(self) -> Tensor:
         filler = filler_input(self.device)
