@@ -52,14 +52,12 @@ VOCAB = 2048
 def computed_tokens(b, share: bool) -> int:
     """Padded tokens through the model body in a step, as the trainer plans and runs it."""
     from loongsage.core.trainer.micro_batching import PASS_OVERHEAD_TOKENS, planned_micro_batches
-    from loongsage.core.trainer.shared_prompts import PromptGroups, passes_cost
+    from loongsage.core.trainer.shared_prompts import shared_groups
 
     total = 0
     for _, mb in planned_micro_batches(b, BUDGET, group_by_length=True, share_prompts=share):
-        plain = mb.input_ids.shape[0] * mb.input_ids.shape[1]
-        groups = PromptGroups.of(mb.input_ids, mb.attention_mask, mb.response_mask)
-        cost, two_passes = passes_cost(groups, plain, PASS_OVERHEAD_TOKENS) if share else (plain, False)
-        total += groups.tokens() if two_passes else plain
+        groups = shared_groups(mb, PASS_OVERHEAD_TOKENS) if share else None
+        total += groups.tokens() if groups is not None else mb.input_ids.numel()
     return total
 
 

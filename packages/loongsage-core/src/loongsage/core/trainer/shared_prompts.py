@@ -23,8 +23,8 @@ exactly the keys named above whatever HF's own mask builder would do: the attent
 a mask (``sdpa``, ``eager``).
 
 :meth:`RowPrompts.plan` plans micro-batches by what the two passes compute (each prompt once),
-keeping a prompt's rows together, and :func:`passes_cost` says whether a micro-batch is cheaper this
-way than in one plain pass (a micro-batch of distinct prompts is not).
+keeping a prompt's rows together, and :func:`shared_groups` says whether a micro-batch is cheaper
+this way than in one plain pass (a micro-batch of distinct prompts is not).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from loongsage.core.types import TrainBatch
 
-# attention implementations that apply a 4D additive mask as given
+# attention implementations that apply a 4D mask as given
 MASKED_ATTENTION = ("sdpa", "eager")
 
 
@@ -133,16 +133,9 @@ def shared_groups(batch: TrainBatch, pass_overhead: int) -> PromptGroups | None:
     pass more counted as ``pass_overhead`` tokens) than the plain pass over its padded rows, else None."""
     groups = PromptGroups.of(batch.input_ids, batch.attention_mask, batch.response_mask)
     rows, width = batch.input_ids.shape
-    if groups.rest_width == 0 or not passes_cost(groups, rows * width, pass_overhead)[1]:
+    if groups.rest_width == 0 or groups.tokens() + pass_overhead >= rows * width:
         return None
     return groups
-
-
-def passes_cost(groups: PromptGroups, plain_tokens: int, pass_overhead: int) -> tuple[int, bool]:
-    """``(cost, shared)``: a micro-batch's cost in padded tokens, by the cheaper of the two passes
-    (one pass more) and the plain pass, and whether the two passes are the cheaper."""
-    shared = groups.tokens() + pass_overhead
-    return (shared, True) if shared < plain_tokens else (plain_tokens, False)
 
 
 @dataclass(frozen=True)
