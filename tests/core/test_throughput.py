@@ -82,6 +82,21 @@ def test_overrides_and_flags_change_the_answer(capsys) -> None:
     assert _step_s(shorter) < base and "log-normal, median 64, p99 256" in shorter
 
 
+def test_shared_prompts_are_planned_once_per_group(capsys) -> None:
+    """``share_prompts``: the speed step's 16 groups of 8 x (128 + 256) tokens train 16 x 128 + 128 x
+    256 tokens, not 128 x 384, and the plan's train phase shrinks with them."""
+    plain, shared = _plan(SPEED), _plan(SPEED, ["trainer.backend.params.share_prompts=true"])
+    assert not plain.shares_prompts and shared.shares_prompts
+    assert plain.batch.trained_tokens(plain.shares_prompts) == 128 * 384
+    assert shared.batch.trained_tokens(shared.shares_prompts) == 16 * 128 + 128 * 256
+    accel, place = C.ACCELERATORS["h200"], Placement("colocated", 1, 1, 1)
+    assert evaluate(shared, accel, place).train_s < 0.8 * evaluate(plain, accel, place).train_s
+    assert cli.main(["plan", SPEED, "trainer.backend.params.share_prompts=true"]) == 0
+    faster = _step_s(capsys.readouterr().out)
+    assert cli.main(["plan", SPEED]) == 0
+    assert faster < _step_s(capsys.readouterr().out)
+
+
 @pytest.mark.parametrize(
     ("argv", "names"),
     [

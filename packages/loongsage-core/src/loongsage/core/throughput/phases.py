@@ -60,15 +60,22 @@ class Batch:
             for s in self.sources
         )
 
-    def trained_tokens(self) -> float:
-        return math.fsum(s.prompts * s.samples * (s.prompt_tokens + s.lengths.mean()) for s in self.sources)
+    def trained_tokens(self, share_prompts: bool = False) -> float:
+        """Tokens the training forward computes; with ``share_prompts`` each group's prompt once."""
+        return math.fsum(
+            s.prompts * ((1 if share_prompts else s.samples) * s.prompt_tokens + s.samples * s.lengths.mean())
+            for s in self.sources
+        )
 
-    def trained_square(self) -> float:
-        """Σ over rows of ``E[(prompt + L)^2]``: the attention part of the training FLOPs."""
+    def trained_square(self, share_prompts: bool = False) -> float:
+        """Σ over rows of ``E[(prompt + L)^2]``: the attention part of the training FLOPs; with
+        ``share_prompts`` a group's prompt attends over itself once."""
         return math.fsum(
             s.prompts
-            * s.samples
-            * (s.prompt_tokens**2 + 2 * s.prompt_tokens * s.lengths.mean() + s.lengths.mean_square())
+            * (
+                (1 if share_prompts else s.samples) * s.prompt_tokens**2
+                + s.samples * (2 * s.prompt_tokens * s.lengths.mean() + s.lengths.mean_square())
+            )
             for s in self.sources
         )
 
@@ -203,8 +210,12 @@ def async_step_s(
     return bounds[bound] + push_s, bound
 
 
-def train_flops(shape_matmul: int, attention_width: int, batch: Batch, passes: float) -> float:
+def train_flops(
+    shape_matmul: int, attention_width: int, batch: Batch, passes: float, share_prompts: bool = False
+) -> float:
     """A step's training FLOPs: ``passes / 3`` times a forward and backward (``6 × params × tokens``
     plus causal attention ``6 × width × Σ seq²``); ``passes = 3`` is one forward and its backward,
-    each extra forward (old or reference log-probs, a checkpointed layer's recompute) adds 1."""
-    return passes / 3 * (6 * shape_matmul * batch.trained_tokens() + 6 * attention_width * batch.trained_square())
+    each extra forward (old or reference log-probs, a checkpointed layer's recompute) adds 1. With
+    ``share_prompts`` (the torch trainer's) each group's prompt is computed once."""
+    tokens, square = batch.trained_tokens(share_prompts), batch.trained_square(share_prompts)
+    return passes / 3 * (6 * shape_matmul * tokens + 6 * attention_width * square)

@@ -100,7 +100,7 @@ def _activation_bytes(work: Workload, ranks: int) -> float:
         per_hidden = C.ACTIVATION_BYTES_PER_HIDDEN_CHECKPOINTED * s.layers + C.ACTIVATION_BYTES_PER_HIDDEN
     else:
         per_hidden = C.ACTIVATION_BYTES_PER_HIDDEN * s.layers
-    tokens = min(work.micro_batch_tokens, work.batch.trained_tokens() / ranks)
+    tokens = min(work.micro_batch_tokens, work.batch.trained_tokens(work.shares_prompts) / ranks)
     chunk = int(work.trainer_params.get("head_chunk_tokens") or 0)  # the torch trainer's chunked FP32 head
     head_tokens = min(tokens, chunk) if chunk else tokens
     return float(tokens * per_hidden * s.hidden * scale + head_tokens * C.ACTIVATION_BYTES_PER_VOCAB * s.vocab)
@@ -135,7 +135,7 @@ def memory(work: Workload, place: Placement, rows: float, accel: C.Accelerator, 
 def _train(work: Workload, accel: C.Accelerator, place: Placement, release: bool) -> tuple[float, ...]:
     """FLOPs, compute, gradient all-reduce and memory moves of the training phase."""
     shape, b = work.shape, work.dtype_bytes
-    flops = train_flops(shape.matmul_params, shape.attention_width, work.batch, work.passes)
+    flops = train_flops(shape.matmul_params, shape.attention_width, work.batch, work.passes, work.shares_prompts)
     compute = flops / (place.ranks * accel.peak(work.dtype) * C.TRAINER_MFU[work.trainer])
     ranks = place.ranks  # a ring all-reduce of the gradients, not overlapped with the backward
     comm = 2 * (ranks - 1) / ranks * shape.total_params * b / accel.link if ranks > 1 else 0.0

@@ -55,6 +55,11 @@ class Workload:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
+    @property
+    def shares_prompts(self) -> bool:
+        """The trainer computes each group's prompt once (the torch trainer's ``share_prompts``)."""
+        return bool(self.trainer_params.get("share_prompts"))
+
 
 def _builder_defaults(registry: Any, name: str | None) -> dict[str, Any]:
     """The registered model builder's dataclass defaults (what a recipe's params leave out)."""
