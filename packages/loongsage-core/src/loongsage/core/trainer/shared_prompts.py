@@ -55,14 +55,16 @@ class PromptGroups:
     def of(cls, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> PromptGroups:
         """The groups of right-padded rows ``[B, T]``."""
         rows = RowPrompts.of(input_ids, attention_mask, response_mask)
-        index: dict[tuple[int, ...], int] = {}
         leaders: list[int] = []
-        for row, key in enumerate(rows.keys):
-            if key not in index:
-                index[key] = len(leaders)
+        for row, group in enumerate(rows.groups):
+            if group == len(leaders):  # numbered by first appearance: this row is its prompt's first
                 leaders.append(row)
-        group = torch.tensor([index[key] for key in rows.keys], dtype=torch.long)
-        return cls(group=group, prompt=torch.tensor(rows.prompts), length=torch.tensor(rows.lengths), leaders=leaders)
+        return cls(
+            group=torch.tensor(rows.groups, dtype=torch.long),
+            prompt=torch.tensor(rows.prompts),
+            length=torch.tensor(rows.lengths),
+            leaders=leaders,
+        )
 
     @property
     def prompt_width(self) -> int:
@@ -89,9 +91,11 @@ def prompt_lengths(response_mask: Tensor, length: Tensor) -> Tensor:
     return first.clamp(min=1).minimum(length).long()
 
 
-def prompt_keys(input_ids: Tensor, prompt: Tensor) -> list[tuple[int, ...]]:
-    """Each row's prompt tokens, hashable: rows with equal keys share their prompt."""
-    return [tuple(row[:p].tolist()) for row, p in zip(input_ids, prompt.tolist())]
+def prompt_groups(input_ids: Tensor, prompt: Tensor) -> list[int]:
+    """Each row's prompt as a number, prompts numbered by first appearance: rows with equal prompt
+    tokens get one number (the tokens are hashed here once, not again by every later comparison)."""
+    numbers: dict[tuple[int, ...], int] = {}
+    return [numbers.setdefault(tuple(row[:p].tolist()), len(numbers)) for row, p in zip(input_ids, prompt.tolist())]
 
 
 def check_attention(model: nn.Module) -> None:
@@ -140,9 +144,10 @@ def shared_groups(batch: TrainBatch, pass_overhead: int) -> PromptGroups | None:
 
 @dataclass(frozen=True)
 class RowPrompts:
-    """What the planner knows of a batch's rows: each one's prompt key, prompt length and length."""
+    """What the planner knows of a batch's rows: each one's prompt (:func:`prompt_groups`), prompt
+    length and length."""
 
-    keys: list[tuple[int, ...]]
+    groups: list[int]
     prompts: list[int]
     lengths: list[int]
 
@@ -150,13 +155,13 @@ class RowPrompts:
     def of(cls, input_ids: Tensor, attention_mask: Tensor, response_mask: Tensor) -> RowPrompts:
         length = attention_mask.sum(-1).long().cpu()
         prompt = prompt_lengths(response_mask, length)
-        return cls(prompt_keys(input_ids.cpu(), prompt), prompt.tolist(), length.tolist())
+        return cls(prompt_groups(input_ids.cpu(), prompt), prompt.tolist(), length.tolist())
 
     def two_pass_tokens(self, rows: Sequence[int]) -> int:
         """Tokens the two passes compute for ``rows``: each distinct prompt once, each row's rest."""
         widest_prompt = max(self.prompts[i] for i in rows)
         widest_rest = max(self.lengths[i] - self.prompts[i] for i in rows)
-        return len({self.keys[i] for i in rows}) * widest_prompt + len(rows) * widest_rest
+        return len({self.groups[i] for i in rows}) * widest_prompt + len(rows) * widest_rest
 
     def plan_cost(self, plan: list[list[int]], pass_overhead: int) -> int:
         """A plan's padded tokens and per-pass overheads, each micro-batch run the cheaper way."""
@@ -170,12 +175,9 @@ class RowPrompts:
         """Micro-batches of rows kept with their prompt's other rows (prompts in order of first
         appearance), a new one whenever what the two passes compute would exceed the budget; a row
         over the budget on its own still forms one."""
-        by_key: dict[tuple[int, ...], list[int]] = {}
-        for row, key in enumerate(self.keys):
-            by_key.setdefault(key, []).append(row)
         plans: list[list[int]] = []
         current: list[int] = []
-        for row in (row for rows in by_key.values() for row in rows):
+        for row in sorted(range(len(self.groups)), key=self.groups.__getitem__):  # stable: rows in order
             if current and self.two_pass_tokens([*current, row]) > token_budget:
                 plans.append(current)
                 current = []
