@@ -117,9 +117,7 @@ class TorchTrainer(TrainerSkeleton):
             "dp_mode: fsdp2": world > 1 and self.dp_mode == "fsdp2",  # sharded weights
             "a value model": not self.supports_batch_invariant,
         }
-        named = [name for name, on in clash.items() if on]
-        if named:
-            raise ValueError(f"batch_invariant: not with {', '.join(named)}; turn one of them off")
+        _refuse_clashes("batch_invariant", clash)
         if self.dtype not in ("bfloat16", "float16") or not str(self.device).startswith("cuda"):
             raise ValueError(
                 f"batch_invariant: runs bf16/fp16 models on CUDA (the engine's fused kernels); "
@@ -136,9 +134,7 @@ class TorchTrainer(TrainerSkeleton):
             "dp_mode: fsdp2": world > 1 and self.dp_mode == "fsdp2",  # the body runs outside FSDP2's root
             "a value model": not self.supports_share_prompts,
         }
-        named = [name for name, on in clash.items() if on]
-        if named:
-            raise ValueError(f"share_prompts: not with {', '.join(named)}; turn one of them off")
+        _refuse_clashes("share_prompts", clash)
 
     @classmethod
     def _check_lora_placement(cls, world_size: int, dp_mode: str) -> None:
@@ -149,3 +145,10 @@ class TorchTrainer(TrainerSkeleton):
                 "lora: dp_mode='fsdp2' is not supported with LoRA; set dp_mode='replicate' "
                 "(the adapters are small, so a full replica per rank costs little)"
             )
+
+
+def _refuse_clashes(option: str, clash: dict[str, bool]) -> None:
+    """One line naming every setting in ``clash`` that is on beside ``option``."""
+    named = [name for name, on in clash.items() if on]
+    if named:
+        raise ValueError(f"{option}: not with {', '.join(named)}; turn one of them off")
