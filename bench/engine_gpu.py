@@ -165,6 +165,9 @@ def main() -> None:
     parser.add_argument("--sglang", action="store_true", help="also time SGLang on the same card, same run")
     parser.add_argument("--sglang-mem-fraction", type=float, default=0.35)
     parser.add_argument("--sglang-sampling-backend", default="pytorch", choices=["pytorch", "flashinfer"])
+    parser.add_argument(
+        "--sglang-attention-backend", default=None, help="SGLang's attention backend (default: its own choice)"
+    )
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -214,6 +217,7 @@ def main() -> None:
             mem_fraction_static=args.sglang_mem_fraction,
             release_tags=[],
             sampling_backend=args.sglang_sampling_backend,
+            attention_backend=args.sglang_attention_backend,
             server_args={"cuda_graph_max_bs": longest},
         )
         url = server.url
@@ -276,7 +280,11 @@ def main() -> None:
         "weights_gb": weight_bytes / 1e9,
         "graphs_captured": fused._batch.graphs.captures,
         "copy_bandwidth_tb_s": bandwidth / 1e12,
-        "sglang": {"mem_fraction_static": args.sglang_mem_fraction, "sampling_backend": args.sglang_sampling_backend}
+        "sglang": {
+            "mem_fraction_static": args.sglang_mem_fraction,
+            "sampling_backend": args.sglang_sampling_backend,
+            "attention_backend": args.sglang_attention_backend or "default",
+        }
         if server is not None
         else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,

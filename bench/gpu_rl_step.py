@@ -159,7 +159,6 @@ def ours(args, work: Path, env: dict) -> dict:
         cmd.append(f"plugins=[{args.plugins}]")
     if args.profile_step:
         cmd.append(f"run.profile_steps=[{args.profile_step}]")
-    cmd += args.set
     if args.engine != "native":
         # a new engine name on the command line starts from empty params: the recipe's go with it
         import yaml
@@ -171,6 +170,7 @@ def ours(args, work: Path, env: dict) -> dict:
         cmd.append(f"trainer.backend={{name: {args.trainer}, params: {{device: cuda}}}}")
     if args.share_prompts:
         cmd.append("trainer.backend.params.share_prompts=true")
+    cmd += args.set  # last: they refine the engine and trainer chosen above
     start = time.perf_counter()
     memory: dict = {}
     with card_memory_peak(memory):
