@@ -12,6 +12,7 @@ single process group, and a few again with an idle rank 0 (``{dp_mode}+idle``); 
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -163,8 +164,13 @@ def main() -> None:
         del trainer
     if rank == 0:
         torch.save(results, out_file)
+    dist.barrier()  # both ranks are past their last collective before either tears gloo down
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # gloo's C++ threads can abort the interpreter's own teardown ("terminate called without an
+    # active exception") after all the work is done and saved; leave without that teardown
+    sys.stdout.flush()
+    os._exit(0)
