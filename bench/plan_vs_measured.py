@@ -7,7 +7,7 @@ the result file it came from (a constant that no longer matches its file is flag
 says whether its measurement calibrated a constant (``calibration``: the error there shows only how
 the other constants combine) or is held out (``held out``: a prediction).
 
-Configurations: ``gpu_rl_step`` at d8485dc (fused engine, compiled trainer), de085c6 (eager trainer)
+Configurations: ``gpu_rl_step`` at 05257a0 (fused engine, compiled trainer), de085c6 (eager trainer)
 and 5ec1daf (torch decode kernels, eager trainer); the same step with the SGLang engine; the arith4
 recipes (float32, bf16, and asynchronous on one shared card); the async gain of
 ``sim_async_gain.json`` at 8-1,000 simulated engines (the model's formula fed the simulation's
@@ -66,7 +66,8 @@ def arith4_prompt_tokens() -> float:
 
 
 # ----------------------------------------------------------------------------- calibration
-def calibration(arith4_engine_s: float, arith4_bytes: float) -> list[dict[str, Any]]:
+def calibration(host_engine_s: float, arith4_bytes: float) -> list[dict[str, Any]]:
+    """Each constant against its file; ``host_engine_s``: the bf16 arith4 run's modelled engine time."""
     from loongsage.core.throughput import calibration as K
     from loongsage.core.throughput import constants as C
 
@@ -79,12 +80,12 @@ def calibration(arith4_engine_s: float, arith4_bytes: float) -> list[dict[str, A
     rows = [
         ("H200_PEAK_BF16", C.H200_PEAK_BF16, train_mfu["matmul_tflops"] * 1e12, "train_mfu.json (d8485dc)"),
         ("H200_BANDWIDTH", C.H200_BANDWIDTH, engine["info"]["copy_bandwidth_tb_s"] * 1e12, "engine_gpu.json (d8485dc)"),
-        ("TRAIN_SEAMS_S", C.TRAIN_SEAMS_S, seams, "gpu_rl_step.json (d8485dc)"),
+        ("TRAIN_SEAMS_S", C.TRAIN_SEAMS_S, seams, "gpu_rl_step.json (05257a0)"),
         (
             "TRAINER_MFU[torch_compiled]",
             C.TRAINER_MFU["torch_compiled"],
             K.in_step_trainer_mfu(step["ours"]["trainer_compute_s"], C.H200_PEAK_BF16),
-            "gpu_rl_step.json (d8485dc)",
+            "gpu_rl_step.json (05257a0)",
         ),
         (
             "TRAINER_MFU[torch]",
@@ -114,13 +115,13 @@ def calibration(arith4_engine_s: float, arith4_bytes: float) -> list[dict[str, A
         eta, per_batch = K.decode_efficiency(engine, side, h200, C.PREFILL_MFU)
         spread = ", ".join(f"{b}: {v:.3f}" for b, v in per_batch.items())
         rows.append((f"DECODE_EFFICIENCY[{kernels}]", C.DECODE_EFFICIENCY[kernels], eta, f"engine_gpu.json ({spread})"))
-    rollout = K.steady(arith, "timing/rollout_s")
+    rollout = K.steady(metrics("grpo_arith4_bf16_h200.metrics.jsonl"), "timing/rollout_s")
     rows += [
         (
             "HOST_S_PER_TRAJECTORY",
             C.HOST_S_PER_TRAJECTORY,
-            K.host_per_trajectory(rollout, arith4_engine_s, 512),
-            f"grpo_arith4_h200 (rollout {rollout:.4f} s less the engine's modelled {arith4_engine_s:.4f} s)",
+            K.host_per_trajectory(rollout, host_engine_s, 512),
+            f"grpo_arith4_bf16_h200 (rollout {rollout:.4f} s less the engine's modelled {host_engine_s:.4f} s)",
         ),
         (
             "PUSH_FIXED_S",
@@ -196,6 +197,11 @@ def from_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {phase: steady(rows, key) for phase, key in keys.items()}
 
 
+# the commit each learning run of bench/results/gpu_runs measured: runs of older code show how far
+# the engine and trainer have moved since, against a model calibrated on the newest
+RUN_COMMITS = {"grpo_arith4_h200": "fb011ee", "grpo_arith4_bf16_h200": "b4c3fa5", "grpo_arith4_async_h200": "5ec1daf"}
+
+
 def steps() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from loongsage.core.sim.engine import LengthModel
 
@@ -206,7 +212,7 @@ def steps() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         "step_s": "held out, its train phase calibration",
     }
     cases = [
-        ("gpu_rl_step d8485dc", [], from_step_json(load("gpu_rl_step.json")), calibrated_train),
+        ("gpu_rl_step 05257a0", [], from_step_json(load("gpu_rl_step.json")), calibrated_train),
         (
             "gpu_rl_step de085c6 (eager trainer)",
             ["trainer.backend.params.compile_layers=false"],
@@ -233,21 +239,22 @@ def steps() -> tuple[list[dict[str, Any]], dict[str, Any]]:
     lengths = LengthModel(median=5, p99=8)  # the runs' mean response: 5.09 tokens of at most 8
     arith4 = {}
     for name, roles in (
-        ("grpo_arith4_h200", {"rollout_s": "calibration (host)", "push_s": "calibration (fixed part)"}),
-        ("grpo_arith4_bf16_h200", {}),
+        ("grpo_arith4_h200", {"push_s": "calibration (fixed part)"}),
+        ("grpo_arith4_bf16_h200", {"rollout_s": "calibration (host)"}),
         ("grpo_arith4_async_h200", {}),
     ):
         pred, work = predict(f"gpu/{name}", [], lengths, round(prompt))
         arith4[name] = (pred, work)
         if name == "grpo_arith4_h200":
             roles["train_s"] = "calibration (engine memory moves)"
-            roles["step_s"] = "calibration (its phases)"
-        out += phase_rows(name, pred, from_metrics(metrics(f"{name}.metrics.jsonl")), roles)
+            roles["step_s"] = "held out, its push and memory moves calibration"
+        out += phase_rows(f"{name} {RUN_COMMITS[name]}", pred, from_metrics(metrics(f"{name}.metrics.jsonl")), roles)
     fp32, work = arith4["grpo_arith4_h200"]
     info = {
         "arith4_prompt_tokens": prompt,
         "arith4_mean_response_tokens": work.batch.sources[0].lengths.mean(),
         "arith4_engine_s": fp32.rollout.engine_s,
+        "arith4_bf16_engine_s": arith4["grpo_arith4_bf16_h200"][0].rollout.engine_s,
         "arith4_weight_bytes": work.shape.weight_bytes(work.dtype_bytes),
     }
     return out, info
@@ -393,7 +400,7 @@ def main() -> int:
     rows, info = steps()
     result = {
         "source": source,
-        "calibration": calibration(info["arith4_engine_s"], info["arith4_weight_bytes"]),
+        "calibration": calibration(info["arith4_bf16_engine_s"], info["arith4_weight_bytes"]),
         "info": info,
         "steps": rows,
         "simulated_gain": simulated_gain(),

@@ -65,23 +65,24 @@ ACCELERATORS = {name: _accelerator(name) for name in DATASHEET}
 # prompts (modelled below) taken out; one value fitted over the three batches (each batch alone:
 # fused 0.454-0.513, torch 0.197-0.245, sglang 0.261-0.276).
 DECODE_EFFICIENCY = {
-    "fused": 0.4894,  # native engine, fused Triton kernels under CUDA graphs (bf16/fp16)
-    "torch": 0.2249,  # native engine, torch kernels under CUDA graphs (kernels: torch, or float32)
-    "sglang": 0.2694,  # SGLang 0.5.16 through its HTTP API with log-probs, same card, same run
+    "fused": 0.4889,  # native engine, fused Triton kernels under CUDA graphs (bf16/fp16)
+    "torch": 0.2247,  # native engine, torch kernels under CUDA graphs (kernels: torch, or float32)
+    "sglang": 0.2693,  # SGLang 0.5.16 through its HTTP API with log-probs, same card, same run
 }
 # A decode step outside the graphed forward (sampling, bookkeeping, the host round trip):
 # bench/results/engine_profile_gpu.json at d8485dc, batch 128. No step is shorter (tiny models).
 DECODE_STEP_FLOOR_S = 0.94e-3
 # Prefill runs the torch path (an HF-style forward), so its MFU is taken to be the eager trainer's
 # in-step MFU (TRAINER_MFU["torch"]): an assumption, prefill is not timed on its own anywhere.
-PREFILL_MFU = 0.4147
+PREFILL_MFU = 0.4173
 NATIVE_MAX_ROWS = 256  # the native engine's default max_batch_size (rows it decodes at once)
 SGLANG_MAX_ROWS = 256  # assumed for SGLang (its own limit follows its memory fraction)
-# The controller's host work per trajectory (agent, reward, trajectory assembly, Ray calls):
-# bench/results/gpu_runs/grpo_arith4_h200.metrics.jsonl (fb011ee), median rollout 0.554 s (steps 2-60) for 512
-# trajectories of at most 8 tokens, the engine's own modelled time taken out. Serial: it does not
-# shrink with more engines.
-HOST_S_PER_TRAJECTORY = 1.0589e-3
+# The controller's host work per trajectory (agent, reward, trajectory assembly, Ray calls, and the
+# engine's own steps beyond its modelled compute): bench/results/gpu_runs/grpo_arith4_bf16_h200.metrics.jsonl
+# (b4c3fa5), median rollout 0.2305 s (steps 2-60) for 512 trajectories of at most 8 tokens, the
+# engine's own modelled time taken out. Serial: it does not shrink with more engines. (The float32
+# run at fb011ee, before the engine's whole-step graph, gave 1.06 ms.)
+HOST_S_PER_TRAJECTORY = 0.4311e-3
 
 # ---------------------------------------------------------------- training
 # MFU of the trainer's compute against H200_PEAK_BF16, FLOPs counted as 6 x matmul params x tokens
@@ -89,19 +90,20 @@ HOST_S_PER_TRAJECTORY = 1.0589e-3
 TRAINER_MFU = {
     # eager torch: the GRPO step at de085c6 (history/gpu_rl_step.de085c6.json: train 1.61 s less the
     # seams below), micro-batches of 32 x 384 tokens
-    "torch": 0.4147,
-    # torch with compile_layers: the GRPO step at d8485dc (gpu_rl_step.json, timing/trainer_compute_s)
-    "torch_compiled": 0.4729,
+    "torch": 0.4173,
+    # torch with compile_layers: the GRPO step at 05257a0 (gpu_rl_step.json, timing/trainer_compute_s),
+    # every layer compiled (at d8485dc, history/gpu_rl_step.d8485dc.json, 8 of 28 were: 0.4729)
+    "torch_compiled": 0.7065,
     # megatron, sdpa layer and Transformer Engine's: bench/train_mfu.py at c7ef7f5
     # (history/train_mfu.c7ef7f5.json, 4 x 4096 tokens; in that bench the torch trainer ran 39.4%
     # where it runs 41.5% in the step, so these may be low for a step's shapes)
     "megatron": 0.4252,
     "megatron_te": 0.4836,
 }
-# Batch building and the transfers to the trainer around its compute: gpu_rl_step.json at d8485dc,
-# train_s - trainer_compute_s (0.035 s for 128 x 384 tokens). Per step: the bf16 arith4 run shows
-# about the same for 512 short rows (0.037 s).
-TRAIN_SEAMS_S = 0.0351
+# Batch building and the transfers to the trainer around its compute: gpu_rl_step.json at 05257a0,
+# train_s - trainer_compute_s (0.045 s for 128 x 384 tokens; 0.035 s at d8485dc). Per step: the
+# bf16 arith4 run shows about the same for 512 short rows (0.037 s).
+TRAIN_SEAMS_S = 0.0448
 # Activation memory per token of a micro-batch: 34 bytes x hidden per layer (16-bit activations
 # without recomputation, flash attention; Korthikanti et al. 2022), 2 bytes x hidden per layer
 # with gradient checkpointing (each layer's input) plus one layer's 34; and bytes per vocabulary
