@@ -26,14 +26,14 @@ def fused():
     return load_fused()
 
 
-def _qwen3(dtype: torch.dtype, *, qk_norm: bool = True, seed: int = 0):
+def _qwen3(dtype: torch.dtype, *, qk_norm: bool = True, seed: int = 0, intermediate: int = 96):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     shape = {
         "vocab_size": 128,
         "hidden_size": 64,
-        "intermediate_size": 96,
+        "intermediate_size": intermediate,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
@@ -314,12 +314,15 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
     from loongsage.core.engine.native import NativeEngine
     from loongsage.core.trainer.invariant import InvariantForward
 
-    _qwen3(torch.bfloat16).save_pretrained(tmp_path / "tiny")
+    # an MLP 600 wide: the down projection sums two chunks of K (see fused/matmul.py)
+    _qwen3(torch.bfloat16, intermediate=600).save_pretrained(tmp_path / "tiny")
     engine = NativeEngine(
         str(tmp_path / "tiny"), dtype="bfloat16", max_batch_size=6, max_model_len=64, steps_per_sync=3, eos_token_ids=[]
     )
     runner = engine._runner
+    # merged q/k/v and gate/up in the engine, the trainer's projections apart: the same bits
     runner.fused, runner.invariant = fused["decoder"].FusedDecoder(runner, invariant=True), True
+    assert runner.fused.layers[0].qkv is not None
     engine._batch = SlotBatch(runner, **engine._batch_args)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in (5, 17, 9, 12)]
@@ -378,7 +381,7 @@ def test_invariant_matmul_matches_a_float32_reference(fused, dtype):
     mm = fused["matmul"]
     torch.manual_seed(11)
     for m in (1, 37, 130):
-        for n, k in ((96, 80), (200, 192)):
+        for n, k in ((96, 80), (200, 192), (72, 1100)):  # the last: three chunks of K, a short one last
             x = torch.randn(m, k + 24, dtype=dtype)[:, 5 : 5 + k]
             merged = torch.randn(40 + n + 24, k, dtype=dtype)
             w = merged[40 : 40 + n]
@@ -410,7 +413,7 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch(fused, dtype):
     weight and inside a merged [w1; w; w3] (offsets off the column tiles, as the engine's q/k/v)."""
     mm = fused["matmul"]
     torch.manual_seed(12)
-    k, n = 200, 96  # a K tail, and a merged N of 40 + 96 + 24
+    k, n = 1100, 96  # three chunks of K (the last short), and a merged N of 40 + 96 + 24
     probe = torch.randn(5, k, dtype=dtype)
     w1, w, w3 = (torch.randn(rows, k, dtype=dtype) for rows in (40, n, 24))
     b1, b, b3 = (torch.randn(rows, dtype=dtype) for rows in (40, n, 24))
@@ -422,6 +425,25 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch(fused, dtype):
             assert torch.equal(mm.invariant_matmul(batch, w, bias, out_dtype)[at], alone), (size, out_dtype)
             whole = mm.invariant_matmul(batch, merged, biases, out_dtype)
             assert torch.equal(whole[at, 40 : 40 + n], alone), (size, out_dtype)
+
+
+def test_invariant_matmul_layouts_give_the_same_bits(fused, monkeypatch):
+    """A chunk per program (with the in-order sum of the chunks after) and a tile per program
+    (walking its chunks) are two layouts of one computation: the same bits, with and without a
+    bias, rounded to bf16 or kept in float32, and with a single chunk (no sum of chunks at all)."""
+    mm = fused["matmul"]
+    torch.manual_seed(13)
+    for k in (1100, 300):
+        x, w = torch.randn(70, k, dtype=torch.bfloat16), torch.randn(150, k, dtype=torch.bfloat16)
+        bias = torch.randn(150, dtype=torch.bfloat16)
+        for b, out_dtype in ((bias, None), (None, torch.float32), (bias, torch.float32)):
+            layouts = []
+            for split_below in (10**6, 0):  # every shape split, no shape split
+                monkeypatch.setattr(mm, "_split_below", lambda device, n=split_below: n)
+                layouts.append(mm.invariant_matmul(x, w, b, out_dtype))
+            assert torch.equal(*layouts), (k, out_dtype)
+            want = x.float() @ w.float().T + (0 if b is None else b.float())
+            torch.testing.assert_close(layouts[0].float(), want, atol=1e-4 if out_dtype else 0.1, rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

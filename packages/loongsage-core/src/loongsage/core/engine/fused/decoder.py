@@ -14,10 +14,11 @@ and resume).
 The same layers run any number of tokens of one or more sequences (:meth:`FusedDecoder.hidden`:
 token ``n`` writes its key at its own column of its sequence's cache row and attends over the
 columns before it). With ``invariant`` the path is batch-invariant: every GEMM is the fixed-tile
-kernel of :mod:`~loongsage.core.engine.fused.matmul` (one per HF projection) and attention keeps a
-token's columns in one program, so a token's numbers do not depend on how many tokens run beside
-it. The engine's decode and prefill and the trainer's forward
-(:mod:`loongsage.core.trainer.invariant`) then compute bit-identical log-probs.
+kernel of :mod:`~loongsage.core.engine.fused.matmul` (the engine's merged projections give the
+same bits as the trainer's projections apart) and attention keeps a token's columns in one
+program, so a token's numbers do not depend on how many tokens run beside it. The engine's decode
+and prefill and the trainer's forward (:mod:`loongsage.core.trainer.invariant`) then compute
+bit-identical log-probs.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class _Layer(NamedTuple):
     ln2: nn.Module
     gate_up: Tensor | None  # the merged gate/up weight
     down: nn.Linear
-    attn: nn.Module  # the HF modules: the batch-invariant path takes each projection by itself
+    attn: nn.Module  # the HF modules: the trainer's batch-invariant path takes each projection by itself
     mlp: nn.Module
 
 
@@ -107,7 +108,7 @@ class FusedDecoder:
     def bind(self) -> None:
         """(Re-)merge the projections; call after the parameters were replaced (a device move).
         Without ``merge`` (the trainer's model, whose parameters must stay its own tensors) only
-        the batch-invariant path runs, which takes each projection by itself."""
+        the batch-invariant path runs, each projection by itself, with the same bits as merged."""
         self.layers: list[_Layer] = []
         for layer in self.runner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -183,8 +184,9 @@ class FusedDecoder:
         ``cache_rows[n]`` where given: several tokens of one sequence), and it attends over that
         row's columns ``[0, cols[n]]``. Decode passes one token per slot; a prefill or the trainer
         passes the tokens of a sequence, each at its position. ``invariant`` computes every token
-        the same way whatever ``N`` is: the batch-invariant GEMM (one per HF projection, as the
-        trainer's modules are), attention with each token's columns in one program, in order.
+        the same way whatever ``N`` is: the batch-invariant GEMM (on the merged weights where this
+        decoder merged them, else one per HF projection, as the trainer's modules are), attention
+        with each token's columns in one program, in order.
         """
         r = self.runner
         hidden = r.inner.embed_tokens(input_ids)  # [N, 1, H]
@@ -224,9 +226,13 @@ class FusedDecoder:
         layer = self.layers[i]
         if invariant:
             attn = layer.attn
-            return torch.cat(
-                [invariant_linear(x, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], 1
-            )
+            projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+            # the merged weight's columns are each projection's bits (the GEMM tiles N); a bias
+            # merged with zeros for a projection without one would add 0.0, turning a -0.0 into
+            # +0.0, so that case keeps the projections apart, as the trainer runs them
+            if layer.qkv is not None and len({m.bias is None for m in projections}) == 1:
+                return invariant_linear(x, layer.qkv, layer.qkv_bias)
+            return torch.cat([invariant_linear(x, m.weight, m.bias) for m in projections], 1)
         if self.fp8:
             return fp8_linear(x, *self.quantized[i]["qkv"], layer.qkv_bias)
         return F.linear(x, layer.qkv, layer.qkv_bias)
@@ -234,6 +240,8 @@ class FusedDecoder:
     def _gate_up(self, i: int, x: Tensor, invariant: bool) -> Tensor:
         layer = self.layers[i]
         if invariant:
+            if layer.gate_up is not None:  # the same bits as the two projections apart (see _qkv)
+                return invariant_linear(x, layer.gate_up)
             mlp = layer.mlp
             return torch.cat([invariant_linear(x, mlp.gate_proj.weight), invariant_linear(x, mlp.up_proj.weight)], 1)
         if self.fp8:

@@ -6,7 +6,7 @@ The consistency mode needs the rollout engine's batched decode (``M`` = the live
 micro-batch) to give bit-identical numbers for one token's row. cuBLAS does not: it picks a
 kernel, a tile shape and a split-K factor by shape, and each choice sums a row's products in a
 different order, so a token's logits depend on the batch it ran in. Here the reduction order of an
-output element is pinned:
+output element is pinned, and depends on ``K`` alone:
 
 * ONE tile configuration (``BLOCK_M = BLOCK_N = BLOCK_K = 64``, 4 warps, 3 stages) for every
   ``M``, ``N`` and ``K``: no autotuning, no configuration chosen by shape. The compiled kernel is
@@ -15,25 +15,35 @@ output element is pinned:
   hold (a masked row is zeros and adds nothing to another row: an MMA's output element reads one
   row of A and one column of B). A config chosen by ``M`` would change ``BLOCK_K`` or the MMA
   shape and with it the rounding of the float32 sums;
-* the K loop runs in order from 0 in steps of ``BLOCK_K``, accumulating each step's ``tl.dot``
-  into one float32 accumulator, and is never split (split-K adds partial sums in an order that
-  depends on the split, which cuBLAS chooses by shape);
+* ``K`` is cut into fixed chunks of ``CHUNK_K`` (512) columns. Each chunk is summed from zero, in
+  order, in steps of ``BLOCK_K``, each step's ``tl.dot`` into one float32 accumulator; then the
+  chunks' sums are added in order, chunk 0 first. That order is a function of ``K`` only;
+* how the work is laid out on the GPU is chosen by shape, and never changes the numbers. With
+  few output tiles (a decode step's ``M`` of a few dozen rows: a 2048-wide projection has 32
+  column tiles for 132 SMs) each chunk is a program of its own, writing its float32 sum to a
+  buffer that a second kernel adds up in chunk order; with many tiles (the trainer's thousands of
+  rows, the LM head's vocabulary) one program walks its tile's chunks in order and adds them as
+  it goes. Both run the same chunk code and the same additions in the same order, so a row's
+  numbers are the same bits whichever ran: this is a fixed split-K, where cuBLAS' split factor
+  follows the shape;
 * ``M`` is not specialised (``do_not_specialize``): Triton would otherwise compile a second kernel
   for ``M == 1`` (and for ``M % 16 == 0``), and a decode step of one row must run the same code as
   the trainer's thousands;
-* the bias, if any, is added to the float32 accumulator, and the result is rounded once, to the
-  output dtype (float32 for the FP32 LM head: no rounding at all).
+* the bias, if any, is added to the float32 sum after the last chunk, and the result is rounded
+  once, to the output dtype (float32 for the FP32 LM head: no rounding at all).
 
 64 x 64 tiles trade speed for this: cuBLAS's large-``M`` kernels (128 x 256 tiles, warp
-specialisation) are faster on the trainer's GEMMs, and at decode sizes 64-wide column tiles are
-what keep enough programs in flight without a split of ``K``. ``N`` is tiled too, so the columns of
-one projection computed alone equal the same columns of a merged (q/k/v, gate/up) weight bit for
-bit, as long as the two calls see the same ``K`` and pointer alignment (see ``invariant_matmul``).
+specialisation) are faster on the trainer's GEMMs. ``N`` is tiled too, so the columns of one
+projection computed alone equal the same columns of a merged (q/k/v, gate/up) weight bit for bit,
+as long as the two calls see the same ``K`` and pointer alignment (see ``invariant_matmul``): the
+engine runs its merged projections, the trainer its own modules' weights.
 
 The backward (:class:`InvariantLinear`) runs ordinary torch matmuls: gradients need not be invariant.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -42,14 +52,49 @@ from torch import Tensor
 
 from loongsage.core.model_math.dtypes import HALF_DTYPES
 
-# The one tile configuration, for every shape (see the module docstring). Changing any of these
-# changes the numbers: the engine and the trainer must run the same values.
+# The one tile configuration and chunk length, for every shape (see the module docstring).
+# Changing any of these changes the numbers: the engine and the trainer must run the same values.
 _BLOCK_M = 64
 _BLOCK_N = 64
 _BLOCK_K = 64
+_CHUNK_K = 512  # a multiple of _BLOCK_K
 _NUM_WARPS = 4
 _NUM_STAGES = 3
 _GROUP_M = 8  # tiles of rows walked together for L2 reuse: the order programs run in, not the numbers
+_REDUCE_BLOCK = 1024  # elements per program of the chunk-sum kernel (layout only)
+
+
+@triton.jit
+def _chunk_sum(
+    x_ptr,
+    w_ptr,
+    rm,
+    rn,
+    in_m,
+    in_n,
+    k0,
+    K,
+    stride_x,
+    stride_w,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+):
+    """The float32 sum over columns ``[k0, k0 + CHUNK_K)`` of ``K`` for one output tile: from zero,
+    in order, one ``tl.dot`` per ``BLOCK_K`` step (both layouts run exactly this)."""
+    rk = tl.arange(0, BLOCK_K)
+    # 64-bit row offsets: the FP32 head's output (tokens x vocabulary) passes 2**31 elements
+    a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_x + (k0 + rk)[None, :]  # [BLOCK_M, BLOCK_K]
+    b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_w + (k0 + rk)[:, None]  # [BLOCK_K, BLOCK_N]: weight.T
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k0, tl.minimum(k0 + CHUNK_K, K), BLOCK_K):
+        a = tl.load(a_ptrs, mask=in_m & (rk[None, :] < K - k), other=0.0)
+        b = tl.load(b_ptrs, mask=in_n & (rk[:, None] < K - k), other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    return acc
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -58,6 +103,7 @@ def _matmul_kernel(
     w_ptr,
     b_ptr,
     out_ptr,
+    part_ptr,
     M,
     N,
     K,
@@ -65,9 +111,11 @@ def _matmul_kernel(
     stride_w,
     stride_out,
     HAS_BIAS: tl.constexpr,
+    SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CHUNK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     # program -> output tile, grouped by GROUP_M row tiles (the Triton tutorial's ordering): which
@@ -83,24 +131,48 @@ def _matmul_kernel(
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     in_m = rm[:, None] < M
     in_n = rn[None, :] < N
-    # 64-bit row offsets: the FP32 head's output (tokens x vocabulary) passes 2**31 elements
-    a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * stride_x + rk[None, :]  # [BLOCK_M, BLOCK_K]
-    b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * stride_w + rk[:, None]  # [BLOCK_K, BLOCK_N]: weight.T
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # in order from 0, one float32 accumulator, never split: the same sums for every M
-    for k in range(0, K, BLOCK_K):
-        a = tl.load(a_ptrs, mask=in_m & (rk[None, :] < K - k), other=0.0)
-        b = tl.load(b_ptrs, mask=in_n & (rk[:, None] < K - k), other=0.0)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    if SPLIT:  # this program's chunk to the buffer; _chunk_reduce_kernel adds the chunks in order
+        chunk = tl.program_id(1)
+        acc = _chunk_sum(
+            x_ptr, w_ptr, rm, rn, in_m, in_n, chunk * CHUNK_K, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K
+        )
+        part = part_ptr + chunk.to(tl.int64) * M * N + rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(part, acc, mask=in_m & in_n)
+    else:  # every chunk of the tile, added in order as they come
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, CHUNK_K):
+            total += _chunk_sum(
+                x_ptr, w_ptr, rm, rn, in_m, in_n, k0, K, stride_x, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK_K
+            )
+        if HAS_BIAS:
+            total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rm.to(tl.int64)[:, None] * stride_out + rn[None, :]
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=in_m & in_n)  # the one rounding
+
+
+@triton.jit
+def _chunk_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, CHUNKS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = sum of the chunks' float32 sums, chunk 0 first (+ bias)``, rounded once: the same
+    additions the one-program layout makes (``out`` is a fresh contiguous ``[M, N]``)."""
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = at < M * N
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for c in range(0, CHUNKS):
+        total += tl.load(part_ptr + c * M * N + at, mask=inside, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm.to(tl.int64)[:, None] * stride_out + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_m & in_n)  # the one rounding
+        total += tl.load(b_ptr + at % N, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+@functools.cache
+def _split_below(device: torch.device) -> int:
+    """Output tiles under which each chunk runs as a program of its own: two waves of the GPU's
+    SMs (the interpreter on the CPU counts as a small GPU, so both layouts are tested there)."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def invariant_matmul(
@@ -112,8 +184,8 @@ def invariant_matmul(
     fp16); ``bias`` ``[N]`` in any float dtype. Both are read in place with any row stride (a column
     slice of a wider ``x``, a row slice of a merged weight) and must have unit stride on ``K``: a
     tensor without one is copied (``.contiguous()``), which changes no value. Returns ``[M, N]`` in
-    ``out_dtype`` (``x.dtype`` by default, or float32 for the FP32 LM head), summed in float32 and
-    rounded once.
+    ``out_dtype`` (``x.dtype`` by default, or float32 for the FP32 LM head), summed in float32 in
+    fixed chunks of ``K`` and rounded once.
 
     Bitwise invariance holds across ``M`` (and across the column range of a merged weight) for
     calls with the same ``K`` and dtypes. Triton specialises a kernel on the 16-byte alignment of
@@ -141,12 +213,15 @@ def invariant_matmul(
         weight = weight.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    grid = (triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _BLOCK_N),)
-    _matmul_kernel[grid](
+    tiles, chunks = triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _BLOCK_N), triton.cdiv(k, _CHUNK_K)
+    split = chunks > 1 and tiles < _split_below(x.device)
+    part = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
+    _matmul_kernel[(tiles, chunks if split else 1)](
         x,
         weight,
         x if bias is None else bias,  # never read without a bias
         out,
+        part,
         m,
         n,
         k,
@@ -154,13 +229,19 @@ def invariant_matmul(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
+        SPLIT=split,
         BLOCK_M=_BLOCK_M,
         BLOCK_N=_BLOCK_N,
         BLOCK_K=_BLOCK_K,
+        CHUNK_K=_CHUNK_K,
         GROUP_M=_GROUP_M,
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )
+    if split:
+        _chunk_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
+            part, x if bias is None else bias, out, m, n, chunks, HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK
+        )
     return out
 
 

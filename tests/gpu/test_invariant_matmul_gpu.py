@@ -1,0 +1,42 @@
+"""On a CUDA GPU: the batch-invariant GEMM's rows do not depend on the batch, bit for bit, at the
+1.7B shape's projections, in both of its layouts (a chunk of K per program, or a tile per program).
+
+The CPU suite checks the same in Triton's interpreter, whose ``tl.dot`` is numpy's; this checks the
+compiled kernels: that the two layouts' tensor-core sums are the same instructions in the same
+order. Run with ``LOONGSAGE_RUN_GPU=1 pytest tests/gpu -m gpu``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+# (N, K) of the Qwen3-1.7B shape: merged q/k/v, o, merged gate/up, down, and the FP32 head
+SHAPES = [(4096, 2048, None), (2048, 2048, None), (12288, 2048, None), (2048, 6144, None), (151936, 2048, "fp32")]
+
+
+@pytest.mark.parametrize(("n", "k", "head"), SHAPES)
+def test_rows_are_the_same_bits_in_every_batch_and_layout(n, k, head, monkeypatch):
+    from loongsage.core.engine.fused import matmul
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    out_dtype = torch.float32 if head else None
+    weight = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02
+    probe = torch.randn(4, k, dtype=torch.bfloat16, device=dev)
+    alone = torch.cat([matmul.invariant_matmul(probe[i : i + 1], weight, out_dtype=out_dtype) for i in range(4)])
+    want = probe.float() @ weight.float().T
+    torch.testing.assert_close(alone.float(), want, atol=2e-2 if head is None else 1e-3, rtol=1e-2)
+    for rows in (7, 64, 128, 256, 4096):
+        batch = torch.randn(rows, k, dtype=torch.bfloat16, device=dev)
+        at = [0, rows // 3, rows // 2, rows - 1]
+        batch[at] = probe
+        got = matmul.invariant_matmul(batch, weight, out_dtype=out_dtype)[at]
+        assert torch.equal(got, alone), (n, k, rows)
+    # each layout forced on every shape: the same bits
+    for split_below in (0, 10**9):
+        monkeypatch.setattr(matmul, "_split_below", lambda device, n=split_below: n)
+        got = matmul.invariant_matmul(probe, weight, out_dtype=out_dtype)
+        assert torch.equal(got, alone), (n, k, "layout", split_below)
