@@ -358,6 +358,18 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
     for (_, r), lp in zip(samples, together):
         assert lp == r.logprobs  # bit for bit: the engine's decode and prefill are the trainer's forward
     assert trainer_logprobs(samples[2:5]) == together[2:5] and trainer_logprobs(samples[-1:]) == together[-1:]
+    assert engine.health()["prefill_forwards"] == 1  # the four prompts in one pass, no padding
+
+    # next turns: each prompt extends a finished sample, whose columns the engine reuses (only the
+    # new tokens are prefilled, beside a fresh prompt), and still agrees with the trainer
+    turns = [p + r.output_ids + [7, 8, 9] for p, r in samples[:3]] + [prompts[0][:3]]
+    again = engine.generate_batch(
+        [req(f"t{i}", t, max_new_tokens=5, temperature=1.0, seed=i) for i, t in enumerate(turns)]
+    )
+    assert engine.health()["prefix_hit_tokens"] > 0
+    later = [(t, group[0]) for t, group in zip(turns, again)]
+    for (_, r), lp in zip(later, trainer_logprobs(later)):
+        assert lp == r.logprobs
 
     # the gradient is the HF forward's: close to a plain bf16 forward's, and it reaches every weight
     p, r = samples[0]

@@ -166,6 +166,20 @@ class DecoderRunner:
 
         return self._run(input_ids, positions, mask, write)
 
+    def prefill_invariant(
+        self, tokens: list[int], positions: list[int], slots: list[int], last: list[int], keys, values
+    ) -> Tensor:
+        """The batch-invariant prefill of several sequences' tokens in one pass (``tokens[n]`` at
+        ``positions[n]`` of slot ``slots[n]``, its key and value written at that column of the
+        slot's cache, attending over the slot's columns up to it); float32 logits ``[len(last), V]``
+        of the tokens at the indices ``last``. Each token is computed as it would be alone."""
+        dev = self.device
+        at = torch.tensor(positions, dtype=torch.long, device=dev).view(-1, 1)
+        ids = torch.tensor(tokens, dtype=torch.long, device=dev).view(-1, 1)
+        rows = torch.tensor(slots, dtype=torch.long, device=dev)
+        hidden = self.fused.hidden(ids, at, keys, values, at[:, 0], max(positions) + 1, cache_rows=rows, invariant=True)
+        return self.fused.head(hidden[torch.tensor(last, device=dev)])
+
     def _run(self, input_ids: Tensor, positions: Tensor, mask: Tensor, write) -> Tensor:
         """The decoder layers; ``write(i, k, v)`` stores layer ``i``'s new keys/values and returns the
         keys/values to attend over."""

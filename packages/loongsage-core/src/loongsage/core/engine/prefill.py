@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 def prefill(batch: SlotBatch) -> tuple[list[int], Tensor | None]:
     """Run up to ``chunk`` prompt tokens; return the rows whose prefill ended and their logits."""
     budget, rows, logits = batch.chunk, [], []
-    # batch-invariant mode: each prompt alone, its tokens at their own columns (a padded batch
-    # would shift them)
+    if batch.runner.invariant:  # the queued prompts that fit, each token at its own cache column
+        budget = _prefill_invariant(batch, budget, rows, logits)
     while not batch.runner.invariant:  # queued prompts that fit the budget, in batched forwards
         left = _prefill_together(batch, budget, rows, logits)
         if left == budget:
@@ -46,16 +46,64 @@ def prefill(batch: SlotBatch) -> tuple[list[int], Tensor | None]:
         if e.pos < len(ids):
             break
         batch.prefilling.popleft()
-        for sib in e.siblings:  # n samples share the prompt's cache
-            for buf in batch.keys + batch.values:
-                buf[sib, :, :end] = buf[s, :, :end]
-            if batch.recording:
+        if batch.recording:
+            for sib in e.siblings:
                 batch.t["routes"][sib, :end] = batch.t["routes"][s, :end]
-        group_rows = [s, *e.siblings]
-        batch.t["lens"][torch.tensor(group_rows, device=dev)] = end
-        rows += group_rows
-        logits.append(out.expand(len(group_rows), -1))
+        _finish(batch, e, end, out, rows, logits)
     return rows, (torch.cat(logits) if logits else None)
+
+
+def _take_fitting(batch: SlotBatch, budget: int) -> list:
+    """The queued prompts, in order, whose remaining tokens fit ``budget`` together."""
+    queued = []
+    while batch.prefilling:
+        e = batch.prefilling[0]
+        rest = len(e.group.prompt) - e.pos
+        if rest > budget:
+            break
+        queued.append(batch.prefilling.popleft())
+        budget -= rest
+    return queued
+
+
+def _finish(batch: SlotBatch, e, n: int, out: Tensor, rows: list[int], logits: list[Tensor]) -> None:
+    """Request ``e``'s prompt (``n`` tokens) is in its slot: copy it to its sibling samples' slots
+    and hand its rows the prompt's last logits ``out`` ``[1, V]``."""
+    for sib in e.siblings:  # n samples share the prompt's cache
+        for buf in batch.keys + batch.values:
+            buf[sib, :, :n] = buf[e.slot, :, :n]
+    group_rows = [e.slot, *e.siblings]
+    batch.t["lens"][torch.tensor(group_rows, device=batch.device)] = n
+    rows += group_rows
+    logits.append(out.expand(len(group_rows), -1))
+
+
+def _prefill_invariant(batch: SlotBatch, budget: int, rows: list[int], logits: list[Tensor]) -> int:
+    """Batch-invariant mode: the queued prompts that fit the budget in ONE pass, without padding.
+
+    Every token goes at its own position into its own slot's cache and attends over that slot's
+    columns up to itself (a reused prefix included), as the trainer's invariant forward computes
+    it; the kernels compute a token the same way whatever else runs, so this is each prompt
+    prefilled alone, in one launch sequence instead of one per prompt. Returns the budget left."""
+    queued = _take_fitting(batch, budget)
+    if not queued:
+        return budget
+    tokens, positions, slots, last = [], [], [], []
+    for e in queued:
+        prompt = e.group.prompt
+        tokens += prompt[e.pos :]
+        positions += range(e.pos, len(prompt))
+        slots += [e.slot] * (len(prompt) - e.pos)
+        last.append(len(tokens) - 1)
+    out = batch.runner.prefill_invariant(tokens, positions, slots, last, batch.keys, batch.values)
+    batch.stats["prefill_forwards"] += 1
+    for b, e in enumerate(queued):
+        n = len(e.group.prompt)
+        batch.stats["prefill_tokens"] += n - e.pos
+        budget -= n - e.pos
+        e.pos = n
+        _finish(batch, e, n, out[b : b + 1], rows, logits)
+    return budget
 
 
 def _prefill_together(batch: SlotBatch, budget: int, rows: list[int], logits: list[Tensor]) -> int:
@@ -71,14 +119,8 @@ def _prefill_together(batch: SlotBatch, budget: int, rows: list[int], logits: li
     itself, so no row attends to nothing). Afterwards columns ``[0, pre + rest)`` of each row's
     slots (and its sibling samples') hold the whole prompt, as the one-request path leaves them.
     """
-    queued = []
-    while batch.prefilling:
-        e = batch.prefilling[0]
-        rest = len(e.group.prompt) - e.pos
-        if rest > budget:
-            break
-        queued.append(batch.prefilling.popleft())
-        budget -= rest
+    queued = _take_fitting(batch, budget)
+    budget -= sum(len(e.group.prompt) - e.pos for e in queued)
     if len(queued) < 2:  # one request: the direct path prefills it in its slot without copies
         for e in reversed(queued):
             batch.prefilling.appendleft(e)
