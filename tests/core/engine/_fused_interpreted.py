@@ -569,6 +569,24 @@ def test_invariant_token_logprobs_gradient_is_torchs(fused):
     torch.testing.assert_close(logits.grad, ref.grad, atol=1e-6, rtol=1e-5)
 
 
+def test_fp8_rows_quantize_as_torch_does_bit_for_bit(fused):
+    """The one-pass quantization of a GEMM's input gives torch's per-token scales and float8 rows
+    exactly: rows of any scale, a row of zeros, a K that is not a power of two, a strided x."""
+    fp8 = fused["fp8"]
+    torch.manual_seed(14)
+    wide = torch.randn(9, 300, dtype=torch.bfloat16) * torch.logspace(-4, 3, 9)[:, None].to(torch.bfloat16)
+    wide[4] = 0
+    for x in (wide, wide[:, 7:207]):
+        x8, scale = fp8.quantize_rows(x)
+        xf = x.float()
+        want_scale = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp_(min=1e-12)
+        assert scale.shape == (x.shape[0], 1) and torch.equal(scale, want_scale)
+        assert x8.dtype == torch.float8_e4m3fn and torch.equal(
+            x8.view(torch.uint8), (xf / want_scale).to(x8.dtype).view(torch.uint8)
+        )
+    assert fp8.quantize_rows(wide[:0])[0].shape == (0, 300)
+
+
 def test_fp8_weights_decode_close_to_bf16_and_follow_weight_updates(fused, tmp_path):
     """``quantization="fp8"`` (switched on as a CUDA device would; torch's float8 GEMM runs on the
     CPU too): the decode step's logits stay within FP8's rounding of the bf16 ones, and an update of

@@ -8,8 +8,8 @@ interpreter that a GPU build does not have (both seen in Triton 3.6 and 3.9):
 
 * ``tl.dot`` on bfloat16 operands multiplies their raw 16-bit patterns (the interpreter stores
   bf16 as uint16): the operands are widened to float32 first, which is exact;
-* a float32 -> bfloat16 cast truncates the mantissa, where a GPU rounds to nearest even; the
-  cast goes through torch, which rounds to nearest even.
+* a float32 -> bfloat16 (or float8 e4m3) cast truncates the mantissa, where a GPU rounds to
+  nearest even; the cast goes through torch, which rounds to nearest even.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from types import ModuleType
 
 import numpy as np
 
-MODULES = ("ops", "attention", "decoder", "sampling", "matmul")
+MODULES = ("ops", "attention", "decoder", "sampling", "matmul", "fp8")
 
 
 def _patch_interpreter() -> None:
@@ -36,6 +36,9 @@ def _patch_interpreter() -> None:
         if src == tl.float32 and dst == tl.bfloat16:
             wide = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
             return wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        if src == tl.float32 and dst == tl.float8e4nv:
+            wide = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+            return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
         return original(data, src, dst, rounding)
 
     dot = interp.InterpreterBuilder.create_dot
