@@ -11,6 +11,10 @@ weights; the time covers prefill and decode. Sides:
 * with ``--eager``, the torch path without graphs (``cuda_graphs=False``), to show what graphs buy;
 * with ``--fp8`` / ``--batch-invariant``, the fused path on FP8 weights (``quantization="fp8"``) / in
   the batch-invariant mode, to show what each gains or costs;
+* with ``--samples-per-prompt N``, the fused engine on the RL step's shape: ``batch / N`` prompts of
+  ``N`` samples each (``n=N``: one prefill a prompt, its cache copied to the samples' rows), the same
+  number of sampled tokens. With ``--batches 128`` alone the engine also holds at most 128 rows, as
+  the RL step's does: the two differences between this bench and the step's rollout, apart;
 * with ``--sglang``, SGLang (0.5.16 verified) serving the same folder on the same card in its own
   process, driven over its own HTTP ``/generate`` with the same prompts and sampling (log-probs
   returned, no end-of-sequence token, its CUDA graphs up to the largest batch, FP32 LM head, the
@@ -25,7 +29,7 @@ steps (every step reads the weights once and each row's cached keys and values o
 device-to-device copy bandwidth of this card, measured first.
 
     python bench/engine_gpu.py [--batches 64 128 256] [--eager] [--fp8] [--batch-invariant] [--sglang] [--prompt 128]
-                               [--new-tokens 256] [--repeats 3] [--out PATH]
+                               [--new-tokens 256] [--samples-per-prompt 8] [--repeats 3] [--out PATH]
 
 Writes ``bench/results/engine_gpu.json`` (or ``--out``) and a markdown table next to it.
 """
@@ -137,15 +141,19 @@ def decode_roofline(batch: int, prompt: int, new_tokens: int, weight_bytes: int,
     return batch * new_tokens / seconds
 
 
-def engine_side(engine, prompts: torch.Tensor, new_tokens: int) -> float:
+def engine_side(engine, prompts: torch.Tensor, new_tokens: int, samples: int = 1) -> float:
+    """Seconds for the engine to sample ``new_tokens`` for each row of ``prompts``; with ``samples``
+    > 1, every ``samples``-th prompt is sent with ``n=samples`` (the same rows, one prefill each)."""
     from loongsage.core.types import GenerationRequest, SamplingParams
 
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens)
-    requests = [GenerationRequest(f"r{i}", row, sampling) for i, row in enumerate(prompts.tolist())]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new_tokens, n=samples)
+    rows = prompts[::samples].tolist()
+    requests = [GenerationRequest(f"r{i}", row, sampling) for i, row in enumerate(rows)]
 
     def run():
         results = engine.generate_batch(requests)
-        assert all(len(r[0].output_ids) == new_tokens for r in results)
+        assert all(len(group) == samples for group in results)
+        assert all(len(r.output_ids) == new_tokens for group in results for r in group)
 
     return timed(run)
 
@@ -168,6 +176,9 @@ def main() -> None:
     parser.add_argument(
         "--sglang-attention-backend", default=None, help="SGLang's attention backend (default: its own choice)"
     )
+    parser.add_argument(
+        "--samples-per-prompt", type=int, default=0, help="also time the fused engine with N samples a prompt"
+    )
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -175,6 +186,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error(f"--repeats={args.repeats}: at least 3 timed runs per side")
+    if args.samples_per_prompt and any(b % args.samples_per_prompt for b in args.batches):
+        parser.error(f"--samples-per-prompt={args.samples_per_prompt} must divide every batch in {args.batches}")
     source = source_state()  # the commit measured, taken before anything runs
     from loongsage.core.engine.native import NativeEngine
 
@@ -202,6 +215,9 @@ def main() -> None:
     if args.batch_invariant:
         invariant = NativeEngine(str(tmp), kernels="triton", batch_invariant=True, **common)
         sides["batch_invariant"] = lambda prompts: engine_side(invariant, prompts, args.new_tokens)
+    if args.samples_per_prompt > 1:
+        n = args.samples_per_prompt
+        sides["grouped"] = lambda prompts: engine_side(fused, prompts, args.new_tokens, samples=n)
     server = None
     if args.sglang:
         from sglang_overhead import raw_rollout, without_eos
@@ -245,6 +261,8 @@ def main() -> None:
             "engine_eager_tok_s": stats.get("eager"),
             "engine_fp8_tok_s": stats.get("fp8"),
             "engine_batch_invariant_tok_s": stats.get("batch_invariant"),
+            "engine_grouped_tok_s": stats.get("grouped"),
+            "samples_per_prompt": args.samples_per_prompt or None,
             "roofline_tok_s": ROOFLINE_REFERENCE.get(batch),
             "decode_roofline_tok_s": decode_roofline(
                 batch, args.prompt, args.new_tokens, weight_bytes, kv_bytes_per_token, bandwidth
@@ -315,7 +333,12 @@ def main() -> None:
             f"{r['speedup_vs_hf']:.2f}x ({lo:.2f}-{hi:.2f}) | {sglang} | {share} | "
             f"{r['decode_roofline_tok_s']:,.0f} ({r['fraction_of_decode_roofline']:.0%}) |"
         )
-    extra = [(k, label) for k, label in (("fp8", "FP8 weights"), ("batch_invariant", "batch-invariant")) if k in sides]
+    labels = (
+        ("fp8", "FP8 weights"),
+        ("batch_invariant", "batch-invariant"),
+        ("grouped", f"{args.samples_per_prompt} samples a prompt"),
+    )
+    extra = [(k, label) for k, label in labels if k in sides]
     if extra:
         table += ["", "| batch | fused | " + " | ".join(f"{label} tok/s (vs fused)" for _, label in extra) + " |"]
         table.append("|---|---|" + "---|" * len(extra))
