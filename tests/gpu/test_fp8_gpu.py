@@ -30,3 +30,22 @@ def test_rows_quantize_as_torch_does_bit_for_bit(k):
         want = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp_(min=1e-12)
         assert torch.equal(scale, want), (k, m)
         assert torch.equal(x8.view(torch.uint8), (xf / want).to(torch.float8_e4m3fn).view(torch.uint8)), (k, m)
+
+
+def test_the_norm_and_swiglu_kernels_quantize_as_quantize_rows_does():
+    from loongsage.core.engine.fused.fp8 import quantize_rows
+    from loongsage.core.engine.fused.ops import add_rms_norm, add_rms_norm_fp8, silu_mul, silu_mul_fp8
+
+    torch.manual_seed(1)
+    x = torch.randn(64, 2048, dtype=torch.bfloat16, device="cuda")
+    res = torch.randn(64, 2048, dtype=torch.bfloat16, device="cuda") * 4
+    weight = torch.randn(2048, dtype=torch.bfloat16, device="cuda")
+    (x8, scale), total = add_rms_norm_fp8(x, res, weight, 1e-6)
+    normed, want_total = add_rms_norm(x, res, weight, 1e-6)
+    want8, want_scale = quantize_rows(normed)
+    assert torch.equal(total, want_total) and torch.equal(scale, want_scale)
+    assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+    gate_up = torch.randn(64, 2 * 6144, dtype=torch.bfloat16, device="cuda") * 3
+    x8, scale = silu_mul_fp8(gate_up)
+    want8, want_scale = quantize_rows(silu_mul(gate_up))
+    assert torch.equal(scale, want_scale) and torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))

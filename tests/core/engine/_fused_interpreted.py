@@ -587,6 +587,26 @@ def test_fp8_rows_quantize_as_torch_does_bit_for_bit(fused):
     assert fp8.quantize_rows(wide[:0])[0].shape == (0, 300)
 
 
+def test_fp8_inputs_leave_the_norm_and_swiglu_kernels_quantized_as_torch_would(fused):
+    """The residual add + RMSNorm and the SwiGLU kernels with float8 output give the bf16 kernels'
+    rows quantized by :func:`quantize_rows`, bit for bit, and the same residual sum."""
+    ops, fp8 = fused["ops"], fused["fp8"]
+    torch.manual_seed(15)
+    x, res = torch.randn(5, 96, dtype=torch.bfloat16), torch.randn(5, 96, dtype=torch.bfloat16) * 4
+    weight = torch.randn(96, dtype=torch.bfloat16)
+    for residual in (None, res):
+        (x8, scale), total = ops.add_rms_norm_fp8(x, residual, weight, 1e-6)
+        normed, want_total = ops.add_rms_norm(x, residual, weight, 1e-6)
+        want8, want_scale = fp8.quantize_rows(normed)
+        assert torch.equal(total, want_total) and torch.equal(scale, want_scale)
+        assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+    gate_up = torch.randn(5, 2 * 300, dtype=torch.bfloat16) * 3
+    x8, scale = ops.silu_mul_fp8(gate_up)
+    want8, want_scale = fp8.quantize_rows(ops.silu_mul(gate_up))
+    assert x8.shape == (5, 300) and torch.equal(scale, want_scale)
+    assert torch.equal(x8.view(torch.uint8), want8.view(torch.uint8))
+
+
 def test_fp8_weights_decode_close_to_bf16_and_follow_weight_updates(fused, tmp_path):
     """``quantization="fp8"`` (switched on as a CUDA device would; torch's float8 GEMM runs on the
     CPU too): the decode step's logits stay within FP8's rounding of the bf16 ones, and an update of

@@ -30,11 +30,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from loongsage.core.engine.fused.attention import decode_attention
-from loongsage.core.engine.fused.fp8 import fp8_linear, quantize_weight
+from loongsage.core.engine.fused.fp8 import fp8_matmul, quantize_rows, quantize_weight
 from loongsage.core.engine.fused.matmul import invariant_linear
-from loongsage.core.engine.fused.ops import add_rms_norm, qk_rope_store, silu_mul
+from loongsage.core.engine.fused.ops import add_rms_norm, add_rms_norm_fp8, qk_rope_store, silu_mul, silu_mul_fp8
 
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+Rows = Tensor | tuple[Tensor, Tensor]  # a GEMM's input: bf16 rows, or float8 rows and their scales
 
 
 def unsupported(model: nn.Module) -> str | None:
@@ -189,13 +190,16 @@ class FusedDecoder:
         with each token's columns in one program, in order.
         """
         r = self.runner
+        # FP8 GEMMs take their inputs quantized by the kernels that make them (see fused/fp8.py)
+        fp8 = self.fp8 and not invariant
+        norm, act = (add_rms_norm_fp8, silu_mul_fp8) if fp8 else (add_rms_norm, silu_mul)
         hidden = r.inner.embed_tokens(input_ids)  # [N, 1, H]
         cos, sin = r.inner.rotary_emb(hidden, positions)
         cos, sin = cos[:, 0], sin[:, 0]
         delta, residual = hidden[:, 0], None
         lengths = cols + 1
         for i, layer in enumerate(self.layers):
-            x, residual = add_rms_norm(delta, residual, layer.ln1.weight, layer.ln1.variance_epsilon)
+            x, residual = norm(delta, residual, layer.ln1.weight, layer.ln1.variance_epsilon)
             q_norm, k_norm = layer.q_norm, layer.k_norm
             q = qk_rope_store(
                 self._qkv(i, x, invariant),
@@ -216,13 +220,13 @@ class FusedDecoder:
                 q, keys[i], values[i], lengths, r.scales[i], columns, cache_rows=cache_rows, splits=splits
             )
             o = self._linear(i, "o", out, layer.o_proj, invariant)
-            x, residual = add_rms_norm(o, residual, layer.ln2.weight, layer.ln2.variance_epsilon)
-            delta = self._linear(i, "down", silu_mul(self._gate_up(i, x, invariant)), layer.down, invariant)
+            x, residual = norm(o, residual, layer.ln2.weight, layer.ln2.variance_epsilon)
+            delta = self._linear(i, "down", act(self._gate_up(i, x, invariant)), layer.down, invariant)
         norm = r.inner.norm
         last, _ = add_rms_norm(delta, residual, norm.weight, norm.variance_epsilon)
         return last
 
-    def _qkv(self, i: int, x: Tensor, invariant: bool) -> Tensor:
+    def _qkv(self, i: int, x: Rows, invariant: bool) -> Tensor:
         layer = self.layers[i]
         if invariant:
             attn = layer.attn
@@ -234,10 +238,10 @@ class FusedDecoder:
                 return invariant_linear(x, layer.qkv, layer.qkv_bias)
             return torch.cat([invariant_linear(x, m.weight, m.bias) for m in projections], 1)
         if self.fp8:
-            return fp8_linear(x, *self.quantized[i]["qkv"], layer.qkv_bias)
+            return fp8_matmul(*x, *self.quantized[i]["qkv"], layer.qkv_bias)
         return F.linear(x, layer.qkv, layer.qkv_bias)
 
-    def _gate_up(self, i: int, x: Tensor, invariant: bool) -> Tensor:
+    def _gate_up(self, i: int, x: Rows, invariant: bool) -> Tensor:
         layer = self.layers[i]
         if invariant:
             if layer.gate_up is not None:  # the same bits as the two projections apart (see _qkv)
@@ -245,12 +249,13 @@ class FusedDecoder:
             mlp = layer.mlp
             return torch.cat([invariant_linear(x, mlp.gate_proj.weight), invariant_linear(x, mlp.up_proj.weight)], 1)
         if self.fp8:
-            return fp8_linear(x, *self.quantized[i]["gate_up"])
+            return fp8_matmul(*x, *self.quantized[i]["gate_up"])
         return F.linear(x, layer.gate_up)
 
-    def _linear(self, i: int, name: str, x: Tensor, module: nn.Linear, invariant: bool) -> Tensor:
+    def _linear(self, i: int, name: str, x: Rows, module: nn.Linear, invariant: bool) -> Tensor:
         if invariant:
             return invariant_linear(x, module.weight, module.bias)
-        if self.fp8:
-            return fp8_linear(x, *self.quantized[i][name], module.bias)
+        if self.fp8:  # the down projection's input comes quantized; the attention output does not
+            x8, scale = x if isinstance(x, tuple) else quantize_rows(x)
+            return fp8_matmul(x8, scale, *self.quantized[i][name], module.bias)
         return module(x)

@@ -16,6 +16,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from loongsage.core.engine.fused.fp8 import empty_e4m3, row_warps, store_e4m3_row
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -28,7 +30,9 @@ def _add_rms_norm_kernel(
     eps,
     x_stride,
     res_stride,
+    scale_ptr,
     HAS_RES: tl.constexpr,
+    FP8: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -43,14 +47,35 @@ def _add_rms_norm_kernel(
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     normed = (xf * inv).to(x.dtype)
     w = tl.load(w_ptr + cols, mask=inside, other=0.0)
-    tl.store(out_ptr + row * hidden + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=inside)
+    y = (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype)
+    if FP8:  # the next GEMM's input, quantized here: the bf16 value, then its float8 row
+        store_e4m3_row(y.to(tl.float32), out_ptr + row * hidden + cols, scale_ptr + row, inside)
+    else:
+        tl.store(out_ptr + row * hidden + cols, y, mask=inside)
 
 
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """``s = x + residual`` (or ``x``) and ``RMSNorm(s) * weight``, rows of ``[N, H]``; returns ``(normed, s)``."""
+    out, total = _add_rms_norm(x, residual, weight, eps, fp8=False)
+    return out[0], total
+
+
+def add_rms_norm_fp8(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float
+) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """:func:`add_rms_norm` with the normed rows quantized for an FP8 GEMM: ``((x8, scale), s)``,
+    the numbers of :func:`~.fp8.quantize_rows` of the bf16 ``normed``, in the same kernel."""
+    return _add_rms_norm(x, residual, weight, eps, fp8=True)
+
+
+def _add_rms_norm(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, *, fp8: bool
+) -> tuple[tuple[Tensor, Tensor], Tensor]:
     rows, hidden = x.shape
-    out, total = torch.empty_like(x), torch.empty_like(x)
+    total = torch.empty_like(x)
+    out, scale = empty_e4m3(rows, hidden, x.device) if fp8 else (torch.empty_like(x), total)
     res = x if residual is None else residual
+    block = triton.next_power_of_2(hidden)
     _add_rms_norm_kernel[(rows,)](
         x,
         res,
@@ -61,10 +86,12 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
         eps,
         x.stride(0),
         res.stride(0),
+        scale,  # never written without fp8
         HAS_RES=residual is not None,
-        BLOCK=triton.next_power_of_2(hidden),
+        FP8=fp8,
+        BLOCK=block,  # the default warps: their count shapes the sum of squares' reduction tree
     )
-    return out, total
+    return (out, scale), total
 
 
 @triton.jit
@@ -198,7 +225,8 @@ def qk_rope_store(
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, gu_stride, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, scale_ptr, inter, gu_stride, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    # FP8: one program a whole row (its largest magnitude scales it); else blocks of a row
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < inter
@@ -206,14 +234,33 @@ def _silu_mul_kernel(gu_ptr, out_ptr, inter, gu_stride, BLOCK: tl.constexpr):
     u = tl.load(gu_ptr + row * gu_stride + inter + cols, mask=inside, other=0.0)
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
-    tl.store(out_ptr + row * inter + cols, (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=inside)
+    y = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+    if FP8:  # the down projection's input, quantized here: the bf16 value, then its float8 row
+        store_e4m3_row(y.to(tl.float32), out_ptr + row * inter + cols, scale_ptr + row, inside)
+    else:
+        tl.store(out_ptr + row * inter + cols, y, mask=inside)
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
     """``silu(gate) * up`` of the merged gate/up projection ``[N, 2 I]`` -> ``[N, I]``."""
+    return _silu_mul(gate_up, fp8=False)[0]
+
+
+def silu_mul_fp8(gate_up: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`silu_mul` quantized for an FP8 GEMM in the same kernel: ``(x8, scale)``, the numbers
+    of :func:`~.fp8.quantize_rows` of the bf16 result."""
+    return _silu_mul(gate_up, fp8=True)
+
+
+def _silu_mul(gate_up: Tensor, *, fp8: bool) -> tuple[Tensor, Tensor]:
     rows, width = gate_up.shape
     inter = width // 2
-    out = gate_up.new_empty(rows, inter)
-    block = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), BLOCK=block)
-    return out
+    if fp8:
+        (out, scale), block = empty_e4m3(rows, inter, gate_up.device), triton.next_power_of_2(inter)
+    else:
+        out, block = gate_up.new_empty(rows, inter), 1024
+        scale = out  # never written
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+        gate_up, out, scale, inter, gate_up.stride(0), FP8=fp8, BLOCK=block, num_warps=row_warps(block) if fp8 else 4
+    )
+    return out, scale
