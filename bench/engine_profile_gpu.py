@@ -37,6 +37,11 @@ def replay_ms(engine, batch: int, columns: int, repeats: int = 50) -> float:
     graphs = engine._batch.graphs
     key = ("_decode_step", *graphs.bucket(batch, columns, engine._batch.cap))
     graph, _ = graphs._graphs[key]
+    return statistics.median(replay_times(graph, repeats))
+
+
+def replay_times(graph: torch.cuda.CUDAGraph, repeats: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` replays of ``graph``, timed with CUDA events."""
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -45,7 +50,7 @@ def replay_ms(engine, batch: int, columns: int, repeats: int = 50) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
 
 
 def kernel_table(prof, steps: int, top: int = 25) -> tuple[list[dict], int]:

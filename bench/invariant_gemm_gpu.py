@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from _source import source_state
+from engine_profile_gpu import replay_times
 
 RESULTS = Path(__file__).resolve().parent / "results" / "invariant_gemm_gpu.json"
 LAYERS = 28
@@ -60,15 +61,7 @@ def time_ms(fn, calls: int = 20, repeats: int = 3) -> list[float]:
         for _ in range(calls):
             fn()
     graph.replay()  # warm the replay
-    per_call = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / calls)
-    return per_call
+    return [ms / calls for ms in replay_times(graph, repeats)]
 
 
 def sides(x: torch.Tensor, w: torch.Tensor, fp32_out: bool) -> dict:
