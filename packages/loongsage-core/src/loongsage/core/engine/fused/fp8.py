@@ -96,12 +96,6 @@ def fp8_matmul(x8: Tensor, x_scale: Tensor, w8: Tensor, w_scale: Tensor, bias: T
     return out if bias is None else out + bias
 
 
-def fp8_linear(x: Tensor, w8: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``x [M, K] @ weight.T (+ bias)`` from the quantized weight, ``x`` (bf16) quantized per token
-    here (:func:`quantize_rows`)."""
-    return fp8_matmul(*quantize_rows(x), w8, w_scale, bias)
-
-
 def unsupported_fp8(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why FP8 weights cannot run here (None when they can)."""
     if dtype != torch.bfloat16:
