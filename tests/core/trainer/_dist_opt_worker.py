@@ -72,8 +72,12 @@ def run(rank: int, model_dir: str, work: str, port: str) -> None:
         out["fsdp2_error"] = str(exc)
     if rank == 0:
         torch.save(out, Path(work) / "dp2.pt")
-    dist.barrier()
+    dist.barrier()  # both ranks are past their last collective before either tears gloo down
     dist.destroy_process_group()
+    # gloo's C++ threads can abort the interpreter's own teardown after the work is saved (see
+    # _dp_worker.py): the spawned rank leaves without it, exit code 0
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
