@@ -360,6 +360,24 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
     assert trainer_logprobs(samples[2:5]) == together[2:5] and trainer_logprobs(samples[-1:]) == together[-1:]
     assert engine.health()["prefill_forwards"] == 1  # the four prompts in one pass, no padding
 
+    # prompts cut into chunks of 8 tokens (long prompts' prefill): the same samples, bit for bit
+    chunked = NativeEngine(
+        str(tmp_path / "tiny"),
+        dtype="bfloat16",
+        max_batch_size=6,
+        max_model_len=64,
+        steps_per_sync=3,
+        eos_token_ids=[],
+        prefill_chunk_tokens=8,
+    )
+    chunked._runner.fused = fused["decoder"].FusedDecoder(chunked._runner, invariant=True)
+    chunked._runner.invariant = True
+    chunked._batch = SlotBatch(chunked._runner, **chunked._batch_args)
+    again_chunked = chunked.generate_batch(requests)
+    assert chunked.health()["prefill_forwards"] > 1
+    for want, got in zip(results, again_chunked):
+        assert [(r.output_ids, r.logprobs) for r in got] == [(r.output_ids, r.logprobs) for r in want]
+
     # next turns: each prompt extends a finished sample, whose columns the engine reuses (only the
     # new tokens are prefilled, beside a fresh prompt), and still agrees with the trainer
     turns = [p + r.output_ids + [7, 8, 9] for p, r in samples[:3]] + [prompts[0][:3]]

@@ -145,11 +145,6 @@ class DecoderRunner:
         seq = input_ids.shape[1]
         if cols is not None and self.fused is not None:  # dense models only: never recording routes
             return self.fused.decode(input_ids, positions, keys, values, cols, end)
-        if self.invariant:  # one sequence's tokens at their own positions (never a padded batch)
-            tokens, at = input_ids.view(seq, 1), positions.reshape(seq, 1)
-            rows = torch.zeros(seq, dtype=torch.long, device=input_ids.device)
-            last = self.fused.hidden(tokens, at, keys, values, at[:, 0], end, cache_rows=rows, invariant=True)
-            return self.fused.head(last[-1:])
         if cols is not None:
             rows = torch.arange(input_ids.shape[0], device=input_ids.device)
 

@@ -28,15 +28,20 @@ def prefill(batch: SlotBatch) -> tuple[list[int], Tensor | None]:
         ids = e.group.prompt
         take = min(len(ids) - e.pos, budget)
         start, end = e.pos, e.pos + take
-        dev = batch.device
-        x = torch.tensor([ids[start:end]], dtype=torch.long, device=dev)
-        positions = torch.arange(start, end, device=dev).unsqueeze(0)
-        q_idx = torch.arange(start, end, device=dev)
-        mask = torch.arange(end, device=dev)[None, :] <= q_idx[:, None]
         s = e.slot
-        out = batch.runner.forward_slots(
-            x, positions, [k[s : s + 1] for k in batch.keys], [v[s : s + 1] for v in batch.values], end, mask
-        )
+        if batch.runner.invariant:  # a chunk of a long prompt, each token at its own column
+            out = batch.runner.prefill_invariant(
+                ids[start:end], list(range(start, end)), [s] * take, [take - 1], batch.keys, batch.values
+            )
+        else:
+            dev = batch.device
+            x = torch.tensor([ids[start:end]], dtype=torch.long, device=dev)
+            positions = torch.arange(start, end, device=dev).unsqueeze(0)
+            q_idx = torch.arange(start, end, device=dev)
+            mask = torch.arange(end, device=dev)[None, :] <= q_idx[:, None]
+            out = batch.runner.forward_slots(
+                x, positions, [k[s : s + 1] for k in batch.keys], [v[s : s + 1] for v in batch.values], end, mask
+            )
         batch.stats["prefill_forwards"] += 1
         if batch.recording:
             batch.t["routes"][s, start:end] = batch.runner.last_routes[0]

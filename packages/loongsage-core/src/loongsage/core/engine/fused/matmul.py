@@ -216,10 +216,11 @@ def invariant_matmul(
     tiles, chunks = triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _BLOCK_N), triton.cdiv(k, _CHUNK_K)
     split = chunks > 1 and tiles < _split_below(x.device)
     part = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
+    b = x if bias is None else bias  # never read without a bias
     _matmul_kernel[(tiles, chunks if split else 1)](
         x,
         weight,
-        x if bias is None else bias,  # never read without a bias
+        b,
         out,
         part,
         m,
@@ -240,7 +241,7 @@ def invariant_matmul(
     )
     if split:
         _chunk_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
-            part, x if bias is None else bias, out, m, n, chunks, HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK
+            part, b, out, m, n, chunks, HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK
         )
     return out
 
