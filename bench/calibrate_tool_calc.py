@@ -29,7 +29,9 @@ from loongsage.core.types import SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", nargs="*", default=[], help="field=JSON overrides of the warm-start params")
+    parser.add_argument(
+        "--set", nargs="+", action="extend", default=[], help="field=JSON overrides of the warm-start params"
+    )
     parser.add_argument("--no-cache", action="store_true", help="build into --out instead of the cache")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model", default=None, help="evaluate this folder, build nothing")

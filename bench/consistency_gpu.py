@@ -50,6 +50,7 @@ import importlib.metadata
 import importlib.util
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -586,6 +587,11 @@ def main() -> None:
     figures: dict[str, Any] = {}
     if args.merge and out.is_file():
         figures = json.loads(out.read_text())
+        if figures.get("device") != torch.cuda.get_device_name():
+            sys.exit(
+                f"--merge: {out} holds figures of the {figures.get('device')}, this card is the "
+                f"{torch.cuda.get_device_name()}: write this card's to another --out"
+            )
         if figures.get("source") != source:
             figures["merged_from"] = [*figures.get("merged_from", []), figures.get("source")]
     shape = MODELS[args.model]

@@ -249,7 +249,9 @@ def main() -> int:
         action="store_true",
         help="our torch trainer computes each group's prompt once (share_prompts); the MFU counts what it computed",
     )
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides of our recipe")
+    ap.add_argument(
+        "--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help="more overrides of our recipe"
+    )
     ap.add_argument(
         "--profile-step",
         type=int,

@@ -46,8 +46,9 @@ def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
 @triton.jit
 def store_e4m3_row(x, q_ptrs, scale_ptr, inside):
     """Store one row ``x`` (float32, zeros outside ``inside``) as float8 with its per-row scale:
-    its largest magnitude over 448, at least 1e-12. The divisions round to nearest, as torch's do
-    (Triton's default float32 division is an approximate one). The fused norm and SwiGLU kernels
+    its largest magnitude over 448, at least 1e-12. The divisions round to nearest, as an exact
+    float32 division does (Triton's default one is approximate, and torch's CUDA division by a
+    Python number multiplies by the rounded reciprocal, one ulp off at times). The fused norm and SwiGLU kernels
     (:mod:`.ops`) end with this, so a GEMM's input leaves its producer already quantized."""
     scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1e-12)
     tl.store(q_ptrs, tl.math.div_rn(x, scale).to(q_ptrs.dtype.element_ty), mask=inside)
@@ -78,7 +79,8 @@ def empty_e4m3(rows: int, width: int, device: torch.device) -> tuple[Tensor, Ten
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """``(x8 [M, K] e4m3, scale [M, 1] float32)`` with ``x ~= x8 * scale``, per row (token): the
-    numbers of ``(x.float() / s).to(e4m3)`` with ``s = (|x|.amax(1) / 448).clamp(min=1e-12)``."""
+    numbers of ``(x.float() / s).to(e4m3)`` with ``s = (|x|.amax(1) / 448).clamp(min=1e-12)``, both
+    divisions exact (rounded to nearest)."""
     m, k = x.shape
     x8, scale = empty_e4m3(m, k, x.device)
     if m:
