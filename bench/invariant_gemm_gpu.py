@@ -6,9 +6,10 @@ inputs:
 
 * ``cublas``: ``F.linear`` (the fast path's GEMM; the head as a bf16 GEMM with float32 output);
 * ``invariant``: :func:`~loongsage.core.engine.fused.matmul.invariant_matmul` as the engine and the
-  trainer run it (a chunk of K per program when the output has few tiles, a tile per program else);
-* ``one_program_a_tile``: the same kernel kept to a tile per program at every shape: what a fixed-
-  tile GEMM without the chunked layout costs (the kernel before the chunks had that layout).
+  trainer run it (128 x 128 tiles for a trainer's rows; 64 x 64 tiles for a decode step's, with a
+  chunk of K per program when they are few);
+* ``one_program_a_tile``: the same kernel kept to 64 x 64 tiles, a tile per program, at every shape:
+  what a fixed-tile GEMM without the chunked layout costs (the kernel before the chunks).
 
 Each side is warmed, then 20 calls are captured in a CUDA graph (the engine's decode step is a
 graph; 3 for trainer-sized row counts, whose outputs are large) and the graph's replay is timed
@@ -70,8 +71,8 @@ def sides(x: torch.Tensor, w: torch.Tensor, fp32_out: bool) -> dict:
     out = torch.float32 if fp32_out else None
 
     def one_program_a_tile():
-        saved = matmul._split_below
-        matmul._split_below = lambda device: 0
+        saved = matmul._layout
+        matmul._layout = lambda m, n, k, device: (matmul.SMALL_TILES, False)
         try:
             return matmul.invariant_matmul(x, w, out_dtype=out)
         finally:

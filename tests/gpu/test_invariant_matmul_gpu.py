@@ -1,9 +1,11 @@
 """On a CUDA GPU: the batch-invariant GEMM's rows do not depend on the batch, bit for bit, at the
-1.7B shape's projections, in both of its layouts (a chunk of K per program, or a tile per program).
+1.7B shape's projections, in each of its layouts (small or large tiles; a chunk of K per program,
+or a tile per program).
 
 The CPU suite checks the same in Triton's interpreter, whose ``tl.dot`` is numpy's; this checks the
-compiled kernels: that the two layouts' tensor-core sums are the same instructions in the same
-order. Run with ``LOONGSAGE_RUN_GPU=1 pytest tests/gpu -m gpu``.
+compiled kernels: that the layouts' tensor-core sums add the same products in the same order
+(the tile's size changes the MMA instructions' N, not their K).
+Run with ``LOONGSAGE_RUN_GPU=1 pytest tests/gpu -m gpu``.
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ def test_rows_are_the_same_bits_in_every_batch_and_layout(n, k, head, monkeypatc
         batch[at] = probe
         got = matmul.invariant_matmul(batch, weight, out_dtype=out_dtype)[at]
         assert torch.equal(got, alone), (n, k, rows)
-    # each layout forced on every shape: the same bits
-    for split_below in (0, 10**9):
-        monkeypatch.setattr(matmul, "_split_below", lambda device, n=split_below: n)
+    # each layout forced on every shape, at a decode's rows and at a trainer's: the same bits
+    trainer = batch  # the last batch: 4096 rows holding the probe
+    layouts = [(t, split) for t in (matmul.SMALL_TILES, matmul.LARGE_TILES) for split in (True, False)]
+    for layout in layouts:
+        monkeypatch.setattr(matmul, "_layout", lambda m, n, k, device, layout=layout: layout)
         got = matmul.invariant_matmul(probe, weight, out_dtype=out_dtype)
-        assert torch.equal(got, alone), (n, k, "layout", split_below)
+        assert torch.equal(got, alone), (n, k, "layout", layout)
+        got = matmul.invariant_matmul(trainer, weight, out_dtype=out_dtype)[at]
+        assert torch.equal(got, alone), (n, k, "layout", layout, "4096 rows")

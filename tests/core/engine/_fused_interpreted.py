@@ -439,8 +439,9 @@ def test_invariant_matmul_matches_a_float32_reference(fused, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_invariant_matmul_rows_do_not_depend_on_the_batch(fused, dtype):
     """Bit for bit: five rows computed alone (M = 1) and among other random rows in batches of 7,
-    64 and 130 (at the edges of row tiles), and a projection's columns computed with its own
-    weight and inside a merged [w1; w; w3] (offsets off the column tiles, as the engine's q/k/v)."""
+    64, 130 and 1,030 (at the edges of row tiles; the last runs the large tiles), and a
+    projection's columns computed with its own weight and inside a merged [w1; w; w3] (offsets off
+    the column tiles, as the engine's q/k/v)."""
     mm = fused["matmul"]
     torch.manual_seed(12)
     k, n = 1100, 96  # three chunks of K (the last short), and a merged N of 40 + 96 + 24
@@ -450,7 +451,8 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch(fused, dtype):
     merged, merged_bias = torch.cat([w1, w, w3]), torch.cat([b1, b, b3])
     for out_dtype, bias, biases in ((None, b, merged_bias), (torch.float32, None, None)):  # a projection, the head
         alone = torch.cat([mm.invariant_matmul(probe[i : i + 1], w, bias, out_dtype) for i in range(5)])
-        for size, at in ((7, [0, 2, 3, 5, 6]), (64, [0, 1, 31, 62, 63]), (130, [3, 63, 64, 127, 129])):
+        sizes = ((7, [0, 2, 3, 5, 6]), (64, [0, 1, 31, 62, 63]), (130, [3, 63, 64, 127, 129]))
+        for size, at in (*sizes, (1030, [0, 127, 128, 600, 1029])):  # the last on large tiles
             batch = _probe_rows_in(torch.randn(size, k, dtype=dtype), probe, at)
             assert torch.equal(mm.invariant_matmul(batch, w, bias, out_dtype)[at], alone), (size, out_dtype)
             whole = mm.invariant_matmul(batch, merged, biases, out_dtype)
@@ -458,22 +460,25 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch(fused, dtype):
 
 
 def test_invariant_matmul_layouts_give_the_same_bits(fused, monkeypatch):
-    """A chunk per program (with the in-order sum of the chunks after) and a tile per program
-    (walking its chunks) are two layouts of one computation: the same bits, with and without a
-    bias, rounded to bf16 or kept in float32, and with a single chunk (no sum of chunks at all)."""
+    """Small or large tiles, a chunk per program (with the in-order sum of the chunks after) or a
+    tile per program (walking its chunks): layouts of one computation, the same bits, with and
+    without a bias, rounded to bf16 or kept in float32, and with a single chunk (no sum of chunks)."""
     mm = fused["matmul"]
     torch.manual_seed(13)
+    layouts = [(tiles, split) for tiles in (mm.SMALL_TILES, mm.LARGE_TILES) for split in (True, False)]
+    chosen = {mm._layout(m, 150, 1100, torch.device("cpu")) for m in (70, 1100)}
+    assert chosen == {(mm.SMALL_TILES, True), (mm.LARGE_TILES, False)}  # the interpreter runs both sizes
     for k in (1100, 300):
-        x, w = torch.randn(70, k, dtype=torch.bfloat16), torch.randn(150, k, dtype=torch.bfloat16)
+        x, w = torch.randn(200, k, dtype=torch.bfloat16), torch.randn(150, k, dtype=torch.bfloat16)
         bias = torch.randn(150, dtype=torch.bfloat16)
         for b, out_dtype in ((bias, None), (None, torch.float32), (bias, torch.float32)):
-            layouts = []
-            for split_below in (10**6, 0):  # every shape split, no shape split
-                monkeypatch.setattr(mm, "_split_below", lambda device, n=split_below: n)
-                layouts.append(mm.invariant_matmul(x, w, b, out_dtype))
-            assert torch.equal(*layouts), (k, out_dtype)
+            outs = []
+            for layout in layouts:
+                monkeypatch.setattr(mm, "_layout", lambda m, n, k, device, layout=layout: layout)
+                outs.append(mm.invariant_matmul(x, w, b, out_dtype))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), (k, out_dtype)
             want = x.float() @ w.float().T + (0 if b is None else b.float())
-            torch.testing.assert_close(layouts[0].float(), want, atol=1e-4 if out_dtype else 0.1, rtol=1e-2)
+            torch.testing.assert_close(outs[0].float(), want, atol=1e-4 if out_dtype else 0.1, rtol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -8,32 +8,35 @@ kernel, a tile shape and a split-K factor by shape, and each choice sums a row's
 different order, so a token's logits depend on the batch it ran in. Here the reduction order of an
 output element is pinned, and depends on ``K`` alone:
 
-* ONE tile configuration (``BLOCK_M = BLOCK_N = BLOCK_K = 64``, 4 warps, 3 stages) for every
-  ``M``, ``N`` and ``K``: no autotuning, no configuration chosen by shape. The compiled kernel is
-  then one instruction sequence, and an output element's value depends only on its row of ``x``
-  and its row of ``weight``, never on where its tile lies or on what the other rows of the tile
-  hold (a masked row is zeros and adds nothing to another row: an MMA's output element reads one
-  row of A and one column of B). A config chosen by ``M`` would change ``BLOCK_K`` or the MMA
-  shape and with it the rounding of the float32 sums;
+* ONE ``BLOCK_K`` (64) for every shape, and no autotuning. An output element's value then depends
+  only on its row of ``x`` and its row of ``weight``, never on where its tile lies or on what the
+  other rows of the tile hold (a masked row is zeros and adds nothing to another row: an MMA's
+  output element reads one row of A and one column of B). ``BLOCK_K`` sets the order of the
+  float32 sums and may never follow the shape. The tile's rows and columns (``BLOCK_M`` x
+  ``BLOCK_N``) set which program computes an element, and the N of the MMA instructions, not the
+  order of its K products: 64 x 64 tiles and 128 x 128 tiles give the same bits (measured on an
+  H100 at every projection of the 1.7B shape; ``tests/gpu/test_invariant_matmul_gpu.py`` checks it
+  on the card at hand, the CPU suite in Triton's interpreter);
 * ``K`` is cut into fixed chunks of ``CHUNK_K`` (512) columns. Each chunk is summed from zero, in
   order, in steps of ``BLOCK_K``, each step's ``tl.dot`` into one float32 accumulator; then the
   chunks' sums are added in order, chunk 0 first. That order is a function of ``K`` only;
-* how the work is laid out on the GPU is chosen by shape, and never changes the numbers. With
-  few output tiles (a decode step's ``M`` of a few dozen rows: a 2048-wide projection has 32
-  column tiles for 132 SMs) each chunk is a program of its own, writing its float32 sum to a
-  buffer that a second kernel adds up in chunk order; with many tiles (the trainer's thousands of
-  rows, the LM head's vocabulary) one program walks its tile's chunks in order and adds them as
-  it goes. Both run the same chunk code and the same additions in the same order, so a row's
-  numbers are the same bits whichever ran: this is a fixed split-K, where cuBLAS' split factor
-  follows the shape;
+* how the work is laid out on the GPU is chosen by shape (:func:`_layout`), and never changes the
+  numbers. With many output tiles (the trainer's thousands of rows, the LM head's vocabulary)
+  the tiles are 128 x 128 and one program walks its tile's chunks in order, adding them as it
+  goes. With fewer, the tiles are 64 x 64; and with few of those (a decode step's ``M`` of a few
+  dozen rows: a 2048-wide projection has 32 column tiles for 132 SMs) each chunk is a program of
+  its own, writing its float32 sum to a buffer that a second kernel adds up in chunk order. All
+  run the same chunk code and the same additions in the same order, so a row's numbers are the
+  same bits whichever ran: this is a fixed split-K, where cuBLAS' split factor follows the shape;
 * ``M`` is not specialised (``do_not_specialize``): Triton would otherwise compile a second kernel
   for ``M == 1`` (and for ``M % 16 == 0``), and a decode step of one row must run the same code as
   the trainer's thousands;
 * the bias, if any, is added to the float32 sum after the last chunk, and the result is rounded
   once, to the output dtype (float32 for the FP32 LM head: no rounding at all).
 
-64 x 64 tiles trade speed for this: cuBLAS's large-``M`` kernels (128 x 256 tiles, warp
-specialisation) are faster on the trainer's GEMMs. ``N`` is tiled too, so the columns of one
+The fixed order costs speed where cuBLAS has more freedom: its large-``M`` kernels (warp
+specialisation, split-K chosen by shape) are about twice as fast on the trainer's GEMMs
+(``bench/invariant_gemm_gpu.py``). ``N`` is tiled too, so the columns of one
 projection computed alone equal the same columns of a merged (q/k/v, gate/up) weight bit for bit,
 as long as the two calls see the same ``K`` and pointer alignment (see ``invariant_matmul``): the
 engine runs its merged projections, the trainer its own modules' weights.
@@ -44,6 +47,7 @@ The backward (:class:`InvariantLinear`) runs ordinary torch matmuls: gradients n
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -52,14 +56,27 @@ from torch import Tensor
 
 from loongsage.core.model_math.dtypes import HALF_DTYPES
 
-# The one tile configuration and chunk length, for every shape (see the module docstring).
-# Changing any of these changes the numbers: the engine and the trainer must run the same values.
-_BLOCK_M = 64
-_BLOCK_N = 64
+# The order of the sums, for every shape (see the module docstring). Changing either changes the
+# numbers: the engine and the trainer must run the same values.
 _BLOCK_K = 64
 _CHUNK_K = 512  # a multiple of _BLOCK_K
-_NUM_WARPS = 4
-_NUM_STAGES = 3
+
+
+class Tiles(NamedTuple):
+    """An output tile's rows and columns and the kernel's warps and pipeline stages: the layout,
+    not the numbers."""
+
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+SMALL_TILES = Tiles(64, 64, 4, 3)  # decode and short prefills: more programs for the SMs
+LARGE_TILES = Tiles(128, 128, 8, 4)  # the trainer's forward and the head: 1.3-1.4x faster at M = 8192
+# rows from which large tiles may run: a decode step's few hundred rows keep the small tiles they
+# were measured with, where a 128-row tile would hold as many masked rows as real ones
+_LARGE_TILES_FROM_ROWS = 1024
 _GROUP_M = 8  # tiles of rows walked together for L2 reuse: the order programs run in, not the numbers
 _REDUCE_BLOCK = 1024  # elements per program of the chunk-sum kernel (layout only)
 
@@ -167,12 +184,24 @@ def _chunk_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, CHUNKS, HAS_BIAS: tl.co
 
 
 @functools.cache
-def _split_below(device: torch.device) -> int:
-    """Output tiles under which each chunk runs as a program of its own: two waves of the GPU's
-    SMs (the interpreter on the CPU counts as a small GPU, so both layouts are tested there)."""
+def _two_waves(device: torch.device) -> int:
+    """Programs that fill the GPU's SMs twice (the interpreter on the CPU counts as a small GPU, so
+    every layout is tested there)."""
     if device.type != "cuda":
         return 8
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _layout(m: int, n: int, k: int, device: torch.device) -> tuple[Tiles, bool]:
+    """``(tiles, split)`` for ``[m, k] @ [k, n]``: large tiles for a trainer's or a prefill's rows
+    when they alone fill the GPU twice, else small ones (a decode step's), each chunk of K a
+    program of its own (``split``) when even those do not fill it twice."""
+    waves = _two_waves(device)
+    large = triton.cdiv(m, LARGE_TILES.block_m) * triton.cdiv(n, LARGE_TILES.block_n)
+    if m >= _LARGE_TILES_FROM_ROWS and large >= waves:
+        return LARGE_TILES, False
+    few = triton.cdiv(m, SMALL_TILES.block_m) * triton.cdiv(n, SMALL_TILES.block_n) < waves
+    return SMALL_TILES, few and k > _CHUNK_K
 
 
 def invariant_matmul(
@@ -213,8 +242,8 @@ def invariant_matmul(
         weight = weight.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    tiles, chunks = triton.cdiv(m, _BLOCK_M) * triton.cdiv(n, _BLOCK_N), triton.cdiv(k, _CHUNK_K)
-    split = chunks > 1 and tiles < _split_below(x.device)
+    config, split = _layout(m, n, k, x.device)
+    tiles, chunks = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), triton.cdiv(k, _CHUNK_K)
     part = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
     b = x if bias is None else bias  # never read without a bias
     _matmul_kernel[(tiles, chunks if split else 1)](
@@ -231,13 +260,13 @@ def invariant_matmul(
         out.stride(0),
         HAS_BIAS=bias is not None,
         SPLIT=split,
-        BLOCK_M=_BLOCK_M,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
         BLOCK_K=_BLOCK_K,
         CHUNK_K=_CHUNK_K,
         GROUP_M=_GROUP_M,
-        num_warps=_NUM_WARPS,
-        num_stages=_NUM_STAGES,
+        num_warps=config.warps,
+        num_stages=config.stages,
     )
     if split:
         _chunk_reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
