@@ -1,28 +1,27 @@
 """A relay between the ``docker`` client and a real engine's API socket that changes only how the
-engine's answers to ``exec start`` reach the client: as on a loaded machine (``hold_s``: the answer
-is read a moment late, so its headers and the command's first output arrive in one piece) or over
-a failing connection (``cut_after``: the connection ends that many bytes into the output stream).
-Every byte it forwards is the engine's own."""
+engine's answers to ``exec start`` reach the client: as on a loaded machine (``hold``: the client
+reads the answer only once the command's first output is there, so the answer's headers and that
+output arrive in one piece, every time) or over a failing connection (``cut_after``: the connection
+ends that many bytes into the output stream). Every byte it forwards is the engine's own."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
-import time
 from pathlib import Path
 
 _HEAD_END = b"\r\n\r\n"
 
 
 class EngineRelay:
-    def __init__(self, engine_url: str, folder: Path, hold_s: float = 0.0, cut_after: int | None = None):
+    def __init__(self, engine_url: str, folder: Path, hold: bool = False, cut_after: int | None = None):
         self.engine_path = engine_url.removeprefix("unix://")
         self.path = folder / "relay.sock"
         self.url = f"unix://{self.path}"
-        self.hold_s, self.cut_after = hold_s, cut_after
+        self.hold, self.cut_after = hold, cut_after
         self.exec_starts = 0  # exec start answers relayed
-        self.together = 0  # of those, the ones whose headers and first output frame went in one piece
+        self.together = 0  # of those, the ones whose headers and whole first output frame went in one piece
         self.cuts = 0  # of those, the ones cut short
         self._sockets: list[socket.socket] = []
         self._listener = socket.socket(socket.AF_UNIX)
@@ -80,9 +79,11 @@ class EngineRelay:
     def _answer_exec_start(self, client: socket.socket, engine: socket.socket, data: bytes) -> None:
         """Relay one exec start's answer: its headers, then the output stream to its end."""
         self.exec_starts += 1
-        if self.hold_s:
-            time.sleep(self.hold_s)  # a busy client: the engine's writes pile up meanwhile
-            data += _drain(engine)
+        if self.hold:
+            # a busy client: the command wrote before the answer was read. Held until the command's
+            # first output frame is whole, not for a fixed while, which a loaded machine may outlast
+            while not _output_in(data) and (more := engine.recv(1 << 16)):
+                data += more
         if self.cut_after is not None:
             while (head := data.find(_HEAD_END)) < 0 or len(data) < head + len(_HEAD_END) + self.cut_after:
                 if not (more := engine.recv(1 << 16)):
@@ -92,22 +93,16 @@ class EngineRelay:
                 self.cuts += 1
                 client.sendall(data[: head + len(_HEAD_END) + self.cut_after])
                 return
-        head = data.find(_HEAD_END)
-        if head >= 0 and len(data) >= head + len(_HEAD_END) + 8:  # 8: a frame's header
+        if _output_in(data):
             self.together += 1
         client.sendall(data)
         while data := engine.recv(1 << 16):
             client.sendall(data)
 
 
-def _drain(sock: socket.socket) -> bytes:
-    """What the engine sent so far, without waiting for more."""
-    out = b""
-    while True:
-        try:
-            data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return out
-        if not data:
-            return out
-        out += data
+def _output_in(data: bytes) -> bool:
+    """Whether ``data`` holds the answer's headers and, after them, a whole output frame (an 8-byte
+    header whose last four bytes are the payload's length, and the payload)."""
+    head = data.find(_HEAD_END)
+    frames = data[head + len(_HEAD_END) :] if head >= 0 else b""
+    return len(frames) >= 8 and len(frames) >= 8 + int.from_bytes(frames[4:8], "big")

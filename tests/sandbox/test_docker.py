@@ -162,8 +162,9 @@ def test_commands_files_and_bad_input(engine, clean):
 
 def test_output_written_before_the_client_read_the_answer_is_kept(engine, clean, tmp_path):
     """A fast command on a loaded machine: its output reaches the client together with the answer's
-    headers (the relay reads the engine's answer a moment late), and every byte of it is kept."""
-    relay = EngineRelay(engine, tmp_path, hold_s=0.3)
+    headers (the relay holds the engine's answer until the command's first output is there), and
+    every byte of it is kept."""
+    relay = EngineRelay(engine, tmp_path, hold=True)
 
     async def go():
         sb = backend(relay.url)
@@ -202,7 +203,7 @@ def test_a_cut_output_stream_is_an_error_not_a_short_output(engine, clean, tmp_p
             assert result.wall_s < 20 and "never" not in result.stdout, result
             relay.cut_after = None
             ps = await sb.exec(sid, "ps -e -o comm= | grep -c sleep || true", 10)
-            assert ps.stdout == "1\n", ps  # PID 1's own sleep only: the abandoned command was ended
+            assert ps.stdout == "0\n", ps  # the abandoned command was ended
         finally:
             await sb.close()
 
@@ -222,6 +223,11 @@ def test_fork_bomb_memory_bomb_cpu_spin_and_disk_fill_are_contained(engine, clea
             assert fork.exit_code is not None or fork.timed_out  # the pids cgroup stopped it
             count = await sb.exec(bad, "ps -e --no-headers | wc -l", 20)
             assert count.exit_code == 0 and int(count.stdout) <= SMALL.processes + 2, count
+            left = await sb.exec(bad, "ps -e -o user=,comm=", 20)
+            assert [line.split() for line in left.stdout.splitlines() if line.startswith("sandbox")] == [
+                ["sandbox", "sh"],
+                ["sandbox", "ps"],
+            ], left  # nothing of the bomb outlived its command: this command's own shell and ps only
             memory = await sb.exec(bad, "python3 -c 'b = [bytearray(16 << 20) for _ in range(64)]'; echo rc=$?", 30)
             assert "rc=137" in memory.stdout or "MemoryError" in memory.stderr, memory  # the container's cgroup
             started = time.monotonic()
@@ -232,6 +238,27 @@ def test_fork_bomb_memory_bomb_cpu_spin_and_disk_fill_are_contained(engine, clea
             disk = await sb.exec(bad, "for i in 1 2 3 4 5 6; do head -c 4000000 /dev/zero > f$i; done", 30)
             assert "No space left" in disk.stderr, disk  # the work directory's tmpfs (16 MiB)
             await peer_is_fine(sb, peer)
+        finally:
+            await sb.close()
+
+    run(go())
+
+
+def test_what_a_command_leaves_running_ends_once_no_command_runs(engine, clean):
+    async def go():
+        sb = backend(engine)
+        sid = await sb.create(owner(), time.time() + 120)
+        try:
+            # both counted as running before either ends: an exec yields first at its engine call
+            other = asyncio.ensure_future(sb.exec(sid, "sleep 3; echo other", 30))
+            left_behind = await sb.exec(sid, "setsid sleep 300 & (trap '' TERM; sleep 300) & echo started", 10)
+            assert left_behind.stdout == "started\n", left_behind
+            assert (await other).stdout == "other\n"  # a command's return does not end another's processes
+            left = await sb.exec(sid, "ps -e -o user=,comm=", 10)
+            assert [line.split() for line in left.stdout.splitlines() if line.startswith("sandbox")] == [
+                ["sandbox", "sh"],
+                ["sandbox", "ps"],
+            ], left  # this command's own shell and ps only: the detached sleeps ended with the last command
         finally:
             await sb.close()
 
@@ -336,7 +363,7 @@ def test_delete_and_cancel_end_everything(engine, clean):
             await task
         await asyncio.sleep(0.5)
         ps = await sb.exec(other, "ps -e -o comm= | grep -c sleep || true", 10)
-        assert ps.stdout.strip() == "1", ps  # PID 1's own sleep only
+        assert ps.stdout.strip() == "0", ps  # the cancelled command's sleep was ended
         # a create cancelled half-way leaves nothing once its container exists
         made = asyncio.ensure_future(sb.create(owner("cancelled"), time.time() + 120))
         await asyncio.sleep(0.05)

@@ -2,8 +2,8 @@
 Python client (``pip install 'loongsage-sandbox[docker]'``). Any engine that serves the API works:
 Docker, or Podman's compatible service (``podman system service``), which the tests run.
 
-A container per sandbox, created from ``image`` and kept alive by a sleeping PID 1; every ``exec``
-is a process of it. What it may do:
+A container per sandbox, created from ``image`` and kept alive by its PID 1 (:data:`INIT`); every
+``exec`` is a process of it. What it may do:
 
 * network: ``network_mode: none`` (its own namespace, loopback only);
 * files: a read-only root file system, a size-capped tmpfs at ``/work`` (the work directory,
@@ -12,20 +12,28 @@ is a process of it. What it may do:
   ``/usr`` and the loader's files bound read-only, the same view as the ``local`` jail; a
   ``image`` of your own (``python:3.12-slim``, a task's repository image) is used as it is;
 * identity: commands run as uid 1000 without capabilities and with ``no-new-privileges``; the
-  container keeps only ``KILL``, for the root process that ends everything at a timeout, which a
+  container keeps only ``KILL``, for the root process that ends the others (the sweeper), which a
   process of uid 1000 never holds;
 * limits: **the container's** memory (``memory_mb``, a cgroup: all its processes together, no swap),
   CPU share (``cpus``) and processes (``processes``, the pids cgroup), and per process the CPU
   seconds, file size and open files of :class:`~loongsage.sandbox.limits.Limits`.
 
-``exec`` runs ``/bin/sh -c cmd`` in ``/work``; at its timeout every process of the sandbox is killed
-(``kill -9 -1`` by the container's root, which PID 1 survives), concurrent commands of the same
-sandbox included: a container has one PID namespace, where the ``local`` backend gives each command
-its own. Its output arrives whole, or the result says it did not (``error``, no exit code; see
-:mod:`loongsage.sandbox.docker_stream`). ``put``/``get`` go through the engine's archive API. A
-path follows the same rules as in ``local`` (relative, no ``..``); the engine resolves it inside
-the container, so a symlink the sandbox planted redirects a ``put`` at most elsewhere inside the
-sandbox, never outside it, and ``get`` refuses a symlink or anything but a regular file.
+``exec`` runs ``/bin/sh -c cmd`` in ``/work``. A container has one PID namespace, where the ``local``
+backend gives each command its own, so what ends a command's processes is a *sweep*: every process
+of the sandbox but PID 1 is killed, by the sweeper that PID 1 keeps (the container's root; see
+:data:`INIT`), which answers once none is left. A command's processes are swept when it returns, once
+no other command of the sandbox runs (what a command left in the background dies then; a command
+started meanwhile waits for the sweep), and at its timeout (or when it is cancelled, or its output
+stream broke), concurrent commands of the same sandbox included. The sweeper runs on shell builtins
+alone and is asked through the container's stdin, so a fork bomb that holds every slot of the pids
+cgroup cannot stop it, where an exec (which needs new processes in the container) could not even
+start. A command's output arrives whole, or the result says it did not (``error``, no exit code; see
+:mod:`loongsage.sandbox.docker_stream`).
+
+``put``/``get`` go through the engine's archive API. A path follows the same rules as in ``local``
+(relative, no ``..``); the engine resolves it inside the container, so a symlink the sandbox planted
+redirects a ``put`` at most elsewhere inside the sandbox, never outside it, and ``get`` refuses a
+symlink or anything but a regular file.
 
 Every container carries labels (owner, deadline, and the creating process as host, pid and start
 time): :meth:`DockerSandbox.reap_orphans` removes those whose creator on this host is gone, and
@@ -50,7 +58,7 @@ from typing import Any
 from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
 from loongsage.core.types import Check
 from loongsage.sandbox import paths
-from loongsage.sandbox.docker_stream import ExecStream
+from loongsage.sandbox.docker_stream import ExecStream, StreamBroken, SweepChannel
 from loongsage.sandbox.jail import ETC_PATHS, SYSTEM_PATHS, WORK, jail_env
 from loongsage.sandbox.limits import MIB, Limits
 from loongsage.sandbox.local import Capture, check_exec, check_owner, exec_result
@@ -63,6 +71,27 @@ INSTALL_HINT = "pip install 'loongsage-sandbox[docker]'"
 _SYMLINK, _DIR = 1 << 27, 1 << 31  # Go's os.ModeSymlink and os.ModeDir in the archive API's stat
 _ORPHAN_GRACE_S = 3600.0  # a container of another host is an orphan this long after its deadline
 _DRAIN_S = 5.0
+_SWEEP_S = 20.0  # how long a sweep may take before the backend falls back on a root exec
+_SWEEP_TRIES = 10000  # kills of one sweep request before the sweeper answers "left" (about 50 ms)
+
+# PID 1 of every container (root, with CAP_KILL only). It keeps one child, the sweeper, and waits
+# on it, which collects every orphan meanwhile: a killed process holds its slot of the pids cgroup
+# until it is collected. The sweeper reads a number per line on the container's stdin (written only
+# by the backend, through the engine's attach), kills every process but PID 1 and itself again and
+# again until the kernel finds none left to signal (zombies count until PID 1 collects them), and
+# answers ``swept N`` on stdout, or ``left N`` after _SWEEP_TRIES kills (the backend asks again).
+# kill(-1) is atomic against fork (a process cannot fork once SIGKILL is pending), and read, kill,
+# test and echo are builtins: nothing here forks, so a full pids cgroup cannot stop a sweep. A
+# sweeper killed is started again; one whose stdin closed (Podman closes it when the backend's
+# attach ends) is not, and PID 1 only waits (the backend's sweeps fall back on a root exec).
+INIT = (
+    "trap 'exit 0' TERM; exec 3<&0 </dev/null; "
+    "while (while read -r n; do i=0; "
+    f"while kill -9 -1 2>/dev/null && [ $((i += 1)) -lt {_SWEEP_TRIES} ]; do :; done; "
+    f'if [ $i -lt {_SWEEP_TRIES} ]; then echo "swept $n"; else echo "left $n"; fi; '
+    "done) <&3 & wait $!; [ $? -gt 128 ]; do :; done; "
+    "while :; do sleep 3600 & wait $!; done"
+)
 
 
 def _names(path: str) -> list[str]:
@@ -175,6 +204,9 @@ class DockerSandbox(Sandbox):
         self.image = image or self._base_image()
         self._mounts = host_mounts() if image is None else {}
         self._boxes: dict[str, str | None] = {}  # sandbox id (the container's name) -> None, or why it is closing
+        self._channels: dict[str, SweepChannel] = {}  # sandbox id -> the way to its sweeper
+        self._running: dict[str, int] = {}  # sandbox id -> its commands under way (none: absent)
+        self._sweeps: dict[str, set[asyncio.Task]] = {}  # sandbox id -> its sweeps under way
         self._threads = ThreadPoolExecutor(max_workers=64, thread_name_prefix="docker-sandbox")
         self._background: set[asyncio.Task] = set()
         self._host = socket.gethostname()
@@ -219,7 +251,9 @@ class DockerSandbox(Sandbox):
             f"{LABEL}.creator": self._creator,
         }
         options = dict(
-            command=["/bin/sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"],
+            command=["/bin/sh", "-c", INIT],
+            stdin_open=True,  # the sweeper's requests
+            detach=True,  # else the client asks the engine to close the stdin when an attach ends
             name=name,
             labels=labels,
             network_mode="none",
@@ -248,6 +282,7 @@ class DockerSandbox(Sandbox):
             options["runtime"] = self.runtime
         container = await self._call(self.client.containers.create, self.image, **options)
         self._boxes[name] = None  # from here on a delete removes it
+        self._channels[name] = SweepChannel(self.client.api, name)
         try:
             await self._call(container.start)
             # the tmpfs roots' owner and mode, set by the engine from an archive of two directory entries
@@ -273,6 +308,9 @@ class DockerSandbox(Sandbox):
     async def _remove(self, sandbox_id: str) -> None:
         import docker
 
+        channel = self._channels.pop(sandbox_id, None)
+        if channel is not None:
+            await self._call(channel.close)
         try:
             await self._call(self.client.api.remove_container, sandbox_id, force=True, v=True)
         except docker.errors.NotFound:
@@ -313,7 +351,20 @@ class DockerSandbox(Sandbox):
     async def exec(self, sandbox_id: str, cmd: str, timeout: float) -> ExecResult:
         check_exec(cmd, timeout)
         self._open(sandbox_id)
-        return await self._run(sandbox_id, cmd, float(timeout))
+        await self._swept(sandbox_id)  # a sweep under way would kill this command's processes too
+        self._open(sandbox_id)
+        self._running[sandbox_id] = self._running.get(sandbox_id, 0) + 1
+        try:
+            result = await self._run(sandbox_id, cmd, float(timeout))
+        finally:
+            self._running[sandbox_id] -= 1
+            if not self._running[sandbox_id]:
+                # the last command of the sandbox: whatever it or another left behind ends now
+                del self._running[sandbox_id]
+                self._sweep(sandbox_id)
+        if sweeps := self._sweeps.get(sandbox_id):  # returned once the next command finds nothing left over
+            await asyncio.wait(set(sweeps))
+        return result
 
     async def _run(self, sandbox_id: str, cmd: str, timeout: float) -> ExecResult:
         import docker
@@ -392,9 +443,39 @@ class DockerSandbox(Sandbox):
             pause = min(2 * pause, 0.2)
 
     async def _kill_all(self, sandbox_id: str) -> None:
-        """SIGKILL every process of the sandbox but its PID 1, as the container's root (CAP_KILL)."""
+        """Every process of the sandbox but its PID 1 ends (a sweep, which a cancelled caller leaves running)."""
+        await asyncio.shield(self._sweep(sandbox_id))
+
+    def _sweep(self, sandbox_id: str) -> asyncio.Task:
+        """A sweep of the sandbox, under way until it ends; a command waits for every such (``_swept``)."""
+        task = self._spawn(self._sweep_now(sandbox_id))
+        self._sweeps.setdefault(sandbox_id, set()).add(task)
+        task.add_done_callback(functools.partial(self._sweep_done, sandbox_id))
+        return task
+
+    def _sweep_done(self, sandbox_id: str, task: asyncio.Task) -> None:
+        sweeps = self._sweeps.get(sandbox_id, set())
+        sweeps.discard(task)
+        if not sweeps:
+            self._sweeps.pop(sandbox_id, None)
+
+    async def _swept(self, sandbox_id: str) -> None:
+        """Until no sweep of the sandbox is under way (one may start while another is awaited)."""
+        while sweeps := self._sweeps.get(sandbox_id):
+            await asyncio.wait(set(sweeps))
+
+    async def _sweep_now(self, sandbox_id: str) -> None:
         import docker
 
+        channel = self._channels.get(sandbox_id)
+        if channel is None or self._boxes.get(sandbox_id) is not None:
+            return  # being deleted: its container goes with every process
+        try:
+            await self._call(channel.sweep, _SWEEP_S)
+            return
+        except (StreamBroken, OSError):  # the sweeper is out of reach: a root exec, where one can start
+            if self._boxes.get(sandbox_id) is not None:
+                return
         try:
             exec_id = (
                 await self._call(self.client.api.exec_create, sandbox_id, ["/bin/sh", "-c", "kill -9 -1"], user="0:0")

@@ -15,14 +15,19 @@ raises :class:`StreamBroken` instead of passing for a short output.
 
 A stream cut exactly between two frames looks like its clean end; the caller then checks that the
 engine saw the command end (see ``DockerSandbox._exit_code``).
+
+:class:`SweepChannel` talks over the container's own stdin and stdout (``POST /containers/{id}/attach``,
+framed the same way) to the sweeper that the container's PID 1 keeps (``docker_backend.INIT``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import select
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 from loongsage.sandbox.local import Capture
@@ -90,6 +95,118 @@ class ExecStream:
             self._socket = sock
             if self._aborted:
                 raise StreamBroken("abandoned before the stream opened")
+
+
+class SweepChannel:
+    """Asks a container's sweeper to end every process of the container but PID 1 and itself, and
+    waits for its answer that none is left (``sweep``, in a thread; ``close`` from any thread).
+
+    A request is a number on a line of the container's stdin, which only the engine's attach writes
+    (a sandbox process cannot open PID 1's descriptors); the answer, ``swept N`` on its stdout, comes
+    once the kill found no process left, or ``left N`` when some still lived after the sweeper's tries.
+    One attach serves every sweep of the container: Podman closes a container's stdin when the attach
+    that wrote it ends, and the sweeper with it, so a sweep that saw no answer in time leaves the
+    attach open (the numbers tell its late answer from the one to a later request), and once the
+    attach ended or broke every sweep fails at once (the caller falls back on other means)."""
+
+    def __init__(self, api: Any, container: str):
+        self.api, self.container = api, container
+        self._lock = threading.Lock()  # one request at a time
+        self._response: Any = None
+        self._socket: socket.socket | None = None
+        self._frames = b""  # received, not yet taken apart into frames
+        self._lines = b""  # the stdout frames' payload, not yet taken apart into lines
+        self._asked = 0
+        self._closed = False
+
+    def sweep(self, timeout: float) -> None:
+        """Returns once the sweeper answered that no process is left, asking again while it answers
+        that some still live. Raises :class:`StreamBroken` when no such answer came within
+        ``timeout`` seconds or the attach ended, and ``OSError`` when the attach failed (the client's
+        ``APIError`` is one: ``NotFound``, the container is gone) or broke."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if self._socket is None:
+                self._attach()
+            try:
+                while not self._ask(deadline):
+                    pass
+            except OSError:
+                self._drop()
+                raise
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError, AttributeError):
+            self._socket.shutdown(socket.SHUT_RDWR)  # wakes a sweep waiting for its answer
+        with self._lock:
+            self._drop()
+
+    def _attach(self) -> None:
+        if self._closed:
+            raise StreamBroken("the container's attach was closed, or ended")
+        response = self.api._post(
+            self.api._url("/containers/{0}/attach", self.container),
+            params={"stdin": 1, "stdout": 1, "stream": 1},
+            headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+            stream=True,
+        )
+        try:
+            self.api._raise_for_status(response)
+            parsed = response.raw._fp  # as in ExecStream.pump: what came with the headers is in its reader
+            sock = getattr(parsed.fp.raw, "_sock", None)
+            if parsed.chunked or sock is None:
+                raise StreamBroken("the engine's attach is not a raw stream")
+            sock.setblocking(False)  # takes what the reader holds, without waiting for more
+            try:
+                frames = parsed.fp.peek(1 << 16)
+            finally:
+                sock.setblocking(True)  # from here on the socket itself is read, once select says so
+        except BaseException:
+            response.close()
+            raise
+        self._response, self._socket, self._frames, self._lines = response, sock, frames, b""
+
+    def _ask(self, deadline: float) -> bool:
+        """One request; True: ``swept``, False: ``left``."""
+        self._asked += 1
+        self._socket.sendall(b"%d\n" % self._asked)
+        while True:
+            answer = self._line(deadline)
+            if answer in (b"swept %d" % self._asked, b"left %d" % self._asked):
+                return answer.startswith(b"swept")
+            # the late answer to an earlier request, which saw none in time: not this one's
+
+    def _line(self, deadline: float) -> bytes:
+        while b"\n" not in self._lines:
+            self._lines += self._stdout(deadline)
+        line, self._lines = self._lines.split(b"\n", 1)
+        return line
+
+    def _stdout(self, deadline: float) -> bytes:
+        """The payload of the next stdout frame."""
+        while True:
+            if len(self._frames) >= FRAME_HEADER.size:
+                stream, size = FRAME_HEADER.unpack_from(self._frames)
+                end = FRAME_HEADER.size + size
+                if len(self._frames) >= end:
+                    payload, self._frames = self._frames[FRAME_HEADER.size : end], self._frames[end:]
+                    if stream == STDOUT:
+                        return payload
+                    continue
+            if not select.select([self._socket], [], [], max(deadline - time.monotonic(), 0))[0]:
+                raise StreamBroken("the sweeper did not answer in time")
+            data = self._socket.recv(1 << 16)
+            if not data:
+                self._drop()
+                raise StreamBroken("the container's attach ended")
+            self._frames += data
+
+    def _drop(self) -> None:
+        self._closed = True  # for good: the sweeper reads a stdin that ended with the attach
+        if self._response is not None:
+            self._response.close()
+        self._response = self._socket = None
 
 
 def _read_frames(reader, out: Capture, err: Capture) -> None:
