@@ -24,7 +24,7 @@ from loongsage.agentflow.programs import jail
 from loongsage.core.plugins import load_registry
 from loongsage.core.rollout import AgentContext
 from loongsage.core.types import ConfigError, DataRecord, RewardInfraError, SamplingParams, Status
-from tests._procs import survivors
+from tests._procs import lasting, survivors
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -198,6 +198,34 @@ def test_a_program_that_kills_its_supervisor_is_still_ended(native, tokenizer, t
     assert len(list(pids.iterdir())) == 1 and survivors(tag) == []
     if network == "host":  # outside the jail the runner's sweep by the episode's marker ended it
         assert t.metadata["program"]["leftover_processes"] == 1
+
+
+@pytest.mark.parametrize("network", NETWORKS)
+def test_an_episode_cancelled_at_any_moment_leaves_no_process(native, tokenizer, tmp_path, tag, network):
+    """Cancelled while its supervisor starts, while the program starts, or while it runs."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    sleeper = agent("sleeper.py", network=network, env={"LOONGSAGE_TEST_TAG": tag, "PIDS_DIR": str(pids)})
+
+    async def go():
+        gateway = Gateway(ChatService(DirectEngine(native), tokenizer, parser=Qwen3ChatParser()))
+        await gateway.start()
+        ctx = AgentContext(
+            engine=None, tokenizer=tokenizer, sampling=SamplingParams(n=2), group_id=9, services={"gateway": gateway}
+        )
+        try:
+            for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4):
+                group = asyncio.ensure_future(sleeper.run(record(), ctx))
+                await asyncio.sleep(delay)
+                group.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await group
+                assert lasting(tag, within=5.0) == [], f"cancelled after {delay} s"
+        finally:
+            await gateway.stop()
+
+    asyncio.run(go())
+    assert list(pids.iterdir())  # some programs had started when their episode was cancelled
 
 
 # ------------------------------------------------------------------------------------- jail

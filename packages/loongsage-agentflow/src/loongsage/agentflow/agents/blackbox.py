@@ -37,6 +37,7 @@ from loongsage.agentflow.agents.chat_agent import gateway_of
 from loongsage.agentflow.programs import netaudit
 from loongsage.agentflow.programs.jail import bwrap_problem
 from loongsage.agentflow.programs.program import MARKER, Launch, Outcome, run_program
+from loongsage.core.concurrency import gather_all
 from loongsage.core.schema import ranged
 from loongsage.core.types import DataRecord, RewardInfraError, Status, Trajectory
 
@@ -130,7 +131,7 @@ class CommandAgent:
         if self._limit is None or self._limit[0] is not loop:
             self._limit = (loop, asyncio.Semaphore(self.max_concurrency))
         limit = self._limit[1]
-        episodes = await asyncio.gather(
+        episodes = await gather_all(
             *(self._limited(limit, record, ctx, gateway, k, sandboxes) for k in range(ctx.sampling.n))
         )
         group = [t for episode in episodes for t in episode]

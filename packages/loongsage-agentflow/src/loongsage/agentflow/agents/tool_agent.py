@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 from loongsage.agentflow.agents.chat_agent import gateway_of
 from loongsage.agentflow.agents.tools import ToolBox, schemas, write_files
+from loongsage.core.concurrency import gather_all
 from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.types import DataRecord, Trajectory
 
@@ -77,7 +78,7 @@ class ToolAgent:
 
     async def run(self, record: DataRecord, ctx: Any) -> list[Trajectory]:
         gateway = gateway_of(ctx, self.service, "tool_agent")
-        return list(await asyncio.gather(*(self._episode(record, ctx, gateway, k) for k in range(ctx.sampling.n))))
+        return await gather_all(*(self._episode(record, ctx, gateway, k) for k in range(ctx.sampling.n)))
 
     async def _episode(self, record: DataRecord, ctx: Any, gateway: Any, k: int) -> Trajectory:
         from openai import AsyncOpenAI, BadRequestError

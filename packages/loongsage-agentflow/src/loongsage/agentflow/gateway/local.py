@@ -16,6 +16,7 @@ from loongsage.agentflow.gateway.engines import DirectEngine
 from loongsage.agentflow.gateway.server import Gateway
 from loongsage.agentflow.gateway.service import ChatService
 from loongsage.agentflow.trajectories.store import Budget
+from loongsage.core.concurrency import gather_all
 from loongsage.core.rollout.agents import AgentContext
 from loongsage.core.rollout.seeds import request_seed
 from loongsage.core.types import DataRecord, SamplingParams
@@ -97,7 +98,7 @@ async def evaluate(
 
     async def phase(s: SamplingParams, phase_id: int) -> list[list[tuple[bool, bool]]]:
         ids = [-1 - (phase_id * len(records) + i) for i in range(len(records))]
-        return list(await asyncio.gather(*(group(r, c) for r, c in zip(records, contexts(gateway, s, ids, seed)))))
+        return await gather_all(*(group(r, c) for r, c in zip(records, contexts(gateway, s, ids, seed))))
 
     greedy = await phase(replace(sampling, temperature=0.0, n=1, seed=None), 0)
     metrics = {

@@ -117,6 +117,12 @@ async def run_program(launch: Launch) -> Outcome:
             )
         except OSError as exc:
             return Outcome(None, None, False, 0.0, out, err, error=f"could not start: {exc}")
+        except BaseException:
+            # cancelled while starting: asyncio kills the supervisor alone, and a program it had
+            # started already would outlive it (the jail's namespace dies with its bwrap instead)
+            if not launch.jail:
+                await asyncio.to_thread(sweep, launch.env[MARKER])
+            raise
         finally:
             for fd in writers:
                 os.close(fd)

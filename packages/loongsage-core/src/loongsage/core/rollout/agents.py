@@ -5,10 +5,10 @@ The single-turn agent calls an engine directly with token ids (no HTTP on the ho
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from loongsage.core.concurrency import gather_all
 from loongsage.core.rollout.router import EngineRouter
 from loongsage.core.types import DataRecord, FinishReason, SamplingParams, Status, Trajectory
 
@@ -76,4 +76,4 @@ async def gather_groups(
     agent_for: dict[str, Any], records: list[DataRecord], contexts: list[AgentContext]
 ) -> list[list[Trajectory]]:
     """Run every record's agent concurrently; the engine batches what arrives together."""
-    return list(await asyncio.gather(*(agent_for[r.source].run(r, c) for r, c in zip(records, contexts))))
+    return await gather_all(*(agent_for[r.source].run(r, c) for r, c in zip(records, contexts)))
