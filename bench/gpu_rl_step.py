@@ -321,13 +321,15 @@ def main() -> int:
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     o, t = side_ours, side_trl
     profiled = f" (our profiled step {args.profile_step} left out)" if args.profile_step > args.warmup else ""
+    overrides = f"; our recipe with `{' '.join(args.set)}`" if args.set else ""  # e.g. smaller micro-batches
     lines = [
         f"commit `{source['commit'][:10]}`; {result['device']}; rollout engine `{args.engine}`; "
         f"trainer `{args.trainer}`; "
         f"Qwen3-1.7B shape, random bf16 weights; "
         f"{PROMPTS} prompts x {SAMPLES} samples, {PROMPT_TOKENS} + exactly {NEW_TOKENS} tokens, micro-batch "
         f"{MICRO_ROWS} rows, one optimizer step per step; median of {args.steps - args.warmup} steps after "
-        f"{args.warmup} warm-up steps on each side{profiled}; bf16 matmul rate measured here {peak:.0f} TFLOP/s",
+        f"{args.warmup} warm-up steps on each side{profiled}{overrides}; bf16 matmul rate measured here "
+        f"{peak:.0f} TFLOP/s",
         "",
         "| | LoongSage | TRL GRPOTrainer | TRL / LoongSage |",
         "|---|---:|---:|---:|",
