@@ -115,6 +115,26 @@ def test_an_actors_exception_names_its_type_message_and_actor(tmp_path) -> None:
     ), out.message
 
 
+def test_a_gpu_out_of_memory_names_the_knobs_that_make_room(tmp_path) -> None:
+    # torch's own message (its class; a CUDA allocation is not to be had on this machine)
+    oom = torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.32 GiB. GPU 0 has a total capacity of 79.19 GiB of which "
+        "1.07 GiB is free. Including non-PyTorch memory, this process has 78.11 GiB memory in use. Of the "
+        "allocated memory 61.20 GiB is allocated by PyTorch, and 14.30 GiB is reserved by PyTorch but "
+        "unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=..."
+    )
+    out = explain(_ray_task_error("TrainerWorker.train_step", oom), run_dir=tmp_path, step=1, total_steps=8)
+    assert out.code == 1 and "\n" not in out.message
+    assert out.message.startswith(
+        "a GPU ran out of memory after 1 of 8 steps (in the trainer actor, TrainerWorker.train_step): CUDA out "
+        "of memory. Tried to allocate 2.32 GiB. GPU 0 has a total capacity of 79.19 GiB of which 1.07 GiB is "
+        "free. Including non-PyTorch memory, this process has 78.11 GiB memory in use; lower "
+        "trainer.micro_batch_tokens"
+    ), out.message
+    assert "placement.release_engine_memory=true" in out.message and "PYTORCH_CUDA_ALLOC_CONF" not in out.message
+    assert out.message.endswith("resume=true to start it again (no checkpoint was written yet)")
+
+
 def test_signals_and_refusals_keep_their_exit_codes(tmp_path, monkeypatch) -> None:
     _checkpoint(tmp_path, 2)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -170,6 +170,16 @@ def not_writable(exc: BaseException) -> OSError | None:
     return None
 
 
+def out_of_gpu_memory(exc: BaseException) -> str | None:
+    """torch's CUDA out-of-memory error in ``exc``'s chain, as its first sentences (what it tried
+    to allocate, what the card has and holds); None: there is none."""
+    for e in causes(exc):
+        if type(e).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(e):
+            # the rest (allocated vs reserved, PYTORCH_CUDA_ALLOC_CONF) is for the log
+            return _first_line(e).split(" Of the allocated memory")[0][:300].rstrip(".")
+    return None
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0].strip() if text else ""
@@ -245,6 +255,15 @@ def explain(
         return Outcome(
             f"cannot write {target}: {denied.strerror or os.strerror(denied.errno)}{where}; make "
             f"{run_dir or 'run.output_dir'} writable again (or set run.output_dir elsewhere), then {resume}",
+            EXIT_FAILED,
+        )
+
+    short = out_of_gpu_memory(exc)
+    if short is not None:
+        return Outcome(
+            f"a GPU ran out of memory{where}{_where(exc)}: {short}; lower trainer.micro_batch_tokens or "
+            f"rollout.engine.params.max_batch_size, set trainer.backend.params.gradient_checkpointing=true, "
+            f"or, with the engine on the trainer's card, placement.release_engine_memory=true; then {resume}",
             EXIT_FAILED,
         )
 
