@@ -12,7 +12,9 @@ in a run) against the goal of 1e-5, for:
 * the batch-invariant mode: engine and trainer both with ``batch_invariant`` (the same kernels, each
   token computed the same way whatever the batch: exactly 0 without a second forward);
 * the engine's decode GEMMs on FP8 weights (``quantization="fp8"``) against the bf16 trainer;
-* for scale, the fast path with a bf16 LM head in the engine (what the FP32 head is there to avoid).
+* for scale, the fast path with a bf16 LM head in the engine (what the FP32 head is there to avoid);
+* the fast path against the trainer with its layers compiled (``compile_layers``, as the GPU
+  recipes run it), with and without Inductor's ``emulate_precision_casts``.
 
 With ``--sglang``, also the ``sglang`` engine (:class:`loongsage.sglang.engine.SGLangEngine`, one
 SGLang server at a time) under the server settings of :data:`SGLANG_SETTINGS` (the default six of
@@ -30,7 +32,8 @@ Each native side also records the engine's sampled tokens/s (one generate after 
 the trainer's scoring forward in seconds: what a mode costs.
 
 ``--sides`` picks what runs: native sides (``fast``, ``fast_torch_kernels``, ``deterministic``,
-``batch_invariant``, ``fp8_engine``, ``engine_bf16_head``), SGLang settings as ``sglang:<name>``,
+``batch_invariant``, ``fp8_engine``, ``engine_bf16_head``, ``fast_compiled_trainer``,
+``fast_compiled_trainer_exact_casts``), SGLang settings as ``sglang:<name>``,
 or the groups ``native``, ``sglang`` (the default six) and ``sglang:all``. ``--merge`` keeps what
 ``--out`` already holds for the sides not run now (to fill one file over several calls).
 ``--time-budget-s`` starts no SGLang server once less than a start-up's worth of the budget is left,
@@ -78,6 +81,12 @@ NATIVE_SIDES: dict[str, dict[str, Any]] = {
     # the engine's decode GEMMs on FP8 weights against the bf16 trainer: what FP8 rollouts cost in k3
     "fp8_engine": {"quantization": "fp8"},
     "engine_bf16_head": {"engine_fp32_head": False},
+    # the fast path against the trainer as the GPU recipes run it: each decoder layer compiled by
+    # torch.compile, whose Inductor computes fused bf16 pointwise work in float32 without the
+    # roundings of the eager ops the engine's kernels reproduce, and the same with Inductor's
+    # emulate_precision_casts, which keeps them
+    "fast_compiled_trainer": {"trainer_compile": True},
+    "fast_compiled_trainer_exact_casts": {"trainer_compile": True, "exact_casts": True},
 }
 # SGLang settings: SGLangEngine params over the bench's own (FP32 head, torch sampling, CUDA
 # graphs, no memory release, the workload's sizing), as SGLang 0.5.16 spells its options
@@ -157,6 +166,8 @@ def measure(
     kernels: str = "auto",
     batch_invariant: bool = False,
     quantization: str | None = None,
+    trainer_compile: bool = False,
+    exact_casts: bool = False,
 ) -> dict[str, float]:
     """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens,
     and what each side's pass took: the engine's generate (after one warm-up generate of the same
@@ -164,9 +175,15 @@ def measure(
 
     ``engine_fp32_head=False`` gives the engine a bf16 LM head against the trainer's FP32 one: the
     size of the error a broken head would cause, to size the tests' bounds against.
-    ``batch_invariant`` runs both sides on the batch-invariant path.
+    ``batch_invariant`` runs both sides on the batch-invariant path. ``trainer_compile``: the
+    trainer's layers compiled (``compile_layers``); ``exact_casts``: with Inductor's
+    ``emulate_precision_casts``.
     """
+    import contextlib
     import time
+
+    import torch._dynamo
+    import torch._inductor.config
 
     from loongsage.core.engine.native import NativeEngine
     from loongsage.core.trainer.torch_trainer import TorchTrainer
@@ -199,7 +216,16 @@ def measure(
     del engine
     torch.cuda.empty_cache()
 
-    trainer = TorchTrainer(path, dtype="bfloat16", device="cuda", fp32_lm_head=True, batch_invariant=batch_invariant)
+    torch._dynamo.reset()  # a graph compiled for another side is not reused
+    casts = torch._inductor.config.patch(emulate_precision_casts=True) if exact_casts else contextlib.nullcontext()
+    trainer = TorchTrainer(
+        path,
+        dtype="bfloat16",
+        device="cuda",
+        fp32_lm_head=True,
+        batch_invariant=batch_invariant,
+        compile_layers=trainer_compile,
+    )
     T = prompt_len + new_tokens
     ids = torch.tensor([p + r.output_ids for p, r in zip(prompts, results)])
     mask = torch.zeros(batch, T)
@@ -214,12 +240,13 @@ def measure(
         group_ids=torch.arange(batch),
     )
     budget = 1 if deterministic else batch * T
-    trainer.logprobs(tb, token_budget=budget)  # warm
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    trainer_lp, _ = trainer.logprobs(tb, token_budget=budget)
-    torch.cuda.synchronize()
-    trainer_s = time.perf_counter() - start
+    with casts:  # compiled at the first call
+        trainer.logprobs(tb, token_budget=budget)  # warm
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer_lp, _ = trainer.logprobs(tb, token_budget=budget)
+        torch.cuda.synchronize()
+        trainer_s = time.perf_counter() - start
     engine_lp = torch.tensor([r.logprobs for r in results])
     delta = (trainer_lp[:, prompt_len:] - engine_lp).double()
     k3 = (torch.exp(delta) - delta - 1).mean().item()

@@ -155,6 +155,21 @@ def test_compiled_layers_give_the_eager_step(model_dir):
     _compiled_step_matches_eager(model_dir, [10_000])
 
 
+def test_compiled_bf16_layers_score_the_eager_log_probs_bit_for_bit(tmp_path_factory):
+    """Inductor computes a fused bf16 layer's pointwise work in float32; by default it drops the
+    roundings between the eager ops, which the engine's fused kernels reproduce (then the log-probs
+    here differ by about 7e-4). ``compile_layers`` keeps them: the eager forward's bits."""
+    import torch._dynamo
+
+    path = tmp_path_factory.mktemp("bf16")
+    build_tiny_qwen3(path, seed=5)
+    batch = _batch(vocab=200, B=4)
+    eager, _ = TorchTrainer(str(path), dtype="bfloat16").logprobs(batch, token_budget=10_000)
+    torch._dynamo.reset()
+    compiled, _ = TorchTrainer(str(path), dtype="bfloat16", compile_layers=True).logprobs(batch, token_budget=10_000)
+    assert torch.equal(compiled, eager), (compiled - eager).abs().max()
+
+
 def test_every_compiled_layer_runs_compiled(tmp_path_factory, caplog):
     """The training forward keeps no KV cache: with one, each layer's attention reads it by its
     index, which dynamo takes as a constant, so the layers' shared code is compiled again per layer

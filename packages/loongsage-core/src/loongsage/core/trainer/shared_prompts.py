@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from loongsage.core.trainer.compiling import compile_like_eager
 from loongsage.core.types import TrainBatch
 
 # attention implementations that apply a 4D mask as given
@@ -121,11 +122,11 @@ def compile_around_attention(layer: nn.Module) -> None:
     """
     for name, child in layer.named_children():
         if not _is_attention(name, child):
-            child.compile(dynamic=True)
+            compile_like_eager(child, dynamic=True)
             continue
         for part in child.children():
             if not isinstance(part, nn.Linear) and any(True for _ in part.parameters()):
-                part.compile(dynamic=True)
+                compile_like_eager(part, dynamic=True)
 
 
 def _is_attention(name: str, module: nn.Module) -> bool:

@@ -14,7 +14,8 @@ reference, a checkpoint holds the adapters alone, and exports hold the merged we
 
 ``compile_layers`` compiles each decoder layer with ``torch.compile`` (regional compilation): Inductor
 fuses the norms, rotary embedding and activation of the layer's forward and backward into a few
-Triton kernels, where eager HF runs each as separate elementwise kernels. The layers share one
+Triton kernels, where eager HF runs each as separate elementwise kernels, rounding where eager
+rounds (:mod:`.compiling`: the engine's kernels round there too). The layers share one
 compiled graph (parameters are the graph's inputs; the forward keeps no KV cache, whose per-layer
 index would make a graph per layer), so compiling costs one layer's time, not the model's; the second
 distinct micro-batch shape recompiles once with dynamic shapes. Under ``share_prompts`` the parts
@@ -53,6 +54,7 @@ from loongsage.core.model_math.logprobs import (
 )
 from loongsage.core.model_math.state import state_tensors
 from loongsage.core.trainer.adapter import MicroBatchStep, Planned, filler_input, run_in_order, world_size
+from loongsage.core.trainer.compiling import compile_like_eager
 from loongsage.core.trainer.lora import (
     LoraConfig,
     adapter_state,
@@ -119,7 +121,7 @@ class TorchModel:
                 if share_prompts:  # the attention reads the prompts' cache: compiled around it
                     compile_around_attention(layer)
                 else:
-                    layer.compile()
+                    compile_like_eager(layer)
         self.model.train()
         # the sampled tokens' log-probs as the native engine's batch_invariant mode computes them
         self.invariant = None
