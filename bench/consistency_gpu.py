@@ -14,7 +14,7 @@ in a run) against the goal of 1e-5, for:
 * the engine's decode GEMMs on FP8 weights (``quantization="fp8"``) against the bf16 trainer;
 * for scale, the fast path with a bf16 LM head in the engine (what the FP32 head is there to avoid);
 * the fast path against the trainer with its layers compiled (``compile_layers``, as the GPU
-  recipes run it), with and without Inductor's ``emulate_precision_casts``.
+  recipes run it), and compiled with Inductor's default rounding (what ``compile_layers`` was).
 
 With ``--sglang``, also the ``sglang`` engine (:class:`loongsage.sglang.engine.SGLangEngine`, one
 SGLang server at a time) under the server settings of :data:`SGLANG_SETTINGS` (the default six of
@@ -33,7 +33,7 @@ the trainer's scoring forward in seconds: what a mode costs.
 
 ``--sides`` picks what runs: native sides (``fast``, ``fast_torch_kernels``, ``deterministic``,
 ``batch_invariant``, ``fp8_engine``, ``engine_bf16_head``, ``fast_compiled_trainer``,
-``fast_compiled_trainer_exact_casts``), SGLang settings as ``sglang:<name>``,
+``fast_compiled_trainer_inductor_rounding``), SGLang settings as ``sglang:<name>``,
 or the groups ``native``, ``sglang`` (the default six) and ``sglang:all``. ``--merge`` keeps what
 ``--out`` already holds for the sides not run now (to fill one file over several calls).
 ``--time-budget-s`` starts no SGLang server once less than a start-up's worth of the budget is left,
@@ -81,12 +81,11 @@ NATIVE_SIDES: dict[str, dict[str, Any]] = {
     # the engine's decode GEMMs on FP8 weights against the bf16 trainer: what FP8 rollouts cost in k3
     "fp8_engine": {"quantization": "fp8"},
     "engine_bf16_head": {"engine_fp32_head": False},
-    # the fast path against the trainer as the GPU recipes run it: each decoder layer compiled by
-    # torch.compile, whose Inductor computes fused bf16 pointwise work in float32 without the
-    # roundings of the eager ops the engine's kernels reproduce, and the same with Inductor's
-    # emulate_precision_casts, which keeps them
+    # the fast path against the trainer as the GPU recipes run it (each decoder layer compiled,
+    # rounding where eager rounds: trainer/compiling.py), and compiled with Inductor's default
+    # rounding, which leaves out the roundings of the eager ops that the engine's kernels reproduce
     "fast_compiled_trainer": {"trainer_compile": True},
-    "fast_compiled_trainer_exact_casts": {"trainer_compile": True, "exact_casts": True},
+    "fast_compiled_trainer_inductor_rounding": {"trainer_compile": True, "inductor_rounding": True},
 }
 # SGLang settings: SGLangEngine params over the bench's own (FP32 head, torch sampling, CUDA
 # graphs, no memory release, the workload's sizing), as SGLang 0.5.16 spells its options
@@ -167,7 +166,7 @@ def measure(
     batch_invariant: bool = False,
     quantization: str | None = None,
     trainer_compile: bool = False,
-    exact_casts: bool = False,
+    inductor_rounding: bool = False,
 ) -> dict[str, float]:
     """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens,
     and what each side's pass took: the engine's generate (after one warm-up generate of the same
@@ -176,16 +175,15 @@ def measure(
     ``engine_fp32_head=False`` gives the engine a bf16 LM head against the trainer's FP32 one: the
     size of the error a broken head would cause, to size the tests' bounds against.
     ``batch_invariant`` runs both sides on the batch-invariant path. ``trainer_compile``: the
-    trainer's layers compiled (``compile_layers``); ``exact_casts``: with Inductor's
-    ``emulate_precision_casts``.
+    trainer's layers compiled (``compile_layers``); ``inductor_rounding``: compiled with Inductor's
+    default rounding instead of the eager ops' (``emulate_precision_casts`` off).
     """
-    import contextlib
     import time
 
     import torch._dynamo
-    import torch._inductor.config
 
     from loongsage.core.engine.native import NativeEngine
+    from loongsage.core.trainer import compiling
     from loongsage.core.trainer.torch_trainer import TorchTrainer
     from loongsage.core.types import GenerationRequest, SamplingParams, TrainBatch
 
@@ -217,15 +215,20 @@ def measure(
     torch.cuda.empty_cache()
 
     torch._dynamo.reset()  # a graph compiled for another side is not reused
-    casts = torch._inductor.config.patch(emulate_precision_casts=True) if exact_casts else contextlib.nullcontext()
-    trainer = TorchTrainer(
-        path,
-        dtype="bfloat16",
-        device="cuda",
-        fp32_lm_head=True,
-        batch_invariant=batch_invariant,
-        compile_layers=trainer_compile,
-    )
+    rounding = compiling.EAGER_ROUNDING
+    if inductor_rounding:  # read when the layers are handed to torch.compile, in the constructor
+        compiling.EAGER_ROUNDING = {"emulate_precision_casts": False}
+    try:
+        trainer = TorchTrainer(
+            path,
+            dtype="bfloat16",
+            device="cuda",
+            fp32_lm_head=True,
+            batch_invariant=batch_invariant,
+            compile_layers=trainer_compile,
+        )
+    finally:
+        compiling.EAGER_ROUNDING = rounding
     T = prompt_len + new_tokens
     ids = torch.tensor([p + r.output_ids for p, r in zip(prompts, results)])
     mask = torch.zeros(batch, T)
@@ -240,13 +243,12 @@ def measure(
         group_ids=torch.arange(batch),
     )
     budget = 1 if deterministic else batch * T
-    with casts:  # compiled at the first call
-        trainer.logprobs(tb, token_budget=budget)  # warm
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        trainer_lp, _ = trainer.logprobs(tb, token_budget=budget)
-        torch.cuda.synchronize()
-        trainer_s = time.perf_counter() - start
+    trainer.logprobs(tb, token_budget=budget)  # warm (and compiled)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    trainer_lp, _ = trainer.logprobs(tb, token_budget=budget)
+    torch.cuda.synchronize()
+    trainer_s = time.perf_counter() - start
     engine_lp = torch.tensor([r.logprobs for r in results])
     delta = (trainer_lp[:, prompt_len:] - engine_lp).double()
     k3 = (torch.exp(delta) - delta - 1).mean().item()
