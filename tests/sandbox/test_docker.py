@@ -21,6 +21,7 @@ import pytest
 
 from loongsage.core.contracts import SandboxOwner
 from loongsage.sandbox.limits import Limits
+from loongsage.sandbox.store import UID_BASE, UID_COUNT
 from tests.sandbox.engine_relay import EngineRelay
 
 pytestmark = pytest.mark.timeout(300)
@@ -110,6 +111,11 @@ def clean(engine):
     assert leftovers(engine) == []
 
 
+def sandbox_processes(ps: str) -> list[str]:
+    """The commands of ``ps -e -o uid=,comm=`` run by a sandbox's uid (PID 1 and its sweeper are root's)."""
+    return [line.split()[1] for line in ps.splitlines() if line.split()[0] != "0"]
+
+
 async def two(sb):
     return [await sb.create(owner(name), time.time() + 120) for name in ("bad", "peer")]
 
@@ -126,7 +132,9 @@ def test_commands_files_and_bad_input(engine, clean):
         sid = await sb.create(owner(), time.time() + 120)
         try:
             result = await sb.exec(sid, "id -u; pwd; echo err >&2; exit 3", 10)
-            assert (result.exit_code, result.stdout, result.stderr) == (3, "1000\n/work\n", "err\n"), result
+            uid, rest = result.stdout.split("\n", 1)
+            assert (result.exit_code, rest, result.stderr) == (3, "/work\n", "err\n"), result
+            assert UID_BASE <= int(uid) < UID_BASE + UID_COUNT  # a uid of its own (see the test below)
             missing = await sb.exec(sid, "no-such-command-here", 10)
             assert missing.exit_code == 127 and "not found" in missing.stderr
             binary = await sb.exec(sid, "printf '\\377\\000ok'", 10)
@@ -140,8 +148,8 @@ def test_commands_files_and_bad_input(engine, clean):
             odd = await sb.exec(sid, "printf x > \"$(printf 'caf\\351.txt')\"; ls", 10)  # made inside: fine
             assert odd.exit_code == 0 and "caf\\xe9.txt" in odd.stdout, odd
             assert await sb.get(sid, "a/b/c.txt") == b"hello"
-            listing = await sb.exec(sid, "cat a/b/c.txt; ls | od -c | head -2 >/dev/null; stat -c %U a/b/c.txt", 10)
-            assert listing.stdout == "hellosandbox\n", listing
+            listing = await sb.exec(sid, "cat a/b/c.txt; ls | od -c | head -2 >/dev/null; stat -c %u a/b/c.txt", 10)
+            assert listing.stdout == f"hello{uid}\n", listing  # put's files are the sandbox uid's
             for bad in ("/etc/passwd", "../x", "a/../../x", ""):
                 with pytest.raises(ValueError, match="sandbox path"):
                     await sb.put(sid, bad, b"x")
@@ -223,11 +231,9 @@ def test_fork_bomb_memory_bomb_cpu_spin_and_disk_fill_are_contained(engine, clea
             assert fork.exit_code is not None or fork.timed_out  # the pids cgroup stopped it
             count = await sb.exec(bad, "ps -e --no-headers | wc -l", 20)
             assert count.exit_code == 0 and int(count.stdout) <= SMALL.processes + 2, count
-            left = await sb.exec(bad, "ps -e -o user=,comm=", 20)
-            assert [line.split() for line in left.stdout.splitlines() if line.startswith("sandbox")] == [
-                ["sandbox", "sh"],
-                ["sandbox", "ps"],
-            ], left  # nothing of the bomb outlived its command: this command's own shell and ps only
+            left = await sb.exec(bad, "ps -e -o uid=,comm=", 20)
+            # nothing of the bomb outlived its command: this command's own shell and ps only
+            assert sandbox_processes(left.stdout) == ["sh", "ps"], left
             memory = await sb.exec(bad, "python3 -c 'b = [bytearray(16 << 20) for _ in range(64)]'; echo rc=$?", 30)
             assert "rc=137" in memory.stdout or "MemoryError" in memory.stderr, memory  # the container's cgroup
             started = time.monotonic()
@@ -244,6 +250,38 @@ def test_fork_bomb_memory_bomb_cpu_spin_and_disk_fill_are_contained(engine, clea
     run(go())
 
 
+def test_a_sandbox_using_its_whole_process_budget_leaves_a_peers_alone(engine, clean):
+    """RLIMIT_NPROC counts a uid's processes on the whole host: under one uid for every container,
+    one sandbox holding its processes failed a peer's forks (``Cannot fork``). Each runs as a uid
+    of its own."""
+
+    async def go():
+        sb = backend(engine)
+        bad, peer = await two(sb)
+        try:
+            uids = [(await sb.exec(s, "id -u", 10)).stdout for s in (bad, peer)]
+            assert len(set(uids)) == 2, uids
+            held = SMALL.processes - 6  # the command's shell, the sleeps, and room for the next exec
+            holding = asyncio.ensure_future(
+                sb.exec(bad, f"for i in $(seq {held}); do sleep 20 & done; echo held; wait", 30)
+            )
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                count = await sb.exec(bad, "ps -e --no-headers | wc -l", 10)
+                if count.exit_code == 0 and int(count.stdout) >= held:
+                    break
+                await asyncio.sleep(0.2)
+            forks = await sb.exec(peer, "for i in $(seq 24); do sleep 1 & done; wait; echo forked", 30)
+            assert (forks.exit_code, forks.stdout, forks.stderr) == (0, "forked\n", ""), forks
+            holding.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await holding
+        finally:
+            await sb.close()
+
+    run(go())
+
+
 def test_what_a_command_leaves_running_ends_once_no_command_runs(engine, clean):
     async def go():
         sb = backend(engine)
@@ -254,11 +292,9 @@ def test_what_a_command_leaves_running_ends_once_no_command_runs(engine, clean):
             left_behind = await sb.exec(sid, "setsid sleep 300 & (trap '' TERM; sleep 300) & echo started", 10)
             assert left_behind.stdout == "started\n", left_behind
             assert (await other).stdout == "other\n"  # a command's return does not end another's processes
-            left = await sb.exec(sid, "ps -e -o user=,comm=", 10)
-            assert [line.split() for line in left.stdout.splitlines() if line.startswith("sandbox")] == [
-                ["sandbox", "sh"],
-                ["sandbox", "ps"],
-            ], left  # this command's own shell and ps only: the detached sleeps ended with the last command
+            left = await sb.exec(sid, "ps -e -o uid=,comm=", 10)
+            # this command's own shell and ps only: the detached sleeps ended with the last command
+            assert sandbox_processes(left.stdout) == ["sh", "ps"], left
         finally:
             await sb.close()
 
@@ -318,11 +354,8 @@ except OSError:
                 bad, "setsid sh -c 'trap \"\" TERM; sleep 300' & (trap '' TERM; sleep 300) & sleep 300", 2
             )
             assert orphans.timed_out, orphans
-            left = await sb.exec(bad, "ps -e -o user=,comm=", 10)
-            assert [line.split() for line in left.stdout.splitlines() if line.startswith("sandbox")] == [
-                ["sandbox", "sh"],
-                ["sandbox", "ps"],
-            ], left  # this command's own shell and ps only
+            left = await sb.exec(bad, "ps -e -o uid=,comm=", 10)
+            assert sandbox_processes(left.stdout) == ["sh", "ps"], left  # this command's own shell and ps only
             # planted links: get refuses them, a put through one stays inside the container
             await sb.exec(bad, "ln -s /etc evil && ln -s /etc/passwd pw", 10)
             with pytest.raises(ValueError, match="symlink"):
@@ -395,6 +428,7 @@ import asyncio, os, sys, time
 from loongsage.core.contracts import SandboxOwner
 from loongsage.sandbox.docker_backend import DockerSandbox
 from loongsage.sandbox.limits import Limits
+from loongsage.sandbox.store import UID_BASE, UID_COUNT
 
 async def main():
     sb = DockerSandbox(Limits(memory_mb=64, work_mb=4, tmp_mb=4), base_url=sys.argv[1])

@@ -11,9 +11,13 @@ A container per sandbox, created from ``image`` and kept alive by its PID 1 (:da
   empty directories, the links of a merged ``/usr``, ``passwd``/``group``/``hosts``) with the host's
   ``/usr`` and the loader's files bound read-only, the same view as the ``local`` jail; a
   ``image`` of your own (``python:3.12-slim``, a task's repository image) is used as it is;
-* identity: commands run as uid 1000 without capabilities and with ``no-new-privileges``; the
-  container keeps only ``KILL``, for the root process that ends the others (the sweeper), which a
-  process of uid 1000 never holds;
+* identity: commands run without capabilities and with ``no-new-privileges``, under **a uid of the
+  sandbox's own**, claimed machine-wide from the range the ``local`` backend claims from
+  (:class:`~loongsage.sandbox.store.UidClaim`): ``RLIMIT_NPROC`` counts the processes of a uid on the
+  whole host, so under one shared uid a sandbox holding its processes would fail a peer's forks. A
+  rootless engine maps too few uids for that: there, or with ``uid`` given, every sandbox runs as
+  that one uid (1000 by default on a rootless engine). The container keeps only ``KILL``, for the
+  root process that ends the others (the sweeper), which a sandbox's uid never holds;
 * limits: **the container's** memory (``memory_mb``, a cgroup: all its processes together, no swap),
   CPU share (``cpus``) and processes (``processes``, the pids cgroup), and per process the CPU
   seconds, file size and open files of :class:`~loongsage.sandbox.limits.Limits`.
@@ -46,13 +50,16 @@ import asyncio
 import functools
 import hashlib
 import io
+import logging
 import os
 import re
 import secrets
 import socket
 import tarfile
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
@@ -62,10 +69,11 @@ from loongsage.sandbox.docker_stream import ExecStream, StreamBroken, SweepChann
 from loongsage.sandbox.jail import ETC_PATHS, SYSTEM_PATHS, WORK, jail_env
 from loongsage.sandbox.limits import MIB, Limits
 from loongsage.sandbox.local import Capture, check_exec, check_owner, exec_result
-from loongsage.sandbox.store import process_start
+from loongsage.sandbox.store import UidClaim, process_start
 
+log = logging.getLogger(__name__)
 LABEL = "loongsage.sandbox"
-SANDBOX_UID = 1000
+SANDBOX_UID = 1000  # the base image's user; the one uid of every sandbox where uids are not claimed
 BASE_REPOSITORY = "loongsage-sandbox-base"
 INSTALL_HINT = "pip install 'loongsage-sandbox[docker]'"
 _SYMLINK, _DIR = 1 << 27, 1 << 31  # Go's os.ModeSymlink and os.ModeDir in the archive API's stat
@@ -154,17 +162,24 @@ def base_image_tar() -> bytes:
     return buf.getvalue()
 
 
-def _mount_roots() -> bytes:
+def _mount_roots(uid: int) -> bytes:
+    """The tmpfs roots' owner and mode: ``/work`` the sandbox's, ``/tmp`` everyone's."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, mode, uid in ((WORK.lstrip("/"), 0o700, SANDBOX_UID), ("tmp", 0o1777, 0)):
+        for name, mode, owner in ((WORK.lstrip("/"), 0o700, uid), ("tmp", 0o1777, 0)):
             info = tarfile.TarInfo(name)
-            info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, mode, uid, uid
+            info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, mode, owner, owner
             tar.addfile(info)
     return buf.getvalue()
 
 
-_MOUNT_ROOTS = _mount_roots()
+def _claim_uid() -> UidClaim:
+    """A uid of the sandbox range, held until released: machine-wide where this process may write
+    the claims of :data:`UID_LOCKS` (root), else among this user's processes."""
+    try:
+        return UidClaim()
+    except PermissionError:
+        return UidClaim(locks=Path(tempfile.gettempdir()) / f"loongsage-sandbox-uids-{os.geteuid()}")
 
 
 def host_mounts() -> dict[str, dict[str, str]]:
@@ -196,11 +211,26 @@ class DockerSandbox(Sandbox):
         cpus: float = 1.0,
         runtime: str | None = None,
         api_timeout_s: float = 120.0,
+        uid: int | None = None,
     ):
         if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not 0 < cpus <= 1024:
             raise ValueError(f"docker sandbox cpus={cpus!r}: must be a positive number of CPUs")
+        if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or not 0 < uid < 2**31):
+            raise ValueError(
+                f"docker sandbox uid={uid!r}: must be a uid from 1 to 2**31 - 1 (or null: a uid of its own per sandbox)"
+            )
         self.limits, self.cpus, self.runtime = limits, float(cpus), runtime
         self.client = _client(base_url, api_timeout_s)
+        if uid is None and _rootless(self.client):
+            log.warning(
+                "sandbox 'docker': the engine is rootless and maps too few uids for a uid per sandbox; "
+                "every sandbox runs as uid %d, whose process limit (processes) counts them all together",
+                SANDBOX_UID,
+            )
+            uid = SANDBOX_UID
+        self.uid = uid  # every sandbox's (None: each its own, claimed)
+        self._uids: dict[str, int] = {}  # sandbox id -> its uid
+        self._claims: dict[str, UidClaim] = {}  # sandbox id -> the claim on its uid
         self.image = image or self._base_image()
         self._mounts = host_mounts() if image is None else {}
         self._boxes: dict[str, str | None] = {}  # sandbox id (the container's name) -> None, or why it is closing
@@ -238,10 +268,22 @@ class DockerSandbox(Sandbox):
             raise
 
     async def _make(self, owner: SandboxOwner, deadline: float) -> str:
+        name = f"lsg-{secrets.token_hex(6)}"
+        if self.uid is None:
+            claim = self._claims[name] = _claim_uid()
+            self._uids[name] = claim.uid
+        else:
+            self._uids[name] = self.uid
+        try:
+            return await self._start(name, owner, deadline)
+        except BaseException:
+            self._forget(name)
+            raise
+
+    async def _start(self, name: str, owner: SandboxOwner, deadline: float) -> str:
         from docker.types import Ulimit
 
-        name = f"lsg-{secrets.token_hex(6)}"
-        lim = self.limits
+        lim, uid = self.limits, self._uids[name]
         labels = {
             LABEL: "1",
             f"{LABEL}.run": owner.run,
@@ -275,6 +317,7 @@ class DockerSandbox(Sandbox):
                 Ulimit(name="core", soft=0, hard=0),
                 Ulimit(name="fsize", soft=lim.file_size_mb * MIB, hard=lim.file_size_mb * MIB),
                 Ulimit(name="nofile", soft=lim.open_files, hard=lim.open_files),
+                # a uid's processes on the whole host: the sandbox's own where its uid is (see above)
                 Ulimit(name="nproc", soft=lim.processes, hard=lim.processes),
             ],
         )
@@ -286,7 +329,7 @@ class DockerSandbox(Sandbox):
         try:
             await self._call(container.start)
             # the tmpfs roots' owner and mode, set by the engine from an archive of two directory entries
-            await self._call(self.client.api.put_archive, name, "/", _MOUNT_ROOTS)
+            await self._call(self.client.api.put_archive, name, "/", _mount_roots(uid))
         except BaseException:
             await self.delete(name)
             raise
@@ -316,6 +359,13 @@ class DockerSandbox(Sandbox):
         except docker.errors.NotFound:
             pass
         self._boxes.pop(sandbox_id, None)
+        self._forget(sandbox_id)  # its uid's processes went with the container
+
+    def _forget(self, sandbox_id: str) -> None:
+        self._uids.pop(sandbox_id, None)
+        claim = self._claims.pop(sandbox_id, None)
+        if claim is not None:
+            claim.release()
 
     async def reap_orphans(self) -> int:
         """Remove this engine's sandbox containers whose creating process (on this host) is gone,
@@ -378,7 +428,7 @@ class DockerSandbox(Sandbox):
                     sandbox_id,
                     ["/bin/sh", "-c", cmd],
                     workdir=WORK,
-                    user=f"{SANDBOX_UID}:{SANDBOX_UID}",
+                    user=f"{self._uids[sandbox_id]}:{self._uids[sandbox_id]}",
                     environment=jail_env(),
                 )
             )["Id"]
@@ -499,14 +549,15 @@ class DockerSandbox(Sandbox):
         if len(data) > self.limits.get_bytes:
             raise ValueError(f"sandbox put {path!r}: {len(data)} bytes is over the limit of {self.limits.get_bytes}")
         self._open(sandbox_id)
+        uid = self._uids[sandbox_id]
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for i in range(1, len(parts)):
                 info = tarfile.TarInfo("/".join(parts[:i]))
-                info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, paths.DIR_MODE, SANDBOX_UID, SANDBOX_UID
+                info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, paths.DIR_MODE, uid, uid
                 tar.addfile(info)
             info = tarfile.TarInfo("/".join(parts))
-            info.size, info.mode, info.uid, info.gid = len(data), paths.FILE_MODE, SANDBOX_UID, SANDBOX_UID
+            info.size, info.mode, info.uid, info.gid = len(data), paths.FILE_MODE, uid, uid
             info.mtime = int(time.time())
             tar.addfile(info, io.BytesIO(data))
         try:
@@ -573,6 +624,15 @@ class DockerSandbox(Sandbox):
 def _lost(out: Capture, err: Capture, wall: float, why: str) -> ExecResult:
     """A command whose output did not arrive whole: what did arrive, no exit code, and why."""
     return ExecResult(None, None, out.text(), err.text(), out.truncated or err.truncated, False, wall, why)
+
+
+def _rootless(client: Any) -> bool:
+    """Whether the engine runs rootless (Docker and Podman say so among the security options)."""
+    try:
+        options = client.info().get("SecurityOptions") or []
+    except Exception:  # noqa: BLE001 - an engine that does not say is taken for a rootful one
+        return False
+    return any("name=rootless" in str(o) for o in options)
 
 
 def docker_problem(base_url: str | None = None) -> str | None:
