@@ -14,7 +14,8 @@ A container per sandbox, created from ``image`` and kept alive by its PID 1 (:da
 * identity: commands run without capabilities and with ``no-new-privileges``, under **a uid of the
   sandbox's own**, claimed machine-wide from the range the ``local`` backend claims from
   (:class:`~loongsage.sandbox.store.UidClaim`): ``RLIMIT_NPROC`` counts the processes of a uid on the
-  whole host, so under one shared uid a sandbox holding its processes would fail a peer's forks. A
+  whole host, so under one shared uid a sandbox holding its processes would fail a peer's forks
+  (the claims are this machine's: clients on two machines sharing one engine may pick one uid). A
   rootless engine maps too few uids for that: there, or with ``uid`` given, every sandbox runs as
   that one uid (1000 by default on a rootless engine). The container keeps only ``KILL``, for the
   root process that ends the others (the sweeper), which a sandbox's uid never holds;
