@@ -97,7 +97,7 @@ class Sides:
         """A container as the backend makes one, through the client alone (no set-up exec)."""
         from docker.types import Ulimit
 
-        from loongsage.sandbox.docker_backend import host_mounts
+        from loongsage.sandbox.docker_image import host_mounts
 
         lim = self.backend.limits  # a container's limits cost nothing per call; some hosts need them set
         ulimits = [

@@ -65,7 +65,7 @@ def engine(tmp_path_factory):
         stdout=subprocess.DEVNULL,
         stderr=open(folder / "service.log", "wb"),
     )
-    from loongsage.sandbox.docker_backend import docker_problem
+    from loongsage.sandbox.docker_image import docker_problem
 
     end = time.monotonic() + 30
     while (why := docker_problem(url)) is not None and time.monotonic() < end:
@@ -490,7 +490,7 @@ def test_the_sandboxes_service_with_docker_runs_code_tests_in_the_trajectorys_co
 
 
 def test_tar_of_the_base_image_is_a_skeleton():
-    from loongsage.sandbox.docker_backend import base_image_tar
+    from loongsage.sandbox.docker_image import base_image_tar
 
     with tarfile.open(fileobj=io.BytesIO(base_image_tar())) as tar:
         names = {m.name: m for m in tar.getmembers()}

@@ -7,10 +7,11 @@ A container per sandbox, created from ``image`` and kept alive by its PID 1 (:da
 
 * network: ``network_mode: none`` (its own namespace, loopback only);
 * files: a read-only root file system, a size-capped tmpfs at ``/work`` (the work directory,
-  owned by the sandbox user) and at ``/tmp``. The default image is a skeleton built here (a few
-  empty directories, the links of a merged ``/usr``, ``passwd``/``group``/``hosts``) with the host's
-  ``/usr`` and the loader's files bound read-only, the same view as the ``local`` jail; a
-  ``image`` of your own (``python:3.12-slim``, a task's repository image) is used as it is;
+  owned by the sandbox's uid) and at ``/tmp``. The default image is a skeleton built here (a few
+  empty directories, the links of a merged ``/usr``, ``passwd``/``group``/``hosts``;
+  :mod:`loongsage.sandbox.docker_image`) with the host's ``/usr`` and the loader's files bound
+  read-only, the same view as the ``local`` jail; a ``image`` of your own (``python:3.12-slim``,
+  a task's repository image) is used as it is;
 * identity: commands run without capabilities and with ``no-new-privileges``, under **a uid of the
   sandbox's own**, claimed machine-wide from the range the ``local`` backend claims from
   (:class:`~loongsage.sandbox.store.UidClaim`): ``RLIMIT_NPROC`` counts the processes of a uid on the
@@ -49,11 +50,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hashlib
 import io
 import logging
 import os
-import re
 import secrets
 import socket
 import tarfile
@@ -66,17 +65,23 @@ from typing import Any
 from loongsage.core.contracts import ExecResult, Sandbox, SandboxOwner
 from loongsage.core.types import Check
 from loongsage.sandbox import paths
+from loongsage.sandbox.docker_image import (
+    SANDBOX_UID,
+    base_image,
+    docker_problem,
+    engine_client,
+    host_mounts,
+    mount_roots,
+    rootless,
+)
 from loongsage.sandbox.docker_stream import ExecStream, StreamBroken, SweepChannel
-from loongsage.sandbox.jail import ETC_PATHS, SYSTEM_PATHS, WORK, jail_env
+from loongsage.sandbox.jail import WORK, jail_env
 from loongsage.sandbox.limits import MIB, Limits
 from loongsage.sandbox.local import Capture, check_exec, check_owner, exec_result
 from loongsage.sandbox.store import UidClaim, process_start
 
 log = logging.getLogger(__name__)
 LABEL = "loongsage.sandbox"
-SANDBOX_UID = 1000  # the base image's user; the one uid of every sandbox where uids are not claimed
-BASE_REPOSITORY = "loongsage-sandbox-base"
-INSTALL_HINT = "pip install 'loongsage-sandbox[docker]'"
 _SYMLINK, _DIR = 1 << 27, 1 << 31  # Go's os.ModeSymlink and os.ModeDir in the archive API's stat
 _ORPHAN_GRACE_S = 3600.0  # a container of another host is an orphan this long after its deadline
 _DRAIN_S = 5.0
@@ -116,64 +121,6 @@ def _names(path: str) -> list[str]:
         ) from None
 
 
-def _client(base_url: str | None, timeout: float):
-    try:
-        import docker
-    except ImportError:
-        raise RuntimeError(f"sandbox 'docker' needs the docker Python client: {INSTALL_HINT}") from None
-    try:
-        client = (
-            docker.DockerClient(base_url=base_url, timeout=timeout) if base_url else docker.from_env(timeout=timeout)
-        )
-        client.ping()
-    except Exception as exc:  # noqa: BLE001 - one line naming the engine it could not reach
-        where = base_url or os.environ.get("DOCKER_HOST") or "the default socket (/var/run/docker.sock)"
-        raise RuntimeError(
-            f"sandbox 'docker' cannot reach a Docker Engine API at {where}: {type(exc).__name__}: {str(exc)[:200]}"
-        ) from None
-    return client
-
-
-def base_image_tar() -> bytes:
-    """The default image's only layer: empty directories, the host's root links, a sandbox user."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-
-        def add(name: str, kind: bytes, mode: int, data: bytes = b"", link: str = "") -> None:
-            info = tarfile.TarInfo(name)
-            info.type, info.mode, info.linkname, info.size = kind, mode, link, len(data)
-            tar.addfile(info, io.BytesIO(data) if data else None)
-
-        for folder in ("etc", "work", "tmp", "proc", "dev", "sys", "run", "usr"):
-            add(folder, tarfile.DIRTYPE, 0o755)
-        for path in SYSTEM_PATHS:
-            if path != "/usr" and os.path.islink(path):
-                add(path.lstrip("/"), tarfile.SYMTYPE, 0o777, link=os.readlink(path))
-            elif path != "/usr" and os.path.isdir(path):
-                add(path.lstrip("/"), tarfile.DIRTYPE, 0o755)
-        add(
-            "etc/passwd",
-            tarfile.REGTYPE,
-            0o644,
-            f"root:x:0:0:root:/root:/usr/sbin/nologin\n"
-            f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{WORK}:/bin/sh\n".encode(),
-        )
-        add("etc/group", tarfile.REGTYPE, 0o644, f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\n".encode())
-        add("etc/hosts", tarfile.REGTYPE, 0o644, b"127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost\n")
-    return buf.getvalue()
-
-
-def _mount_roots(uid: int) -> bytes:
-    """The tmpfs roots' owner and mode: ``/work`` the sandbox's, ``/tmp`` everyone's."""
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, mode, owner in ((WORK.lstrip("/"), 0o700, uid), ("tmp", 0o1777, 0)):
-            info = tarfile.TarInfo(name)
-            info.type, info.mode, info.uid, info.gid = tarfile.DIRTYPE, mode, owner, owner
-            tar.addfile(info)
-    return buf.getvalue()
-
-
 def _claim_uid() -> UidClaim:
     """A uid of the sandbox range, held until released: machine-wide where this process may write
     the claims of :data:`UID_LOCKS` (root), else among this user's processes."""
@@ -181,15 +128,6 @@ def _claim_uid() -> UidClaim:
         return UidClaim()
     except PermissionError:
         return UidClaim(locks=Path(tempfile.gettempdir()) / f"loongsage-sandbox-uids-{os.geteuid()}")
-
-
-def host_mounts() -> dict[str, dict[str, str]]:
-    """The host paths the default image binds read-only (what the ``local`` jail binds)."""
-    mounts = {}
-    for path in (*SYSTEM_PATHS, *ETC_PATHS):
-        if os.path.exists(path) and not os.path.islink(path):
-            mounts[path] = {"bind": path, "mode": "ro"}
-    return mounts
 
 
 class DockerSandbox(Sandbox):
@@ -221,8 +159,8 @@ class DockerSandbox(Sandbox):
                 f"docker sandbox uid={uid!r}: must be a uid from 1 to 2**31 - 1 (or null: a uid of its own per sandbox)"
             )
         self.limits, self.cpus, self.runtime = limits, float(cpus), runtime
-        self.client = _client(base_url, api_timeout_s)
-        if uid is None and _rootless(self.client):
+        self.client = engine_client(base_url, api_timeout_s)
+        if uid is None and rootless(self.client):
             log.warning(
                 "sandbox 'docker': the engine is rootless and maps too few uids for a uid per sandbox; "
                 "every sandbox runs as uid %d, whose process limit (processes) counts them all together",
@@ -232,7 +170,7 @@ class DockerSandbox(Sandbox):
         self.uid = uid  # every sandbox's (None: each its own, claimed)
         self._uids: dict[str, int] = {}  # sandbox id -> its uid
         self._claims: dict[str, UidClaim] = {}  # sandbox id -> the claim on its uid
-        self.image = image or self._base_image()
+        self.image = image or base_image(self.client)
         self._mounts = host_mounts() if image is None else {}
         self._boxes: dict[str, str | None] = {}  # sandbox id (the container's name) -> None, or why it is closing
         self._channels: dict[str, SweepChannel] = {}  # sandbox id -> the way to its sweeper
@@ -242,21 +180,6 @@ class DockerSandbox(Sandbox):
         self._background: set[asyncio.Task] = set()
         self._host = socket.gethostname()
         self._creator = f"{self._host}:{os.getpid()}:{process_start(os.getpid()) or 0}"
-
-    def _base_image(self) -> str:
-        """The default image, imported once per engine (content-addressed: the same layer, the same id)."""
-        layer = base_image_tar()
-        tag = hashlib.sha256(layer).hexdigest()[:16]
-        for image in self.client.images.list():
-            if any(t.split("/")[-1] == f"{BASE_REPOSITORY}:{tag}" for t in image.tags):
-                return image.id
-        answer = self.client.api.import_image_from_data(layer, repository=BASE_REPOSITORY, tag=tag)
-        found = re.findall(r"sha256:[0-9a-f]{64}", str(answer))
-        if not found:
-            raise RuntimeError(f"sandbox 'docker': importing the base image gave no image id: {str(answer)[:200]}")
-        image = self.client.images.get(found[-1])
-        image.tag(BASE_REPOSITORY, tag)
-        return image.id
 
     # ------------------------------------------------------------------------------- lifecycle
     async def create(self, owner: SandboxOwner, deadline: float) -> str:
@@ -330,7 +253,7 @@ class DockerSandbox(Sandbox):
         try:
             await self._call(container.start)
             # the tmpfs roots' owner and mode, set by the engine from an archive of two directory entries
-            await self._call(self.client.api.put_archive, name, "/", _mount_roots(uid))
+            await self._call(self.client.api.put_archive, name, "/", mount_roots(uid))
         except BaseException:
             await self.delete(name)
             raise
@@ -625,21 +548,3 @@ class DockerSandbox(Sandbox):
 def _lost(out: Capture, err: Capture, wall: float, why: str) -> ExecResult:
     """A command whose output did not arrive whole: what did arrive, no exit code, and why."""
     return ExecResult(None, None, out.text(), err.text(), out.truncated or err.truncated, False, wall, why)
-
-
-def _rootless(client: Any) -> bool:
-    """Whether the engine runs rootless (Docker and Podman say so among the security options)."""
-    try:
-        options = client.info().get("SecurityOptions") or []
-    except Exception:  # noqa: BLE001 - an engine that does not say is taken for a rootful one
-        return False
-    return any("name=rootless" in str(o) for o in options)
-
-
-def docker_problem(base_url: str | None = None) -> str | None:
-    """Why the docker backend cannot run against ``base_url`` (None: it can), in one line."""
-    try:
-        _client(base_url, 10.0).close()
-    except RuntimeError as exc:
-        return str(exc)
-    return None
