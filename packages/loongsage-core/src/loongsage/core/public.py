@@ -30,6 +30,7 @@ PLUGIN_SURFACE: dict[str, frozenset[str] | None] = {
     "loongsage.core.segments": None,  # multi-segment trajectories in a model's forward
     "loongsage.core.metrics": None,  # the metrics a step returns
     "loongsage.core.rollout.seeds": None,  # sampling seeds that follow the data stream
+    "loongsage.core.concurrency": None,  # gather_all: a group's episodes, none outliving a cancel
     "loongsage.core.model_math": None,  # log-probs, entropies, the FP32 head, dtypes, rank sums, RNG state
     "loongsage.core.tinytask": None,  # tokenizer, tiny model, tasks, warm starts and the builds cache
     # a trainer backend: the trainer skeleton and the contract of the model adapter it drives; the
