@@ -14,7 +14,8 @@ in a run) against the goal of 1e-5, for:
 * the engine's decode GEMMs on FP8 weights (``quantization="fp8"``) against the bf16 trainer;
 * for scale, the fast path with a bf16 LM head in the engine (what the FP32 head is there to avoid);
 * the fast path against the trainer with its layers compiled (``compile_layers``, as the GPU
-  recipes run it), and compiled with Inductor's default rounding (what ``compile_layers`` was).
+  recipes run it), and compiled with Inductor's default rounding (what ``compile_layers`` was);
+* the fast path with cuBLAS's bf16 split-K reductions off on both sides (``fp32_reductions``).
 
 With ``--sglang``, also the ``sglang`` engine (:class:`loongsage.sglang.engine.SGLangEngine`, one
 SGLang server at a time) under the server settings of :data:`SGLANG_SETTINGS` (the default six of
@@ -33,7 +34,7 @@ the trainer's scoring forward in seconds: what a mode costs.
 
 ``--sides`` picks what runs: native sides (``fast``, ``fast_torch_kernels``, ``deterministic``,
 ``batch_invariant``, ``fp8_engine``, ``engine_bf16_head``, ``fast_compiled_trainer``,
-``fast_compiled_trainer_inductor_rounding``), SGLang settings as ``sglang:<name>``,
+``fast_compiled_trainer_inductor_rounding``, ``fast_fp32_reductions``), SGLang settings as ``sglang:<name>``,
 or the groups ``native``, ``sglang`` (the default six) and ``sglang:all``. ``--merge`` keeps what
 ``--out`` already holds for the sides not run now (to fill one file over several calls).
 ``--time-budget-s`` starts no SGLang server once less than a start-up's worth of the budget is left,
@@ -86,6 +87,9 @@ NATIVE_SIDES: dict[str, dict[str, Any]] = {
     # rounding, which leaves out the roundings of the eager ops that the engine's kernels reproduce
     "fast_compiled_trainer": {"trainer_compile": True},
     "fast_compiled_trainer_inductor_rounding": {"trainer_compile": True, "inductor_rounding": True},
+    # the fast path with cuBLAS kept from reducing split-K partial sums in bf16 on either side
+    # (torch's allow_bf16_reduced_precision_reduction, on by default): its GEMMs then round once
+    "fast_fp32_reductions": {"fp32_reductions": True},
 }
 # SGLang settings: SGLangEngine params over the bench's own (FP32 head, torch sampling, CUDA
 # graphs, no memory release, the workload's sizing), as SGLang 0.5.16 spells its options
@@ -167,6 +171,7 @@ def measure(
     quantization: str | None = None,
     trainer_compile: bool = False,
     inductor_rounding: bool = False,
+    fp32_reductions: bool = False,
 ) -> dict[str, float]:
     """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens,
     and what each side's pass took: the engine's generate (after one warm-up generate of the same
@@ -177,7 +182,43 @@ def measure(
     ``batch_invariant`` runs both sides on the batch-invariant path. ``trainer_compile``: the
     trainer's layers compiled (``compile_layers``); ``inductor_rounding``: compiled with Inductor's
     default rounding instead of the eager ops' (``emulate_precision_casts`` off).
+    ``fp32_reductions``: both sides with ``allow_bf16_reduced_precision_reduction`` off.
     """
+    matmul = torch.backends.cuda.matmul
+    reduced = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = reduced and not fp32_reductions
+    try:
+        return _measure(
+            path,
+            batch,
+            prompt_len,
+            new_tokens,
+            deterministic=deterministic,
+            engine_fp32_head=engine_fp32_head,
+            kernels=kernels,
+            batch_invariant=batch_invariant,
+            quantization=quantization,
+            trainer_compile=trainer_compile,
+            inductor_rounding=inductor_rounding,
+        )
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = reduced
+
+
+def _measure(
+    path: str,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    *,
+    deterministic: bool,
+    engine_fp32_head: bool,
+    kernels: str,
+    batch_invariant: bool,
+    quantization: str | None,
+    trainer_compile: bool,
+    inductor_rounding: bool,
+) -> dict[str, float]:
     import time
 
     import torch._dynamo
