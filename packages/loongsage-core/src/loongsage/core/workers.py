@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from loongsage.core.concurrency import gather_all
 from loongsage.core.config import Config
 from loongsage.core.contracts import Critic, RewardContext
 from loongsage.core.loss import build_loss_plan
@@ -334,7 +335,7 @@ class RewardWorker(AsyncProfiledActor):
                 )
                 return None, Status.FAILED.value + f": reward raised {type(exc).__name__}: {exc}"[:500]
 
-        scores = list(await asyncio.gather(*(one(i, t, r) for i, (t, r) in enumerate(zip(trajectories, records)))))
+        scores = await gather_all(*(one(i, t, r) for i, (t, r) in enumerate(zip(trajectories, records))))
         if len(trajectories) >= 2 and all(e is not None for e in errors) and len({type(e) for e in errors}) == 1:
             t, exc = trajectories[0], errors[0]
             raise RuntimeError(
