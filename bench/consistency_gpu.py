@@ -580,6 +580,17 @@ def _gist(error: str) -> str:
     return text.replace("|", "/")
 
 
+def _measured_at(row: dict[str, Any], figures: dict[str, Any]) -> str:
+    """The commit a row was measured at (a merged file holds rows of several); rows written before
+    rows recorded theirs are older than every commit the file was merged at."""
+    if row.get("commit"):
+        return f"`{str(row['commit'])[:10]}`"
+    earlier = [m.get("commit") for m in figures.get("merged_from", []) if isinstance(m, dict)]
+    if not earlier:  # never merged: every row is of the file's own run
+        return f"`{str(figures.get('source', {}).get('commit', '?'))[:10]}`"
+    return f"`{str(earlier[-1])[:10]}` or earlier"
+
+
 def markdown(figures: dict[str, Any]) -> str:
     source = figures.get("source", {})
     lines = [
@@ -590,8 +601,8 @@ def markdown(figures: dict[str, Any]) -> str:
     native = [n for n in NATIVE_SIDES if n in figures]
     if native:
         lines += [
-            "| path | k3 KL | mean abs diff | max abs diff | goal 1e-5 | engine tok/s | trainer forward s |",
-            "|---|---|---|---|---|---|---|",
+            "| path | k3 KL | mean abs diff | max abs diff | goal 1e-5 | engine tok/s | trainer forward s | commit |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name in native:
             f = figures[name]
@@ -599,7 +610,7 @@ def markdown(figures: dict[str, Any]) -> str:
             lines.append(
                 f"| {name} | {f['k3_kl']:.2e} | {f['mean_abs_logprob_diff']:.2e} | {f['max_abs_logprob_diff']:.2e} | "
                 f"{'met' if f['meets_goal'] else 'not met'} | {f'{tok_s:,.0f}' if tok_s else '-'} | "
-                f"{f'{fwd:.3f}' if fwd else '-'} |"
+                f"{f'{fwd:.3f}' if fwd else '-'} | {_measured_at(f, figures)} |"
             )
         lines.append("")
     section = figures.get("sglang")
@@ -608,12 +619,13 @@ def markdown(figures: dict[str, Any]) -> str:
             f"SGLang {section.get('version', '?')} through the `sglang` engine: {section.get('throughput', '')}",
             "",
             "| setting | k3 | mean abs diff | tok/s | vs default tok/s | max abs diff | k3 <= 1e-4 | attention | "
-            "start-up s |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "start-up s | commit |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, row in section["settings"].items():
             if "error" in row:
-                lines.append(f"| {name} | error: {_gist(str(row['error']))} | | | | | | | |")
+                error = _gist(str(row["error"]))
+                lines.append(f"| {name} | error: {error} | | | | | | | | {_measured_at(row, figures)} |")
                 continue
             vs = row.get("vs_default_tok_s")
             resolved = row.get("resolved", {})
@@ -621,7 +633,7 @@ def markdown(figures: dict[str, Any]) -> str:
                 f"| {name} | {row['k3_kl']:.2e} | {row['mean_abs_logprob_diff']:.2e} | {row['tok_s']:.0f} | "
                 f"{f'{vs:.2f}x' if vs else '-'} | {row['max_abs_logprob_diff']:.2e} | "
                 f"{'met' if row['meets_sglang_goal'] else 'not met'} | {resolved.get('attention_backend', '?')} | "
-                f"{row['startup_s']:.0f} |"
+                f"{row['startup_s']:.0f} | {_measured_at(row, figures)} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -680,7 +692,7 @@ def main() -> None:
         build_model(f"{tmp}/m", **shape)
         for name in native:
             f = measure(f"{tmp}/m", *size, **NATIVE_SIDES[name])
-            figures[name] = {**f, "meets_goal": f["k3_kl"] <= GOAL_K3}
+            figures[name] = {**f, "meets_goal": f["k3_kl"] <= GOAL_K3, "commit": source["commit"]}
             write(out, figures)
             print(f"{name}: k3 {f['k3_kl']:.2e}", flush=True)
         if settings:
@@ -705,7 +717,7 @@ def main() -> None:
                 deadline=deadline,
                 startup_timeout_s=args.startup_timeout_s,
             ):
-                section["settings"][name] = row
+                section["settings"][name] = {**row, "commit": source["commit"]}
                 _relative_speeds(section)
                 write(out, figures)
                 print(

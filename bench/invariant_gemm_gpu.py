@@ -76,7 +76,7 @@ def sides(x: torch.Tensor, w: torch.Tensor, fp32_out: bool) -> dict:
         try:
             return matmul.invariant_matmul(x, w, out_dtype=out)
         finally:
-            matmul._split_below = saved
+            matmul._layout = saved
 
     cublas = (lambda: torch.mm(x, w.T, out_dtype=torch.float32)) if fp32_out else (lambda: F.linear(x, w))
     return {
