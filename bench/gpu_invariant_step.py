@@ -1,0 +1,121 @@
+"""What the batch-invariant mode costs in the RL step: `gpu_rl_step`'s work, ours only, run twice on one GPU.
+
+* ``batch_invariant``: the recipe with ``batch_invariant`` on the native engine and the torch
+  trainer (its layers uncompiled: the invariant forward is the engine's kernels, the backward the
+  plain HF one's);
+* ``fast``: the recipe as it is (the peer: our fast path, same card, same run).
+
+Each side runs ``--steps`` steps through the launcher (Ray, colocated, CUDA graphs) and drops the
+first ``--warmup``; the medians of the rest are compared, with each step's
+``train/is_approx_k3_kl``, the k3 KL between the engine's and the trainer's log-probs of the sampled
+tokens: exactly 0 is what the mode is for. On a card under 100 GB both sides run micro-batches of
+6,144 tokens (the recipe's 12,288 do not fit beside the engine there).
+
+    python bench/gpu_invariant_step.py [--steps 6] [--warmup 2]
+
+Writes ``bench/results/gpu_rl_step_invariant.json`` and ``.md`` (``--out-dir``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import torch
+from _source import source_state
+
+BENCH = Path(__file__).resolve().parent
+INVARIANT = [
+    "rollout.engine.params.batch_invariant=true",
+    "trainer.backend.params.batch_invariant=true",
+    "trainer.backend.params.compile_layers=false",
+]
+
+
+def side(name: str, overrides: list[str], steps: int, warmup: int, cache: Path) -> dict:
+    import gpu_rl_step
+
+    work = Path(tempfile.mkdtemp(prefix=f"bench-invariant-{name}-"))
+    env = dict(os.environ, LOONGSAGE_CACHE=str(cache), RAY_AUTH_MODE="disabled")
+    args = types.SimpleNamespace(
+        steps=steps,
+        warmup=warmup,
+        plugins=None,
+        profile_step=0,
+        engine="native",
+        trainer="torch",
+        share_prompts=False,
+        set=overrides,
+    )
+    figures = gpu_rl_step.ours(args, work, env)
+    figures.pop("timeline")
+    figures.pop("profile")
+    rows = [json.loads(line) for line in next((work / "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
+    k3 = [r["train/is_approx_k3_kl"] for r in rows if "train/is_approx_k3_kl" in r][warmup:]
+    return {**figures, "k3_median": statistics.median(k3), "k3_all": k3, "set": overrides}
+
+
+def markdown(result: dict) -> str:
+    inv, fast = result["batch_invariant"], result["fast"]
+    recipe = f"the recipe with `{' '.join(result['base'])}`" if result["base"] else "the recipe as it is"
+    lines = [
+        f"commit `{result['source']['commit'][:10]}`; {result['device']}; `gpu_rl_step`'s work, ours only "
+        f"({recipe} on both sides); median of {result['measured']} steps after {result['warmup']} warm-up "
+        f"steps" + (f"; {result['note']}" if result.get("note") else ""),
+        "",
+        "| | batch-invariant | fast | invariant / fast |",
+        "|---|---:|---:|---:|",
+    ]
+    for key, label in (
+        ("step_s", "seconds per step"),
+        ("rollout_s", "rollout s"),
+        ("train_s", "train s"),
+        ("trainer_compute_s", "of which the trainer's compute"),
+        ("sync_s", "weight sync s"),
+    ):
+        lines.append(f"| {label} | {inv[key]:.3f} | {fast[key]:.3f} | {inv[key] / fast[key]:.2f}x |")
+    lines += [
+        f"| k3 KL in the step (median; max) | {inv['k3_median']:.2e}; {max(inv['k3_all']):.2e} | "
+        f"{fast['k3_median']:.2e}; {max(fast['k3_all']):.2e} | |",
+        f"| peak GPU memory, the card's | {inv['peak_card_gb']:.0f} GB | {fast['peak_card_gb']:.0f} GB | |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out-dir", default=str(BENCH / "results"))
+    args = ap.parse_args()
+    if args.steps - args.warmup < 3:
+        sys.exit("--steps - --warmup must leave at least 3 measured steps")
+    source = source_state()  # the commit measured, first
+    base = ["trainer.micro_batch_tokens=6144"] if torch.cuda.get_device_properties(0).total_memory < 100e9 else []
+    cache = Path(tempfile.mkdtemp(prefix="bench-invariant-cache-"))  # the model, built once for both sides
+    result = {
+        "source": source,
+        "device": torch.cuda.get_device_name(0),
+        "base": base,
+        "warmup": args.warmup,
+        "measured": args.steps - args.warmup,
+    }
+    for name, extra in (("batch_invariant", INVARIANT), ("fast", [])):
+        result[name] = side(name, base + extra, args.steps, args.warmup, cache)
+        print(name, {k: result[name][k] for k in ("step_s", "rollout_s", "train_s", "k3_median")}, flush=True)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_rl_step_invariant.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "gpu_rl_step_invariant.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
