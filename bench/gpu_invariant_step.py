@@ -97,7 +97,9 @@ def main() -> int:
     if args.steps - args.warmup < 3:
         sys.exit("--steps - --warmup must leave at least 3 measured steps")
     source = source_state()  # the commit measured, first
-    base = ["trainer.micro_batch_tokens=6144"] if torch.cuda.get_device_properties(0).total_memory < 100e9 else []
+    import gpu_rl_step
+
+    base = gpu_rl_step.fitting_overrides()
     cache = Path(tempfile.mkdtemp(prefix="bench-invariant-cache-"))  # the model, built once for both sides
     result = {
         "source": source,

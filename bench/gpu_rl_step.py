@@ -4,7 +4,9 @@ Workload (both sides): a Qwen3-1.7B-shaped model with random bf16 weights (the `
 builder; the same folder for both), 16 prompts x 8 samples per step, prompts of exactly 128 tokens,
 exactly 256 sampled tokens per sample (temperature 1, no filter; the model has no end-of-sequence
 token), micro-batches of 32 rows, one optimizer step per step, no KL term, no gradient
-checkpointing, a constant reward.
+checkpointing, a constant reward. On a card under 100 GB our side runs micro-batches of 6,144 tokens
+(16 rows; :func:`fitting_overrides`): the recipe's 12,288 do not fit there beside the engine's memory.
+The table's header names every override of our recipe.
 
 * ``ours``: ``loongsage train gpu/grpo_qwen3_1p7b_random_h200`` in a subprocess (Ray, the native
   engine with CUDA graphs, the torch trainer, the ``ipc`` weight push, colocated on the card). Step
@@ -143,6 +145,13 @@ def run(cmd: list[str], log: Path, env: dict) -> None:
         sys.exit(f"{cmd[:4]} failed (rc {rc}); see {log}:\n" + "".join(log.read_text().splitlines(True)[-20:]))
 
 
+def fitting_overrides() -> list[str]:
+    """What the H200 recipe needs to fit the card at hand: on one under 100 GB (an H100's 80) its
+    micro-batches of 12,288 tokens do not fit beside the engine's memory, 6,144 do."""
+    small = torch.cuda.get_device_properties(0).total_memory < 100e9
+    return ["trainer.micro_batch_tokens=6144"] if small else []
+
+
 def ours(args, work: Path, env: dict) -> dict:
     cmd = [
         sys.executable,
@@ -272,6 +281,8 @@ def main() -> int:
     if args.steps - args.warmup - (args.profile_step > args.warmup) < 3:
         sys.exit("--steps - --warmup must leave at least 3 measured steps (the profiled step is not measured)")
     source = source_state()  # the commit measured, first
+    if not any(o.startswith("trainer.micro_batch_tokens=") for o in args.set):
+        args.set = fitting_overrides() + args.set
     from loongsage.core.tinytask.shapes import RandomDigits, RandomInitModel
 
     work = Path(tempfile.mkdtemp(prefix="bench-gpu-rl-step-"))
