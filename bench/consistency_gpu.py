@@ -29,8 +29,8 @@ recorded with its error; the next one starts after the server has ended and its 
     python bench/consistency_gpu.py [--out PATH] [--sglang] [--sides NAME ...] [--merge]
         [--time-budget-s S] [--model qwen3_1024|qwen3_1p7b]
 
-Each native side also records the engine's sampled tokens/s (one generate after a warm-up one) and
-the trainer's scoring forward in seconds: what a mode costs.
+Each native side also records the engine's sampled tokens/s and the trainer's scoring forward in
+seconds, each the median of 3 timed runs after a warm-up one: what a mode costs.
 
 ``--sides`` picks what runs: native sides (``fast``, ``fast_torch_kernels``, ``deterministic``,
 ``batch_invariant``, ``fp8_engine``, ``engine_bf16_head``, ``fast_compiled_trainer``,
@@ -65,6 +65,7 @@ import torch
 
 RESULTS = Path(__file__).resolve().parent / "results" / "consistency_gpu.json"
 GOAL_K3 = 1e-5
+REPEATS = 3  # timed runs of each native side's generate and scoring forward (their medians)
 SGLANG_GOAL_K3 = 1e-4
 MODELS = {
     "qwen3_1024": {"hidden": 1024, "layers": 8, "vocab": 32000},
@@ -174,8 +175,9 @@ def measure(
     fp32_reductions: bool = False,
 ) -> dict[str, float]:
     """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens,
-    and what each side's pass took: the engine's generate (after one warm-up generate of the same
-    shape on other prompts) in sampled tokens/s, and the trainer's scoring forward in seconds.
+    and what each side's pass took, the median of :data:`REPEATS` timed runs: the engine's generate
+    (after one warm-up generate of the same shape on other prompts; the prefix cache flushed before
+    each) in sampled tokens/s, and the trainer's scoring forward (after a warm-up one) in seconds.
 
     ``engine_fp32_head=False`` gives the engine a bf16 LM head against the trainer's FP32 one: the
     size of the error a broken head would cause, to size the tests' bounds against.
@@ -246,12 +248,15 @@ def _measure(
         return [GenerationRequest(f"{tag}{i}", p, s) for i, (p, s) in enumerate(zip(prompts, sampling))]
 
     engine.generate_batch(requests_of(workload_prompts(batch, prompt_len, seed=2), "warm"))
-    engine.flush_cache()
     prompts = workload_prompts(batch, prompt_len)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    results = [r[0] for r in engine.generate_batch(requests_of(prompts, "r"))]
-    engine_s = time.perf_counter() - start
+    engine_runs, results = [], None
+    for repeat in range(REPEATS):  # the same requests (their seeds too): the first run's tokens are scored
+        engine.flush_cache()  # every run prefills its prompts anew
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        answers = [r[0] for r in engine.generate_batch(requests_of(prompts, f"r{repeat}-"))]
+        engine_runs.append(time.perf_counter() - start)
+        results = results or answers
     del engine
     torch.cuda.empty_cache()
 
@@ -285,11 +290,13 @@ def _measure(
     )
     budget = 1 if deterministic else batch * T
     trainer.logprobs(tb, token_budget=budget)  # warm (and compiled)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    trainer_lp, _ = trainer.logprobs(tb, token_budget=budget)
-    torch.cuda.synchronize()
-    trainer_s = time.perf_counter() - start
+    trainer_runs = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer_lp, _ = trainer.logprobs(tb, token_budget=budget)
+        torch.cuda.synchronize()
+        trainer_runs.append(time.perf_counter() - start)
     engine_lp = torch.tensor([r.logprobs for r in results])
     delta = (trainer_lp[:, prompt_len:] - engine_lp).double()
     k3 = (torch.exp(delta) - delta - 1).mean().item()
@@ -298,8 +305,10 @@ def _measure(
         "max_abs_logprob_diff": delta.abs().max().item(),
         "mean_abs_logprob_diff": delta.abs().mean().item(),
         "tokens": float(delta.numel()),
-        "engine_tok_s": delta.numel() / engine_s,
-        "trainer_forward_s": trainer_s,
+        "engine_tok_s": delta.numel() / statistics.median(engine_runs),
+        "engine_tok_s_runs": [delta.numel() / t for t in engine_runs],
+        "trainer_forward_s": statistics.median(trainer_runs),
+        "trainer_forward_s_runs": trainer_runs,
     }
 
 
