@@ -168,8 +168,7 @@ class DockerSandbox(Sandbox):
             )
             uid = SANDBOX_UID
         self.uid = uid  # every sandbox's (None: each its own, claimed)
-        self._uids: dict[str, int] = {}  # sandbox id -> its uid
-        self._claims: dict[str, UidClaim] = {}  # sandbox id -> the claim on its uid
+        self._claims: dict[str, UidClaim] = {}  # sandbox id -> the claim on its uid (uid None)
         self.image = image or base_image(self.client)
         self._mounts = host_mounts() if image is None else {}
         self._boxes: dict[str, str | None] = {}  # sandbox id (the container's name) -> None, or why it is closing
@@ -194,10 +193,7 @@ class DockerSandbox(Sandbox):
     async def _make(self, owner: SandboxOwner, deadline: float) -> str:
         name = f"lsg-{secrets.token_hex(6)}"
         if self.uid is None:
-            claim = self._claims[name] = _claim_uid()
-            self._uids[name] = claim.uid
-        else:
-            self._uids[name] = self.uid
+            self._claims[name] = _claim_uid()
         try:
             return await self._start(name, owner, deadline)
         except BaseException:
@@ -207,7 +203,7 @@ class DockerSandbox(Sandbox):
     async def _start(self, name: str, owner: SandboxOwner, deadline: float) -> str:
         from docker.types import Ulimit
 
-        lim, uid = self.limits, self._uids[name]
+        lim, uid = self.limits, self._uid(name)
         labels = {
             LABEL: "1",
             f"{LABEL}.run": owner.run,
@@ -285,8 +281,11 @@ class DockerSandbox(Sandbox):
         self._boxes.pop(sandbox_id, None)
         self._forget(sandbox_id)  # its uid's processes went with the container
 
+    def _uid(self, sandbox_id: str) -> int:
+        claim = self._claims.get(sandbox_id)
+        return claim.uid if claim is not None else self.uid
+
     def _forget(self, sandbox_id: str) -> None:
-        self._uids.pop(sandbox_id, None)
         claim = self._claims.pop(sandbox_id, None)
         if claim is not None:
             claim.release()
@@ -352,7 +351,7 @@ class DockerSandbox(Sandbox):
                     sandbox_id,
                     ["/bin/sh", "-c", cmd],
                     workdir=WORK,
-                    user=f"{self._uids[sandbox_id]}:{self._uids[sandbox_id]}",
+                    user=f"{self._uid(sandbox_id)}:{self._uid(sandbox_id)}",
                     environment=jail_env(),
                 )
             )["Id"]
@@ -473,7 +472,7 @@ class DockerSandbox(Sandbox):
         if len(data) > self.limits.get_bytes:
             raise ValueError(f"sandbox put {path!r}: {len(data)} bytes is over the limit of {self.limits.get_bytes}")
         self._open(sandbox_id)
-        uid = self._uids[sandbox_id]
+        uid = self._uid(sandbox_id)
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
             for i in range(1, len(parts)):
