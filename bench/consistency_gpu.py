@@ -165,22 +165,17 @@ def measure(
     prompt_len: int = 64,
     new_tokens: int = 64,
     *,
-    deterministic: bool = False,
-    engine_fp32_head: bool = True,
-    kernels: str = "auto",
-    batch_invariant: bool = False,
-    quantization: str | None = None,
-    trainer_compile: bool = False,
-    inductor_rounding: bool = False,
     fp32_reductions: bool = False,
+    **options: Any,
 ) -> dict[str, float]:
     """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens,
     and what each side's pass took, the median of :data:`REPEATS` timed runs: the engine's generate
     (after one warm-up generate of the same shape on other prompts; the prefix cache flushed before
     each) in sampled tokens/s, and the trainer's scoring forward (after a warm-up one) in seconds.
 
-    ``engine_fp32_head=False`` gives the engine a bf16 LM head against the trainer's FP32 one: the
-    size of the error a broken head would cause, to size the tests' bounds against.
+    ``options`` are :func:`_measure`'s keywords. ``engine_fp32_head=False`` gives the engine a bf16
+    LM head against the trainer's FP32 one: the size of the error a broken head would cause, to size
+    the tests' bounds against.
     ``batch_invariant`` runs both sides on the batch-invariant path. ``trainer_compile``: the
     trainer's layers compiled (``compile_layers``); ``inductor_rounding``: compiled with Inductor's
     default rounding instead of the eager ops' (``emulate_precision_casts`` off).
@@ -190,19 +185,7 @@ def measure(
     reduced = matmul.allow_bf16_reduced_precision_reduction
     matmul.allow_bf16_reduced_precision_reduction = reduced and not fp32_reductions
     try:
-        return _measure(
-            path,
-            batch,
-            prompt_len,
-            new_tokens,
-            deterministic=deterministic,
-            engine_fp32_head=engine_fp32_head,
-            kernels=kernels,
-            batch_invariant=batch_invariant,
-            quantization=quantization,
-            trainer_compile=trainer_compile,
-            inductor_rounding=inductor_rounding,
-        )
+        return _measure(path, batch, prompt_len, new_tokens, **options)
     finally:
         matmul.allow_bf16_reduced_precision_reduction = reduced
 
@@ -213,13 +196,13 @@ def _measure(
     prompt_len: int,
     new_tokens: int,
     *,
-    deterministic: bool,
-    engine_fp32_head: bool,
-    kernels: str,
-    batch_invariant: bool,
-    quantization: str | None,
-    trainer_compile: bool,
-    inductor_rounding: bool,
+    deterministic: bool = False,
+    engine_fp32_head: bool = True,
+    kernels: str = "auto",
+    batch_invariant: bool = False,
+    quantization: str | None = None,
+    trainer_compile: bool = False,
+    inductor_rounding: bool = False,
 ) -> dict[str, float]:
     import time
 
