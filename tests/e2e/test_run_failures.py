@@ -239,7 +239,8 @@ def test_a_raising_reward_and_a_dead_trainer_each_end_in_one_line_and_the_run_re
 
     # fixed, it resumes from step 1; a trainer actor killed mid-run ends it in one line too
     resumed = Launch(in_tmp, tag, [*argv, "resume=true"], FLAKY_OFF="1", **env)
-    resumed.wait_for("step 2", lambda: 2 in _trained(run_dir))
+    # the metrics row of a step is written before its checkpoint: wait for both
+    resumed.wait_for("step 2", lambda: 2 in _trained(run_dir) and 2 in _checkpoints(run_dir))
     (pid,) = _trainer_pids(tag)
     os.kill(pid, signal.SIGKILL)
     rc, err = resumed.finish()
