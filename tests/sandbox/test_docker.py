@@ -261,17 +261,22 @@ def test_a_sandbox_using_its_whole_process_budget_leaves_a_peers_alone(engine, c
         try:
             uids = [(await sb.exec(s, "id -u", 10)).stdout for s in (bad, peer)]
             assert len(set(uids)) == 2, uids
-            held = SMALL.processes - 6  # the command's shell, the sleeps, and room for the next exec
+            # the command's shell and its sleeps leave room for a counting exec (its runtime's setup
+            # process, sh, ps, grep) running beside the forks: a fork failing at the limit would end the
+            # holding shell; under one uid for both, the peer's 25 would still not fit
+            held = SMALL.processes - 12
+            assert 1 + held + 25 > SMALL.processes
             # held until cancelled: nothing here takes the 120 s of its timeout, however loaded the machine
             holding = asyncio.ensure_future(
                 sb.exec(bad, f"for i in $(seq {held}); do sleep 300 & done; echo held; wait", 120)
             )
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
-                count = await sb.exec(bad, "ps -e --no-headers | wc -l", 10)
+                count = await sb.exec(bad, "ps -e -o comm= | grep -c '^sleep$'", 10)
                 if count.exit_code == 0 and int(count.stdout) >= held:
                     break
                 await asyncio.sleep(0.2)
+            assert not holding.done(), holding.result()
             forks = await sb.exec(peer, "for i in $(seq 24); do sleep 1 & done; wait; echo forked", 30)
             assert (forks.exit_code, forks.stdout, forks.stderr) == (0, "forked\n", ""), forks
             holding.cancel()
