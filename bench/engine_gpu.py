@@ -15,6 +15,8 @@ weights; the time covers prefill and decode. Sides:
   ``N`` samples each (``n=N``: one prefill a prompt, its cache copied to the samples' rows), the same
   number of sampled tokens. With ``--batches 128`` alone the engine also holds at most 128 rows, as
   the RL step's does: the two differences between this bench and the step's rollout, apart;
+  with ``--shared-prefix`` as well, that workload on an engine whose decode attention reads each
+  prompt once per tile of its samples (``shared_prefix_decode=True``);
 * with ``--sglang``, SGLang (0.5.16 verified) serving the same folder on the same card in its own
   process, driven over its own HTTP ``/generate`` with the same prompts and sampling (log-probs
   returned, no end-of-sequence token, its CUDA graphs up to the largest batch, FP32 LM head, the
@@ -29,7 +31,7 @@ steps (every step reads the weights once and each row's cached keys and values o
 device-to-device copy bandwidth of this card, measured first.
 
     python bench/engine_gpu.py [--batches 64 128 256] [--eager] [--fp8] [--batch-invariant] [--sglang] [--prompt 128]
-                               [--new-tokens 256] [--samples-per-prompt 8] [--repeats 3] [--out PATH]
+                               [--new-tokens 256] [--samples-per-prompt 8 [--shared-prefix]] [--repeats 3] [--out PATH]
 
 Writes ``bench/results/engine_gpu.json`` (or ``--out``) and a markdown table next to it.
 """
@@ -179,6 +181,11 @@ def main() -> None:
     parser.add_argument(
         "--samples-per-prompt", type=int, default=0, help="also time the fused engine with N samples a prompt"
     )
+    parser.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        help="with --samples-per-prompt, also time it with shared_prefix_decode",
+    )
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
@@ -188,6 +195,8 @@ def main() -> None:
         parser.error(f"--repeats={args.repeats}: at least 3 timed runs per side")
     if args.samples_per_prompt and any(b % args.samples_per_prompt for b in args.batches):
         parser.error(f"--samples-per-prompt={args.samples_per_prompt} must divide every batch in {args.batches}")
+    if args.shared_prefix and args.samples_per_prompt < 2:
+        parser.error("--shared-prefix times the --samples-per-prompt workload: give --samples-per-prompt N >= 2")
     source = source_state()  # the commit measured, taken before anything runs
     from loongsage.core.engine.native import NativeEngine
 
@@ -219,6 +228,9 @@ def main() -> None:
     if args.samples_per_prompt > 1:
         n = args.samples_per_prompt
         sides["grouped"] = lambda prompts: engine_side(fused, prompts, args.new_tokens, samples=n)
+    if args.shared_prefix:
+        shared = NativeEngine(str(tmp), kernels="triton", shared_prefix_decode=True, **common)
+        sides["grouped_shared"] = lambda prompts: engine_side(shared, prompts, args.new_tokens, samples=n)
     server = None
     if args.sglang:
         from sglang_overhead import raw_rollout, without_eos
@@ -263,6 +275,7 @@ def main() -> None:
             "engine_fp8_tok_s": stats.get("fp8"),
             "engine_batch_invariant_tok_s": stats.get("batch_invariant"),
             "engine_grouped_tok_s": stats.get("grouped"),
+            "engine_grouped_shared_tok_s": stats.get("grouped_shared"),
             "samples_per_prompt": args.samples_per_prompt or None,
             # both references are an H200's: on another card they compare nothing
             "roofline_tok_s": ROOFLINE_REFERENCE.get(batch) if on_h200 else None,
@@ -339,6 +352,7 @@ def main() -> None:
         ("fp8", "FP8 weights"),
         ("batch_invariant", "batch-invariant"),
         ("grouped", f"{args.samples_per_prompt} samples a prompt"),
+        ("grouped_shared", f"{args.samples_per_prompt} samples a prompt, shared prefixes"),
     )
     extra = [(k, label) for k, label in labels if k in sides]
     if extra:

@@ -125,6 +125,58 @@ def test_decode_attention_reads_each_rows_own_columns(fused, dtype, programs, mo
     assert error < (1e-6 if dtype == torch.float32 else 1e-2), error
 
 
+@pytest.mark.parametrize("programs", [1, 1024])
+def test_shared_prefix_tiles_read_the_prefix_from_their_source_row_only(fused, programs, monkeypatch):
+    """Rows 0, 2, 3, 5 and 6 decode over one 130-column prompt (two tiles of at most 4 rows with
+    group 4), rows 1 and 4 over a 70-column one, row 7 alone; outside its source row, every copy of
+    a prompt a tile reads is NaN, so a row reading its own copy would be NaN."""
+    attention = fused["attention"]
+    splits_for = attention.splits_for
+    monkeypatch.setattr(attention, "splits_for", lambda rows, kv, cols, _: splits_for(rows, kv, cols, programs))
+    torch.manual_seed(5)
+    rows, heads, kv, dim, length = 8, 8, 2, 16, 300
+    q = torch.randn(rows, heads, dim, dtype=torch.bfloat16)
+    k = torch.randn(rows, kv, length, dim, dtype=torch.bfloat16)
+    v = torch.randn(rows, kv, length, dim, dtype=torch.bfloat16)
+    lengths = torch.tensor([131, 80, 200, 290, 71, 135, 140, 64])
+    groups = [([0, 2, 3, 5, 6], 130), ([1, 4], 70), ([7], 64)]
+    for members, prefix in groups:  # each row's own copy of its prompt, as the engine's slots hold
+        k[members, :, :prefix], v[members, :, :prefix] = k[members[0], :, :prefix], v[members[0], :, :prefix]
+    want = attention.decode_attention(q, k, v, lengths, 0.25, length).view(rows, heads, dim)
+    assert attention.tile_members(heads // kv) == 4 and attention.tile_members(2) == 8
+    tiles = attention.shared_prefix_tiles(groups, attention.tile_members(heads // kv))
+    assert tiles == [(130, [0, 2, 3]), (130, [5, 6]), (70, [1, 4])]
+    table = torch.full((5, 2 + 4), -1, dtype=torch.int32)  # two tiles to spare, as a graph's table has
+    table[:, 1] = 0
+    first = torch.zeros(rows, dtype=torch.int32)
+    for t, (prefix, members) in enumerate(tiles):
+        table[t, 0], table[t, 1], table[t, 2 : 2 + len(members)] = members[-1], prefix, torch.tensor(members)
+        first[members] = prefix
+        others = [m for m in members if m != members[-1]]
+        k[others, :, :prefix], v[others, :, :prefix] = float("nan"), float("nan")
+    shared = attention.SharedPrefixes(table, first)
+    got = attention.decode_attention(q, k, v, lengths, 0.25, length, shared=shared).view(rows, heads, dim)
+    mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]
+    source = k.clone(), v.clone()
+    for prefix, members in tiles:
+        for buf, src in zip(source, (k, v)):
+            buf[members, :, :prefix] = src[members[-1], :, :prefix]
+    reference = F.scaled_dot_product_attention(
+        q.double()[:, :, None],
+        source[0].double().repeat_interleave(heads // kv, 1),
+        source[1].double().repeat_interleave(heads // kv, 1),
+        attn_mask=mask,
+        scale=0.25,
+    )[:, :, 0]
+    assert not got.isnan().any()
+    for result in (got, want):
+        error = ((result.double() - reference).norm() / reference.norm()).item()
+        assert error < 1e-2, error
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="shared prefixes are for decode rows of the fast path only"):
+        attention.decode_attention(q, k, v, lengths, 0.25, length, shared=shared, splits=1)
+
+
 @pytest.mark.parametrize("qk_norm", [True, False])
 def test_fused_decode_step_matches_the_torch_path(fused, qk_norm):
     model = _qwen3(torch.float32, qk_norm=qk_norm)
@@ -299,6 +351,60 @@ def test_bursts_of_decode_steps_on_the_fused_sampler_draw_what_the_torch_sampler
             assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=2e-5, rtol=0)
     assert fused_side.health()["read_backs"] < fused_side.health()["steps"]
+
+
+def test_shared_prefix_decode_samples_what_each_row_reading_its_own_prompt_samples(fused, tmp_path):
+    """The engine with ``shared_prefix_decode`` (fused kernels switched on as a CUDA device would,
+    in Triton's interpreter): 13 rows of four requests over prompts of 66 to 109 tokens through 8
+    slots (admissions, finishes, moves, retained slots), in bursts of three steps: the same tokens,
+    stops and log-probs as the rows each reading their whole cache, and the tiles were used."""
+    from _engine_helpers import build_engine_test_model, prompts, req
+
+    from loongsage.core.engine.continuous import SlotBatch
+    from loongsage.core.engine.native import NativeEngine
+
+    model_dir = build_engine_test_model(tmp_path / "tiny")
+    settings = [
+        {"temperature": 1.0, "seed": 4, "n": 4},
+        {"temperature": 0.0, "n": 3},
+        {"temperature": 0.0},
+        {"temperature": 0.7, "seed": 9, "n": 5},
+    ]
+    texts = prompts(4, seed=81, lo=66, hi=110)
+    requests = [req(f"r{i}", p, max_new_tokens=5 + 2 * i, **settings[i]) for i, p in enumerate(texts)]
+    common = {"max_batch_size": 8, "max_model_len": 160, "steps_per_sync": 3}
+    sides = []
+    for shared in (False, True):
+        engine = NativeEngine(model_dir, shared_prefix_decode=shared, **common)
+        engine._runner.fused = fused["decoder"].FusedDecoder(engine._runner)
+        engine._batch = batch = SlotBatch(engine._runner, **engine._batch_args)
+        tables = []
+        tile = batch._tile_prefixes
+
+        def spy(slots, tile=tile, batch=batch, tables=tables):
+            tile(slots)
+            tables.append((list(slots), batch.prefix_tiles.clone(), batch.prefix_first.clone()))
+
+        batch._tile_prefixes = spy
+        sides.append((engine, engine.generate_batch(requests), tables))
+    (plain, want, untiled), (tiled, got, tables) = sides
+    assert "shared prefixes" in tiled.health()["decode_kernels"] and not untiled
+    assert "shared prefixes" not in plain.health()["decode_kernels"]
+    for w_group, g_group in zip(want, got):
+        for w, g in zip(w_group, g_group):
+            assert g.output_ids == w.output_ids and g.finish_reason == w.finish_reason
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=2e-5, rtol=0)
+    widest = 0
+    for slots, table, first in tables:
+        tiled_rows = [r for entry in table.tolist() if entry[1] for r in entry[2:] if r >= 0]
+        assert len(tiled_rows) == len(set(tiled_rows)) and set(tiled_rows) <= set(slots)
+        for source, prefix, *members in table.tolist():
+            if prefix:
+                assert source in members and prefix in [len(p) for p in texts]
+                assert first[[m for m in members if m >= 0]].eq(prefix).all()
+        assert int(first.ne(0).sum()) == len(tiled_rows)
+        widest = max(widest, max((sum(m >= 0 for m in entry[2:]) for entry in table.tolist()), default=0))
+    assert widest >= 4  # the five samples of one request shared their prompt's reads
 
 
 def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(fused, tmp_path):

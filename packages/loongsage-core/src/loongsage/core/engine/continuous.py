@@ -31,6 +31,12 @@ Requests join at any step boundary (:meth:`admit`); holes left by finished rows 
 the lowest slot up and, when the range gets sparse, the highest decoding rows move down
 (:meth:`_compact`), so a step costs about the number of live rows.
 
+Shared prefixes (``shared_prefix_decode``, fused kernels, not the batch-invariant mode): the decoding
+rows of one request, each slot holding a copy of its prompt, are tiled (up to ``16 // group`` rows a
+tile) when the decoding set changes, and decode attention reads a tile's prompt columns once, from
+one member's slot (:mod:`loongsage.core.engine.fused.attention`). The copies stay: a row keeps its
+whole cache when it moves, finishes or is retained.
+
 Prefix reuse: a finished row's slot is *retained* with the tokens its cache holds (prompt plus all
 but the last output token) and the weight version that computed them. A new request whose input
 shares a prefix with a retained slot of the current version takes that slot and prefills only the
@@ -91,6 +97,7 @@ class SlotBatch:
         initial_slots: int = 8,
         cuda_graphs: bool = False,
         steps_per_sync: int = 1,
+        shared_prefix_decode: bool = False,
     ):
         self.runner, self.stats, self.generator = runner, stats, generator
         self.max_slots, self.L = int(max_slots), int(max_model_len)
@@ -120,6 +127,12 @@ class SlotBatch:
 
             self.fused_sampling = partial(sample_rows, fixed_chunks=True)
             self.invariant_logprobs = token_logprobs_rows
+        # rows per shared-prefix tile of decode attention (0: each row reads its whole cache)
+        self.prefix_members = 0
+        if shared_prefix_decode and runner.fused is not None and not runner.invariant:
+            from loongsage.core.engine.fused.attention import tile_members  # Triton: only where fused
+
+            self.prefix_members = tile_members(runner.num_heads // runner.kv_heads)
         self.graphs = (
             DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" and not self.recording else None
         )
@@ -183,6 +196,10 @@ class SlotBatch:
         if self.recording:  # per slot and column, as the keys: the experts each MoE layer chose
             spec["routes"] = ((self.L, len(r.moe_gates), r.topk), torch.int16, 0)
         self.t = {name: grown(t.get(name), tail, dtype, fill) for name, (tail, dtype, fill) in spec.items()}
+        if self.prefix_members:  # read by the decode step's graphs as the other per-slot tensors
+            self.prefix_tiles = torch.zeros((max(1, cap // 2), 2 + self.prefix_members), dtype=torch.int32, device=dev)
+            self.prefix_first = torch.zeros(cap, dtype=torch.int32, device=dev)
+            self._dec = None  # the tiles are made again, in these buffers
         if self.graphs is not None:  # the captured buffers are gone
             self.graphs.clear()
         extra = cap - old
@@ -324,7 +341,28 @@ class SlotBatch:
             idle = [s for s in range(hi) if self.status[s] != DECODE]
             self._dec = _Decoding(hi, self._sampling(list(range(hi)), idle=idle), longest, max(1, steps_left))
             self._dec_steps = 0
+            if self.prefix_members:
+                self._tile_prefixes(slots)
         return self._dec
+
+    def _tile_prefixes(self, slots: list[int]) -> None:
+        """Tile the decoding ``slots`` by request (each of a request's rows holds a copy of its
+        prompt) into the tables decode attention reads on the device."""
+        from loongsage.core.engine.fused.attention import shared_prefix_tiles
+
+        requests: dict[int, tuple[list[int], int]] = {}
+        for s in slots:
+            group = self.slot_group[s]
+            requests.setdefault(id(group), ([], len(group.prompt)))[0].append(s)
+        table = torch.full(tuple(self.prefix_tiles.shape), -1, dtype=torch.int32)
+        table[:, 1] = 0  # an empty tile
+        first = torch.zeros(self.cap, dtype=torch.int32)
+        for t, (prefix, rows) in enumerate(shared_prefix_tiles(list(requests.values()), self.prefix_members)):
+            table[t, 0], table[t, 1] = rows[0], prefix
+            table[t, 2 : 2 + len(rows)] = torch.tensor(rows, dtype=torch.int32)
+            first[rows] = prefix
+        self.prefix_tiles.copy_(table)
+        self.prefix_first.copy_(first)
 
     def _sampling(self, slots: list[int], idle: list[int] = ()) -> SamplingTensors:
         idx, t = torch.tensor(slots, dtype=torch.long, device=self.device), self.t
@@ -464,6 +502,11 @@ class SlotBatch:
         lens = t["lens"][:rows]
         mask = (torch.arange(end, device=self.device)[None, :] <= lens[:, None])[:, None, None, :]
         cols = lens.clamp(max=self.L - 1)
+        shared = None
+        if self.prefix_members and rows >= 2:  # at most one tile per two rows
+            from loongsage.core.engine.fused.attention import SharedPrefixes
+
+            shared = SharedPrefixes(self.prefix_tiles[: rows // 2], self.prefix_first[:rows])
         out = self.runner.forward_slots(
             t["last"][:rows].unsqueeze(1),
             lens.unsqueeze(1),
@@ -472,6 +515,7 @@ class SlotBatch:
             end,
             mask,
             cols=cols,
+            shared=shared,
         )
         if self.recording:  # where each row wrote its key
             t["routes"][torch.arange(rows, device=self.device), cols] = self.runner.last_routes[:, 0].to(torch.int16)

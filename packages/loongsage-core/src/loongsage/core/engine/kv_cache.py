@@ -134,6 +134,7 @@ class DecoderRunner:
         end: int,
         mask: Tensor,
         cols: Tensor | None = None,
+        shared=None,
     ) -> Tensor:
         """Forward over slot rows whose keys/values live in ``keys[i]``/``values[i]`` ``[B, kv, L, d]``.
 
@@ -141,10 +142,12 @@ class DecoderRunner:
         ``cols[b]``. Prefill (``cols`` None, ``input_ids`` ``[B, T]``): the new keys/values go to columns
         ``[end - T, end)`` of every row. Attention covers columns ``[0, end)`` under ``mask``
         (broadcastable to ``[B, 1, T, end]``); returns the last position's float32 logits.
+        ``shared`` (fused decode only; :class:`~loongsage.core.engine.fused.attention.SharedPrefixes`):
+        tiles of rows whose common prefix attention reads once.
         """
         seq = input_ids.shape[1]
         if cols is not None and self.fused is not None:  # dense models only: never recording routes
-            return self.fused.decode(input_ids, positions, keys, values, cols, end)
+            return self.fused.decode(input_ids, positions, keys, values, cols, end, shared)
         if cols is not None:
             rows = torch.arange(input_ids.shape[0], device=input_ids.device)
 

@@ -132,6 +132,9 @@ class NativeEngine:
     deterministic mode's second forward, at the cost of slower GEMMs and one-prompt-at-a-time prefill.
     ``quantization="fp8"`` runs the decode GEMMs on float8 copies of the projections (a bf16 model on
     an Ada or Hopper GPU; :mod:`loongsage.core.engine.fused.fp8`), quantized again after each update.
+    ``shared_prefix_decode`` lets decode attention read the prompt of a request's ``n`` samples once
+    per tile of up to ``16 // group`` of them instead of once per sample (the fused kernels outside
+    the batch-invariant mode; :mod:`loongsage.core.engine.fused.attention`).
     ``generate`` and
     ``abort`` must be awaited on one event loop at a time; ``generate_batch`` is synchronous, runs
     its requests to completion and does not observe ``pause``/``abort``; for it a bad request raises
@@ -163,6 +166,8 @@ class NativeEngine:
         batch_invariant: bool = False,
         # decode GEMMs on float8 weights ("fp8", Ada/Hopper, bf16 models; fused/fp8.py); null: the model's
         quantization: str | None = None,
+        # decode attention reads a request's prompt once for up to 16 // group of its samples (fused kernels)
+        shared_prefix_decode: bool = False,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -229,6 +234,7 @@ class NativeEngine:
             "steps_per_sync": resolve_steps_per_sync(
                 steps_per_sync, cuda_graphs=cuda_graphs, device=self.device, routes=return_routed_experts
             ),
+            "shared_prefix_decode": bool(shared_prefix_decode),
         }
         self._batch = SlotBatch(self._runner, **self._batch_args)
 
@@ -409,6 +415,7 @@ class NativeEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "decode_kernels": ("triton, batch-invariant" if self._runner.invariant else "triton")
             + (", fp8 weights" if self._runner.fused is not None and self._runner.fused.fp8 else "")
+            + (", shared prefixes" if self._batch.prefix_members else "")
             if self._runner.fused is not None
             else f"torch ({self._runner.fused_off_because})",
             "model_path": self.model_path,

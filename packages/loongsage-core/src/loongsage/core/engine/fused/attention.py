@@ -8,9 +8,19 @@ key and value once per step); this kernel reads each row's ``length`` columns on
 heads of one kv head as the rows of one small matrix product (padded to 16, the tensor cores'
 smallest tile), an online softmax in float32 and, when the batch alone cannot fill the GPU, the
 columns split over several programs whose partial results a second kernel merges (flash decoding).
+
+Shared prefixes (cascade decoding): the ``n`` samples of one request decode over one prompt, each
+slot holding its own copy of the prompt's keys and values. Given :class:`SharedPrefixes`, a tile
+of up to ``16 // group`` such rows reads the prompt's columns once, from one member's slot, the
+query heads of all its members the rows of one matrix product, while each row reads only its
+columns after the prompt by itself; the merge kernel combines the two partial results. A GRPO
+group of 8 samples over a 128-token prompt then reads the prompt's keys once where it read them 8
+times.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -23,45 +33,15 @@ _PAD_HEADS = 16
 
 
 @triton.jit
-def _decode_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    len_ptr,
-    crow_ptr,
-    out_ptr,
-    part_ptr,
-    scale_log2,
-    split_len,
-    q_row,
-    q_head,
-    c_row,
-    c_head,
-    c_col,
-    GROUP: tl.constexpr,
-    HEADS: tl.constexpr,
-    SPLITS: tl.constexpr,
-    PAD: tl.constexpr,
-    DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CACHE_ROWS: tl.constexpr,
+def _attend(
+    q, k_ptr, v_ptr, base, start, stop, c_col, scale_log2, PAD: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr
 ):
-    row = tl.program_id(0)
-    kv = tl.program_id(1)
-    split = tl.program_id(2)
-    length = tl.load(len_ptr + row)
-    cache_row = tl.load(crow_ptr + row).to(tl.int64) if CACHE_ROWS else row
-    start = split * split_len
-    stop = tl.minimum(start + split_len, length)
-    h = tl.arange(0, PAD)
+    """Online softmax of the query rows ``q`` ``[PAD, DIM]`` over cache columns ``[start, stop)``
+    from ``base``: the unnormalised output, the running max and sum (base 2), in float32."""
     d = tl.arange(0, DIM)
-    heads = kv * GROUP + h
-    real = h < GROUP
-    q = tl.load(q_ptr + row * q_row + heads[:, None] * q_head + d[None, :], mask=real[:, None], other=0.0)
     m_i = tl.full([PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([PAD], tl.float32)
     acc = tl.zeros([PAD, DIM], tl.float32)
-    base = cache_row * c_row + kv * c_head
     for n in range(start, stop, BLOCK_N):
         cols = n + tl.arange(0, BLOCK_N)
         inside = cols < stop
@@ -76,15 +56,123 @@ def _decode_kernel(
         v = tl.load(v_ptr + at, mask=inside[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    if SPLITS == 1:
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_partial(part_ptr, at, acc, m_i, l_i, real, DIM: tl.constexpr):
+    """Partials ``[rows, heads, splits, DIM + 2]``: the unnormalised output, then max and sum."""
+    d = tl.arange(0, DIM)
+    tl.store(part_ptr + at[:, None] + d[None, :], acc, mask=real[:, None])
+    tl.store(part_ptr + at + DIM, m_i, mask=real)
+    tl.store(part_ptr + at + DIM + 1, l_i, mask=real)
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    len_ptr,
+    crow_ptr,
+    first_ptr,
+    out_ptr,
+    part_ptr,
+    scale_log2,
+    split_len,
+    q_row,
+    q_head,
+    c_row,
+    c_head,
+    c_col,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr,
+    PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CACHE_ROWS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(len_ptr + row)
+    cache_row = tl.load(crow_ptr + row).to(tl.int64) if CACHE_ROWS else row
+    # a row of a shared-prefix tile starts after the prefix, which its tile reads (0: no tile)
+    first = tl.load(first_ptr + row) if PREFIX_SPLITS > 0 else 0
+    start = first + split * split_len
+    stop = tl.minimum(start + split_len, length)
+    h = tl.arange(0, PAD)
+    d = tl.arange(0, DIM)
+    heads = kv * GROUP + h
+    real = h < GROUP
+    q = tl.load(q_ptr + row * q_row + heads[:, None] * q_head + d[None, :], mask=real[:, None], other=0.0)
+    base = cache_row * c_row + kv * c_head
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, c_col, scale_log2, PAD, DIM, BLOCK_N)
+    if SPLITS == 1 and PREFIX_SPLITS == 0:
         out = acc / l_i[:, None]
         tl.store(out_ptr + (row * HEADS + heads[:, None]) * DIM + d[None, :], out.to(q.dtype), mask=real[:, None])
     else:
-        # partials [rows, HEADS, SPLITS, DIM + 2]: the unnormalised output, then max and sum (base 2)
-        at = ((row * HEADS + heads) * SPLITS + split) * (DIM + 2)
-        tl.store(part_ptr + at[:, None] + d[None, :], acc, mask=real[:, None])
-        tl.store(part_ptr + at + DIM, m_i, mask=real)
-        tl.store(part_ptr + at + DIM + 1, l_i, mask=real)
+        total = PREFIX_SPLITS + SPLITS  # the prefix tiles' partials first
+        at = ((row * HEADS + heads) * total + PREFIX_SPLITS + split) * (DIM + 2)
+        _store_partial(part_ptr, at, acc, m_i, l_i, real, DIM)
+        if PREFIX_SPLITS > 0:  # a row of no tile: its prefix partials are empty (the merge skips them)
+            # (first and split are >= 0) compared as a vector: Triton's interpreter refuses a mask
+            # made with a scalar condition
+            alone = real & (h * 0 + first + split == 0)
+            no_acc, no_max = tl.zeros([PAD, DIM], tl.float32), tl.full([PAD], float("-inf"), tl.float32)
+            no_sum = tl.zeros([PAD], tl.float32)
+            for p in tl.static_range(PREFIX_SPLITS):
+                at = ((row * HEADS + heads) * total + p) * (DIM + 2)
+                _store_partial(part_ptr, at, no_acc, no_max, no_sum, alone, DIM)
+
+
+@triton.jit
+def _prefix_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    tiles_ptr,
+    part_ptr,
+    scale_log2,
+    split_len,
+    q_row,
+    q_head,
+    c_row,
+    c_head,
+    c_col,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    PREFIX_SPLITS: tl.constexpr,
+    MEMBERS: tl.constexpr,
+    PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One tile's shared prefix for one kv head and one split of its columns: the query heads of
+    every member row are the rows of one matrix product over the tile's source cache row."""
+    tile = tl.program_id(0)
+    kv = tl.program_id(1)
+    split = tl.program_id(2)
+    entry = tiles_ptr + tile * (MEMBERS + 2)
+    source = tl.load(entry).to(tl.int64)
+    prefix = tl.load(entry + 1)
+    t = tl.arange(0, PAD)
+    member, head = t // GROUP, t % GROUP
+    row = tl.load(entry + 2 + member, mask=member < MEMBERS, other=-1)
+    real = row >= 0
+    row = tl.where(real, row, 0).to(tl.int64)
+    heads = kv * GROUP + head
+    d = tl.arange(0, DIM)
+    q = tl.load(q_ptr + row[:, None] * q_row + heads[:, None] * q_head + d[None, :], mask=real[:, None], other=0.0)
+    start = split * split_len
+    stop = tl.minimum(start + split_len, prefix)
+    base = source * c_row + kv * c_head
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, c_col, scale_log2, PAD, DIM, BLOCK_N)
+    at = ((row * HEADS + heads) * (PREFIX_SPLITS + SPLITS) + split) * (DIM + 2)
+    _store_partial(part_ptr, at, acc, m_i, l_i, real, DIM)
 
 
 @triton.jit
@@ -101,6 +189,43 @@ def _merge_kernel(part_ptr, out_ptr, HEADS: tl.constexpr, SPLITS: tl.constexpr, 
     acc = tl.load(part_ptr + at[:, None] + d[None, :])
     out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
     tl.store(out_ptr + (row * HEADS + head) * DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+class SharedPrefixes(NamedTuple):
+    """Decode rows that share their first columns, in tiles (see the module docstring).
+
+    ``tiles`` ``[T, 2 + members]`` int32: each tile's source cache row (any member's: each holds the
+    same prefix), its prefix length, then its member rows (-1 past the last); a tile of prefix 0 is
+    empty. ``first`` ``[rows]`` int32: the column each row reads from by itself (its tile's prefix
+    length, 0 for a row in no tile). Both are read on the device, so a captured graph replays with
+    whatever tiles they hold.
+    """
+
+    tiles: Tensor
+    first: Tensor
+
+
+def tile_members(group: int) -> int:
+    """Rows per shared-prefix tile: their query heads fill one 16-row tensor-core tile."""
+    return max(2, _PAD_HEADS // group)
+
+
+def shared_prefix_tiles(groups: list[tuple[list[int], int]], members: int) -> list[tuple[int, list[int]]]:
+    """``groups``: the rows decoding over one prefix and its length. Each group of at least two
+    rows and a prefix of at least one block of columns, split into as few tiles of at most
+    ``members`` rows as hold it, as even as can be; (prefix, rows) per tile."""
+    tiles = []
+    for rows, prefix in groups:
+        if len(rows) < 2 or prefix < _BLOCK_N:
+            continue
+        count = -(-len(rows) // members)
+        size, extra = divmod(len(rows), count)
+        at = 0
+        for i in range(count):
+            n = size + (i < extra)
+            tiles.append((prefix, rows[at : at + n]))
+            at += n
+    return tiles
 
 
 def splits_for(rows: int, kv_heads: int, columns: int, programs: int) -> int:
@@ -121,6 +246,7 @@ def decode_attention(
     *,
     cache_rows: Tensor | None = None,
     splits: int | None = None,
+    shared: SharedPrefixes | None = None,
 ) -> Tensor:
     """Attention of ``q`` ``[B, heads, d]`` over columns ``[0, lengths[b])`` of cache row ``b``
     (of cache row ``cache_rows[b]`` where given: the tokens of one sequence, each a query row).
@@ -128,40 +254,57 @@ def decode_attention(
     ``k_cache``/``v_cache``: ``[>= B, kv_heads, L, d]`` with unit stride on ``d``; ``columns`` bounds
     every length (it sizes the column splits, so it must not vary within one captured graph).
     ``splits=1`` keeps each row's columns in one program, in order: a row's result is then the same
-    whatever else runs (the batch-invariant mode). Returns ``[B, heads * d]`` in the query dtype.
+    whatever else runs (the batch-invariant mode). ``shared`` (decode rows only, no ``cache_rows``):
+    tiles of rows whose common prefix is read once per tile. Returns ``[B, heads * d]`` in the
+    query dtype.
     """
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
+    if shared is not None and (cache_rows is not None or splits == 1):
+        raise ValueError("decode_attention: shared prefixes are for decode rows of the fast path only")
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         splits = splits_for(rows, kv_heads, columns, 2 * sms)
+    prefix_splits = 0 if shared is None else splits  # the total stays a power of two
     split_len = -(-columns // (splits * _BLOCK_N)) * _BLOCK_N
+    total = splits + prefix_splits
     out = q.new_empty(rows, heads, dim)
-    part = q.new_empty((rows, heads, splits, dim + 2) if splits > 1 else (1,), dtype=torch.float32)
+    part = q.new_empty((rows, heads, total, dim + 2) if total > 1 else (1,), dtype=torch.float32)
+    strides = (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+    common = {"GROUP": group, "HEADS": heads, "SPLITS": splits, "PREFIX_SPLITS": prefix_splits, "DIM": dim}
+    common["BLOCK_N"] = _BLOCK_N
+    if shared is not None:
+        tiles, members = shared.tiles, shared.tiles.shape[1] - 2
+        _prefix_kernel[(tiles.shape[0], kv_heads, prefix_splits)](
+            q,
+            k_cache,
+            v_cache,
+            tiles,
+            part,
+            scale * _LOG2E,
+            split_len,
+            *strides,
+            MEMBERS=members,
+            PAD=max(_PAD_HEADS, triton.next_power_of_2(members * group)),
+            **common,
+        )
     _decode_kernel[(rows, kv_heads, splits)](
         q,
         k_cache,
         v_cache,
         lengths,
         lengths if cache_rows is None else cache_rows,
+        lengths if shared is None else shared.first,
         out,
         part,
         scale * _LOG2E,
         split_len,
-        q.stride(0),
-        q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        GROUP=group,
-        HEADS=heads,
-        SPLITS=splits,
+        *strides,
         PAD=max(_PAD_HEADS, triton.next_power_of_2(group)),
-        DIM=dim,
-        BLOCK_N=_BLOCK_N,
         CACHE_ROWS=cache_rows is not None,
+        **common,
     )
-    if splits > 1:
-        _merge_kernel[(rows, heads)](part, out, HEADS=heads, SPLITS=splits, DIM=dim)
+    if total > 1:
+        _merge_kernel[(rows, heads)](part, out, HEADS=heads, SPLITS=total, DIM=dim)
     return out.view(rows, heads * dim)

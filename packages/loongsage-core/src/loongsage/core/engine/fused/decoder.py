@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from loongsage.core.engine.fused.attention import decode_attention
+from loongsage.core.engine.fused.attention import SharedPrefixes, decode_attention
 from loongsage.core.engine.fused.fp8 import fp8_matmul, quantize_rows, quantize_weight
 from loongsage.core.engine.fused.matmul import invariant_linear
 from loongsage.core.engine.fused.ops import add_rms_norm, add_rms_norm_fp8, qk_rope_store, silu_mul, silu_mul_fp8
@@ -152,11 +152,19 @@ class FusedDecoder:
         ]
 
     def decode(
-        self, input_ids: Tensor, positions: Tensor, keys: list[Tensor], values: list[Tensor], cols: Tensor, columns: int
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+        cols: Tensor,
+        columns: int,
+        shared: SharedPrefixes | None = None,
     ) -> Tensor:
         """Float32 logits ``[B, V]`` of one new token per row; row ``b``'s key/value go to column
-        ``cols[b]`` and attention covers its columns ``[0, cols[b]]`` (``columns`` bounds them all)."""
-        last = self.hidden(input_ids, positions, keys, values, cols, columns, invariant=self.invariant)
+        ``cols[b]`` and attention covers its columns ``[0, cols[b]]`` (``columns`` bounds them all).
+        ``shared``: tiles of rows whose common prefix attention reads once (not batch-invariant)."""
+        last = self.hidden(input_ids, positions, keys, values, cols, columns, invariant=self.invariant, shared=shared)
         return self.head(last)
 
     def head(self, last: Tensor) -> Tensor:
@@ -178,6 +186,7 @@ class FusedDecoder:
         *,
         cache_rows: Tensor | None = None,
         invariant: bool = False,
+        shared: SharedPrefixes | None = None,
     ) -> Tensor:
         """Final-normed hidden states ``[N, H]`` of ``N`` tokens (``input_ids``/``positions`` ``[N, 1]``).
 
@@ -187,7 +196,7 @@ class FusedDecoder:
         passes the tokens of a sequence, each at its position. ``invariant`` computes every token
         the same way whatever ``N`` is: the batch-invariant GEMM (on the merged weights where this
         decoder merged them, else one per HF projection, as the trainer's modules are), attention
-        with each token's columns in one program, in order.
+        with each token's columns in one program, in order (``shared`` tiles are then refused).
         """
         r = self.runner
         # FP8 GEMMs take their inputs quantized by the kernels that make them (see fused/fp8.py)
@@ -217,7 +226,15 @@ class FusedDecoder:
             )
             splits = 1 if invariant else None
             out = decode_attention(
-                q, keys[i], values[i], lengths, r.scales[i], columns, cache_rows=cache_rows, splits=splits
+                q,
+                keys[i],
+                values[i],
+                lengths,
+                r.scales[i],
+                columns,
+                cache_rows=cache_rows,
+                splits=splits,
+                shared=shared,
             )
             o = self._linear(i, "o", out, layer.o_proj, invariant)
             x, residual = norm(o, residual, layer.ln2.weight, layer.ln2.variance_epsilon)
