@@ -57,6 +57,7 @@ from loongsage.core.engine.cuda_graphs import DecodeGraphs
 from loongsage.core.engine.kv_cache import DecoderRunner
 from loongsage.core.engine.prefill import prefill
 from loongsage.core.engine.sampling import SamplingTensors, draw_uniforms, sample
+from loongsage.core.engine.slot_state import grown, slot_spec
 from loongsage.core.types import FinishReason, GenerationResult
 
 FREE, PREFILL, WAIT, DECODE, RETAINED = range(5)  # WAIT: sibling row waiting for its prompt's prefill
@@ -160,42 +161,12 @@ class SlotBatch:
     def _grow(self, cap: int) -> None:
         old, dev, r = self.cap, self.device, self.runner
         weight = r.inner.embed_tokens.weight
-        shape = (cap, r.kv_heads, self.L, r.head_dim)
-
-        def grown(buf: Tensor | None, tail: tuple, dtype, fill=0) -> Tensor:
-            out = torch.full((cap, *tail), fill, dtype=dtype, device=dev)
-            if buf is not None:
-                out[:old] = buf
-            return out
-
-        # Zero-filled, never ``empty``: masked columns still enter attention as 0 x value, and an
-        # uninitialised NaN there would poison the row.
-        self.keys = [grown(k, shape[1:], weight.dtype) for k in (self.keys or [None] * len(r.layers))]
-        self.values = [grown(v, shape[1:], weight.dtype) for v in (self.values or [None] * len(r.layers))]
-        t = self.t
-        spec = {
-            "lens": ((), torch.long, 0),
-            "gen": ((), torch.long, 0),
-            "limit": ((), torch.long, 1),
-            "last": ((), torch.long, 0),
-            "tokens": ((self.L,), torch.long, 0),
-            "logprobs": ((self.L,), torch.float32, 0),
-            "versions": ((self.L,), torch.int32, 0),
-            "uniforms": ((self.L,), torch.float32, 0),
-            "stops": ((self.stop_width,), torch.long, -1),
-            "inv_t": ((), torch.float32, 1),
-            "greedy": ((), torch.bool, True),
-            "top_k": ((), torch.long, 0),
-            "top_p": ((), torch.float32, 1),
-            "min_p": ((), torch.float32, 0),
-            # decoding and not finished; finished since the last read-back; finished by a stop token
-            "active": ((), torch.bool, False),
-            "finished": ((), torch.bool, False),
-            "stopped": ((), torch.bool, False),
-        }
-        if self.recording:  # per slot and column, as the keys: the experts each MoE layer chose
-            spec["routes"] = ((self.L, len(r.moe_gates), r.topk), torch.int16, 0)
-        self.t = {name: grown(t.get(name), tail, dtype, fill) for name, (tail, dtype, fill) in spec.items()}
+        kv_tail = (r.kv_heads, self.L, r.head_dim)
+        self.keys = [grown(k, cap, kv_tail, weight.dtype, 0, dev) for k in (self.keys or [None] * len(r.layers))]
+        self.values = [grown(v, cap, kv_tail, weight.dtype, 0, dev) for v in (self.values or [None] * len(r.layers))]
+        routes = (len(r.moe_gates), r.topk) if self.recording else None
+        spec = slot_spec(self.L, self.stop_width, routes).items()
+        self.t = {name: grown(self.t.get(name), cap, tail, dtype, fill, dev) for name, (tail, dtype, fill) in spec}
         if self.prefix_members:  # read by the decode step's graphs as the other per-slot tensors
             self.prefix_tiles = torch.zeros((max(1, cap // 2), 2 + self.prefix_members), dtype=torch.int32, device=dev)
             self.prefix_first = torch.zeros(cap, dtype=torch.int32, device=dev)
@@ -348,21 +319,15 @@ class SlotBatch:
     def _tile_prefixes(self, slots: list[int]) -> None:
         """Tile the decoding ``slots`` by request (each of a request's rows holds a copy of its
         prompt) into the tables decode attention reads on the device."""
-        from loongsage.core.engine.fused.attention import shared_prefix_tiles
+        from loongsage.core.engine.fused.attention import tile_tables
 
         requests: dict[int, tuple[list[int], int]] = {}
         for s in slots:
             group = self.slot_group[s]
             requests.setdefault(id(group), ([], len(group.prompt)))[0].append(s)
-        table = torch.full(tuple(self.prefix_tiles.shape), -1, dtype=torch.int32)
-        table[:, 1] = 0  # an empty tile
-        first = torch.zeros(self.cap, dtype=torch.int32)
-        for t, (prefix, rows) in enumerate(shared_prefix_tiles(list(requests.values()), self.prefix_members)):
-            table[t, 0], table[t, 1] = rows[0], prefix
-            table[t, 2 : 2 + len(rows)] = torch.tensor(rows, dtype=torch.int32)
-            first[rows] = prefix
-        self.prefix_tiles.copy_(table)
-        self.prefix_first.copy_(first)
+        tables = tile_tables(list(requests.values()), self.prefix_members, len(self.prefix_tiles), self.cap)
+        self.prefix_tiles.copy_(tables.tiles)
+        self.prefix_first.copy_(tables.first)
 
     def _sampling(self, slots: list[int], idle: list[int] = ()) -> SamplingTensors:
         idx, t = torch.tensor(slots, dtype=torch.long, device=self.device), self.t

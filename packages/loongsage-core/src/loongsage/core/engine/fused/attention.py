@@ -228,6 +228,19 @@ def shared_prefix_tiles(groups: list[tuple[list[int], int]], members: int) -> li
     return tiles
 
 
+def tile_tables(groups: list[tuple[list[int], int]], members: int, tiles: int, rows: int) -> SharedPrefixes:
+    """The host-side tables of :class:`SharedPrefixes` for ``groups`` (rows decoding over one
+    prefix, and its length; see :func:`shared_prefix_tiles`): ``tiles`` entries, ``rows`` rows."""
+    table = torch.full((tiles, 2 + members), -1, dtype=torch.int32)
+    table[:, 1] = 0  # an empty tile
+    first = torch.zeros(rows, dtype=torch.int32)
+    for t, (prefix, members_of) in enumerate(shared_prefix_tiles(groups, members)):
+        table[t, 0], table[t, 1] = members_of[0], prefix
+        table[t, 2 : 2 + len(members_of)] = torch.tensor(members_of, dtype=torch.int32)
+        first[members_of] = prefix
+    return SharedPrefixes(table, first)
+
+
 def splits_for(rows: int, kv_heads: int, columns: int, programs: int) -> int:
     """Column splits per (row, kv head): enough programs to fill ``programs`` slots, each split at
     least two blocks long; a power of two (the merge kernel's range)."""
