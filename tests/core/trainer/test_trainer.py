@@ -208,8 +208,9 @@ def test_the_chunked_head_gives_the_one_piece_step(model_dir):
     for chunk in (3, 64, 10_000):
         trainer = TorchTrainer(str(model_dir), head_chunk_tokens=chunk)
         lp, ent = trainer.logprobs(batch, token_budget=10_000)
-        torch.testing.assert_close(lp, reference[0], atol=1e-6, rtol=0)
-        torch.testing.assert_close(ent, reference[1], atol=1e-6, rtol=0)
+        # a GEMM of 3 rows may take another CPU kernel than one of 104: a few float32 ulps apart
+        torch.testing.assert_close(lp, reference[0], atol=1e-6, rtol=2e-6)
+        torch.testing.assert_close(ent, reference[1], atol=1e-6, rtol=2e-6)
         trainer.setup_optimizer(lr=1e-30, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, grad_clip=1e9)
         pipeline = LossPlan(policy_loss=PPOClip(clip_low=0.2, clip_high=0.28), aggregation="token-mean")
         prepared, _ = pipeline.prepare(batch)
