@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import types
@@ -56,9 +55,7 @@ def side(name: str, overrides: list[str], steps: int, warmup: int, cache: Path) 
     figures = gpu_rl_step.ours(args, work, env)
     figures.pop("timeline")
     figures.pop("profile")
-    rows = [json.loads(line) for line in next((work / "runs").glob("*/metrics.jsonl")).read_text().splitlines()]
-    k3 = [r["train/is_approx_k3_kl"] for r in rows if "train/is_approx_k3_kl" in r][warmup:]
-    return {**figures, "k3_median": statistics.median(k3), "k3_all": k3, "set": overrides}
+    return {**figures, "set": overrides}
 
 
 def markdown(result: dict) -> str:

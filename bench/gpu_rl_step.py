@@ -198,6 +198,9 @@ def ours(args, work: Path, env: dict) -> dict:
         **{f"{k}_s": statistics.median(v) for k, v in pick.items()},
         "response_length_mean": statistics.mean(r["rollout/response_length_mean"] for r in keep),
         "shared_prompt_tokens": statistics.median(r.get("train/shared_prompt_tokens", 0.0) for r in keep),
+        # the engine's and the trainer's log-probs of the sampled tokens, apart (train/is_approx_k3_kl)
+        "k3_all": (k3 := [r["train/is_approx_k3_kl"] for r in keep if "train/is_approx_k3_kl" in r]),
+        "k3_median": statistics.median(k3) if k3 else None,
         **memory,
         "timeline": timeline(keep),
         "profile": sorted((work / "runs").glob(f"*/profile/step{args.profile_step}.*.trace.json.gz")),
@@ -354,6 +357,11 @@ def main() -> int:
         f"{o['trainer_compute_s']:.2f} | | |",
         f"| of which batch building + transfers | {o['train_s'] - o['trainer_compute_s']:.2f} | | |",
         f"| weight sync s | {o['sync_s']:.3f} | | |",
+        *(
+            [f"| k3 KL, engine vs trainer log-probs (median) | {o['k3_median']:.2e} | | |"]
+            if o.get("k3_median") is not None
+            else []
+        ),
         f"| peak GPU memory, the card's (all processes) | {o['peak_card_gb']:.0f} GB | {t['peak_card_gb']:.0f} GB | |",
         f"| TRL's own peak allocated | | {t['peak_gb']:.0f} GB | |",
     ]
