@@ -15,7 +15,10 @@ in a run) against the goal of 1e-5, for:
 * for scale, the fast path with a bf16 LM head in the engine (what the FP32 head is there to avoid);
 * the fast path against the trainer with its layers compiled (``compile_layers``, as the GPU
   recipes run it), and compiled with Inductor's default rounding (what ``compile_layers`` was);
-* the fast path with cuBLAS's bf16 split-K reductions off on both sides (``fp32_reductions``).
+* the fast path with cuBLAS's bf16 split-K reductions off on both sides (``fp32_reductions``);
+* the fast path with only its decode attention replaced by the torch decode path's
+  (``scaled_dot_product_attention`` over each row's columns, the query heads of a kv head as its
+  rows), every other fused kernel kept: what the fused attention kernel alone adds to k3.
 
 With ``--sglang``, also the ``sglang`` engine (:class:`loongsage.sglang.engine.SGLangEngine`, one
 SGLang server at a time) under the server settings of :data:`SGLANG_SETTINGS` (the default six of
@@ -34,9 +37,10 @@ seconds, each the median of 3 timed runs after a warm-up one: what a mode costs.
 
 ``--sides`` picks what runs: native sides (``fast``, ``fast_torch_kernels``, ``deterministic``,
 ``batch_invariant``, ``fp8_engine``, ``engine_bf16_head``, ``fast_compiled_trainer``,
-``fast_compiled_trainer_inductor_rounding``, ``fast_fp32_reductions``), SGLang settings as ``sglang:<name>``,
-or the groups ``native``, ``sglang`` (the default six) and ``sglang:all``. ``--merge`` keeps what
-``--out`` already holds for the sides not run now (to fill one file over several calls).
+``fast_compiled_trainer_inductor_rounding``, ``fast_fp32_reductions``, ``fast_torch_attention``), SGLang
+settings as ``sglang:<name>``, or the groups ``native``, ``sglang`` (the default six) and ``sglang:all``.
+``--merge`` keeps what ``--out`` already holds for the sides not run now (to fill one file over
+several calls).
 ``--time-budget-s`` starts no SGLang server once less than a start-up's worth of the budget is left,
 and bounds each server's start-up to what is left. The JSON (and a markdown table beside it) is
 rewritten after every side, so a run cut short keeps what it measured.
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -91,6 +96,8 @@ NATIVE_SIDES: dict[str, dict[str, Any]] = {
     # the fast path with cuBLAS kept from reducing split-K partial sums in bf16 on either side
     # (torch's allow_bf16_reduced_precision_reduction, on by default): its GEMMs then round once
     "fast_fp32_reductions": {"fp32_reductions": True},
+    # the fused decode step with the torch decode path's attention: the fused attention's share of k3
+    "fast_torch_attention": {"torch_attention": True},
 }
 # SGLang settings: SGLangEngine params over the bench's own (FP32 head, torch sampling, CUDA
 # graphs, no memory release, the workload's sizing), as SGLang 0.5.16 spells its options
@@ -166,6 +173,7 @@ def measure(
     new_tokens: int = 64,
     *,
     fp32_reductions: bool = False,
+    torch_attention: bool = False,
     **options: Any,
 ) -> dict[str, float]:
     """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens,
@@ -180,14 +188,51 @@ def measure(
     trainer's layers compiled (``compile_layers``); ``inductor_rounding``: compiled with Inductor's
     default rounding instead of the eager ops' (``emulate_precision_casts`` off).
     ``fp32_reductions``: both sides with ``allow_bf16_reduced_precision_reduction`` off.
+    ``torch_attention``: the engine's fused decode step with the torch decode path's attention.
     """
     matmul = torch.backends.cuda.matmul
     reduced = matmul.allow_bf16_reduced_precision_reduction
     matmul.allow_bf16_reduced_precision_reduction = reduced and not fp32_reductions
     try:
-        return _measure(path, batch, prompt_len, new_tokens, **options)
+        with torch_decode_attention() if torch_attention else contextlib.nullcontext():
+            return _measure(path, batch, prompt_len, new_tokens, **options)
     finally:
         matmul.allow_bf16_reduced_precision_reduction = reduced
+
+
+@contextlib.contextmanager
+def torch_decode_attention() -> Iterator[None]:
+    """The fused decoder's decode attention replaced by the torch decode path's (``kv_cache.py``):
+    ``scaled_dot_product_attention`` with the query heads of one kv head as its query rows, over the
+    step's columns under each row's key mask. Prefill and the batch-invariant path keep the kernel."""
+    import torch.nn.functional as F
+
+    from loongsage.core.engine.fused import decoder
+
+    fused = decoder.decode_attention
+
+    def sdpa(q, k_cache, v_cache, lengths, scale, columns, *, cache_rows=None, splits=None, shared=None):
+        if cache_rows is not None or splits == 1 or shared is not None:
+            return fused(
+                q, k_cache, v_cache, lengths, scale, columns, cache_rows=cache_rows, splits=splits, shared=shared
+            )
+        rows, heads, dim = q.shape
+        kv = k_cache.shape[1]
+        keep = torch.arange(columns, device=q.device)[None, :] < lengths[:, None]
+        out = F.scaled_dot_product_attention(
+            q.reshape(rows, kv, heads // kv, dim),
+            k_cache[:rows, :, :columns],
+            v_cache[:rows, :, :columns],
+            attn_mask=keep[:, None, None, :],
+            scale=scale,
+        )
+        return out.reshape(rows, heads * dim)
+
+    decoder.decode_attention = sdpa
+    try:
+        yield
+    finally:
+        decoder.decode_attention = fused
 
 
 def _measure(
