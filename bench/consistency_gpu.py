@@ -202,12 +202,11 @@ def measure(
 
 @contextlib.contextmanager
 def torch_decode_attention() -> Iterator[None]:
-    """The fused decoder's decode attention replaced by the torch decode path's (``kv_cache.py``):
-    ``scaled_dot_product_attention`` with the query heads of one kv head as its query rows, over the
-    step's columns under each row's key mask. Prefill and the batch-invariant path keep the kernel."""
-    import torch.nn.functional as F
-
+    """The fused decoder's decode attention replaced by the torch decode path's
+    (:func:`~loongsage.core.engine.kv_cache.grouped_decode_attention`) over the step's columns under
+    each row's key mask. Prefill and the batch-invariant path keep the kernel."""
     from loongsage.core.engine.fused import decoder
+    from loongsage.core.engine.kv_cache import grouped_decode_attention
 
     fused = decoder.decode_attention
 
@@ -216,17 +215,10 @@ def torch_decode_attention() -> Iterator[None]:
             return fused(
                 q, k_cache, v_cache, lengths, scale, columns, cache_rows=cache_rows, splits=splits, shared=shared
             )
-        rows, heads, dim = q.shape
-        kv = k_cache.shape[1]
+        rows = q.shape[0]
         keep = torch.arange(columns, device=q.device)[None, :] < lengths[:, None]
-        out = F.scaled_dot_product_attention(
-            q.reshape(rows, kv, heads // kv, dim),
-            k_cache[:rows, :, :columns],
-            v_cache[:rows, :, :columns],
-            attn_mask=keep[:, None, None, :],
-            scale=scale,
-        )
-        return out.reshape(rows, heads * dim)
+        keys, values = k_cache[:rows, :, :columns], v_cache[:rows, :, :columns]
+        return grouped_decode_attention(q, keys, values, keep[:, None, None, :], scale)
 
     decoder.decode_attention = sdpa
     try:

@@ -29,6 +29,20 @@ from loongsage.core.model_math.dtypes import HALF_DTYPES
 from loongsage.core.model_math.head import fp32_head
 
 
+def grouped_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """One query token a row, ``q`` ``[B, heads, d]``, over ``keys``/``values`` ``[B, kv_heads,
+    columns, d]`` under ``mask`` (broadcastable to ``[B, 1, 1, columns]``): ``[B, heads * d]``.
+
+    The query heads that share a kv head become that head's query "rows", so attention reads each
+    cached key once instead of expanding keys per query head."""
+    rows, heads, dim = q.shape
+    kv = keys.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.reshape(rows, kv, heads // kv, dim), keys, values, attn_mask=mask, scale=scale
+    )
+    return out.reshape(rows, heads * dim)
+
+
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -200,11 +214,8 @@ class DecoderRunner:
             k = k * cos + _rotate_half(k) * sin
             keys, values = write(i, k, v)
             if seq == 1:
-                # Decode: the query heads that share a kv head become that head's query "rows", so
-                # attention reads each cached key once instead of expanding keys per query head.
-                q = q.reshape(bsz, self.kv_heads, self.num_heads // self.kv_heads, self.head_dim)
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scales[i])
-                out = out.reshape(bsz, 1, self.num_heads * self.head_dim)
+                q = q.reshape(bsz, self.num_heads, self.head_dim)
+                out = grouped_decode_attention(q, keys, values, mask, self.scales[i]).view(bsz, 1, -1)
             else:
                 out = F.scaled_dot_product_attention(
                     q, keys, values, attn_mask=mask, scale=self.scales[i], enable_gqa=self.kv_heads != self.num_heads
