@@ -20,6 +20,8 @@ is refused at load time with one line saying why.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -27,6 +29,9 @@ from torch import Tensor, nn
 from loongsage.core.engine.fused import fused_decoder_or_reason
 from loongsage.core.model_math.dtypes import HALF_DTYPES
 from loongsage.core.model_math.head import fp32_head
+
+if TYPE_CHECKING:  # Triton's: imported where the fused kernels run
+    from loongsage.core.engine.fused.attention import SharedPrefixes
 
 
 def grouped_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
@@ -148,7 +153,7 @@ class DecoderRunner:
         end: int,
         mask: Tensor,
         cols: Tensor | None = None,
-        shared=None,
+        shared: SharedPrefixes | None = None,
     ) -> Tensor:
         """Forward over slot rows whose keys/values live in ``keys[i]``/``values[i]`` ``[B, kv, L, d]``.
 
@@ -156,8 +161,7 @@ class DecoderRunner:
         ``cols[b]``. Prefill (``cols`` None, ``input_ids`` ``[B, T]``): the new keys/values go to columns
         ``[end - T, end)`` of every row. Attention covers columns ``[0, end)`` under ``mask``
         (broadcastable to ``[B, 1, T, end]``); returns the last position's float32 logits.
-        ``shared`` (fused decode only; :class:`~loongsage.core.engine.fused.attention.SharedPrefixes`):
-        tiles of rows whose common prefix attention reads once.
+        ``shared`` (fused decode only): tiles of rows whose common prefix attention reads once.
         """
         seq = input_ids.shape[1]
         if cols is not None and self.fused is not None:  # dense models only: never recording routes
