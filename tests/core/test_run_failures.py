@@ -11,7 +11,9 @@ tests/e2e/test_run_failures.py.
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import gc
 import json
 import os
 import signal
@@ -24,7 +26,14 @@ import torch
 from loongsage.core import cli
 from loongsage.core.checkpoint import check_resumable
 from loongsage.core.config import load_config
-from loongsage.core.failures import RunError, Stopped, explain
+from loongsage.core.failures import (
+    RunError,
+    Stopped,
+    explain,
+    install_stop_handlers,
+    quiet_stopped_tasks,
+    restore_previous_handlers,
+)
 from loongsage.core.types import BadRecordError, ConfigError
 from loongsage.core.validation import check_machine
 
@@ -158,6 +167,35 @@ def test_signals_and_refusals_keep_their_exit_codes(tmp_path, monkeypatch) -> No
         "wandb tracker: wandb.init failed; then run the same command with resume=true to start it "
         "again (no checkpoint was written yet)"
     )
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_that_lands_in_another_task_stops_the_run_and_is_not_reported_again(signum, quiet, caplog) -> None:
+    """The handler raises in whatever task runs: the stop must leave that task and end the run (a
+    plain BaseException would stay in it), and the task, which keeps it as its exception too, must
+    not be logged as never retrieved once collected, after the launcher's one line."""
+
+    async def run() -> None:
+        if quiet:
+            asyncio.get_running_loop().set_exception_handler(quiet_stopped_tasks)
+
+        async def flush() -> None:
+            os.kill(os.getpid(), signum)  # handled at the next bytecode: in this task
+            await asyncio.sleep(5)
+
+        asyncio.get_running_loop().create_task(flush())
+        await asyncio.sleep(5)
+
+    install_stop_handlers()
+    try:
+        with pytest.raises(Stopped if signum == signal.SIGTERM else KeyboardInterrupt):
+            asyncio.run(run())
+    finally:
+        restore_previous_handlers()
+    gc.collect()
+    reported = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert len(reported) == (0 if quiet else 1), reported  # the control: asyncio reports it by default
 
 
 def test_a_ray_cluster_that_is_not_there_is_one_line(monkeypatch) -> None:

@@ -24,6 +24,7 @@ from loongsage.core.config import Config
 from loongsage.core.data import Mixer, SourceCursor
 from loongsage.core.distill import TeacherPlan, plan_teachers
 from loongsage.core.evaluation import Evaluator
+from loongsage.core.failures import quiet_stopped_tasks
 from loongsage.core.loss import build_loss_plan
 from loongsage.core.placement import Placement, free_port
 from loongsage.core.profiling import StepProfiles, trace_dir
@@ -304,6 +305,7 @@ class Controller:
         """The run's services around the training steps: started on this loop (the rollout's) before
         the first generation, handed to agents, stopped when the steps end or fail."""
         cfg = self.cfg
+        asyncio.get_running_loop().set_exception_handler(quiet_stopped_tasks)
         self.services = RunServices(cfg.services, self.registry)
         try:
             self.rollout.services = self.services

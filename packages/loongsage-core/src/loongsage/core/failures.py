@@ -37,13 +37,18 @@ class RunError(RuntimeError):
     resumable = True
 
 
-class Stopped(BaseException):
-    """SIGTERM arrived (SIGINT comes as :class:`KeyboardInterrupt`); a BaseException so that no
-    ``except Exception`` on the way up mistakes it for a failure to handle."""
+class Stopped(SystemExit):
+    """SIGTERM arrived (SIGINT comes as :class:`KeyboardInterrupt`).
+
+    A ``SystemExit`` so that no ``except Exception`` on the way up mistakes it for a failure to
+    handle, and so that asyncio lets it out of whichever task or callback the signal landed in, as
+    it does a ``KeyboardInterrupt``: any other ``BaseException`` stays in that task, and the run
+    would go on. Its exit code is the shell's (143 for SIGTERM) should it ever reach the top."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.code = 128 + signum
 
 
 # ----------------------------------------------------------------------------- signals
@@ -97,6 +102,18 @@ def restore_previous_handlers() -> None:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
     _previous.clear()
     _stopping.clear()
+
+
+def quiet_stopped_tasks(loop: Any, context: dict[str, Any]) -> None:
+    """An asyncio exception handler that drops a task's never-retrieved stop signal.
+
+    The signal handler raises in whatever runs on the main thread; when that is a task other than
+    the run's own (the router's flush), the task keeps the ``KeyboardInterrupt`` as its result and
+    asyncio reports it when the task is collected, after the launcher's one line. The run already
+    unwound from that signal and said so; anything else goes to asyncio's default handler."""
+    if isinstance(context.get("exception"), KeyboardInterrupt | Stopped):
+        return
+    loop.default_exception_handler(context)
 
 
 # ----------------------------------------------------------------------------- explaining
