@@ -158,7 +158,7 @@ class EngineRouter:
         self._flights: list[dict[asyncio.Future, _Flight]] = [{} for _ in engines]  # without a copy yet
         self._idle = set(range(len(engines)))
         self._stragglers: set[int] = set()  # engines whose observed rate makes them stragglers
-        self._background: set[asyncio.Task] = set()  # aborts of the copies that lost
+        self._background: set[asyncio.Task] = set()  # engine calls under way, aborts of the copies that lost
 
     # ------------------------------------------------------------------ routing
     def pick(self, session: str | None = None) -> int | None:
@@ -371,7 +371,7 @@ class EngineRouter:
         """Queue ``request`` for engine ``index``'s call of this event-loop tick."""
         if index not in self._pending:
             self._pending[index] = []
-            asyncio.get_running_loop().call_soon(lambda i=index: asyncio.ensure_future(self._flush(i)))
+            asyncio.get_running_loop().call_soon(lambda i=index: self._in_background(self._flush(i)))
         self._pending[index].append((request, future))
 
     # ------------------------------------------------------------------ stragglers
@@ -453,7 +453,11 @@ class EngineRouter:
         if flight.copy is None:
             return
         loser, request_id = (flight.engine, flight.request.request_id) if flight.answered_by_copy else flight.copy
-        task = asyncio.ensure_future(self._abort_quietly(self.engines[loser], request_id))
+        self._in_background(self._abort_quietly(self.engines[loser], request_id))
+
+    def _in_background(self, call: Any) -> None:
+        """Run ``call`` as a task held until it ends (the loop keeps only a weak reference to one)."""
+        task = asyncio.ensure_future(call)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
