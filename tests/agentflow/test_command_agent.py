@@ -313,3 +313,21 @@ def test_reward_file_is_read_by_file_reward(native, tokenizer):
     with pytest.raises(RewardInfraError, match="no reward file"):
         reward(t, record())
     assert FileReward(default=0.0)(t, record()) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("trap", "error"),
+    [
+        ("fifo", "reward file is not a regular file"),
+        ("zero", "reward file unreadable (a regular file, not a link, is read)"),
+        ("sparse", "reward file holds '1.0 \\x00"),  # its first 100 bytes, not 64 GiB
+    ],
+)
+def test_a_reward_file_that_is_no_file_is_refused_at_once(native, tokenizer, trap, error):
+    """A FIFO would block the read for ever, a link to /dev/zero and a sparse file of gigabytes
+    would fill the memory: only a regular file is read, and only its first bytes."""
+    rewarded = agent("reward_trap.py", "{workdir}", trap, network="host", reward_file=True)
+    started = time.monotonic()
+    (t,), _, _ = run_agent(native, tokenizer, rewarded, record())
+    assert time.monotonic() - started < 60
+    assert t.metadata["reward_file"] is None and t.metadata["reward_file_error"].startswith(error), t.metadata

@@ -127,6 +127,8 @@ def test_numbers_are_read_with_one_normalisation(text, expected):
         ("", 0.0),
         (None, 0.0),
         ("-10081", 0.0),
+        ("\u221210081", 0.0),  # a minus sign is a minus
+        ("\uff0d10081", 0.0),
     ],
 )
 def test_the_score_is_the_last_number_against_the_label(answer, reward):

@@ -352,5 +352,9 @@ def test_fallback_grader_stays_fast_on_hostile_text() -> None:
     assert extract_boxed(r"\boxed{" * 20000) is None  # many unclosed boxes: one linear pass
     assert parse_number("1e999999999") is None  # would be a billion-digit integer
     assert math_equal_fallback(r"\boxed{1e999999999}", "1") is False
+    # digit groups: Fraction reads them, and the exponent's digits would hide behind the first "_"
+    assert parse_number("1e9_999_999") is None and parse_number(r"\frac{1}{1e-99_999_999}") is None
+    assert math_equal_fallback(r"\boxed{1e99_999_999}", "1") is False
+    assert math_equal_fallback(r"\boxed{10_2}", "102") is False  # a subscript, not 102
     assert parse_number("2.5e-3") == parse_number("1/400")
     assert time.perf_counter() - start < 2.0

@@ -271,6 +271,8 @@ def parse_number(text: str) -> Fraction | None:
         return -value if m.group(1) else value
     if _THOUSANDS.fullmatch(text):
         text = text.replace(",", "")
+    if "_" in text:  # Fraction reads "1e9_999_999" (digit groups), past the exponent's guard below
+        return None
     exponent = _EXPONENT.search(text)
     if exponent and len(exponent.group(1)) > 4:
         return None  # Fraction("1e999999999") would build a billion-digit integer

@@ -26,6 +26,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 import time
@@ -342,13 +343,27 @@ def _target(gateway: Any) -> tuple[str, int]:
     return host, gateway.port
 
 
+_REWARD_BYTES = 100  # a number's text; more is not read
+
+
 def _read_reward(path: Path) -> tuple[float | None, str | None]:
+    """The reward file's number, or why there is none. The file is in reach of the model's own
+    tools, so only a regular file is read, and only its first bytes: not through a link (to
+    ``/dev/zero``), not a FIFO (whose read waits for ever), not a sparse file of gigabytes."""
     try:
-        text = path.read_bytes()[:100].decode("utf-8", "replace").strip()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None, "the program wrote no reward file"
     except OSError as exc:
+        return None, f"reward file unreadable (a regular file, not a link, is read): {exc}"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None, "reward file is not a regular file"
+        text = os.read(fd, _REWARD_BYTES).decode("utf-8", "replace").strip()
+    except OSError as exc:
         return None, f"reward file unreadable: {exc}"
+    finally:
+        os.close(fd)
     try:
         value = float(text)
     except ValueError:

@@ -47,6 +47,7 @@ _DISTINCT_LIMIT = 20_000  # a test split up to this size holds distinct question
 # ASCII digits with optional thousands separators, an optional fraction. "10,081", "-12", "3.50".
 _NUMBER = re.compile(r"(?<![\w.,])(?:(?<![0-9)])-)?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?(?![0-9,]*[0-9])")
 _STRIP = ("<|im_end|>", "<|endoftext|>")
+_MINUS = str.maketrans({"\u2212": "-", "\uff0d": "-"})  # the minus sign and the full-width one: a sign, not text
 GUESS_WORD = "About"  # every guess opens with it: one first-token decision against the tool call
 
 
@@ -216,6 +217,7 @@ def score(answer: str | None, label: str) -> float:
         return 0.0
     for token in _STRIP:
         answer = answer.replace(token, "")
+    answer = answer.translate(_MINUS)
     found = numbers(answer)
     try:
         expected = Decimal(str(label).strip().replace(",", ""))
