@@ -57,6 +57,7 @@ from starlette.routing import Route
 from loongsage.agentflow.chat import fields
 from loongsage.agentflow.chat.errors import APIError
 from loongsage.agentflow.gateway import anthropic_api, openai_api, responses_api
+from loongsage.agentflow.gateway.http_guard import REQUEST_S, default_max_connections, guarded
 from loongsage.agentflow.gateway.service import ChatService
 from loongsage.agentflow.trajectories.store import Budget, Session
 
@@ -105,9 +106,14 @@ class Gateway:
         host: str = "127.0.0.1",
         port: int = 0,
         max_body_bytes: int = 8 << 20,
+        max_connections: int | None = None,
+        request_timeout_s: float = REQUEST_S,
         middlewares: Iterable[Any] = (),
     ):
         self.service, self.host, self.port, self.max_body_bytes = service, host, int(port), int(max_body_bytes)
+        # open connections at most (None: a share of the descriptor limit), and the time to send a
+        # request: the HTTP protocol's limits (http_guard)
+        self.http = guarded(max_connections=max_connections or default_max_connections(), request_s=request_timeout_s)
         # loongsage_gateway_middlewares, outermost first: each sees every chat request (see _turn)
         self.middlewares = list(middlewares)
         self.app = self._app()
@@ -141,6 +147,7 @@ class Gateway:
             timeout_graceful_shutdown=2,
             timeout_keep_alive=KEEP_ALIVE_S,
             proxy_headers=False,
+            http=self.http,  # limits on a request's head, its time and the connections (http_guard)
         )
         self._server, self._loop = _Server(config), asyncio.get_running_loop()
         gc.freeze()  # see the module's docstring
