@@ -166,6 +166,31 @@ def test_a_conversation_sharing_nothing_with_the_session_starts_a_line(tokenizer
     assert plan.category == "new_conversation" and plan.line is None
 
 
+def test_a_reply_sent_back_with_other_json_types_is_not_the_models_reply():
+    """``true == 1 == 1.0`` in Python, not in JSON: a tool call's arguments sent back with another
+    type are an edited reply, or the line would record the client's message beside the model's tokens."""
+    from loongsage.agentflow.chat.messages import same
+
+    def call(arguments):
+        function = {"name": "f", "arguments": arguments}
+        return {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c", "type": "function", "function": function}],
+        }
+
+    model = call({"flag": True, "n": 1, "x": [1.5, None]})
+    assert same(model, call({"n": 1, "x": [1.5, None], "flag": True}), reasoning_optional=False)  # key order is free
+    for edited in (
+        {"flag": 1, "n": 1, "x": [1.5, None]},
+        {"flag": True, "n": True, "x": [1.5, None]},
+        {"flag": True, "n": 1.0, "x": [1.5, None]},
+        {"flag": True, "n": 1, "x": (1.5, None)},
+    ):
+        assert not same(model, call(edited), reasoning_optional=False), edited
+        assert not same(model, call(edited), reasoning_optional=True), edited
+
+
 def test_reasoning_may_be_optional(tokenizer):
     """With reasoning_optional a client that drops a reply's reasoning still extends the line
     (its think tokens stay in the trajectory)."""

@@ -183,10 +183,23 @@ def same(stored: Message, sent: Message, *, reasoning_optional: bool) -> bool:
     that reply is not the one the model generated and the turn starts a new segment.
     """
     if stored.get("role") != "assistant" or sent.get("role") != "assistant":
-        return stored == sent
+        return _equal(stored, sent)
     if "reasoning_content" in sent or not reasoning_optional:
-        return stored == sent
-    return {k: v for k, v in stored.items() if k != "reasoning_content"} == sent
+        return _equal(stored, sent)
+    return _equal(without_reasoning(stored), sent)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """JSON equality, types included: Python's ``==`` has ``true == 1 == 1.0``, so a tool call's
+    ``{"flag": 1}`` sent back for the model's ``{"flag": true}`` would pass for the model's own
+    message, and the line would record the client's version beside the model's tokens."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 def without_reasoning(message: Message) -> Message:
