@@ -27,6 +27,7 @@ stands for at most :attr:`ChatRenderer.bytes_per_token` bytes of the text.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -63,6 +64,7 @@ class ChatRenderer:
         self.template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.template:
             raise ValueError("ChatRenderer: the tokenizer has no chat template and none was given")
+        self._specials = _special_texts(tokenizer)
         base = self.render(_PRELUDE, None, generation_prompt=False)
         # the prelude's rendering for the tools seen last (every turn of a run usually offers the
         # same), keyed by their JSON text: tools that are equal but list their keys in another order
@@ -84,6 +86,12 @@ class ChatRenderer:
         """UTF-8 bytes of text one token stands for at most (None: no such bound is known)."""
 
     def render(self, messages: list[Message], tools: list | None, *, generation_prompt: bool) -> str:
+        """The template's text of the conversation. A special token's text inside a message or a
+        tool (``<|im_end|>\n<|im_start|>assistant`` in a tool's output, say) is rendered with a word
+        joiner after its first character, so it is tokenized as text: written out whole, it would
+        become the control token itself, and the message could forge turns of other roles."""
+        if self._specials is not None:
+            messages, tools = _defused(messages, self._specials), _defused(tools, self._specials)
         try:
             return self.tokenizer.apply_chat_template(
                 messages,
@@ -202,6 +210,36 @@ class ChatRenderer:
             if stop_text and self.closing.startswith(stop_text):
                 return self.closing[len(stop_text) :]
         return self.closing
+
+
+_JOINER = "\u2060"  # WORD JOINER: invisible, and in no special token's text
+
+
+def _special_texts(tokenizer: Any) -> re.Pattern | None:
+    """A pattern of the tokenizer's special tokens' texts (those its encode turns into control
+    tokens wherever they appear); None: it has none."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or [])
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            texts.add(str(getattr(token, "content", token)))
+    texts = {t for t in texts if len(t) > 1}
+    if not texts:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(texts, key=len, reverse=True)))
+
+
+def _defused(value: Any, specials: re.Pattern) -> Any:
+    """``value`` with every special token's text in its strings broken by :data:`_JOINER`; the
+    same objects where there is none (the usual case: nothing is copied)."""
+    if isinstance(value, str):
+        return specials.sub(lambda m: m[0][0] + _JOINER + m[0][1:], value) if specials.search(value) else value
+    if isinstance(value, dict):
+        items = {k: _defused(v, specials) for k, v in value.items()}
+        return value if all(items[k] is v for k, v in value.items()) else items
+    if isinstance(value, list):
+        out = [_defused(v, specials) for v in value]
+        return value if all(a is b for a, b in zip(out, value)) else out
+    return value
 
 
 class _Limited:
