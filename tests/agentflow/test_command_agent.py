@@ -256,6 +256,19 @@ def test_the_jail_reaches_the_gateway_and_nothing_else(native, tokenizer):
         assert outcome == errno.errorcode[errno.ENETUNREACH] and seconds < 1.0, (ip, outcome, seconds)
 
 
+@needs_jail
+def test_a_jailed_program_holds_at_most_its_share_of_connections(native, tokenizer):
+    """Each connection through the jail costs the runner three descriptors: past its limit, a
+    program's connections are closed as they come, and its turns go on once it lets go."""
+    hoarder = agent("hoarder.py", network="loopback_only")
+    (t,), _, _ = run_agent(native, tokenizer, hoarder, record())
+    program = t.metadata["program"]
+    assert program["exit_code"] == 0, program["stderr_tail"]
+    result = json.loads(program["stdout_tail"].strip().splitlines()[-1])
+    assert result["closed"] == 100 - jail.MAX_CONNECTIONS
+    assert t.status is Status.OK and len(t.metadata["turns"]) == 1
+
+
 def test_loopback_only_without_bubblewrap_fails_at_config_time(monkeypatch, caplog):
     registry = load_registry()
     monkeypatch.setattr(jail.shutil, "which", lambda name: None)

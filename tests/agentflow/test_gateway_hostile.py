@@ -8,15 +8,21 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import sys
 import time
+from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loongsage.agentflow.trajectories.store import Budget
 from loongsage.core.types import Status
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _sessions import openai_client  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 USER = [{"role": "user", "content": "hi"}]
@@ -151,6 +157,116 @@ def test_budgets_end_in_an_api_error_and_a_truncated_trajectory(gateway):
     (trajectory,) = gateway.close_session_threadsafe("budget-response").trajectories()
     assert trajectory.status is Status.TRUNCATED and sum(trajectory.loss_mask) <= 6
     assert gateway.service.metrics()["agentflow/budget_refusals"] >= 1
+
+
+def _refused(call, budget: str) -> openai.BadRequestError:
+    """The budget refusal ``call`` ends in: a 400 context_length_exceeded naming ``budget``'s value."""
+    with pytest.raises(openai.BadRequestError) as err:
+        call()
+    assert err.value.status_code == 400 and err.value.code == "context_length_exceeded", err.value
+    assert "out of budget" in err.value.message and budget in err.value.message, err.value.message
+    return err.value
+
+
+def test_budget_fields_are_validated_and_their_defaults_derived():
+    assert Budget().line_tokens == 16 * 4096 and Budget().session_tokens == 4 * 16384 and Budget().max_lines == 64
+    derived = Budget(max_context_tokens=100, max_response_tokens=10)
+    assert (derived.line_tokens, derived.session_tokens) == (1600, 40)
+    assert Budget(max_line_tokens=7, max_session_tokens=9).line_tokens == 7
+    for bad in ({"max_lines": 0}, {"max_line_tokens": 0}, {"max_session_tokens": True}, {"max_lines": None}):
+        with pytest.raises(ValueError, match=f"Budget.{next(iter(bad))}="):
+            Budget(**bad)
+
+
+def test_budget_max_line_tokens_stops_a_line_rewriting_its_history_every_turn(gateway):
+    # every turn sends another assistant reply: the line starts a segment with the whole prompt
+    # re-rendered, so it grows by a prompt a turn within every other budget
+    budget = Budget(max_context_tokens=1024, max_response_tokens=1000, max_line_tokens=1500)
+    client, pad = openai_client(gateway.open_session("budget-line", budget=budget)), "lorem ipsum " * 40
+    replies = []
+    with pytest.raises(openai.BadRequestError) as err:
+        for i in range(60):
+            messages = [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": f"forged {i}"},
+                {"role": "user", "content": f"{pad}{i}"},
+            ]
+            replies.append(client.chat.completions.create(model="m", messages=messages, max_tokens=200, temperature=0))
+    assert err.value.code == "context_length_exceeded" and "(max_line_tokens=1500)" in err.value.message
+    session = gateway.close_session_threadsafe("budget-line")
+    (trajectory,) = session.trajectories()
+    length = len(trajectory.prompt_ids) + len(trajectory.response_ids)
+    assert length == sum(r.usage.prompt_tokens + r.usage.completion_tokens for r in replies) <= 1500
+    assert 2 <= len(replies) < 10 and len(trajectory.segments) == len(replies) and session.refusals == 1
+    # the last turn's reply was cut to the room the line had left (greedy replies run to max_tokens)
+    assert replies[-1].usage.completion_tokens < 200 and replies[-1].choices[0].finish_reason == "length"
+    assert trajectory.status is Status.TRUNCATED
+
+
+def test_budget_max_lines_stops_unrelated_conversations_and_forks(gateway):
+    info = gateway.open_session("budget-lines", budget=Budget(max_lines=6))
+    client = openai_client(info)
+
+    def ask(messages: list[dict], n: int):
+        return client.chat.completions.create(model="m", messages=messages, n=n, max_tokens=2)
+
+    def conversation(i: int) -> list[dict]:
+        return [{"role": "user", "content": f"conversation {i}"}]
+
+    assert len(ask(conversation(0), 4).choices) == 4  # four lines
+    calls = len(gateway.service.engine.calls)
+    _refused(lambda: ask(conversation(1), 4), "(max_lines=6)")  # eight: refused before generating
+    assert len(gateway.service.engine.calls) == calls
+    second = ask(conversation(2), 2)  # six: a new line and a fork of it
+    _refused(lambda: ask(conversation(3), 1), "(max_lines=6)")
+    # going on with a line the session has starts none; a fork of it would be a seventh
+    follow = [
+        *conversation(2),
+        second.choices[1].message.model_dump(exclude_none=True),
+        {"role": "user", "content": "on"},
+    ]
+    ask(follow, 1)
+    _refused(lambda: ask([*follow[:-1], {"role": "user", "content": "again"}], 2), "(max_lines=6)")
+    session = gateway.close_session_threadsafe("budget-lines")
+    assert len(session.lines) == len(session.trajectories()) == 6 and session.refusals == 3
+    assert [len(t.metadata["turns"]) for t in session.trajectories()] == [1, 1, 1, 1, 1, 2]
+
+
+def test_budget_max_session_tokens_stops_the_tokens_sampled_in_a_session(gateway):
+    # each of a request's n samples gets at most its share of the room left: 25 tokens of 100 at first
+    budget = Budget(max_response_tokens=64, max_session_tokens=100, max_lines=1000)
+    info = gateway.open_session("budget-sampled", budget=budget)
+    client = openai_client(info)
+    ok = 0
+    with pytest.raises(openai.BadRequestError) as err:
+        for i in range(40):
+            r = client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"conversation {i}"}], n=4, max_tokens=60
+            )
+            assert r.usage.completion_tokens <= 100
+            ok += 1
+    assert err.value.code == "context_length_exceeded" and "(max_session_tokens=100)" in err.value.message
+    session = gateway.close_session_threadsafe("budget-sampled")
+    sampled = [sum(t.loss_mask) for t in session.trajectories()]
+    assert ok >= 1 and len(sampled) == 4 * ok and session.refusals == 1
+    assert sum(sampled) == session.generated <= 100 and max(sampled) <= 25
+
+
+def test_a_session_within_its_budgets_is_not_refused(gateway):
+    # at the limits: three lines from one request, 12 + 8 tokens asked of a session budget of 20
+    budget = Budget(max_context_tokens=1024, max_response_tokens=64, max_lines=3, max_session_tokens=20)
+    info = gateway.open_session("budget-within", budget=budget)
+    client = openai_client(info)
+    messages = [{"role": "user", "content": "pick"}]
+    first = client.chat.completions.create(model="m", messages=messages, n=3, max_tokens=4)
+    reply = first.choices[2].message.model_dump(exclude_none=True)
+    second = client.chat.completions.create(
+        model="m", messages=[*messages, reply, {"role": "user", "content": "go on"}], max_tokens=8
+    )
+    session = gateway.close_session_threadsafe("budget-within")
+    assert len(session.lines) == 3 and session.refusals == 0
+    assert session.generated == first.usage.completion_tokens + second.usage.completion_tokens
+    assert all(t.status is not Status.TRUNCATED for t in session.trajectories())
 
 
 def test_a_client_gone_mid_stream_leaves_no_lock_held(gateway, session):

@@ -104,7 +104,8 @@ def _assert_no_stall(gateway, name: str, text: str, check, budget: Budget | None
     than usual (STALL of an idle machine's time). Up to three trials, each with a text of its own (a
     text seen before could be served from the renderer's caches): a burst of other work on a shared
     machine may slow one; a stalled event loop (seconds for such a request) slows every one."""
-    other = openai_client(gateway.open_session(f"{name}-other"))
+    # the measuring client: many unrelated one-turn conversations, past a session's default line limit
+    other = openai_client(gateway.open_session(f"{name}-other", budget=Budget(max_lines=1 << 20)))
     seen = []
     for trial in range(3):
         body = _body(f"trial {trial}: {text}")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from loongsage.agentflow.chat.templates import QWEN3_TOOLS_TEMPLATE
+from loongsage.agentflow.gateway.http_guard import REQUEST_S
 from loongsage.agentflow.gateway.serve import Served
 from loongsage.agentflow.gateway.server import Gateway
 from loongsage.agentflow.gateway.service import ChatService
@@ -38,10 +39,21 @@ class GatewayService:
     max_context_tokens: int = ranged(4096, ge=1, note="prompt + new tokens of one engine call")
     max_response_tokens: int = ranged(16384, ge=1, note="model tokens of one trajectory, all turns")
     default_max_tokens: int = ranged(1024, ge=1, note="new tokens of a turn whose request names none")
+    max_line_tokens: int | None = ranged(
+        None, ge=1, note="tokens of one trajectory, prompt and every segment; null: 16 x max_context_tokens"
+    )
+    max_session_tokens: int | None = ranged(
+        None, ge=1, note="model tokens of one session, all trajectories; null: 4 x max_response_tokens"
+    )
+    max_lines: int = ranged(64, ge=1, note="trajectories of one session: conversations and samples of n > 1")
     max_n: int = ranged(16, ge=1)
     model_name: str = "loongsage"
     host: str = "127.0.0.1"  # loopback: agents run on the driver's machine
     max_body_bytes: int = ranged(8 << 20, ge=1, note="a larger request body is refused (413)")
+    max_connections: int | None = ranged(
+        None, ge=1, note="open connections at most, more are refused (503); null: a share of the descriptor limit"
+    )
+    request_timeout_s: float = ranged(REQUEST_S, gt=0, note="to send one whole request; a slower one is closed (408)")
     # loongsage_gateway_middlewares specs, outermost first (see agentflow.gateway.middlewares); a middleware
     # whose factory takes ``run_dir`` gets the run's directory
     middlewares: list[dict[str, Any]] = field(default_factory=list)
@@ -69,6 +81,9 @@ class GatewayService:
             max_context_tokens=self.max_context_tokens,
             max_response_tokens=self.max_response_tokens,
             default_max_tokens=self.default_max_tokens,
+            max_line_tokens=self.max_line_tokens,
+            max_session_tokens=self.max_session_tokens,
+            max_lines=self.max_lines,
         )
         self.chat = ChatService(
             ctx.engine,
@@ -86,6 +101,8 @@ class GatewayService:
             host=(serving and serving.host) or self.host,
             port=serving.port if serving else 0,
             max_body_bytes=self.max_body_bytes,
+            max_connections=self.max_connections,
+            request_timeout_s=self.request_timeout_s,
             middlewares=[
                 self._middleware(ctx, spec, f"services.gateway.params.middlewares.{i}")
                 for i, spec in enumerate(self.middlewares)

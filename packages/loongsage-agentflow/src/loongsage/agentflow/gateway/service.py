@@ -28,8 +28,8 @@ from loongsage.agentflow.chat.errors import APIError
 from loongsage.agentflow.chat.messages import Message, assistant, tool_call
 from loongsage.agentflow.gateway.engines import EngineClient
 from loongsage.agentflow.trajectories.rendering import ChatRenderer, PromptTooLong
-from loongsage.agentflow.trajectories.store import Budget, Sample, Session, TrajectoryStore
-from loongsage.agentflow.trajectories.tito import cut_at_stop, plan_turn
+from loongsage.agentflow.trajectories.store import Budget, Line, Sample, Session, TrajectoryStore
+from loongsage.agentflow.trajectories.tito import TurnPlan, cut_at_stop, plan_turn
 from loongsage.core.types import FinishReason, GenerationResult, SamplingParams
 
 
@@ -119,19 +119,13 @@ class ChatService:
                 key, remembered, plan = await asyncio.to_thread(self._prepare, session, request)
             except _OverBudget as over:
                 line = session.lines[over.line] if over.line is not None else None
-                raise self._refuse(session, line, f"at least {over.at_least}") from None
+                raise self._refuse(session, line, _context_spent(session, line, f"at least {over.at_least}")) from None
             if remembered is not None:
                 self.counters["retries_answered"] += 1
                 return remembered
             line = session.lines[plan.line] if plan.line is not None else None
-            budget = session.budget
-            room = min(
-                budget.max_context_tokens - len(plan.prompt),
-                budget.max_response_tokens - (line.generated if line is not None else 0),
-            )
-            if room <= 0:
-                raise self._refuse(session, line, str(len(plan.prompt)))
-            wanted = request.max_tokens or budget.default_max_tokens
+            room = self._room(session, line, plan, request.n)
+            wanted = request.max_tokens or session.budget.default_max_tokens
             sampling = SamplingParams(
                 temperature=request.temperature,
                 top_p=request.top_p,
@@ -248,20 +242,41 @@ class ChatService:
             ],
         )
 
-    def _refuse(self, session: Session, line: Any, prompt_tokens: str) -> APIError:
-        """Count a budget refusal, mark its line truncated, and return the error to raise."""
+    def _room(self, session: Session, line: Line | None, plan: TurnPlan, n: int) -> int:
+        """New tokens each of the turn's ``n`` samples may take (>= 1), or the refusal raised: the
+        least room left by the engine call's context, the line's sampled tokens, the line's length
+        (its tokens, the prompt appended, the reply) and the session's sampled tokens shared by
+        the ``n`` samples. A turn that would start more lines than ``max_lines`` is refused first."""
+        budget = session.budget
+        new_lines = (plan.line is None) + n - 1
+        if len(session.lines) + new_lines > budget.max_lines:
+            spent = f"{len(session.lines)} lines, the turn would start {new_lines} more (max_lines={budget.max_lines})"
+            raise self._refuse(session, line, spent)
+        generated = line.generated if line is not None else 0
+        room = min(budget.max_context_tokens - len(plan.prompt), budget.max_response_tokens - generated)
+        if room <= 0:
+            raise self._refuse(session, line, _context_spent(session, line, str(len(plan.prompt))))
+        length = (len(line.tokens) if line is not None else 0) + len(plan.appended)
+        if length >= budget.line_tokens:
+            spent = f"line of {length} tokens with the turn's prompt (max_line_tokens={budget.line_tokens})"
+            raise self._refuse(session, line, spent)
+        shared = (budget.session_tokens - session.generated) // n
+        if shared <= 0:
+            spent = (
+                f"{session.generated} tokens sampled in the session, none left for each of {n} samples "
+                f"(max_session_tokens={budget.session_tokens})"
+            )
+            raise self._refuse(session, line, spent)
+        return min(room, budget.line_tokens - length, shared)
+
+    def _refuse(self, session: Session, line: Line | None, spent: str) -> APIError:
+        """Count a budget refusal, mark its line truncated, and return the error to raise; ``spent``
+        says which budget ran out and its value."""
         session.refusals += 1
         self.counters["budget_refusals"] += 1
         if line is not None:
             line.truncated = True
-        budget = session.budget
-        return APIError(
-            400,
-            f"session {session.route_key} is out of budget: prompt of {prompt_tokens} tokens "
-            f"(max_context_tokens={budget.max_context_tokens}), {line.generated if line else 0} "
-            f"tokens generated (max_response_tokens={budget.max_response_tokens})",
-            code="context_length_exceeded",
-        )
+        return APIError(400, f"session {session.route_key} is out of budget: {spent}", code="context_length_exceeded")
 
     def _count(self, category: str | None, appended: int, samples: tuple[Sample, ...], cut: list[bool]) -> None:
         c = self.counters
@@ -270,6 +285,15 @@ class ChatService:
         c["prompt_tokens_rendered"] += appended
         c["completion_tokens"] += sum(len(s.ids) for s in samples)
         c["budget_truncations"] += sum(cut)
+
+
+def _context_spent(session: Session, line: Line | None, prompt_tokens: str) -> str:
+    """What a refusal by the context or the line's sampled tokens says."""
+    budget, generated = session.budget, line.generated if line is not None else 0
+    return (
+        f"prompt of {prompt_tokens} tokens (max_context_tokens={budget.max_context_tokens}), "
+        f"{generated} tokens generated (max_response_tokens={budget.max_response_tokens})"
+    )
 
 
 _LONG = 1 << 14  # characters of a message's text from which the retry key holds its digest

@@ -50,18 +50,30 @@ def jail_argv(argv: list[str], control_dir: str) -> list[str]:
     return [shutil.which("bwrap") or "bwrap", *_JAIL_FLAGS, "--bind", control_dir, control_dir, "--", *argv]
 
 
-class HostRelay:
-    """The host end: a Unix socket whose every connection is carried to the gateway over TCP."""
+# Connections one jailed program keeps open to the gateway at once: agents hold a few (a client's
+# pool, parallel requests); each costs the runner's process three descriptors (this end, the TCP
+# connection, the gateway's), so one program holding thousands would leave none to the others.
+MAX_CONNECTIONS = 64
 
-    def __init__(self, path: str, host: str, port: int):
-        self.path, self.host, self.port = path, host, port
+
+class HostRelay:
+    """The host end: a Unix socket whose every connection is carried to the gateway over TCP, at
+    most ``max_connections`` at once (one more is closed as soon as it is accepted)."""
+
+    def __init__(self, path: str, host: str, port: int, max_connections: int = MAX_CONNECTIONS):
+        self.path, self.host, self.port, self.max_connections = path, host, port, max_connections
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
+        self.refused = 0  # connections closed for being past the limit
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._accept, path=self.path)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._tasks) >= self.max_connections:
+            self.refused += 1
+            writer.close()
+            return
         task = asyncio.ensure_future(self._bridge(reader, writer))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

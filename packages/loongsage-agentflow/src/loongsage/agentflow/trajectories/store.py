@@ -42,11 +42,38 @@ class Budget:
     max_context_tokens: int = 4096  # prompt + new tokens of one engine call
     max_response_tokens: int = 16384  # tokens the model samples on one line, all turns together
     default_max_tokens: int = 1024  # new tokens of a turn whose request names none
+    # tokens of one line, its prompt and every segment (one training row). A segment is at most one
+    # engine call, so None (16 x max_context_tokens) leaves a line 16 full contexts: room for many
+    # compactions of a long run, while a row stays a bounded multiple of what the engine is fed
+    max_line_tokens: int | None = None
+    # tokens the model samples in one session, all lines and forks together. None: 4 x
+    # max_response_tokens, so a few sub-conversations or samples of n > 1 may each fill a line's
+    # share, while the session's sampling stays bounded whatever n and however many lines it opens
+    max_session_tokens: int | None = None
+    # lines of one session (each conversation unrelated to the others, each extra sample of n > 1).
+    # 64: agents such as Claude Code open side conversations (titles, summaries, sub-agents) beside
+    # the main one, a handful to a few dozen per run; the limit bounds the rows one episode yields
+    max_lines: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_context_tokens", "max_response_tokens", "default_max_tokens"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"Budget.{name}={getattr(self, name)!r}: must be an int >= 1")
+        for name in ("max_context_tokens", "max_response_tokens", "default_max_tokens", "max_lines"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Budget.{name}={value!r}: must be an int >= 1")
+        for name in ("max_line_tokens", "max_session_tokens"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"Budget.{name}={value!r}: must be an int >= 1 or None (the derived default)")
+
+    @property
+    def line_tokens(self) -> int:
+        """``max_line_tokens``, or its default: 16 x ``max_context_tokens``."""
+        return 16 * self.max_context_tokens if self.max_line_tokens is None else self.max_line_tokens
+
+    @property
+    def session_tokens(self) -> int:
+        """``max_session_tokens``, or its default: 4 x ``max_response_tokens``."""
+        return 4 * self.max_response_tokens if self.max_session_tokens is None else self.max_session_tokens
 
 
 @dataclass
@@ -177,6 +204,7 @@ class Session:
         self.closed = False
         self.categories: Counter[str] = Counter()  # why segments started
         self.refusals = 0  # requests refused by the budget
+        self.generated = 0  # tokens the model sampled in this session, all lines together
         self._answers: OrderedDict[str, Any] = OrderedDict()
         # the engine client of this session's turns (None: the gateway's): an agent passes its own
         # context's engine, so a run's per-group call log (checkpoints of groups in flight) sees them
@@ -209,6 +237,7 @@ class Session:
         for line, sample, cut in zip(targets, samples, truncated):
             line.add(plan, messages, tools, sample)
             line.truncated = line.truncated or cut
+            self.generated += len(sample.ids)
 
     def trajectories(self, *, source: str = "", group_id: int = 0, first_sample_index: int = 0) -> list[Trajectory]:
         """One record per line that has a turn, in the order lines started."""
