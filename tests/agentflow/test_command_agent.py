@@ -38,11 +38,12 @@ class Recorder:
     """The engine client, keeping each call's sampled tokens."""
 
     def __init__(self, inner):
-        self.inner, self.outputs = inner, []
+        self.inner, self.outputs, self.samplings = inner, [], []
 
     async def generate(self, input_ids, sampling, session=None):
         results = await self.inner.generate(input_ids, sampling, session)
         self.outputs.append([r.output_ids for r in results])
+        self.samplings.append(sampling)
         return results
 
     def release_session(self, session):
@@ -56,7 +57,7 @@ def native(tiny):
     return NativeEngine(tiny[0], max_model_len=1024, max_batch_size=8)
 
 
-def run_agent(native, tokenizer, agent, record, n=1):
+def run_agent(native, tokenizer, agent, record, n=1, sampling=None):
     """The agent's group, with a gateway on this event loop (as a run's service is)."""
     engine = Recorder(DirectEngine(native))
 
@@ -67,7 +68,7 @@ def run_agent(native, tokenizer, agent, record, n=1):
             ctx = AgentContext(
                 engine=None,
                 tokenizer=tokenizer,
-                sampling=SamplingParams(n=n),
+                sampling=sampling or SamplingParams(n=n),
                 group_id=7,
                 services={"gateway": gateway},
             )
@@ -88,6 +89,20 @@ def record(prompt="2+2="):
 
 
 # ------------------------------------------------------------------------------ conversation
+@pytest.mark.parametrize("sampling_from", ["program", "source"])
+def test_turns_sample_as_the_program_asks_or_as_the_source_says(native, tokenizer, sampling_from):
+    """chat2.py asks for greedy turns; with sampling_from=source the source's sampling is what the
+    engine samples with. Either way each turn's record says what it used."""
+    source = SamplingParams(n=1, temperature=0.8, top_p=0.9, top_k=20, min_p=0.05)
+    program = agent("chat2.py", "{prompt_file}", network="host", sampling_from=sampling_from)
+    (t,), _, engine = run_agent(native, tokenizer, program, record(), sampling=source)
+    used = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    if sampling_from == "source":
+        used = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.05}
+    assert [turn["sampling"] for turn in t.metadata["turns"]] == [used, used]
+    assert [{k: getattr(s, k) for k in used} for s in engine.samplings] == [used, used]
+
+
 def test_a_two_turn_openai_program_leaves_exact_trajectories(native, tokenizer):
     group, gateway, engine = run_agent(
         native, tokenizer, agent("chat2.py", "{prompt_file}", network="host"), record(), n=2

@@ -74,6 +74,10 @@ class CommandAgent:
     workdir_root: str | None = None  # parent of the per-episode working directories (null: the temp dir)
     keep_workdir: bool = False
     reward_file: bool = False  # read the float the program wrote to {workdir}/reward
+    # program: each request samples with its own temperature, top-p, top-k and min-p; source: with
+    # the source's, whatever the program asks (its trajectories are then the source's policy's
+    # samples, as a run's other agents give). Each turn's record (metadata "turns") holds what it used
+    sampling_from: Literal["program", "source"] = "program"
     # run the program under strace and report every destination it tried to reach (programs/netaudit.py)
     audit_network: bool = False
     # each episode's working directory is a sandbox of the run's `sandboxes` service (loongsage-sandbox),
@@ -191,7 +195,7 @@ class CommandAgent:
             workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.workdir_root))
         try:
             control = tempfile.mkdtemp(prefix="lsg-")  # short: it holds the relay's Unix socket
-            info = gateway.open_session(name)
+            info = gateway.open_session(name, sampling=sampling if self.sampling_from == "source" else None)
             try:
                 prompt_file = _write_prompt(workdir, record.prompt)
                 env = self._env(info, gateway, record.prompt, prompt_file, workdir, name)

@@ -201,10 +201,13 @@ class Gateway:
         budget: Budget | None = None,
         api_key: str | None = "",
         engine: Any = None,
+        sampling: Any = None,
     ) -> SessionInfo:
         """A new session; ``engine``: the engine client its turns use instead of the gateway's (an
-        agent's ``ctx.engine``, so the run's per-group call log records them)."""
-        session = self.service.store.open(trajectory, attempt, budget=budget, api_key=api_key)
+        agent's ``ctx.engine``, so the run's per-group call log records them); ``sampling``: the
+        SamplingParams whose temperature, top-p, top-k and min-p its turns sample with, whatever
+        the client asks (None: the client's)."""
+        session = self.service.store.open(trajectory, attempt, budget=budget, api_key=api_key, sampling=sampling)
         session.engine = engine
         return SessionInfo(trajectory, attempt, f"{self.url}/{trajectory}/{attempt}", session.api_key)
 

@@ -126,19 +126,18 @@ class ChatService:
             line = session.lines[plan.line] if plan.line is not None else None
             room = self._room(session, line, plan, request.n)
             wanted = request.max_tokens or session.budget.default_max_tokens
-            sampling = SamplingParams(
-                temperature=request.temperature,
-                top_p=request.top_p,
-                top_k=request.top_k,
-                min_p=request.min_p,
-                max_new_tokens=min(wanted, room),
-                n=request.n,
-                seed=request.seed,
-            )
+            chosen = request if session.sampling is None else session.sampling  # the session's, when it has one
+            shape = {
+                "temperature": chosen.temperature,
+                "top_p": chosen.top_p,
+                "top_k": chosen.top_k,
+                "min_p": chosen.min_p,
+            }
+            sampling = SamplingParams(**shape, max_new_tokens=min(wanted, room), n=request.n, seed=request.seed)
             results = await self._generate(plan.prompt, sampling, session)
             choices, samples = zip(*(self._choice(k, r, request, len(plan.prompt)) for k, r in enumerate(results)))
             budget_cut = [wanted > room and s.finish_reason == "length" for s in samples]
-            session.commit(plan, request.messages, request.tools, list(samples), budget_cut)
+            session.commit(plan, request.messages, request.tools, list(samples), budget_cut, shape)
             self._count(plan.category, len(plan.appended), samples, budget_cut)
             result = ChatResult(
                 id=f"chatcmpl-{uuid.uuid4().hex[:24]}",

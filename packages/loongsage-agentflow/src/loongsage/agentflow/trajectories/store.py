@@ -197,8 +197,11 @@ def _one_or_per_segment(routes: list[Any]) -> Any:
 class Session:
     """One attempt at one trajectory: its lines, turn lock, remembered answers and budget."""
 
-    def __init__(self, trajectory: str, attempt: int, budget: Budget, api_key: str | None):
+    def __init__(self, trajectory: str, attempt: int, budget: Budget, api_key: str | None, sampling: Any = None):
         self.trajectory, self.attempt, self.budget, self.api_key = trajectory, attempt, budget, api_key
+        # the SamplingParams whose temperature, top-p, top-k and min-p every turn samples with,
+        # whatever the client asks (None: the client's own)
+        self.sampling = sampling
         self.lock = asyncio.Lock()
         self.lines: list[Line] = []
         self.closed = False
@@ -224,9 +227,16 @@ class Session:
             self._answers.popitem(last=False)
 
     def commit(
-        self, plan: TurnPlan, messages: list[Message], tools: list | None, samples: list[Sample], truncated: list[bool]
+        self,
+        plan: TurnPlan,
+        messages: list[Message],
+        tools: list | None,
+        samples: list[Sample],
+        truncated: list[bool],
+        sampling: dict[str, Any] | None = None,
     ) -> None:
-        """Sample 0 goes on the planned line (or a new one); every other sample on a fork of it."""
+        """Sample 0 goes on the planned line (or a new one); every other sample on a fork of it.
+        ``sampling``: what the turn sampled with, kept in its record (``turns``)."""
         if plan.category is not None:
             self.categories[plan.category] += 1
         base = self.lines[plan.line] if plan.line is not None else Line()
@@ -237,6 +247,8 @@ class Session:
         for line, sample, cut in zip(targets, samples, truncated):
             line.add(plan, messages, tools, sample)
             line.truncated = line.truncated or cut
+            if sampling is not None:
+                line.turns[-1]["sampling"] = sampling
             self.generated += len(sample.ids)
 
     def trajectories(self, *, source: str = "", group_id: int = 0, first_sample_index: int = 0) -> list[Trajectory]:
@@ -265,9 +277,16 @@ class TrajectoryStore:
         self.closed_kept = _CLOSED_KEPT
 
     def open(
-        self, trajectory: str, attempt: int = 0, *, budget: Budget | None = None, api_key: str | None = ""
+        self,
+        trajectory: str,
+        attempt: int = 0,
+        *,
+        budget: Budget | None = None,
+        api_key: str | None = "",
+        sampling: Any = None,
     ) -> Session:
-        """A new session; ``api_key=""`` draws a random key the client must send, None needs none."""
+        """A new session; ``api_key=""`` draws a random key the client must send, None needs none;
+        ``sampling``: SamplingParams its turns sample with, whatever the client asks (see Session)."""
         if not isinstance(trajectory, str) or not _ID.fullmatch(trajectory):
             raise ValueError(
                 f"trajectory id {trajectory!r}: 1-128 characters of [A-Za-z0-9_.-], not starting with . - _"
@@ -284,7 +303,7 @@ class TrajectoryStore:
         if previous is not None:
             self._sessions.pop((trajectory, previous)).closed = True
         key = secrets.token_urlsafe(24) if api_key == "" else api_key
-        session = Session(trajectory, attempt, budget or self.budget, key)
+        session = Session(trajectory, attempt, budget or self.budget, key, sampling)
         self._sessions[(trajectory, attempt)] = session
         self._closed.pop(trajectory, None)
         self._latest[trajectory] = attempt
