@@ -146,3 +146,49 @@ def test_connections_past_the_limit_are_503s_at_once_and_the_rest_are_served(str
             sock.close()
     time.sleep(0.2)
     _served(strict)
+
+
+def test_requests_of_one_session_past_its_limit_are_429s_before_their_body_is_read(gateway):
+    """A session's turns run one at a time; a client sending many at once would have every body
+    read and held while they wait. Past SESSION_REQUESTS the rest are 429s, and another session
+    is served meanwhile."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor, wait
+
+    from loongsage.agentflow.gateway.server import SESSION_REQUESTS
+
+    info = gateway.open_session(f"many-{time.monotonic_ns()}")
+    client = openai.OpenAI(base_url=info.openai_base_url, api_key=info.api_key, max_retries=0, timeout=120)
+    engine, real, release = gateway.service.engine, gateway.service.engine.generate, threading.Event()
+
+    async def held(input_ids, sampling, session=None):  # this session's turns wait until the refusals are in
+        if session == f"{info.trajectory}/0":
+            await asyncio.to_thread(release.wait, 60)
+        return await real(input_ids, sampling, session)
+
+    def one(k: int) -> int:
+        try:
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"q{k}"}], max_tokens=1, extra_body={"x": [{}] * 1000}
+            )
+        except openai.RateLimitError as exc:
+            assert f"has {SESSION_REQUESTS} requests in flight" in exc.message
+            return 429
+        return 200
+
+    engine.generate = held
+    try:
+        with ThreadPoolExecutor(SESSION_REQUESTS + 4) as pool:
+            futures = [pool.submit(one, k) for k in range(SESSION_REQUESTS + 4)]
+            deadline = time.monotonic() + 60
+            while sum(f.done() for f in futures) < 4 and time.monotonic() < deadline:
+                wait(futures, timeout=0.1)
+            _served(gateway)  # another session is served meanwhile
+            release.set()
+            statuses = [f.result() for f in futures]
+    finally:
+        release.set()
+        engine.generate = real
+    assert sorted(statuses) == [200] * SESSION_REQUESTS + [429] * 4, statuses
+    assert gateway.service.store.get(info.trajectory, 0).requests == 0

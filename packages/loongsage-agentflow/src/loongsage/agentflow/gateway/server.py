@@ -70,6 +70,9 @@ log = logging.getLogger("loongsage.agentflow")
 # whose tools ran 1.5-4.5 s between turns, on a loaded machine; none at 75 s (bench/gateway_scale.py
 # runs both).
 KEEP_ALIVE_S = 75
+# Requests of one session read or waiting at once; more are answered 429 before their body is read.
+# Agents send a few in parallel at most (sub-agents, a title beside the main turn).
+SESSION_REQUESTS = 16
 
 
 @dataclass(frozen=True)
@@ -326,18 +329,30 @@ class Gateway:
 
         try:
             session = self._session(request)
-            req = {
-                "protocol": protocol,
-                "trajectory": session.trajectory,
-                "attempt": session.attempt,
-                "body": await self._body(request),
-            }
         except APIError as exc:
             return JSONResponse(error_body(exc), exc.status)
-        except ClientDisconnect:  # nobody is left to answer: one line, no traceback
-            log.info("gateway: the client of %s hung up while sending its request", request.url.path)
-            return Response(status_code=400)
-        reply = await _chain(self.middlewares, handle)(req)
+        if session.requests >= SESSION_REQUESTS:
+            # a session's turns run one at a time: more waiting would only hold their bodies
+            # (a parsed JSON body takes up to 20 times its bytes) for nothing
+            error = APIError(429, f"session {session.route_key} has {SESSION_REQUESTS} requests in flight, its limit")
+            return JSONResponse(error_body(error), 429, headers={"retry-after": "1"})
+        session.requests += 1
+        try:
+            try:
+                req = {
+                    "protocol": protocol,
+                    "trajectory": session.trajectory,
+                    "attempt": session.attempt,
+                    "body": await self._body(request),
+                }
+            except APIError as exc:
+                return JSONResponse(error_body(exc), exc.status)
+            except ClientDisconnect:  # nobody is left to answer: one line, no traceback
+                log.info("gateway: the client of %s hung up while sending its request", request.url.path)
+                return Response(status_code=400)
+            reply = await _chain(self.middlewares, handle)(req)
+        finally:
+            session.requests -= 1
         if reply.get("status") == 200 and "events" in streamed:
             return _sse(streamed["events"])
         return JSONResponse(reply["body"], int(reply["status"]), headers=reply.get("headers"))

@@ -207,6 +207,7 @@ class Session:
         self.closed = False
         self.categories: Counter[str] = Counter()  # why segments started
         self.refusals = 0  # requests refused by the budget
+        self.requests = 0  # requests of the session being read or answered (the gateway caps them)
         self.generated = 0  # tokens the model sampled in this session, all lines together
         self._answers: OrderedDict[str, Any] = OrderedDict()
         # the engine client of this session's turns (None: the gateway's): an agent passes its own
