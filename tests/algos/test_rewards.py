@@ -310,6 +310,7 @@ def test_math_reward_uses_math_verify_when_importable(monkeypatch) -> None:
 
 
 def test_a_response_that_hangs_math_verify_scores_zero_and_grading_goes_on() -> None:
+    import select
     import time
 
     pytest.importorskip("math_verify")
@@ -327,7 +328,15 @@ def test_a_response_that_hangs_math_verify_scores_zero_and_grading_goes_on() -> 
     assert grader.grade(r"\boxed{9^{9^{9^{9}}}}", "7") is False
     assert time.monotonic() - start < 20 and grader.kills == 1
     assert grader.grade(r"the answer is \boxed{7}", "7") is True
+    # after a kill a spare child is kept started: the next hang costs the deadline, not a start-up too
+    spare = grader._spare
+    assert spare is not None and spare.poll() is None and grader.starts == 2
+    assert select.select([spare.stdout], [], [], 120)[0]  # its imports done, while nothing is graded
+    assert grader.grade(r"\boxed{9^{9^{9^{9}}}}", "7") is False
+    assert grader.grade(r"\boxed{7}", "7") is True and grader._proc is spare and grader.kills == 2
+    assert grader._spare is not None and grader._spare is not spare  # and another one is on its way
     grader.close()
+    assert spare.poll() is not None and grader._spare is None
 
 
 def test_math_verify_backend_requires_the_package(monkeypatch) -> None:

@@ -6,6 +6,10 @@ thread only, and only between bytecodes) nor a thread can stop. In the reward wo
 the whole run on one response, and a policy finds such a response. So grading runs in a child
 process (``python -m loongsage.algos.math_grader``, one JSON line per question and per answer)
 that is killed and replaced when it does not answer in time; the response it hung on scores 0.
+
+A replacement starts by importing SymPy (seconds on a loaded machine). After the first kill, a
+spare child is kept started and ready, so a batch of such responses costs the deadline each, not
+the deadline and a start-up each.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ class IsolatedGrader:
     def __init__(self, timeout: int, deadline_s: float):
         self.timeout, self.deadline_s = timeout, deadline_s
         self._proc: subprocess.Popen | None = None
+        self._spare: subprocess.Popen | None = None  # started after the first kill, importing meanwhile
         self._lock = threading.Lock()
         self.kills = 0
+        self.starts = 0  # children that took over (the first one included)
 
     def grade(self, response: str, label: str) -> bool:
         with self._lock:
@@ -48,6 +54,7 @@ class IsolatedGrader:
             except (OSError, ValueError, KeyError, TimeoutError) as exc:
                 self._stop()
                 self.kills += 1
+                self._keep_spare()
                 _log.warning(
                     "math grading gave up on a response of %d characters (%s): scored 0",
                     len(response),
@@ -56,20 +63,19 @@ class IsolatedGrader:
                 return False
 
     def _start(self) -> None:
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", __name__],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            encoding="utf-8",
-            errors="surrogatepass",
-            bufsize=1,
-        )
+        self._proc, self._spare = self._spare or _spawn(), None
+        self.starts += 1
         try:  # its start-up (importing SymPy: seconds on a loaded machine) is not an answer's time
             self._answer(self._proc, time.monotonic() + _START_S)
         except (OSError, TimeoutError) as exc:
             self._stop()
             raise RuntimeError(f"math: the math-verify grader process did not start: {exc}") from None
+        if self.kills:
+            self._keep_spare()
+
+    def _keep_spare(self) -> None:
+        if self._spare is None or self._spare.poll() is not None:
+            self._spare = _spawn()
 
     def _answer(self, proc: subprocess.Popen, deadline: float) -> str:
         while not select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
@@ -89,10 +95,28 @@ class IsolatedGrader:
     def close(self) -> None:
         with self._lock:
             self._stop()
+            if self._spare is not None:
+                self._spare.kill()
+                self._spare.wait()
+                self._spare = None
 
     def __del__(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
+        for proc in (self._proc, self._spare):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+
+
+def _spawn() -> subprocess.Popen:
+    """A grader child; it says ``{"ready": true}`` once its imports are done."""
+    return subprocess.Popen(
+        [sys.executable, "-m", __name__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        encoding="utf-8",
+        errors="surrogatepass",
+        bufsize=1,
+    )
 
 
 def _serve() -> None:
