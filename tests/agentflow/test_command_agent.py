@@ -229,7 +229,18 @@ def test_an_episode_cancelled_at_any_moment_leaves_no_process(native, tokenizer,
             engine=None, tokenizer=tokenizer, sampling=SamplingParams(n=2), group_id=9, services={"gateway": gateway}
         )
         try:
-            for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4):
+            for delay in (
+                0.0,
+                0.002,
+                0.005,
+                0.01,
+                0.02,
+                0.05,
+                0.1,
+                0.2,
+                0.4,
+                1.5,
+            ):  # the last: started even on a loaded machine
                 group = asyncio.ensure_future(sleeper.run(record(), ctx))
                 await asyncio.sleep(delay)
                 group.cancel()

@@ -252,6 +252,27 @@ def test_budget_max_session_tokens_stops_the_tokens_sampled_in_a_session(gateway
     assert sum(sampled) == session.generated <= 100 and max(sampled) <= 25
 
 
+def test_tokens_a_stop_string_cut_away_are_charged_to_the_budgets(gateway):
+    """The engine stops on tokens, not strings: it samples up to max_tokens and the gateway cuts
+    the reply at the stop string. What it sampled is what the budgets charge, or stop strings
+    that cut every reply short would sample without end."""
+    budget = Budget(max_response_tokens=10_000, max_session_tokens=200, max_lines=1000)
+    info = gateway.open_session("budget-stop-cut", budget=budget)
+    client, calls = openai_client(info), gateway.service.engine.calls
+    before = len(calls)
+    with pytest.raises(openai.BadRequestError) as err:
+        for i in range(40):
+            client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"c{i}"}], max_tokens=40, stop=["e", "a", "o", " "]
+            )
+    assert "(max_session_tokens=200)" in err.value.message
+    sampled = sum(len(r.output_ids) for _, _, results in calls[before:] for r in results)
+    session = gateway.close_session_threadsafe("budget-stop-cut")
+    assert session.generated == sampled <= 200
+    kept = sum(sum(t.loss_mask) for t in session.trajectories())
+    assert kept < sampled  # the stop strings did cut
+
+
 def test_a_session_within_its_budgets_is_not_refused(gateway):
     # at the limits: three lines from one request, 12 + 8 tokens asked of a session budget of 20
     budget = Budget(max_context_tokens=1024, max_response_tokens=64, max_lines=3, max_session_tokens=20)

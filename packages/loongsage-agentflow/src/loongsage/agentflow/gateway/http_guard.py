@@ -8,10 +8,14 @@ that never end, or its file descriptors with connections that send nothing, and 
 session's agent would wait. :class:`GuardedHttp` adds, per connection:
 
 * the head (request line and headers) is at most ``head_bytes``: a larger one is answered 431 and
-  the connection closed, before more of it is kept;
+  the connection closed, before more of it is kept. Complete header lines are counted as the parser
+  hands them over, and so is every read that arrives while the head is still incomplete, since
+  httptools keeps a header line that has not ended to itself;
 * a request arrives whole (head and body) within ``request_s`` of its first byte, and a new
   connection starts one within ``request_s``: else it is closed (408 when nothing of it is being
-  answered). The time a turn takes to generate is not counted, nor a kept-alive idle connection's
+  answered). Any byte that arrives outside a request starts that time too (blank lines between
+  requests begin none, and would otherwise hold a connection for ever, uvicorn's keep-alive timer
+  stopped). The time a turn takes to generate is not counted, nor a kept-alive idle connection's
   (uvicorn's keep-alive timeout closes those);
 * at most ``max_connections`` are open: one more is answered 503 and closed as soon as it is
   accepted, without reading it, so no flood of connections holds descriptors for long.
@@ -59,7 +63,9 @@ class GuardedHttp(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._head = 0
+        self._head = 0  # bytes of the current request's head in the lines the parser handed over
+        self._unparsed = 0  # bytes of the reads that all went into the head (a line not yet ended)
+        self._in_head = False  # a request began and its headers are not complete
         self._deadline: asyncio.TimerHandle | None = None
         self._refusal: APIError | None = None
 
@@ -75,11 +81,27 @@ class GuardedHttp(HttpToolsProtocol):
         self._disarm()
         super().connection_lost(exc)
 
+    def data_received(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            return  # refused: nothing more of it is read
+        self._arm()  # no-op inside a request; outside one, these bytes start the next
+        within_head = self._in_head
+        super().data_received(data)
+        if within_head and self._in_head and not self.transport.is_closing():
+            # all of it went into a head still incomplete (a header line that does not end, say)
+            self._unparsed += len(data)
+            if self._unparsed > self.head_bytes:
+                self._answer(self._head_too_large())
+
     # ----------------------------------------------------------------------- parser callbacks
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head = 0
+        self._head, self._unparsed, self._in_head = 0, 0, True
         self._arm()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -104,8 +126,11 @@ class GuardedHttp(HttpToolsProtocol):
     def _count(self, size: int) -> None:
         self._head += size
         if self._head > self.head_bytes:
-            self._refusal = APIError(431, f"the request's line and headers are over {self.head_bytes} bytes")
+            self._refusal = self._head_too_large()
             raise _HeadTooLarge
+
+    def _head_too_large(self) -> APIError:
+        return APIError(431, f"the request's line and headers are over {self.head_bytes} bytes")
 
     def _arm(self) -> None:
         if self._deadline is None:

@@ -220,6 +220,7 @@ class ChatService:
             message,
             self.renderer.tail(sampled_stop),
             routes,
+            len(ids),
         )
         # complete calls are the client's to run, even from a reply the length limit ended
         finish = "tool_calls" if message.get("tool_calls") and ended != "abort" else ended

@@ -233,9 +233,9 @@ def _defused(value: Any, specials: re.Pattern) -> Any:
     same objects where there is none (the usual case: nothing is copied)."""
     if isinstance(value, str):
         return specials.sub(lambda m: m[0][0] + _JOINER + m[0][1:], value) if specials.search(value) else value
-    if isinstance(value, dict):
-        items = {k: _defused(v, specials) for k, v in value.items()}
-        return value if all(items[k] is v for k, v in value.items()) else items
+    if isinstance(value, dict):  # keys too: the template writes tool schemas and arguments as JSON
+        items = [(_defused(k, specials), _defused(v, specials)) for k, v in value.items()]
+        return value if all(a is k and b is v for (a, b), (k, v) in zip(items, value.items())) else dict(items)
     if isinstance(value, list):
         out = [_defused(v, specials) for v in value]
         return value if all(a is b for a, b in zip(out, value)) else out

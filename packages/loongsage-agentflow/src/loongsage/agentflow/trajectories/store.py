@@ -89,6 +89,13 @@ class Sample:
     # the experts every MoE layer chose for each token fed to the engine: the prompt, then the
     # kept tokens but the last ([tokens, layers, topk]; None: the engine records none)
     routes: Any = None
+    # tokens the engine sampled for it, those a stop string cut away included (None: the kept ones):
+    # what the budgets charge, since the engine cannot stop on a string and samples them all
+    sampled: int | None = None
+
+    @property
+    def spent(self) -> int:
+        return len(self.ids) if self.sampled is None else self.sampled
 
 
 @dataclass
@@ -145,7 +152,7 @@ class Line:
             }
         )
         self.messages, self.tools, self.tail = [*messages, sample.message], tools, sample.tail
-        self.generated += len(sample.ids)
+        self.generated += sample.spent
         # a turn's prompt is its segment rendered whole, so the engine was fed the segment from its
         # first token: the record covers the segment's earlier turns too
         if plan.category is not None:
@@ -250,7 +257,7 @@ class Session:
             line.truncated = line.truncated or cut
             if sampling is not None:
                 line.turns[-1]["sampling"] = sampling
-            self.generated += len(sample.ids)
+            self.generated += sample.spent
 
     def trajectories(self, *, source: str = "", group_id: int = 0, first_sample_index: int = 0) -> list[Trajectory]:
         """One record per line that has a turn, in the order lines started."""
