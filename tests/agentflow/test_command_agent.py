@@ -295,6 +295,39 @@ def test_a_jailed_program_holds_at_most_its_share_of_connections(native, tokeniz
     assert t.status is Status.OK and len(t.metadata["turns"]) == 1
 
 
+@needs_jail
+def test_hidden_paths_are_empty_to_a_jailed_program_and_its_workdir_stays_its_own(native, tokenizer, tmp_path):
+    """The run's data (its labels) hidden from the program: a folder is empty, a file is empty,
+    while a file beside them and the working directory, inside the hidden folder, are as they are."""
+    data = tmp_path / "data"
+    (data / "work").mkdir(parents=True)
+    (data / "secret.txt").write_text("the answer is 42")
+    labels, visible = tmp_path / "labels.jsonl", tmp_path / "visible.txt"
+    labels.write_text('{"label": "42"}')
+    visible.write_text("seen")
+    peeker = CommandAgent(
+        command=[sys.executable, str(PROGRAMS / "peeker.py"), str(data), str(labels), str(visible), "{workdir}"],
+        network="loopback_only",
+        hide=[str(data), str(labels)],
+        workdir_root=str(data / "work"),
+        keep_workdir=True,
+    )
+    (t,), _, _ = run_agent(native, tokenizer, peeker, record())
+    program = t.metadata["program"]
+    assert program["exit_code"] == 0, program["stderr_tail"]
+    seen = json.loads(program["stdout_tail"].strip().splitlines()[-1])
+    assert seen == {"secret": "FileNotFoundError", "file": "", "visible": "seen", "mine": "written"}, seen
+    assert (data / "secret.txt").read_text() == "the answer is 42"  # hidden, not touched
+
+
+def test_hide_needs_the_jail_and_paths_that_exist(tmp_path):
+    with pytest.raises(ValueError, match="set network: loopback_only"):
+        CommandAgent(command=["true"], network="host", hide=[str(tmp_path)])
+    if JAIL_PROBLEM is None:
+        with pytest.raises(ValueError, match="does not exist"):
+            CommandAgent(command=["true"], network="loopback_only", hide=[str(tmp_path / "nope")])
+
+
 def test_loopback_only_without_bubblewrap_fails_at_config_time(monkeypatch, caplog):
     registry = load_registry()
     monkeypatch.setattr(jail.shutil, "which", lambda name: None)

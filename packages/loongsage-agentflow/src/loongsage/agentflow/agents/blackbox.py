@@ -78,6 +78,10 @@ class CommandAgent:
     # the source's, whatever the program asks (its trajectories are then the source's policy's
     # samples, as a run's other agents give). Each turn's record (metadata "turns") holds what it used
     sampling_from: Literal["program", "source"] = "program"
+    # paths the program does not see, inside the loopback-only jail (a folder is empty there, a file
+    # empty): the run's data files, which hold the labels, and any answers a model with a shell
+    # tool could otherwise read. Needs network: loopback_only
+    hide: list[str] = field(default_factory=list)
     # run the program under strace and report every destination it tried to reach (programs/netaudit.py)
     audit_network: bool = False
     # each episode's working directory is a sandbox of the run's `sandboxes` service (loongsage-sandbox),
@@ -105,6 +109,7 @@ class CommandAgent:
         if self.audit_network and netaudit.strace_problem():
             raise ValueError(f"audit_network=True: {netaudit.strace_problem()}")
         self.jailed = self._resolve_network()
+        self.hidden = self._hidden_paths()
         if self.sandbox:
             if self.workdir_root is not None or self.keep_workdir:
                 raise ValueError(
@@ -112,6 +117,25 @@ class CommandAgent:
                 )
             self.required_services = ("gateway", SANDBOXES)
         self._limit: tuple[Any, asyncio.Semaphore] | None = None  # (event loop, its semaphore)
+
+    def _hidden_paths(self) -> tuple[str, ...]:
+        if not self.hide:
+            return ()
+        if not self.jailed:
+            raise ValueError(
+                f"hide={self.hide!r}: paths are hidden inside the loopback-only jail; set network: loopback_only"
+            )
+        hidden = []
+        for path in self.hide:
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"hide: {path!r} is not a path")
+            resolved = os.path.realpath(path)
+            if not os.path.exists(resolved):
+                raise ValueError(f"hide: {path!r} does not exist")
+            if resolved == "/":
+                raise ValueError("hide: '/' would hide everything, the program itself included")
+            hidden.append(resolved)
+        return tuple(hidden)
 
     def _resolve_network(self) -> bool:
         problem = bwrap_problem() if self.network != "host" else None
@@ -221,6 +245,7 @@ class CommandAgent:
                     max_output_bytes=self.max_output_bytes,
                     jail=self.jailed,
                     gateway=_target(gateway),
+                    hidden=self.hidden,
                 )
                 outcome = await run_program(launch)
                 facts = self.report(workdir)

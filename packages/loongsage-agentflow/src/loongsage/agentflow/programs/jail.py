@@ -14,7 +14,8 @@ The program keeps the gateway's URL unchanged. No root daemon is needed: bubblew
 namespaces itself (as root, or through an unprivileged user namespace). The jail also unshares the
 PID namespace (``--unshare-pid``, with a fresh ``/proc``): when the supervisor ends, the kernel
 kills every process left in it, and ``--die-with-parent`` ends it with the runner. Files are not
-isolated: the program sees the host's file system as the runner does.
+isolated: the program sees the host's file system as the runner does, but for the paths an agent
+hides (the run's data and labels, say), which it sees empty.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import shutil
 import subprocess
 
@@ -45,9 +47,20 @@ def bwrap_problem() -> str | None:
     return None
 
 
-def jail_argv(argv: list[str], control_dir: str) -> list[str]:
-    """``argv`` run inside the jail; ``control_dir`` (the relay's socket) is bound at the same path."""
-    return [shutil.which("bwrap") or "bwrap", *_JAIL_FLAGS, "--bind", control_dir, control_dir, "--", *argv]
+def jail_argv(argv: list[str], control_dir: str, workdir: str | None = None, hidden: tuple[str, ...] = ()) -> list[str]:
+    """``argv`` run inside the jail; ``control_dir`` (the relay's socket) is bound at the same path.
+    ``hidden``: absolute paths the program does not see: a folder is an empty one there, a file an
+    empty file (the run's data and its labels, say). The working directory and the control
+    directory are bound after them, so hiding a folder that holds them hides neither."""
+    masks: list[str] = []
+    if hidden:  # a file is hidden behind an empty one (a bound /dev/null is a device node, not readable there)
+        empty = os.path.join(control_dir, "empty")
+        open(empty, "w").close()
+        for path in hidden:
+            masks += ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", empty, path]
+    bound = ["--bind", workdir, workdir] if workdir is not None else []
+    binds = [*masks, *bound, "--bind", control_dir, control_dir]
+    return [shutil.which("bwrap") or "bwrap", *_JAIL_FLAGS, *binds, "--", *argv]
 
 
 # Connections one jailed program keeps open to the gateway at once: agents hold a few (a client's

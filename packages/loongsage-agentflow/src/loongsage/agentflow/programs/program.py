@@ -71,6 +71,7 @@ class Launch:
     max_output_bytes: int
     jail: bool
     gateway: tuple[str, int]  # where the host relay connects (jail only)
+    hidden: tuple[str, ...] = ()  # absolute paths the jailed program sees empty (jail only)
 
 
 async def run_program(launch: Launch) -> Outcome:
@@ -91,7 +92,12 @@ async def run_program(launch: Launch) -> Outcome:
     if launch.jail:
         sock = os.path.join(launch.control_dir, "gateway.sock")
         relay = HostRelay(sock, *launch.gateway)
-        args = jail_argv([*args, "--relay", f"{launch.gateway[1]}={sock}", "--", *launch.argv], launch.control_dir)
+        args = jail_argv(
+            [*args, "--relay", f"{launch.gateway[1]}={sock}", "--", *launch.argv],
+            launch.control_dir,
+            launch.cwd,
+            launch.hidden,
+        )
     else:
         args += ["--parent", str(os.getpid()), "--", *launch.argv]
     out, err = Capture(launch.max_output_bytes), Capture(launch.max_output_bytes)
