@@ -57,7 +57,7 @@ def native(tiny):
     return NativeEngine(tiny[0], max_model_len=1024, max_batch_size=8)
 
 
-def run_agent(native, tokenizer, agent, record, n=1, sampling=None):
+def run_agent(native, tokenizer, agent, record, n=1, sampling=None, private=()):
     """The agent's group, with a gateway on this event loop (as a run's service is)."""
     engine = Recorder(DirectEngine(native))
 
@@ -71,6 +71,7 @@ def run_agent(native, tokenizer, agent, record, n=1, sampling=None):
                 sampling=sampling or SamplingParams(n=n),
                 group_id=7,
                 services={"gateway": gateway},
+                private_paths=tuple(private),
             )
             return await agent.run(record, ctx), gateway
         finally:
@@ -297,8 +298,9 @@ def test_a_jailed_program_holds_at_most_its_share_of_connections(native, tokeniz
 
 @needs_jail
 def test_hidden_paths_are_empty_to_a_jailed_program_and_its_workdir_stays_its_own(native, tokenizer, tmp_path):
-    """The run's data (its labels) hidden from the program: a folder is empty, a file is empty,
-    while a file beside them and the working directory, inside the hidden folder, are as they are."""
+    """The run's data (its labels) hidden from the program: a folder it hides is empty, a file of
+    the run's data sources is empty, while a file beside them and the working directory, inside
+    the hidden folder, are as they are."""
     data = tmp_path / "data"
     (data / "work").mkdir(parents=True)
     (data / "secret.txt").write_text("the answer is 42")
@@ -308,11 +310,12 @@ def test_hidden_paths_are_empty_to_a_jailed_program_and_its_workdir_stays_its_ow
     peeker = CommandAgent(
         command=[sys.executable, str(PROGRAMS / "peeker.py"), str(data), str(labels), str(visible), "{workdir}"],
         network="loopback_only",
-        hide=[str(data), str(labels)],
+        hide=[str(data)],
         workdir_root=str(data / "work"),
         keep_workdir=True,
     )
-    (t,), _, _ = run_agent(native, tokenizer, peeker, record())
+    # the labels file as the run hands its data sources' files to every agent
+    (t,), _, _ = run_agent(native, tokenizer, peeker, record(), private=[str(labels)])
     program = t.metadata["program"]
     assert program["exit_code"] == 0, program["stderr_tail"]
     seen = json.loads(program["stdout_tail"].strip().splitlines()[-1])

@@ -337,3 +337,24 @@ def test_through_the_config_a_missing_file_names_the_key(tmp_path) -> None:
     with pytest.raises(ConfigError) as exc:
         load_config("tiny/grpo_arith_cpu", [reader])
     assert one_line(exc) == f"data_sources[0].reader.params.path={str(tmp_path / 'nowhere.jsonl')!r}: file not found"
+
+
+def test_the_runs_data_files_are_what_agents_programs_may_not_read(tmp_path, monkeypatch) -> None:
+    """Training and held-out files of every source, resolved (a link to the file is the file);
+    a reader that reads no file adds none."""
+    from loongsage.core.data import data_files
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1?", "label": "2"}])
+    held = write_jsonl(tmp_path / "held.jsonl", [{"prompt": "2+2?", "label": "4"}])
+    (tmp_path / "link.jsonl").symlink_to(train)
+    monkeypatch.chdir(tmp_path)
+    cfg, _ = load_config(
+        "tiny/grpo_arith_cpu",
+        [
+            "data_sources.0.reader={name: file, params: {path: link.jsonl}}",
+            f"data_sources.0.eval_reader={{name: file, params: {{path: {held}}}}}",
+        ],
+    )
+    assert data_files(cfg.data_sources) == (str(train.resolve()), str(held.resolve()))
+    cfg, _ = load_config("tiny/grpo_arith_cpu")  # generated rows: no file
+    assert data_files(cfg.data_sources) == ()

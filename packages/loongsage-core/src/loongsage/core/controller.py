@@ -21,7 +21,7 @@ from typing import Any
 
 from loongsage.core import checkpoint as ckpt
 from loongsage.core.config import Config
-from loongsage.core.data import Mixer, SourceCursor
+from loongsage.core.data import Mixer, SourceCursor, data_files
 from loongsage.core.distill import TeacherPlan, plan_teachers
 from loongsage.core.evaluation import Evaluator
 from loongsage.core.failures import quiet_stopped_tasks
@@ -214,6 +214,7 @@ class Controller:
             max_refill_rounds=cfg.rollout.max_refill_rounds,
             refill_oversample=cfg.rollout.refill_oversample,
             mask_old_tokens=cfg.rollout.mask_old_tokens,
+            private_paths=data_files(cfg.data_sources),
         )
         self.estimator = reg.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
         self.loss_plan = build_loss_plan(cfg, reg)

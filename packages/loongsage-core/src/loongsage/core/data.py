@@ -13,6 +13,7 @@ import codecs
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -136,6 +137,18 @@ class _Unreadable:
     """A line that is not JSON: kept as a row, so the rows after it keep their indices."""
 
     problem: str
+
+
+def data_files(sources: list[Any]) -> tuple[str, ...]:
+    """The files the data sources read, training and held-out (each reader's ``path`` param that
+    names an existing file), resolved: what an agent's programs are not to read (the labels)."""
+    found: dict[str, None] = {}
+    for source in sources:
+        for spec in (source.reader, source.eval_reader):
+            path = ((spec or {}).get("params") or {}).get("path")
+            if isinstance(path, str) and path and os.path.isfile(path):
+                found[os.path.realpath(path)] = None
+    return tuple(found)
 
 
 def _read_rows(path: Path, shown: str) -> list[Any]:

@@ -171,13 +171,21 @@ class CommandAgent:
     async def _limited(
         self, limit: asyncio.Semaphore, record: DataRecord, ctx: Any, gateway: Any, k: int, sandboxes: Any
     ) -> list[Trajectory]:
+        private = tuple(getattr(ctx, "private_paths", ()))  # the run's data files, hidden in the jail
         async with limit:
             if sandboxes is None:
-                return await self.episode(record, ctx.group_id, k, gateway, sampling=ctx.sampling)
-            return await self._in_sandbox(sandboxes, record, ctx.group_id, k, gateway, ctx.sampling)
+                return await self.episode(record, ctx.group_id, k, gateway, sampling=ctx.sampling, private=private)
+            return await self._in_sandbox(sandboxes, record, ctx.group_id, k, gateway, ctx.sampling, private)
 
     async def _in_sandbox(
-        self, sandboxes: Any, record: DataRecord, group_id: int, k: int, gateway: Any, sampling: Any
+        self,
+        sandboxes: Any,
+        record: DataRecord,
+        group_id: int,
+        k: int,
+        gateway: Any,
+        sampling: Any,
+        private: tuple[str, ...] = (),
     ) -> list[Trajectory]:
         """An episode whose working directory is a leased sandbox's: the lease goes with its
         trajectories (ended once they are scored), or ends here when the episode fails or is cancelled."""
@@ -189,7 +197,7 @@ class CommandAgent:
                     f"machine (host_path), like 'local'; sandbox {box.sandbox_id!r} has none"
                 )
             trajectories = await self.episode(
-                record, group_id, k, gateway, workdir=Path(box.host_path), sampling=sampling
+                record, group_id, k, gateway, workdir=Path(box.host_path), sampling=sampling, private=private
             )
             await box.adopt()  # what the program wrote becomes the sandbox's (its uid may change it)
         except BaseException:
@@ -207,11 +215,19 @@ class CommandAgent:
         return trajectories
 
     async def episode(
-        self, record: DataRecord, group_id: int, k: int, gateway: Any, workdir: Path | None = None, sampling: Any = None
+        self,
+        record: DataRecord,
+        group_id: int,
+        k: int,
+        gateway: Any,
+        workdir: Path | None = None,
+        sampling: Any = None,
+        private: tuple[str, ...] = (),
     ) -> list[Trajectory]:
         """One program run against one session; its exported trajectories (or one failed).
         ``workdir``: the program's working directory (default: a fresh one, removed afterwards);
-        ``sampling``: the source's sampling, told to the program in ``LOONGSAGE_SAMPLING``."""
+        ``sampling``: the source's sampling, told to the program in ``LOONGSAGE_SAMPLING``;
+        ``private``: the run's files the jailed program sees empty, beside ``hide``."""
         started = time.monotonic()
         name = f"{_episode_key(record, group_id, k)}-{secrets.token_hex(4)}"
         own_workdir = workdir is None
@@ -245,7 +261,7 @@ class CommandAgent:
                     max_output_bytes=self.max_output_bytes,
                     jail=self.jailed,
                     gateway=_target(gateway),
-                    hidden=self.hidden,
+                    hidden=(*self.hidden, *(p for p in private if p not in self.hidden)) if self.jailed else (),
                 )
                 outcome = await run_program(launch)
                 facts = self.report(workdir)

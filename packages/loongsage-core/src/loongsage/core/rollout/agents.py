@@ -21,7 +21,9 @@ class AgentContext:
     ``release_session(session)``. It is the :class:`EngineRouter` itself, or, for a training group of
     an asynchronous run, a recorder in front of it that logs the group's calls for checkpoints
     (:mod:`loongsage.core.rollout.replay`). ``services`` are the run's services by name (the chat
-    gateway: ``services["gateway"]``; see :mod:`loongsage.core.services`).
+    gateway: ``services["gateway"]``; see :mod:`loongsage.core.services`). ``private_paths``: files
+    of the run that the programs an agent runs must not read, since they hold the labels (every
+    data source's file): the ``command`` agent hides them inside its jail.
     """
 
     engine: EngineRouter | Any
@@ -29,6 +31,7 @@ class AgentContext:
     sampling: SamplingParams
     group_id: int
     services: dict[str, Any] = field(default_factory=dict)
+    private_paths: tuple[str, ...] = ()
 
 
 _STATUS = {FinishReason.STOP: Status.OK, FinishReason.LENGTH: Status.TRUNCATED, FinishReason.ABORT: Status.ABORTED}

@@ -91,8 +91,10 @@ class RolloutService:
         restart_engine: Any = None,
         load_engine: Any = None,
         max_engine_restarts: int = 0,
+        private_paths: tuple[str, ...] = (),
     ):
         self.router, self.engines, self.reward, self.tokenizer = router, engines, reward, tokenizer
+        self.private_paths = tuple(private_paths)  # handed to the agents (AgentContext)
         self.mixer, self.agents, self.sampling, self.filters = mixer, agents, sampling, filters
         self.scheduler, self.seed = scheduler, int(seed)
         self.max_refill_rounds, self.refill_oversample = int(max_refill_rounds), float(refill_oversample)
@@ -138,7 +140,9 @@ class RolloutService:
         engines = engines or [self.router] * len(records)
         handles = self.services.handles if self.services is not None else {}
         contexts = [
-            AgentContext(engine, self.tokenizer, self._seeded(sampling[r.source], gid), gid, handles)
+            AgentContext(
+                engine, self.tokenizer, self._seeded(sampling[r.source], gid), gid, handles, self.private_paths
+            )
             for r, gid, engine in zip(records, group_ids, engines)
         ]
         groups = await gather_groups(agents or self.agents, records, contexts)
