@@ -300,15 +300,18 @@ def test_a_jailed_program_holds_at_most_its_share_of_connections(native, tokeniz
 def test_hidden_paths_are_empty_to_a_jailed_program_and_its_workdir_stays_its_own(native, tokenizer, tmp_path):
     """The run's data (its labels) hidden from the program: a folder it hides is empty, a file of
     the run's data sources is empty, while a file beside them and the working directory, inside
-    the hidden folder, are as they are."""
+    the hidden folder, are as they are; the framework's code is read-only."""
+    import loongsage.algos.rewards
+
     data = tmp_path / "data"
     (data / "work").mkdir(parents=True)
     (data / "secret.txt").write_text("the answer is 42")
     labels, visible = tmp_path / "labels.jsonl", tmp_path / "visible.txt"
     labels.write_text('{"label": "42"}')
     visible.write_text("seen")
+    code = os.path.dirname(loongsage.algos.rewards.__file__)
     peeker = CommandAgent(
-        command=[sys.executable, str(PROGRAMS / "peeker.py"), str(data), str(labels), str(visible), "{workdir}"],
+        command=[sys.executable, str(PROGRAMS / "peeker.py"), str(data), str(labels), str(visible), "{workdir}", code],
         network="loopback_only",
         hide=[str(data)],
         workdir_root=str(data / "work"),
@@ -319,8 +322,15 @@ def test_hidden_paths_are_empty_to_a_jailed_program_and_its_workdir_stays_its_ow
     program = t.metadata["program"]
     assert program["exit_code"] == 0, program["stderr_tail"]
     seen = json.loads(program["stdout_tail"].strip().splitlines()[-1])
-    assert seen == {"secret": "FileNotFoundError", "file": "", "visible": "seen", "mine": "written"}, seen
+    assert seen == {
+        "secret": "FileNotFoundError",
+        "file": "",
+        "visible": "seen",
+        "mine": "written",
+        "code": "Read-only file system",  # the framework's code, the reward's among it
+    }, seen
     assert (data / "secret.txt").read_text() == "the answer is 42"  # hidden, not touched
+    assert not os.path.exists(os.path.join(code, "planted.py"))
 
 
 def test_hide_needs_the_jail_and_paths_that_exist(tmp_path):

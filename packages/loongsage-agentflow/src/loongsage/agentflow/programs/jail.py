@@ -15,7 +15,8 @@ namespaces itself (as root, or through an unprivileged user namespace). The jail
 PID namespace (``--unshare-pid``, with a fresh ``/proc``): when the supervisor ends, the kernel
 kills every process left in it, and ``--die-with-parent`` ends it with the runner. Files are not
 isolated: the program sees the host's file system as the runner does, but for the paths an agent
-hides (the run's data and labels, say), which it sees empty.
+hides (the run's data and labels, say), which it sees empty, and the driver's interpreter and
+import folders, which it cannot change.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 
 PACKAGE_HINT = "install the 'bubblewrap' package (apt-get install -y bubblewrap)"
 _JAIL_FLAGS = ["--unshare-net", "--unshare-pid", "--die-with-parent", "--dev-bind", "/", "/", "--proc", "/proc"]
@@ -47,12 +49,28 @@ def bwrap_problem() -> str | None:
     return None
 
 
-def jail_argv(argv: list[str], control_dir: str, workdir: str | None = None, hidden: tuple[str, ...] = ()) -> list[str]:
+@functools.lru_cache(maxsize=1)
+def code_paths() -> tuple[str, ...]:
+    """The driver's interpreter and every folder it imports from (the framework, its rewards, their
+    dependencies): read-only inside the jail, so a program (or a model with a shell tool) cannot
+    change the code a reward or a grader's next child process runs."""
+    found = [sys.prefix, sys.base_prefix, sys.exec_prefix, *(p for p in sys.path if p)]
+    return tuple(dict.fromkeys(os.path.realpath(p) for p in found if os.path.isdir(p)))
+
+
+def jail_argv(
+    argv: list[str],
+    control_dir: str,
+    workdir: str | None = None,
+    hidden: tuple[str, ...] = (),
+    read_only: tuple[str, ...] = (),
+) -> list[str]:
     """``argv`` run inside the jail; ``control_dir`` (the relay's socket) is bound at the same path.
-    ``hidden``: absolute paths the program does not see: a folder is an empty one there, a file an
-    empty file (the run's data and its labels, say). The working directory and the control
-    directory are bound after them, so hiding a folder that holds them hides neither."""
-    masks: list[str] = []
+    ``read_only``: folders the program reads but cannot change (:func:`code_paths`). ``hidden``:
+    absolute paths the program does not see: a folder is an empty one there, a file an empty file
+    (the run's data and its labels, say). The working directory and the control directory are
+    bound after them, so hiding a folder that holds them hides neither."""
+    masks: list[str] = [arg for path in read_only for arg in ("--ro-bind", path, path)]
     if hidden:  # a file is hidden behind an empty one (a bound /dev/null is a device node, not readable there)
         empty = os.path.join(control_dir, "empty")
         open(empty, "w").close()

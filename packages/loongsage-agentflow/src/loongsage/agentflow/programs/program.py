@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loongsage.agentflow.programs import supervise
-from loongsage.agentflow.programs.jail import HostRelay, jail_argv
+from loongsage.agentflow.programs.jail import HostRelay, code_paths, jail_argv
 
 MARKER = "LOONGSAGE_EPISODE"
 _MARGIN_S = 10.0  # the supervisor's own start-up and cleanup, beyond the program's timeout + grace
@@ -97,6 +97,7 @@ async def run_program(launch: Launch) -> Outcome:
             launch.control_dir,
             launch.cwd,
             launch.hidden,
+            code_paths(),
         )
     else:
         args += ["--parent", str(os.getpid()), "--", *launch.argv]
