@@ -318,7 +318,7 @@ def test_hidden_paths_are_empty_to_a_jailed_program_and_its_workdir_stays_its_ow
         keep_workdir=True,
     )
     # the labels file as the run hands its data sources' files to every agent
-    (t,), _, _ = run_agent(native, tokenizer, peeker, record(), private=[str(labels)])
+    (t,), _, _ = run_agent(native, tokenizer, peeker, record(), private=[str(labels), str(tmp_path / "not yet")])
     program = t.metadata["program"]
     assert program["exit_code"] == 0, program["stderr_tail"]
     seen = json.loads(program["stdout_tail"].strip().splitlines()[-1])

@@ -358,3 +358,19 @@ def test_the_runs_data_files_are_what_agents_programs_may_not_read(tmp_path, mon
     assert data_files(cfg.data_sources) == (str(train.resolve()), str(held.resolve()))
     cfg, _ = load_config("tiny/grpo_arith_cpu")  # generated rows: no file
     assert data_files(cfg.data_sources) == ()
+
+
+def test_a_run_hands_its_agents_its_data_files_and_its_folder_as_private(tmp_path, monkeypatch) -> None:
+    from loongsage.core.controller import Controller, resolve_model_path
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"prompt": "1+1?", "label": "2"}])
+    monkeypatch.chdir(tmp_path)
+    cfg, registry = load_config(
+        "tiny/grpo_arith_cpu", ["run.name=private", f"data_sources.0.reader={{name: file, params: {{path: {train}}}}}"]
+    )
+    controller = Controller(cfg, registry)
+    controller._build_local(resolve_model_path(cfg, registry))
+    assert controller._rollout_parts["private_paths"] == (
+        str(train.resolve()),
+        str((tmp_path / "runs" / "private").resolve()),
+    )

@@ -214,7 +214,8 @@ class Controller:
             max_refill_rounds=cfg.rollout.max_refill_rounds,
             refill_oversample=cfg.rollout.refill_oversample,
             mask_old_tokens=cfg.rollout.mask_old_tokens,
-            private_paths=data_files(cfg.data_sources),
+            # what agents' programs may not read: the labels, and the run's own folder (checkpoints)
+            private_paths=(*data_files(cfg.data_sources), str(self.run_dir)),
         )
         self.estimator = reg.create("advantage", cfg.algorithm.advantage, "algorithm.advantage")
         self.loss_plan = build_loss_plan(cfg, reg)

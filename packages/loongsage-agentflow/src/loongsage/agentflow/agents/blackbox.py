@@ -137,6 +137,10 @@ class CommandAgent:
             hidden.append(resolved)
         return tuple(hidden)
 
+    def _hidden_with(self, private: tuple[str, ...]) -> tuple[str, ...]:
+        """``hide`` and the run's private paths that exist (a folder the run has yet to write is none)."""
+        return (*self.hidden, *(p for p in private if p not in self.hidden and os.path.exists(p)))
+
     def _resolve_network(self) -> bool:
         problem = bwrap_problem() if self.network != "host" else None
         if self.network == "loopback_only" and problem:
@@ -261,7 +265,7 @@ class CommandAgent:
                     max_output_bytes=self.max_output_bytes,
                     jail=self.jailed,
                     gateway=_target(gateway),
-                    hidden=(*self.hidden, *(p for p in private if p not in self.hidden)) if self.jailed else (),
+                    hidden=self._hidden_with(private) if self.jailed else (),
                 )
                 outcome = await run_program(launch)
                 facts = self.report(workdir)

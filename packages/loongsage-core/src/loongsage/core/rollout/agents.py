@@ -21,9 +21,10 @@ class AgentContext:
     ``release_session(session)``. It is the :class:`EngineRouter` itself, or, for a training group of
     an asynchronous run, a recorder in front of it that logs the group's calls for checkpoints
     (:mod:`loongsage.core.rollout.replay`). ``services`` are the run's services by name (the chat
-    gateway: ``services["gateway"]``; see :mod:`loongsage.core.services`). ``private_paths``: files
-    of the run that the programs an agent runs must not read, since they hold the labels (every
-    data source's file): the ``command`` agent hides them inside its jail.
+    gateway: ``services["gateway"]``; see :mod:`loongsage.core.services`). ``private_paths``: paths
+    of the run that the programs an agent runs must not see: every data source's file (they hold
+    the labels) and the run's folder (its checkpoints); the ``command`` agent hides them inside its
+    jail.
     """
 
     engine: EngineRouter | Any
