@@ -13,7 +13,7 @@ import pytest
 
 from loongsage.core.cli import main
 from loongsage.sandbox.jail import jail_problem
-from loongsage.sandbox.store import default_root
+from loongsage.sandbox.store import SandboxStore, default_root
 from tests._procs import sandbox_processes
 
 pytestmark = [
@@ -27,8 +27,15 @@ def _sandbox_dirs() -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name != "uids") if root.exists() else []
 
 
+def _live_sandbox_dirs() -> list[str]:
+    """The sandbox folders, those of a process that died without removing them (a run killed
+    earlier on this machine) reaped first, as the run's own pool does when it starts."""
+    SandboxStore(default_root()).reap_orphans()
+    return _sandbox_dirs()
+
+
 def test_agent_program_works_in_a_sandbox_and_its_reward_tests_there(ray_session, in_tmp):
-    before = _sandbox_dirs()
+    before = _live_sandbox_dirs()
     args = [
         "train",
         "tiny/code_agent_sandbox_cpu",
