@@ -175,7 +175,7 @@ class CommandAgent:
     async def _limited(
         self, limit: asyncio.Semaphore, record: DataRecord, ctx: Any, gateway: Any, k: int, sandboxes: Any
     ) -> list[Trajectory]:
-        private = tuple(getattr(ctx, "private_paths", ()))  # the run's data files, hidden in the jail
+        private = ctx.private_paths  # the run's data files and folder, hidden in the jail
         async with limit:
             if sandboxes is None:
                 return await self.episode(record, ctx.group_id, k, gateway, sampling=ctx.sampling, private=private)

@@ -95,14 +95,12 @@ class HostRelay:
         self.path, self.host, self.port, self.max_connections = path, host, port, max_connections
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.refused = 0  # connections closed for being past the limit
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._accept, path=self.path)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._tasks) >= self.max_connections:
-            self.refused += 1
             writer.close()
             return
         task = asyncio.ensure_future(self._bridge(reader, writer))
