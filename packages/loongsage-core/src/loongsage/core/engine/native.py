@@ -167,7 +167,7 @@ class NativeEngine:
         # decode GEMMs on float8 weights ("fp8", Ada/Hopper, bf16 models; fused/fp8.py); null: the model's
         quantization: str | None = None,
         # decode attention reads a request's prompt once for up to 16 // group of its samples (fused kernels)
-        shared_prefix_decode: bool = False,
+        shared_prefix_decode: bool = True,
     ):
         from transformers import AutoModelForCausalLM
 

@@ -1,5 +1,5 @@
 """The trainer's batch-invariant forward: the sampled tokens' log-probs exactly as the native
-engine's ``batch_invariant`` mode computes them, with the gradients of the plain HF forward.
+engine's ``batch_invariant`` mode computes them, and their gradients.
 
 Engine and trainer log-probs differ on the fast path because their kernels round differently at
 different batch shapes: a decode step multiplies a few rows at a time, the trainer's forward
@@ -9,13 +9,16 @@ how many tokens run beside it (:meth:`~loongsage.core.engine.fused.decoder.Fused
 with ``invariant``): fixed-tile GEMMs, attention over a token's columns in one program in order,
 the fused norms, rotary and SwiGLU kernels, the FP32 head as a fixed-tile GEMM and the log-prob
 over vocabulary chunks of a fixed length. The trainer feeds a sequence's tokens at their positions
-into a cache of its own, so every token is computed as the engine computed it when it was
-prefilled or decoded: the log-probs agree bit for bit.
+into a cache of its own (:meth:`~loongsage.core.engine.fused.decoder.FusedDecoder.train_hidden`),
+so every token is computed as the engine computed it when it was prefilled or decoded: the
+log-probs agree bit for bit.
 
-The backward is the plain HF forward's, recomputed (as activation checkpointing recomputes): the
-invariant kernels have no backward of their own, and a gradient need not match the engine's
-numbers. So a step costs the invariant forward (slower kernels than cuBLAS' and cuDNN's), then the
-HF forward and backward. What the mode costs is measured in ``bench/consistency_gpu.py``.
+The backward differentiates that same forward: each kernel's backward recomputes the HF ops it
+equals from its saved inputs (:mod:`loongsage.core.engine.fused.differentiable`), the GEMMs'
+runs torch matmuls. So a step costs one forward on the invariant kernels (slower than cuBLAS' and
+cuDNN's) and an ordinary backward; the gradient is the HF model's, taken at the invariant forward's
+activations. What the mode costs is measured in ``bench/consistency_gpu.py`` and
+``bench/gpu_invariant_step.py``.
 """
 
 from __future__ import annotations
@@ -43,39 +46,20 @@ class InvariantForward:
 
     def hidden(self, input_ids: Tensor) -> Tensor:
         """Final-normed hidden states ``[B, T, H]`` of right-padded rows (pads are computed and
-        never read by a real token: attention is causal)."""
+        never read by a real token: attention is causal), differentiable."""
         rows, width = input_ids.shape
-        n, dev = rows * width, input_ids.device
-        positions = torch.arange(width, device=dev).repeat(rows).view(n, 1)
-        sequence = torch.arange(rows, device=dev).repeat_interleave(width)
-        r = self.runner
-        dtype = r.inner.embed_tokens.weight.dtype
-        # one cache for all layers: a layer's keys are read before the next layer writes its own
-        keys = torch.empty(rows, r.kv_heads, width, r.head_dim, dtype=dtype, device=dev)
-        values = torch.empty_like(keys)
-        layers = len(r.layers)
-        last = self.decoder.hidden(
-            input_ids.reshape(n, 1),
-            positions,
-            [keys] * layers,
-            [values] * layers,
-            positions[:, 0],
-            width,
-            cache_rows=sequence,
-            invariant=True,
-        )
-        return last.view(rows, width, -1)
+        # transformers 5 names it is_activation_checkpointing (the older name warns), 4.x the other
+        name = "is_activation_checkpointing" if hasattr(self.model, "is_activation_checkpointing") else None
+        checkpoint = bool(getattr(self.model, name or "is_gradient_checkpointing", False))
+        return self.decoder.train_hidden(input_ids, checkpoint=checkpoint).view(rows, width, -1)
 
-    def logprobs(
-        self, input_ids: Tensor, attention_mask: Tensor, first: int, *, with_entropy: bool
-    ) -> tuple[Tensor, Tensor | None]:
+    def logprobs(self, input_ids: Tensor, first: int, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
         """Log-probs (and entropies) ``[B, T]`` of tokens ``first..T-1``, zeros before ``first``,
         as :func:`~loongsage.core.model_math.logprobs.logprobs_and_entropy` returns them."""
         from loongsage.core.engine.fused.matmul import invariant_linear
         from loongsage.core.engine.fused.sampling import InvariantTokenLogprobs
 
-        params = [p for p in self.model.model.parameters() if p.requires_grad]
-        hidden = _InvariantBody.apply(self, input_ids, attention_mask, *params)
+        hidden = self.hidden(input_ids)
         rows, width, size = hidden.shape
         at = hidden[:, first - 1 : width - 1].reshape(-1, size)  # the positions that predict tokens first..
         head = self.model.get_output_embeddings().weight
@@ -89,23 +73,3 @@ class InvariantForward:
                 logp = torch.log_softmax(logits, dim=-1)
                 ent = F.pad(-(logp.exp() * logp).sum(-1).view(rows, width - first), (first, 0))
         return lp, ent
-
-
-class _InvariantBody(torch.autograd.Function):
-    """Forward: the invariant path's hidden states. Backward: the HF model body's, recomputed."""
-
-    @staticmethod
-    def forward(ctx, fwd: InvariantForward, input_ids: Tensor, attention_mask: Tensor, *params: Tensor) -> Tensor:
-        ctx.fwd, ctx.params = fwd, params
-        ctx.save_for_backward(input_ids, attention_mask)
-        with torch.no_grad():
-            return fwd.hidden(input_ids)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
-        input_ids, attention_mask = ctx.saved_tensors
-        with torch.enable_grad():
-            out = ctx.fwd.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            out = out.last_hidden_state
-        grads = torch.autograd.grad(out, ctx.params, grad, allow_unused=True)
-        return (None, None, None, *grads)

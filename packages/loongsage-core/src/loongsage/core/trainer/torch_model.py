@@ -183,7 +183,7 @@ class TorchModel:
         ids = mb.input_ids.to(self.device)
         first = max(response_start(mb.response_mask), 1)
         if self.invariant is not None:
-            return self.invariant.logprobs(ids, mb.attention_mask.to(self.device), first, with_entropy=with_entropy)
+            return self.invariant.logprobs(ids, first, with_entropy=with_entropy)
         groups = self._shared_prompts(mb)
         if groups is not None:
             return self._shared_logprobs(ids, groups, first, with_entropy=with_entropy)

@@ -243,6 +243,54 @@ class FusedDecoder:
         last, _ = add_rms_norm(delta, residual, norm.weight, norm.variance_epsilon)
         return last
 
+    def train_hidden(self, input_ids: Tensor, *, checkpoint: bool = False) -> Tensor:
+        """Final-normed hidden states ``[rows * width, H]`` of right-padded sequences
+        ``[rows, width]`` on the batch-invariant path, differentiable: the numbers :meth:`hidden`
+        with ``invariant`` gives these tokens at their positions (bit for bit: the same kernels and
+        GEMMs in the same order), each kernel wrapped so that its backward recomputes the HF ops
+        it equals (:mod:`.differentiable`). ``checkpoint`` recomputes each layer in the backward
+        (the trainer's activation checkpointing) instead of keeping its activations."""
+        from torch.utils.checkpoint import checkpoint as recompute
+
+        from loongsage.core.engine.fused.differentiable import AddRmsNorm, Attention, QkRope, SiluMul
+
+        r = self.runner
+        rows, width = input_ids.shape
+        n = rows * width
+        positions = torch.arange(width, device=input_ids.device).repeat(rows).view(n, 1)
+        hidden = r.inner.embed_tokens(input_ids.reshape(n, 1))
+        cos, sin = r.inner.rotary_emb(hidden, positions)
+        cos, sin = cos[:, 0], sin[:, 0]
+
+        def layer(i: int, delta: Tensor, residual: Tensor | None) -> tuple[Tensor, Tensor]:
+            parts = self.layers[i]
+            x, residual = AddRmsNorm.apply(delta, residual, parts.ln1.weight, parts.ln1.variance_epsilon)
+            q_norm, k_norm = parts.q_norm, parts.k_norm
+            q, keys, values = QkRope.apply(
+                self._qkv(i, x, True),
+                None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight,
+                1e-6 if q_norm is None else q_norm.variance_epsilon,
+                cos,
+                sin,
+                r.num_heads,
+                r.kv_heads,
+                rows,
+            )
+            o = self._linear(i, "o", Attention.apply(q, keys, values, r.scales[i]), parts.o_proj, True)
+            x, residual = AddRmsNorm.apply(o, residual, parts.ln2.weight, parts.ln2.variance_epsilon)
+            return self._linear(i, "down", SiluMul.apply(self._gate_up(i, x, True)), parts.down, True), residual
+
+        delta, residual = hidden[:, 0], None
+        for i in range(len(self.layers)):
+            if checkpoint and torch.is_grad_enabled():
+                delta, residual = recompute(layer, i, delta, residual, use_reentrant=False)
+            else:
+                delta, residual = layer(i, delta, residual)
+        norm = r.inner.norm
+        last, _ = AddRmsNorm.apply(delta, residual, norm.weight, norm.variance_epsilon)
+        return last
+
     def _qkv(self, i: int, x: Rows, invariant: bool) -> Tensor:
         layer = self.layers[i]
         if invariant:
