@@ -133,11 +133,13 @@ class Attention(torch.autograd.Function):
         rows, _, width, dim = keys.shape
         heads = q.shape[1]
         inputs = [_detached(t, need) for t, need in zip((q, keys, values), ctx.needs_input_grad)]
+        group = heads // keys.shape[1]
         with torch.enable_grad():
             query = inputs[0].view(rows, width, heads, dim).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                query, inputs[1], inputs[2], is_causal=True, scale=ctx.scale, enable_gqa=True
-            )
+            # the kv heads repeated for their query heads, as HF's repeat_kv does: SDPA's flash
+            # kernels take no grouped heads (enable_gqa would fall back to a slower kernel)
+            key, value = (t.repeat_interleave(group, 1) for t in inputs[1:])
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=ctx.scale)
             out = out.transpose(1, 2).reshape(rows * width, heads * dim)
         return (*_grads((out,), inputs, (grad,)), None)
 
