@@ -125,6 +125,33 @@ def test_decode_attention_reads_each_rows_own_columns(fused, dtype, programs, mo
     assert error < (1e-6 if dtype == torch.float32 else 1e-2), error
 
 
+@pytest.mark.parametrize("heads, kv", [(4, 2), (6, 2), (2, 2)])  # 8, 5 and 16 tokens a program
+def test_causal_attention_gives_each_token_the_batch_invariant_decode_bits(fused, heads, kv):
+    """Whole sequences at once, blocks of tokens sharing a program's reads, give every token what the
+    batch-invariant decode path (one program a token, its columns in order) gives it, bit for bit,
+    and causal attention's numbers: a width that no block size divides, past one block of columns."""
+    attention = fused["attention"]
+    torch.manual_seed(3)
+    rows, dim, width = 3, 16, 83
+    q = torch.randn(rows * width, heads, dim, dtype=torch.bfloat16)
+    k = torch.randn(rows, kv, width, dim, dtype=torch.bfloat16)
+    v = torch.randn(rows, kv, width, dim, dtype=torch.bfloat16)
+    got = attention.causal_attention(q, k, v, 0.3)
+    positions = torch.arange(width).repeat(rows)
+    sequences = torch.arange(rows).repeat_interleave(width)
+    one_by_one = attention.decode_attention(q, k, v, positions + 1, 0.3, width, cache_rows=sequences, splits=1)
+    assert torch.equal(got, one_by_one)
+    want = F.scaled_dot_product_attention(
+        q.double().view(rows, width, heads, dim).transpose(1, 2),
+        k.double().repeat_interleave(heads // kv, 1),
+        v.double().repeat_interleave(heads // kv, 1),
+        is_causal=True,
+        scale=0.3,
+    )
+    want = want.transpose(1, 2).reshape(rows * width, heads * dim)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
+
+
 @pytest.mark.parametrize("programs", [1, 1024])
 def test_shared_prefix_tiles_read_the_prefix_from_their_source_row_only(fused, programs, monkeypatch):
     """Rows 0, 2, 3, 5 and 6 decode over one 130-column prompt (two tiles of at most 4 rows with

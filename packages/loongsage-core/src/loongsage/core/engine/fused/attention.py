@@ -34,10 +34,26 @@ _PAD_HEADS = 16
 
 @triton.jit
 def _attend(
-    q, k_ptr, v_ptr, base, start, stop, c_col, scale_log2, PAD: tl.constexpr, DIM: tl.constexpr, BLOCK_N: tl.constexpr
+    q,
+    k_ptr,
+    v_ptr,
+    base,
+    start,
+    stop,
+    row_stop,
+    c_col,
+    scale_log2,
+    PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """Online softmax of the query rows ``q`` ``[PAD, DIM]`` over cache columns ``[start, stop)``
-    from ``base``: the unnormalised output, the running max and sum (base 2), in float32."""
+    from ``base``, row ``r`` over those before ``row_stop[r]`` (``<= stop``): the unnormalised
+    output, the running max and sum (base 2), in float32.
+
+    A row's numbers depend only on its own query and columns: a block of columns past its
+    ``row_stop`` leaves them exactly as they were (max unchanged, ``exp2(0) = 1``, zeros added),
+    so rows with different stops can share the reads of one program (:func:`causal_attention`)."""
     d = tl.arange(0, DIM)
     m_i = tl.full([PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([PAD], tl.float32)
@@ -48,7 +64,7 @@ def _attend(
         at = base + cols[:, None] * c_col + d[None, :]
         k = tl.load(k_ptr + at, mask=inside[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k)) * scale_log2
-        scores = tl.where(inside[None, :], scores, float("-inf"))
+        scores = tl.where(cols[None, :] < row_stop[:, None], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         p = tl.exp2(scores - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
@@ -109,7 +125,7 @@ def _decode_kernel(
     real = h < GROUP
     q = tl.load(q_ptr + row * q_row + heads[:, None] * q_head + d[None, :], mask=real[:, None], other=0.0)
     base = cache_row * c_row + kv * c_head
-    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, c_col, scale_log2, PAD, DIM, BLOCK_N)
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, h * 0 + stop, c_col, scale_log2, PAD, DIM, BLOCK_N)
     if SPLITS == 1 and PREFIX_SPLITS == 0:
         out = acc / l_i[:, None]
         tl.store(out_ptr + (row * HEADS + heads[:, None]) * DIM + d[None, :], out.to(q.dtype), mask=real[:, None])
@@ -170,9 +186,53 @@ def _prefix_kernel(
     start = split * split_len
     stop = tl.minimum(start + split_len, prefix)
     base = source * c_row + kv * c_head
-    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, c_col, scale_log2, PAD, DIM, BLOCK_N)
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, t * 0 + stop, c_col, scale_log2, PAD, DIM, BLOCK_N)
     at = ((row * HEADS + heads) * (PREFIX_SPLITS + SPLITS) + split) * (DIM + 2)
     _store_partial(part_ptr, at, acc, m_i, l_i, real, DIM)
+
+
+@triton.jit
+def _causal_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    scale_log2,
+    width,
+    q_row,
+    q_head,
+    c_row,
+    c_head,
+    c_col,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    TOKENS: tl.constexpr,
+    PAD: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``TOKENS`` consecutive tokens of one sequence and one kv head: their query heads are the
+    rows of the same ``[PAD, DIM]`` tile a decode program multiplies (one token's heads, padded),
+    so each row's numbers are the decode kernel's, while the block reads its columns once."""
+    seq = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    kv = tl.program_id(2)
+    t = tl.arange(0, PAD)
+    token, head = t // GROUP, t % GROUP
+    pos = block * TOKENS + token
+    real = (token < TOKENS) & (pos < width)
+    row = seq * width + pos
+    heads = kv * GROUP + head
+    d = tl.arange(0, DIM)
+    q = tl.load(q_ptr + row[:, None] * q_row + heads[:, None] * q_head + d[None, :], mask=real[:, None], other=0.0)
+    stop = tl.minimum((block + 1) * TOKENS, width)
+    # a padding row reads every column the block reads (it is never stored): no row of -inf alone
+    row_stop = tl.where(real, pos + 1, stop)
+    acc, m_i, l_i = _attend(
+        q, k_ptr, v_ptr, seq * c_row + kv * c_head, 0, stop, row_stop, c_col, scale_log2, PAD, DIM, BLOCK_N
+    )
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + (row[:, None] * HEADS + heads[:, None]) * DIM + d[None, :], out.to(q.dtype), mask=real[:, None])
 
 
 @triton.jit
@@ -321,3 +381,37 @@ def decode_attention(
     if total > 1:
         _merge_kernel[(rows, heads)](part, out, HEADS=heads, SPLITS=total, DIM=dim)
     return out.view(rows, heads * dim)
+
+
+def causal_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
+    """Causal attention of ``rows`` whole sequences: ``q`` ``[rows * width, heads, d]`` (token ``n``
+    is sequence ``n // width`` at position ``n % width``) over caches ``[rows, kv_heads, width, d]``
+    that hold every position. Bit for bit what :func:`decode_attention` with ``splits=1`` gives each
+    token (its columns in one program, in order: the batch-invariant path), but a program takes
+    ``16 // group`` tokens at once and reads their columns once. Returns ``[rows * width, heads * d]``."""
+    tokens, heads, dim = q.shape
+    rows, kv_heads, width, _ = k_cache.shape
+    group = heads // kv_heads
+    pad = max(_PAD_HEADS, triton.next_power_of_2(group))  # the decode kernel's tile
+    per_program = max(1, pad // group)
+    out = q.new_empty(tokens, heads, dim)
+    _causal_kernel[(rows, triton.cdiv(width, per_program), kv_heads)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        scale * _LOG2E,
+        width,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=group,
+        HEADS=heads,
+        TOKENS=per_program,
+        PAD=pad,
+        DIM=dim,
+        BLOCK_N=_BLOCK_N,
+    )
+    return out.view(tokens, heads * dim)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from loongsage.core.engine.fused.attention import decode_attention
+from loongsage.core.engine.fused.attention import causal_attention
 from loongsage.core.engine.fused.ops import add_rms_norm, qk_rope_store, silu_mul
 
 
@@ -114,18 +114,15 @@ class QkRope(torch.autograd.Function):
 
 
 class Attention(torch.autograd.Function):
-    """Decode attention with each token's columns in one program (the batch-invariant path) on the
-    trainer's layout: ``q`` ``[rows * width, heads, d]`` over the caches from :class:`QkRope`;
+    """Causal attention with each token's numbers the batch-invariant decode kernel's
+    (:func:`~.attention.causal_attention`) on the trainer's layout: ``q`` ``[rows * width, heads, d]`` over the caches from :class:`QkRope`;
     returns ``[rows * width, heads * d]``. The backward is causal SDPA's, recomputed."""
 
     @staticmethod
     def forward(ctx, q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
-        rows, _, width, _ = keys.shape
-        positions = torch.arange(width, device=q.device, dtype=torch.int32).repeat(rows)
-        sequences = torch.arange(rows, device=q.device, dtype=torch.int32).repeat_interleave(width)
         ctx.scale = scale
         ctx.save_for_backward(q, keys, values)
-        return decode_attention(q, keys, values, positions + 1, scale, width, cache_rows=sequences, splits=1)
+        return causal_attention(q, keys, values, scale)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
