@@ -114,9 +114,10 @@ class QkRope(torch.autograd.Function):
 
 
 class Attention(torch.autograd.Function):
-    """Causal attention with each token's numbers the batch-invariant decode kernel's
-    (:func:`~.attention.causal_attention`) on the trainer's layout: ``q`` ``[rows * width, heads, d]`` over the caches from :class:`QkRope`;
-    returns ``[rows * width, heads * d]``. The backward is causal SDPA's, recomputed."""
+    """Causal attention on the trainer's layout, each token's numbers the batch-invariant decode
+    kernel's (:func:`~.attention.causal_attention`): ``q`` ``[rows * width, heads, d]`` over the
+    caches from :class:`QkRope`; returns ``[rows * width, heads * d]``. The backward is causal
+    SDPA's, recomputed."""
 
     @staticmethod
     def forward(ctx, q: Tensor, keys: Tensor, values: Tensor, scale: float) -> Tensor:
