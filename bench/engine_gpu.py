@@ -209,7 +209,9 @@ def main() -> None:
     cfg = model.config
     kv_bytes_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 2
     bandwidth = copy_bandwidth()
-    fused = NativeEngine(str(tmp), kernels="triton", **common)
+    # shared prefixes off: the grouped workload's side without them (they change nothing for one
+    # sample a prompt); `--shared-prefix` adds the engine as it runs by default
+    fused = NativeEngine(str(tmp), kernels="triton", shared_prefix_decode=False, **common)
     graphed = NativeEngine(str(tmp), kernels="torch", **common)
     sides = {
         "hf": lambda prompts: hf_side(model, prompts, args.new_tokens),
