@@ -11,7 +11,8 @@ in a run) against the goal of 1e-5, for:
   setting in which both are the same computation, so the KL is exactly 0);
 * the batch-invariant mode: engine and trainer both with ``batch_invariant`` (the same kernels, each
   token computed the same way whatever the batch: exactly 0 without a second forward);
-* the engine's decode GEMMs on FP8 weights (``quantization="fp8"``) against the bf16 trainer;
+* the engine's decode GEMMs on FP8 weights (``quantization="fp8"``) against the bf16 trainer, and
+  the bf16 engine against the trainer's decoder GEMMs in FP8 (``fp8: hybrid``, FP8 training);
 * for scale, the fast path with a bf16 LM head in the engine (what the FP32 head is there to avoid);
 * the fast path against the trainer with its layers compiled (``compile_layers``, as the GPU
   recipes run it), and compiled with Inductor's default rounding (what ``compile_layers`` was);
@@ -36,7 +37,7 @@ Each native side also records the engine's sampled tokens/s and the trainer's sc
 seconds, each the median of 3 timed runs after a warm-up one: what a mode costs.
 
 ``--sides`` picks what runs: native sides (``fast``, ``fast_torch_kernels``, ``deterministic``,
-``batch_invariant``, ``fp8_engine``, ``engine_bf16_head``, ``fast_compiled_trainer``,
+``batch_invariant``, ``fp8_engine``, ``fp8_trainer``, ``engine_bf16_head``, ``fast_compiled_trainer``,
 ``fast_compiled_trainer_inductor_rounding``, ``fast_fp32_reductions``, ``fast_torch_attention``), SGLang
 settings as ``sglang:<name>``, or the groups ``native``, ``sglang`` (the default six) and ``sglang:all``.
 ``--merge`` keeps what ``--out`` already holds for the sides not run now (to fill one file over
@@ -87,6 +88,9 @@ NATIVE_SIDES: dict[str, dict[str, Any]] = {
     "batch_invariant": {"batch_invariant": True},
     # the engine's decode GEMMs on FP8 weights against the bf16 trainer: what FP8 rollouts cost in k3
     "fp8_engine": {"quantization": "fp8"},
+    # the bf16 engine against the trainer with its decoder GEMMs in FP8 (fp8: hybrid, rowwise
+    # scales): what FP8 training costs in k3 (its forward is what the loss's ratio reads)
+    "fp8_trainer": {"trainer_fp8": "hybrid"},
     "engine_bf16_head": {"engine_fp32_head": False},
     # the fast path against the trainer as the GPU recipes run it (each decoder layer compiled,
     # rounding where eager rounds: trainer/compiling.py), and compiled with Inductor's default
@@ -186,7 +190,8 @@ def measure(
     the tests' bounds against.
     ``batch_invariant`` runs both sides on the batch-invariant path. ``trainer_compile``: the
     trainer's layers compiled (``compile_layers``); ``inductor_rounding``: compiled with Inductor's
-    default rounding instead of the eager ops' (``emulate_precision_casts`` off).
+    default rounding instead of the eager ops' (``emulate_precision_casts`` off). ``trainer_fp8``:
+    the trainer's decoder GEMMs in FP8 (its ``fp8``), against the bf16 engine.
     ``fp32_reductions``: both sides with ``allow_bf16_reduced_precision_reduction`` off.
     ``torch_attention``: the engine's fused decode step with the torch decode path's attention.
     """
@@ -240,6 +245,7 @@ def _measure(
     quantization: str | None = None,
     trainer_compile: bool = False,
     inductor_rounding: bool = False,
+    trainer_fp8: str | None = None,
 ) -> dict[str, float]:
     import time
 
@@ -292,6 +298,7 @@ def _measure(
             fp32_lm_head=True,
             batch_invariant=batch_invariant,
             compile_layers=trainer_compile,
+            fp8=trainer_fp8,
         )
     finally:
         compiling.EAGER_ROUNDING = rounding

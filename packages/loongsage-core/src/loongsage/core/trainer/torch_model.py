@@ -45,6 +45,7 @@ from torch import Tensor
 from loongsage.core.metrics import Metrics
 from loongsage.core.model_math.chunked_head import chunked_head_logprobs, chunked_logprobs_and_entropy
 from loongsage.core.model_math.dtypes import DTYPES
+from loongsage.core.model_math.fp8_linear import use_fp8
 from loongsage.core.model_math.logprobs import (
     head_logits,
     logprobs_and_entropy,
@@ -98,6 +99,7 @@ class TorchModel:
         head_chunk_tokens: int = 0,
         batch_invariant: bool = False,
         share_prompts: bool = False,
+        fp8: tuple[str, str] | None = None,
     ) -> None:
         self.device, self.fp32_lm_head, self.lora = device, fp32_lm_head, lora
         self.head_chunk_tokens = head_chunk_tokens
@@ -109,6 +111,8 @@ class TorchModel:
         if lora is not None:
             self._add_lora(lora, gradient_checkpointing)
         self.model.to(device)
+        if fp8 is not None:  # (format, recipe): the decoder layers' projections run their GEMMs in FP8
+            use_fp8(self._decoder_layers(), *fp8)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         world = world_size()

@@ -15,6 +15,8 @@ from typing import Any, ClassVar, Literal
 
 import torch
 
+from loongsage.core.model_math.dtypes import DTYPES
+from loongsage.core.model_math.fp8_linear import check_fp8, unsupported_fp8
 from loongsage.core.trainer.adapter import world_size
 from loongsage.core.trainer.lora import LoraConfig, check_targets
 from loongsage.core.trainer.skeleton import TrainerSkeleton, check_dtype
@@ -38,17 +40,23 @@ class TorchTrainer(TrainerSkeleton):
     batch_invariant: bool = False
     # a prompt computed once for the rows of a micro-batch that begin with it (shared_prompts.py)
     share_prompts: bool = False
+    # the decoder layers' GEMMs in FP8 with current scaling (bf16 models; model_math/fp8_linear.py):
+    # hybrid (e4m3 forward, e5m2 gradients) or e4m3; null: the model's dtype
+    fp8: str | None = None
+    fp8_recipe: str = "rowwise"  # the scales: per token and output channel (rowwise), or per tensor
 
     supports_lora: ClassVar[bool] = True  # the critic's value head is outside the decoder layers LoRA targets
     supports_batch_invariant: ClassVar[bool] = True  # a critic's values are no engine's log-probs
     supports_share_prompts: ClassVar[bool] = True  # the critic's value model has a forward of its own
-    held_teacher_params: ClassVar[dict[str, Any]] = {"lora": None, "gradient_checkpointing": False}
+    # a held teacher scores in the model dtype: its log-probs are the targets, not trained through
+    held_teacher_params: ClassVar[dict[str, Any]] = {"lora": None, "gradient_checkpointing": False, "fp8": None}
     adapter_class: ClassVar[type[TorchModel]] = TorchModel  # the model it trains (the critic's: a value model)
 
     def __post_init__(self) -> None:
         check_dtype(self.dtype)
         world = world_size()
         self._check_head_chunks(world)
+        self._check_fp8(world)
         self._check_batch_invariant(world)
         self._check_share_prompts(world)
         if self.lora is not None:
@@ -71,6 +79,7 @@ class TorchTrainer(TrainerSkeleton):
                 head_chunk_tokens=self.head_chunk_tokens,
                 batch_invariant=self.batch_invariant,
                 share_prompts=self.share_prompts,
+                fp8=None if self.fp8 is None else (self.fp8, self.fp8_recipe),
             )
         )
 
@@ -106,6 +115,20 @@ class TorchTrainer(TrainerSkeleton):
             raise ValueError(
                 "head_chunk_tokens: not with FSDP2's sharded head; set dp_mode: replicate or head_chunk_tokens: 0"
             )
+
+    def _check_fp8(self, world: int) -> None:
+        check_fp8(self.fp8, self.fp8_recipe)
+        if self.fp8 is None:
+            return
+        clash = {
+            "batch_invariant": self.batch_invariant,  # the engine's bf16 numbers, which FP8 cannot give
+            "lora": self.lora is not None,
+            "dp_mode: fsdp2": world > 1 and self.dp_mode == "fsdp2",  # sharded weights
+        }
+        _refuse_clashes("fp8", clash)
+        why = unsupported_fp8(self.device, DTYPES[self.dtype])
+        if why is not None:
+            raise ValueError(f"fp8: FP8 GEMMs cannot train here: {why}")
 
     def _check_batch_invariant(self, world: int) -> None:
         if not self.batch_invariant:
