@@ -94,7 +94,7 @@ class DecoderRunner:
                 raise ValueError(f"native engine: batch_invariant needs the fused kernels, which cannot run: {why}")
             self.fused.invariant = True
         if quantization == "fp8":  # the decode GEMMs on float8 copies of the projections (fused/fp8.py)
-            from loongsage.core.engine.fused.fp8 import unsupported_fp8
+            from loongsage.core.model_math.fp8_linear import unsupported_fp8
 
             why = self.fused_off_because if self.fused is None else unsupported_fp8(self.device, model.dtype)
             if why is not None:

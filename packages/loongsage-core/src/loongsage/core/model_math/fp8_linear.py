@@ -42,10 +42,10 @@ def check_fp8(fp8: str | None, recipe: str) -> None:
 
 
 def unsupported_fp8(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """Why FP8 GEMMs cannot train here (None when they can)."""
+    """Why FP8 GEMMs cannot run here (None when they can): the trainer's and the engine's check."""
     device = torch.device(device)
     if dtype != torch.bfloat16:
-        return f"dtype {str(dtype).removeprefix('torch.')} (FP8 GEMMs write bf16: train the model in bfloat16)"
+        return f"dtype {str(dtype).removeprefix('torch.')} (FP8 GEMMs write bf16: the model must be bfloat16)"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         return f"compute capability {major}.{minor} (FP8 tensor cores need 8.9 or later: Ada, Hopper)"

@@ -96,13 +96,3 @@ def fp8_matmul(x8: Tensor, x_scale: Tensor, w8: Tensor, w_scale: Tensor, bias: T
     kernel's float8 output) and a quantized weight (:func:`quantize_weight`)."""
     out = torch._scaled_mm(x8, w8.t(), scale_a=x_scale, scale_b=w_scale, out_dtype=torch.bfloat16)
     return out if bias is None else out + bias
-
-
-def unsupported_fp8(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why FP8 weights cannot run here (None when they can)."""
-    if dtype != torch.bfloat16:
-        return f"dtype {str(dtype).removeprefix('torch.')} (FP8 GEMMs return bf16: run the model in bfloat16)"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"compute capability {major}.{minor} (FP8 tensor cores need 8.9 or later: Ada, Hopper)"
-    return None
