@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.machinery
+import re
 import sys
 import threading
 import types
@@ -179,6 +180,16 @@ def test_a_reward_taking_ctx_gets_the_context_through_wrappers() -> None:
     # without a context (a reward called outside the reward worker) it gets an empty one
     assert asyncio.run(call_reward(in_sandbox, traj_of(1), RECORD, None)) == 1.0 and seen[-1] is None
     assert call_reward(ExactMatch(), traj_of(1, "7"), RECORD, ctx) == 1.0  # two-argument rewards as before
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(["\\boxed{", "\\boxed", "}", "{", "x", "\n", "\\"]), max_size=12))
+def test_the_default_format_pattern_is_read_in_one_pass_as_re_reads_it(pieces: list[str]) -> None:
+    """The default pattern is checked without ``re`` (whose search is quadratic in a response of
+    many unclosed boxes); it says what ``re.search`` says, on any arrangement of its pieces."""
+    text = "".join(pieces)
+    default = FormatReward()
+    assert default.matches(text) == (re.search(default.pattern, text, re.DOTALL) is not None), text
 
 
 def test_format_reward() -> None:

@@ -166,6 +166,10 @@ class OverlongShaping(_Wrapper):
         return _then(self._base(trajectory, record, ctx), lambda base: base + penalty)
 
 
+_BOX_OPEN = "\\boxed{"
+_BOXED_SOMEWHERE = r"\\boxed\{.+\}"  # the format reward's default pattern
+
+
 @entry("format")
 class FormatReward(_Wrapper):
     """``format``: ``inner`` reward plus ``bonus`` if ``pattern`` matches the response, else ``penalty``.
@@ -175,7 +179,7 @@ class FormatReward(_Wrapper):
     match gets ``penalty`` alone and the inner reward is not called.
     """
 
-    pattern: str = r"\\boxed\{.+\}"
+    pattern: str = _BOXED_SOMEWHERE
     full_match: bool = False
     bonus: float = 0.0
     penalty: float = -1.0
@@ -191,6 +195,12 @@ class FormatReward(_Wrapper):
         _check_spec(self.name, self.inner)
 
     def matches(self, text: str) -> bool:
+        if self.pattern == _BOXED_SOMEWHERE and not self.full_match:
+            # the default's meaning in one pass: the first "\boxed{" with a "}" at least one character
+            # after it (a later box matches only where the first does). ``re`` would try every
+            # "\boxed{" out to the end: quadratic in a response of many unclosed boxes.
+            start = text.find(_BOX_OPEN)
+            return start >= 0 and text.rfind("}") > start + len(_BOX_OPEN)
         compiled: re.Pattern[str] = self._compiled  # type: ignore[attr-defined]
         return (compiled.fullmatch(text) if self.full_match else compiled.search(text)) is not None
 

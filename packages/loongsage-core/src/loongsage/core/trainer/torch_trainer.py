@@ -122,8 +122,8 @@ class TorchTrainer(TrainerSkeleton):
             return
         clash = {
             "batch_invariant": self.batch_invariant,  # the engine's bf16 numbers, which FP8 cannot give
-            "lora": self.lora is not None,
-            "dp_mode: fsdp2": world > 1 and self.dp_mode == "fsdp2",  # sharded weights
+            "lora": self.lora is not None,  # the adapters' GEMMs are not FP8 ones
+            "dp_mode: fsdp2": world > 1 and self.dp_mode == "fsdp2",  # sharded parameters: not tried with FP8 yet
         }
         _refuse_clashes("fp8", clash)
         why = unsupported_fp8(self.device, DTYPES[self.dtype])

@@ -8,7 +8,7 @@ forward a micro-batch, where a second (HF) forward only for the backward used to
 The recomputed pieces are small beside the GEMMs, whose backward (:class:`~.matmul.InvariantLinear`)
 already runs torch matmuls on the saved inputs.
 
-:class:`Attention` and :func:`qk_rope` take the trainer's layout: ``rows`` sequences of ``width``
+:class:`Attention` and :class:`QkRope` take the trainer's layout: ``rows`` sequences of ``width``
 tokens each, token ``n`` = sequence ``n // width`` at position ``n % width``, attending causally
 over its own sequence, with one cache ``[rows, kv_heads, width, d]`` per layer that the forward
 fills completely (every column is some token's key).
@@ -134,8 +134,8 @@ class Attention(torch.autograd.Function):
         group = heads // keys.shape[1]
         with torch.enable_grad():
             query = inputs[0].view(rows, width, heads, dim).transpose(1, 2)
-            # the kv heads repeated for their query heads, as HF's repeat_kv does: SDPA's flash
-            # kernels take no grouped heads (enable_gqa would fall back to a slower kernel)
+            # the kv heads repeated for their query heads, as HF's repeat_kv does: the recompute is
+            # the HF model's own attention call
             key, value = (t.repeat_interleave(group, 1) for t in inputs[1:])
             out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=ctx.scale)
             out = out.transpose(1, 2).reshape(rows * width, heads * dim)
