@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.machinery
+import inspect
 import re
 import sys
 import threading
@@ -192,6 +193,11 @@ def test_the_default_format_pattern_is_read_in_one_pass_as_re_reads_it(pieces: l
     assert default.matches(text) == (re.search(default.pattern, text, re.DOTALL) is not None), text
 
 
+def _scored(value):
+    """A reward's value, awaited where it is an awaitable (math-verify grades in a child process)."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
 def test_format_reward() -> None:
     boxed, plain = traj_of(1, "so \\boxed{7}\n"), traj_of(1, "so 7")
     default = FormatReward()
@@ -200,7 +206,8 @@ def test_format_reward() -> None:
     assert think(traj_of(1, "<think>a\nb</think>\nanswer"), RECORD) == 0.5  # DOTALL: . crosses lines
     assert think(traj_of(1, "x <think>a</think>"), RECORD) == 0.0  # full match required
     nested = create({"name": "format", "params": {"inner": {"name": "math"}, "bonus": 0.1}})
-    assert nested(boxed, RECORD) == pytest.approx(1.1) and nested(plain, RECORD) == pytest.approx(0.0)
+    assert _scored(nested(boxed, RECORD)) == pytest.approx(1.1)
+    assert _scored(nested(plain, RECORD)) == pytest.approx(0.0)
 
     calls = []
 
@@ -233,7 +240,7 @@ def test_nested_wrappers_build_depth_first() -> None:
     bad = {"name": "format", "params": {"inner": {"name": "overlong_shaping", "params": {"inner": {"name": "nope"}}}}}
     with pytest.raises(ConfigError, match=r"^reward\.params\.inner\.params\.inner\.name: unknown reward 'nope'"):
         create(bad)
-    assert reward(traj_of(9, r"\boxed{7.0}"), RECORD) == pytest.approx(1.0 - 0.5 + 0.5)
+    assert _scored(reward(traj_of(9, r"\boxed{7.0}"), RECORD)) == pytest.approx(1.0 - 0.5 + 0.5)
     with pytest.raises(ValueError, match=r"^overlong_shaping\.buffer=11: "):
         OverlongShaping(max_length=10, buffer=11)
     with pytest.raises(ValueError, match=r"^overlong_shaping\.max_length=0: "):
@@ -326,10 +333,10 @@ def test_a_response_that_hangs_math_verify_scores_zero_and_grading_goes_on() -> 
 
     pytest.importorskip("math_verify")
     reward = MathAnswer(backend="math_verify")
-    assert reward(traj_of(1, r"\boxed{7}"), RECORD) == 1.0  # starts the grader process
+    assert asyncio.run(reward(traj_of(1, r"\boxed{7}"), RECORD)) == 1.0  # starts a grader process
     start = time.monotonic()
     # SymPy starts an integer power that never ends, inside one C call: only a kill stops it
-    assert reward(traj_of(1, r"\boxed{9^{9^{9^{9}}}}"), RECORD) == 0.0
+    assert asyncio.run(reward(traj_of(1, r"\boxed{9^{9^{9^{9}}}}"), RECORD)) == 0.0
     assert time.monotonic() - start < 60
     reward._grader().close()
     # without math-verify's own timeout only the kill stops it; a fresh grader takes over
@@ -361,8 +368,36 @@ def test_real_math_verify_if_installed() -> None:
     pytest.importorskip("math_verify")
     reward = MathAnswer(backend="math_verify")
     half = DataRecord(source="s", index=0, prompt="p", label="0.5")
-    assert reward(traj_of(1, r"so \boxed{\frac{1}{2}}"), half) == 1.0
-    assert reward(traj_of(1, r"\boxed{3}"), RECORD) == 0.0
+    assert asyncio.run(reward(traj_of(1, r"so \boxed{\frac{1}{2}}"), half)) == 1.0
+    assert asyncio.run(reward(traj_of(1, r"\boxed{3}"), RECORD)) == 0.0
+    reward._grader().close()
+
+
+def test_math_verify_grades_a_batchs_answers_side_by_side() -> None:
+    """The reward worker awaits a batch's rewards together; math-verify answers are graded by up to
+    ``graders`` child processes at once: two responses that hang SymPy are in two children at the
+    same time (one child would take them one after the other), each stopped by math-verify's timeout
+    or killed at its deadline."""
+    pytest.importorskip("math_verify")
+    reward = MathAnswer(backend="math_verify", timeout=1, graders=2)  # a deadline of 5 s an answer
+    pool = reward._grader()
+    assert pool.starts == 0  # no child before the first answer
+    hang = traj_of(1, r"\boxed{9^{9^{9^{9}}}}")
+
+    async def batch() -> tuple[list[float], set[int]]:
+        tasks = [asyncio.ensure_future(reward(hang, RECORD)) for _ in range(2)]
+        together: set[int] = set()
+        while not all(t.done() for t in tasks):
+            live = {g._proc.pid for g in pool.graders if g._proc is not None and g._proc.poll() is None}
+            if pool._free.qsize() == 0 and len(live) == 2:
+                together = live  # both graders taken, each with a child of its own
+            await asyncio.sleep(0.02)
+        return [t.result() for t in tasks], together
+
+    scores, together = asyncio.run(batch())
+    assert scores == [0.0, 0.0] and len(together) == 2
+    assert asyncio.run(reward(traj_of(1, r"\boxed{7}"), RECORD)) == 1.0  # grading goes on
+    pool.close()
 
 
 def test_fallback_grader_stays_fast_on_hostile_text() -> None:

@@ -10,6 +10,10 @@ that is killed and replaced when it does not answer in time; the response it hun
 A replacement starts by importing SymPy (seconds on a loaded machine). After the first kill, a
 spare child is kept started and ready, so a batch of such responses costs the deadline each, not
 the deadline and a start-up each.
+
+math-verify is pure Python: one process grades one answer at a time. :class:`GraderPool` keeps up
+to ``size`` children, so a batch's answers are graded side by side (the ``math`` reward hands each
+answer to a thread that waits on a free child); a child starts only when every started one is busy.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import resource
 import select
 import subprocess
@@ -104,6 +109,37 @@ class IsolatedGrader:
         for proc in (self._proc, self._spare):
             if proc is not None and proc.poll() is None:
                 proc.kill()
+
+
+class GraderPool:
+    """Up to ``size`` :class:`IsolatedGrader` children grading side by side; :meth:`grade` takes a
+    free one (waiting while all are busy), the one used last first, so a child is started only when
+    every started one is busy."""
+
+    def __init__(self, size: int, timeout: int, deadline_s: float):
+        self.graders = [IsolatedGrader(timeout, deadline_s) for _ in range(size)]
+        self._free: queue.LifoQueue[IsolatedGrader] = queue.LifoQueue()
+        for grader in reversed(self.graders):
+            self._free.put(grader)
+
+    def grade(self, response: str, label: str) -> bool:
+        grader = self._free.get()
+        try:
+            return grader.grade(response, label)
+        finally:
+            self._free.put(grader)
+
+    @property
+    def kills(self) -> int:
+        return sum(g.kills for g in self.graders)
+
+    @property
+    def starts(self) -> int:
+        return sum(g.starts for g in self.graders)
+
+    def close(self) -> None:
+        for grader in self.graders:
+            grader.close()
 
 
 def _spawn() -> subprocess.Popen:

@@ -15,6 +15,7 @@ first, validated like any entry) and hand the built reward to ``bind``. An unbou
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import inspect
@@ -24,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from fractions import Fraction
 from typing import Annotated, Any, ClassVar, Literal
 
-from loongsage.algos.math_grader import IsolatedGrader
+from loongsage.algos.math_grader import GraderPool
 from loongsage.core.contracts import Reward, RewardContext
 from loongsage.core.entries import Range, entry
 from loongsage.core.rewarding import call_reward
@@ -343,12 +344,15 @@ class MathAnswer(Reward):
 
     ``backend="auto"`` grades with ``math-verify`` when it is installed and with the fallback
     normaliser (:func:`math_equal_fallback`) otherwise; ``"math_verify"`` requires the package.
-    A list or tuple label accepts any of its answers.
+    A list or tuple label accepts any of its answers. With math-verify a call returns an awaitable:
+    the answer is graded in a child process (:mod:`loongsage.algos.math_grader`), up to ``graders``
+    of them at once, while the reward worker awaits a batch's answers together.
     """
 
     backend: Literal["auto", "math_verify", "fallback"] = "auto"
     # seconds per math-verify parse/verify; main thread only
     timeout: Annotated[int, Range(ge=0, note="0 = no timeout")] = 5
+    graders: Annotated[int, Range(ge=1, note="math-verify processes grading side by side")] = 4
 
     def __post_init__(self) -> None:
         available = math_verify_available()
@@ -362,24 +366,26 @@ class MathAnswer(Reward):
     def uses_math_verify(self) -> bool:
         return self._use_math_verify  # type: ignore[attr-defined]
 
-    def _grader(self) -> IsolatedGrader:
-        """math-verify in a child process (see :mod:`loongsage.algos.math_grader`), made on first use;
-        a response it hangs on past three timeouts (a minute with none) scores 0."""
-        grader = self.__dict__.get("_isolated")
-        if grader is None:
-            grader = IsolatedGrader(self.timeout, 3 * self.timeout + 2.0 if self.timeout > 0 else 60.0)
-            object.__setattr__(self, "_isolated", grader)
-        return grader
+    def _grader(self) -> GraderPool:
+        """math-verify in child processes (see :mod:`loongsage.algos.math_grader`), made on first use;
+        a response one hangs on past three timeouts (a minute with none) scores 0."""
+        pool = self.__dict__.get("_isolated")
+        if pool is None:
+            pool = GraderPool(self.graders, self.timeout, 3 * self.timeout + 2.0 if self.timeout > 0 else 60.0)
+            object.__setattr__(self, "_isolated", pool)
+        return pool
 
-    def __call__(self, trajectory: Trajectory, record: DataRecord) -> float:
+    def __call__(self, trajectory: Trajectory, record: DataRecord) -> float | Awaitable[float]:
         if record.label is None:
             raise ValueError(f"math: record {record.source}[{record.index}] has no label")
-        labels = record.label if isinstance(record.label, (list, tuple)) else [record.label]
-        for label in labels:
-            if self.uses_math_verify:
-                ok = self._grader().grade(trajectory.response_text, str(label))
-            else:
-                ok = math_equal_fallback(trajectory.response_text, str(label))
-            if ok:
+        labels = [str(x) for x in (record.label if isinstance(record.label, (list, tuple)) else [record.label])]
+        if self.uses_math_verify:
+            return self._graded(trajectory.response_text, labels)
+        return float(any(math_equal_fallback(trajectory.response_text, label) for label in labels))
+
+    async def _graded(self, response: str, labels: list[str]) -> float:
+        pool = self._grader()
+        for label in labels:  # a thread waits on a child's answer; the event loop grades others meanwhile
+            if await asyncio.to_thread(pool.grade, response, label):
                 return 1.0
         return 0.0
