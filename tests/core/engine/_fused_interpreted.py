@@ -553,6 +553,22 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
     assert all(torch.equal(a, b) for a, b in zip(checkpointed, invariant))
 
 
+def test_a_frozen_input_of_a_fused_kernel_gets_no_gradient_and_the_others_theirs(fused):
+    """The kernels' backward (fused/differentiable.py) with a frozen input: the first layer's norm
+    reads the embedding alone (no residual yet), whose output copy then carries no gradient, while
+    the norm's weight gets torch's."""
+    from loongsage.core.engine.fused.differentiable import AddRmsNorm, _rms_norm
+
+    torch.manual_seed(4)
+    x = torch.randn(5, 32, dtype=torch.bfloat16)  # frozen: no gradient wanted
+    weight = torch.randn(32, dtype=torch.bfloat16).requires_grad_()
+    normed, total = AddRmsNorm.apply(x, None, weight, 1e-6)
+    (normed.float().square().sum() + total.float().sum()).backward()
+    want = weight.detach().clone().requires_grad_()
+    _rms_norm(x, want, 1e-6).float().square().sum().backward()
+    assert torch.equal(weight.grad, want.grad)
+
+
 def _probe_rows_in(batch: torch.Tensor, probe: torch.Tensor, at: list[int]) -> torch.Tensor:
     batch = batch.clone()
     batch[at] = probe

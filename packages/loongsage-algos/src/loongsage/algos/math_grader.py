@@ -13,11 +13,12 @@ the deadline and a start-up each.
 
 math-verify is pure Python: one process grades one answer at a time. :class:`GraderPool` keeps up
 to ``size`` children, so a batch's answers are graded side by side (the ``math`` reward hands each
-answer to a thread that waits on a free child); a child starts only when every started one is busy.
+answer to one of the pool's threads, which waits on a free child's answer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 _log = logging.getLogger(__name__)
 _START_S = 300.0
@@ -112,15 +114,18 @@ class IsolatedGrader:
 
 
 class GraderPool:
-    """Up to ``size`` :class:`IsolatedGrader` children grading side by side; :meth:`grade` takes a
+    """Up to ``size`` :class:`IsolatedGrader` children grading side by side. :meth:`grade` takes a
     free one (waiting while all are busy), the one used last first, so a child is started only when
-    every started one is busy."""
+    every started one is busy (each grader also keeps a spare after its first kill, as above).
+    :meth:`graded` runs it on the pool's own ``size`` threads: a batch of answers waits in their
+    queue, not on threads of the event loop's shared executor."""
 
     def __init__(self, size: int, timeout: int, deadline_s: float):
         self.graders = [IsolatedGrader(timeout, deadline_s) for _ in range(size)]
         self._free: queue.LifoQueue[IsolatedGrader] = queue.LifoQueue()
         for grader in reversed(self.graders):
             self._free.put(grader)
+        self._threads = ThreadPoolExecutor(max_workers=size, thread_name_prefix="math-grader")
 
     def grade(self, response: str, label: str) -> bool:
         grader = self._free.get()
@@ -128,6 +133,10 @@ class GraderPool:
             return grader.grade(response, label)
         finally:
             self._free.put(grader)
+
+    async def graded(self, response: str, label: str) -> bool:
+        """:meth:`grade` on one of the pool's threads, awaited on the caller's event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self.grade, response, label)
 
     @property
     def kills(self) -> int:
@@ -138,6 +147,7 @@ class GraderPool:
         return sum(g.starts for g in self.graders)
 
     def close(self) -> None:
+        self._threads.shutdown(wait=False)
         for grader in self.graders:
             grader.close()
 

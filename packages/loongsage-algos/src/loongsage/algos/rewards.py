@@ -15,7 +15,6 @@ first, validated like any entry) and hand the built reward to ``bind``. An unbou
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib.util
 import inspect
@@ -385,7 +384,7 @@ class MathAnswer(Reward):
 
     async def _graded(self, response: str, labels: list[str]) -> float:
         pool = self._grader()
-        for label in labels:  # a thread waits on a child's answer; the event loop grades others meanwhile
-            if await asyncio.to_thread(pool.grade, response, label):
+        for label in labels:  # a pool thread waits on a child's answer; the event loop goes on meanwhile
+            if await pool.graded(response, label):
                 return 1.0
         return 0.0

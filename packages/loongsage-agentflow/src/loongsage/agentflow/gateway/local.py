@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -94,7 +95,13 @@ async def evaluate(
     async def group(record: DataRecord, ctx: AgentContext) -> list[float]:
         async with gate:
             trajectories = await agent.run(record, ctx)
-        return [(reward(t, record) >= 1.0, t.metadata.get("tool_used", False)) for t in trajectories]
+        scores = []
+        for t in trajectories:
+            value = reward(t, record)
+            if inspect.isawaitable(value):  # a reward may grade off the event loop (math-verify does)
+                value = await value
+            scores.append((value >= 1.0, t.metadata.get("tool_used", False)))
+        return scores
 
     async def phase(s: SamplingParams, phase_id: int) -> list[list[tuple[bool, bool]]]:
         ids = [-1 - (phase_id * len(records) + i) for i in range(len(records))]

@@ -66,8 +66,10 @@ def quantize(x: Tensor, fmt: str, rowwise: bool) -> tuple[Tensor, Tensor]:
 def _mm(a: Tensor, a_fmt: str, b: Tensor, b_fmt: str, rowwise: bool) -> Tensor:
     """``a [M, K] @ b [N, K].T`` in FP8, bf16 out: ``a`` scaled along its rows, ``b`` along its rows
     (the product's columns). Every side a multiple of 16."""
-    a8, sa = quantize(a, a_fmt, rowwise)
-    b8, sb = quantize(b, b_fmt, rowwise)
+    # row-major operands: the quantized copies keep their strides, and the FP8 GEMM takes its first
+    # operand row-major, its second (b8.t()) column-major
+    a8, sa = quantize(a.contiguous(), a_fmt, rowwise)
+    b8, sb = quantize(b.contiguous(), b_fmt, rowwise)
     return torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb.t(), out_dtype=torch.bfloat16)
 
 

@@ -391,6 +391,8 @@ def causal_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) 
     ``16 // group`` tokens at once and reads their columns once. Returns ``[rows * width, heads * d]``."""
     tokens, heads, dim = q.shape
     rows, kv_heads, width, _ = k_cache.shape
+    if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("causal_attention: key and value caches of one layout, unit stride on d (and q)")
     group = heads // kv_heads
     pad = max(_PAD_HEADS, triton.next_power_of_2(group))  # the decode kernel's tile
     per_program = max(1, pad // group)

@@ -37,9 +37,13 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _grads(outputs: tuple[Tensor, ...], inputs: list[Tensor | None], grads: tuple[Tensor, ...]) -> list:
-    """``autograd.grad`` of the recomputed ``outputs`` for the ``inputs`` that need one (None elsewhere)."""
+    """``autograd.grad`` of the recomputed ``outputs`` for the ``inputs`` that need one (None elsewhere);
+    an output that no such input reaches (a frozen input's copy) carries nothing back."""
     wanted = [t for t in inputs if t is not None and t.requires_grad]
-    got = iter(torch.autograd.grad(outputs, wanted, grads, allow_unused=True))
+    pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+    if not wanted or not pairs:
+        return [None] * len(inputs)
+    got = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
     return [next(got) if t is not None and t.requires_grad else None for t in inputs]
 
 
