@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import time
@@ -331,6 +332,38 @@ def test_hidden_paths_are_empty_to_a_jailed_program_and_its_workdir_stays_its_ow
     }, seen
     assert (data / "secret.txt").read_text() == "the answer is 42"  # hidden, not touched
     assert not os.path.exists(os.path.join(code, "planted.py"))
+
+
+@needs_jail
+@pytest.mark.parametrize("own_root", [False, True])
+def test_a_jailed_program_cannot_reach_other_episodes_files(native, tokenizer, tmp_path, own_root):
+    """Another episode's working and control directories (its ``reward`` file, its solution) are out
+    of a jailed program's sight: the folders that hold them are empty to it but for its own."""
+    from loongsage.agentflow.agents import blackbox
+
+    root = str(tmp_path / "work") if own_root else None
+    if root:
+        os.mkdir(root)
+    victim = os.path.join(blackbox._episodes_root(root), "other-episode")
+    victim_control = os.path.join(blackbox._episodes_root(None), "lsg-other")
+    for folder in (victim, victim_control):
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "reward"), "w") as f:
+            f.write("0.0")
+    forger = agent("forger.py", "{workdir}", victim, victim_control, network="loopback_only", workdir_root=root)
+    try:
+        (t,), _, _ = run_agent(native, tokenizer, forger, record())
+        program = t.metadata["program"]
+        assert program["exit_code"] == 0, program["stderr_tail"]
+        seen = json.loads(program["stdout_tail"].strip().splitlines()[-1])
+        assert seen["victim"] == seen["victim_control"] == "FileNotFoundError", seen
+        assert len(seen["beside_workdir"]) == 1 + (not own_root), seen  # its own (and its control dir)
+        for folder in (victim, victim_control):
+            with open(os.path.join(folder, "reward")) as f:
+                assert f.read() == "0.0"
+    finally:
+        shutil.rmtree(victim, ignore_errors=True)
+        shutil.rmtree(victim_control, ignore_errors=True)
 
 
 def test_hide_needs_the_jail_and_paths_that_exist(tmp_path):

@@ -15,6 +15,12 @@ its trajectories carry the program's exit code, timeout, duration and stderr tai
 failed, with the reason in ``metadata["failure"]``. The reward comes later from the source's
 reward plugin; with ``reward_file`` the float the program wrote to ``{workdir}/reward`` is in
 ``metadata["reward_file"]`` for the ``file_reward`` reward.
+
+Episodes do not see each other. Every working directory this process makes is in one folder of
+its own (under ``workdir_root``, or the temp dir), every relay's control directory in another, and
+a sandbox's directory is in its pool's folder; a jailed program sees each of these folders empty
+but for its own directory. Otherwise one episode's program could write another's ``reward`` file,
+or its solution, while both run.
 """
 
 from __future__ import annotations
@@ -43,6 +49,18 @@ from loongsage.core.schema import ranged
 from loongsage.core.types import DataRecord, RewardInfraError, Status, Trajectory
 
 log = logging.getLogger("loongsage.agentflow")
+_EPISODE_ROOTS: dict[tuple[int, str | None], str] = {}
+
+
+def _episodes_root(base: str | None) -> str:
+    """This process's folder for episode directories under ``base`` (the temp dir when None), made
+    on first use: a jail hides it whole and binds back its program's own directory."""
+    key = (os.getpid(), base)  # a forked worker makes its own
+    root = _EPISODE_ROOTS.get(key)
+    if root is None or not os.path.isdir(root):
+        root = _EPISODE_ROOTS[key] = tempfile.mkdtemp(prefix="lsg-episodes-", dir=base)
+    return root
+
 
 # what the program inherits from the driver without inherit_env: enough to find and run programs,
 # not the driver's credentials or proxies
@@ -71,7 +89,7 @@ class CommandAgent:
     network: Literal["auto", "loopback_only", "host"] = "auto"
     max_output_bytes: int = ranged(1 << 20, ge=0, note="kept per stream: the last bytes")
     log_dir: str | None = None  # where each episode's kept stdout/stderr are written (null: metadata tails only)
-    workdir_root: str | None = None  # parent of the per-episode working directories (null: the temp dir)
+    workdir_root: str | None = None  # where the folder of the episodes' working directories is made (null: temp dir)
     keep_workdir: bool = False
     reward_file: bool = False  # read the float the program wrote to {workdir}/reward
     # program: each request samples with its own temperature, top-p, top-k and min-p; source: with
@@ -236,9 +254,13 @@ class CommandAgent:
         name = f"{_episode_key(record, group_id, k)}-{secrets.token_hex(4)}"
         own_workdir = workdir is None
         if workdir is None:
-            workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.workdir_root))
+            workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_episodes_root(self.workdir_root)))
+        # the folders holding other episodes' directories: empty to this one's program but for its
+        # own (a sandbox's pool folder too, unless a backend keeps its sandboxes in a shared one)
+        shared = {"/", tempfile.gettempdir(), os.path.expanduser("~")}
+        siblings = tuple(p for p in (str(workdir.parent), _episodes_root(None)) if os.path.realpath(p) not in shared)
         try:
-            control = tempfile.mkdtemp(prefix="lsg-")  # short: it holds the relay's Unix socket
+            control = tempfile.mkdtemp(prefix="lsg-", dir=siblings[1])  # short: it holds the relay's Unix socket
             info = gateway.open_session(name, sampling=sampling if self.sampling_from == "source" else None)
             try:
                 prompt_file = _write_prompt(workdir, record.prompt)
@@ -265,7 +287,7 @@ class CommandAgent:
                     max_output_bytes=self.max_output_bytes,
                     jail=self.jailed,
                     gateway=_target(gateway),
-                    hidden=self._hidden_with(private) if self.jailed else (),
+                    hidden=(*self._hidden_with(private), *dict.fromkeys(siblings)) if self.jailed else (),
                 )
                 outcome = await run_program(launch)
                 facts = self.report(workdir)
