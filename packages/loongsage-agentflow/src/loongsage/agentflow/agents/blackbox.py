@@ -26,6 +26,8 @@ or its solution, while both run.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import json
 import logging
 import os
@@ -58,8 +60,18 @@ def _episodes_root(base: str | None) -> str:
     key = (os.getpid(), base)  # a forked worker makes its own
     root = _EPISODE_ROOTS.get(key)
     if root is None or not os.path.isdir(root):
+        if not _EPISODE_ROOTS:
+            atexit.register(_remove_empty_roots)
         root = _EPISODE_ROOTS[key] = tempfile.mkdtemp(prefix="lsg-episodes-", dir=base)
     return root
+
+
+def _remove_empty_roots() -> None:
+    """At exit: the episode folders this process made, where nothing was kept in them (keep_workdir)."""
+    for (pid, _), root in _EPISODE_ROOTS.items():
+        if pid == os.getpid():
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
 
 
 # what the program inherits from the driver without inherit_env: enough to find and run programs,
