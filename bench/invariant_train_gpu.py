@@ -27,22 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from _source import source_state
-from engine_gpu import qwen3_1_7b_config
+from engine_gpu import qwen3_1_7b_config, timed
 
 RESULTS = Path(__file__).resolve().parent / "results" / "invariant_train_gpu.json"
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main() -> None:

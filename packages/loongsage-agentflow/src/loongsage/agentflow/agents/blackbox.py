@@ -269,10 +269,11 @@ class CommandAgent:
             workdir = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=_episodes_root(self.workdir_root)))
         # the folders holding other episodes' directories: empty to this one's program but for its
         # own (a sandbox's pool folder too, unless a backend keeps its sandboxes in a shared one)
+        controls = _episodes_root(None)
         shared = {"/", tempfile.gettempdir(), os.path.expanduser("~")}
-        siblings = tuple(p for p in (str(workdir.parent), _episodes_root(None)) if os.path.realpath(p) not in shared)
+        siblings = tuple(p for p in (str(workdir.parent), controls) if os.path.realpath(p) not in shared)
         try:
-            control = tempfile.mkdtemp(prefix="lsg-", dir=siblings[1])  # short: it holds the relay's Unix socket
+            control = tempfile.mkdtemp(prefix="lsg-", dir=controls)  # short: it holds the relay's Unix socket
             info = gateway.open_session(name, sampling=sampling if self.sampling_from == "source" else None)
             try:
                 prompt_file = _write_prompt(workdir, record.prompt)

@@ -258,6 +258,7 @@ class FusedDecoder:
         rows, width = input_ids.shape
         n = rows * width
         positions = torch.arange(width, device=input_ids.device).repeat(rows).view(n, 1)
+        sequences = torch.arange(rows, device=input_ids.device).repeat_interleave(width)
         hidden = r.inner.embed_tokens(input_ids.reshape(n, 1))
         cos, sin = r.inner.rotary_emb(hidden, positions)
         cos, sin = cos[:, 0], sin[:, 0]
@@ -276,6 +277,8 @@ class FusedDecoder:
                 r.num_heads,
                 r.kv_heads,
                 rows,
+                positions[:, 0],
+                sequences,
             )
             o = self._linear(i, "o", Attention.apply(q, keys, values, r.scales[i]), parts.o_proj, True)
             x, residual = AddRmsNorm.apply(o, residual, parts.ln2.weight, parts.ln2.variance_epsilon)

@@ -71,8 +71,9 @@ class AddRmsNorm(torch.autograd.Function):
 
 
 class QkRope(torch.autograd.Function):
-    """:func:`~.ops.qk_rope_store` on the trainer's layout: the queries ``[N, heads, d]`` and this
-    layer's key and value caches ``[rows, kv_heads, width, d]``, made here and filled whole."""
+    """:func:`~.ops.qk_rope_store` on the trainer's layout (each token's position and sequence in
+    ``cols`` and ``sequences``): the queries ``[N, heads, d]`` and this layer's key and value caches
+    ``[rows, kv_heads, width, d]``, made here and filled whole."""
 
     @staticmethod
     def forward(
@@ -86,14 +87,14 @@ class QkRope(torch.autograd.Function):
         heads: int,
         kv_heads: int,
         rows: int,
+        cols: Tensor,
+        sequences: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor]:
         n = qkv.shape[0]
         width, dim = n // rows, qkv.shape[1] // (heads + 2 * kv_heads)
         keys = qkv.new_empty(rows, kv_heads, width, dim)
         values = torch.empty_like(keys)
-        positions = torch.arange(width, device=qkv.device, dtype=torch.int32).repeat(rows)
-        sequences = torch.arange(rows, device=qkv.device, dtype=torch.int32).repeat_interleave(width)
-        q = qk_rope_store(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, sin, keys, values, positions, sequences)
+        q = qk_rope_store(qkv, heads, kv_heads, q_norm, k_norm, eps, cos, sin, keys, values, cols, sequences)
         ctx.save_for_backward(qkv, q_norm, k_norm, cos, sin)
         ctx.eps, ctx.heads, ctx.kv_heads = eps, heads, kv_heads
         return q, keys, values
@@ -114,7 +115,7 @@ class QkRope(torch.autograd.Function):
             return cache.transpose(1, 2).reshape(n, kv_heads, dim)
 
         grads = _grads((q, k, v), inputs, (g_q, tokens(g_keys), tokens(g_values)))
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 class Attention(torch.autograd.Function):

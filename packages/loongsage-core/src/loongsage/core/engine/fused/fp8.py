@@ -29,24 +29,23 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from loongsage.core.model_math.fp8_linear import quantize
+
 E4M3 = torch.float8_e4m3fn
-# the largest finite e4m3 value, and the scale of a row of zeros (any positive one gives zeros
-# back); store_e4m3_row writes the same two numbers into its kernel
-_E4M3_MAX = 448.0
-_TINY = 1e-12
 
 
 def quantize_weight(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """``(w8 [N, K] e4m3, scale [1, N] float32)`` with ``weight ~= w8 * scale.T``, per output channel."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / _E4M3_MAX).clamp_(min=_TINY)
-    return (w / scale[:, None]).to(E4M3), scale.view(1, -1)
+    """``(w8 [N, K] e4m3, scale [1, N] float32)`` with ``weight ~= w8 * scale.T``, per output channel
+    (the trainer's FP8 GEMMs quantize their operands the same way)."""
+    w8, scale = quantize(weight, "e4m3", rowwise=True)
+    return w8, scale.view(1, -1)
 
 
 @triton.jit
 def store_e4m3_row(x, q_ptrs, scale_ptr, inside):
     """Store one row ``x`` (float32, zeros outside ``inside``) as float8 with its per-row scale:
-    its largest magnitude over 448, at least 1e-12. The divisions round to nearest, as an exact
+    its largest magnitude over 448, at least 1e-12 (the numbers of
+    :func:`~loongsage.core.model_math.fp8_linear.quantize`). The divisions round to nearest, as an exact
     float32 division does (Triton's default one is approximate, and torch's CUDA division by a
     Python number multiplies by the rounded reciprocal, one ulp off at times). The fused norm and SwiGLU kernels
     (:mod:`.ops`) end with this, so a GEMM's input leaves its producer already quantized."""
