@@ -6,6 +6,8 @@ three ways, in this process, on the same weights and tokens:
 
 * ``hf``: the plain HF forward and backward (eager, SDPA attention): the fast path's trainer
   uncompiled, the peer;
+* ``hf_compiled``: the same with every decoder layer compiled as ``compile_layers`` does it (a copy
+  of the model): the fast path's trainer as the GPU step runs it;
 * ``invariant``: :class:`~loongsage.core.trainer.invariant.InvariantForward` as the trainer runs it
   now: one forward on the batch-invariant kernels (the engine's numbers bit for bit), differentiated
   through the same kernels (:mod:`loongsage.core.engine.fused.differentiable`);
@@ -25,6 +27,7 @@ Writes ``bench/results/invariant_train_gpu.json`` (the commit first) and a markd
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 from pathlib import Path
@@ -36,18 +39,37 @@ from engine_gpu import qwen3_1_7b_config, timed
 RESULTS = Path(__file__).resolve().parent / "results" / "invariant_train_gpu.json"
 
 
+def costliest_kernels(fn, top: int = 15) -> list[tuple[str, float, int]]:
+    """``(kernel name, total ms, calls)`` of the ``top`` kernels ``fn`` spends most GPU time in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            entry = totals.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.device_time_total / 1e3
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [(name, round(ms, 3), int(calls)) for name, (ms, calls) in ranked]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=32)
     parser.add_argument("--width", type=int, default=384)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--profile", action="store_true", help="also each side's 15 costliest GPU kernels")
     args = parser.parse_args()
     if args.repeats < 3:
         parser.error(f"--repeats={args.repeats}: at least 3 timed runs per side")
     source = source_state()  # the commit measured, first
     from transformers import Qwen3ForCausalLM
 
+    from loongsage.core.trainer.compiling import compile_like_eager
     from loongsage.core.trainer.invariant import InvariantForward
 
     torch.manual_seed(0)
@@ -79,15 +101,23 @@ def main() -> None:
     def hf() -> None:
         model.model(input_ids=ids, use_cache=False).last_hidden_state.float().sum().backward()
 
+    compiled = copy.deepcopy(model)
+    for layer in compiled.model.layers:
+        compile_like_eager(layer)
+
+    def hf_compiled() -> None:
+        compiled.model(input_ids=ids, use_cache=False).last_hidden_state.float().sum().backward()
+
     def ours() -> None:
         invariant.hidden(ids).float().sum().backward()
 
-    sides = {"hf": [hf], "invariant": [ours], "invariant_two_forwards": [engine_path, hf]}
+    sides = {"hf": [hf], "hf_compiled": [hf_compiled], "invariant": [ours], "invariant_two_forwards": [engine_path, hf]}
     with torch.no_grad():
         same_bits = bool(torch.equal(engine_path(), invariant.hidden(ids).view(n, -1)))
 
     def run(name: str) -> float:
         model.zero_grad(set_to_none=True)
+        compiled.zero_grad(set_to_none=True)
         return sum(timed(part) for part in sides[name])
 
     peaks = {}
@@ -127,6 +157,7 @@ def main() -> None:
         "repeats_s": times,
         "invariant_equals_engine_path_bits": same_bits,
         "gradient_relative_error_vs_hf": grad_error,
+        "kernels_ms": {name: costliest_kernels(lambda n=name: run(n)) for name in sides} if args.profile else None,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
