@@ -1,12 +1,12 @@
 """The fused kernels as autograd functions, for the trainer's batch-invariant forward.
 
 Each forward is the kernel itself, so the trainer's numbers stay the engine's bit for bit; each
-backward recomputes, in torch, the HF ops that the kernel equals (the norm, q/k norm + rotary,
-causal attention, ``silu(gate) * up``) from the inputs it saved, and differentiates them. The
-gradient is then the HF model's gradient taken at the invariant forward's own activations: one
-forward a micro-batch, where a second (HF) forward only for the backward used to double the cost.
-The recomputed pieces are small beside the GEMMs, whose backward (:class:`~.matmul.InvariantLinear`)
-already runs torch matmuls on the saved inputs.
+backward is the gradient of the HF ops that the kernel equals (the norm, q/k norm + rotary, causal
+attention, ``silu(gate) * up``), taken at the inputs it saved: the HF model's gradient at the
+invariant forward's own activations, from one forward a micro-batch (a second, HF forward only for
+the backward used to double the cost). The norms', rotary's and SwiGLU's backwards are written out
+(:mod:`.gradients`, compiled on a GPU); attention's recomputes causal SDPA and differentiates it.
+The GEMMs' backward (:class:`~.matmul.InvariantLinear`) runs torch matmuls on the saved inputs.
 
 :class:`Attention` and :class:`QkRope` take the trainer's layout: ``rows`` sequences of ``width``
 tokens each, token ``n`` = sequence ``n // width`` at position ``n % width``, attending causally
@@ -21,19 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from loongsage.core.engine.fused.attention import causal_attention
+from loongsage.core.engine.fused.gradients import add_rms_norm_backward, qk_norm_rope_backward, silu_mul_backward
 from loongsage.core.engine.fused.ops import add_rms_norm, qk_rope_store, silu_mul
-
-
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF's Llama-family RMSNorm: normalise in float32, round, then scale in the model dtype."""
-    f = x.float()
-    return weight * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """HF's ``x * cos + rotate_half(x) * sin`` (``cos``/``sin`` broadcast over the heads)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
 def _grads(outputs: tuple[Tensor, ...], inputs: list[Tensor | None], grads: tuple[Tensor, ...]) -> list:
@@ -63,11 +52,15 @@ class AddRmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_normed: Tensor, g_total: Tensor) -> tuple[Tensor | None, ...]:
         x, residual, weight = ctx.saved_tensors
-        inputs = [_detached(t, need) for t, need in zip((x, residual, weight), ctx.needs_input_grad)]
-        with torch.enable_grad():
-            total = inputs[0] if inputs[1] is None else inputs[0] + inputs[1]
-            normed = _rms_norm(total, inputs[2], ctx.eps)
-        return (*_grads((normed, total), inputs, (g_normed, g_total)), None)
+        total = x if residual is None else x + residual  # the forward's sum, rounded as it is
+        grad_total, grad_weight = add_rms_norm_backward(total, weight, ctx.eps, g_normed, g_total)
+        need_x, need_residual, need_weight, _ = ctx.needs_input_grad
+        return (
+            grad_total if need_x else None,
+            grad_total if need_residual and residual is not None else None,
+            grad_weight if need_weight else None,
+            None,
+        )
 
 
 class QkRope(torch.autograd.Function):
@@ -102,20 +95,14 @@ class QkRope(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_q: Tensor, g_keys: Tensor, g_values: Tensor) -> tuple[Tensor | None, ...]:
         qkv, q_norm, k_norm, cos, sin = ctx.saved_tensors
-        heads, kv_heads = ctx.heads, ctx.kv_heads
-        inputs = [_detached(t, need) for t, need in zip((qkv, q_norm, k_norm), ctx.needs_input_grad)]
-        n, dim = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads)
-        with torch.enable_grad():
-            q, k, v = inputs[0].view(n, heads + 2 * kv_heads, dim).split([heads, kv_heads, kv_heads], 1)
-            if inputs[1] is not None:
-                q, k = _rms_norm(q, inputs[1], ctx.eps), _rms_norm(k, inputs[2], ctx.eps)
-            q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+        n, kv_heads, dim = qkv.shape[0], g_keys.shape[1], g_keys.shape[3]
 
         def tokens(cache: Tensor) -> Tensor:  # [rows, kv, width, d] -> [rows * width, kv, d]
             return cache.transpose(1, 2).reshape(n, kv_heads, dim)
 
-        grads = _grads((q, k, v), inputs, (g_q, tokens(g_keys), tokens(g_values)))
-        return (*grads, None, None, None, None, None, None, None, None)
+        grads = qk_norm_rope_backward(qkv, q_norm, k_norm, ctx.eps, cos, sin, g_q, tokens(g_keys), tokens(g_values))
+        needs = ctx.needs_input_grad[:3]
+        return (*(g if need else None for g, need in zip(grads, needs)), None, None, None, None, None, None, None, None)
 
 
 class Attention(torch.autograd.Function):
@@ -158,8 +145,4 @@ class SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         (gate_up,) = ctx.saved_tensors
-        inputs = [gate_up.detach().requires_grad_()]
-        with torch.enable_grad():
-            gate, up = inputs[0].chunk(2, -1)
-            out = F.silu(gate) * up
-        return _grads((out,), inputs, (grad,))[0]
+        return silu_mul_backward(gate_up, grad)[0]
