@@ -1,19 +1,26 @@
-"""What the batch-invariant mode costs in the RL step: `gpu_rl_step`'s work, ours only, run twice on one GPU.
+"""What a mode of the step costs: `gpu_rl_step`'s work, ours only, run twice on one GPU, with the mode and without.
 
-* ``batch_invariant``: the recipe with ``batch_invariant`` on the native engine and the torch
-  trainer (its layers uncompiled: the invariant forward is the engine's kernels, the backward the
-  plain HF one's);
-* ``fast``: the recipe as it is (the peer: our fast path, same card, same run).
+``--mode`` picks it:
+
+* ``batch_invariant`` (the default): ``batch_invariant`` on the native engine and the torch trainer
+  (its layers uncompiled: the invariant forward is the engine's kernels, the backward the HF ops'
+  gradients, written out and compiled);
+* ``fp8``: the torch trainer's decoder GEMMs in FP8 (``fp8: hybrid``, row-wise scales), the engine
+  in bf16;
+
+against ``fast``: the recipe as it is (the peer: our fast path, same card, same run).
 
 Each side runs ``--steps`` steps through the launcher (Ray, colocated, CUDA graphs) and drops the
 first ``--warmup``; the medians of the rest are compared, with each step's
 ``train/is_approx_k3_kl``, the k3 KL between the engine's and the trainer's log-probs of the sampled
-tokens: exactly 0 is what the mode is for. On a card under 100 GB both sides run micro-batches of
-6,144 tokens (the recipe's 12,288 do not fit beside the engine there).
+tokens: exactly 0 is what the batch-invariant mode is for. A side's run folder (a 1.7B model's
+checkpoint with its optimizer state) is removed once it is measured. On a card under 100 GB both
+sides run micro-batches of 6,144 tokens (the recipe's 12,288 do not fit beside the engine there).
 
-    python bench/gpu_invariant_step.py [--steps 6] [--warmup 2]
+    python bench/gpu_invariant_step.py [--mode batch_invariant|fp8] [--steps 6] [--warmup 2]
 
-Writes ``bench/results/gpu_rl_step_invariant.json`` and ``.md`` (``--out-dir``).
+Writes ``bench/results/gpu_rl_step_invariant.json`` and ``.md`` (``gpu_rl_step_fp8`` for ``fp8``;
+``--out-dir``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -30,11 +38,19 @@ import torch
 from _source import source_state
 
 BENCH = Path(__file__).resolve().parent
-INVARIANT = [
-    "rollout.engine.params.batch_invariant=true",
-    "trainer.backend.params.batch_invariant=true",
-    "trainer.backend.params.compile_layers=false",
-]
+# mode -> (its overrides, its label, the name of its results)
+MODES = {
+    "batch_invariant": (
+        [
+            "rollout.engine.params.batch_invariant=true",
+            "trainer.backend.params.batch_invariant=true",
+            "trainer.backend.params.compile_layers=false",
+        ],
+        "batch-invariant",
+        "gpu_rl_step_invariant",
+    ),
+    "fp8": (["trainer.backend.params.fp8=hybrid"], "FP8 trainer", "gpu_rl_step_fp8"),
+}
 
 
 def side(name: str, overrides: list[str], steps: int, warmup: int, cache: Path) -> dict:
@@ -55,18 +71,20 @@ def side(name: str, overrides: list[str], steps: int, warmup: int, cache: Path) 
     figures = gpu_rl_step.ours(args, work, env)
     figures.pop("timeline")
     figures.pop("profile")
+    shutil.rmtree(work, ignore_errors=True)
     return {**figures, "set": overrides}
 
 
 def markdown(result: dict) -> str:
-    inv, fast = result["batch_invariant"], result["fast"]
+    mode = result.get("mode", "batch_invariant")
+    inv, fast, label = result[mode], result["fast"], MODES[mode][1]
     recipe = f"the recipe with `{' '.join(result['base'])}`" if result["base"] else "the recipe as it is"
     lines = [
         f"commit `{result['source']['commit'][:10]}`; {result['device']}; `gpu_rl_step`'s work, ours only "
         f"({recipe} on both sides); median of {result['measured']} steps after {result['warmup']} warm-up "
         f"steps" + (f"; {result['note']}" if result.get("note") else ""),
         "",
-        "| | batch-invariant | fast | invariant / fast |",
+        f"| | {label} | fast | {label} / fast |",
         "|---|---:|---:|---:|",
     ]
     for key, label in (
@@ -87,6 +105,7 @@ def markdown(result: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=list(MODES), default="batch_invariant")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out-dir", default=str(BENCH / "results"))
@@ -101,17 +120,19 @@ def main() -> int:
     result = {
         "source": source,
         "device": torch.cuda.get_device_name(0),
+        "mode": args.mode,
         "base": base,
         "warmup": args.warmup,
         "measured": args.steps - args.warmup,
     }
-    for name, extra in (("batch_invariant", INVARIANT), ("fast", [])):
+    overrides, _, results = MODES[args.mode]
+    for name, extra in ((args.mode, overrides), ("fast", [])):
         result[name] = side(name, base + extra, args.steps, args.warmup, cache)
         print(name, {k: result[name][k] for k in ("step_s", "rollout_s", "train_s", "k3_median")}, flush=True)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_rl_step_invariant.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "gpu_rl_step_invariant.md").write_text(markdown(result))
+    (out / f"{results}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{results}.md").write_text(markdown(result))
     print(markdown(result))
     return 0
 
