@@ -33,7 +33,9 @@ def test_add_rms_norm_backward_is_autograds(dtype):
     g_normed, g_total = torch.randn(7, 48, dtype=dtype), torch.randn(7, 48, dtype=dtype)
     total = x + residual
     torch.autograd.backward((norm(total), total), (g_normed, g_total))
-    got_total, got_weight = gradients.add_rms_norm_backward(total.detach(), norm.weight.detach(), EPS, g_normed, g_total)
+    got_total, got_weight = gradients.add_rms_norm_backward(
+        total.detach(), norm.weight.detach(), EPS, g_normed, g_total
+    )
     assert got_total.dtype == dtype and got_weight.dtype == dtype
     tol = F32 if dtype == torch.float64 else {"rtol": 3e-2, "atol": 3e-2}
     torch.testing.assert_close(got_total, x.grad, **tol)

@@ -35,8 +35,8 @@ output element is pinned, and depends on ``K`` alone:
   once, to the output dtype (float32 for the FP32 LM head: no rounding at all).
 
 The fixed order costs speed where cuBLAS has more freedom: its large-``M`` kernels (warp
-specialisation, split-K chosen by shape) are about twice as fast on the trainer's GEMMs
-(``bench/invariant_gemm_gpu.py``). ``N`` is tiled too, so the columns of one
+specialisation, split-K chosen by shape) take 0.57-0.6x its time on the trainer's GEMMs
+(``bench/invariant_gemm_gpu.py``, an H100). ``N`` is tiled too, so the columns of one
 projection computed alone equal the same columns of a merged (q/k/v, gate/up) weight bit for bit,
 as long as the two calls see the same ``K`` and pointer alignment (see ``invariant_matmul``): the
 engine runs its merged projections, the trainer its own modules' weights.
