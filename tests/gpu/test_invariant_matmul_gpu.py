@@ -1,6 +1,6 @@
 """On a CUDA GPU: the batch-invariant GEMM's rows do not depend on the batch, bit for bit, at the
 1.7B shape's projections, in each of its layouts (small or large tiles; a chunk of K per program,
-or a tile per program).
+or a tile per program; on Hopper, TMA loads with programs walking the tiles).
 
 The CPU suite checks the same in Triton's interpreter, whose ``tl.dot`` is numpy's; this checks the
 compiled kernels: that the layouts' tensor-core sums add the same products in the same order
@@ -39,9 +39,11 @@ def test_rows_are_the_same_bits_in_every_batch_and_layout(n, k, head, monkeypatc
         assert torch.equal(got, alone), (n, k, rows)
     # each layout forced on every shape, at a decode's rows and at a trainer's: the same bits
     trainer = batch  # the last batch: 4096 rows holding the probe
-    layouts = [(t, split) for t in (matmul.SMALL_TILES, matmul.LARGE_TILES) for split in (True, False)]
+    layouts = [(t, layout) for t in (matmul.SMALL_TILES, matmul.LARGE_TILES) for layout in ("split", "tile")]
+    if torch.cuda.get_device_capability()[0] == 9:  # TMA where the large layout uses it
+        layouts += [(matmul.TMA_TILES if head is None else matmul.TMA_WIDE_OUT_TILES, "tma")]
     for layout in layouts:
-        monkeypatch.setattr(matmul, "_layout", lambda m, n, k, device, layout=layout: layout)
+        monkeypatch.setattr(matmul, "_layout", lambda m, n, k, device, wide_out, layout=layout: layout)
         got = matmul.invariant_matmul(probe, weight, out_dtype=out_dtype)
         assert torch.equal(got, alone), (n, k, "layout", layout)
         got = matmul.invariant_matmul(trainer, weight, out_dtype=out_dtype)[at]

@@ -636,25 +636,31 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch(fused, dtype):
 
 
 def test_invariant_matmul_layouts_give_the_same_bits(fused, monkeypatch):
-    """Small or large tiles, a chunk per program (with the in-order sum of the chunks after) or a
-    tile per program (walking its chunks): layouts of one computation, the same bits, with and
-    without a bias, rounded to bf16 or kept in float32, and with a single chunk (no sum of chunks)."""
+    """Small or large tiles, a chunk per program (with the in-order sum of the chunks after), a tile
+    per program (walking its chunks) or TMA loads with programs walking the tiles: layouts of one
+    computation, the same bits, with and without a bias, rounded to bf16 or kept in float32, with a
+    short last chunk, a single chunk (no sum of chunks), ``x`` a column slice of a wider tensor, and
+    rows TMA cannot read (K = 1100: the pointer kernel runs)."""
     mm = fused["matmul"]
     torch.manual_seed(13)
-    layouts = [(tiles, split) for tiles in (mm.SMALL_TILES, mm.LARGE_TILES) for split in (True, False)]
-    chosen = {mm._layout(m, 150, 1100, torch.device("cpu")) for m in (70, 1100)}
-    assert chosen == {(mm.SMALL_TILES, True), (mm.LARGE_TILES, False)}  # the interpreter runs both sizes
-    for k in (1100, 300):
-        x, w = torch.randn(200, k, dtype=torch.bfloat16), torch.randn(150, k, dtype=torch.bfloat16)
-        bias = torch.randn(150, dtype=torch.bfloat16)
+    layouts = [(tiles, layout) for tiles in (mm.SMALL_TILES, mm.LARGE_TILES) for layout in ("split", "tile")]
+    layouts += [(mm.TMA_TILES, "tma"), (mm.TMA_WIDE_OUT_TILES, "tma")]
+    chosen = {mm._layout(m, 150, 1100, torch.device("cpu"), False) for m in (70, 1100)}
+    assert chosen == {(mm.SMALL_TILES, "split"), (mm.TMA_TILES, "tma")}  # the interpreter runs both sizes
+    tma_runs, run_tma = [], mm._run_tma
+    monkeypatch.setattr(mm, "_run_tma", lambda *args: tma_runs.append(args[0].shape[1]) or run_tma(*args))
+    for k in (1088, 320, 1100):
+        x = torch.randn(200, k + 8, dtype=torch.bfloat16)[:, 8:]  # read in place, rows of k + 8
+        w, bias = torch.randn(136, k, dtype=torch.bfloat16), torch.randn(136, dtype=torch.bfloat16)
         for b, out_dtype in ((bias, None), (None, torch.float32), (bias, torch.float32)):
             outs = []
             for layout in layouts:
-                monkeypatch.setattr(mm, "_layout", lambda m, n, k, device, layout=layout: layout)
+                monkeypatch.setattr(mm, "_layout", lambda m, n, k, device, wide_out, layout=layout: layout)
                 outs.append(mm.invariant_matmul(x, w, b, out_dtype))
             assert all(torch.equal(outs[0], o) for o in outs[1:]), (k, out_dtype)
             want = x.float() @ w.float().T + (0 if b is None else b.float())
             torch.testing.assert_close(outs[0].float(), want, atol=1e-4 if out_dtype else 0.1, rtol=1e-2)
+    assert set(tma_runs) == {1088, 320}  # TMA read the aligned rows; those of K = 1100 are not
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -22,8 +22,10 @@ output element is pinned, and depends on ``K`` alone:
   chunks' sums are added in order, chunk 0 first. That order is a function of ``K`` only;
 * how the work is laid out on the GPU is chosen by shape (:func:`_layout`), and never changes the
   numbers. With many output tiles (the trainer's thousands of rows, the LM head's vocabulary)
-  the tiles are 128 x 128 and one program walks its tile's chunks in order, adding them as it
-  goes. With fewer, the tiles are 64 x 64; and with few of those (a decode step's ``M`` of a few
+  the tiles are large and one program walks its tile's chunks in order, adding them as it goes;
+  on a Hopper GPU its operands come in by TMA and each program, one an SM, walks tiles until none
+  is left (128 x 256 tiles, 128 x 128 for a float32 output), elsewhere the tiles are 128 x 128,
+  one program each. With fewer, the tiles are 64 x 64; and with few of those (a decode step's ``M`` of a few
   dozen rows: a 2048-wide projection has 32 column tiles for 132 SMs) each chunk is a program of
   its own, writing its float32 sum to a buffer that a second kernel adds up in chunk order. All
   run the same chunk code and the same additions in the same order, so a row's numbers are the
@@ -34,12 +36,15 @@ output element is pinned, and depends on ``K`` alone:
 * the bias, if any, is added to the float32 sum after the last chunk, and the result is rounded
   once, to the output dtype (float32 for the FP32 LM head: no rounding at all).
 
-The fixed order costs speed where cuBLAS has more freedom: its large-``M`` kernels (warp
-specialisation, split-K chosen by shape) take 0.57-0.6x its time on the trainer's GEMMs
-(``bench/invariant_gemm_gpu.py``, an H100). ``N`` is tiled too, so the columns of one
-projection computed alone equal the same columns of a merged (q/k/v, gate/up) weight bit for bit,
-as long as the two calls see the same ``K`` and pointer alignment (see ``invariant_matmul``): the
-engine runs its merged projections, the trainer its own modules' weights.
+The fixed order costs speed where cuBLAS has more freedom (warp specialisation, split-K chosen by
+shape). On an H100 at the trainer's 6,144 rows the kernel took 1.7-1.8x cuBLAS's time as a
+program a tile (``bench/invariant_gemm_gpu.py``) and 1.13-1.18x on TMA (1.27x the FP32 head),
+measured on a copy of the TMA kernel whose outputs equalled the others' bits at every projection.
+
+``N`` is tiled too, so the columns of one projection computed alone equal the same columns of a
+merged (q/k/v, gate/up) weight bit for bit, as long as the two calls see the same ``K`` and pointer
+alignment (see ``invariant_matmul``): the engine runs its merged projections, the trainer its own
+modules' weights.
 
 The backward (:class:`InvariantLinear`) runs ordinary torch matmuls: gradients need not be invariant.
 """
@@ -74,6 +79,12 @@ class Tiles(NamedTuple):
 
 SMALL_TILES = Tiles(64, 64, 4, 3)  # decode and short prefills: more programs for the SMs
 LARGE_TILES = Tiles(128, 128, 8, 4)  # the trainer's forward and the head: 1.3-1.4x faster at M = 8192
+# the large layout on Hopper's TMA loads, one program an SM walking the tiles (persistent): at the
+# trainer's 6,144 rows on an H100, 1.13-1.18x cuBLAS's time against the pointer kernel's 1.7-1.8x
+# with 128 x 256 tiles, and 1.27x against 1.68x for the FP32 head with 128 x 128 ones (a float32
+# tile of 128 x 256 does not fit in shared memory beside three stages of operands)
+TMA_TILES = Tiles(128, 256, 8, 3)
+TMA_WIDE_OUT_TILES = Tiles(128, 128, 8, 4)
 # rows from which large tiles may run: a decode step's few hundred rows keep the small tiles they
 # were measured with, where a 128-row tile would hold as many masked rows as real ones
 _LARGE_TILES_FROM_ROWS = 1024
@@ -172,6 +183,55 @@ def _matmul_kernel(
         tl.store(out, total.to(out_ptr.dtype.element_ty), mask=in_m & in_n)  # the one rounding
 
 
+@triton.jit(do_not_specialize=["M"])
+def _tma_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """:func:`_sum_k`'s loop over all of ``K`` with the operands' blocks brought in by TMA (out of
+    bounds: zeros, as the masked loads give), each program walking output tiles until none is left;
+    the same products in the same order, so the same bits. The descriptors are made here, on the
+    device (the output a fresh contiguous ``[M, N]``)."""
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_x, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_w, 1], block_shape=[BLOCK_N, BLOCK_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    for tile in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
+        first_m = (tile // per_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % per_group) % group_m
+        pid_n = (tile % per_group) // group_m
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            a = x_desc.load([pid_m * BLOCK_M, k])
+            b = w_desc.load([pid_n * BLOCK_N, k])
+            acc = tl.dot(a, b.T, acc)
+            if ((k + BLOCK_K) % CHUNK_K == 0) | (k + BLOCK_K >= K):  # a chunk ends
+                total += acc
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if HAS_BIAS:
+            rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            total += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], total.to(out_ptr.dtype.element_ty))  # the one rounding
+
+
 @triton.jit
 def _chunk_reduce_kernel(part_ptr, b_ptr, out_ptr, M, N, CHUNKS, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """``out = sum of the chunks' float32 sums, chunk 0 first (+ bias)``, rounded once: the same
@@ -195,16 +255,32 @@ def _two_waves(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _layout(m: int, n: int, k: int, device: torch.device) -> tuple[Tiles, bool]:
-    """``(tiles, split)`` for ``[m, k] @ [k, n]``: large tiles for a trainer's or a prefill's rows
-    when they alone fill the GPU twice, else small ones (a decode step's), each chunk of K a
-    program of its own (``split``) when even those do not fill it twice."""
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    """Whether the large layout runs on TMA: a Hopper GPU (where it was measured), or Triton's
+    interpreter on the CPU (so the CPU suite runs it)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
+
+
+def _layout(m: int, n: int, k: int, device: torch.device, wide_out: bool) -> tuple[Tiles, str]:
+    """``(tiles, layout)`` for ``[m, k] @ [k, n]`` (``wide_out``: a float32 result): large tiles for
+    a trainer's or a prefill's rows when they alone fill the GPU twice (on TMA where the GPU has
+    it), else small ones (a decode step's), each chunk of K a program of its own (``split``) when
+    even those do not fill it twice."""
     waves = _two_waves(device)
     large = triton.cdiv(m, LARGE_TILES.block_m) * triton.cdiv(n, LARGE_TILES.block_n)
     if m >= _LARGE_TILES_FROM_ROWS and large >= waves:
-        return LARGE_TILES, False
+        if _has_tma(device):
+            return (TMA_WIDE_OUT_TILES if wide_out else TMA_TILES), "tma"
+        return LARGE_TILES, "tile"
     few = triton.cdiv(m, SMALL_TILES.block_m) * triton.cdiv(n, SMALL_TILES.block_n) < waves
-    return SMALL_TILES, few and k > _CHUNK_K
+    return SMALL_TILES, "split" if few and k > _CHUNK_K else "tile"
+
+
+def _tma_ready(*tensors: Tensor) -> bool:
+    """Whether TMA can read (or write) these 2-D tensors in place: 16-byte aligned addresses and
+    row strides (a column slice of a wider ``x`` may have neither: it runs the pointer kernel)."""
+    return all(t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0 for t in tensors)
 
 
 def invariant_matmul(
@@ -222,7 +298,8 @@ def invariant_matmul(
     Bitwise invariance holds across ``M`` (and across the column range of a merged weight) for
     calls with the same ``K`` and dtypes. Triton specialises a kernel on the 16-byte alignment of
     its pointers and row strides: an ``x`` whose rows are not 16-byte aligned runs a second compiled
-    kernel, which loads differently and is expected (not guaranteed) to sum identically.
+    kernel, which loads differently and is expected (not guaranteed) to sum identically (and, in
+    the large layout on a Hopper GPU, the pointer kernel rather than TMA, which needs that alignment).
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -245,10 +322,16 @@ def invariant_matmul(
         weight = weight.contiguous()
     if bias is not None:
         bias = bias.contiguous()
-    config, split = _layout(m, n, k, x.device)
+    config, layout = _layout(m, n, k, x.device, out_dtype == torch.float32)
+    if layout == "tma" and not _tma_ready(x, weight, out):
+        config, layout = LARGE_TILES, "tile"
+    b = x if bias is None else bias  # never read without a bias
+    if layout == "tma":
+        _run_tma(x, weight, b, out, bias is not None, config)
+        return out
+    split = layout == "split"
     tiles, chunks = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), triton.cdiv(k, _CHUNK_K)
     part = torch.empty((chunks, m, n), dtype=torch.float32, device=x.device) if split else out
-    b = x if bias is None else bias  # never read without a bias
     _matmul_kernel[(tiles, chunks if split else 1)](
         x,
         weight,
@@ -276,6 +359,37 @@ def invariant_matmul(
             part, b, out, m, n, chunks, HAS_BIAS=bias is not None, BLOCK=_REDUCE_BLOCK
         )
     return out
+
+
+def _scratch_on(device: torch.device, size: int, alignment: int, stream: int | None) -> Tensor:
+    """Triton's scratch memory for the descriptors a kernel makes on ``device``."""
+    return torch.empty(size, dtype=torch.int8, device=device)
+
+
+def _run_tma(x: Tensor, weight: Tensor, b: Tensor, out: Tensor, has_bias: bool, config: Tiles) -> None:
+    """The TMA layout: one program an SM (or a tile, when there are fewer tiles than SMs)."""
+    (m, k), n = x.shape, weight.shape[0]
+    tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
+    triton.set_allocator(functools.partial(_scratch_on, x.device))
+    _tma_kernel[(min(tiles, _two_waves(x.device) // 2),)](
+        x,
+        weight,
+        out,
+        b,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        HAS_BIAS=has_bias,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=_BLOCK_K,
+        CHUNK_K=_CHUNK_K,
+        GROUP_M=_GROUP_M,
+        STAGES=config.stages,
+        num_warps=config.warps,
+    )
 
 
 def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
