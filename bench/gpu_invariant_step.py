@@ -68,10 +68,12 @@ def side(name: str, overrides: list[str], steps: int, warmup: int, cache: Path) 
         share_prompts=False,
         set=overrides,
     )
-    figures = gpu_rl_step.ours(args, work, env)
+    try:
+        figures = gpu_rl_step.ours(args, work, env)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     figures.pop("timeline")
     figures.pop("profile")
-    shutil.rmtree(work, ignore_errors=True)
     return {**figures, "set": overrides}
 
 

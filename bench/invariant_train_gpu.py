@@ -7,7 +7,7 @@ three ways, in this process, on the same weights and tokens:
 * ``hf``: the plain HF forward and backward (eager, SDPA attention): the fast path's trainer
   uncompiled, the peer;
 * ``hf_compiled``: the same with every decoder layer compiled as ``compile_layers`` does it (a copy
-  of the model): the fast path's trainer as the GPU step runs it;
+  of the model's modules over the same parameters): the fast path's trainer as the GPU step runs it;
 * ``invariant``: :class:`~loongsage.core.trainer.invariant.InvariantForward` as the trainer runs it
   now: one forward on the batch-invariant kernels (the engine's numbers bit for bit), differentiated
   through the same kernels (:mod:`loongsage.core.engine.fused.differentiable`);
@@ -101,7 +101,7 @@ def main() -> None:
     def hf() -> None:
         model.model(input_ids=ids, use_cache=False).last_hidden_state.float().sum().backward()
 
-    compiled = copy.deepcopy(model)
+    compiled = copy.deepcopy(model, {id(p): p for p in model.parameters()})  # the same weights, no copy
     for layer in compiled.model.layers:
         compile_like_eager(layer)
 

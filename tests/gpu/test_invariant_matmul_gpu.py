@@ -48,3 +48,32 @@ def test_rows_are_the_same_bits_in_every_batch_and_layout(n, k, head, monkeypatc
         assert torch.equal(got, alone), (n, k, "layout", layout)
         got = matmul.invariant_matmul(trainer, weight, out_dtype=out_dtype)[at]
         assert torch.equal(got, alone), (n, k, "layout", layout, "4096 rows")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="TMA layout: a Hopper GPU"
+)
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+def test_the_tma_layout_runs_and_gives_the_other_layouts_bits(out_dtype, monkeypatch):
+    """A trainer's rows on Hopper run the TMA layout (checked, not assumed): the same bits as the
+    pointer kernels' large and small tiles, with a bias, ``x`` a column slice of a wider tensor, and
+    a K whose last chunk is short (Qwen2.5-1.5B's intermediate size, 8960 = 17.5 chunks of 512)."""
+    from loongsage.core.engine.fused import matmul
+
+    torch.manual_seed(1)
+    dev = torch.device("cuda")
+    runs, run_tma = [], matmul._run_tma
+    monkeypatch.setattr(matmul, "_run_tma", lambda *args: runs.append(1) or run_tma(*args))
+    for n, k in ((1536, 8960), (2048, 2048)):
+        x = torch.randn(4096, k + 64, dtype=torch.bfloat16, device=dev)[:, 64:]
+        weight = torch.randn(n, k, dtype=torch.bfloat16, device=dev) * 0.02
+        bias = torch.randn(n, dtype=torch.bfloat16, device=dev)
+        tma = matmul.invariant_matmul(x, weight, bias, out_dtype)
+        assert len(runs) == 1, "the trainer's rows did not run the TMA layout"
+        runs.clear()
+        for layout in ((matmul.LARGE_TILES, "tile"), (matmul.SMALL_TILES, "split"), (matmul.SMALL_TILES, "tile")):
+            with monkeypatch.context() as forced:
+                forced.setattr(matmul, "_layout", lambda m, n, k, device, wide_out, layout=layout: layout)
+                assert torch.equal(matmul.invariant_matmul(x, weight, bias, out_dtype), tma), (n, k, layout)
+        want = x.float() @ weight.float().T + bias.float()
+        torch.testing.assert_close(tma.float(), want, atol=2e-2 if out_dtype is None else 1e-3, rtol=1e-2)

@@ -554,23 +554,31 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
 
 
 def test_a_frozen_input_of_a_fused_kernel_gets_no_gradient_and_the_others_theirs(fused):
-    """The kernels' backward (fused/differentiable.py) with a frozen input: the first layer's norm
-    reads the embedding alone (no residual yet), whose output copy then carries no gradient, while
-    the norm's weight gets torch's."""
+    """The kernels' backward (fused/differentiable.py) with frozen inputs: the first layer's norm
+    reads the embedding alone (no residual yet, the embedding frozen), and a norm whose residual is
+    frozen; the inputs that want one get torch's gradient (HF's RMSNorm under autograd)."""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     from loongsage.core.engine.fused.differentiable import AddRmsNorm
 
     torch.manual_seed(4)
     x = torch.randn(5, 32, dtype=torch.bfloat16)  # frozen: no gradient wanted
-    weight = torch.randn(32, dtype=torch.bfloat16).requires_grad_()
-    normed, total = AddRmsNorm.apply(x, None, weight, 1e-6)
-    (normed.float().square().sum() + total.float().sum()).backward()
-    norm = Qwen3RMSNorm(32, eps=1e-6).to(torch.bfloat16)
-    norm.weight.data.copy_(weight.detach())
-    norm(x).float().square().sum().backward()
-    assert x.grad is None
-    torch.testing.assert_close(weight.grad.float(), norm.weight.grad.float(), rtol=2e-2, atol=1e-2)
+    residual = torch.randn(5, 32, dtype=torch.bfloat16)
+    weight = torch.randn(32, dtype=torch.bfloat16)
+    close = {"rtol": 2e-2, "atol": 1e-2}
+    for frozen_x in (True, False):
+        ours = weight.clone().requires_grad_()
+        mine = x.clone().requires_grad_(not frozen_x)
+        normed, total = AddRmsNorm.apply(mine, None if frozen_x else residual, ours, 1e-6)
+        (normed.float().square().sum() + total.float().sum()).backward()
+        norm = Qwen3RMSNorm(32, eps=1e-6).to(torch.bfloat16)
+        norm.weight.data.copy_(weight)
+        theirs = x.clone().requires_grad_(not frozen_x)
+        summed = theirs if frozen_x else theirs + residual
+        (norm(summed).float().square().sum() + summed.float().sum()).backward()
+        torch.testing.assert_close(ours.grad.float(), norm.weight.grad.float(), **close)
+        if not frozen_x:
+            torch.testing.assert_close(mine.grad.float(), theirs.grad.float(), **close)
 
 
 def _probe_rows_in(batch: torch.Tensor, probe: torch.Tensor, at: list[int]) -> torch.Tensor:

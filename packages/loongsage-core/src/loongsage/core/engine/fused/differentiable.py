@@ -46,18 +46,18 @@ class AddRmsNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
         ctx.eps = eps
-        ctx.save_for_backward(x, residual, weight)
-        return add_rms_norm(x, residual, weight, eps)
+        normed, total = add_rms_norm(x, residual, weight, eps)
+        ctx.save_for_backward(total, weight)  # the sum the norm read: all its backward needs
+        return normed, total
 
     @staticmethod
     def backward(ctx, g_normed: Tensor, g_total: Tensor) -> tuple[Tensor | None, ...]:
-        x, residual, weight = ctx.saved_tensors
-        total = x if residual is None else x + residual  # the forward's sum, rounded as it is
+        total, weight = ctx.saved_tensors
         grad_total, grad_weight = add_rms_norm_backward(total, weight, ctx.eps, g_normed, g_total)
         need_x, need_residual, need_weight, _ = ctx.needs_input_grad
         return (
             grad_total if need_x else None,
-            grad_total if need_residual and residual is not None else None,
+            grad_total if need_residual else None,
             grad_weight if need_weight else None,
             None,
         )

@@ -92,6 +92,8 @@ def qk_norm_rope_backward(
     q, k, _ = qkv.view(n, heads + 2 * kv_heads, -1).split([heads, kv_heads, kv_heads], 1)
     cos, sin = cos[:, None].float(), sin[:, None].float()
     grad_q, grad_k = _rotary_backward(grad_q.float(), cos, sin), _rotary_backward(grad_k.float(), cos, sin)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("qk_norm_rope_backward: a q norm and a k norm, or neither (as the forward kernel)")
     grad_q_norm = grad_k_norm = None
     if q_norm is not None and k_norm is not None:
         grad_q, grad_q_norm = _rms_norm_backward(q, q_norm, eps, grad_q)

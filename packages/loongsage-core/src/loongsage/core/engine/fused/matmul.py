@@ -257,9 +257,14 @@ def _two_waves(device: torch.device) -> int:
 
 @functools.cache
 def _has_tma(device: torch.device) -> bool:
-    """Whether the large layout runs on TMA: a Hopper GPU (where it was measured), or Triton's
-    interpreter on the CPU (so the CPU suite runs it)."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == 9
+    """Whether the large layout runs on TMA: a Hopper GPU (where it was measured; not a ROCm card,
+    whose capability also reads 9) with a Triton that makes tensor descriptors on the device (3.4
+    and later), or Triton's interpreter on the CPU (so the CPU suite runs it)."""
+    if not (hasattr(tl, "make_tensor_descriptor") and hasattr(triton, "set_allocator")):
+        return False
+    if device.type != "cuda":
+        return True
+    return torch.version.hip is None and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _layout(m: int, n: int, k: int, device: torch.device, wide_out: bool) -> tuple[Tiles, str]:
@@ -361,16 +366,18 @@ def invariant_matmul(
     return out
 
 
-def _scratch_on(device: torch.device, size: int, alignment: int, stream: int | None) -> Tensor:
-    """Triton's scratch memory for the descriptors a kernel makes on ``device``."""
-    return torch.empty(size, dtype=torch.int8, device=device)
+def _scratch(device_type: str, size: int, alignment: int, stream: int | None) -> Tensor:
+    """Triton's scratch memory for the descriptors a kernel makes on the device: on the current
+    device of the kind (Triton launches there), so the allocator stays right for any kernel that
+    asks for it later (torch's allocations are 256-byte aligned, more than Triton asks)."""
+    return torch.empty(size, dtype=torch.int8, device=device_type)
 
 
 def _run_tma(x: Tensor, weight: Tensor, b: Tensor, out: Tensor, has_bias: bool, config: Tiles) -> None:
     """The TMA layout: one program an SM (or a tile, when there are fewer tiles than SMs)."""
     (m, k), n = x.shape, weight.shape[0]
     tiles = triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n)
-    triton.set_allocator(functools.partial(_scratch_on, x.device))
+    triton.set_allocator(functools.partial(_scratch, x.device.type))
     _tma_kernel[(min(tiles, _two_waves(x.device) // 2),)](
         x,
         weight,
