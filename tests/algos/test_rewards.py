@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loongsage.algos import rewards as rewards_module
-from loongsage.algos.math_grader import IsolatedGrader
+from loongsage.algos.math_grader import GraderPool, IsolatedGrader
 from loongsage.algos.rewards import (
     ExactMatch,
     FormatReward,
@@ -347,14 +347,14 @@ def test_a_response_that_hangs_math_verify_scores_zero_and_grading_goes_on() -> 
     assert time.monotonic() - start < 20 and grader.kills == 1
     assert grader.grade(r"the answer is \boxed{7}", "7") is True
     # after a kill a spare child is kept started: the next hang costs the deadline, not a start-up too
-    spare = grader._spare
+    spare = grader.spare.proc
     assert spare is not None and spare.poll() is None and grader.starts == 2
     assert select.select([spare.stdout], [], [], 120)[0]  # its imports done, while nothing is graded
     assert grader.grade(r"\boxed{9^{9^{9^{9}}}}", "7") is False
     assert grader.grade(r"\boxed{7}", "7") is True and grader._proc is spare and grader.kills == 2
-    assert grader._spare is not None and grader._spare is not spare  # and another one is on its way
+    assert grader.spare.proc is not None and grader.spare.proc is not spare  # and another one is on its way
     grader.close()
-    assert spare.poll() is not None and grader._spare is None
+    assert spare.poll() is not None and grader.spare.proc is None
 
 
 def test_math_verify_backend_requires_the_package(monkeypatch) -> None:
@@ -371,6 +371,28 @@ def test_real_math_verify_if_installed() -> None:
     assert asyncio.run(reward(traj_of(1, r"so \boxed{\frac{1}{2}}"), half)) == 1.0
     assert asyncio.run(reward(traj_of(1, r"\boxed{3}"), RECORD)) == 0.0
     reward._grader().close()
+
+
+def test_a_pools_graders_share_one_spare_child() -> None:
+    """After kills in two graders the pool keeps one spare child for both, not one each: at most
+    ``size + 1`` children (the hangs here are stopped only by the kill: no math-verify timeout)."""
+    pytest.importorskip("math_verify")
+    pool = GraderPool(2, timeout=0, deadline_s=3.0)
+
+    def live() -> int:
+        return sum(c is not None and c.poll() is None for c in [g._proc for g in pool.graders] + [pool.spare.proc])
+
+    try:
+        for grader in pool.graders:
+            assert grader.grade(r"\boxed{9^{9^{9^{9}}}}", "7") is False
+        assert pool.kills == 2 and live() == 1  # both children killed, one spare started for both
+        spare = pool.spare.proc
+        assert pool.graders[0].grade(r"\boxed{7}", "7") is True and pool.graders[0]._proc is spare
+        assert pool.graders[1].grade(r"\boxed{7}", "7") is True
+        assert live() == 3 and pool.starts == 4  # a child each, and one spare behind them
+    finally:
+        pool.close()
+    assert live() == 0
 
 
 def test_math_verify_grades_a_batchs_answers_side_by_side() -> None:

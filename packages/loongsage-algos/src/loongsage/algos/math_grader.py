@@ -13,7 +13,8 @@ the deadline and a start-up each.
 
 math-verify is pure Python: one process grades one answer at a time. :class:`GraderPool` keeps up
 to ``size`` children, so a batch's answers are graded side by side (the ``math`` reward hands each
-answer to one of the pool's threads, which waits on a free child's answer).
+answer to one of the pool's threads, which waits on a free child's answer); its graders share one
+spare, so the pool holds at most ``size + 1`` children.
 """
 
 from __future__ import annotations
@@ -36,14 +37,53 @@ _START_S = 300.0
 _MEMORY_MB = 4096  # the child's address space: SymPy on a hostile expression may also try to fill memory
 
 
+class Spare:
+    """At most one grader child started ahead of need, importing while nothing waits on it, for the
+    graders that share it. Wanted from the first kill on: until then a grader starts its own."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self._wanted = False
+        self._lock = threading.Lock()
+
+    def want(self) -> None:
+        """Keep one started from now on (a grader's child was just killed)."""
+        with self._lock:
+            self._wanted = True
+            self._keep()
+
+    def take(self) -> subprocess.Popen:
+        """The started spare (another is started behind it when wanted), or a fresh child."""
+        with self._lock:
+            proc, self.proc = self.proc, None
+            if proc is None or proc.poll() is not None:
+                proc = _spawn()
+            if self._wanted:
+                self._keep()
+            return proc
+
+    def _keep(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = _spawn()
+
+    def close(self) -> None:
+        with self._lock:
+            if self.proc is not None:
+                self.proc.kill()
+                self.proc.wait()
+                self.proc = None
+
+
 class IsolatedGrader:
     """``grade(response, label)`` with ``math-verify`` in a child process, within ``deadline_s``
-    of wall clock per answer (the child is started on first use and after each kill)."""
+    of wall clock per answer (the child is started on first use and after each kill, from
+    ``spare``: a pool's shared one, or one of its own)."""
 
-    def __init__(self, timeout: int, deadline_s: float):
+    def __init__(self, timeout: int, deadline_s: float, spare: Spare | None = None):
         self.timeout, self.deadline_s = timeout, deadline_s
         self._proc: subprocess.Popen | None = None
-        self._spare: subprocess.Popen | None = None  # started after the first kill, importing meanwhile
+        self.spare = spare or Spare()
+        self._owns_spare = spare is None
         self._lock = threading.Lock()
         self.kills = 0
         self.starts = 0  # children that took over (the first one included)
@@ -61,7 +101,7 @@ class IsolatedGrader:
             except (OSError, ValueError, KeyError, TimeoutError) as exc:
                 self._stop()
                 self.kills += 1
-                self._keep_spare()
+                self.spare.want()
                 _log.warning(
                     "math grading gave up on a response of %d characters (%s): scored 0",
                     len(response),
@@ -70,19 +110,13 @@ class IsolatedGrader:
                 return False
 
     def _start(self) -> None:
-        self._proc, self._spare = self._spare or _spawn(), None
+        self._proc = self.spare.take()
         self.starts += 1
         try:  # its start-up (importing SymPy: seconds on a loaded machine) is not an answer's time
             self._answer(self._proc, time.monotonic() + _START_S)
         except (OSError, TimeoutError) as exc:
             self._stop()
             raise RuntimeError(f"math: the math-verify grader process did not start: {exc}") from None
-        if self.kills:
-            self._keep_spare()
-
-    def _keep_spare(self) -> None:
-        if self._spare is None or self._spare.poll() is not None:
-            self._spare = _spawn()
 
     def _answer(self, proc: subprocess.Popen, deadline: float) -> str:
         while not select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
@@ -102,13 +136,12 @@ class IsolatedGrader:
     def close(self) -> None:
         with self._lock:
             self._stop()
-            if self._spare is not None:
-                self._spare.kill()
-                self._spare.wait()
-                self._spare = None
+            if self._owns_spare:
+                self.spare.close()
 
     def __del__(self) -> None:
-        for proc in (self._proc, self._spare):
+        procs = (self._proc, self.spare.proc if self._owns_spare else None)
+        for proc in procs:
             if proc is not None and proc.poll() is None:
                 proc.kill()
 
@@ -116,12 +149,13 @@ class IsolatedGrader:
 class GraderPool:
     """Up to ``size`` :class:`IsolatedGrader` children grading side by side. :meth:`grade` takes a
     free one (waiting while all are busy), the one used last first, so a child is started only when
-    every started one is busy (each grader also keeps a spare after its first kill, as above).
+    every started one is busy; after a kill the graders share one spare child (:class:`Spare`).
     :meth:`graded` runs it on the pool's own ``size`` threads: a batch of answers waits in their
     queue, not on threads of the event loop's shared executor."""
 
     def __init__(self, size: int, timeout: int, deadline_s: float):
-        self.graders = [IsolatedGrader(timeout, deadline_s) for _ in range(size)]
+        self.spare = Spare()
+        self.graders = [IsolatedGrader(timeout, deadline_s, self.spare) for _ in range(size)]
         self._free: queue.LifoQueue[IsolatedGrader] = queue.LifoQueue()
         for grader in reversed(self.graders):
             self._free.put(grader)
@@ -150,6 +184,7 @@ class GraderPool:
         self._threads.shutdown(wait=False)
         for grader in self.graders:
             grader.close()
+        self.spare.close()
 
 
 def _spawn() -> subprocess.Popen:
