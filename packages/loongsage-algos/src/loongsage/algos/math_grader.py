@@ -73,6 +73,10 @@ class Spare:
                 self.proc.wait()
                 self.proc = None
 
+    def __del__(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+
 
 class IsolatedGrader:
     """``grade(response, label)`` with ``math-verify`` in a child process, within ``deadline_s``
@@ -139,11 +143,9 @@ class IsolatedGrader:
             if self._owns_spare:
                 self.spare.close()
 
-    def __del__(self) -> None:
-        procs = (self._proc, self.spare.proc if self._owns_spare else None)
-        for proc in procs:
-            if proc is not None and proc.poll() is None:
-                proc.kill()
+    def __del__(self) -> None:  # its spare, once unreferenced, kills its own child
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
 
 
 class GraderPool:
