@@ -13,8 +13,8 @@ into a cache of its own (:meth:`~loongsage.core.engine.fused.decoder.FusedDecode
 so every token is computed as the engine computed it when it was prefilled or decoded: the
 log-probs agree bit for bit.
 
-The backward differentiates that same forward: each kernel's backward recomputes the HF ops it
-equals from its saved inputs (:mod:`loongsage.core.engine.fused.differentiable`), the GEMMs'
+The backward differentiates that same forward: each kernel's backward is the gradient of the HF
+ops it equals at its saved inputs (:mod:`loongsage.core.engine.fused.differentiable`), the GEMMs'
 runs torch matmuls. So a step costs one forward on the invariant kernels (slower than cuBLAS' and
 cuDNN's) and an ordinary backward; the gradient is the HF model's, taken at the invariant forward's
 activations. What the mode costs is measured in ``bench/consistency_gpu.py`` and

@@ -247,8 +247,8 @@ class FusedDecoder:
         """Final-normed hidden states ``[rows * width, H]`` of right-padded sequences
         ``[rows, width]`` on the batch-invariant path, differentiable: the numbers :meth:`hidden`
         with ``invariant`` gives these tokens at their positions (bit for bit: the same kernels and
-        GEMMs in the same order), each kernel wrapped so that its backward recomputes the HF ops
-        it equals (:mod:`.differentiable`). ``checkpoint`` recomputes each layer in the backward
+        GEMMs in the same order), each kernel wrapped so that its backward is the gradient of the
+        HF ops it equals (:mod:`.differentiable`). ``checkpoint`` recomputes each layer in the backward
         (the trainer's activation checkpointing) instead of keeping its activations."""
         from torch.utils.checkpoint import checkpoint as recompute
 

@@ -93,6 +93,17 @@ _REDUCE_BLOCK = 1024  # elements per program of the chunk-sum kernel (layout onl
 
 
 @triton.jit
+def _tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """Output tile number ``tile`` -> its ``(row tile, column tile)``, grouped by ``GROUP_M`` row tiles
+    (the Triton tutorial's ordering, for L2 reuse): which program computes a tile changes with M,
+    how a tile is computed does not."""
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_m, (tile % per_group) // group_m
+
+
+@triton.jit
 def _sum_k(
     x_ptr,
     w_ptr,
@@ -153,16 +164,7 @@ def _matmul_kernel(
     CHUNK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # program -> output tile, grouped by GROUP_M row tiles (the Triton tutorial's ordering): which
-    # program computes a tile changes with M, how a tile is computed does not
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,12 +213,8 @@ def _tma_kernel(
     out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
     for tile in range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
-        first_m = (tile // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % per_group) % group_m
-        pid_n = (tile % per_group) // group_m
+        pid_m, pid_n = _tile_of(tile, tiles_m, tiles_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in tl.range(0, K, BLOCK_K, num_stages=STAGES):
