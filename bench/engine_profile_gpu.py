@@ -11,7 +11,8 @@ then profiles one eager run and lists the kernels by total GPU time, with the nu
 launches per decode step. Writes ``--out`` (JSON), a markdown table beside it and, per batch, a
 Chrome trace of the graphed run (``engine_profile_gpu.b<batch>.trace.json.gz``).
 
-    python bench/engine_profile_gpu.py [--batches 64 256] [--out bench/results/engine_profile_gpu.json]
+    python bench/engine_profile_gpu.py [--batches 64 256] [--batch-invariant]
+        [--out bench/results/engine_profile_gpu.json]
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--profile-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-invariant", action="store_true", help="the engine's batch-invariant mode")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     source = source_state()
@@ -81,7 +83,7 @@ def main() -> None:
     build(tmp)
     torch.cuda.empty_cache()
     longest = max(args.batches)
-    common = engine_settings(longest, args.prompt, args.new_tokens)
+    common = engine_settings(longest, args.prompt, args.new_tokens) | {"batch_invariant": args.batch_invariant}
     graphed = NativeEngine(str(tmp), **common)
     eager = NativeEngine(str(tmp), cuda_graphs=False, **common)
     gen = torch.Generator().manual_seed(1)
@@ -98,7 +100,7 @@ def main() -> None:
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine_side(graphed, prompts, args.new_tokens)
-        trace = out_dir / f"engine_profile_gpu.b{batch}.trace.json"
+        trace = out_dir / f"{args.out.stem}.b{batch}.trace.json"
         prof.export_chrome_trace(str(trace))
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
@@ -120,7 +122,7 @@ def main() -> None:
         }
         report.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("kernels")}), flush=True)
-    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch_invariant": args.batch_invariant}
     args.out.write_text(json.dumps({"source": source, "info": info, "rows": report}, indent=1))
     lines = [
         "| batch | tok/s | step ms | decode step ms (graph replay) | outside the graph ms | eager launches / step |",

@@ -155,8 +155,10 @@ def test_causal_attention_gives_each_token_the_batch_invariant_decode_bits(fused
 @pytest.mark.parametrize("programs", [1, 1024])
 def test_shared_prefix_tiles_read_the_prefix_from_their_source_row_only(fused, programs, monkeypatch):
     """Rows 0, 2, 3, 5 and 6 decode over one 130-column prompt (two tiles of at most 4 rows with
-    group 4), rows 1 and 4 over a 70-column one, row 7 alone; outside its source row, every copy of
-    a prompt a tile reads is NaN, so a row reading its own copy would be NaN."""
+    group 4), rows 1 and 4 over a 70-column one, row 7 alone; a tile reads the prompt's whole blocks
+    of 64 columns, the rows the rest; outside its source row, every copy of the columns a tile reads
+    is NaN, so a row reading its own copy would be NaN. With one program a row (the batch-invariant
+    path) the tiles give each row the bits it gets reading its whole cache alone."""
     attention = fused["attention"]
     splits_for = attention.splits_for
     monkeypatch.setattr(attention, "splits_for", lambda rows, kv, cols, _: splits_for(rows, kv, cols, programs))
@@ -170,9 +172,11 @@ def test_shared_prefix_tiles_read_the_prefix_from_their_source_row_only(fused, p
     for members, prefix in groups:  # each row's own copy of its prompt, as the engine's slots hold
         k[members, :, :prefix], v[members, :, :prefix] = k[members[0], :, :prefix], v[members[0], :, :prefix]
     want = attention.decode_attention(q, k, v, lengths, 0.25, length).view(rows, heads, dim)
+    # float32 for the batch-invariant comparison: a bf16 output would hide a float32 sum that differs
+    alone = attention.decode_attention(q.float(), k.float(), v.float(), lengths, 0.25, length, splits=1)
     assert attention.tile_members(heads // kv) == 4 and attention.tile_members(2) == 8
     tiles = attention.shared_prefix_tiles(groups, attention.tile_members(heads // kv))
-    assert tiles == [(130, [0, 2, 3]), (130, [5, 6]), (70, [1, 4])]
+    assert tiles == [(128, [0, 2, 3]), (128, [5, 6]), (64, [1, 4])]
     table = torch.full((5, 2 + 4), -1, dtype=torch.int32)  # two tiles to spare, as a graph's table has
     table[:, 1] = 0
     first = torch.zeros(rows, dtype=torch.int32)
@@ -200,8 +204,10 @@ def test_shared_prefix_tiles_read_the_prefix_from_their_source_row_only(fused, p
         error = ((result.double() - reference).norm() / reference.norm()).item()
         assert error < 1e-2, error
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
-    with pytest.raises(ValueError, match="shared prefixes are for decode rows of the fast path only"):
-        attention.decode_attention(q, k, v, lengths, 0.25, length, shared=shared, splits=1)
+    q, k, v = q.float(), k.float(), v.float()
+    assert torch.equal(attention.decode_attention(q, k, v, lengths, 0.25, length, shared=shared, splits=1), alone)
+    with pytest.raises(ValueError, match="shared prefixes are for decode rows, not a sequence's tokens"):
+        attention.decode_attention(q, k, v, lengths, 0.25, length, shared=shared, cache_rows=torch.arange(rows))
 
 
 @pytest.mark.parametrize("qk_norm", [True, False])
@@ -427,7 +433,7 @@ def test_shared_prefix_decode_samples_what_each_row_reading_its_own_prompt_sampl
         assert len(tiled_rows) == len(set(tiled_rows)) and set(tiled_rows) <= set(slots)
         for source, prefix, *members in table.tolist():
             if prefix:
-                assert source in members and prefix in [len(p) for p in texts]
+                assert source in members and prefix in [len(p) - len(p) % 64 for p in texts]  # whole blocks
                 assert first[[m for m in members if m >= 0]].eq(prefix).all()
         assert int(first.ne(0).sum()) == len(tiled_rows)
         widest = max(widest, max((sum(m >= 0 for m in entry[2:]) for entry in table.tolist()), default=0))
@@ -439,8 +445,9 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
     kernels in Triton's interpreter) and the trainer's batch-invariant forward give every sampled
     token the same log-prob, bit for bit, whatever else shares the batch on either side: both run
     the same computation for each token (positions, cache columns, attention spans, head, the
-    log-prob's reduction). That each kernel's sums do not depend on the batch is the business of the
-    kernel tests above (on a CPU, at these sizes, torch's matmuls happen not to depend on it either)."""
+    log-prob's reduction), the two samples of a 70-token prompt decoding over it as one shared-prefix
+    tile. That each kernel's sums do not depend on the batch is the business of the kernel tests
+    above (on a CPU, at these sizes, torch's matmuls happen not to depend on it either)."""
     from _engine_helpers import req
 
     from loongsage.core.engine.continuous import SlotBatch
@@ -450,15 +457,17 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
     # an MLP 600 wide: the down projection sums two chunks of K (see fused/matmul.py)
     _qwen3(torch.bfloat16, intermediate=600).save_pretrained(tmp_path / "tiny")
     engine = NativeEngine(
-        str(tmp_path / "tiny"), dtype="bfloat16", max_batch_size=6, max_model_len=64, steps_per_sync=3, eos_token_ids=[]
+        str(tmp_path / "tiny"), dtype="bfloat16", max_batch_size=6, max_model_len=96, steps_per_sync=3, eos_token_ids=[]
     )
     runner = engine._runner
     # merged q/k/v and gate/up in the engine, the trainer's projections apart: the same bits
     runner.fused, runner.invariant = fused["decoder"].FusedDecoder(runner, invariant=True), True
     assert runner.fused.layers[0].qkv is not None
-    engine._batch = SlotBatch(runner, **engine._batch_args)
+    engine._batch = batch = SlotBatch(runner, **engine._batch_args)
+    firsts, tile = [], batch._tile_prefixes
+    batch._tile_prefixes = lambda slots: tile(slots) or firsts.append(batch.prefix_first.tolist())
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in (5, 17, 9, 12)]
+    prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in (5, 17, 9, 70)]
     settings = [
         {"temperature": 1.0, "seed": 1, "n": 2},
         {"temperature": 0.0},
@@ -466,7 +475,8 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
     ]
     requests = [req(f"r{i}", p, max_new_tokens=4 + 3 * i, **settings[i % 3]) for i, p in enumerate(prompts)]
     results = engine.generate_batch(requests)
-    assert engine.health()["decode_kernels"] == "triton, batch-invariant"
+    assert engine.health()["decode_kernels"] == "triton, batch-invariant, shared prefixes"
+    assert any(first.count(64) == 2 for first in firsts)  # the 70-token prompt's samples: one tile
     samples = [(p, r) for p, group in zip(prompts, results) for r in group]
 
     from transformers import AutoModelForCausalLM
@@ -496,7 +506,7 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
         str(tmp_path / "tiny"),
         dtype="bfloat16",
         max_batch_size=6,
-        max_model_len=64,
+        max_model_len=96,
         steps_per_sync=3,
         eos_token_ids=[],
         prefill_chunk_tokens=8,
@@ -653,7 +663,7 @@ def test_invariant_matmul_layouts_give_the_same_bits(fused, monkeypatch):
     torch.manual_seed(13)
     layouts = [(tiles, layout) for tiles in (mm.SMALL_TILES, mm.LARGE_TILES) for layout in ("split", "tile")]
     layouts += [(mm.TMA_TILES, "tma"), (mm.TMA_WIDE_OUT_TILES, "tma")]
-    chosen = {mm._layout(m, 150, 1100, torch.device("cpu"), False) for m in (70, 1100)}
+    chosen = {mm._layout(m, 128, 1100, torch.device("cpu"), False) for m in (40, 1100)}
     assert chosen == {(mm.SMALL_TILES, "split"), (mm.TMA_TILES, "tma")}  # the interpreter runs both sizes
     tma_runs, run_tma = [], mm._run_tma
     monkeypatch.setattr(mm, "_run_tma", lambda *args: tma_runs.append(args[0].shape[1]) or run_tma(*args))

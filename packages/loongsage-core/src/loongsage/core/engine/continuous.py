@@ -31,7 +31,7 @@ Requests join at any step boundary (:meth:`admit`); holes left by finished rows 
 the lowest slot up and, when the range gets sparse, the highest decoding rows move down
 (:meth:`_compact`), so a step costs about the number of live rows.
 
-Shared prefixes (``shared_prefix_decode``, fused kernels, not the batch-invariant mode): the decoding
+Shared prefixes (``shared_prefix_decode``, fused kernels, the batch-invariant mode too): the decoding
 rows of one request, each slot holding a copy of its prompt, are tiled (up to ``16 // group`` rows a
 tile) when the decoding set changes, and decode attention reads a tile's prompt columns once, from
 one member's slot (:mod:`loongsage.core.engine.fused.attention`). The copies stay: a row keeps its
@@ -130,7 +130,7 @@ class SlotBatch:
             self.invariant_logprobs = token_logprobs_rows
         # rows per shared-prefix tile of decode attention (0: each row reads its whole cache)
         self.prefix_members = 0
-        if shared_prefix_decode and runner.fused is not None and not runner.invariant:
+        if shared_prefix_decode and runner.fused is not None:
             from loongsage.core.engine.fused.attention import tile_members  # Triton: only where fused
 
             self.prefix_members = tile_members(runner.num_heads // runner.kv_heads)

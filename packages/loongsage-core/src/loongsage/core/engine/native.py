@@ -129,12 +129,13 @@ class NativeEngine:
     graphs, 1 elsewhere. ``batch_invariant`` runs prefill, decode and the sampled tokens' log-probs
     on the fused kernels' batch-invariant path, which the trainer's ``batch_invariant`` forward also
     runs (:mod:`loongsage.core.trainer.invariant`): their log-probs agree bit for bit, without the
-    deterministic mode's second forward, at the cost of slower GEMMs and one-prompt-at-a-time prefill.
+    deterministic mode's second forward, at the cost of slower GEMMs and decode attention whose
+    columns are never split over programs.
     ``quantization="fp8"`` runs the decode GEMMs on float8 copies of the projections (a bf16 model on
     an Ada or Hopper GPU; :mod:`loongsage.core.engine.fused.fp8`), quantized again after each update.
     ``shared_prefix_decode`` lets decode attention read the prompt of a request's ``n`` samples once
-    per tile of up to ``16 // group`` of them instead of once per sample (the fused kernels outside
-    the batch-invariant mode; :mod:`loongsage.core.engine.fused.attention`).
+    per tile of up to ``16 // group`` of them instead of once per sample (the fused kernels, the
+    batch-invariant mode included; :mod:`loongsage.core.engine.fused.attention`).
     ``generate`` and
     ``abort`` must be awaited on one event loop at a time; ``generate_batch`` is synchronous, runs
     its requests to completion and does not observe ``pause``/``abort``; for it a bad request raises

@@ -15,7 +15,10 @@ of up to ``16 // group`` such rows reads the prompt's columns once, from one mem
 query heads of all its members the rows of one matrix product, while each row reads only its
 columns after the prompt by itself; the merge kernel combines the two partial results. A GRPO
 group of 8 samples over a 128-token prompt then reads the prompt's keys once where it read them 8
-times.
+times. The batch-invariant mode shares prefixes too, without a merge: the tile stops at the end
+of the prompt's last whole block of columns and stores each row's online-softmax state (float32),
+from which the row's own program carries on. Every row then computes exactly the blocks, in the
+order, that a row reading its whole cache in one program computes: the same bits.
 """
 
 from __future__ import annotations
@@ -43,21 +46,23 @@ def _attend(
     row_stop,
     c_col,
     scale_log2,
-    PAD: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
     DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Online softmax of the query rows ``q`` ``[PAD, DIM]`` over cache columns ``[start, stop)``
-    from ``base``, row ``r`` over those before ``row_stop[r]`` (``<= stop``): the unnormalised
-    output, the running max and sum (base 2), in float32.
+    from ``base``, row ``r`` over those before ``row_stop[r]`` (``<= stop``), carried on from the
+    state ``acc, m_i, l_i`` (:func:`_fresh` before any column): the unnormalised output, the
+    running max and sum (base 2), in float32.
 
     A row's numbers depend only on its own query and columns: a block of columns past its
     ``row_stop`` leaves them exactly as they were (max unchanged, ``exp2(0) = 1``, zeros added),
-    so rows with different stops can share the reads of one program (:func:`causal_attention`)."""
+    so rows with different stops can share the reads of one program (:func:`causal_attention`).
+    A state stored in float32 and loaded again carries on bit for bit as if the program had never
+    stopped: the batch-invariant path's shared prefixes (see the module docstring)."""
     d = tl.arange(0, DIM)
-    m_i = tl.full([PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([PAD], tl.float32)
-    acc = tl.zeros([PAD, DIM], tl.float32)
     for n in range(start, stop, BLOCK_N):
         cols = n + tl.arange(0, BLOCK_N)
         inside = cols < stop
@@ -73,6 +78,12 @@ def _attend(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _fresh(PAD: tl.constexpr, DIM: tl.constexpr):
+    """The online softmax's state before any column: no output, max -inf, sum 0."""
+    return tl.zeros([PAD, DIM], tl.float32), tl.full([PAD], float("-inf"), tl.float32), tl.zeros([PAD], tl.float32)
 
 
 @triton.jit
@@ -109,6 +120,7 @@ def _decode_kernel(
     DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CACHE_ROWS: tl.constexpr,
+    RESUME: tl.constexpr,
 ):
     row = tl.program_id(0)
     kv = tl.program_id(1)
@@ -125,8 +137,16 @@ def _decode_kernel(
     real = h < GROUP
     q = tl.load(q_ptr + row * q_row + heads[:, None] * q_head + d[None, :], mask=real[:, None], other=0.0)
     base = cache_row * c_row + kv * c_head
-    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, h * 0 + stop, c_col, scale_log2, PAD, DIM, BLOCK_N)
-    if SPLITS == 1 and PREFIX_SPLITS == 0:
+    acc, m_i, l_i = _fresh(PAD, DIM)
+    if RESUME:  # carry on from the state the row's prefix tile stored (a row of no tile: a fresh one)
+        at = (row * HEADS + heads) * 2 * (DIM + 2)
+        tiled = real & (h * 0 + first > 0)
+        acc = tl.load(part_ptr + at[:, None] + d[None, :], mask=tiled[:, None], other=0.0)
+        m_i = tl.load(part_ptr + at + DIM, mask=tiled, other=float("-inf"))
+        l_i = tl.load(part_ptr + at + DIM + 1, mask=tiled, other=0.0)
+    ends = h * 0 + stop
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, ends, c_col, scale_log2, acc, m_i, l_i, DIM, BLOCK_N)
+    if RESUME or (SPLITS == 1 and PREFIX_SPLITS == 0):
         out = acc / l_i[:, None]
         tl.store(out_ptr + (row * HEADS + heads[:, None]) * DIM + d[None, :], out.to(q.dtype), mask=real[:, None])
     else:
@@ -186,7 +206,9 @@ def _prefix_kernel(
     start = split * split_len
     stop = tl.minimum(start + split_len, prefix)
     base = source * c_row + kv * c_head
-    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, t * 0 + stop, c_col, scale_log2, PAD, DIM, BLOCK_N)
+    acc, m_i, l_i = _fresh(PAD, DIM)
+    ends = t * 0 + stop
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, start, stop, ends, c_col, scale_log2, acc, m_i, l_i, DIM, BLOCK_N)
     at = ((row * HEADS + heads) * (PREFIX_SPLITS + SPLITS) + split) * (DIM + 2)
     _store_partial(part_ptr, at, acc, m_i, l_i, real, DIM)
 
@@ -228,9 +250,9 @@ def _causal_kernel(
     stop = tl.minimum((block + 1) * TOKENS, width)
     # a padding row reads every column the block reads (it is never stored): no row of -inf alone
     row_stop = tl.where(real, pos + 1, stop)
-    acc, m_i, l_i = _attend(
-        q, k_ptr, v_ptr, seq * c_row + kv * c_head, 0, stop, row_stop, c_col, scale_log2, PAD, DIM, BLOCK_N
-    )
+    acc, m_i, l_i = _fresh(PAD, DIM)
+    base = seq * c_row + kv * c_head
+    acc, m_i, l_i = _attend(q, k_ptr, v_ptr, base, 0, stop, row_stop, c_col, scale_log2, acc, m_i, l_i, DIM, BLOCK_N)
     out = acc / l_i[:, None]
     tl.store(out_ptr + (row[:, None] * HEADS + heads[:, None]) * DIM + d[None, :], out.to(q.dtype), mask=real[:, None])
 
@@ -273,10 +295,13 @@ def tile_members(group: int) -> int:
 def shared_prefix_tiles(groups: list[tuple[list[int], int]], members: int) -> list[tuple[int, list[int]]]:
     """``groups``: the rows decoding over one prefix and its length. Each group of at least two
     rows and a prefix of at least one block of columns, split into as few tiles of at most
-    ``members`` rows as hold it, as even as can be; (prefix, rows) per tile."""
+    ``members`` rows as hold it, as even as can be; (prefix, rows) per tile, the prefix cut to whole
+    blocks of columns (the rows read the rest alone: a row's blocks then begin where a row reading
+    its whole cache begins them, which the batch-invariant path needs)."""
     tiles = []
     for rows, prefix in groups:
-        if len(rows) < 2 or prefix < _BLOCK_N:
+        prefix -= prefix % _BLOCK_N
+        if len(rows) < 2 or prefix == 0:
             continue
         count = -(-len(rows) // members)
         size, extra = divmod(len(rows), count)
@@ -328,17 +353,19 @@ def decode_attention(
     every length (it sizes the column splits, so it must not vary within one captured graph).
     ``splits=1`` keeps each row's columns in one program, in order: a row's result is then the same
     whatever else runs (the batch-invariant mode). ``shared`` (decode rows only, no ``cache_rows``):
-    tiles of rows whose common prefix is read once per tile. Returns ``[B, heads * d]`` in the
-    query dtype.
+    tiles of rows whose common prefix is read once per tile; with ``splits=1`` each row carries on
+    from its tile's state where the prefix ends, in the same program order, so the result stays
+    the batch-invariant one bit for bit. Returns ``[B, heads * d]`` in the query dtype.
     """
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    if shared is not None and (cache_rows is not None or splits == 1):
-        raise ValueError("decode_attention: shared prefixes are for decode rows of the fast path only")
+    if shared is not None and cache_rows is not None:
+        raise ValueError("decode_attention: shared prefixes are for decode rows, not a sequence's tokens (cache_rows)")
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         splits = splits_for(rows, kv_heads, columns, 2 * sms)
+    resume = shared is not None and splits == 1  # the prefix's state carried on, not merged
     prefix_splits = 0 if shared is None else splits  # the total stays a power of two
     split_len = -(-columns // (splits * _BLOCK_N)) * _BLOCK_N
     total = splits + prefix_splits
@@ -376,9 +403,10 @@ def decode_attention(
         *strides,
         PAD=max(_PAD_HEADS, triton.next_power_of_2(group)),
         CACHE_ROWS=cache_rows is not None,
+        RESUME=resume,
         **common,
     )
-    if total > 1:
+    if total > 1 and not resume:
         _merge_kernel[(rows, heads)](part, out, HEADS=heads, SPLITS=total, DIM=dim)
     return out.view(rows, heads * dim)
 

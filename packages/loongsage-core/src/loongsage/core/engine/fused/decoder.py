@@ -163,7 +163,7 @@ class FusedDecoder:
     ) -> Tensor:
         """Float32 logits ``[B, V]`` of one new token per row; row ``b``'s key/value go to column
         ``cols[b]`` and attention covers its columns ``[0, cols[b]]`` (``columns`` bounds them all).
-        ``shared``: tiles of rows whose common prefix attention reads once (not batch-invariant)."""
+        ``shared``: tiles of rows whose common prefix attention reads once."""
         last = self.hidden(input_ids, positions, keys, values, cols, columns, invariant=self.invariant, shared=shared)
         return self.head(last)
 
@@ -196,7 +196,8 @@ class FusedDecoder:
         passes the tokens of a sequence, each at its position. ``invariant`` computes every token
         the same way whatever ``N`` is: the batch-invariant GEMM (on the merged weights where this
         decoder merged them, else one per HF projection, as the trainer's modules are), attention
-        with each token's columns in one program, in order (``shared`` tiles are then refused).
+        with each token's columns in one program, in order (``shared`` tiles carry a row's state
+        on from its prefix rather than merge, the same bits).
         """
         r = self.runner
         # FP8 GEMMs take their inputs quantized by the kernels that make them (see fused/fp8.py)
