@@ -657,8 +657,9 @@ def test_invariant_matmul_layouts_give_the_same_bits(fused, monkeypatch):
     """Small or large tiles, a chunk per program (with the in-order sum of the chunks after), a tile
     per program (walking its chunks) or TMA loads with programs walking the tiles: layouts of one
     computation, the same bits, with and without a bias, rounded to bf16 or kept in float32, with a
-    short last chunk, a single chunk (no sum of chunks), ``x`` a column slice of a wider tensor, and
-    rows TMA cannot read (K = 1100: the pointer kernel runs)."""
+    short last chunk, a single chunk (no sum of chunks), ``x`` a column slice of a wider tensor, the
+    result written into columns of a wider one, and rows TMA cannot read (K = 1100: the pointer
+    kernel runs)."""
     mm = fused["matmul"]
     torch.manual_seed(13)
     layouts = [(tiles, layout) for tiles in (mm.SMALL_TILES, mm.LARGE_TILES) for layout in ("split", "tile")]
@@ -675,10 +676,38 @@ def test_invariant_matmul_layouts_give_the_same_bits(fused, monkeypatch):
             for layout in layouts:
                 monkeypatch.setattr(mm, "_layout", lambda m, n, k, device, wide_out, layout=layout: layout)
                 outs.append(mm.invariant_matmul(x, w, b, out_dtype))
+                wider = torch.full((200, 160), 7.0, dtype=outs[-1].dtype)
+                written = mm.invariant_matmul(x, w, b, out_dtype, out=wider[:, 8:144])
+                assert written.data_ptr() == wider[:, 8:].data_ptr()
+                assert torch.equal(wider[:, 8:144], outs[-1]), (k, out_dtype, layout)
+                assert wider[:, :8].eq(7).all() and wider[:, 144:].eq(7).all()  # nothing written beside
             assert all(torch.equal(outs[0], o) for o in outs[1:]), (k, out_dtype)
             want = x.float() @ w.float().T + (0 if b is None else b.float())
             torch.testing.assert_close(outs[0].float(), want, atol=1e-4 if out_dtype else 0.1, rtol=1e-2)
     assert set(tma_runs) == {1088, 320}  # TMA read the aligned rows; those of K = 1100 are not
+
+
+def test_projections_side_by_side_are_each_ones_bits_and_torchs_gradients(fused):
+    """q/k/v as the trainer runs them (its modules' weights, a bias on some only) written into one
+    result: each block the bits of its projection alone, and torch's gradients."""
+    mm = fused["matmul"]
+    torch.manual_seed(14)
+    x = torch.randn(70, 96, dtype=torch.bfloat16, requires_grad=True)
+    weights = [torch.randn(n, 96, dtype=torch.bfloat16, requires_grad=True) for n in (64, 32, 40)]
+    biases = [None, torch.randn(32, dtype=torch.bfloat16, requires_grad=True), None]
+    out = mm.invariant_linears(x, weights, biases)
+    with torch.no_grad():
+        alone = torch.cat([mm.invariant_matmul(x, w, b) for w, b in zip(weights, biases)], 1)
+    assert torch.equal(out, alone)
+    g = torch.randn(70, 136, dtype=torch.bfloat16)
+    (out.float() * g).sum().backward()
+    params = [x, *weights, biases[1]]
+    refs = [t.detach().float().requires_grad_() for t in params]
+    want = torch.cat([F.linear(refs[0], refs[1]), F.linear(refs[0], refs[2], refs[4]), F.linear(refs[0], refs[3])], 1)
+    (want * g.float()).sum().backward()
+    for got, ref in zip(params, refs):  # bf16 gradients: within their rounding of float32's
+        assert got.grad.dtype == torch.bfloat16 and got.grad.shape == ref.grad.shape
+        assert ((got.grad.float() - ref.grad).norm() / ref.grad.norm()).item() < 4e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

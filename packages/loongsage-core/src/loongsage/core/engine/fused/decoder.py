@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from loongsage.core.engine.fused.attention import SharedPrefixes, decode_attention
 from loongsage.core.engine.fused.fp8 import fp8_matmul, quantize_rows, quantize_weight
-from loongsage.core.engine.fused.matmul import invariant_linear
+from loongsage.core.engine.fused.matmul import invariant_linear, invariant_linears
 from loongsage.core.engine.fused.ops import add_rms_norm, add_rms_norm_fp8, qk_rope_store, silu_mul, silu_mul_fp8
 
 _NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
@@ -305,7 +305,7 @@ class FusedDecoder:
             # +0.0, so that case keeps the projections apart, as the trainer runs them
             if layer.qkv is not None and len({m.bias is None for m in projections}) == 1:
                 return invariant_linear(x, layer.qkv, layer.qkv_bias)
-            return torch.cat([invariant_linear(x, m.weight, m.bias) for m in projections], 1)
+            return invariant_linears(x, [m.weight for m in projections], [m.bias for m in projections])
         if self.fp8:
             return fp8_matmul(*x, *self.quantized[i]["qkv"], layer.qkv_bias)
         return F.linear(x, layer.qkv, layer.qkv_bias)
@@ -316,7 +316,7 @@ class FusedDecoder:
             if layer.gate_up is not None:  # the same bits as the two projections apart (see _qkv)
                 return invariant_linear(x, layer.gate_up)
             mlp = layer.mlp
-            return torch.cat([invariant_linear(x, mlp.gate_proj.weight), invariant_linear(x, mlp.up_proj.weight)], 1)
+            return invariant_linears(x, [mlp.gate_proj.weight, mlp.up_proj.weight], [None, None])
         if self.fp8:
             return fp8_matmul(*x, *self.quantized[i]["gate_up"])
         return F.linear(x, layer.gate_up)
