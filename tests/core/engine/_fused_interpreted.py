@@ -412,13 +412,14 @@ def test_shared_prefix_decode_samples_what_each_row_reading_its_own_prompt_sampl
         engine._runner.fused = fused["decoder"].FusedDecoder(engine._runner)
         engine._batch = batch = SlotBatch(engine._runner, **engine._batch_args)
         tables = []
-        tile = batch._tile_prefixes
+        if shared:
+            prefixes, tile = batch.prefixes, batch.prefixes.tile
 
-        def spy(slots, tile=tile, batch=batch, tables=tables):
-            tile(slots)
-            tables.append((list(slots), batch.prefix_tiles.clone(), batch.prefix_first.clone()))
+            def spy(slots, slot_group, tile=tile, prefixes=prefixes, tables=tables):
+                tile(slots, slot_group)
+                tables.append((list(slots), prefixes.tiles.clone(), prefixes.first.clone()))
 
-        batch._tile_prefixes = spy
+            prefixes.tile = spy
         sides.append((engine, engine.generate_batch(requests), tables))
     (plain, want, untiled), (tiled, got, tables) = sides
     assert "shared prefixes" in tiled.health()["decode_kernels"] and not untiled
@@ -464,8 +465,8 @@ def test_batch_invariant_engine_and_trainer_give_the_same_log_probs_bit_for_bit(
     runner.fused, runner.invariant = fused["decoder"].FusedDecoder(runner, invariant=True), True
     assert runner.fused.layers[0].qkv is not None
     engine._batch = batch = SlotBatch(runner, **engine._batch_args)
-    firsts, tile = [], batch._tile_prefixes
-    batch._tile_prefixes = lambda slots: tile(slots) or firsts.append(batch.prefix_first.tolist())
+    firsts, prefixes, tile = [], batch.prefixes, batch.prefixes.tile
+    prefixes.tile = lambda slots, slot_group: tile(slots, slot_group) or firsts.append(prefixes.first.tolist())
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 128, (int(n),), generator=g).tolist() for n in (5, 17, 9, 70)]
     settings = [

@@ -57,7 +57,7 @@ from loongsage.core.engine.cuda_graphs import DecodeGraphs
 from loongsage.core.engine.kv_cache import DecoderRunner
 from loongsage.core.engine.prefill import prefill
 from loongsage.core.engine.sampling import SamplingTensors, draw_uniforms, sample
-from loongsage.core.engine.slot_state import grown, slot_spec
+from loongsage.core.engine.slot_state import PrefixTiles, grown, slot_spec
 from loongsage.core.types import FinishReason, GenerationResult
 
 FREE, PREFILL, WAIT, DECODE, RETAINED = range(5)  # WAIT: sibling row waiting for its prompt's prefill
@@ -128,12 +128,12 @@ class SlotBatch:
 
             self.fused_sampling = partial(sample_rows, fixed_chunks=True)
             self.invariant_logprobs = token_logprobs_rows
-        # rows per shared-prefix tile of decode attention (0: each row reads its whole cache)
-        self.prefix_members = 0
+        # shared-prefix tiles of decode attention (None: each row reads its whole cache)
+        self.prefixes: PrefixTiles | None = None
         if shared_prefix_decode and runner.fused is not None:
             from loongsage.core.engine.fused.attention import tile_members  # Triton: only where fused
 
-            self.prefix_members = tile_members(runner.num_heads // runner.kv_heads)
+            self.prefixes = PrefixTiles(tile_members(runner.num_heads // runner.kv_heads))
         self.graphs = (
             DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" and not self.recording else None
         )
@@ -167,9 +167,8 @@ class SlotBatch:
         routes = (len(r.moe_gates), r.topk) if self.recording else None
         spec = slot_spec(self.L, self.stop_width, routes).items()
         self.t = {name: grown(self.t.get(name), cap, tail, dtype, fill, dev) for name, (tail, dtype, fill) in spec}
-        if self.prefix_members:  # read by the decode step's graphs as the other per-slot tensors
-            self.prefix_tiles = torch.zeros((max(1, cap // 2), 2 + self.prefix_members), dtype=torch.int32, device=dev)
-            self.prefix_first = torch.zeros(cap, dtype=torch.int32, device=dev)
+        if self.prefixes is not None:
+            self.prefixes.grow(cap, dev)
             self._dec = None  # the tiles are made again, in these buffers
         if self.graphs is not None:  # the captured buffers are gone
             self.graphs.clear()
@@ -312,22 +311,9 @@ class SlotBatch:
             idle = [s for s in range(hi) if self.status[s] != DECODE]
             self._dec = _Decoding(hi, self._sampling(list(range(hi)), idle=idle), longest, max(1, steps_left))
             self._dec_steps = 0
-            if self.prefix_members:
-                self._tile_prefixes(slots)
+            if self.prefixes is not None:
+                self.prefixes.tile(slots, self.slot_group)
         return self._dec
-
-    def _tile_prefixes(self, slots: list[int]) -> None:
-        """Tile the decoding ``slots`` by request (each of a request's rows holds a copy of its
-        prompt) into the tables decode attention reads on the device."""
-        from loongsage.core.engine.fused.attention import tile_tables
-
-        requests: dict[int, tuple[list[int], int]] = {}
-        for s in slots:
-            group = self.slot_group[s]
-            requests.setdefault(id(group), ([], len(group.prompt)))[0].append(s)
-        tables = tile_tables(list(requests.values()), self.prefix_members, len(self.prefix_tiles), self.cap)
-        self.prefix_tiles.copy_(tables.tiles)
-        self.prefix_first.copy_(tables.first)
 
     def _sampling(self, slots: list[int], idle: list[int] = ()) -> SamplingTensors:
         idx, t = torch.tensor(slots, dtype=torch.long, device=self.device), self.t
@@ -467,11 +453,7 @@ class SlotBatch:
         lens = t["lens"][:rows]
         mask = (torch.arange(end, device=self.device)[None, :] <= lens[:, None])[:, None, None, :]
         cols = lens.clamp(max=self.L - 1)
-        shared = None
-        if self.prefix_members and rows >= 2:  # at most one tile per two rows
-            from loongsage.core.engine.fused.attention import SharedPrefixes
-
-            shared = SharedPrefixes(self.prefix_tiles[: rows // 2], self.prefix_first[:rows])
+        shared = None if self.prefixes is None else self.prefixes.shared(rows)
         out = self.runner.forward_slots(
             t["last"][:rows].unsqueeze(1),
             lens.unsqueeze(1),

@@ -416,7 +416,7 @@ class NativeEngine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "decode_kernels": ("triton, batch-invariant" if self._runner.invariant else "triton")
             + (", fp8 weights" if self._runner.fused is not None and self._runner.fused.fp8 else "")
-            + (", shared prefixes" if self._batch.prefix_members else "")
+            + (", shared prefixes" if self._batch.prefixes is not None else "")
             if self._runner.fused is not None
             else f"torch ({self._runner.fused_off_because})",
             "model_path": self.model_path,

@@ -48,3 +48,41 @@ def grown(buf: Tensor | None, cap: int, tail: tuple[int, ...], dtype: torch.dtyp
     if buf is not None:
         out[: buf.shape[0]] = buf
     return out
+
+
+class PrefixTiles:
+    """The decoding rows of each request tiled for shared-prefix decode attention
+    (:mod:`loongsage.core.engine.fused.attention`): ``members`` rows at most a tile, in device
+    tables that the decode step's graphs read like the per-slot tensors (so remade, not resized,
+    when the slots grow)."""
+
+    def __init__(self, members: int) -> None:
+        self.members = members
+        self.tiles = self.first = torch.zeros(0, dtype=torch.int32)
+
+    def grow(self, cap: int, device) -> None:
+        """Empty tables for ``cap`` slots (at most one tile per two rows)."""
+        self.tiles = torch.zeros((max(1, cap // 2), 2 + self.members), dtype=torch.int32, device=device)
+        self.first = torch.zeros(cap, dtype=torch.int32, device=device)
+
+    def tile(self, slots: list[int], slot_group: list) -> None:
+        """Tile the decoding ``slots`` by request (each of a request's rows holds a copy of its
+        prompt) into the tables."""
+        from loongsage.core.engine.fused.attention import tile_tables  # Triton: only where fused
+
+        requests: dict[int, tuple[list[int], int]] = {}
+        for s in slots:
+            group = slot_group[s]
+            requests.setdefault(id(group), ([], len(group.prompt)))[0].append(s)
+        tables = tile_tables(list(requests.values()), self.members, len(self.tiles), len(self.first))
+        self.tiles.copy_(tables.tiles)
+        self.first.copy_(tables.first)
+
+    def shared(self, rows: int):
+        """The :class:`~loongsage.core.engine.fused.attention.SharedPrefixes` of slots ``[0, rows)``;
+        None under two rows."""
+        if rows < 2:
+            return None
+        from loongsage.core.engine.fused.attention import SharedPrefixes
+
+        return SharedPrefixes(self.tiles[: rows // 2], self.first[:rows])
