@@ -592,6 +592,33 @@ def test_a_frozen_input_of_a_fused_kernel_gets_no_gradient_and_the_others_theirs
             torch.testing.assert_close(mine.grad.float(), theirs.grad.float(), **close)
 
 
+@pytest.mark.parametrize("wanted", [(True, False, False), (False, True, True), (True, True, False)])
+def test_attention_gives_the_inputs_that_want_one_sdpas_gradient(fused, wanted):
+    """Causal attention's backward (recomputed SDPA with its kv heads shared) for any mix of queries,
+    keys and values wanting a gradient: those get SDPA's under autograd, the others none."""
+    from loongsage.core.engine.fused.differentiable import Attention
+
+    torch.manual_seed(6)
+    rows, width, heads, kv, dim = 2, 9, 4, 2, 16
+    base = [
+        torch.randn(rows * width, heads, dim, dtype=torch.bfloat16),
+        torch.randn(rows, kv, width, dim, dtype=torch.bfloat16),
+        torch.randn(rows, kv, width, dim, dtype=torch.bfloat16),
+    ]
+    ours = [t.clone().requires_grad_(w) for t, w in zip(base, wanted)]
+    g = torch.randn(rows * width, heads * dim, dtype=torch.bfloat16)
+    (Attention.apply(*ours, 0.3).float() * g.float()).sum().backward()
+    theirs = [t.clone().requires_grad_(w) for t, w in zip(base, wanted)]
+    query = theirs[0].view(rows, width, heads, dim).transpose(1, 2)
+    keys, values = (t.repeat_interleave(heads // kv, 1) for t in theirs[1:])
+    out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=0.3)
+    (out.transpose(1, 2).reshape(rows * width, heads * dim).float() * g.float()).sum().backward()
+    for mine, want, w in zip(ours, theirs, wanted):
+        assert (mine.grad is None) == (not w)
+        if w:
+            torch.testing.assert_close(mine.grad.float(), want.grad.float(), rtol=2e-2, atol=2e-2)
+
+
 def _probe_rows_in(batch: torch.Tensor, probe: torch.Tensor, at: list[int]) -> torch.Tensor:
     batch = batch.clone()
     batch[at] = probe
