@@ -11,7 +11,7 @@ then profiles one eager run and lists the kernels by total GPU time, with the nu
 launches per decode step. Writes ``--out`` (JSON), a markdown table beside it and, per batch, a
 Chrome trace of the graphed run (``engine_profile_gpu.b<batch>.trace.json.gz``).
 
-    python bench/engine_profile_gpu.py [--batches 64 256] [--batch-invariant]
+    python bench/engine_profile_gpu.py [--batches 64 256] [--batch-invariant] [--samples-per-prompt 8]
         [--out bench/results/engine_profile_gpu.json]
 """
 
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--profile-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-invariant", action="store_true", help="the engine's batch-invariant mode")
+    parser.add_argument("--samples-per-prompt", dest="samples", type=int, default=1, help="n of each request")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     source = source_state()
@@ -92,23 +93,24 @@ def main() -> None:
     report = []
     for batch in args.batches:
         prompts = torch.randint(3, 151_000, (batch, args.prompt), generator=gen).cuda()
-        engine_side(graphed, prompts, args.new_tokens)  # warm: kernels, allocator, every graph bucket
-        seconds = statistics.median(engine_side(graphed, prompts, args.new_tokens) for _ in range(args.repeats))
+        run = (graphed, prompts, args.new_tokens, args.samples)
+        engine_side(*run)  # warm: kernels, allocator, every graph bucket
+        seconds = statistics.median(engine_side(*run) for _ in range(args.repeats))
         step_ms = seconds * 1e3 / args.new_tokens
         forward_ms = replay_ms(graphed, batch, args.prompt + args.new_tokens)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine_side(graphed, prompts, args.new_tokens)
+            engine_side(graphed, prompts, args.new_tokens, args.samples)
         trace = out_dir / f"{args.out.stem}.b{batch}.trace.json"
         prof.export_chrome_trace(str(trace))
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
             shutil.copyfileobj(src, dst)
         trace.unlink()
         graphed_kernels, _ = kernel_table(prof, args.new_tokens)
-        engine_side(eager, prompts[:, :], args.profile_tokens)  # warm the eager side at this batch
+        engine_side(eager, prompts, args.profile_tokens, args.samples)  # warm the eager side at this batch
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine_side(eager, prompts, args.profile_tokens)
+            engine_side(eager, prompts, args.profile_tokens, args.samples)
         eager_kernels, launches = kernel_table(prof, args.profile_tokens, top=40)
         row = {
             "batch": batch,
@@ -123,6 +125,7 @@ def main() -> None:
         report.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.endswith("kernels")}), flush=True)
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "batch_invariant": args.batch_invariant}
+    info["samples_per_prompt"] = args.samples
     args.out.write_text(json.dumps({"source": source, "info": info, "rows": report}, indent=1))
     lines = [
         "| batch | tok/s | step ms | decode step ms (graph replay) | outside the graph ms | eager launches / step |",
