@@ -40,20 +40,17 @@ def test_causal_blocks_are_the_decode_kernels_bits(heads, kv):
     assert ((alone.float() - want.reshape(rows * width, -1)).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize(("heads", "kv"), [(16, 8), (24, 8), (32, 4)])  # 8, 5 and 2 rows a tile
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: no rounding hides a sum
-def test_shared_prefix_tiles_on_the_invariant_path_are_each_rows_bits_alone(dtype):
-    """Decode rows in shared-prefix tiles (8 samples of a 200-token prompt, 3 of a 70-token one, one
-    row alone), one program a row: each row carries on from its tile's state at the prompt's last
-    whole block and gets the bits it gets reading its whole cache alone."""
-    from loongsage.core.engine.fused.attention import (
-        SharedPrefixes,
-        decode_attention,
-        shared_prefix_tiles,
-        tile_members,
-    )
+def test_shared_prefix_tiles_on_the_invariant_path_are_each_rows_bits_alone(heads, kv, dtype):
+    """Decode rows in shared-prefix tiles as tall as a decode program's (8 samples of a 200-token
+    prompt, 3 of a 70-token one, one row alone), one program a row: each row carries on from its
+    tile's state at the prompt's last whole block and gets the bits it gets reading its whole
+    cache alone."""
+    from loongsage.core.engine.fused.attention import decode_attention, tile_members, tile_tables
 
     torch.manual_seed(1)
-    rows, heads, kv, dim, columns = 12, 16, 8, 128, 512
+    rows, dim, columns = 12, 128, 512
     dev = torch.device("cuda")
     q = torch.randn(rows, heads, dim, dtype=dtype, device=dev)
     k = torch.randn(rows, kv, columns, dim, dtype=dtype, device=dev)
@@ -63,13 +60,7 @@ def test_shared_prefix_tiles_on_the_invariant_path_are_each_rows_bits_alone(dtyp
         k[members, :, :prefix], v[members, :, :prefix] = k[members[0], :, :prefix], v[members[0], :, :prefix]
     lengths = torch.tensor([201, 260, 333, 450, 202, 211, 499, 390, 71, 140, 100, 301], device=dev)
     alone = decode_attention(q, k, v, lengths, 0.088, columns, splits=1)
-    tiles = shared_prefix_tiles(groups, tile_members(heads // kv))
-    assert tiles == [(192, list(range(8))), (64, [8, 9, 10])]
-    table = torch.full((6, 2 + 8), -1, dtype=torch.int32)
-    table[:, 1] = 0
-    first = torch.zeros(rows, dtype=torch.int32)
-    for t, (prefix, members) in enumerate(tiles):
-        table[t, 0], table[t, 1], table[t, 2 : 2 + len(members)] = members[0], prefix, torch.tensor(members)
-        first[members] = prefix
-    shared = SharedPrefixes(table.to(dev), first.to(dev))
+    tables = tile_tables(groups, tile_members(heads // kv, invariant=True), rows // 2, rows)
+    assert tables.first.tolist() == [192] * 8 + [64] * 3 + [0]
+    shared = type(tables)(tables.tiles.to(dev), tables.first.to(dev))
     assert torch.equal(decode_attention(q, k, v, lengths, 0.088, columns, splits=1, shared=shared), alone)

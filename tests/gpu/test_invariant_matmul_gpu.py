@@ -56,8 +56,9 @@ def test_rows_are_the_same_bits_in_every_batch_and_layout(n, k, head, monkeypatc
 @pytest.mark.parametrize("out_dtype", [None, torch.float32])
 def test_the_tma_layout_runs_and_gives_the_other_layouts_bits(out_dtype, monkeypatch):
     """A trainer's rows on Hopper run the TMA layout (checked, not assumed): the same bits as the
-    pointer kernels' large and small tiles, with a bias, ``x`` a column slice of a wider tensor, and
-    a K whose last chunk is short (Qwen2.5-1.5B's intermediate size, 8960 = 17.5 chunks of 512)."""
+    pointer kernels' large and small tiles, with a bias, ``x`` a column slice of a wider tensor, the
+    result written into columns of a wider one, and a K whose last chunk is short (Qwen2.5-1.5B's
+    intermediate size, 8960 = 4 chunks of 2,560, the last 1,280 long)."""
     from loongsage.core.engine.fused import matmul
 
     torch.manual_seed(1)
@@ -71,9 +72,30 @@ def test_the_tma_layout_runs_and_gives_the_other_layouts_bits(out_dtype, monkeyp
         tma = matmul.invariant_matmul(x, weight, bias, out_dtype)
         assert len(runs) == 1, "the trainer's rows did not run the TMA layout"
         runs.clear()
+        wider = torch.zeros(4096, n + 16, dtype=tma.dtype, device=dev)
+        matmul.invariant_matmul(x, weight, bias, out_dtype, out=wider[:, 8 : 8 + n])
+        assert len(runs) == 1, "columns of a wider result did not run the TMA layout"
+        runs.clear()
+        assert torch.equal(wider[:, 8 : 8 + n], tma) and not wider[:, :8].any() and not wider[:, 8 + n :].any()
         for layout in ((matmul.LARGE_TILES, "tile"), (matmul.SMALL_TILES, "split"), (matmul.SMALL_TILES, "tile")):
             with monkeypatch.context() as forced:
                 forced.setattr(matmul, "_layout", lambda m, n, k, device, wide_out, layout=layout: layout)
                 assert torch.equal(matmul.invariant_matmul(x, weight, bias, out_dtype), tma), (n, k, layout)
         want = x.float() @ weight.float().T + bias.float()
         torch.testing.assert_close(tma.float(), want, atol=2e-2 if out_dtype is None else 1e-3, rtol=1e-2)
+
+
+def test_projections_written_side_by_side_are_each_ones_bits():
+    """The trainer's q/k/v as its modules hold them (a bias on k only), written into one result by
+    :class:`InvariantLinears` at a trainer's and a decode step's rows: each block the bits of its
+    projection alone."""
+    from loongsage.core.engine.fused import matmul
+
+    torch.manual_seed(2)
+    dev = torch.device("cuda")
+    weights = [torch.randn(n, 2048, dtype=torch.bfloat16, device=dev) * 0.02 for n in (2048, 1024, 1024)]
+    biases = [None, torch.randn(1024, dtype=torch.bfloat16, device=dev), None]
+    for rows in (6144, 128):
+        x = torch.randn(rows, 2048, dtype=torch.bfloat16, device=dev)
+        alone = torch.cat([matmul.invariant_matmul(x, w, b) for w, b in zip(weights, biases)], 1)
+        assert torch.equal(matmul.invariant_linears(x, weights, biases), alone), rows

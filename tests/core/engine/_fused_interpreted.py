@@ -206,6 +206,12 @@ def test_shared_prefix_tiles_read_the_prefix_from_their_source_row_only(fused, p
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
     q, k, v = q.float(), k.float(), v.float()
     assert torch.equal(attention.decode_attention(q, k, v, lengths, 0.25, length, shared=shared, splits=1), alone)
+    # tables holding the prompts' own lengths (130, 70): the kernels cut them to whole blocks too
+    uncut = table.clone(), first.clone()
+    uncut[0][:3, 1] = torch.tensor([130, 130, 70])
+    uncut[1][first == 128], uncut[1][first == 64] = 130, 70
+    uncut = attention.SharedPrefixes(*uncut)
+    assert torch.equal(attention.decode_attention(q, k, v, lengths, 0.25, length, shared=uncut, splits=1), alone)
     with pytest.raises(ValueError, match="shared prefixes are for decode rows, not a sequence's tokens"):
         attention.decode_attention(q, k, v, lengths, 0.25, length, shared=shared, cache_rows=torch.arange(rows))
 

@@ -33,9 +33,9 @@ the lowest slot up and, when the range gets sparse, the highest decoding rows mo
 
 Shared prefixes (``shared_prefix_decode``, fused kernels, the batch-invariant mode too): the decoding
 rows of one request, each slot holding a copy of its prompt, are tiled (up to ``16 // group`` rows a
-tile) when the decoding set changes, and decode attention reads a tile's prompt columns once, from
-one member's slot (:mod:`loongsage.core.engine.fused.attention`). The copies stay: a row keeps its
-whole cache when it moves, finishes or is retained.
+tile) when the decoding set changes, and decode attention reads a tile's prompt columns (its whole
+blocks of 64) once, from one member's slot (:mod:`loongsage.core.engine.fused.attention`). The
+copies stay: a row keeps its whole cache when it moves, finishes or is retained.
 
 Prefix reuse: a finished row's slot is *retained* with the tokens its cache holds (prompt plus all
 but the last output token) and the weight version that computed them. A new request whose input
@@ -133,7 +133,8 @@ class SlotBatch:
         if shared_prefix_decode and runner.fused is not None:
             from loongsage.core.engine.fused.attention import tile_members  # Triton: only where fused
 
-            self.prefixes = PrefixTiles(tile_members(runner.num_heads // runner.kv_heads))
+            members = tile_members(runner.num_heads // runner.kv_heads, invariant=runner.invariant)
+            self.prefixes = PrefixTiles(members) if members >= 2 else None
         self.graphs = (
             DecodeGraphs(self.L) if cuda_graphs and self.device.type == "cuda" and not self.recording else None
         )

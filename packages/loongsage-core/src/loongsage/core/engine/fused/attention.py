@@ -11,14 +11,16 @@ columns split over several programs whose partial results a second kernel merges
 
 Shared prefixes (cascade decoding): the ``n`` samples of one request decode over one prompt, each
 slot holding its own copy of the prompt's keys and values. Given :class:`SharedPrefixes`, a tile
-of up to ``16 // group`` such rows reads the prompt's columns once, from one member's slot, the
-query heads of all its members the rows of one matrix product, while each row reads only its
-columns after the prompt by itself; the merge kernel combines the two partial results. A GRPO
+of up to ``16 // group`` such rows reads the prompt's whole blocks of 64 columns once, from one
+member's slot, the query heads of all its members the rows of one matrix product, while each row
+reads its columns after those by itself; the merge kernel combines the two partial results. A GRPO
 group of 8 samples over a 128-token prompt then reads the prompt's keys once where it read them 8
 times. The batch-invariant mode shares prefixes too, without a merge: the tile stops at the end
 of the prompt's last whole block of columns and stores each row's online-softmax state (float32),
 from which the row's own program carries on. Every row then computes exactly the blocks, in the
-order, that a row reading its whole cache in one program computes: the same bits.
+order, that a row reading its whole cache in one program computes: the same bits. Its tiles are
+exactly as tall as a decode program's (:func:`tile_members`), which leaves no room to share past 8
+query heads a kv head.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def _decode_kernel(
     cache_row = tl.load(crow_ptr + row).to(tl.int64) if CACHE_ROWS else row
     # a row of a shared-prefix tile starts after the prefix, which its tile reads (0: no tile)
     first = tl.load(first_ptr + row) if PREFIX_SPLITS > 0 else 0
+    first -= first % BLOCK_N  # a tile reads whole blocks: the batch-invariant path's blocks start there
     start = first + split * split_len
     stop = tl.minimum(start + split_len, length)
     h = tl.arange(0, PAD)
@@ -195,6 +198,7 @@ def _prefix_kernel(
     entry = tiles_ptr + tile * (MEMBERS + 2)
     source = tl.load(entry).to(tl.int64)
     prefix = tl.load(entry + 1)
+    prefix -= prefix % BLOCK_N  # whole blocks (see _decode_kernel)
     t = tl.arange(0, PAD)
     member, head = t // GROUP, t % GROUP
     row = tl.load(entry + 2 + member, mask=member < MEMBERS, other=-1)
@@ -279,16 +283,27 @@ class SharedPrefixes(NamedTuple):
     ``tiles`` ``[T, 2 + members]`` int32: each tile's source cache row (any member's: each holds the
     same prefix), its prefix length, then its member rows (-1 past the last); a tile of prefix 0 is
     empty. ``first`` ``[rows]`` int32: the column each row reads from by itself (its tile's prefix
-    length, 0 for a row in no tile). Both are read on the device, so a captured graph replays with
-    whatever tiles they hold.
+    length, 0 for a row in no tile). The kernels cut both to whole blocks of 64 columns, as
+    :func:`shared_prefix_tiles` makes them. Both are read on the device, so a captured graph
+    replays with whatever tiles they hold.
     """
 
     tiles: Tensor
     first: Tensor
 
 
-def tile_members(group: int) -> int:
-    """Rows per shared-prefix tile: their query heads fill one 16-row tensor-core tile."""
+def _decode_pad(group: int) -> int:
+    """The rows of a decode program's query tile: one token's ``group`` heads, padded."""
+    return max(_PAD_HEADS, triton.next_power_of_2(group))
+
+
+def tile_members(group: int, invariant: bool = False) -> int:
+    """Rows per shared-prefix tile: their query heads fill one 16-row tensor-core tile (at least
+    two rows). On the batch-invariant path a tile must be exactly as tall as a decode program's,
+    so its members' sums are those of a row alone (as :func:`causal_attention` keeps it): a group
+    past 8 heads then leaves room for one row, and sharing does not apply (1)."""
+    if invariant:
+        return _decode_pad(group) // group
     return max(2, _PAD_HEADS // group)
 
 
@@ -366,6 +381,11 @@ def decode_attention(
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         splits = splits_for(rows, kv_heads, columns, 2 * sms)
     resume = shared is not None and splits == 1  # the prefix's state carried on, not merged
+    if resume and shared.tiles.shape[1] - 2 > tile_members(group, invariant=True):
+        raise ValueError(
+            f"decode_attention: a batch-invariant tile holds at most {tile_members(group, invariant=True)} rows "
+            f"of {group} heads (the decode kernel's tile), got {shared.tiles.shape[1] - 2}"
+        )
     prefix_splits = 0 if shared is None else splits  # the total stays a power of two
     split_len = -(-columns // (splits * _BLOCK_N)) * _BLOCK_N
     total = splits + prefix_splits
@@ -386,7 +406,7 @@ def decode_attention(
             split_len,
             *strides,
             MEMBERS=members,
-            PAD=max(_PAD_HEADS, triton.next_power_of_2(members * group)),
+            PAD=_decode_pad(members * group),
             **common,
         )
     _decode_kernel[(rows, kv_heads, splits)](
@@ -401,7 +421,7 @@ def decode_attention(
         scale * _LOG2E,
         split_len,
         *strides,
-        PAD=max(_PAD_HEADS, triton.next_power_of_2(group)),
+        PAD=_decode_pad(group),
         CACHE_ROWS=cache_rows is not None,
         RESUME=resume,
         **common,
@@ -422,7 +442,7 @@ def causal_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) 
     if v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("causal_attention: key and value caches of one layout, unit stride on d (and q)")
     group = heads // kv_heads
-    pad = max(_PAD_HEADS, triton.next_power_of_2(group))  # the decode kernel's tile
+    pad = _decode_pad(group)  # the decode kernel's tile
     per_program = max(1, pad // group)
     out = q.new_empty(tokens, heads, dim)
     _causal_kernel[(rows, triton.cdiv(width, per_program), kv_heads)](

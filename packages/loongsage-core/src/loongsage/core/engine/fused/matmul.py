@@ -17,8 +17,8 @@ output element is pinned, and depends on ``K`` alone:
   order of its K products: 64 x 64 tiles and 128 x 128 tiles give the same bits (measured on an
   H100 at every projection of the 1.7B shape; ``tests/gpu/test_invariant_matmul_gpu.py`` checks it
   on the card at hand, the CPU suite in Triton's interpreter);
-* ``K`` is cut into chunks of 512 columns, or, past four of those, into four chunks of a multiple
-  of 512 (:func:`_chunk_k`: 1,536 for a ``K`` of 6,144). Each chunk is summed from zero, in
+* ``K`` is cut into chunks of 512 columns, or, past four of those, into at most four chunks of a
+  multiple of 512 (:func:`_chunk_k`: 1,536 for a ``K`` of 6,144). Each chunk is summed from zero, in
   order, in steps of ``BLOCK_K``, each step's ``tl.dot`` into one float32 accumulator; then the
   chunks' sums are added in order, chunk 0 first. That order is a function of ``K`` only;
 * how the work is laid out on the GPU is chosen by shape (:func:`_layout`), and never changes the
@@ -66,7 +66,7 @@ from loongsage.core.model_math.dtypes import HALF_DTYPES
 # numbers: the engine and the trainer must run the same values.
 _BLOCK_K = 64
 _CHUNK_K = 512  # a multiple of _BLOCK_K: the shortest chunk
-_MOST_CHUNKS = 4  # a longer K is cut into this many chunks of whole 512s (the last one short)
+_MOST_CHUNKS = 4  # a longer K is cut into at most this many chunks of whole 512s
 
 
 def _chunk_k(k: int) -> int:
@@ -294,7 +294,8 @@ def _layout(m: int, n: int, k: int, device: torch.device, wide_out: bool) -> tup
         if _has_tma(device):
             return (TMA_WIDE_OUT_TILES if wide_out else TMA_TILES), "tma"
         return LARGE_TILES, "tile"
-    few = 4 * triton.cdiv(m, SMALL_TILES.block_m) * triton.cdiv(n, SMALL_TILES.block_n) <= waves
+    sms = waves // 2
+    few = 2 * triton.cdiv(m, SMALL_TILES.block_m) * triton.cdiv(n, SMALL_TILES.block_n) <= sms  # half idle
     return SMALL_TILES, "split" if few and k > _chunk_k(k) else "tile"
 
 
