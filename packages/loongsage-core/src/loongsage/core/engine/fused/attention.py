@@ -142,7 +142,7 @@ def _decode_kernel(
     base = cache_row * c_row + kv * c_head
     acc, m_i, l_i = _fresh(PAD, DIM)
     if RESUME:  # carry on from the state the row's prefix tile stored (a row of no tile: a fresh one)
-        at = (row * HEADS + heads) * 2 * (DIM + 2)
+        at = (row * HEADS + heads) * (PREFIX_SPLITS + SPLITS) * (DIM + 2)  # _prefix_kernel's split 0
         tiled = real & (h * 0 + first > 0)
         acc = tl.load(part_ptr + at[:, None] + d[None, :], mask=tiled[:, None], other=0.0)
         m_i = tl.load(part_ptr + at + DIM, mask=tiled, other=float("-inf"))

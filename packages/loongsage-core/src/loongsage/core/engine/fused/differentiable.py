@@ -108,9 +108,9 @@ class Attention(torch.autograd.Function):
         rows, _, width, dim = keys.shape
         heads = q.shape[1]
         needs = ctx.needs_input_grad[:3]
-        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, keys, values), needs)]
         if not any(needs):
             return None, None, None, None
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, keys, values), needs)]
         with torch.enable_grad():
             query = inputs[0].view(rows, width, heads, dim).transpose(1, 2)
             # SDPA shares each kv head among its query heads itself: the HF model's attention
