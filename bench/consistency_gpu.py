@@ -19,7 +19,9 @@ in a run) against the goal of 1e-5, for:
 * the fast path with cuBLAS's bf16 split-K reductions off on both sides (``fp32_reductions``);
 * the fast path with only its decode attention replaced by the torch decode path's
   (``scaled_dot_product_attention`` over each row's columns, the query heads of a kv head as its
-  rows), every other fused kernel kept: what the fused attention kernel alone adds to k3.
+  rows), every other fused kernel kept: what the fused attention kernel alone adds to k3;
+* the batch-invariant mode with the decoder layers' GEMMs on cuBLAS on both sides (attention,
+  norms, rotary, SwiGLU and the head still batch-invariant): what the GEMMs alone add to k3.
 
 With ``--sglang``, also the ``sglang`` engine (:class:`loongsage.sglang.engine.SGLangEngine`, one
 SGLang server at a time) under the server settings of :data:`SGLANG_SETTINGS` (the default six of
@@ -102,6 +104,8 @@ NATIVE_SIDES: dict[str, dict[str, Any]] = {
     "fast_fp32_reductions": {"fp32_reductions": True},
     # the fused decode step with the torch decode path's attention: the fused attention's share of k3
     "fast_torch_attention": {"torch_attention": True},
+    # the batch-invariant mode with its decoder GEMMs on cuBLAS, on both sides: the GEMMs' share of k3
+    "batch_invariant_cublas_gemms": {"batch_invariant": True, "cublas_gemms": True},
 }
 # SGLang settings: SGLangEngine params over the bench's own (FP32 head, torch sampling, CUDA
 # graphs, no memory release, the workload's sizing), as SGLang 0.5.16 spells its options
@@ -178,6 +182,7 @@ def measure(
     *,
     fp32_reductions: bool = False,
     torch_attention: bool = False,
+    cublas_gemms: bool = False,
     **options: Any,
 ) -> dict[str, float]:
     """k3 KL and |delta log-prob| between the engine's and the trainer's log-probs of the same tokens,
@@ -194,12 +199,17 @@ def measure(
     the trainer's decoder GEMMs in FP8 (its ``fp8``), against the bf16 engine.
     ``fp32_reductions``: both sides with ``allow_bf16_reduced_precision_reduction`` off.
     ``torch_attention``: the engine's fused decode step with the torch decode path's attention.
+    ``cublas_gemms``: the batch-invariant path's decoder GEMMs by cuBLAS (:func:`cublas_layer_gemms`).
     """
     matmul = torch.backends.cuda.matmul
     reduced = matmul.allow_bf16_reduced_precision_reduction
     matmul.allow_bf16_reduced_precision_reduction = reduced and not fp32_reductions
     try:
-        with torch_decode_attention() if torch_attention else contextlib.nullcontext():
+        with contextlib.ExitStack() as patches:
+            if torch_attention:
+                patches.enter_context(torch_decode_attention())
+            if cublas_gemms:
+                patches.enter_context(cublas_layer_gemms())
             return _measure(path, batch, prompt_len, new_tokens, **options)
     finally:
         matmul.allow_bf16_reduced_precision_reduction = reduced
@@ -230,6 +240,32 @@ def torch_decode_attention() -> Iterator[None]:
         yield
     finally:
         decoder.decode_attention = fused
+
+
+@contextlib.contextmanager
+def cublas_layer_gemms() -> Iterator[None]:
+    """The batch-invariant path's decoder-layer GEMMs (merged or not, engine and trainer) by
+    cuBLAS (``F.linear``), its attention, norms, rotary, SwiGLU and FP32 head kept: the decoder
+    runs each layer's projections through these two names (no gradient is taken here)."""
+    import torch.nn.functional as F
+
+    from loongsage.core.engine.fused import decoder
+
+    kept = decoder.invariant_linear, decoder.invariant_linears
+
+    def linear(x, weight, bias=None, out_dtype=None):
+        if out_dtype is not None:  # the head (the only caller with a float32 output)
+            return kept[0](x, weight, bias, out_dtype)
+        return F.linear(x, weight, bias)
+
+    def linears(x, weights, biases):
+        return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)
+
+    decoder.invariant_linear, decoder.invariant_linears = linear, linears
+    try:
+        yield
+    finally:
+        decoder.invariant_linear, decoder.invariant_linears = kept
 
 
 def _measure(
