@@ -348,6 +348,8 @@ def main() -> int:
         "| | LoongSage | TRL GRPOTrainer | TRL / LoongSage |",
         "|---|---:|---:|---:|",
         f"| seconds per step | {o['step_s']:.2f} | {t['step_s']:.2f} | {result['speedup']:.2f}x |",
+        f"| the measured steps, min-max s | {min(o['step_s_all']):.2f}-{max(o['step_s_all']):.2f} | "
+        f"{min(t['step_s_all']):.2f}-{max(t['step_s_all']):.2f} | |",
         f"| trajectories / s | {o['trajectories_per_s']:.1f} | {t['trajectories_per_s']:.1f} | |",
         f"| rollout s ({o['rollout_tokens_per_s']:.0f} sampled tokens/s) | {o['rollout_s']:.2f} | | |",
         f"| train s (MFU {o['train_mfu']:.0%}; {o['row_tokens_per_s']:.0f} tokens of the rows / s) | "
