@@ -39,7 +39,8 @@ def test_rows_are_the_same_bits_in_every_batch_and_layout(n, k, head, monkeypatc
         assert torch.equal(got, alone), (n, k, rows)
     # each layout forced on every shape, at a decode's rows and at a trainer's: the same bits
     trainer = batch  # the last batch: 4096 rows holding the probe
-    layouts = [(t, layout) for t in (matmul.SMALL_TILES, matmul.LARGE_TILES) for layout in ("split", "tile")]
+    sizes = (matmul.SMALL_TILES, matmul.MEDIUM_TILES, matmul.MEDIUM_WIDE_OUT_TILES, matmul.LARGE_TILES)
+    layouts = [(t, layout) for t in sizes for layout in ("split", "tile")]
     if torch.cuda.get_device_capability()[0] == 9:  # TMA where the large layout uses it
         layouts += [(matmul.TMA_TILES if head is None else matmul.TMA_WIDE_OUT_TILES, "tma")]
     for layout in layouts:

@@ -696,10 +696,12 @@ def test_invariant_matmul_layouts_give_the_same_bits(fused, monkeypatch):
     and rows TMA cannot read (K = 1100: the pointer kernel runs)."""
     mm = fused["matmul"]
     torch.manual_seed(13)
-    layouts = [(tiles, layout) for tiles in (mm.SMALL_TILES, mm.LARGE_TILES) for layout in ("split", "tile")]
+    sizes = (mm.SMALL_TILES, mm.MEDIUM_TILES, mm.MEDIUM_WIDE_OUT_TILES, mm.LARGE_TILES)
+    layouts = [(tiles, layout) for tiles in sizes for layout in ("split", "tile")]
     layouts += [(mm.TMA_TILES, "tma"), (mm.TMA_WIDE_OUT_TILES, "tma")]
     chosen = {mm._layout(m, 128, 1100, torch.device("cpu"), False) for m in (40, 1100)}
     assert chosen == {(mm.SMALL_TILES, "split"), (mm.TMA_TILES, "tma")}  # the interpreter runs both sizes
+    assert mm._layout(64, 1024, 1100, torch.device("cpu"), True) == (mm.MEDIUM_WIDE_OUT_TILES, "tile")
     tma_runs, run_tma = [], mm._run_tma
     monkeypatch.setattr(mm, "_run_tma", lambda *args: tma_runs.append(args[0].shape[1]) or run_tma(*args))
     assert [mm._chunk_k(k) for k in (320, 1088, 2048, 2600, 6144, 8960)] == [512, 512, 512, 1024, 1536, 2560]

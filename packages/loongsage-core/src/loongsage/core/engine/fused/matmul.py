@@ -26,8 +26,10 @@ output element is pinned, and depends on ``K`` alone:
   the tiles are large and one program walks its tile's chunks in order, adding them as it goes;
   on a Hopper GPU its operands come in by TMA and each program, one an SM, walks tiles until none
   is left (128 x 256 tiles, 128 x 128 for a float32 output), elsewhere the tiles are 128 x 128,
-  one program each. With fewer, the tiles are 64 x 64; and with few of those (a decode step's ``M`` of a few
-  dozen rows: a 2048-wide projection has 32 column tiles for 132 SMs) each chunk is a program of
+  one program each. With fewer (a decode step's rows), the tiles are 64 x 128 where those alone
+  keep two thirds of the SMs busy (the wide projections and the head), else 64 x 64; and with few
+  of those (a decode step's ``M`` of a few dozen rows: a 2048-wide projection has 32 column tiles
+  for 132 SMs) each chunk is a program of
   its own, writing its float32 sum to a buffer that a second kernel adds up in chunk order. All
   run the same chunk code and the same additions in the same order, so a row's numbers are the
   same bits whichever ran: this is a fixed split-K, where cuBLAS' split factor follows the shape;
@@ -90,6 +92,13 @@ class Tiles(NamedTuple):
 
 
 SMALL_TILES = Tiles(64, 64, 4, 3)  # decode and short prefills: more programs for the SMs
+# decode rows times a wide weight (gate/up, the head; q/k/v from 256 rows), where 64 x 128 tiles
+# still give two thirds of the SMs a program: each weight block read by half as many programs. At
+# the 1.7B shape on an H100 (a sweep of tiles, warps and stages at 64, 128 and 256 rows, every one
+# the same bits): gate/up 0.0243 ms against 0.0256 at 128 rows, 0.0353 against 0.0410 at 256; the
+# FP32 head 0.265 against 0.284 and 0.436 against 0.545 (with 4 warps, which suit its float32 tile)
+MEDIUM_TILES = Tiles(64, 128, 8, 4)
+MEDIUM_WIDE_OUT_TILES = Tiles(64, 128, 4, 4)
 LARGE_TILES = Tiles(128, 128, 8, 4)  # the trainer's forward and the head: 1.3-1.4x faster at M = 8192
 # the large layout on Hopper's TMA loads, one program an SM walking the tiles (persistent): at the
 # trainer's 6,144 rows on an H100, 1.13-1.18x cuBLAS's time against the pointer kernel's 1.7-1.8x
@@ -97,7 +106,7 @@ LARGE_TILES = Tiles(128, 128, 8, 4)  # the trainer's forward and the head: 1.3-1
 # tile of 128 x 256 does not fit in shared memory beside three stages of operands)
 TMA_TILES = Tiles(128, 256, 8, 3)
 TMA_WIDE_OUT_TILES = Tiles(128, 128, 8, 4)
-# rows from which large tiles may run: a decode step's few hundred rows keep the small tiles they
+# rows from which large tiles may run: a decode step's few hundred rows keep the 64-row tiles they
 # were measured with, where a 128-row tile would hold as many masked rows as real ones
 _LARGE_TILES_FROM_ROWS = 1024
 _GROUP_M = 8  # tiles of rows walked together for L2 reuse: the order programs run in, not the numbers
@@ -284,8 +293,9 @@ def _has_tma(device: torch.device) -> bool:
 def _layout(m: int, n: int, k: int, device: torch.device, wide_out: bool) -> tuple[Tiles, str]:
     """``(tiles, layout)`` for ``[m, k] @ [k, n]`` (``wide_out``: a float32 result): large tiles for
     a trainer's or a prefill's rows when they alone fill the GPU twice (on TMA where the GPU has
-    it), else small ones (a decode step's), each chunk of K a program of its own (``split``) when
-    those would leave more than half the SMs idle. (Measured on an H100 at the 1.7B shape's decode
+    it), else medium ones when those keep two thirds of the SMs busy, else small ones (a decode
+    step's), each chunk of K a program of its own (``split``) when those would leave more than half
+    the SMs idle. (Measured on an H100 at the 1.7B shape's decode
     rows: with 128 to 256 tiles a tile a program was 1.2-1.6x faster than splitting, which writes
     and reads back a float32 sum per chunk; with 64 or fewer, splitting was faster.)"""
     waves = _two_waves(device)
@@ -295,6 +305,8 @@ def _layout(m: int, n: int, k: int, device: torch.device, wide_out: bool) -> tup
             return (TMA_WIDE_OUT_TILES if wide_out else TMA_TILES), "tma"
         return LARGE_TILES, "tile"
     sms = waves // 2
+    if 3 * triton.cdiv(m, MEDIUM_TILES.block_m) * triton.cdiv(n, MEDIUM_TILES.block_n) >= 2 * sms:
+        return (MEDIUM_WIDE_OUT_TILES if wide_out else MEDIUM_TILES), "tile"
     few = 2 * triton.cdiv(m, SMALL_TILES.block_m) * triton.cdiv(n, SMALL_TILES.block_n) <= sms  # half idle
     return SMALL_TILES, "split" if few and k > _chunk_k(k) else "tile"
 
