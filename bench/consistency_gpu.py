@@ -40,7 +40,8 @@ seconds, each the median of 3 timed runs after a warm-up one: what a mode costs.
 
 ``--sides`` picks what runs: native sides (``fast``, ``fast_torch_kernels``, ``deterministic``,
 ``batch_invariant``, ``fp8_engine``, ``fp8_trainer``, ``engine_bf16_head``, ``fast_compiled_trainer``,
-``fast_compiled_trainer_inductor_rounding``, ``fast_fp32_reductions``, ``fast_torch_attention``), SGLang
+``fast_compiled_trainer_inductor_rounding``, ``fast_fp32_reductions``, ``fast_torch_attention``,
+``batch_invariant_cublas_gemms``), SGLang
 settings as ``sglang:<name>``, or the groups ``native``, ``sglang`` (the default six) and ``sglang:all``.
 ``--merge`` keeps what ``--out`` already holds for the sides not run now (to fill one file over
 several calls).
@@ -201,6 +202,11 @@ def measure(
     ``torch_attention``: the engine's fused decode step with the torch decode path's attention.
     ``cublas_gemms``: the batch-invariant path's decoder GEMMs by cuBLAS (:func:`cublas_layer_gemms`).
     """
+    if cublas_gemms and not (options.get("batch_invariant") and options.get("engine_fp32_head", True)):
+        raise ValueError(
+            "cublas_gemms: replaces the batch-invariant path's layer GEMMs; needs batch_invariant=True "
+            "and the engine's FP32 head (which it keeps invariant)"
+        )
     matmul = torch.backends.cuda.matmul
     reduced = matmul.allow_bf16_reduced_precision_reduction
     matmul.allow_bf16_reduced_precision_reduction = reduced and not fp32_reductions
@@ -246,7 +252,8 @@ def torch_decode_attention() -> Iterator[None]:
 def cublas_layer_gemms() -> Iterator[None]:
     """The batch-invariant path's decoder-layer GEMMs (merged or not, engine and trainer) by
     cuBLAS (``F.linear``), its attention, norms, rotary, SwiGLU and FP32 head kept: the decoder
-    runs each layer's projections through these two names (no gradient is taken here)."""
+    runs each layer's projections through these two names (no gradient is taken here); the
+    trainer's head imports its GEMM where it runs, so it stays invariant."""
     import torch.nn.functional as F
 
     from loongsage.core.engine.fused import decoder
@@ -254,7 +261,7 @@ def cublas_layer_gemms() -> Iterator[None]:
     kept = decoder.invariant_linear, decoder.invariant_linears
 
     def linear(x, weight, bias=None, out_dtype=None):
-        if out_dtype is not None:  # the head (the only caller with a float32 output)
+        if out_dtype is not None:  # the engine's FP32 head (measure() refuses a bf16 one here)
             return kept[0](x, weight, bias, out_dtype)
         return F.linear(x, weight, bias)
 

@@ -6,8 +6,8 @@ inputs:
 
 * ``cublas``: ``F.linear`` (the fast path's GEMM; the head as a bf16 GEMM with float32 output);
 * ``invariant``: :func:`~loongsage.core.engine.fused.matmul.invariant_matmul` as the engine and the
-  trainer run it (128 x 128 tiles for a trainer's rows; 64 x 64 tiles for a decode step's, with a
-  chunk of K per program when they are few);
+  trainer run it (128 x 256 tiles read by TMA for a trainer's rows on a Hopper GPU; 64 x 128 or
+  64 x 64 tiles for a decode step's, with a chunk of K per program when they are few);
 * ``one_program_a_tile``: the same kernel kept to 64 x 64 tiles, a tile per program, at every shape:
   what a fixed-tile GEMM without the chunked layout costs (the kernel before the chunks).
 

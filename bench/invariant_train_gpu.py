@@ -40,9 +40,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "invariant_train_gpu.jso
 
 
 def kernel_profile(fn, top: int = 15) -> dict:
-    """The GPU time of every kernel ``fn`` runs, summed (``total_ms``), and the ``top`` kernels it
-    spends most in, ``(kernel name, total ms, calls)`` each (``costliest``): the total, not the top
-    kernels' sum, is the side's kernel time."""
+    """The GPU time of everything ``fn`` runs on the device (kernels, copies, fills), summed
+    (``total_ms``), and the ``top`` kernels it spends most in, ``(kernel name, total ms, calls)``
+    each (``costliest``): the total, not the top kernels' sum, is the side's kernel time."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -14,23 +14,23 @@ output element is pinned, and depends on ``K`` alone:
   output element reads one row of A and one column of B). ``BLOCK_K`` sets the order of the
   float32 sums and may never follow the shape. The tile's rows and columns (``BLOCK_M`` x
   ``BLOCK_N``) set which program computes an element, and the N of the MMA instructions, not the
-  order of its K products: 64 x 64 tiles and 128 x 128 tiles give the same bits (measured on an
-  H100 at every projection of the 1.7B shape; ``tests/gpu/test_invariant_matmul_gpu.py`` checks it
+  order of its K products: 64 x 64, 64 x 128, 128 x 128 and 128 x 256 tiles give the same bits
+  (measured on an H100 at every projection of the 1.7B shape; ``tests/gpu/test_invariant_matmul_gpu.py`` checks it
   on the card at hand, the CPU suite in Triton's interpreter);
 * ``K`` is cut into chunks of 512 columns, or, past four of those, into at most four chunks of a
   multiple of 512 (:func:`_chunk_k`: 1,536 for a ``K`` of 6,144). Each chunk is summed from zero, in
   order, in steps of ``BLOCK_K``, each step's ``tl.dot`` into one float32 accumulator; then the
   chunks' sums are added in order, chunk 0 first. That order is a function of ``K`` only;
 * how the work is laid out on the GPU is chosen by shape (:func:`_layout`), and never changes the
-  numbers. With many output tiles (the trainer's thousands of rows, the LM head's vocabulary)
-  the tiles are large and one program walks its tile's chunks in order, adding them as it goes;
-  on a Hopper GPU its operands come in by TMA and each program, one an SM, walks tiles until none
-  is left (128 x 256 tiles, 128 x 128 for a float32 output), elsewhere the tiles are 128 x 128,
-  one program each. With fewer (a decode step's rows), the tiles are 64 x 128 where those alone
-  keep two thirds of the SMs busy (the wide projections and the head), else 64 x 64; and with few
-  of those (a decode step's ``M`` of a few dozen rows: a 2048-wide projection has 32 column tiles
-  for 132 SMs) each chunk is a program of
-  its own, writing its float32 sum to a buffer that a second kernel adds up in chunk order. All
+  numbers. With a trainer's or a prefill's rows (from 1,024) and tiles enough to fill the GPU
+  twice, the tiles are large and one program walks its tile's chunks in order, adding them as it
+  goes; on a Hopper GPU its operands come in by TMA and each program, one an SM, walks tiles until
+  none is left (128 x 256 tiles, 128 x 128 for a float32 output), elsewhere the tiles are
+  128 x 128, one program each. With fewer rows (a decode step's), the tiles are 64 x 128 where
+  those alone keep two thirds of the SMs busy (the wide projections and the head), else 64 x 64;
+  and with few of those (a decode step's ``M`` of a few dozen rows: a 2048-wide projection has 32
+  column tiles for 132 SMs) each chunk is a program of its own, writing its float32 sum to a
+  buffer that a second kernel adds up in chunk order. All
   run the same chunk code and the same additions in the same order, so a row's numbers are the
   same bits whichever ran: this is a fixed split-K, where cuBLAS' split factor follows the shape;
 * ``M`` is not specialised (``do_not_specialize``): Triton would otherwise compile a second kernel
@@ -305,7 +305,8 @@ def _layout(m: int, n: int, k: int, device: torch.device, wide_out: bool) -> tup
             return (TMA_WIDE_OUT_TILES if wide_out else TMA_TILES), "tma"
         return LARGE_TILES, "tile"
     sms = waves // 2
-    if 3 * triton.cdiv(m, MEDIUM_TILES.block_m) * triton.cdiv(n, MEDIUM_TILES.block_n) >= 2 * sms:
+    medium = triton.cdiv(m, MEDIUM_TILES.block_m) * triton.cdiv(n, MEDIUM_TILES.block_n)
+    if 3 * medium >= 2 * sms:  # two thirds of the SMs busy
         return (MEDIUM_WIDE_OUT_TILES if wide_out else MEDIUM_TILES), "tile"
     few = 2 * triton.cdiv(m, SMALL_TILES.block_m) * triton.cdiv(n, SMALL_TILES.block_n) <= sms  # half idle
     return SMALL_TILES, "split" if few and k > _chunk_k(k) else "tile"
