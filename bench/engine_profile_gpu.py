@@ -101,7 +101,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            engine_side(graphed, prompts, args.new_tokens, args.samples)
+            engine_side(*run)
         trace = out_dir / f"{args.out.stem}.b{batch}.trace.json"
         prof.export_chrome_trace(str(trace))
         with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:

@@ -1,6 +1,6 @@
 """On a CUDA GPU: the batch-invariant GEMM's rows do not depend on the batch, bit for bit, at the
-1.7B shape's projections, in each of its layouts (small, medium or large tiles; a chunk of K per program,
-or a tile per program; on Hopper, TMA loads with programs walking the tiles).
+1.7B shape's projections, in each of its layouts (small, medium or large tiles; a chunk of K per
+program, or a tile per program; on Hopper, TMA loads with programs walking the tiles).
 
 The CPU suite checks the same in Triton's interpreter, whose ``tl.dot`` is numpy's; this checks the
 compiled kernels: that the layouts' tensor-core sums add the same products in the same order

@@ -688,12 +688,12 @@ def test_invariant_matmul_rows_do_not_depend_on_the_batch(fused, dtype):
 
 
 def test_invariant_matmul_layouts_give_the_same_bits(fused, monkeypatch):
-    """Small, medium or large tiles, a chunk per program (with the in-order sum of the chunks after), a tile
-    per program (walking its chunks) or TMA loads with programs walking the tiles: layouts of one
-    computation, the same bits, with and without a bias, rounded to bf16 or kept in float32, with a
-    short last chunk, a single chunk (no sum of chunks), chunks longer than 512 (K = 2600: three of
-    1,024), ``x`` a column slice of a wider tensor, the result written into columns of a wider one,
-    and rows TMA cannot read (K = 1100: the pointer kernel runs)."""
+    """Small, medium or large tiles, a chunk per program (with the in-order sum of the chunks
+    after), a tile per program (walking its chunks) or TMA loads with programs walking the tiles:
+    layouts of one computation, the same bits, with and without a bias, rounded to bf16 or kept in
+    float32, with a short last chunk, a single chunk (no sum of chunks), chunks longer than 512
+    (K = 2600: three of 1,024), ``x`` a column slice of a wider tensor, the result written into
+    columns of a wider one, and rows TMA cannot read (K = 1100: the pointer kernel runs)."""
     mm = fused["matmul"]
     torch.manual_seed(13)
     sizes = (mm.SMALL_TILES, mm.MEDIUM_TILES, mm.LARGE_TILES)  # (the interpreter has no warps)

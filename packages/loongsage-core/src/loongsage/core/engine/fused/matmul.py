@@ -15,8 +15,9 @@ output element is pinned, and depends on ``K`` alone:
   float32 sums and may never follow the shape. The tile's rows and columns (``BLOCK_M`` x
   ``BLOCK_N``) set which program computes an element, and the N of the MMA instructions, not the
   order of its K products: 64 x 64, 64 x 128, 128 x 128 and 128 x 256 tiles give the same bits
-  (measured on an H100 at every projection of the 1.7B shape; ``tests/gpu/test_invariant_matmul_gpu.py`` checks it
-  on the card at hand, the CPU suite in Triton's interpreter);
+  (measured on an H100 at every projection of the 1.7B shape;
+  ``tests/gpu/test_invariant_matmul_gpu.py`` checks it on the card at hand, the CPU suite in
+  Triton's interpreter);
 * ``K`` is cut into chunks of 512 columns, or, past four of those, into at most four chunks of a
   multiple of 512 (:func:`_chunk_k`: 1,536 for a ``K`` of 6,144). Each chunk is summed from zero, in
   order, in steps of ``BLOCK_K``, each step's ``tl.dot`` into one float32 accumulator; then the
@@ -30,9 +31,9 @@ output element is pinned, and depends on ``K`` alone:
   those alone keep two thirds of the SMs busy (the wide projections and the head), else 64 x 64;
   and with few of those (a decode step's ``M`` of a few dozen rows: a 2048-wide projection has 32
   column tiles for 132 SMs) each chunk is a program of its own, writing its float32 sum to a
-  buffer that a second kernel adds up in chunk order. All
-  run the same chunk code and the same additions in the same order, so a row's numbers are the
-  same bits whichever ran: this is a fixed split-K, where cuBLAS' split factor follows the shape;
+  buffer that a second kernel adds up in chunk order. All run the same chunk code and the same
+  additions in the same order, so a row's numbers are the same bits whichever ran: this is a
+  fixed split-K, where cuBLAS' split factor follows the shape;
 * ``M`` is not specialised (``do_not_specialize``): Triton would otherwise compile a second kernel
   for ``M == 1`` (and for ``M % 16 == 0``), and a decode step of one row must run the same code as
   the trainer's thousands;
@@ -295,9 +296,9 @@ def _layout(m: int, n: int, k: int, device: torch.device, wide_out: bool) -> tup
     a trainer's or a prefill's rows when they alone fill the GPU twice (on TMA where the GPU has
     it), else medium ones when those keep two thirds of the SMs busy, else small ones (a decode
     step's), each chunk of K a program of its own (``split``) when those would leave more than half
-    the SMs idle. (Measured on an H100 at the 1.7B shape's decode
-    rows: with 128 to 256 tiles a tile a program was 1.2-1.6x faster than splitting, which writes
-    and reads back a float32 sum per chunk; with 64 or fewer, splitting was faster.)"""
+    the SMs idle. (Measured on an H100 at the 1.7B shape's decode rows: with 128 to 256 tiles a
+    tile a program was 1.2-1.6x faster than splitting, which writes and reads back a float32 sum
+    per chunk; with 64 or fewer, splitting was faster.)"""
     waves = _two_waves(device)
     large = triton.cdiv(m, LARGE_TILES.block_m) * triton.cdiv(n, LARGE_TILES.block_n)
     if m >= _LARGE_TILES_FROM_ROWS and large >= waves:
